@@ -1,0 +1,73 @@
+"""mpdoctor: find and fix mixed-precision faults in live PyTorch / Hugging Face objects.
+
+>>> import mpdoctor
+>>> report = mpdoctor.diagnose(model, optimizer, scaler)   # or namespace=globals()
+>>> report.apply_safe_fixes()
+
+In IPython / Jupyter: ``%load_ext mpdoctor`` then ``%mpdoctor``.
+
+Importing mpdoctor imports torch and nothing heavier: transformers, accelerate,
+peft, pandas, IPython and ipywidgets are imported only when a feature needs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .diagnosis import diagnose
+from .envinfo import env_report
+from .findings import Finding
+from .fixes import Fix, FixFailed, FixNeedsConfirmation
+from .report import Report
+
+__version__ = "0.1.0"
+__all__ = [
+    "Finding",
+    "Fix",
+    "FixFailed",
+    "FixNeedsConfirmation",
+    "MPDoctorCallback",
+    "Report",
+    "checks_reference",
+    "diagnose",
+    "env_report",
+    "load_ipython_extension",
+    "probe",
+    "unload_ipython_extension",
+]
+
+
+def checks_reference() -> str:
+    """The checks reference in markdown, generated from the check docstrings."""
+    from .checks import load
+
+    registry = load()
+    return "\n".join(registry[slug].doc_markdown() for slug in sorted(registry))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register ``%mpdoctor`` (called by ``%load_ext mpdoctor``)."""
+    from .magic import MPDoctorMagics
+
+    ipython.register_magics(MPDoctorMagics)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Remove ``%mpdoctor`` (called by ``%unload_ext mpdoctor``)."""
+    magics = ipython.magics_manager.magics.get("line", {})
+    magics.pop("mpdoctor", None)
+    registry = ipython.magics_manager.registry
+    registry.pop("MPDoctorMagics", None)
+
+
+def __getattr__(name: str) -> Any:
+    # probe and the Trainer callback pull in heavier modules; load them on first use.
+    if name == "probe":
+        from .numerics.probe import probe
+
+        return probe
+    if name == "MPDoctorCallback":
+        from .numerics.callback import MPDoctorCallback
+
+        return MPDoctorCallback
+    raise AttributeError(f"module 'mpdoctor' has no attribute {name!r}")

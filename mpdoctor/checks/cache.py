@@ -1,0 +1,128 @@
+"""Checks on the KV cache: caches built during training, including nested sub-configs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..facts import Facts, ModelFacts
+from ..findings import Finding
+from ..fixes import set_attrs
+from . import check
+
+#: Model types whose cached and uncached forwards take different code paths (recurrent
+#: or hybrid state), where turning the cache off has been reported to change logits.
+CACHE_CHANGES_LOGITS = frozenset(
+    {"mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm", "bamba"}
+)
+
+
+def _cached(m: ModelFacts) -> list:
+    return [c for c in m.configs if c.use_cache is True]
+
+
+def _transformers_before(version: str | None, major: int, minor: int) -> bool:
+    try:
+        parts = [int(x) for x in (version or "").split(".")[:2]]
+        return (parts[0], parts[1]) < (major, minor)
+    except (ValueError, IndexError):
+        return False
+
+
+def cache_off_fix(m: ModelFacts):
+    """Set ``use_cache=False`` on every config and sub-config (and the generation config) of ``m``."""
+    configs = _cached(m)
+    targets = [(c.obj, "use_cache", False, f"{c.path}.use_cache") for c in configs]
+    code = "\n".join(f"{c.path}.use_cache = False" for c in configs)
+    where = ", ".join(c.key for c in configs)
+    return set_attrs(f"Set use_cache=False on {where}", code, targets)
+
+
+@check("cache-in-training", "error")
+def cache_in_training(facts: Facts) -> Iterator[Finding]:
+    """A model in training mode whose config (or a nested sub-config) keeps ``use_cache=True``.
+
+    What it detects
+        ``use_cache=True`` on a model in train mode, on the root config or on a
+        nested one (``Gemma3ForConditionalGeneration`` has only
+        ``config.text_config.use_cache``, so ``model.config.use_cache = False``
+        is not enough).
+    Why it matters
+        Every training forward builds and returns a KV cache nobody reads:
+        memory spent for nothing, and incompatible with gradient checkpointing.
+        With accelerate's fp32 output conversion wrapped around ``forward``
+        (fp16/bf16 mixed precision) and transformers before 4.51, cache classes
+        carrying a ``.dtype`` attribute are taken for tensors and crash:
+        ``'HybridCache' object has no attribute 'float'``.
+    Fix
+        Set ``use_cache=False`` on the config, every sub-config and the
+        generation config, in place. Not offered for recurrent/hybrid model
+        types where the uncached path computes differently.
+    Source
+        LLaMA-Factory #7373; transformers issue #36814 and PR #37044.
+    """
+    tf_version = facts.runtime.versions.get("transformers")
+    for m in facts.models:
+        if not m.training:
+            continue
+        cached = [c for c in _cached(m) if not c.is_generation_config]
+        if not cached:
+            continue
+        crash = m.forward_wrapped and _transformers_before(tf_version, 4, 51)
+        nested = [c for c in cached if c.key != "config"]
+        fixes = [] if (m.model_type or "") in CACHE_CHANGES_LOGITS else [cache_off_fix(m)]
+        flags = ", ".join(f"{c.path}.use_cache" for c in cached)
+        msg = (
+            f"{m.name} is in training mode with {flags} = True: every forward builds a KV cache nobody reads"
+            + (
+                ", and accelerate's fp32 output conversion will crash on it ('...Cache' object has no attribute 'float')."
+                if crash
+                else " (wasted memory; setting only model.config.use_cache is not enough here)." if nested else " (wasted memory)."
+            )
+        )
+        yield Finding(
+            "cache-in-training",
+            "error" if crash else "warning",
+            cached[0].path + ".use_cache",
+            msg,
+            {
+                "training": True,
+                "use_cache_true": [c.path for c in cached],
+                "forward_wrapped_fp32": m.forward_wrapped,
+                "transformers": tf_version,
+                "model_type": m.model_type,
+            },
+            fixes,
+        )
+
+
+@check("gradient-checkpointing-with-cache", "warning")
+def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
+    """Gradient checkpointing switched on while the cache is still on.
+
+    What it detects
+        A model with gradient checkpointing enabled on some module and
+        ``use_cache=True`` on a config or sub-config.
+    Why it matters
+        The two are incompatible: transformers turns the cache off at every
+        forward with a warning, or (in custom and older models) recomputation
+        in backward meets a cache built in forward and memory savings are lost.
+    Fix
+        Set ``use_cache=False`` on every config and sub-config, in place.
+    Source
+        transformers: "use_cache=True is incompatible with gradient checkpointing".
+    """
+    for m in facts.models:
+        if not m.tensors.gradient_checkpointing:
+            continue
+        cached = [c for c in _cached(m) if not c.is_generation_config]
+        if not cached:
+            continue
+        yield Finding(
+            "gradient-checkpointing-with-cache",
+            "warning",
+            cached[0].path + ".use_cache",
+            f"{m.name} has gradient checkpointing on while {', '.join(c.path for c in cached)}.use_cache is True; "
+            "the cache defeats the memory checkpointing saves.",
+            {"gradient_checkpointing": True, "use_cache_true": [c.path for c in cached]},
+            [] if (m.model_type or "") in CACHE_CHANGES_LOGITS else [cache_off_fix(m)],
+        )

@@ -1,0 +1,201 @@
+"""Checks on GradScalers: a scaler where none belongs, or one that has collapsed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..facts import Facts, ScalerFacts
+from ..findings import Finding
+from ..fixes import cast_params_fix, set_attrs
+from . import check
+
+
+def _trainable_dtypes(facts: Facts) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for m in facts.models:
+        for d, n in m.tensors.param_dtype_counts(trainable=True).items():
+            counts[d] = counts.get(d, 0) + n
+    return counts
+
+
+def _bf16_setups(facts: Facts) -> list[str]:
+    return [p.name for p in facts.precisions if p.effective == "bf16"]
+
+
+def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> object:
+    """The safe fix shared by scaler checks: turn the scaler off in place.
+
+    The GradScaler object is shared (an Accelerator and its AcceleratedOptimizer
+    hold the same one), so it is mutated rather than rebound.
+    """
+    live = facts.subject(scaler.name).obj
+    owners = ", ".join(scaler.owners) if scaler.owners else None
+    if owners:
+        code = (
+            f"# {why}: build the run without a scaler (TrainingArguments(bf16=True, fp16=False) /\n"
+            f"# Accelerator(mixed_precision='bf16') create none). In place, for {owners}:\n"
+            f"{scaler.name}._enabled = False"
+        )
+    else:
+        code = f"# {why}\n{scaler.name} = torch.amp.GradScaler({scaler.device!r}, enabled=False)"
+    return set_attrs(
+        f"Disable the GradScaler {scaler.name}", code, [(live, "_enabled", False, f"{scaler.name}._enabled")]
+    )
+
+
+@check("scaler-with-bf16", "error")
+def scaler_with_bf16(facts: Facts) -> Iterator[Finding]:
+    """An enabled GradScaler in a run whose gradients or autocast are bf16.
+
+    What it detects
+        A ``GradScaler`` that is enabled while the model's trainable parameters
+        (so its gradients) are bf16, or while the setup autocasts to bf16.
+    Why it matters
+        bf16 has fp32's exponent range and needs no loss scaling. Where the
+        unscale kernel has no bf16 implementation (several CUDA builds) the
+        first ``scaler.step`` crashes with ``"_amp_foreach_non_finite_check_and_unscale_cuda"
+        not implemented for 'BFloat16'``; where it has one, every step pays for
+        scaling and unscaling for nothing. mpdoctor probes the real kernel on
+        the live device: error where it fails, warning where it runs.
+    Fix
+        Disable the scaler in place (``scaler._enabled = False``; the same object
+        an Accelerator and its optimizer share), and build it with
+        ``GradScaler(enabled=(dtype == torch.float16))`` next time.
+    Source
+        H2O LLM Studio issue #628 / PR #673; pytorch issue #127176.
+    """
+    bf16_params = _trainable_dtypes(facts).get("bfloat16", 0)
+    setups = _bf16_setups(facts)
+    if not bf16_params and not setups:
+        return
+    hw = facts.hardware
+    for sc in facts.scalers:
+        if not sc.enabled:
+            continue
+        device = sc.device if hw.live else hw.kind
+        if hw.unscale_dtypes is not None and hw.live:
+            kernel_ok = "bfloat16" in hw.unscale_dtypes
+        else:
+            kernel_ok = device == "cpu"
+        # bf16 autocast over fp32 weights gives fp32 grads: only wasted work, whatever the kernel.
+        crashes = bool(bf16_params) and not kernel_ok
+        reason = f"{bf16_params:,} trainable bf16 parameter elements" if bf16_params else f"bf16 autocast in {', '.join(setups)}"
+        if crashes:
+            msg = (
+                f"{sc.name} is enabled with {reason}; on {hw.label} the unscale kernel has no bf16 implementation, "
+                "so the first scaler.step() will crash. bf16 needs no loss scaling."
+            )
+        else:
+            msg = (
+                f"{sc.name} is enabled with {reason}; bf16 needs no loss scaling, so every step scales and "
+                "unscales for nothing (and crashes on CUDA builds whose unscale kernel lacks bf16)."
+            )
+        yield Finding(
+            "scaler-with-bf16",
+            "error" if crashes else "warning",
+            sc.name,
+            msg,
+            {
+                "scaler_enabled": True,
+                "scaler_device": sc.device,
+                "trainable_bf16_elements": bf16_params,
+                "bf16_setups": setups,
+                "unscale_kernel_bf16": kernel_ok if hw.unscale_dtypes is not None or not hw.live else None,
+                "device": hw.label,
+            },
+            [disable_scaler_fix(facts, sc, "bf16 needs no loss scaling")],
+        )
+
+
+@check("fp16-trainable-params-with-scaler", "error")
+def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
+    """Trainable fp16 parameters under an enabled GradScaler.
+
+    What it detects
+        An enabled ``GradScaler`` while trainable parameters are stored in fp16
+        (not just computed in fp16 by autocast).
+    Why it matters
+        ``scaler.unscale_`` refuses fp16 gradients: ``ValueError: Attempting to
+        unscale FP16 gradients.`` at the first step. The AMP recipe keeps fp32
+        master weights and lets autocast compute in fp16.
+    Fix
+        Cast the trainable fp16 parameters (with their grads and optimizer
+        state) to fp32 in place, keeping the Parameter objects; run the forward
+        under ``torch.autocast(..., dtype=torch.float16)``. Unsafe: it doubles
+        their memory and changes the dtype layers compute in.
+    Source
+        transformers issue #23165; peft issue #341.
+    """
+    enabled = [s for s in facts.scalers if s.enabled]
+    if not enabled:
+        return
+    for m in facts.models:
+        fp16 = [p for p in m.tensors.params if p.requires_grad and p.dtype == "float16"]
+        if not fp16:
+            continue
+        live = m.subject.obj
+        by_id = {id(p): p for p in live.parameters()}
+        params = [by_id[p.id] for p in fp16 if p.id in by_id]
+        optimizers = [facts.subject(o.name).inner for o in facts.optimizers_of(m)]
+        code = (
+            f"for p in {m.name}.parameters():\n"
+            f"    if p.requires_grad and p.dtype == torch.float16:\n"
+            f"        p.data = p.data.float()  # fp32 master weights; fp16 compute comes from autocast"
+        )
+        yield Finding(
+            "fp16-trainable-params-with-scaler",
+            "error",
+            m.name,
+            f"{len(fp16)} trainable parameters of {m.name} are fp16 while {enabled[0].name} is enabled; "
+            "scaler.step() will raise 'Attempting to unscale FP16 gradients.'",
+            {"fp16_trainable_tensors": len(fp16), "scalers": [s.name for s in enabled]},
+            [
+                cast_params_fix(
+                    f"Cast {len(params)} trainable fp16 parameters of {m.name} to fp32",
+                    code,
+                    params,
+                    torch.float32,
+                    optimizers,
+                    label="trainable fp16 parameters",
+                )
+            ],
+        )
+
+
+#: A scale this far below where it started means the run has been overflowing for many steps.
+COLLAPSE_FACTOR = 2.0**-16
+
+
+@check("scaler-scale-collapsed", "warning")
+def scaler_scale_collapsed(facts: Facts) -> Iterator[Finding]:
+    """A loss scale driven far below where it started.
+
+    What it detects
+        An enabled ``GradScaler`` whose current scale is below 1, or more than
+        2^16 times below its initial scale.
+    Why it matters
+        Each step with inf/NaN gradients halves the scale and skips the
+        optimizer step; a collapsed scale means the run has been skipping steps
+        (repeated overflow), usually from fp16 activations past 65504 or a
+        learning rate that diverged. Training silently stops learning.
+    Fix
+        No automatic fix: find the overflowing layer with ``mpdoctor.probe``
+        (or ``%mpdoctor --probe batch``), then switch to bf16 where the hardware
+        has it, or lower the learning rate.
+    Source
+        DeepSpeed "Current loss scale already at minimum"; torch.amp.GradScaler docs.
+    """
+    for sc in facts.scalers:
+        if not sc.enabled or sc.scale is None:
+            continue
+        if sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR:
+            yield Finding(
+                "scaler-scale-collapsed",
+                "warning",
+                sc.name,
+                f"{sc.name}'s loss scale is {sc.scale:g} (started at {sc.init_scale:g}): steps with inf/NaN "
+                "gradients are being skipped, so the model has stopped learning.",
+                {"scale": sc.scale, "init_scale": sc.init_scale, "growth_tracker": sc.growth_tracker},
+            )

@@ -1,0 +1,223 @@
+"""Read-only snapshots of everything checks look at.
+
+:func:`gather` turns subjects into a :class:`Facts` bundle. Gathering never
+mutates, never copies a tensor, never moves one across devices and never reads
+``meta`` data. A subject whose facts cannot be read is recorded in
+``Facts.errors`` and becomes an ``internal-error`` finding; the rest is still
+gathered.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..discover import Subject, is_a
+from .configs import ConfigFacts, gather_configs, raw_attr
+from .hardware import DeviceProfile, live_profile, profile_for
+from .optimizer import OptimizerFacts, gather_optimizer
+from .precision import PrecisionFacts, RuntimeFacts, gather_precision, gather_runtime
+from .scaler import ScalerFacts, gather_scaler
+from .tensors import ModuleTensors, TensorTally, gather_module_tensors
+
+__all__ = [
+    "ConfigFacts",
+    "DeviceProfile",
+    "Facts",
+    "ModelFacts",
+    "OptimizerFacts",
+    "PrecisionFacts",
+    "RuntimeFacts",
+    "ScalerFacts",
+    "gather",
+]
+
+_PEFT = ("peft.peft_model.PeftModel", "peft.mixed_model.PeftMixedModel", "peft.tuners.tuners_utils.BaseTuner")
+_PRETRAINED = ("transformers.modeling_utils.PreTrainedModel",)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Everything about one model.
+
+    ``forward_wrapped`` is True when accelerate replaced ``forward`` with its
+    autocast + fp32-output-conversion wrapper (``_original_forward`` is set).
+    """
+
+    name: str
+    config_path: str
+    class_name: str
+    class_path: str
+    inner_class: str
+    training: bool
+    tensors: ModuleTensors
+    configs: tuple[ConfigFacts, ...]
+    forward_wrapped: bool
+    is_peft: bool
+    is_pretrained: bool
+    subject: Subject = field(compare=False, repr=False)
+
+    @property
+    def model_type(self) -> str | None:
+        """``config.model_type`` of the root config, if any."""
+        return self.configs[0].model_type if self.configs and not self.configs[0].is_generation_config else None
+
+    @property
+    def config_dtype(self) -> str | None:
+        """The dtype the checkpoint was saved in (``config.dtype`` / ``torch_dtype``)."""
+        for cfg in self.configs:
+            if cfg.dtype and not cfg.is_generation_config:
+                return cfg.dtype
+        return None
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The bundle checks read: one tuple per kind of fact, plus the device and runtime."""
+
+    subjects: tuple[Subject, ...]
+    models: tuple[ModelFacts, ...]
+    optimizers: tuple[OptimizerFacts, ...]
+    scalers: tuple[ScalerFacts, ...]
+    precisions: tuple[PrecisionFacts, ...]
+    runtime: RuntimeFacts
+    hardware: DeviceProfile
+    scans: tuple = ()
+    errors: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def tallies(self) -> tuple[TensorTally, ...]:
+        """All histogram rows: models, then optimizer state."""
+        rows: list[TensorTally] = []
+        for m in self.models:
+            rows.extend(m.tensors.tallies)
+        for o in self.optimizers:
+            rows.extend(o.tallies)
+        return tuple(rows)
+
+    def subject(self, name: str) -> Subject | None:
+        """The subject called ``name``."""
+        return next((s for s in self.subjects if s.name == name), None)
+
+    def optimizers_of(self, model: ModelFacts) -> tuple[OptimizerFacts, ...]:
+        """Optimizers holding at least one of ``model``'s parameters."""
+        ids = model.tensors.param_ids
+        return tuple(o for o in self.optimizers if o.param_ids & ids)
+
+    def models_of(self, optimizer: OptimizerFacts) -> tuple[ModelFacts, ...]:
+        """Models owning at least one of ``optimizer``'s parameters."""
+        return tuple(m for m in self.models if m.tensors.param_ids & optimizer.param_ids)
+
+
+def _summarise(exc: BaseException) -> str:
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" at {tb[-1].filename.rsplit('/', 1)[-1]}:{tb[-1].lineno}" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"[:500]
+
+
+def _own_attrs(obj: Any) -> dict:
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+        return d if isinstance(d, dict) else {}
+    except Exception:
+        return {}
+
+
+def _model_facts(subject: Subject) -> ModelFacts:
+    obj, inner = subject.obj, subject.inner
+    cls, icls = type(obj), type(inner)
+    wrapped = any(_own_attrs(m).get("_original_forward") is not None for m in (obj, inner))
+    return ModelFacts(
+        name=subject.name,
+        config_path=subject.inner_path,
+        class_name=cls.__name__,
+        class_path=f"{cls.__module__}.{cls.__qualname__}",
+        inner_class=icls.__name__,
+        training=bool(raw_attr(obj, "training", False)),
+        tensors=gather_module_tensors(subject.name, obj),
+        configs=gather_configs(subject.inner_path, inner),
+        forward_wrapped=wrapped,
+        is_peft=is_a(obj, _PEFT),
+        is_pretrained=is_a(inner, _PRETRAINED),
+        subject=subject,
+    )
+
+
+def _precision_setups(subjects: tuple[Subject, ...]) -> list[PrecisionFacts]:
+    by_name = {s.name: s for s in subjects}
+    out: list[PrecisionFacts] = []
+    used: set[str] = set()
+    for s in subjects:
+        if s.kind != "trainer":
+            continue
+        args = next((c for c in subjects if c.owner == s.name and c.kind == "training_args"), None)
+        acc = next((c for c in subjects if c.owner == s.name and c.kind == "accelerator"), None)
+        # A Trainer's parts may be known by their own variable names (args = TrainingArguments(...)).
+        if args is None:
+            args = _find_by_identity(subjects, raw_attr(s.obj, "args", None))
+        if acc is None:
+            acc = _find_by_identity(subjects, raw_attr(s.obj, "accelerator", None))
+        models = tuple(c.name for c in subjects if c.kind == "model" and c.obj is raw_attr(s.obj, "model", None))
+        out.append(gather_precision(s.name, args, acc, models, owner=s))
+        used.update(x.name for x in (args, acc) if x is not None)
+    for s in subjects:
+        if s.name in used or s.kind not in ("training_args", "accelerator"):
+            continue
+        if s.kind == "training_args":
+            out.append(gather_precision(s.name, s, None))
+        else:
+            out.append(gather_precision(s.name, None, s))
+    del by_name
+    return out
+
+
+def _find_by_identity(subjects: tuple[Subject, ...], obj: Any) -> Subject | None:
+    if obj is None:
+        return None
+    return next((s for s in subjects if s.obj is obj), None)
+
+
+def _scaler_owners(subject: Subject, subjects: tuple[Subject, ...]) -> tuple[str, ...]:
+    owners = []
+    for s in subjects:
+        if s is subject:
+            continue
+        if s.kind in ("accelerator", "trainer", "optimizer") and raw_attr(s.obj, "scaler", None) is subject.obj:
+            owners.append(s.name)
+    return tuple(owners)
+
+
+def gather(subjects: list[Subject] | tuple[Subject, ...], target: str | None = None) -> Facts:
+    """Gather the facts of ``subjects``, on the live device or the ``target`` profile."""
+    subjects = tuple(subjects)
+    errors: list[tuple[str, str]] = []
+    models: list[ModelFacts] = []
+    optimizers: list[OptimizerFacts] = []
+    scalers: list[ScalerFacts] = []
+    for s in subjects:
+        try:
+            if s.kind == "model":
+                models.append(_model_facts(s))
+            elif s.kind == "optimizer":
+                optimizers.append(gather_optimizer(s.name, s.obj, s.inner))
+            elif s.kind == "scaler":
+                scalers.append(gather_scaler(s.name, s.obj, _scaler_owners(s, subjects)))
+        except Exception as exc:  # a hostile or half-built object must not stop the report
+            errors.append((s.name, _summarise(exc)))
+    try:
+        precisions = tuple(_precision_setups(subjects))
+    except Exception as exc:
+        precisions = ()
+        errors.append(("precision", _summarise(exc)))
+    hardware = profile_for(target) if target is not None else live_profile()
+    return Facts(
+        subjects=subjects,
+        models=tuple(models),
+        optimizers=tuple(optimizers),
+        scalers=tuple(scalers),
+        precisions=precisions,
+        runtime=gather_runtime(),
+        hardware=hardware,
+        errors=tuple(errors),
+    )

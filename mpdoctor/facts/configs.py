@@ -1,0 +1,131 @@
+"""Config facts: the Hugging Face config tree of a model, with every nested sub-config.
+
+Values are read from the config's ``__dict__`` and then its class attributes,
+never through ``getattr`` on the instance, so no property or ``__getattr__``
+runs and a config missing an attribute simply yields ``None``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..discover import is_a
+from ..redact import safe_value
+
+_CONFIG_CLASSES = (
+    "transformers.configuration_utils.PreTrainedConfig",
+    "transformers.configuration_utils.PretrainedConfig",
+)
+_GENERATION_CONFIG = ("transformers.generation.configuration_utils.GenerationConfig",)
+MISSING = object()
+#: How deep nested sub-configs are followed.
+MAX_DEPTH = 4
+
+
+def raw_attr(obj: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from ``obj.__dict__`` or its class dicts without running user code."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+        if key in d:
+            return d[key]
+    except Exception:
+        pass
+    try:
+        for cls in type.__dict__["__mro__"].__get__(type(obj)):
+            if key in cls.__dict__:
+                value = cls.__dict__[key]
+                return default if isinstance(value, (property, staticmethod, classmethod)) or callable(value) else value
+    except Exception:
+        pass
+    return default
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """The precision-relevant settings of one config or sub-config.
+
+    ``path`` is what the user types (``model.config.text_config``);
+    ``has_use_cache`` tells an absent flag from one set to False.
+    """
+
+    path: str
+    key: str
+    class_name: str
+    model_type: str | None
+    has_use_cache: bool
+    use_cache: Any
+    dtype: str | None
+    attn_implementation: str | None
+    quant_method: str | None
+    bnb_compute_dtype: str | None
+    is_generation_config: bool = False
+    obj: Any = field(default=None, compare=False, repr=False)
+
+
+def _dtype_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    return safe_value(text[6:] if text.startswith("torch.") else text)
+
+
+def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFacts:
+    use_cache = raw_attr(config, "use_cache", MISSING)
+    dtype = raw_attr(config, "dtype", None)
+    if dtype is None:
+        dtype = raw_attr(config, "torch_dtype", None)
+    attn = raw_attr(config, "_attn_implementation_internal", None) or raw_attr(config, "_attn_implementation", None)
+    quant = raw_attr(config, "quantization_config", None)
+    quant_method = bnb_dtype = None
+    if quant is not None:
+        qdict = quant if isinstance(quant, dict) else raw_attr(quant, "__dict__", None) or {}
+        if not isinstance(qdict, dict):
+            try:
+                qdict = dict(object.__getattribute__(quant, "__dict__"))
+            except Exception:
+                qdict = {}
+        quant_method = safe_value(str(qdict.get("quant_method", "")) or None)
+        bnb_dtype = _dtype_text(qdict.get("bnb_4bit_compute_dtype"))
+    return ConfigFacts(
+        path=path,
+        key=key,
+        class_name=type(config).__name__,
+        model_type=safe_value(raw_attr(config, "model_type", None)) or None,
+        has_use_cache=use_cache is not MISSING,
+        use_cache=None if use_cache is MISSING else safe_value(use_cache),
+        dtype=_dtype_text(dtype),
+        attn_implementation=safe_value(attn) if attn is not None else None,
+        quant_method=quant_method,
+        bnb_compute_dtype=bnb_dtype,
+        is_generation_config=generation,
+        obj=config,
+    )
+
+
+def gather_configs(model_path: str, module: Any) -> tuple[ConfigFacts, ...]:
+    """Return the config tree of ``module`` (root first, then sub-configs, then the generation config)."""
+    out: list[ConfigFacts] = []
+    root = raw_attr(module, "config", None)
+    if root is not None and is_a(root, _CONFIG_CLASSES):
+        stack = [(f"{model_path}.config", "config", root, 0)]
+        seen: set[int] = set()
+        while stack:
+            path, key, cfg, depth = stack.pop(0)
+            if id(cfg) in seen:
+                continue
+            seen.add(id(cfg))
+            out.append(_one(path, key, cfg))
+            if depth >= MAX_DEPTH:
+                continue
+            try:
+                items = list(object.__getattribute__(cfg, "__dict__").items())
+            except Exception:
+                items = []
+            for sub_key, value in items:
+                if isinstance(sub_key, str) and is_a(value, _CONFIG_CLASSES):
+                    stack.append((f"{path}.{sub_key}", sub_key, value, depth + 1))
+    gen = raw_attr(module, "generation_config", None)
+    if gen is not None and is_a(gen, _GENERATION_CONFIG):
+        out.append(_one(f"{model_path}.generation_config", "generation_config", gen, generation=True))
+    return tuple(out)

@@ -1,0 +1,222 @@
+"""Tensor facts: dtype tallies per object and kind, per-parameter records, per-module dtype sets.
+
+Everything here reads metadata (dtype, device, numel, requires_grad): no tensor
+data is read, copied or moved, so meta tensors are counted like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``; anything else -> its ``str``."""
+    text = str(dtype)
+    return text[6:] if text.startswith("torch.") else text
+
+
+#: Terse dtype names for compact renderings (as lovely-tensors prints them).
+SHORT_DTYPE = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "float8_e4m3fn": "f8e4m3",
+    "float8_e5m2": "f8e5m2",
+    "int8": "i8",
+    "uint8": "u8",
+    "int32": "i32",
+    "int64": "i64",
+    "bool": "bool",
+    "complex64": "c64",
+    "complex128": "c128",
+}
+
+FLOATING = frozenset(
+    {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+)
+
+
+class TensorTally(NamedTuple):
+    """One histogram row: tensors of one object, kind, dtype and trainability."""
+
+    object: str
+    kind: str
+    dtype: str
+    tensors: int
+    elements: int
+    bytes: int
+    trainable: bool
+    devices: str
+    meta: int
+
+
+class ParamInfo(NamedTuple):
+    """Metadata of one parameter (``id`` links it to optimizers)."""
+
+    name: str
+    id: int
+    dtype: str
+    grad_dtype: str | None
+    requires_grad: bool
+    device: str
+    numel: int
+    module: str
+
+
+class ModuleDtypes(NamedTuple):
+    """The floating dtypes of one module's direct parameters."""
+
+    path: str
+    class_path: str
+    params: tuple[tuple[str, str, bool], ...]  # (name, dtype, requires_grad)
+
+    @property
+    def dtypes(self) -> frozenset[str]:
+        """Distinct floating dtypes among the direct parameters."""
+        return frozenset(d for _, d, _ in self.params)
+
+
+class _Tally:
+    __slots__ = ("tensors", "elements", "bytes", "devices", "meta")
+
+    def __init__(self) -> None:
+        self.tensors = 0
+        self.elements = 0
+        self.bytes = 0
+        self.devices: set[str] = set()
+        self.meta = 0
+
+
+class Tallier:
+    """Accumulates :class:`TensorTally` rows for one object."""
+
+    def __init__(self, obj_name: str) -> None:
+        self.obj_name = obj_name
+        self._rows: dict[tuple[str, str, bool], _Tally] = {}
+
+    def add(self, kind: str, tensor: torch.Tensor, trainable: bool) -> None:
+        """Count one tensor (metadata only)."""
+        dtype = tensor.dtype
+        key = (kind, dtype_name(dtype), trainable)
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _Tally()
+        numel = tensor.numel()
+        row.tensors += 1
+        row.elements += numel
+        row.bytes += numel * dtype.itemsize
+        device = tensor.device.type
+        row.devices.add(device)
+        if device == "meta":
+            row.meta += 1
+
+    def rows(self) -> tuple[TensorTally, ...]:
+        """The tallies, sorted by kind then descending bytes."""
+        out = [
+            TensorTally(self.obj_name, k, d, r.tensors, r.elements, r.bytes, t, ",".join(sorted(r.devices)), r.meta)
+            for (k, d, t), r in self._rows.items()
+        ]
+        order = {"param": 0, "grad": 1, "buffer": 2, "optimizer_state": 3}
+        out.sort(key=lambda r: (order.get(r.kind, 9), -r.bytes, r.dtype, not r.trainable))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """Tensor facts of one model."""
+
+    tallies: tuple[TensorTally, ...]
+    params: tuple[ParamInfo, ...]
+    modules: tuple[ModuleDtypes, ...]
+    gradient_checkpointing: bool
+    devices: frozenset[str]
+
+    @property
+    def param_ids(self) -> frozenset[int]:
+        """Ids of every parameter, to match optimizers to models."""
+        return frozenset(p.id for p in self.params)
+
+    def param_dtype_counts(self, trainable: bool | None = None) -> dict[str, int]:
+        """Element counts per parameter dtype, optionally only (non-)trainable ones."""
+        counts: dict[str, int] = {}
+        for p in self.params:
+            if trainable is None or p.requires_grad == trainable:
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel
+        return counts
+
+    @property
+    def main_dtype(self) -> str | None:
+        """The floating dtype holding most parameter elements."""
+        counts = {d: n for d, n in self.param_dtype_counts().items() if d in FLOATING}
+        return max(counts, key=counts.get) if counts else None
+
+
+def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    # Parameters are leaves, so reading .grad neither warns nor computes.
+    return p.grad if p.is_leaf else None
+
+
+def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
+    """Walk ``module`` once and collect its tensor facts (metadata only)."""
+    tally = Tallier(name)
+    params: list[ParamInfo] = []
+    modules: list[ModuleDtypes] = []
+    seen: set[int] = set()
+    checkpointing = False
+    devices: set[str] = set()
+    for mpath, mod in module.named_modules(remove_duplicate=True):
+        mdict = mod.__dict__
+        if mdict.get("gradient_checkpointing") is True:
+            checkpointing = True
+        direct: list[tuple[str, str, bool]] = []
+        for pname, p in mdict.get("_parameters", {}).items():
+            if p is None:
+                continue
+            full = f"{mpath}.{pname}" if mpath else pname
+            dname = dtype_name(p.dtype)
+            if dname in FLOATING:
+                direct.append((pname, dname, p.requires_grad))
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            trainable = bool(p.requires_grad)
+            tally.add("param", p, trainable)
+            grad = _grad_of(p)
+            if grad is not None:
+                tally.add("grad", grad, trainable)
+            dev = p.device.type
+            devices.add(dev)
+            params.append(
+                ParamInfo(
+                    full,
+                    id(p),
+                    dname,
+                    dtype_name(grad.dtype) if grad is not None else None,
+                    trainable,
+                    dev,
+                    p.numel(),
+                    mpath,
+                )
+            )
+        if direct:
+            cls = type(mod)
+            modules.append(ModuleDtypes(mpath, f"{cls.__module__}.{cls.__qualname__}", tuple(direct)))
+        for _bname, b in mdict.get("_buffers", {}).items():
+            if b is None or id(b) in seen:
+                continue
+            seen.add(id(b))
+            tally.add("buffer", b, False)
+    return ModuleTensors(tally.rows(), tuple(params), tuple(modules), checkpointing, frozenset(devices))
+
+
+def tally_tensors(obj_name: str, kind: str, tensors: Iterable[tuple[torch.Tensor, bool]]) -> tuple[TensorTally, ...]:
+    """Tally arbitrary ``(tensor, trainable)`` pairs under one object and kind."""
+    tally = Tallier(obj_name)
+    for t, trainable in tensors:
+        tally.add(kind, t, trainable)
+    return tally.rows()

@@ -1,0 +1,69 @@
+"""Findings: what a check says about a subject, with the fixes it offers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Severities, most severe first. ``error``: will crash or silently train wrong.
+SEVERITIES = ("error", "warning", "info")
+SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+@dataclass
+class Finding:
+    """One problem found in the live objects.
+
+    Attributes
+    ----------
+    check : str
+        The stable slug of the check that found it (``scaler-with-bf16``).
+    severity : str
+        ``"error"``, ``"warning"`` or ``"info"``.
+    subject : str
+        Dotted path of the object concerned (``model.config.text_config.use_cache``).
+    message : str
+        One plain sentence: what is wrong and what happens if it is ignored.
+    evidence : dict
+        The facts the finding rests on (JSON-serialisable).
+    fixes : list of Fix
+        Ways to fix it in place; may be empty.
+    """
+
+    check: str
+    severity: str
+    subject: str
+    message: str
+    evidence: dict = field(default_factory=dict)
+    fixes: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.severity not in SEVERITY_RANK:
+            raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
+
+    @property
+    def rank(self) -> int:
+        """0 for errors, 1 for warnings, 2 for info: sort key."""
+        return SEVERITY_RANK[self.severity]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict."""
+        return {
+            "check": self.check,
+            "severity": self.severity,
+            "subject": self.subject,
+            "message": self.message,
+            "evidence": _jsonable(self.evidence),
+            "fixes": [f.to_dict() for f in self.fixes],
+        }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=str) if isinstance(value, (set, frozenset)) else value
+        return [_jsonable(v) for v in items]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,339 @@
+"""Fixes that change live objects in place, atomically, with an exact undo.
+
+A :class:`Fix` is a plan of :class:`Change` steps, computed from the live
+objects when it is applied (so a fix taken from an older report still does
+the right thing). Each change records what it replaces before replacing it;
+when a step fails, the steps already taken are reverted in reverse order and
+:class:`FixFailed` says why, so a fix is never half-applied. Casting fixes
+compute every new tensor before swapping any in, so the failure point
+(allocation) comes before the first visible change.
+
+``safe`` follows ruff's fix applicability: a safe fix keeps the meaning of
+the run the user intended; an unsafe one changes numerics or state and is
+applied only on an explicit request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any, Callable
+
+import torch
+
+#: Fixes whose undo backup would exceed this many bytes ask for ``apply(confirm=True)``.
+UNDO_BUDGET_BYTES = 2 * 2**30
+
+_UNSET = object()
+
+
+class FixFailed(RuntimeError):
+    """A fix could not be applied; everything it touched is as it was before."""
+
+
+class FixNeedsConfirmation(RuntimeError):
+    """A fix would keep a backup larger than the undo budget; apply it with ``confirm=True``."""
+
+
+def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Return a copy of ``tensor`` in ``dtype`` on its own device (the one place fixes allocate)."""
+    return tensor.to(dtype=dtype, copy=True)
+
+
+class Change:
+    """One reversible step of a fix."""
+
+    description = ""
+
+    def apply(self) -> None:
+        """Record the prior state, then make the change."""
+        raise NotImplementedError
+
+    def revert(self) -> None:
+        """Restore exactly the state recorded by :meth:`apply`."""
+        raise NotImplementedError
+
+
+class SetAttr(Change):
+    """Set ``obj.attr = value``; undo restores the previous value (or its absence)."""
+
+    def __init__(self, obj: Any, attr: str, value: Any, label: str) -> None:
+        self.obj, self.attr, self.value = obj, attr, value
+        self.description = f"{label} = {value!r}"
+        self._old: Any = _UNSET
+
+    def apply(self) -> None:
+        d = object.__getattribute__(self.obj, "__dict__") if hasattr(self.obj, "__dict__") else {}
+        self._old = d[self.attr] if self.attr in d else getattr(self.obj, self.attr, _UNSET)
+        self._had_own = self.attr in d
+        setattr(self.obj, self.attr, self.value)
+
+    def revert(self) -> None:
+        if self._old is _UNSET or not self._had_own:
+            try:
+                delattr(self.obj, self.attr)
+            except AttributeError:
+                pass
+            if self._old is not _UNSET and getattr(self.obj, self.attr, _UNSET) is not self._old:
+                setattr(self.obj, self.attr, self._old)
+        else:
+            setattr(self.obj, self.attr, self._old)
+
+
+class SetEnv(Change):
+    """Set (or, with None, remove) an environment variable."""
+
+    def __init__(self, name: str, value: str | None) -> None:
+        self.name, self.value = name, value
+        self.description = f"os.environ[{name!r}] = {value!r}" if value is not None else f"del os.environ[{name!r}]"
+        self._old: str | None = None
+
+    def apply(self) -> None:
+        self._old = os.environ.get(self.name)
+        if self.value is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.value
+
+    def revert(self) -> None:
+        if self._old is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self._old
+
+
+class CastParams(Change):
+    """Cast parameters (with their grads and optimizer state) to ``dtype``, keeping the Parameter objects.
+
+    The optimizers keep their references because the Parameters are the same
+    objects; only ``.data``, ``.grad`` and full-size floating state tensors are
+    replaced. The old tensors are kept for an exact undo.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        dtype: torch.dtype,
+        optimizers: Iterable[Any] = (),
+        label: str = "parameters",
+        state: bool = True,
+    ) -> None:
+        self.params = [p for p in params if p.dtype != dtype]
+        self.dtype = dtype
+        self.optimizers = list(optimizers)
+        self.cast_state = state
+        self.description = f"cast {len(self.params)} {label} to {str(dtype).replace('torch.', '')}"
+        self._backup: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None, list]] = []
+
+    def _state_entries(self, p: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
+        out = []
+        if not self.cast_state:
+            return out
+        for opt in self.optimizers:
+            st = opt.state.get(p) if hasattr(opt, "state") else None
+            if not isinstance(st, dict):
+                continue
+            for key, value in st.items():
+                if (
+                    isinstance(value, torch.Tensor)
+                    and value.dtype.is_floating_point
+                    and value.shape == p.shape
+                    and value.dtype == p.dtype
+                ):
+                    out.append((st, key, value))
+        return out
+
+    def apply(self) -> None:
+        # Phase 1: allocate every new tensor; a failure here changes nothing.
+        staged = []
+        for p in self.params:
+            new_data = cast_tensor(p.data, self.dtype)
+            new_grad = cast_tensor(p.grad, self.dtype) if p.grad is not None else None
+            new_state = [(st, key, old, cast_tensor(old, self.dtype)) for st, key, old in self._state_entries(p)]
+            staged.append((p, new_data, new_grad, new_state))
+        # Phase 2: swap references; nothing here allocates.
+        self._backup = []
+        for p, new_data, new_grad, new_state in staged:
+            old_grad = p.grad
+            self._backup.append((p, p.data, old_grad, [(st, key, old) for st, key, old, _ in new_state]))
+            p.grad = None
+            p.data = new_data
+            p.grad = new_grad
+            for st, key, _old, new in new_state:
+                st[key] = new
+
+    def revert(self) -> None:
+        for p, old_data, old_grad, states in reversed(self._backup):
+            p.grad = None
+            p.data = old_data
+            p.grad = old_grad
+            for st, key, old in states:
+                st[key] = old
+        self._backup = []
+
+    @property
+    def backup_bytes(self) -> int:
+        """Bytes the undo backup keeps alive (the replaced tensors)."""
+        return sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in self.params)
+
+
+class Call(Change):
+    """A change made by a function, undone by another (both given by the check)."""
+
+    def __init__(self, do: Callable[[], Any], undo: Callable[[Any], None], description: str) -> None:
+        self._do, self._undo, self.description = do, undo, description
+        self._token: Any = None
+
+    def apply(self) -> None:
+        self._token = self._do()
+
+    def revert(self) -> None:
+        self._undo(self._token)
+
+
+class Fix:
+    """A way to fix a finding in place.
+
+    Parameters
+    ----------
+    title : str
+        Imperative title (``"Set use_cache=False on text_config"``).
+    code : str
+        The Python that makes the same change, to paste where the object is created.
+    safe : bool
+        True when the fix keeps the meaning of the intended run; False when it
+        narrows a dtype, drops state or replaces a reference.
+    plan : callable
+        Returns the list of :class:`Change` steps, computed from the live objects.
+    verify : callable, optional
+        Called after the changes; returning a string means the fix did not
+        take (the changes are reverted and :class:`FixFailed` raised).
+    backup_bytes : int
+        Estimated undo backup; above :data:`UNDO_BUDGET_BYTES` the title says
+        so and ``apply`` needs ``confirm=True``.
+    """
+
+    def __init__(
+        self,
+        title: str,
+        code: str,
+        safe: bool,
+        plan: Callable[[], list[Change]],
+        verify: Callable[[], str | None] | None = None,
+        backup_bytes: int = 0,
+        slug: str = "",
+    ) -> None:
+        self.slug = slug
+        self.code = code
+        self.safe = safe
+        self._plan = plan
+        self._verify = verify
+        self.backup_bytes = backup_bytes
+        self.needs_confirmation = backup_bytes > UNDO_BUDGET_BYTES
+        if self.needs_confirmation:
+            title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup: apply(confirm=True))"
+        self.title = title
+        self.applied = False
+        self.error: str | None = None
+        self._done: list[Change] = []
+
+    def __repr__(self) -> str:
+        state = "applied" if self.applied else ("failed" if self.error else "pending")
+        return f"<Fix {self.title!r} safe={self.safe} {state}>"
+
+    def preview(self) -> list[str]:
+        """Describe the changes :meth:`apply` would make now."""
+        return [c.description for c in self._plan()]
+
+    def apply(self, confirm: bool = False) -> Fix:
+        """Apply the fix in place; a second call does nothing.
+
+        Raises
+        ------
+        FixNeedsConfirmation
+            When the undo backup exceeds the budget and ``confirm`` is False.
+        FixFailed
+            When a step fails; every step already taken has been reverted.
+        """
+        if self.applied:
+            return self
+        if self.needs_confirmation and not confirm:
+            raise FixNeedsConfirmation(self.title)
+        done: list[Change] = []
+        try:
+            for change in self._plan():
+                change.apply()
+                done.append(change)
+            problem = self._verify() if self._verify is not None else None
+            if problem:
+                raise FixFailed(f"the change did not take: {problem}")
+        except BaseException as exc:
+            for change in reversed(done):
+                change.revert()
+            self.error = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, (FixFailed, KeyboardInterrupt)):
+                raise
+            raise FixFailed(f"{self.title} failed and was rolled back: {self.error}") from exc
+        self._done = done
+        self.applied = True
+        self.error = None
+        return self
+
+    def undo(self) -> Fix:
+        """Restore exactly what :meth:`apply` changed; does nothing when not applied."""
+        if not self.applied:
+            return self
+        for change in reversed(self._done):
+            change.revert()
+        self._done = []
+        self.applied = False
+        return self
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable description."""
+        return {"title": self.title, "code": self.code, "safe": self.safe, "applied": self.applied, "error": self.error}
+
+
+def set_attrs(title: str, code: str, targets: list[tuple[Any, str, Any, str]], safe: bool = True, slug: str = "") -> Fix:
+    """A fix setting attributes: ``targets`` is a list of ``(obj, attr, value, label)``."""
+
+    def plan() -> list[Change]:
+        return [SetAttr(o, a, v, lbl) for o, a, v, lbl in targets if _differs(o, a, v)]
+
+    def verify() -> str | None:
+        bad = [lbl for o, a, v, lbl in targets if _differs(o, a, v)]
+        return f"{', '.join(bad)} still differ" if bad else None
+
+    return Fix(title, code, safe, plan, verify, slug=slug)
+
+
+def _differs(obj: Any, attr: str, value: Any) -> bool:
+    try:
+        return getattr(obj, attr) != value
+    except Exception:
+        return True
+
+
+def cast_params_fix(
+    title: str,
+    code: str,
+    params: Sequence[torch.nn.Parameter],
+    dtype: torch.dtype,
+    optimizers: Iterable[Any] = (),
+    label: str = "parameters",
+    slug: str = "",
+    safe: bool = False,
+) -> Fix:
+    """A fix casting ``params`` (and their grads and optimizer state) to ``dtype`` in place."""
+    params = list(params)
+    optimizers = list(optimizers)
+    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params if p.dtype != dtype)
+
+    def plan() -> list[Change]:
+        return [CastParams(params, dtype, optimizers, label)]
+
+    def verify() -> str | None:
+        left = sum(1 for p in params if p.dtype != dtype)
+        return f"{left} parameters are not {dtype}" if left else None
+
+    return Fix(title, code, safe, plan, verify, backup_bytes=backup, slug=slug)

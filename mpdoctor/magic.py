@@ -1,0 +1,142 @@
+"""The ``%mpdoctor`` line magic: parse the line, resolve names, diagnose, return the Report."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import List, Unicode
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _print_line(text: str) -> None:
+    print(f"mpdoctor: {text}")
+
+
+@magics_class
+class MPDoctorMagics(Magics):
+    """Magics of mpdoctor; ``%config MPDoctorMagics.target = 'T4'`` sets defaults."""
+
+    target = Unicode(None, allow_none=True, help="Default device profile for %mpdoctor (what-if).").tag(config=True)
+    ignore = List(Unicode(), default_value=[], help="Check slugs %mpdoctor skips by default.").tag(config=True)
+
+    @magic_arguments()
+    @argument("names", nargs="*", help="Variables to inspect (default: everything in the namespace).")
+    @argument("--text", action="store_true", help="Print the text rendering instead of the widget.")
+    @argument("--json", action="store_true", help="Print the report as JSON.")
+    @argument("--markdown", action="store_true", help="Print the report as markdown (for bug reports).")
+    @argument("--target", metavar="GPU", default=None, help="Evaluate on a device profile: cpu, T4, V100, A10G, A100, L4, H100.")
+    @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
+    @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
+    @argument("--probe", metavar="BATCH_NAME", default=None, help="Run one forward+backward on this batch variable.")
+    @line_magic
+    def mpdoctor(self, line: str = ""):
+        """Diagnose mixed-precision faults in the live model, optimizer, scaler, Trainer and Accelerator.
+
+        ``%mpdoctor`` inspects everything in the namespace; ``%mpdoctor model opt``
+        inspects named variables. Returns the Report (``r = %mpdoctor`` works).
+        """
+        try:
+            args = parse_argstring(self.mpdoctor, line)
+        except Exception as exc:  # UsageError and argparse's SystemExit-free errors
+            _print_line(f"{exc} (see %mpdoctor?)")
+            return None
+        return self._run(args)
+
+    def _resolve(self, names: list[str]):
+        ns = self.shell.user_ns
+        objects, labels, missing = [], {}, []
+        for raw in names:
+            for name in (n for n in raw.split(",") if n):
+                value, ok = self._lookup(ns, name)
+                if not ok:
+                    missing.append(name)
+                    continue
+                objects.append(value)
+                labels[id(value)] = name
+        return objects, labels, missing
+
+    @staticmethod
+    def _lookup(ns: dict, name: str):
+        # Names are looked up, never evaluated: only plain dotted identifiers are accepted.
+        if not _NAME.match(name):
+            return None, False
+        head, *rest = name.split(".")
+        if head not in ns:
+            return None, False
+        value = ns[head]
+        for attr in rest:
+            try:
+                value = getattr(value, attr)
+            except Exception:
+                return None, False
+        return value, True
+
+    def _run(self, args):
+        from .diagnosis import diagnose
+        from .facts.hardware import UnknownTarget
+
+        ignore = list(self.ignore) + [s.strip() for s in args.ignore.split(",") if s.strip()]
+        target = args.target if args.target is not None else self.target
+        try:
+            if args.names:
+                objects, labels, missing = self._resolve(args.names)
+                if missing:
+                    shown = ", ".join(shlex.quote(m) for m in missing)
+                    _print_line(f"no such variable: {shown}")
+                    return None
+                report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore)
+            else:
+                report = diagnose(
+                    namespace=self.shell.user_ns,
+                    hidden=self.shell.user_ns_hidden,
+                    target=target,
+                    scan=args.scan,
+                    ignore=ignore,
+                )
+            if args.probe:
+                report = self._probe(args.probe, report, target)
+                if report is None:
+                    return None
+        except UnknownTarget as exc:
+            _print_line(str(exc))
+            return None
+        except Exception as exc:  # never a traceback in the user's notebook
+            _print_line(f"internal error: {type(exc).__name__}: {exc}")
+            return None
+        self._show(report, args)
+        return report
+
+    def _probe(self, batch_name: str, report, target):
+        value, ok = self._lookup(self.shell.user_ns, batch_name)
+        if not ok:
+            _print_line(f"no such variable: {batch_name}")
+            return None
+        models = [s for s in report.subjects if s.kind == "model"]
+        if len(models) != 1:
+            _print_line(f"--probe needs exactly one model; found {len(models)} (name it: %mpdoctor model --probe {batch_name})")
+            return None
+        try:
+            from .numerics.probe import probe
+        except ModuleNotFoundError:
+            _print_line("--probe is not available in this installation")
+            return None
+        others = [s.obj for s in report.subjects if s.kind in ("trainer", "accelerator")]
+        return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
+
+    def _show(self, report, args) -> None:
+        from IPython.display import display
+
+        if args.json:
+            print(report.to_json())
+        elif args.markdown:
+            print(report.to_markdown())
+        elif args.text:
+            print(report.to_text())
+        else:
+            display(report)
+        # The returned report would be displayed again by the display hook in this same cell.
+        report._skip_display_in = self.shell.execution_count

@@ -1,0 +1,1 @@
+"""Renderers: each reads a Report and nothing else (no torch internals, no live objects)."""

@@ -1,0 +1,51 @@
+"""Markdown export: a report ready to paste into a bug report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..facts.tensors import SHORT_DTYPE
+from .data import humanize_bytes, precision_view, report_dict
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(report: Any) -> str:
+    """Render a report as GitHub-flavoured markdown."""
+    data = report_dict(report)
+    c = data["summary"]
+    rt = data["runtime"]
+    lines = [
+        "## mpdoctor report",
+        "",
+        f"**{c['error']} errors, {c['warning']} warnings, {c['info']} info** on device `{data['device']['label']}`",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in rt["versions"].items()),
+        "",
+        "Inspected: " + (", ".join(f"`{s['name']}` ({s['class']})" for s in data["subjects"]) or "nothing"),
+        "",
+    ]
+    if data["findings"]:
+        lines += ["| severity | check | subject | message |", "|---|---|---|---|"]
+        for f in data["findings"]:
+            lines.append(f"| {f['severity']} | `{f['check']}` | `{_cell(f['subject'])}` | {_cell(f['message'])} |")
+        lines.append("")
+    else:
+        lines += ["No problems found.", ""]
+    if data["histogram"]:
+        lines += ["| object | kind | dtype | tensors | bytes | trainable |", "|---|---|---|---|---|---|"]
+        for r in data["histogram"]:
+            lines.append(
+                f"| `{_cell(r['object'])}` | {r['kind']} | {SHORT_DTYPE.get(r['dtype'], r['dtype'])} | {r['tensors']} "
+                f"| {humanize_bytes(r['bytes'])} | {r['trainable']} |"
+            )
+        lines.append("")
+    for p in precision_view(report):
+        lines.append("- precision `" + _cell(p["setup"]) + "`: " + ", ".join(f"{k}={v}" for k, v in p.items() if k != "setup"))
+    env = rt["env"]
+    if env:
+        lines.append("- environment: " + ", ".join(f"`{k}={v}`" for k, v in env.items()))
+    lines.append(f"- autocast now: {rt['autocast'] or 'off'}; tf32 matmul: {rt['matmul_tf32']}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,84 @@
+"""Compact text rendering, for terminals, nbconvert and ``print(report)``."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from ..facts.tensors import SHORT_DTYPE
+from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
+
+_LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def header(report: Any) -> str:
+    """The verdict line."""
+    c = report.counts()
+    parts = [
+        "mpdoctor",
+        _plural(c["error"], "error"),
+        _plural(c["warning"], "warning"),
+        f"{c['info']} info",
+        report.facts.hardware.label,
+        f"{report.elapsed * 1000:.0f} ms",
+    ]
+    return " | ".join(parts)
+
+
+def render_text(report: Any, width: int = 100) -> str:
+    """Render a report as plain text."""
+    data = report_dict(report)
+    lines = [header(report)]
+    subj = ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"]) or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
+    lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+    wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
+    if data["findings"]:
+        lines.append("")
+    for f in data["findings"]:
+        lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
+        lines += textwrap.wrap(f["message"], **wrap)
+        for fx in f["fixes"]:
+            state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
+            lines.append(f"        fix ({'safe' if fx['safe'] else 'unsafe'}): {fx['title']}{state}")
+            for code_line in fx["code"].splitlines():
+                lines.append(f"            {code_line}")
+    if not data["findings"]:
+        lines.append("no problems found")
+    hist = data["histogram"]
+    if hist:
+        lines += ["", "dtypes"]
+        name_w = max(len(r["object"]) for r in hist)
+        for r in hist:
+            lines.append(
+                f"  {r['object']:<{name_w}}  {r['kind']:<15} {SHORT_DTYPE.get(r['dtype'], r['dtype']):<6}"
+                f" {r['tensors']:>5} tensors {humanize_count(r['elements']):>8} elems {humanize_bytes(r['bytes']):>10}"
+                f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"
+            )
+    prec = precision_view(report)
+    if prec:
+        lines += ["", "precision (requested -> effective)"]
+        for p in prec:
+            lines.append(
+                f"  {p['setup']}: requested {p['requested']} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
+                f" | accelerator {p['accelerator.mixed_precision']} (native amp {p['native_amp']})"
+                f" | scaler {p['scaler']} | effective {p['effective']}"
+            )
+    caches = cache_view(report)
+    if caches:
+        lines += ["", "caches"]
+        for c in caches:
+            lines.append(f"  {c['path']} = {c['use_cache']}  ({'training' if c['training'] else 'eval'})")
+    scalers = scaler_view(report)
+    if scalers:
+        lines += ["", "scalers"]
+        for s in scalers:
+            scale = f"{s['scale']:g}" + ("" if s["scale_initialized"] else " (initial)")
+            lines.append(
+                f"  {s['name']}: {'enabled' if s['enabled'] else 'disabled'} on {s['device']} | scale {scale}"
+                f" | growth tracker {s['growth_tracker']}"
+            )
+    return "\n".join(lines)

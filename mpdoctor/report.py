@@ -1,0 +1,204 @@
+"""The Report: what ``diagnose()`` and ``%mpdoctor`` return.
+
+Like ``%timeit -o``'s ``TimeitResult``, it is a value object: findings, the
+dtype histogram and the facts behind them, with exports (pandas, dict/JSON,
+markdown), ``refresh()`` to diagnose the same live objects again, and rich
+display in notebooks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Any
+
+from .findings import Finding
+
+if TYPE_CHECKING:
+    import pandas
+
+    from .facts import Facts
+
+HISTOGRAM_COLUMNS = ["object", "kind", "dtype", "tensors", "elements", "bytes", "trainable", "devices", "meta"]
+
+
+class Report:
+    """The diagnosis of a set of live objects.
+
+    Attributes
+    ----------
+    findings : list of Finding
+        Ordered by severity (errors first).
+    facts : Facts
+        The snapshot the findings rest on.
+    target : str or None
+        The what-if device profile, or None for the live machine.
+    elapsed : float
+        Seconds the diagnosis took.
+    probe_table : pandas.DataFrame or None
+        Per-module table of a one-batch probe (only for ``probe()`` reports).
+    """
+
+    def __init__(
+        self,
+        findings: list[Finding],
+        facts: Facts,
+        target: str | None = None,
+        scan: bool = False,
+        ignore: tuple[str, ...] = (),
+        elapsed: float = 0.0,
+        probe_table: Any = None,
+        rediagnose: Any = None,
+    ) -> None:
+        self.findings = findings
+        self.facts = facts
+        self.target = target
+        self.scan = scan
+        self.ignore = tuple(ignore)
+        self.elapsed = elapsed
+        self.created = time.time()
+        self.probe_table = probe_table
+        self._rediagnose = rediagnose
+        self._histogram = None
+        self._skip_display_in: int | None = None
+
+    # -- queries -----------------------------------------------------------------------
+    @property
+    def subjects(self) -> tuple:
+        """The inspected subjects (name, kind, live object)."""
+        return self.facts.subjects
+
+    def findings_for(self, check: str) -> list[Finding]:
+        """Findings of one check slug."""
+        return [f for f in self.findings if f.check == check]
+
+    def counts(self) -> dict[str, int]:
+        """Number of findings per severity."""
+        out = {"error": 0, "warning": 0, "info": 0}
+        for f in self.findings:
+            out[f.severity] += 1
+        return out
+
+    @property
+    def ok(self) -> bool:
+        """True when there is no error and no warning."""
+        c = self.counts()
+        return c["error"] == 0 and c["warning"] == 0
+
+    @property
+    def fixes(self) -> list:
+        """Every fix offered by every finding."""
+        return [fx for f in self.findings for fx in f.fixes]
+
+    @property
+    def histogram(self) -> pandas.DataFrame:
+        """Dtype tallies: one row per object x kind x dtype x trainability."""
+        if self._histogram is None:
+            import pandas as pd
+
+            rows = [r._asdict() for r in self.facts.tallies]
+            self._histogram = pd.DataFrame(rows, columns=HISTOGRAM_COLUMNS)
+        return self._histogram
+
+    # -- actions -----------------------------------------------------------------------
+    def refresh(self) -> Report:
+        """Diagnose the same live objects again (with the same target, scan and ignore list)."""
+        from .diagnosis import diagnose_subjects
+
+        if self._rediagnose is not None:
+            return self._rediagnose()
+        return diagnose_subjects(self.facts.subjects, target=self.target, scan=self.scan, ignore=self.ignore)
+
+    def apply_safe_fixes(self) -> list:
+        """Apply every safe fix not yet applied; return the fixes applied.
+
+        A fix that fails is rolled back, keeps its ``error`` and is skipped;
+        the others are still applied.
+        """
+        from .fixes import FixFailed, FixNeedsConfirmation
+
+        applied = []
+        for fix in self.fixes:
+            if fix.safe and not fix.applied:
+                try:
+                    fix.apply()
+                    applied.append(fix)
+                except (FixFailed, FixNeedsConfirmation) as exc:
+                    fix.error = fix.error or str(exc)
+        return applied
+
+    # -- exports -----------------------------------------------------------------------
+    def to_frame(self) -> pandas.DataFrame:
+        """Findings as a DataFrame (one row per finding)."""
+        import pandas as pd
+
+        rows = [
+            {
+                "severity": f.severity,
+                "check": f.check,
+                "subject": f.subject,
+                "message": f.message,
+                "fixes": "; ".join(x.title for x in f.fixes),
+            }
+            for f in self.findings
+        ]
+        return pd.DataFrame(rows, columns=["severity", "check", "subject", "message", "fixes"])
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable dict of the whole report."""
+        from .render.data import report_dict
+
+        return report_dict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def to_markdown(self) -> str:
+        """Markdown ready to paste into a bug report, with versions and device."""
+        from .render.markdown import render_markdown
+
+        return render_markdown(self)
+
+    def to_text(self, width: int = 100) -> str:
+        """The compact text rendering (what ``print(report)`` shows)."""
+        from .render.text import render_text
+
+        return render_text(self, width=width)
+
+    def to_html(self) -> str:
+        """The static HTML rendering (no buttons)."""
+        from .render.html import render_html
+
+        return render_html(self)
+
+    def widget(self) -> Any:
+        """The interactive ipywidgets report with fix buttons."""
+        from .render.widget import ReportWidget
+
+        return ReportWidget(self)
+
+    # -- display -----------------------------------------------------------------------
+    def __str__(self) -> str:
+        return self.to_text()
+
+    def __repr__(self) -> str:
+        c = self.counts()
+        names = ", ".join(s.name for s in self.subjects) or "nothing"
+        return f"<mpdoctor.Report: {c['error']} errors, {c['warning']} warnings, {c['info']} info on {names}>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(repr(self) if cycle else self.to_text())
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict:
+        bundle = {"text/plain": self.to_text(), "text/html": self.to_html()}
+        if include:
+            bundle = {k: v for k, v in bundle.items() if k in include}
+        if exclude:
+            bundle = {k: v for k, v in bundle.items() if k not in exclude}
+        return bundle
+
+    def _ipython_display_(self) -> None:
+        from .render.frontend import show
+
+        show(self)
