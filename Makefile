@@ -9,17 +9,17 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-main test-colab lab bench bench-quick env lint checks-doc browser-deps clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,browser]"
 	touch $@
 
 # Colab's stack (IPython 7.34, ipywidgets 7.7.1): the widget and magic tests run here too.
-$(COLAB_STAMP): pyproject.toml constraints-colab.txt
+$(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	$(PYTHON) -m venv $(COLAB_VENV)
 	$(COLAB_VENV)/bin/python -m pip install -q --upgrade pip
-	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e . pytest
+	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e . pytest "transformers==5.23.0" "accelerate==1.15.0"
 	touch $@
 
 demo: $(STAMP)

@@ -14,6 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("env", help="print versions, device and precision support")
     checks = sub.add_parser("checks", help="list the checks")
     checks.add_argument("--markdown", action="store_true", help="print the full checks reference in markdown")
+    checks.add_argument("--update-readme", metavar="PATH", help="rewrite the checks reference section of a README")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from .demo import run_demo
@@ -27,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     from . import checks_reference
     from .checks import load
 
-    if args.markdown:
+    if args.update_readme:
+        from .docs import update_readme
+
+        changed = update_readme(args.update_readme)
+        print(f"{args.update_readme}: checks reference {'updated' if changed else 'already up to date'}")
+    elif args.markdown:
         print(checks_reference())
     else:
         for slug, chk in sorted(load().items()):
