@@ -57,6 +57,9 @@ class ModelFacts:
     is_peft: bool
     is_pretrained: bool
     subject: Subject = field(compare=False, repr=False)
+    #: transformers' ``_keep_in_fp32_modules`` (and ``_strict``): module names its modeling code keeps
+    #: in fp32 and casts around on purpose.
+    keep_in_fp32: tuple[str, ...] = ()
 
     @property
     def model_type(self) -> str | None:
@@ -85,6 +88,7 @@ class Facts:
     hardware: DeviceProfile
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
+    probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -141,7 +145,17 @@ def _model_facts(subject: Subject) -> ModelFacts:
         is_peft=is_a(obj, _PEFT),
         is_pretrained=is_a(inner, _PRETRAINED),
         subject=subject,
+        keep_in_fp32=_keep_in_fp32(inner),
     )
+
+
+def _keep_in_fp32(module: Any) -> tuple[str, ...]:
+    names: set[str] = set()
+    for key in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        value = raw_attr(module, key, None)
+        if isinstance(value, (list, tuple, set, frozenset)):
+            names.update(v for v in value if isinstance(v, str))
+    return tuple(sorted(names))
 
 
 def _precision_setups(subjects: tuple[Subject, ...]) -> list[PrecisionFacts]:

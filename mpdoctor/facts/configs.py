@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..discover import is_a
-from ..redact import safe_value
+from ..redact import redact, safe_value
 
 _CONFIG_CLASSES = (
     "transformers.configuration_utils.PreTrainedConfig",
@@ -61,13 +61,19 @@ class ConfigFacts:
     bnb_compute_dtype: str | None
     is_generation_config: bool = False
     obj: Any = field(default=None, compare=False, repr=False)
+    quant_4bit: bool | None = None
 
 
 def _dtype_text(value: Any) -> str | None:
     if value is None:
         return None
-    text = str(value)
-    return safe_value(text[6:] if text.startswith("torch.") else text)
+    text = str(safe_value(value))  # never str() of a user object: its __str__ / __repr__ may hang
+    return text[6:] if text.startswith("torch.") else text
+
+
+def _is_dict(value: Any) -> bool:
+    # isinstance() would read a non-dict's __class__ (user code); the MRO through type's descriptor does not.
+    return any(c is dict for c in type.__dict__["__mro__"].__get__(type(value)))
 
 
 def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFacts:
@@ -75,18 +81,25 @@ def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFa
     dtype = raw_attr(config, "dtype", None)
     if dtype is None:
         dtype = raw_attr(config, "torch_dtype", None)
-    attn = raw_attr(config, "_attn_implementation_internal", None) or raw_attr(config, "_attn_implementation", None)
+    attn = raw_attr(config, "_attn_implementation_internal", None)
+    if attn is None:  # not `or`: the truth value of a user object is user code
+        attn = raw_attr(config, "_attn_implementation", None)
     quant = raw_attr(config, "quantization_config", None)
-    quant_method = bnb_dtype = None
+    quant_method = bnb_dtype = quant_4bit = None
     if quant is not None:
-        qdict = quant if isinstance(quant, dict) else raw_attr(quant, "__dict__", None) or {}
-        if not isinstance(qdict, dict):
+        qdict = quant
+        if not _is_dict(qdict):
             try:
-                qdict = dict(object.__getattribute__(quant, "__dict__"))
+                qdict = object.__getattribute__(quant, "__dict__")  # a BitsAndBytesConfig's fields
             except Exception:
                 qdict = {}
-        quant_method = safe_value(str(qdict.get("quant_method", "")) or None)
-        bnb_dtype = _dtype_text(qdict.get("bnb_4bit_compute_dtype"))
+        if not _is_dict(qdict):
+            qdict = {}
+        quant_method = safe_value(dict.get(qdict, "quant_method")) or None
+        bnb_dtype = _dtype_text(dict.get(qdict, "bnb_4bit_compute_dtype"))
+        # BitsAndBytesConfig keeps the flag as _load_in_4bit behind a property; a dict config has load_in_4bit.
+        flag = dict.get(qdict, "_load_in_4bit", dict.get(qdict, "load_in_4bit"))
+        quant_4bit = flag if type(flag) is bool else None
     return ConfigFacts(
         path=path,
         key=key,
@@ -100,6 +113,7 @@ def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFa
         bnb_compute_dtype=bnb_dtype,
         is_generation_config=generation,
         obj=config,
+        quant_4bit=quant_4bit,
     )
 
 
@@ -124,7 +138,8 @@ def gather_configs(model_path: str, module: Any) -> tuple[ConfigFacts, ...]:
                 items = []
             for sub_key, value in items:
                 if isinstance(sub_key, str) and is_a(value, _CONFIG_CLASSES):
-                    stack.append((f"{path}.{sub_key}", sub_key, value, depth + 1))
+                    # A sub-config key is a user string shown in every rendering: redact it at the source.
+                    stack.append((f"{path}.{redact(sub_key)}", redact(sub_key), value, depth + 1))
     gen = raw_attr(module, "generation_config", None)
     if gen is not None and is_a(gen, _GENERATION_CONFIG):
         out.append(_one(f"{model_path}.generation_config", "generation_config", gen, generation=True))

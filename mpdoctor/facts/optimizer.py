@@ -19,6 +19,7 @@ class OptParam(NamedTuple):
     grad_dtype: str | None
     numel: int
     state_dtypes: tuple[tuple[str, str], ...]  # (state key, dtype) for full-size floating state tensors
+    requires_grad: bool = True  # frozen params never get a grad, so dtype-checking optimizers never see them
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
                     dtype_name(grad.dtype) if grad is not None else None,
                     p.numel(),
                     tuple(sdt),
+                    bool(p.requires_grad),
                 )
             )
     defaults = inner.__dict__.get("defaults", {})

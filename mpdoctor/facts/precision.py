@@ -188,7 +188,20 @@ def gather_runtime() -> RuntimeFacts:
         autocast=autocast,
         matmul_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
         cudnn_tf32=bool(torch.backends.cudnn.allow_tf32),
-        float32_matmul_precision=torch.get_float32_matmul_precision(),
+        float32_matmul_precision=_matmul_precision(),
         env=allowed_env(),
         versions=_versions(),
     )
+
+
+def _matmul_precision() -> str:
+    # torch >= 2.9 raises here once a notebook mixed set_float32_matmul_precision() with the
+    # legacy allow_tf32 flag; the CUDA backend's own setting still says what matmuls do.
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        try:
+            per_backend = torch.backends.cuda.matmul.fp32_precision
+        except Exception:
+            return "unknown"
+        return {"ieee": "highest", "tf32": "high", "bf16": "medium"}.get(str(per_backend), str(per_backend))

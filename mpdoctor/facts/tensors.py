@@ -6,11 +6,15 @@ data is read, copied or moved, so meta tensors are counted like any other.
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+
+from ..discover import class_path, is_a
 
 
 def dtype_name(dtype: Any) -> str:
@@ -135,6 +139,11 @@ class ModuleTensors:
     modules: tuple[ModuleDtypes, ...]
     gradient_checkpointing: bool
     devices: frozenset[str]
+    #: ``(module path, forward origin)`` for modules running a forward assigned from another package
+    #: (a monkeypatch such as Unsloth's fused LoRA kernels), never torch's or accelerate's wrappers.
+    patched_forwards: tuple[tuple[str, str], ...] = ()
+    #: Paths of PEFT tuner layers (LoRA ``Linear`` ...): they cast their input to the adapter dtype.
+    tuner_layers: tuple[str, ...] = ()
 
     @property
     def param_ids(self) -> frozenset[int]:
@@ -161,6 +170,48 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad if p.is_leaf else None
 
 
+_TUNER_LAYER = ("peft.tuners.tuners_utils.BaseTunerLayer",)
+#: Packages whose forward wrappers are not patches of the model's code (autocast, hooks, compile).
+_WRAPPER_PACKAGES = frozenset({"torch", "accelerate"})
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+
+
+def _package(module_name: Any) -> str:
+    return module_name.split(".", 1)[0] if type(module_name) is str else ""
+
+
+def _origin(fn: Any) -> str:
+    """``module.qualname`` of a forward, read without calling it or any user attribute hook."""
+    for _ in range(4):  # exact types only: a subclass's attributes may be user code
+        if type(fn) is types.MethodType:
+            fn = fn.__func__
+        elif type(fn) is functools.partial:
+            fn = fn.func
+        else:
+            break
+    kind = type(fn)
+    if kind is types.FunctionType or kind is types.BuiltinFunctionType:
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return class_path(type(fn))
+
+
+def _patched_forward(mod: torch.nn.Module) -> str | None:
+    """Where ``mod``'s forward comes from when another package assigned it; None for the class's own."""
+    cls = type(mod)
+    own = mod.__dict__.get("forward")  # an instance attribute: assigned over the class's forward
+    if own is not None:
+        home, origin = class_path(cls), _origin(own)
+    else:
+        # Not cached: a notebook may patch a class after a first diagnosis.
+        owner = next((c for c in _TYPE_MRO(cls) if "forward" in c.__dict__), None)
+        if owner is None:
+            return None
+        home, origin = class_path(owner), _origin(owner.__dict__["forward"])
+    if _package(origin) in _WRAPPER_PACKAGES or _package(origin) == _package(home):
+        return None
+    return origin
+
+
 def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
     """Walk ``module`` once and collect its tensor facts (metadata only)."""
     tally = Tallier(name)
@@ -169,10 +220,17 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
     seen: set[int] = set()
     checkpointing = False
     devices: set[str] = set()
+    patched: list[tuple[str, str]] = []
+    tuners: list[str] = []
     for mpath, mod in module.named_modules(remove_duplicate=True):
         mdict = mod.__dict__
         if mdict.get("gradient_checkpointing") is True:
             checkpointing = True
+        origin = _patched_forward(mod)
+        if origin is not None:
+            patched.append((mpath, origin))
+        if is_a(mod, _TUNER_LAYER):
+            tuners.append(mpath)
         direct: list[tuple[str, str, bool]] = []
         for pname, p in mdict.get("_parameters", {}).items():
             if p is None:
@@ -211,7 +269,15 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
                 continue
             seen.add(id(b))
             tally.add("buffer", b, False)
-    return ModuleTensors(tally.rows(), tuple(params), tuple(modules), checkpointing, frozenset(devices))
+    return ModuleTensors(
+        tally.rows(),
+        tuple(params),
+        tuple(modules),
+        checkpointing,
+        frozenset(devices),
+        patched_forwards=tuple(patched),
+        tuner_layers=tuple(tuners),
+    )
 
 
 def tally_tensors(obj_name: str, kind: str, tensors: Iterable[tuple[torch.Tensor, bool]]) -> tuple[TensorTally, ...]:

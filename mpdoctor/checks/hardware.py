@@ -1,0 +1,389 @@
+"""Checks on what the device can do: bf16 without native bf16, FlashAttention on fp32, 4-bit compute in fp32."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..discover import is_a
+from ..facts import Facts, ModelFacts, PrecisionFacts
+from ..facts.configs import ConfigFacts, raw_attr
+from ..findings import Finding
+from ..fixes import CastParams, Change, Fix, SetAttr
+from . import check
+from .precision import computes_in, declared_precision, live_setup, native_amp_for, precision_changes
+
+#: Model types whose activations or gradients overflow fp16 (65504) in training, so that on a GPU
+#: without bf16 the safe choice is fp32, not fp16 AMP. The one list mpdoctor keeps; cite it from here.
+#: Sources: transformers issues #9295, #10830 (T5 / mT5 "inf in T5DenseReluDense"), #39972 (Gemma 3 fp16
+#: NaN); Unsloth ``models/loader.py`` ``FORCE_FLOAT32`` (gemma3, gemma3_text, gemma3n, gemma4, glm4_moe,
+#: gpt_oss, qwen3_5, qwen3_moe) and unsloth-zoo PRs #212 (falcon_h1) and #866; Gemma 2's logit
+#: soft-capping was trained and is served in bf16.
+FP16_OVERFLOW_MODEL_TYPES = frozenset(
+    {
+        "t5",
+        "mt5",
+        "umt5",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "gemma3n",
+        "gemma3n_text",
+        "gemma4",
+        "gemma4_text",
+        "glm4_moe",
+        "gpt_oss",
+        "qwen3_moe",
+        "qwen3_5",
+        "falcon_h1",
+    }
+)
+
+
+def fp16_overflow_type(m: ModelFacts) -> str | None:
+    """The first model type of ``m``'s config tree known to overflow fp16, if any."""
+    for c in m.configs:
+        if c.model_type in FP16_OVERFLOW_MODEL_TYPES:
+            return c.model_type
+    return None
+
+
+def _bf16_params(m: ModelFacts) -> list:
+    return [p for p in m.tensors.params if p.dtype == "bfloat16"]
+
+
+def _live_params_of(m: ModelFacts, ids: set[int]) -> list[torch.nn.Parameter]:
+    return [p for p in m.subject.obj.parameters() if id(p) in ids]
+
+
+def _optimizers_of(facts: Facts, ids: set[int]) -> list[Any]:
+    out = []
+    for o in facts.optimizers:
+        if o.param_ids & ids:
+            s = facts.subject(o.name)
+            if s is not None and all(s.inner is not x for x in out):
+                out.append(s.inner)
+    return out
+
+
+def _cast_code(model_name: str) -> str:
+    return (
+        "import torch\n"
+        f"for p in {model_name}.parameters():\n"
+        "    if p.dtype == torch.bfloat16:\n"
+        "        p.data = p.data.float()  # fp32 master weights; same Parameter objects\n"
+        "        if p.grad is not None:\n"
+        "            p.grad.data = p.grad.data.float()"
+    )
+
+
+def _fp32_master_fix(
+    facts: Facts, models: list[ModelFacts], title: str, code: str, setup: PrecisionFacts | None, target: str
+) -> Fix:
+    """Cast the bf16 parameters of ``models`` to fp32 and, for a setup, switch its arguments and accelerator."""
+    params: list[torch.nn.Parameter] = []
+    for m in models:
+        params += _live_params_of(m, {p.id for p in _bf16_params(m)})
+    optimizers = _optimizers_of(facts, {id(p) for p in params})
+    live = live_setup(facts, setup) if setup is not None else None
+    flags = {"bf16": False, "fp16": target == "fp16"}
+    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params)
+
+    def plan() -> list[Change]:
+        changes: list[Change] = [CastParams(params, torch.float32, optimizers, "bf16 parameters")] if params else []
+        if live is not None:
+            # accelerate's rule on the device these objects live on: on a CPU, fp16 args run as fp32.
+            changes += precision_changes(live, target, native_amp_for(target, live.device()), flags)
+        return changes
+
+    def verify() -> str | None:
+        if any(p.dtype == torch.bfloat16 for p in params):
+            return "bf16 parameters remain"
+        if live is not None and live.args is not None and raw_attr(live.args, "bf16", False):
+            return "args.bf16 is still True"
+        return None
+
+    return Fix(title, code, False, plan, verify, backup_bytes=backup)
+
+
+@check("bf16-unsupported", "error")
+def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
+    """bf16 arguments, autocast or weights on a GPU without native bf16 (V100, T4, P100, RTX 20xx).
+
+    What it detects
+        On the live CUDA device or the ``target=`` profile, when it lacks native bf16 (compute capability
+        below 8.0): a setup whose arguments or accelerator ask for bf16 (error), bf16 autocast active now
+        (error), or a model holding bf16 parameters outside such a setup (warning).
+    Why it matters
+        transformers refuses ``bf16=True`` there ("Your setup doesn't support bf16/gpu. ... You need Ampere+
+        GPU with cuda>=11.0."); bf16 matmuls that do run go through emulation at a fraction of fp16 speed,
+        and fused kernels without a bf16 path (FlashAttention, SDPA's flash backend) refuse them. Switching
+        to fp16 instead can overflow on checkpoints trained in bf16 (T5, Gemma 2/3, Qwen3-MoE, GPT-OSS,
+        ...: ``FP16_OVERFLOW_MODEL_TYPES``).
+    Fix
+        Switch to fp16 AMP with fp32 master weights: cast the bf16 parameters (with grads and optimizer
+        state) to fp32 in place, set ``args.bf16=False, args.fp16=True`` and bring the accelerator to fp16
+        (on a live GPU: autocast and a GradScaler; for a ``target=`` what-if the objects stay on this
+        machine, where accelerate runs fp16 arguments as fp32, so the rest is in ``fix.code``: rebuild the
+        Trainer on the target GPU). For model types known to overflow fp16 the fix chooses fp32 instead
+        (``fp16=False``). Unsafe: it doubles the memory of the cast weights and changes the precision.
+    Source
+        transformers ``TrainingArguments.__post_init__``; ms-swift issue #3896; Unsloth ``FORCE_FLOAT32``;
+        NVIDIA compute capability tables (bf16 tensor cores from sm_80).
+    """
+    hw = facts.hardware
+    if hw.bf16_native or hw.kind != "cuda":
+        return
+    cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else "no bf16"
+    covered: set[str] = set()
+    for p in facts.precisions:
+        if p.requested != "bf16" and declared_precision(p) != "bf16":
+            continue
+        models = [m for m in facts.models if m.name in p.model_names]
+        covered.update(m.name for m in models)
+        risky = sorted({t for t in (fp16_overflow_type(m) for m in models) if t})
+        target = "no" if risky else "fp16"
+        instead = (
+            f"fp32 ({', '.join(risky)} overflows in fp16)" if risky else "fp16 autocast with fp32 master weights"
+        )
+        args = p.args_name or p.name
+        code = "\n".join(
+            [_cast_code(m.name) for m in models if _bf16_params(m)]
+            + [
+                f"{args}.bf16, {args}.fp16 = False, {target == 'fp16'}",
+                f"{args}.mixed_precision = {target!r}",
+                f"# on the {hw.name}: rebuild the Trainer from these arguments so accelerate sets up "
+                + ("fp16 autocast and its GradScaler" if target == "fp16" else "an fp32 run"),
+            ]
+        )
+        yield Finding(
+            "bf16-unsupported",
+            "error",
+            p.name,
+            f"{p.name} asks for bf16 on {hw.label}, which has no native bf16 ({cap} < sm_80): transformers refuses "
+            "it ('Your setup doesn't support bf16/gpu') and emulated bf16 is slow. Use "
+            f"{instead}.",
+            {"device": hw.label, "requested": p.requested, "declared": declared_precision(p), "fp16_overflow_types": risky},
+            [_fp32_master_fix(facts, models, f"Switch {p.name} to {instead}", code, p, target)],
+        )
+    if hw.live and facts.runtime.autocast.get("cuda") == "bfloat16":
+        yield Finding(
+            "bf16-unsupported",
+            "error",
+            "torch.autocast",
+            f"bf16 autocast is active on {hw.label}, which has no native bf16: use dtype=torch.float16 with a GradScaler.",
+            {"device": hw.label, "autocast": "bfloat16"},
+        )
+    for m in facts.models:
+        if m.name in covered:
+            continue
+        bf16 = _bf16_params(m)
+        if not bf16:
+            continue
+        risky = fp16_overflow_type(m)
+        then = (
+            f"train it in fp32 ({risky} overflows in fp16)"
+            if risky
+            else "train under torch.autocast(device_type='cuda', dtype=torch.float16) with a torch.amp.GradScaler('cuda')"
+        )
+        yield Finding(
+            "bf16-unsupported",
+            "warning",
+            m.name,
+            f"{m.name} holds {len(bf16)} bf16 parameters ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
+            "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
+            f"weights and {then}.",
+            {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
+            [
+                _fp32_master_fix(
+                    facts,
+                    [m],
+                    f"Cast {len(bf16)} bf16 parameters of {m.name} to fp32 (fp32 master weights)",
+                    _cast_code(m.name) + f"\n# then {then}",
+                    None,
+                    "no" if risky else "fp16",
+                )
+            ],
+        )
+
+
+def _flash(c: ConfigFacts) -> bool:
+    return not c.is_generation_config and bool(c.attn_implementation) and "flash" in str(c.attn_implementation).lower()
+
+
+@check("flash-attention-fp32", "error")
+def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
+    """A model configured for FlashAttention whose weights are fp32 with no half-precision autocast.
+
+    What it detects
+        ``config._attn_implementation`` (on the config or a sub-config) naming a FlashAttention kernel
+        (``flash_attention_2``, ``flash_attention_3``, a hub flash kernel) on a model whose weights are
+        mostly fp32, where no setup runs it under fp16/bf16 autocast. Error when a Trainer will run it in
+        fp32; warning for a bare model (a training loop mpdoctor cannot see may autocast).
+    Why it matters
+        FlashAttention kernels exist only for fp16 and bf16: "FlashAttention only support fp16 and bf16 data
+        type". transformers casts fp32 queries to the autocast dtype, else to the dtype of the model's
+        Linear weights, which is fp32 here, so the first forward raises.
+    Fix
+        Switch the attention to SDPA (``eager`` for models without SDPA support) in place, on every config
+        that names a flash kernel: same math in fp32. Safe. To keep FlashAttention, train under bf16/fp16
+        autocast instead (``TrainingArguments(bf16=True)``).
+    Source
+        transformers ``integrations/flash_attention.py`` (``get_target_dtype``); flash-attn
+        ``flash_attn_interface`` dtype check; transformers' load-time warning "Flash Attention 2 only
+        supports torch.float16 and torch.bfloat16 dtypes".
+    """
+    hw = facts.hardware
+    device = hw.kind
+    if facts.runtime.autocast.get(device) in ("float16", "bfloat16"):
+        return
+    for m in facts.models:
+        flash = [c for c in m.configs if _flash(c)]
+        if not flash or m.tensors.main_dtype != "float32":
+            continue
+        setups = [p for p in facts.precisions if m.name in p.model_names]
+        if any(computes_in(p, hw) in ("fp16", "bf16") for p in setups):
+            continue
+        inner = m.subject.inner
+        fallback = "sdpa" if raw_attr(inner, "_supports_sdpa", True) is not False else "eager"
+        targets = [(c.obj, "_attn_implementation_internal", fallback, f"{c.path}._attn_implementation") for c in flash]
+
+        def plan(targets: list = targets) -> list[Change]:
+            return [SetAttr(o, a, v, lbl) for o, a, v, lbl in targets if raw_attr(o, a, None) != v]
+
+        def verify(targets: list = targets) -> str | None:
+            left = [lbl for o, a, v, lbl in targets if raw_attr(o, a, None) != v]
+            return f"{', '.join(left)} still name a flash kernel" if left else None
+
+        code = (
+            f"{m.config_path}.set_attn_implementation({fallback!r})  # FlashAttention has no fp32 kernels\n"
+            "# or keep FlashAttention and compute in half precision: TrainingArguments(bf16=True) /\n"
+            "# with torch.autocast('cuda', dtype=torch.bfloat16): ..."
+        )
+        kernels = sorted({str(c.attn_implementation) for c in flash})
+        yield Finding(
+            "flash-attention-fp32",
+            "error" if setups else "warning",
+            flash[0].path + "._attn_implementation",
+            f"{m.name} uses {', '.join(kernels)} with fp32 weights and no fp16/bf16 autocast"
+            + (" in its Trainer" if setups else "")
+            + ": FlashAttention only supports fp16 and bf16, so the first forward raises.",
+            {"attn_implementation": kernels, "main_dtype": m.tensors.main_dtype, "setups": [p.name for p in setups]},
+            [Fix(f"Switch {m.name}'s attention to {fallback}", code, True, plan, verify)],
+        )
+
+
+def _is_bnb(method: str | None) -> bool:
+    text = (method or "").lower().replace("_", "")
+    return "bitsandbytes" in text
+
+
+def _half_dtype(facts: Facts, m: ModelFacts) -> str | None:
+    """The half dtype the model's unquantized weights or its setup compute in."""
+    if m.tensors.main_dtype in ("float16", "bfloat16"):
+        return m.tensors.main_dtype
+    for p in facts.precisions:
+        if m.name in p.model_names:
+            mode = computes_in(p, facts.hardware)
+            if mode in ("fp16", "bf16"):
+                return "float16" if mode == "fp16" else "bfloat16"
+    return None
+
+
+_LINEAR_4BIT = ("bitsandbytes.nn.modules.Linear4bit",)
+
+
+class _SetItem(Change):
+    """Set a key of a plain dict; undo restores the old value or its absence."""
+
+    def __init__(self, d: dict, key: str, value: Any, label: str) -> None:
+        self.d, self.key, self.value = d, key, value
+        self.description = f"{label} = {value!r}"
+        self._had = False
+        self._old: Any = None
+
+    def apply(self) -> None:
+        self._had = self.key in self.d
+        self._old = self.d.get(self.key)
+        self.d[self.key] = self.value
+
+    def revert(self) -> None:
+        if self._had:
+            self.d[self.key] = self._old
+        else:
+            self.d.pop(self.key, None)
+
+
+@check("bnb-compute-dtype-fp32", "warning")
+def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
+    """A bitsandbytes 4-bit model computing in fp32 while the rest of the model or the run is half precision.
+
+    What it detects
+        ``quantization_config`` with ``load_in_4bit=True`` and ``bnb_4bit_compute_dtype=torch.float32``
+        (the default) on a model whose unquantized weights are fp16/bf16, or that a setup runs under
+        fp16/bf16 autocast.
+    Why it matters
+        Each ``Linear4bit`` casts its half-precision input to fp32, dequantizes to fp32 and multiplies in
+        fp32, then casts back: several times slower than a bf16/fp16 compute dtype and twice the
+        activation memory. bitsandbytes warns "Input type into Linear4bit is torch.float16, but
+        bnb_4bit_compute_dtype=torch.float32 (default). This will lead to slow inference or training
+        speed."
+    Fix
+        Set ``bnb_4bit_compute_dtype`` to the half dtype in use, on the quantization config and on every
+        live ``Linear4bit`` module's ``compute_dtype`` (the attribute the forward reads), in place.
+        Unsafe: the 4-bit matmuls then compute in half precision.
+    Source
+        bitsandbytes ``nn.Linear4bit.forward``; QLoRA paper (bf16 compute dtype); transformers
+        ``BitsAndBytesConfig``.
+    """
+    for m in facts.models:
+        cfgs = [c for c in m.configs if _is_bnb(c.quant_method) and c.quant_4bit and c.bnb_compute_dtype == "float32"]
+        if not cfgs:
+            continue
+        half = _half_dtype(facts, m)
+        if half is None:
+            continue
+        dtype = getattr(torch, half)
+        model = m.subject.obj
+
+        def plan(cfgs: list = cfgs, dtype: torch.dtype = dtype, model: Any = model) -> list[Change]:
+            changes: list[Change] = []
+            for c in cfgs:
+                q = raw_attr(c.obj, "quantization_config", None)
+                label = f"{c.path}.quantization_config.bnb_4bit_compute_dtype"
+                if isinstance(q, dict):
+                    if q.get("bnb_4bit_compute_dtype") != dtype:
+                        changes.append(_SetItem(q, "bnb_4bit_compute_dtype", dtype, label))
+                elif q is not None and raw_attr(q, "bnb_4bit_compute_dtype", None) != dtype:
+                    changes.append(SetAttr(q, "bnb_4bit_compute_dtype", dtype, label))
+            for name, mod in model.named_modules():
+                if is_a(mod, _LINEAR_4BIT) and raw_attr(mod, "compute_dtype", None) != dtype:
+                    changes.append(SetAttr(mod, "compute_dtype", dtype, f"{name}.compute_dtype"))
+            return changes
+
+        def verify(plan: Any = plan) -> str | None:
+            left = plan()
+            return f"{len(left)} compute dtypes still fp32" if left else None
+
+        code = "\n".join(
+            ["import torch"]
+            + [f"{c.path}.quantization_config.bnb_4bit_compute_dtype = torch.{half}" for c in cfgs]
+            + [
+                f"for module in {m.name}.modules():",
+                "    if type(module).__name__ == 'Linear4bit':  # the attribute its forward reads",
+                f"        module.compute_dtype = torch.{half}",
+                f"# when loading: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.{half})",
+            ]
+        )
+        yield Finding(
+            "bnb-compute-dtype-fp32",
+            "warning",
+            cfgs[0].path + ".quantization_config.bnb_4bit_compute_dtype",
+            f"{m.name} is 4-bit quantized with bnb_4bit_compute_dtype=float32 while it runs in {half}: every 4-bit "
+            "matmul upcasts to fp32 (slow, twice the activation memory).",
+            {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs]},
+            [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, False, plan, verify)],
+        )
+

@@ -1,0 +1,657 @@
+"""Checks on optimizers: dtype requirements, state that disagrees with its parameters, orphaned parameters, pure-bf16 Adam."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..facts import Facts, OptimizerFacts
+from ..findings import Finding
+from ..fixes import CastParams, Change, Fix
+from . import check
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+#: How many bits of range and precision a floating dtype keeps; fp16 and bf16 are incomparable (equal here).
+_WIDTH = {"float64": 3, "float32": 2, "bfloat16": 1, "float16": 1}
+
+
+def _always(_o: OptimizerFacts) -> bool:
+    return True
+
+
+def _kahan_requested(o: OptimizerFacts) -> bool:
+    return o.defaults.get("kahan_sum") is True
+
+
+@dataclass(frozen=True)
+class DtypeRequirement:
+    """What one family of optimizers needs from the dtypes of its parameters, gradients and state.
+
+    Attributes
+    ----------
+    name : str
+        How messages call the optimizer.
+    patterns : tuple of str
+        ``fnmatch`` patterns on the optimizer's class path (``module.QualName``).
+    param_dtypes : frozenset of str
+        Dtypes the optimizer accepts for the parameters it updates (those with ``requires_grad``).
+    severity : str
+        Severity of a parameter outside ``param_dtypes``.
+    consequence : str
+        What happens then, in one clause.
+    cast_to : str or None
+        Dtype the fix casts offending parameters to; None: no cast is offered.
+    applies : callable
+        ``OptimizerFacts -> bool``: whether the requirement is in force (optimi's only with ``kahan_sum=True``).
+    grads_match_params : bool
+        The kernels read the parameter in the gradient's dtype, so the two must agree.
+    state_dtypes : frozenset of str or None
+        Dtypes allowed for full-size floating state tensors; None: anything.
+    low_bit_from : int or None
+        Parameters with at least this many elements should have low-bit (non-floating) state;
+        floating full-size state there means the memory saving is not happening.
+    """
+
+    name: str
+    patterns: tuple[str, ...]
+    param_dtypes: frozenset[str]
+    severity: str
+    consequence: str
+    cast_to: str | None
+    applies: Callable[[OptimizerFacts], bool] = _always
+    grads_match_params: bool = False
+    state_dtypes: frozenset[str] | None = None
+    low_bit_from: int | None = None
+
+
+#: Optimizers with dtype requirements. Sources: adamw_bf16 0.0.3 (``AdamWBF16.step``: ``assert p.dtype ==
+#: torch.bfloat16``), SimpleTuner's vendored copies, optimi's ``_init_state`` (Kahan buffers only for 16-bit
+#: params), bitsandbytes ``optimizer_update_32bit`` / ``_8bit_blockwise`` (kernel chosen by the grad dtype).
+REQUIREMENTS: tuple[DtypeRequirement, ...] = (
+    DtypeRequirement(
+        name="AdamWBF16",
+        patterns=(
+            "adamw_bf16.AdamWBF16",
+            "adamw_bf16.*.AdamWBF16",
+            "*adam_bfloat16*.AdamWBF16",
+            "*adamw_bfloat16*.AdamWBF16",
+        ),
+        param_dtypes=frozenset({"bfloat16"}),
+        severity="error",
+        consequence="its first step() raises 'AssertionError: only bfloat 16 is supported.'",
+        cast_to="bfloat16",
+    ),
+    DtypeRequirement(
+        name="optimi with kahan_sum=True",
+        patterns=("optimi.*",),
+        param_dtypes=frozenset({"bfloat16", "float16"}),
+        severity="warning",
+        consequence=(
+            "optimi applies Kahan summation only to bf16/fp16 parameters, so these train as plain fp32 "
+            "(twice the weight memory the Kahan recipe is for)"
+        ),
+        cast_to="bfloat16",
+        applies=_kahan_requested,
+    ),
+    DtypeRequirement(
+        name="bitsandbytes 8-bit optimizer",
+        patterns=("bitsandbytes.optim.*8bit*", "bitsandbytes.optim.*8Bit*"),
+        param_dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        severity="error",
+        consequence="its kernels raise 'Gradient+optimizer bit data type combination not supported'",
+        cast_to="float32",
+        grads_match_params=True,
+        state_dtypes=frozenset({"float32"}),
+        low_bit_from=4096,
+    ),
+)
+
+
+def requirement_for(class_path: str) -> DtypeRequirement | None:
+    """The registry entry whose pattern matches ``class_path``, if any."""
+    for req in REQUIREMENTS:
+        if any(fnmatch.fnmatchcase(class_path, pat) for pat in req.patterns):
+            return req
+    return None
+
+
+# -- changes the optimizer fixes need beyond fixes.CastParams ---------------------------------------------
+
+
+class CastGradData(Change):
+    """Cast gradients to their parameter's dtype in place (the grad tensor object stays the same).
+
+    ``grad.data`` is swapped rather than ``param.grad`` rebound because a gradient whose dtype differs from
+    its parameter cannot be assigned back through ``param.grad`` on undo.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self.params = [p for p in params if p.grad is not None and p.grad.dtype != p.dtype]
+        self.description = f"cast {len(self.params)} gradients to their parameter's dtype"
+        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        staged = [(p.grad, p.grad.data.to(dtype=p.dtype, copy=True)) for p in self.params]
+        self._backup = []
+        for grad, new in staged:
+            self._backup.append((grad, grad.data))
+            grad.data = new
+
+    def revert(self) -> None:
+        for grad, old in reversed(self._backup):
+            grad.data = old
+        self._backup = []
+
+
+class CastStateEntries(Change):
+    """Replace optimizer state tensors by copies in another dtype; undo puts the originals back."""
+
+    def __init__(self, entries: list[tuple[dict, Any, torch.dtype]], label: str) -> None:
+        self.entries = entries
+        self.description = f"cast {len(entries)} {label}"
+        self._backup: list[tuple[dict, Any, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        staged = [(st, key, st[key], st[key].to(dtype=dtype, copy=True)) for st, key, dtype in self.entries]
+        self._backup = []
+        for st, key, old, new in staged:
+            self._backup.append((st, key, old))
+            st[key] = new
+
+    def revert(self) -> None:
+        for st, key, old in reversed(self._backup):
+            st[key] = old
+        self._backup = []
+
+
+# -- helpers ----------------------------------------------------------------------------------------------
+
+
+def _live_optimizer(facts: Facts, o: OptimizerFacts) -> Any:
+    subject = facts.subject(o.name)
+    return subject.inner if subject is not None else None
+
+
+def _live_params(optimizer: Any, ids: set[int]) -> list[torch.nn.Parameter]:
+    out, seen = [], set()
+    for group in getattr(optimizer, "param_groups", ()):
+        for p in group.get("params", ()):
+            if id(p) in ids and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
+
+
+def _holders(facts: Facts, ids: set[int]) -> list[Any]:
+    """Every live optimizer holding one of ``ids`` (their state must follow the cast)."""
+    out = []
+    for o in facts.optimizers:
+        if o.param_ids & ids:
+            live = _live_optimizer(facts, o)
+            if live is not None and all(live is not x for x in out):
+                out.append(live)
+    return out
+
+
+def _cast_fix(
+    facts: Facts, title: str, code: str, params: list[torch.nn.Parameter], dtype: torch.dtype, label: str
+) -> Fix:
+    """Cast ``params`` with their grads and their state in every optimizer holding them to ``dtype``, in place."""
+    ids = {id(p) for p in params}
+    optimizers = _holders(facts, ids)
+    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params if p.dtype != dtype)
+
+    def plan() -> list[Change]:
+        return [CastParams(params, dtype, optimizers, label)]
+
+    def verify() -> str | None:
+        left = sum(1 for p in params if p.dtype != dtype or (p.grad is not None and p.grad.dtype != dtype))
+        return f"{left} parameters or grads are not {dtype}" if left else None
+
+    return Fix(title, code, False, plan, verify, backup_bytes=backup)
+
+
+def _cast_code(optimizer_name: str, cond: str, dtype: str, why: str) -> str:
+    """Pasteable Python doing what :class:`~mpdoctor.fixes.CastParams` does for one optimizer's parameters."""
+    return (
+        "import torch\n"
+        f"for group in {optimizer_name}.param_groups:\n"
+        '    for p in group["params"]:\n'
+        f"        if {cond}:  # {why}\n"
+        f"            for key, value in {optimizer_name}.state.get(p, {{}}).items():\n"
+        "                if torch.is_tensor(value) and value.dtype == p.dtype and value.shape == p.shape:\n"
+        f"                    {optimizer_name}.state[p][key] = value.to(torch.{dtype})\n"
+        f"            p.data = p.data.to(torch.{dtype})  # same Parameter object: the optimizer keeps it\n"
+        "            if p.grad is not None:\n"
+        f"                p.grad.data = p.grad.data.to(torch.{dtype})"
+    )
+
+
+def _grad_cast_fix(name: str, params: list[torch.nn.Parameter]) -> Fix:
+    """Cast the gradients of ``params`` to their parameter's dtype, in place."""
+
+    def verify() -> str | None:
+        left = sum(1 for p in params if p.grad is not None and p.grad.dtype != p.dtype)
+        return f"{left} gradients still differ from their parameter" if left else None
+
+    code = (
+        f"for group in {name}.param_groups:\n"
+        '    for p in group["params"]:\n'
+        "        if p.grad is not None and p.grad.dtype != p.dtype:\n"
+        "            p.grad.data = p.grad.data.to(p.dtype)  # the kernel reads p in the grad's dtype"
+    )
+    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, False, lambda: [CastGradData(params)], verify)
+
+
+# -- checks -----------------------------------------------------------------------------------------------
+
+
+@check("optimizer-dtype-requirement", "error")
+def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
+    """An optimizer with dtype requirements holding parameters, gradients or state that break them.
+
+    What it detects
+        Optimizers from a small registry (``REQUIREMENTS``, keyed by class-path patterns) whose trainable
+        parameters, gradients or state have dtypes the optimizer cannot use: ``adamw_bf16.AdamWBF16`` (and
+        SimpleTuner's vendored ``adam_bfloat16`` copy) with non-bf16 parameters; optimi optimizers created
+        with ``kahan_sum=True`` over fp32 parameters; bitsandbytes 8-bit optimizers with parameters outside
+        fp32/fp16/bf16, gradients whose dtype differs from their parameter, floating state other than fp32,
+        or 32-bit state on parameters large enough for 8-bit state (info).
+    Why it matters
+        ``AdamWBF16`` asserts ``p.dtype == torch.bfloat16`` when it initialises the state of a parameter
+        with a gradient: ``AssertionError: only bfloat 16 is supported.`` at the first ``step()``. optimi
+        silently skips Kahan summation for fp32 parameters, so the low-precision recipe the user chose is
+        not running. bitsandbytes picks its kernel by the gradient's dtype and reads the parameter in that
+        dtype, so a mismatched pair is rejected or misread.
+    Fix
+        Cast the offending parameters (with their grads and every optimizer's state for them) to the
+        dtype the optimizer needs, in place: the Parameter objects stay the same, so the optimizer, the
+        model and any scheduler keep their references. For bitsandbytes, gradients in another dtype than
+        their parameter are cast to the parameter's dtype; its state findings have no automatic fix.
+        Unsafe: it narrows fp32 weights to bf16.
+    Source
+        SimpleTuner issue #755 (``--gradient_precision=fp32`` with ``adam_bfloat16``); adamw-bf16 0.0.3;
+        optimi ``Adam._init_state``; bitsandbytes ``functional.optimizer_update_32bit``.
+    """
+    for o in facts.optimizers:
+        req = requirement_for(o.class_path)
+        if req is None or not req.applies(o):
+            continue
+        live = _live_optimizer(facts, o)
+        bad = [p for p in o.params if p.requires_grad and p.dtype not in req.param_dtypes]
+        mismatched_grads = [p for p in o.params if p.grad_dtype is not None and p.grad_dtype != p.dtype]
+        if bad:
+            dtypes = sorted({p.dtype for p in bad})
+            elements = sum(p.numel for p in bad)
+            fixes = []
+            if req.cast_to is not None and live is not None:
+                params = _live_params(live, {p.id for p in bad})
+                accepted = " and ".join(f"p.dtype != torch.{d}" for d in sorted(req.param_dtypes))
+                fixes.append(
+                    _cast_fix(
+                        facts,
+                        f"Cast {len(bad)} trainable {'/'.join(dtypes)} parameters of {o.name} to {req.cast_to} in place",
+                        _cast_code(
+                            o.name,
+                            f"p.requires_grad and {accepted}",
+                            req.cast_to,
+                            f"{req.name} needs {'/'.join(sorted(req.param_dtypes))}",
+                        ),
+                        params,
+                        _DTYPES[req.cast_to],
+                        f"parameters held by {o.name}",
+                    )
+                )
+            yield Finding(
+                "optimizer-dtype-requirement",
+                req.severity,
+                o.name,
+                f"{o.name} ({req.name}) holds {len(bad)} trainable {'/'.join(dtypes)} parameters "
+                f"({elements:,} elements): {req.consequence}.",
+                {
+                    "optimizer": o.class_path,
+                    "requirement": req.name,
+                    "accepted_param_dtypes": sorted(req.param_dtypes),
+                    "offending_param_dtypes": dtypes,
+                    "offending_params": len(bad),
+                    "grads_in_another_dtype": len(mismatched_grads),
+                },
+                fixes,
+            )
+        if req.grads_match_params and mismatched_grads:
+            pairs = sorted({f"{p.dtype} param / {p.grad_dtype} grad" for p in mismatched_grads})
+            fixes = [] if live is None else [_grad_cast_fix(o.name, _live_params(live, {p.id for p in mismatched_grads}))]
+            yield Finding(
+                "optimizer-dtype-requirement",
+                "error",
+                o.name,
+                f"{o.name} ({req.name}) has {len(mismatched_grads)} parameters whose gradients are in another dtype "
+                f"({', '.join(pairs)}): the kernel is chosen by the gradient's dtype and reads the parameter in it.",
+                {"optimizer": o.class_path, "requirement": req.name, "pairs": pairs},
+                fixes,
+            )
+        if req.state_dtypes is not None:
+            wrong = sorted({sd for p in o.params for _k, sd in p.state_dtypes if sd not in req.state_dtypes})
+            if wrong:
+                yield Finding(
+                    "optimizer-dtype-requirement",
+                    "error",
+                    o.name,
+                    f"{o.name} ({req.name}) has {'/'.join(wrong)} state tensors; its 32-bit kernels expect "
+                    f"{'/'.join(sorted(req.state_dtypes))} state ({req.consequence}).",
+                    {"optimizer": o.class_path, "state_dtypes": wrong},
+                )
+        if req.low_bit_from is not None:
+            big = [p for p in o.params if p.numel >= req.low_bit_from and p.state_dtypes]
+            if big:
+                yield Finding(
+                    "optimizer-dtype-requirement",
+                    "info",
+                    o.name,
+                    f"{o.name} ({req.name}) keeps 32-bit floating state for {len(big)} parameters of at least "
+                    f"{req.low_bit_from} elements (optim_bits=32 or a per-parameter override): no memory is saved there.",
+                    {"optimizer": o.class_path, "params_with_32bit_state": len(big), "min_8bit_size": req.low_bit_from},
+                )
+
+
+#: torch optimizers whose update mixes state and gradient with ``lerp`` / ``addcmul`` in one dtype: any
+#: state/param dtype mismatch raises there (measured on torch 2.13, for-loop and foreach paths alike).
+_SAME_DTYPE_ONLY = frozenset(
+    {
+        "torch.optim.adam.Adam",
+        "torch.optim.adamw.AdamW",
+        "torch.optim.adamax.Adamax",
+        "torch.optim.nadam.NAdam",
+        "torch.optim.radam.RAdam",
+        "torch.optim._adafactor.Adafactor",
+    }
+)
+
+
+def _narrower(state: str, param: str) -> bool:
+    """True when a state in ``state`` dtype loses range or precision against ``param`` (fp16 vs bf16: both ways)."""
+    if state == param:
+        return False
+    return _WIDTH.get(state, 0) <= _WIDTH.get(param, 0)
+
+
+def _state_cast_fix(
+    name: str, live: Any, flagged: list[tuple[int, str, str, str]], pairs: list[tuple[str, str]], widening: bool
+) -> Fix:
+    """Cast the flagged state tensors of optimizer ``name`` to their parameter's dtype, in place."""
+    by_id = {id(p): p for p in _live_params(live, {i for i, *_ in flagged})}
+    wanted = {(i, k) for i, k, *_ in flagged}
+
+    def pending() -> list[tuple[dict, Any, torch.dtype]]:
+        entries = []
+        for pid, p in by_id.items():
+            st = live.state.get(p)
+            for key, value in (st.items() if isinstance(st, dict) else ()):
+                if (pid, str(key)) in wanted and torch.is_tensor(value) and value.dtype != p.dtype:
+                    entries.append((st, key, p.dtype))
+        return entries
+
+    def plan() -> list[Change]:
+        entries = pending()
+        return [CastStateEntries(entries, f"state tensors of {name} to their parameter's dtype")] if entries else []
+
+    def verify() -> str | None:
+        left = pending()
+        return f"{len(left)} state tensors still differ from their parameter" if left else None
+
+    pair_code = ", ".join(f"(torch.{pd}, torch.{sd})" for pd, sd in pairs)
+    code = (
+        "import torch\n"
+        f"mismatched = {{{pair_code}}}  # (param dtype, state dtype) pairs found\n"
+        f"for group in {name}.param_groups:\n"
+        '    for p in group["params"]:\n'
+        f"        for key, value in {name}.state.get(p, {{}}).items():\n"
+        "            if torch.is_tensor(value) and value.shape == p.shape and (p.dtype, value.dtype) in mismatched:\n"
+        f"                {name}.state[p][key] = value.to(p.dtype)  # as load_state_dict does"
+    )
+    return Fix(f"Cast {len(flagged)} state tensors of {name} to their parameter's dtype", code, widening, plan, verify)
+
+
+@check("optimizer-state-dtype-mismatch", "error")
+def optimizer_state_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+    """Optimizer state tensors in another dtype than their parameter, where that breaks or degrades the update.
+
+    What it detects
+        A full-size floating state tensor (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, ...: same shape
+        as its parameter) whose dtype differs from its parameter's, counted as a problem when (a) the
+        optimizer is a ``torch.optim`` class and the state is narrower than the parameter (fp16/bf16 state
+        for fp32 weights, or fp16 against bf16), or the class is one of Adam, AdamW, Adamax, NAdam, RAdam,
+        Adafactor, which need the two to match exactly; or (b) a third-party optimizer keeps state
+        narrower than its parameter. Wider state in third-party optimizers (fp32 moments for bf16 weights)
+        is a legitimate design and is not reported.
+    Why it matters
+        Usually the result of casting a model (``model.float()`` / ``.half()`` / ``.to(dtype)``) after the
+        optimizer has stepped: the parameters change dtype, the state does not. torch's Adam family then
+        raises at the next ``step()`` (``expected dtype ... for `end` but got ...``), foreach kernels (the
+        CUDA default) reject any narrower state, and where a step still runs, fp16 second moments underflow
+        for gradients below ~2.4e-4 and blow the update up.
+    Fix
+        Cast the mismatched state tensors to their parameter's dtype in place, as
+        ``Optimizer.load_state_dict`` does. Safe when every cast widens (fp16/bf16 state to fp32: values are
+        kept exactly); unsafe when one narrows.
+    Source
+        torch.optim ``_single_tensor_adamw`` / ``_multi_tensor_adamw`` (lerp requires one dtype);
+        ``Optimizer._process_value_according_to_param_policy``.
+    """
+    for o in facts.optimizers:
+        torch_class = o.class_path.startswith("torch.optim.")
+        same_only = o.class_path in _SAME_DTYPE_ONLY
+        flagged: list[tuple[int, str, str, str]] = []  # (param id, key, param dtype, state dtype)
+        crashes = False
+        for p in o.params:
+            for key, sd in p.state_dtypes:
+                if sd == p.dtype or sd not in _WIDTH or p.dtype not in _WIDTH:
+                    continue
+                narrower = _narrower(sd, p.dtype)
+                if torch_class and (narrower or same_only):
+                    crashes = True
+                    flagged.append((p.id, key, p.dtype, sd))
+                elif narrower:
+                    flagged.append((p.id, key, p.dtype, sd))
+        if not flagged:
+            continue
+        pairs = sorted({(pd, sd) for _i, _k, pd, sd in flagged})
+        widening = all(_WIDTH[pd] > _WIDTH[sd] for pd, sd in pairs)
+        live = _live_optimizer(facts, o)
+        fixes = [] if live is None else [_state_cast_fix(o.name, live, flagged, pairs, widening)]
+        desc = ", ".join(f"{sd} state for {pd} params" for pd, sd in pairs)
+        yield Finding(
+            "optimizer-state-dtype-mismatch",
+            "error" if crashes else "warning",
+            o.name,
+            f"{o.name} ({o.class_name}) holds {len(flagged)} state tensors in another dtype than their parameter ({desc}): "
+            + (
+                "its next step() will raise (or, where it runs, update with the wrong precision)."
+                if crashes
+                else "the moments lose range or precision the parameters have."
+            ),
+            {"optimizer": o.class_path, "pairs": [list(x) for x in pairs], "state_tensors": len(flagged)},
+            fixes,
+        )
+
+
+def _numel_multiset(values: Iterable[int]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _contained(small: dict[int, int], big: dict[int, int]) -> bool:
+    return bool(small) and all(big.get(k, 0) >= n for k, n in small.items())
+
+
+@check("optimizer-params-not-in-model", "error")
+def optimizer_params_not_in_model(facts: Facts) -> Iterator[Finding]:
+    """An optimizer holding parameters that no inspected model has.
+
+    What it detects
+        With at least one model inspected: an optimizer that shares no parameter with any of them, or
+        one that shares some with a model but also holds parameters no inspected model has. It is an
+        error when the evidence says the model was replaced: the orphaned parameters have the shapes of
+        a model's parameters (the model was re-created, copied, or ``.to(dtype)`` was called on a
+        ``copy.deepcopy``), or of the trainable parameters a model has that the optimizer lacks (a module
+        was swapped after the optimizer was built); a warning (no shared parameter, no twin) or info
+        (a few extra parameters, such as a learnable loss temperature) otherwise.
+    Why it matters
+        ``optimizer.step()`` updates the tensors the optimizer holds. When they are not the model's, the
+        model never changes: the loss stays flat while everything runs without an error.
+    Fix
+        None automatic. Re-create the optimizer (and its LR scheduler, and the Trainer or ``accelerate``
+        wrapper that holds it) from the live model's ``parameters()``. mpdoctor does not rebind: the
+        scheduler, ``AcceleratedOptimizer`` and Trainer keep references to the old optimizer object, and
+        moving Adam moments from the old parameters to new ones would apply another run's history to
+        weights it never saw.
+    Source
+        torch.optim docs ("construct optimizers after moving the model": an optimizer holds parameter
+        references, not names); ``copy.deepcopy`` and ``from_pretrained`` create new Parameters.
+    """
+    if not facts.models:
+        return
+    all_ids: set[int] = set()
+    for m in facts.models:
+        all_ids |= m.tensors.param_ids
+    for o in facts.optimizers:
+        orphans = [p for p in o.params if p.id not in all_ids]
+        if not orphans:
+            continue
+        models = facts.models_of(o)
+        orphan_numels = _numel_multiset(p.numel for p in orphans)
+        twins = [m.name for m in facts.models if _contained(orphan_numels, _numel_multiset(p.numel for p in m.tensors.params))]
+        owner = (models[0].name if models else twins[0] if twins else facts.models[0].name)
+        cls = o.class_path.rsplit(".", 1)[0] + "." + o.class_name if not o.class_path.startswith("torch.optim.") else f"torch.optim.{o.class_name}"
+        hint = f"{o.name} = {cls}({owner}.parameters(), ...)  # from the live model, with your hyper-parameters"
+        if not models:
+            severity = "error" if twins else "warning"
+            where = (
+                f"its parameters have the shapes of {', '.join(twins)}'s but are other tensors: the model was "
+                "re-created or copied after the optimizer was built, so step() updates a model nobody uses"
+                if twins
+                else "it updates tensors of a model mpdoctor was not shown (or of one that no longer exists)"
+            )
+            msg = f"{o.name} shares no parameter with any inspected model ({', '.join(m.name for m in facts.models)}); {where}."
+        else:
+            held = o.param_ids
+            missing = [
+                p for m in models for p in m.tensors.params if p.requires_grad and p.id not in held
+            ]
+            swapped = _contained(orphan_numels, _numel_multiset(p.numel for p in missing))
+            severity = "error" if swapped else "info"
+            msg = (
+                f"{o.name} holds {len(orphans)} parameters that {', '.join(m.name for m in models)} no longer has"
+                + (
+                    f", and {len(missing)} trainable parameters of the model with the same shapes are in no optimizer: "
+                    "a module was replaced after the optimizer was built, so the new one never trains."
+                    if swapped
+                    else " (extra tensors such as a learnable loss temperature, or leftovers of a replaced module)."
+                )
+            )
+        yield Finding(
+            "optimizer-params-not-in-model",
+            severity,
+            o.name,
+            msg + f" Re-create the optimizer from the live model: {hint}",
+            {
+                "orphan_params": len(orphans),
+                "orphan_elements": sum(p.numel for p in orphans),
+                "shared_with": [m.name for m in models],
+                "suggested_code": hint,
+            },
+        )
+
+
+#: Stock torch optimizers whose moments follow the parameter dtype (``zeros_like(p)``).
+_STOCK_ADAM = frozenset({"torch.optim.adam.Adam", "torch.optim.adamw.AdamW"})
+#: bf16 keeps 8 significant bits: an addition smaller than half a unit in the last place is lost.
+BF16_HALF_ULP = 2.0**-8
+
+
+@check("pure-bf16-adamw", "warning")
+def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
+    """bf16 weights updated by stock torch Adam/AdamW, whose moments and update are then bf16 too.
+
+    What it detects
+        ``torch.optim.Adam`` / ``AdamW`` holding trainable bf16 parameters whose ``exp_avg`` /
+        ``exp_avg_sq`` are bf16 (or not created yet: torch creates them in the parameter's dtype).
+    Why it matters
+        An Adam step moves each weight by about ``lr``; bf16 keeps 8 significant bits, so the step is lost
+        whenever it is smaller than half a unit in the last place, i.e. for every weight larger than about
+        ``256 * lr`` in magnitude (0.0026 at ``lr=1e-5``). Most updates round to zero and training stalls
+        without any error.
+    Fix
+        Keep fp32 master weights: cast the trainable bf16 parameters (with their grads and Adam state) to
+        fp32 in place, keeping the Parameter objects, and compute in bf16 with autocast
+        (``TrainingArguments(bf16=True)`` / ``torch.autocast(..., dtype=torch.bfloat16)``). Unsafe: it
+        doubles their memory and changes the dtype they compute in without autocast. Alternatives that
+        stay in bf16: ``adamw_bf16.AdamWBF16`` (stochastic rounding) or optimi with ``kahan_sum=True``.
+    Source
+        "Revisiting BFloat16 Training" (Zamirai et al., 2020); optimi's low-precision training notes;
+        adamw-bf16 README.
+    """
+    for o in facts.optimizers:
+        if o.class_path not in _STOCK_ADAM:
+            continue
+        pure = [
+            p
+            for p in o.params
+            if p.requires_grad
+            and p.dtype == "bfloat16"
+            and all(sd == "bfloat16" for k, sd in p.state_dtypes if k in ("exp_avg", "exp_avg_sq"))
+        ]
+        if not pure:
+            continue
+        lr = o.defaults.get("lr")
+        lost = (
+            f" at lr={lr:g} a step is lost for every weight larger than {lr / BF16_HALF_ULP:.2g} in magnitude"
+            if isinstance(lr, (int, float)) and lr > 0
+            else " a step is lost for every weight larger than about 256 * lr in magnitude"
+        )
+        live = _live_optimizer(facts, o)
+        fixes = []
+        if live is not None:
+            params = _live_params(live, {p.id for p in pure})
+            code = _cast_code(
+                o.name, "p.requires_grad and p.dtype == torch.bfloat16", "float32", "fp32 master weights"
+            ) + (
+                "\n# then compute in bf16 with autocast: TrainingArguments(bf16=True) or\n"
+                "# with torch.autocast(device_type, dtype=torch.bfloat16): loss = model(**batch).loss\n"
+                "# (or keep bf16 weights with adamw_bf16.AdamWBF16 / optimi kahan_sum=True)"
+            )
+            fixes.append(
+                _cast_fix(
+                    facts,
+                    f"Keep fp32 master weights: cast {len(params)} trainable bf16 parameters of {o.name} to fp32",
+                    code,
+                    params,
+                    torch.float32,
+                    f"trainable bf16 parameters held by {o.name}",
+                )
+            )
+        yield Finding(
+            "pure-bf16-adamw",
+            "warning",
+            o.name,
+            f"{o.name} ({o.class_name}) updates {len(pure)} trainable bf16 parameters with bf16 moments: bf16 keeps "
+            f"8 significant bits, so{lost}; training stalls silently.",
+            {
+                "optimizer": o.class_path,
+                "bf16_params": len(pure),
+                "bf16_elements": sum(p.numel for p in pure),
+                "lr": lr,
+            },
+            fixes,
+        )
