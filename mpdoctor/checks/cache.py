@@ -46,6 +46,9 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
         nested one (``Gemma3ForConditionalGeneration`` has only
         ``config.text_config.use_cache``, so ``model.config.use_cache = False``
         is not enough).
+        A transformers model with gradient checkpointing on is left to
+        ``gradient-checkpointing-with-cache``: transformers then drops the
+        cache at every training forward itself.
     Why it matters
         Every training forward builds and returns a KV cache nobody reads:
         memory spent for nothing, and incompatible with gradient checkpointing.
@@ -55,14 +58,15 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
         ``'HybridCache' object has no attribute 'float'``.
     Fix
         Set ``use_cache=False`` on the config, every sub-config and the
-        generation config, in place. Not offered for recurrent/hybrid model
+        generation config, in place (undo it before ``generate()``, which
+        reads the generation config). Not offered for recurrent/hybrid model
         types where the uncached path computes differently.
     Source
         LLaMA-Factory #7373; transformers issue #36814 and PR #37044.
     """
     tf_version = facts.runtime.versions.get("transformers")
     for m in facts.models:
-        if not m.training:
+        if not m.training or (m.tensors.gradient_checkpointing and m.is_pretrained):
             continue
         cached = [c for c in _cached(m) if not c.is_generation_config]
         if not cached:
@@ -100,16 +104,22 @@ def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
     """Gradient checkpointing switched on while the cache is still on.
 
     What it detects
-        A model with gradient checkpointing enabled on some module and
-        ``use_cache=True`` on a config or sub-config.
+        A model with gradient checkpointing enabled on some module (the
+        ``gradient_checkpointing`` flag that transformers' ``activation_checkpointing_enable()``
+        and its alias ``gradient_checkpointing_enable()`` set) and
+        ``use_cache=True`` on a config or sub-config. Info for a transformers
+        model, warning for other modules.
     Why it matters
-        The two are incompatible: transformers turns the cache off at every
-        forward with a warning, or (in custom and older models) recomputation
-        in backward meets a cache built in forward and memory savings are lost.
+        The two are incompatible: a transformers model drops the cache at every
+        training forward and logs "use_cache=True is incompatible with gradient
+        checkpointing" (so the flag says the opposite of what runs); in custom
+        modules recomputation in backward meets a cache built in forward and
+        the memory checkpointing saves is spent on the cache.
     Fix
-        Set ``use_cache=False`` on every config and sub-config, in place.
+        Set ``use_cache=False`` on every config and sub-config (and the
+        generation config), in place.
     Source
-        transformers: "use_cache=True is incompatible with gradient checkpointing".
+        transformers ``GradientCheckpointingLayer``: "use_cache=True is incompatible with gradient checkpointing".
     """
     for m in facts.models:
         if not m.tensors.gradient_checkpointing:
@@ -117,12 +127,19 @@ def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
         cached = [c for c in _cached(m) if not c.is_generation_config]
         if not cached:
             continue
+        flags = ", ".join(f"{c.path}.use_cache" for c in cached)
+        msg = (
+            f"{m.name} has gradient checkpointing on while {flags} is True; transformers drops the cache at every "
+            "training forward and warns, so the flag says the opposite of what runs."
+            if m.is_pretrained
+            else f"{m.name} has gradient checkpointing on while {flags} is True; the cache defeats the memory "
+            "checkpointing saves."
+        )
         yield Finding(
             "gradient-checkpointing-with-cache",
-            "warning",
+            "info" if m.is_pretrained else "warning",
             cached[0].path + ".use_cache",
-            f"{m.name} has gradient checkpointing on while {', '.join(c.path for c in cached)}.use_cache is True; "
-            "the cache defeats the memory checkpointing saves.",
+            msg,
             {"gradient_checkpointing": True, "use_cache_true": [c.path for c in cached]},
             [] if (m.model_type or "") in CACHE_CHANGES_LOGITS else [cache_off_fix(m)],
         )

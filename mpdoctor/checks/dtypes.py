@@ -1,0 +1,484 @@
+"""Checks on parameter dtypes: two dtypes in one compute path, grads that disagree with
+their parameter, and a model held in another dtype than its checkpoint."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from ..facts import Facts, ModelFacts
+from ..facts.tensors import FLOATING, ModuleDtypes
+from ..findings import Finding
+from ..fixes import Change, Fix, cast_params_fix, cast_tensor
+from . import check
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+def widens(src: str, dst: str) -> bool:
+    """True when every ``src`` value is exactly a ``dst`` value (bf16 -> fp32, fp16 -> fp32)."""
+    a, b = torch_dtype(src), torch_dtype(dst)
+    return a != b and torch.promote_types(a, b) == b
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _name(class_path: str) -> str:
+    return class_path.rsplit(".", 1)[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed-param-dtypes
+# ---------------------------------------------------------------------------------------------
+
+_NORM_NAME = re.compile(r"Norm(\d+d)?$")
+#: Norm classes verified to return their input's dtype whatever their weight's dtype.
+_NORMS_KEEPING_INPUT_DTYPE = ("torch.nn.modules.normalization.", "torch.nn.modules.batchnorm.", "torch.nn.modules.instancenorm.")
+_GEMMA_NORM = re.compile(r"^transformers\.models\.\w+\.modeling_\w+\.Gemma\w*RMSNorm$")
+
+
+class Unit(NamedTuple):
+    """A module with direct floating parameters, as the mixed-dtype rule sees it."""
+
+    module: ModuleDtypes
+    role: str  # "compute", "adapter" (behind a patched forward) or "norm" (one that may promote)
+    patched: str | None  # origin of a patched forward on the module, its parent or its tuner layer
+
+
+def _is_norm(class_path: str) -> bool:
+    return bool(_NORM_NAME.search(_name(class_path)))
+
+
+def _norm_keeps_input_dtype(class_path: str) -> bool:
+    return class_path.startswith(_NORMS_KEEPING_INPUT_DTYPE) or bool(_GEMMA_NORM.match(class_path))
+
+
+def _kept_in_fp32(path: str, keep: tuple[str, ...]) -> bool:
+    dotted = f".{path}."
+    return any(f".{name}." in dotted for name in keep)
+
+
+def compute_units(m: ModelFacts) -> list[Unit]:
+    """The modules whose parameters meet the activations uncast (see ``mixed_param_dtypes``)."""
+    patched = dict(m.tensors.patched_forwards)
+    tuners = sorted(m.tensors.tuner_layers, key=len, reverse=True)
+    units: list[Unit] = []
+    for md in m.tensors.modules:
+        if md.class_path.startswith("bitsandbytes.") or _kept_in_fp32(md.path, m.keep_in_fp32):
+            continue
+        tuner = next((t for t in tuners if md.path != t and _under(md.path, t)), None)
+        if tuner is not None and not _under(md.path, f"{tuner}.base_layer"):
+            # A PEFT adapter: PEFT casts the input to its dtype and the sum back, unless a patched
+            # forward on the tuner layer or its parent reads the adapter weights itself.
+            origin = patched.get(tuner) or patched.get(_parent(tuner))
+            if origin is not None:
+                units.append(Unit(md, "adapter", origin))
+            continue
+        origin = patched.get(md.path) or patched.get(_parent(md.path))
+        if _is_norm(md.class_path):
+            if not _norm_keeps_input_dtype(md.class_path):
+                units.append(Unit(md, "norm", origin))
+            continue
+        units.append(Unit(md, "compute", origin))
+    return units
+
+
+def _elements(m: ModelFacts) -> dict[str, int]:
+    return {p.name: p.numel for p in m.tensors.params}
+
+
+def compute_dtype(m: ModelFacts, units: list[Unit]) -> str | None:
+    """The dtype holding most elements among the non-norm units (ties: the first unit's)."""
+    numel = _elements(m)
+    totals: dict[str, int] = {}
+    for u in units:
+        if u.role == "norm":
+            continue
+        for pname, dtype, _ in u.module.params:
+            full = f"{u.module.path}.{pname}" if u.module.path else pname
+            totals[dtype] = totals.get(dtype, 0) + numel.get(full, 0)
+    if not totals:
+        return None
+    order = list(totals)
+    return max(order, key=lambda d: (totals[d], -order.index(d)))
+
+
+def _offenders(units: list[Unit], dtype: str) -> list[Unit]:
+    out = []
+    for u in units:
+        others = u.module.dtypes - {dtype}
+        if not others:
+            continue
+        if u.role == "norm":
+            # A norm only harms when its weight promotes the activations past the compute dtype.
+            target = torch_dtype(dtype)
+            if all(torch.promote_types(torch_dtype(d), target) == target for d in others):
+                continue
+        out.append(u)
+    return out
+
+
+def autocast_cover(facts: Facts, m: ModelFacts) -> str | None:
+    """What autocasts ``m``'s forward, if anything: torch.autocast now, accelerate's wrapper, a Trainer."""
+    on = {dev: dt for dev, dt in facts.runtime.autocast.items() if dev in m.tensors.devices}
+    if on:
+        return ", ".join(f"torch.autocast({dev!r}, {dt})" for dev, dt in on.items())
+    if m.forward_wrapped:
+        return f"accelerate's autocast wrapper on {m.name}.forward"
+    for setup in facts.precisions:
+        if m.name in setup.model_names and setup.effective in ("fp16", "bf16"):
+            return f"{setup.name} ({setup.effective} autocast)"
+    return None
+
+
+def _describe(units: list[Unit], limit: int = 3) -> str:
+    parts = [f"{u.module.path or '<root>'} ({_name(u.module.class_path)}: {'/'.join(sorted(u.module.dtypes))})" for u in units[:limit]]
+    more = f" and {len(units) - limit} more" if len(units) > limit else ""
+    return ", ".join(parts) + more
+
+
+def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: str) -> Fix:
+    root = m.subject.obj
+    params, paths, narrowing = [], [], False
+    for u in units:
+        mod = root.get_submodule(u.module.path)
+        for pname, pdtype, _ in u.module.params:
+            p = mod._parameters.get(pname)
+            if isinstance(p, torch.Tensor) and pdtype != dtype:
+                params.append(p)
+                narrowing = narrowing or not widens(pdtype, dtype)
+        paths.append(u.module.path)
+    optimizers = [facts.subject(o.name).inner for o in facts.optimizers_of(m)]
+    listed = "".join(f"\n    {p!r}," for p in paths)
+    code = (
+        f"for path in ({listed}\n):\n"
+        f"    for p in {m.name}.get_submodule(path).parameters(recurse=False):\n"
+        f"        if p.is_floating_point() and p.dtype != torch.{dtype}:\n"
+        f"            p.data = p.data.to(torch.{dtype})  # same Parameter: optimizers keep their references"
+    )
+    return cast_params_fix(
+        f"Cast {len(params)} parameters of {len(paths)} modules of {m.name} to {dtype}",
+        code,
+        params,
+        torch_dtype(dtype),
+        optimizers,
+        label=f"minority parameters of {m.name}",
+        safe=not narrowing,
+    )
+
+
+@check("mixed-param-dtypes", "error")
+def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
+    """Parameters of two floating dtypes in one compute path that nothing casts between.
+
+    What it detects
+        A model whose compute modules hold parameters of a dtype other than
+        the model's compute dtype (the dtype of most elements), where no cast
+        brings the activations to them. Compute modules are the modules with
+        direct floating parameters, except: adapters inside PEFT tuner layers
+        (PEFT casts the input to the adapter dtype and the sum back), unless a
+        patched forward on the tuner layer or its parent (a function assigned
+        from another package, as Unsloth's fused LoRA kernels are) reads the
+        adapter weights itself; modules named in transformers'
+        ``_keep_in_fp32_modules`` (its code casts around them); bitsandbytes
+        layers (they cast to their compute dtype); norms that return their
+        input's dtype (torch's LayerNorm / RMSNorm / GroupNorm / BatchNorm,
+        Gemma's RMSNorm). Other norms count only when their weight is wider
+        than the compute dtype, because ``weight * x`` then promotes the
+        activations. Error for a compute module without autocast; warning
+        when only such norms differ; under autocast (``torch.autocast`` now,
+        accelerate's wrapped forward, a Trainer autocasting the model) only
+        modules behind a patched forward are reported, as a warning.
+    Why it matters
+        Without autocast a matmul takes one dtype: an fp32 adapter or layer
+        fed bf16 activations raises ``mat1 and mat2 must have the same dtype``
+        (``expected m1 and m2 to have the same dtype``), and a norm that
+        returns fp32 (Llama's RMSNorm) makes the next bf16 Linear raise it.
+        Autocast casts the inputs of out-of-place matmuls but not of in-place
+        ones (``addmm_``) inside custom autograd Functions, which is how
+        Unsloth's fused LoRA backward met fp32 adapters under gradient
+        checkpointing.
+    Fix
+        Cast the minority parameters of the affected modules (with their
+        grads and optimizer state) to the compute dtype in place, keeping the
+        Parameter objects. Safe when every cast widens exactly (bf16 -> fp32);
+        unsafe when it narrows (fp32 adapters -> bf16).
+    Source
+        Unsloth issues #1260 and #212 ("expected mat1 and mat2 to have the
+        same dtype, but got: c10::BFloat16 != float"); PEFT's LoRA
+        ``_cast_input_dtype``; transformers ``_keep_in_fp32_modules``.
+    """
+    for m in facts.models:
+        units = compute_units(m)
+        dtype = compute_dtype(m, units)
+        if dtype is None:
+            continue
+        offenders = _offenders(units, dtype)
+        if not offenders:
+            continue
+        cover = autocast_cover(facts, m)
+        if cover is not None:
+            offenders = [u for u in offenders if u.patched and u.role != "norm"]
+            if not offenders:
+                continue
+            severity = "warning"
+            origins = sorted({u.patched for u in offenders if u.patched})
+            msg = (
+                f"{_describe(offenders)} of {m.name} hold weights other than its {dtype} compute dtype and are read "
+                f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
+                "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
+            )
+        elif any(u.role != "norm" for u in offenders):
+            severity = "error"
+            msg = (
+                f"{m.name} computes in {dtype} but {_describe([u for u in offenders if u.role != 'norm'])} hold other "
+                "dtypes and nothing autocasts: the first matmul that meets both raises "
+                "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
+                "diagnose inside it)."
+            )
+        else:
+            severity = "warning"
+            msg = (
+                f"{m.name} computes in {dtype} but the norms {_describe(offenders)} hold wider weights and nothing "
+                f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
+                f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
+            )
+        yield Finding(
+            "mixed-param-dtypes",
+            severity,
+            m.name,
+            msg,
+            {
+                "compute_dtype": dtype,
+                "modules": {u.module.path: sorted(u.module.dtypes) for u in offenders},
+                "roles": {u.module.path: u.role for u in offenders},
+                "autocast": cover,
+                "patched_forwards": sorted({u.patched for u in offenders if u.patched}),
+            },
+            [_cast_minority_fix(facts, m, offenders, dtype)],
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# grad-dtype-mismatch
+# ---------------------------------------------------------------------------------------------
+
+#: Optimizers whose step raises when a grad's dtype differs from its parameter's: their
+#: ``lerp`` / ``addcmul`` updates take one dtype ("expected dtype c10::BFloat16 for `end`").
+LERP_OPTIMIZERS = frozenset(
+    {
+        "torch.optim.adam.Adam",
+        "torch.optim.adamw.AdamW",
+        "torch.optim.adamax.Adamax",
+        "torch.optim.nadam.NAdam",
+        "torch.optim.radam.RAdam",
+    }
+)
+
+
+class CastGrads(Change):
+    """Cast ``p.grad`` to ``p.dtype`` for each parameter, keeping the grad tensor objects."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.description = f"cast the grads of {len(params)} parameters to their parameter's dtype"
+        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        # Allocate every new grad first: a failure here changes nothing.
+        staged = [
+            (p.grad, cast_tensor(p.grad.data, p.dtype))
+            for p in self.params
+            if p.grad is not None and p.grad.dtype != p.dtype
+        ]
+        self._backup = []
+        for grad, new in staged:
+            self._backup.append((grad, grad.data))
+            grad.data = new
+
+    def revert(self) -> None:
+        for grad, old in reversed(self._backup):
+            grad.data = old
+        self._backup = []
+
+
+def cast_grads_fix(title: str, code: str, params: list[torch.nn.Parameter], safe: bool) -> Fix:
+    """A fix casting each parameter's grad to the parameter's dtype in place."""
+
+    def plan() -> list[Change]:
+        return [CastGrads(params)]
+
+    def verify() -> str | None:
+        left = sum(1 for p in params if p.grad is not None and p.grad.dtype != p.dtype)
+        return f"{left} grads still differ from their parameter's dtype" if left else None
+
+    backup = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    return Fix(title, code, safe, plan, verify, backup_bytes=backup)
+
+
+@check("grad-dtype-mismatch", "error")
+def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+    """Parameters whose ``.grad`` has another dtype than the parameter.
+
+    What it detects
+        A parameter (of a model, or held only by an optimizer) whose ``.grad``
+        dtype differs from its own: left behind by ``p.data = p.data.bfloat16()``
+        after a backward, or made on purpose by casting ``p.grad.data`` (a
+        ``--gradient_precision=fp32`` option). Error when an optimizer holding
+        it is one of torch's Adam family, whose step then raises; warning
+        otherwise.
+    Why it matters
+        torch refuses ``p.grad = g`` of another dtype, but ``.data`` writes slip
+        past it. Adam, AdamW, Adamax, NAdam and RAdam then raise at ``step()``
+        (``expected dtype c10::BFloat16 for `end` but got dtype float``); SGD
+        with momentum silently builds fp32 state for bf16 parameters (twice
+        the memory, and state that no longer matches its parameter).
+    Fix
+        Cast each grad to its parameter's dtype in place (``p.grad.data =
+        p.grad.data.to(p.dtype)``, the same grad tensor). Safe when that widens
+        the grad (bf16 grad of an fp32 parameter); unsafe when it narrows.
+    Source
+        SimpleTuner issue #755 (``--gradient_precision=fp32``); torch.optim
+        Adam's ``lerp`` update.
+    """
+    seen: set[int] = set()
+    holders: list[tuple[str, object, list[tuple[int, str, str | None]]]] = []
+    for m in facts.models:
+        rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
+        holders.append((m.name, m.subject.obj, rows))
+        seen.update(p.id for p in m.tensors.params)
+    for o in facts.optimizers:
+        rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
+        holders.append((o.name, facts.subject(o.name).inner, rows))
+    for name, live, rows in holders:
+        bad = {pid: (dt, gdt) for pid, dt, gdt in rows if gdt is not None and gdt != dt}
+        if not bad:
+            continue
+        if isinstance(live, torch.nn.Module):
+            candidates = list(live.parameters())
+        else:
+            candidates = [p for g in live.param_groups for p in g["params"]]
+        params = [p for p in candidates if id(p) in bad]
+        optimizers = [o for o in facts.optimizers if o.param_ids & bad.keys()]
+        crashing = [o.name for o in optimizers if o.class_path in LERP_OPTIMIZERS]
+        pairs = sorted({f"{gdt} grads on {dt} parameters" for dt, gdt in bad.values()})
+        safe = all(widens(gdt, dt) for dt, gdt in bad.values())
+        if crashing:
+            consequence = f"{', '.join(crashing)}.step() will raise 'expected dtype ... but got dtype ...'"
+        elif optimizers:
+            consequence = f"{', '.join(o.name for o in optimizers)} will build optimizer state in the grads' dtype"
+        else:
+            consequence = "an optimizer step will raise (Adam family) or build state in the grads' dtype"
+        source = (
+            f"{name}.parameters()"
+            if isinstance(live, torch.nn.Module)
+            else f"(p for group in {name}.param_groups for p in group['params'])"
+        )
+        code = (
+            f"for p in {source}:\n"
+            "    if p.grad is not None and p.grad.dtype != p.dtype:\n"
+            "        p.grad.data = p.grad.data.to(p.dtype)  # the same grad tensor, in the parameter's dtype"
+        )
+        yield Finding(
+            "grad-dtype-mismatch",
+            "error" if crashing else "warning",
+            name,
+            f"{len(bad)} parameters of {name} carry {'; '.join(pairs)}: {consequence}.",
+            {"parameters": len(bad), "pairs": pairs, "optimizers": [o.name for o in optimizers], "raises_in": crashing},
+            [cast_grads_fix(f"Cast {len(params)} grads of {name} to their parameter's dtype", code, params, safe)],
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# load-dtype-mismatch
+# ---------------------------------------------------------------------------------------------
+
+
+@check("load-dtype-mismatch", "warning")
+def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+    """A model held in another dtype than its checkpoint (``model.dtype != config.dtype``).
+
+    What it detects
+        A model whose main parameter dtype (the dtype of most elements)
+        differs from ``config.dtype`` / ``config.torch_dtype``, the dtype its
+        checkpoint was saved in: a bf16 checkpoint loaded in fp32 (the default
+        of transformers 4.x, or ``.float()`` after loading), or cast to fp16.
+        Warning when the model is fp16 and the checkpoint is not (fp16's range
+        ends at 65504; weights and activations trained in bf16 or fp32 can
+        overflow to inf); info otherwise.
+    Why it matters
+        fp32 weights from a bf16 checkpoint take twice the memory and add no
+        information: right as fp32 master weights under autocast, waste for
+        inference. bf16 from an fp32 checkpoint drops mantissa bits but keeps
+        the range, which is usually intended.
+    Fix
+        Cast the parameters in the model's dtype to the checkpoint dtype in
+        place, keeping the Parameter objects; not offered when an optimizer
+        holds the parameters of a model wider than its checkpoint (fp32
+        master weights), nor for bf16 from fp32. Always unsafe: it changes
+        the dtype layers compute in, and narrowing loses bits. Better: load
+        with ``from_pretrained(..., dtype=...)``.
+    Source
+        transformers ``from_pretrained`` ``dtype`` / ``torch_dtype`` argument
+        (default fp32 before 5.0, "auto" since); mpdoctor field notes.
+    """
+    for m in facts.models:
+        saved, held = m.config_dtype, m.tensors.main_dtype
+        if saved not in FLOATING or held not in FLOATING or saved == held:
+            continue
+        training = bool(facts.optimizers_of(m))
+        where = next((c.path for c in m.configs if c.dtype and not c.is_generation_config), m.config_path)
+        if held == "float16":
+            severity, why = "warning", "fp16's range ends at 65504, so values trained in a wider range can overflow to inf"
+        elif widens(saved, held):
+            severity = "info"
+            why = (
+                "fp32 master weights are right under autocast" if training
+                else f"{torch_dtype(held).itemsize // torch_dtype(saved).itemsize}x the memory for no extra information"
+            )
+        else:
+            severity, why = "info", "precision is lost but the range is kept, which is usually intended"
+        offer = not (training and widens(saved, held)) and not (saved == "float32" and held == "bfloat16")
+        fixes = []
+        if offer:
+            live = m.subject.obj
+            params = [p for p in live.parameters() if p.dtype == torch_dtype(held)]
+            code = (
+                f"# better: from_pretrained(..., dtype=torch.{saved})\n"
+                f"for p in {m.name}.parameters():\n"
+                f"    if p.dtype == torch.{held}:\n"
+                f"        p.data = p.data.to(torch.{saved})"
+            )
+            fixes.append(
+                cast_params_fix(
+                    f"Cast {len(params)} {held} parameters of {m.name} to the checkpoint's {saved}",
+                    code,
+                    params,
+                    torch_dtype(saved),
+                    [facts.subject(o.name).inner for o in facts.optimizers_of(m)],
+                    label=f"{held} parameters of {m.name}",
+                )
+            )
+        yield Finding(
+            "load-dtype-mismatch",
+            severity,
+            m.name,
+            f"{m.name} holds {held} parameters but its checkpoint is {saved} ({where}.dtype): {why}.",
+            {"model_dtype": held, "config_dtype": saved, "held_by_optimizer": training},
+            fixes,
+        )
