@@ -100,6 +100,15 @@ class Report:
             self._histogram = pd.DataFrame(rows, columns=HISTOGRAM_COLUMNS)
         return self._histogram
 
+    @property
+    def scan_table(self) -> pandas.DataFrame | None:
+        """Per-module value scan (NaN/Inf counts, abs max, fp16/bf16 range), or None without ``scan=True``."""
+        if not self.facts.scans:
+            return None
+        from .numerics.scan import scan_table
+
+        return scan_table(self)
+
     # -- actions -----------------------------------------------------------------------
     def refresh(self) -> Report:
         """Diagnose the same live objects again (with the same target, scan and ignore list)."""

@@ -99,6 +99,26 @@ def hardware_view(report: Any) -> dict:
     }
 
 
+def scan_view(report: Any) -> list[dict]:
+    """Per-module value-scan rows (only modules with something to say, plus totals); empty without a scan."""
+    if not report.facts.scans:
+        return []
+    from ..numerics.scan import scan_rows
+
+    return scan_rows(report.facts)
+
+
+def probe_view(report: Any) -> list[dict]:
+    """The one-batch probe table as rows; empty for reports that did not probe."""
+    table = getattr(report, "probe_table", None)
+    if table is None:
+        return []
+    try:
+        return table.to_dict(orient="records")
+    except Exception:
+        return []
+
+
 def report_dict(report: Any) -> dict:
     """The whole report as a JSON-serialisable dict."""
     from ..checks import REGISTRY
@@ -115,6 +135,8 @@ def report_dict(report: Any) -> dict:
         "precision": precision_view(report),
         "caches": cache_view(report),
         "scalers": scaler_view(report),
+        "scan": scan_view(report),
+        "probe": probe_view(report),
         "runtime": {
             "autocast": rt.autocast,
             "matmul_tf32": rt.matmul_tf32,

@@ -33,7 +33,10 @@ def render_text(report: Any, width: int = 100) -> str:
     """Render a report as plain text."""
     data = report_dict(report)
     lines = [header(report)]
-    subj = ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"]) or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
+    subj = (
+        ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"])
+        or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
+    )
     lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
@@ -55,7 +58,8 @@ def render_text(report: Any, width: int = 100) -> str:
         for r in hist:
             lines.append(
                 f"  {r['object']:<{name_w}}  {r['kind']:<15} {SHORT_DTYPE.get(r['dtype'], r['dtype']):<6}"
-                f" {r['tensors']:>5} tensors {humanize_count(r['elements']):>8} elems {humanize_bytes(r['bytes']):>10}"
+                f" {r['tensors']:>4} tensor{'s' if r['tensors'] != 1 else ' '} {humanize_count(r['elements']):>6} elems"
+                f" {humanize_bytes(r['bytes']):>10}"
                 f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"
             )
     prec = precision_view(report)
@@ -76,9 +80,31 @@ def render_text(report: Any, width: int = 100) -> str:
     if scalers:
         lines += ["", "scalers"]
         for s in scalers:
-            scale = f"{s['scale']:g}" + ("" if s["scale_initialized"] else " (initial)")
+            scale = f"{s['scale']:g}" + ("" if s["scale_initialized"] else " (initial, no step yet)")
+            tracker = "-" if s["growth_tracker"] is None else s["growth_tracker"]
             lines.append(
                 f"  {s['name']}: {'enabled' if s['enabled'] else 'disabled'} on {s['device']} | scale {scale}"
-                f" | growth tracker {s['growth_tracker']}"
+                f" | growth tracker {tracker}"
             )
+    lines += _scan_lines(data["scan"])
     return "\n".join(lines)
+
+
+#: Scan rows shown in text: the ones with something wrong, at most this many.
+SCAN_ROWS_SHOWN = 12
+
+
+def _scan_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    bad = [r for r in rows if r["nan"] or r["inf"] or r["fp16_overflow"]]
+    total = sum(r["elements"] for r in rows)
+    out = ["", f"value scan: {len(rows)} module rows, {humanize_count(total)} values, {len(bad)} with NaN/Inf or past fp16's 65504"]
+    for r in bad[:SCAN_ROWS_SHOWN]:
+        out.append(
+            f"  {r['object']}.{r['module'] or '(root)'} {r['kind']}: nan {r['nan']}, inf {r['inf']},"
+            f" > 65504: {r['fp16_overflow']}, abs max {r['absmax']:.4g}"
+        )
+    if len(bad) > SCAN_ROWS_SHOWN:
+        out.append(f"  ... {len(bad) - SCAN_ROWS_SHOWN} more rows in report.scan_table")
+    return out

@@ -1,0 +1,412 @@
+"""The interactive report: core ipywidgets only, so it runs unchanged on ipywidgets 7.7.1 (Colab) and 8.
+
+No custom frontend code: every piece is a ``VBox`` / ``HBox`` / ``HTML`` /
+``Button`` / ``Tab`` / ``Textarea``, and the HTML inside comes from
+:mod:`mpdoctor.render.html`, which escapes every string taken from a user
+object. Button labels are plain text in both ipywidgets versions; no user
+string ever goes into a ``description`` of another widget (ipywidgets 7
+renders those as HTML).
+
+A click applies a fix to the live objects, then the report is re-diagnosed
+from those same objects (``Report.refresh()``), never patched from a cached
+state. Applied fixes belong to the report they came from; the widget keeps
+them in :attr:`ReportWidget.applied` so Undo works after any number of
+refreshes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..fixes import FixFailed, FixNeedsConfirmation
+from .data import report_dict
+from .html import (
+    COLORS,
+    FONT,
+    MUTED,
+    OK_COLOR,
+    PRE,
+    caches_html,
+    code,
+    e,
+    finding_body_html,
+    histogram_html,
+    precision_html,
+    scalers_html,
+    subjects_html,
+    verdict_html,
+)
+
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+#: Tab titles of the panels, in order.
+PANELS = ("dtypes", "caches", "scaler", "precision", "copy as issue report")
+
+
+@dataclass(eq=False)
+class AppliedFix:
+    """A fix applied from the widget, kept across refreshes for Undo.
+
+    ``finding`` and ``fix`` are the report-dict views as they were when the
+    fix was applied (the finding is usually gone from the refreshed report).
+    """
+
+    fix: Any
+    finding: dict
+    fix_view: dict
+    key: tuple[str, str]
+
+
+def iter_widgets(root: Any) -> Iterator[Any]:
+    """Every widget under ``root`` (included), depth first."""
+    stack = [root]
+    while stack:
+        widget = stack.pop()
+        yield widget
+        stack.extend(reversed(tuple(getattr(widget, "children", ()) or ())))
+
+
+def _close_tree(root: Any) -> None:
+    for widget in list(iter_widgets(root)):
+        try:
+            widget.close()
+        except Exception:  # a widget already closed, or a comm gone with its kernel
+            pass
+
+
+def _button_layout(w: Any) -> Any:
+    # Sized to the label (the default width truncates titles), never stretched by a VBox.
+    return w.Layout(width="auto", flex="0 0 auto", align_self="flex-start", margin="2px 6px 2px 0")
+
+
+def _finding_key(finding: Any) -> tuple[str, str]:
+    return (finding.check, finding.subject)
+
+
+def _fix_key(finding: Any, fix: Any) -> tuple[str, str, str]:
+    return (finding.check, finding.subject, fix.title)
+
+
+class ReportWidget:
+    """The report as ipywidgets, with one button per fix.
+
+    Parameters
+    ----------
+    report : Report
+        The diagnosis to show; replaced by a fresh one after every fix or undo.
+
+    Attributes
+    ----------
+    view : ipywidgets.VBox
+        The root widget (display it, or use :meth:`mimebundle`).
+    report : Report
+        The current (latest) diagnosis of the live objects.
+    applied : list of AppliedFix
+        Fixes applied from this widget and not undone, oldest first.
+    confirm_delay : float
+        Seconds a confirming click must come after the first one, so a
+        double-click never applies an unsafe fix.
+    """
+
+    confirm_delay = 0.4
+
+    def __init__(self, report: Any) -> None:
+        import ipywidgets as w
+
+        self._w = w
+        self.report = report
+        self.applied: list[AppliedFix] = []
+        self.status = ""
+        self._notes: dict[tuple[str, str], str] = {}
+        self._armed: dict[tuple[str, str, str], tuple[float, str]] = {}
+
+        self.header = w.HTML()
+        self.header.layout = w.Layout(flex="1 1 auto")
+        self.rediagnose_button = w.Button(
+            description="Re-diagnose",
+            tooltip="Diagnose the same live objects again",
+            layout=_button_layout(w),
+        )
+        self.rediagnose_button.on_click(lambda _b: self._refresh("Re-diagnosed the live objects"))
+        self.apply_all_button = w.Button(button_style="success", layout=_button_layout(w))
+        self.apply_all_button.on_click(self._on_apply_all)
+        self.status_line = w.HTML()
+        self.findings_box = w.VBox()
+        self.dtypes_panel = w.HTML()
+        self.caches_panel = w.HTML()
+        self.scaler_panel = w.HTML()
+        self.precision_panel = w.HTML()
+        self.issue_text = w.Textarea(layout=w.Layout(width="98%", height="260px"))
+        issue_help = w.HTML(
+            f"<div style='{FONT};color:{MUTED}'>The report as markdown, with versions and device: "
+            "click in the box, select all (Ctrl/Cmd+A), copy, and paste into a bug report.</div>"
+        )
+        self.panels = w.Tab(
+            children=[
+                self.dtypes_panel,
+                self.caches_panel,
+                self.scaler_panel,
+                self.precision_panel,
+                w.VBox([issue_help, self.issue_text]),
+            ]
+        )
+        for i, title in enumerate(PANELS):
+            self.panels.set_title(i, title)
+        self.panels.selected_index = 0
+        top = w.HBox(
+            [
+                self.header,
+                w.HBox([self.rediagnose_button, self.apply_all_button], layout=w.Layout(flex="0 0 auto")),
+            ],
+            layout=w.Layout(justify_content="space-between", align_items="flex-start", width="100%"),
+        )
+        self.view = w.VBox(
+            [top, self.status_line, self.findings_box, self.panels],
+            layout=w.Layout(border="1px solid #d0d7de", padding="6px 10px", margin="2px 0"),
+        )
+        self.view.add_class("mpdoctor-widget")
+        self._render()
+
+    # -- display ---------------------------------------------------------------------
+    def mimebundle(self) -> dict:
+        """The widget view plus ``text/plain`` and ``text/html`` for static exports.
+
+        Built from ``view.model_id`` (ipywidgets 7.7.1 has no ``_repr_mimebundle_``);
+        protocol version 2.0 is read by both ipywidgets 7 and 8 frontends.
+        """
+        return {
+            "text/plain": self.report.to_text(),
+            "text/html": self.report.to_html(),
+            WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0, "model_id": self.view.model_id},
+        }
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any) -> dict:
+        bundle = self.mimebundle()
+        if include:
+            bundle = {k: v for k, v in bundle.items() if k in include}
+        if exclude:
+            bundle = {k: v for k, v in bundle.items() if k not in exclude}
+        return bundle
+
+    def close(self) -> None:
+        """Close every widget of the report (the kernel side forgets them)."""
+        _close_tree(self.view)
+
+    # -- queries (for tests and scripting) ---------------------------------------------
+    def buttons(self, containing: str = "") -> list:
+        """Buttons whose label contains ``containing``, in display order."""
+        return [
+            x
+            for x in iter_widgets(self.view)
+            if isinstance(x, self._w.Button) and containing in (x.description or "")
+        ]
+
+    def html_values(self) -> list[str]:
+        """The markup of every HTML widget in the report."""
+        return [x.value for x in iter_widgets(self.view) if isinstance(x, (self._w.HTML, self._w.HTMLMath))]
+
+    # -- rendering -------------------------------------------------------------------
+    def _render(self) -> None:
+        data = report_dict(self.report)
+        self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}</div>"
+        pending_safe = [fx for fx in self.report.fixes if fx.safe and not fx.applied]
+        self.apply_all_button.description = f"Apply all safe fixes ({len(pending_safe)})"
+        self.apply_all_button.disabled = not pending_safe
+        self.apply_all_button.tooltip = (
+            "Apply every safe fix: they keep the meaning of the run (unsafe ones need their own click)"
+        )
+        self.status_line.value = (
+            f"<div style='{FONT};color:#0d47a1;background:#e3f2fd;padding:2px 6px;border-radius:3px'>{e(self.status)}</div>"
+            if self.status
+            else ""
+        )
+        open_keys = {_finding_key(f) for f in self.report.findings}
+        cards = [self._applied_card(a, a.key in open_keys) for a in self.applied]
+        cards += [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        if not self.report.findings:
+            cards.append(
+                self._w.HTML(f"<div style='{FONT};color:{OK_COLOR};margin:4px 0'>No problems found.</div>")
+            )
+        old = self.findings_box.children
+        self.findings_box.children = tuple(cards)
+        for widget in old:
+            _close_tree(widget)
+        self.dtypes_panel.value = histogram_html(data["histogram"])
+        self.caches_panel.value = caches_html(data["caches"])
+        self.scaler_panel.value = scalers_html(data["scalers"])
+        self.precision_panel.value = precision_html(data)
+        self.issue_text.value = self.report.to_markdown()
+
+    def _finding_card(self, finding: Any, view: dict) -> Any:
+        w = self._w
+        parts = [finding_body_html(view)]
+        if view["fixes"]:
+            snippets = "".join(
+                f"<div style='font-size:12px;color:{MUTED}'>{e(fx['title'])}:</div><pre style='{PRE}'>{e(fx['code'])}</pre>"
+                for fx in view["fixes"]
+            )
+            parts.append(
+                f"<details style='{FONT}'><summary style='cursor:pointer;color:{COLORS['info']}'>"
+                f"the same fix as code</summary>{snippets}</details>"
+            )
+        else:
+            parts.append(
+                f"<div style='{FONT};font-size:12px;color:{MUTED}'>No automatic fix for this one.</div>"
+            )
+        note = self._notes.get(_finding_key(finding))
+        if note:
+            parts.append(f"<div style='{FONT};color:#b71c1c;margin-top:2px'>&#9888; {e(note)}</div>")
+        buttons = [self._fix_button(finding, fix, fv, view) for fix, fv in zip(finding.fixes, view["fixes"])]
+        children = [w.HTML("".join(parts))]
+        if buttons:
+            children.append(w.HBox(buttons, layout=w.Layout(flex_flow="row wrap")))
+        return w.VBox(
+            children,
+            layout=w.Layout(
+                border=f"1px solid {COLORS[finding.severity]}", padding="4px 8px", margin="4px 0"
+            ),
+        )
+
+    def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> Any:
+        w = self._w
+        armed = self._armed.get(_fix_key(finding, fix))
+        if armed is not None:
+            description, style = armed[1], "danger"
+            tooltip = "Click again to apply this fix"
+        elif fix.safe:
+            description, style = fix_view["title"], "success"
+            tooltip = "Safe fix: keeps the meaning of the run you intended. Undo is available after."
+        else:
+            description, style = f"\u26a0 {fix_view['title']} (unsafe)", "warning"
+            tooltip = "Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
+        button = w.Button(
+            description=description, button_style=style, tooltip=tooltip, layout=_button_layout(w)
+        )
+        button.on_click(lambda _b: self._on_fix(finding, fix, fix_view, view))
+        return button
+
+    def _applied_card(self, entry: AppliedFix, still_reported: bool) -> Any:
+        w = self._w
+        f = entry.finding
+        outcome = (
+            f"<b style='color:{COLORS['error']}'>still reported after re-diagnosis: the fix did not take</b>"
+            if still_reported
+            else f"<span style='color:{OK_COLOR}'>gone after re-diagnosis of the live objects</span>"
+        )
+        html = (
+            f"<div style='{FONT}'><div><b style='color:{OK_COLOR}'>&#10004; applied</b> {e(entry.fix_view['title'])}</div>"
+            f"<div style='font-size:12px'>{code(f['check'])} on {code(f['subject'])}: {outcome}</div>"
+            f"<div style='font-size:12px;color:{MUTED};margin-top:2px'>to make it stick, paste this where the object is created:</div>"
+            f"<pre style='{PRE}'>{e(entry.fix_view['code'])}</pre></div>"
+        )
+        undo = w.Button(
+            description="Undo",
+            icon="undo",
+            tooltip="Restore exactly what this fix changed",
+            layout=_button_layout(w),
+        )
+        undo.on_click(lambda _b: self._on_undo(entry))
+        return w.VBox(
+            [w.HTML(html), undo],
+            layout=w.Layout(border=f"1px solid {OK_COLOR}", padding="4px 8px", margin="4px 0"),
+        )
+
+    # -- actions ---------------------------------------------------------------------
+    def _refresh(self, action: str, watch: tuple[str, str] | None = None) -> None:
+        """Diagnose the live objects again and redraw; ``action`` heads the status line.
+
+        ``watch`` is the finding a fix was just applied to: the status says
+        whether the fresh diagnosis still reports it.
+        """
+        try:
+            fresh = self.report.refresh()
+        except Exception as exc:  # the widget must stay usable whatever the objects do
+            self.status = f"{action}; re-diagnosis failed: {type(exc).__name__}: {exc}"
+        else:
+            self.report = fresh
+            self.status = action
+            if watch is not None and any(_finding_key(f) == watch for f in fresh.findings):
+                self.status += ": the finding is still reported, so the fix did not take"
+        self._armed.clear()  # a confirmation belongs to the report it was given on
+        self._render()
+
+    def _arm(self, finding: Any, fix: Any, reason: str) -> None:
+        self._armed[_fix_key(finding, fix)] = (time.monotonic(), f"Click again to confirm: {reason}")
+        self._render()
+
+    def _unsafe_reason(self, fix: Any) -> str:
+        try:
+            steps = "; ".join(fix.preview())
+        except Exception:
+            steps = ""
+        reason = f"{steps} (unsafe)" if steps else "this unsafe fix changes numerics or state"
+        if getattr(fix, "needs_confirmation", False):
+            reason += f", keeps a {fix.backup_bytes / 2**30:.1f} GiB undo backup"
+        return reason
+
+    def _on_fix(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> None:
+        if fix.applied or fix not in self.report.fixes:
+            return  # a stale button from a report already replaced
+        key = _finding_key(finding)
+        armed = self._armed.get(_fix_key(finding, fix))
+        if armed is None and not fix.safe:
+            self._arm(finding, fix, self._unsafe_reason(fix))
+            return
+        if armed is not None and time.monotonic() - armed[0] < self.confirm_delay:
+            return  # the second half of a double-click is not a confirmation
+        title = fix_view["title"]
+        try:
+            fix.apply(confirm=armed is not None)
+        except FixNeedsConfirmation as exc:
+            self._notes[key] = f"Not applied yet: {exc}. Click the button again to confirm."
+            self._arm(finding, fix, f"keeps a {fix.backup_bytes / 2**30:.1f} GiB undo backup")
+            return
+        except FixFailed as exc:
+            self._notes[key] = f"Not applied, nothing was changed: {exc}"
+            self._refresh(f"“{title}” failed and was rolled back")
+            return
+        except Exception as exc:  # Fix.apply wraps errors in FixFailed; this is the last line
+            self._notes[key] = f"Not applied: {type(exc).__name__}: {exc}"
+            self._refresh(f"“{title}” failed")
+            return
+        self._notes.pop(key, None)
+        self.applied.append(AppliedFix(fix, view, fix_view, key))
+        self._refresh(f"Applied “{title}” and re-diagnosed the live objects", watch=key)
+
+    def _on_undo(self, entry: AppliedFix) -> None:
+        title = entry.fix_view["title"]
+        try:
+            entry.fix.undo()
+        except Exception as exc:
+            self.status = f"Undo of “{title}” failed: {type(exc).__name__}: {exc}"
+            self._render()
+            return
+        if entry in self.applied:
+            self.applied.remove(entry)
+        self._refresh(f"Undid “{title}” and re-diagnosed the live objects")
+
+    def _on_apply_all(self, _button: Any = None) -> None:
+        data = report_dict(self.report)
+        owners = {
+            id(fx): (finding, view, fv)
+            for finding, view in zip(self.report.findings, data["findings"])
+            for fx, fv in zip(finding.fixes, view["fixes"])
+        }
+        done = self.report.apply_safe_fixes()
+        for fx in done:
+            finding, view, fv = owners[id(fx)]
+            self._notes.pop(_finding_key(finding), None)
+            self.applied.append(AppliedFix(fx, view, fv, _finding_key(finding)))
+        skipped = 0
+        for fx in self.report.fixes:
+            if fx.safe and not fx.applied and fx.error:
+                finding = owners[id(fx)][0]
+                hint = " Click its button to confirm." if fx.needs_confirmation else ""
+                self._notes[_finding_key(finding)] = f"Not applied: {fx.error}.{hint}"
+                skipped += 1
+        action = f"Applied {len(done)} safe fix{'' if len(done) == 1 else 'es'}"
+        if skipped:
+            action += f" ({skipped} could not be applied)"
+        self._refresh(action + " and re-diagnosed the live objects")

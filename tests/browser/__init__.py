@@ -1,0 +1,1 @@
+"""Helpers for the real-browser test: a throwaway JupyterLab server and the notebook it opens."""

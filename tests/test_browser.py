@@ -1,0 +1,210 @@
+"""The widget in a real browser: Debian's Chromium driven by Playwright.
+
+Opens a notebook that builds bf16 weights under an enabled GradScaler (and a
+tiny Gemma 3 in training mode with ``text_config.use_cache=True``), runs all
+cells, checks the report widget shows the finding, clicks the fix button,
+then runs a new cell and reads in its output that the live scaler changed.
+
+The first test does this in JupyterLab 4 with this virtualenv's kernel
+(ipywidgets 8, IPython 9). The second does it in classic Notebook 6.5 from the
+Colab-pinned virtualenv (ipywidgets 7.7.1, IPython 7.34), the widget frontend
+Colab's descends from; it is skipped when that virtualenv is not built.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+REPO = Path(__file__).resolve().parent.parent
+DOCS_SCREENSHOT = REPO / "docs" / "widget.png"
+COLAB_PYTHON = os.environ.get("MPDOCTOR_COLAB_PYTHON") or str(REPO / ".venv-colab" / "bin" / "python")
+NOTEBOOK = "broken_setup.ipynb"
+
+
+def _require_chromium() -> None:
+    if os.path.exists(CHROMIUM):
+        return
+    if os.environ.get("CI"):
+        pytest.fail(
+            f"{CHROMIUM} is missing under CI: install it (make browser-deps / apt-get install -y chromium)"
+        )
+    pytest.skip(f"{CHROMIUM} is absent and CI is unset")
+
+
+def _js_notebook(page, body: str, arg=None):
+    """Evaluate ``body`` with ``nb`` bound to the current NotebookPanel."""
+    return page.evaluate(
+        f"(arg) => {{ const app = window.jupyterapp; const nb = app.shell.currentWidget; {body} }}", arg
+    )
+
+
+def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record_property):
+    _require_chromium()
+    playwright = pytest.importorskip("playwright.sync_api")
+    from browser.lab import STATE_LINE, LabServer, write_notebook
+
+    started = time.monotonic()
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(root / NOTEBOOK)
+    before_png, after_png = tmp_path / "widget-before.png", tmp_path / "widget-after.png"
+
+    with LabServer(tmp_path, root) as lab, playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1600}, device_scale_factor=1.5)
+            page.set_default_timeout(60_000)
+            page.goto(lab.notebook_url(NOTEBOOK))
+            page.wait_for_function(
+                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                " && window.jupyterapp.shell.currentWidget.sessionContext"
+            )
+            _js_notebook(page, "return nb.sessionContext.ready;")
+            page.wait_for_function(
+                "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
+                " return s && s.kernel && s.kernel.status === 'idle'; }"
+            )
+            _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
+
+            report = page.locator(".mpdoctor-widget")
+            report.wait_for(state="visible", timeout=90_000)
+            assert report.count() == 1, "%mpdoctor as the last line must show the widget once"
+            assert "scaler-with-bf16" in report.inner_text()
+            assert "cache-in-training" in report.inner_text()
+            fix = report.locator("button", has_text="Disable the GradScaler scaler")
+            fix.wait_for(state="visible")
+            page.wait_for_timeout(300)  # let fonts and the tab bar settle for the screenshot
+            report.screenshot(path=str(before_png))
+
+            fix.click()
+            report.locator("text=gone after re-diagnosis").wait_for(timeout=30_000)
+            applied_text = report.inner_text()
+            assert "applied" in applied_text and "Undo" in applied_text
+            assert (
+                "scaler-with-bf16"
+                in report.locator("text=gone after re-diagnosis").locator("..").inner_text()
+            )
+            report.screenshot(path=str(after_png))
+
+            # A new cell, typed as a user would, reads the live scaler in the kernel.
+            _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
+            _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
+            _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
+            page.keyboard.type(STATE_LINE)
+            _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+            output = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="STATE ")
+            output.wait_for(timeout=30_000)
+            assert output.inner_text().strip() == "STATE False False"
+
+            # Every panel renders its content (screenshots kept for review, not compared).
+            expected = {
+                "caches": "gemma.config.text_config.use_cache",
+                "scaler": "growth tracker",
+                "precision": "autocast now",
+                "copy as issue report": "select all",
+            }
+            for title, text in expected.items():
+                report.locator(".lm-TabBar-tab, .p-TabBar-tab", has_text=title).click()
+                report.locator(f"text={text}").first.wait_for(timeout=10_000)
+                report.screenshot(path=str(tmp_path / f"panel-{title.replace(' ', '-')}.png"))
+            issue = report.locator("textarea").input_value()
+            assert issue.startswith("## mpdoctor report") and "cache-in-training" in issue
+        finally:
+            browser.close()
+
+    assert before_png.stat().st_size > 10_000 and after_png.stat().st_size > 10_000
+    # The README's screenshot is committed: refreshed when missing or on request, as goldens are.
+    if not DOCS_SCREENSHOT.exists() or os.environ.get("MPDOCTOR_UPDATE_GOLDEN") == "1":
+        DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+        shutil.copyfile(before_png, DOCS_SCREENSHOT)
+    record_property("seconds", round(time.monotonic() - started, 1))  # about 20-40 s on 2 cores
+
+
+def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe_fix_changes_the_scaler(
+    tmp_path,
+):
+    _require_chromium()
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(COLAB_PYTHON):
+        pytest.skip(f"{COLAB_PYTHON} is not built (make test-colab builds it)")
+    probe = subprocess.run(
+        [
+            COLAB_PYTHON,
+            "-c",
+            "import notebook, widgetsnbextension, ipywidgets; print(ipywidgets.__version__)",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if probe.returncode != 0 or not probe.stdout.startswith("7."):
+        pytest.skip(f"{COLAB_PYTHON} has no classic notebook with ipywidgets 7")
+    from browser.lab import STATE_LINE, ClassicNotebookServer, write_notebook
+
+    root = tmp_path / "root"
+    root.mkdir()
+    write_notebook(root / NOTEBOOK)
+    with (
+        ClassicNotebookServer(tmp_path, root, server_python=COLAB_PYTHON) as nbserver,
+        playwright.sync_playwright() as pw,
+    ):
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1800})
+            page.set_default_timeout(60_000)
+            page.goto(nbserver.notebook_url(NOTEBOOK))
+            page.wait_for_function(
+                "() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected()"
+            )
+            page.evaluate("() => Jupyter.notebook.execute_all_cells()")
+            report = page.locator(".mpdoctor-widget")
+            report.wait_for(state="visible", timeout=90_000)
+            assert report.count() == 1
+            assert "scaler-with-bf16" in report.inner_text()
+
+            unsafe = report.locator("button", has_text="(unsafe)")
+            if unsafe.count():  # pure-bf16-adamw offers an unsafe cast: one click only arms it
+                unsafe.first.click()
+                report.locator("button", has_text="Click again to confirm").wait_for(timeout=30_000)
+            report.locator("button", has_text="Disable the GradScaler scaler").click()
+            report.locator("text=gone after re-diagnosis").wait_for(timeout=30_000)
+            report.screenshot(path=str(tmp_path / "classic-ipywidgets7-after.png"))
+
+            page.evaluate(
+                "(line) => { const c = Jupyter.notebook.insert_cell_at_bottom('code'); c.set_text(line); c.execute(); }",
+                STATE_LINE + "; print('DTYPE', model[0].weight.dtype)",
+            )
+            output = page.locator(".output_subarea.output_stream", has_text="STATE ")
+            output.wait_for(timeout=30_000)
+            assert output.inner_text().split() == ["STATE", "False", "False", "DTYPE", "torch.bfloat16"]
+        finally:
+            browser.close()
+
+
+def test_a_missing_chromium_fails_under_ci_and_skips_elsewhere(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "CHROMIUM", "/nonexistent/chromium")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="missing under CI"):
+        _require_chromium()
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        _require_chromium()

@@ -1,0 +1,503 @@
+"""The ipywidgets report, clicked headlessly on real broken setups.
+
+Marked ``colab``: the same tests run with ipywidgets 7.7.1 + IPython 7.34
+(``make test-colab``) and with ipywidgets 8 + IPython 9.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+
+import pytest
+import torch
+from setups import tiny_gemma3
+
+import mpdoctor
+from mpdoctor.findings import Finding
+from mpdoctor.fixes import UNDO_BUDGET_BYTES, Fix, SetAttr
+from mpdoctor.render.html import e
+from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
+
+pytestmark = pytest.mark.colab
+
+PAYLOAD = "<img src=x onerror=alert(1)>"
+SCRIPT = "<script>alert(1)</script>"
+
+
+def bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(
+        torch.bfloat16
+    )
+
+
+def stepped(model: torch.nn.Module) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
+    """An enabled CPU GradScaler and an AdamW after one real step (scale tensor, growth tracker, grads, state)."""
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0)
+    loss = model(torch.ones(2, 8, dtype=model[0].weight.dtype)).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return scaler, opt
+
+
+def snapshot(obj: object) -> dict:
+    """Every instance attribute; tensors as (identity, dtype, values) so an exact undo can be checked."""
+    out = {}
+    for key, value in vars(obj).items():
+        if isinstance(value, torch.Tensor):
+            out[key] = ("tensor", id(value), value.dtype, value.detach().clone())
+        else:
+            out[key] = ("value", value)
+    return out
+
+
+def same(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for key in a:
+        if a[key][0] == "tensor":
+            if a[key][1:3] != b[key][1:3] or not torch.equal(a[key][3], b[key][3]):
+                return False
+        elif a[key] != b[key]:
+            return False
+    return True
+
+
+def widget_for(**namespace) -> ReportWidget:
+    rw = mpdoctor.diagnose(namespace=namespace).widget()
+    rw.confirm_delay = 0.0
+    return rw
+
+
+def checks(rw: ReportWidget) -> set[str]:
+    return {f.check for f in rw.report.findings}
+
+
+def cache_flags(rw: ReportWidget) -> dict[str, str]:
+    """``path -> use_cache`` as the caches panel shows them."""
+    rows = re.findall(r"<tr>(.*?)</tr>", rw.caches_panel.value.split("<tbody>")[1])
+    cells = [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in rows]
+    return {c[0]: c[1] for c in cells}
+
+
+def only(buttons: list):
+    assert len(buttons) == 1, [b.description for b in buttons]
+    return buttons[0]
+
+
+# -- safe fixes ----------------------------------------------------------------------
+
+
+def test_clicking_disable_scaler_turns_off_the_live_scaler_and_the_refreshed_report_drops_the_finding():
+    model = bf16_model()
+    scaler, _opt = stepped(model)
+    before = snapshot(scaler)
+    rw = widget_for(model=model, scaler=scaler)
+    first_report = rw.report
+    assert "scaler-with-bf16" in checks(rw)
+
+    only(rw.buttons("Disable the GradScaler scaler")).click()
+
+    assert scaler.is_enabled() is False
+    assert rw.report is not first_report, "the report must be re-diagnosed, not patched"
+    assert "scaler-with-bf16" not in checks(rw)
+    assert not rw.buttons("Disable the GradScaler scaler")
+    html = "".join(rw.html_values())
+    assert "applied" in html and "gone after re-diagnosis" in html
+    assert "scaler = torch.amp.GradScaler(&#x27;cpu&#x27;, enabled=False)" in html  # the code to paste
+    assert "disabled" not in first_report.to_text().split("scalers")[-1]  # the old report is untouched
+
+    only(rw.buttons("Undo")).click()
+
+    assert scaler.is_enabled() is True
+    assert same(before, snapshot(scaler)), "undo must restore the scaler exactly"
+    assert "scaler-with-bf16" in checks(rw)
+    assert not rw.buttons("Undo") and rw.applied == []
+
+
+def test_the_gemma3_nested_cache_fix_switches_off_text_config_use_cache_and_undo_restores_it():
+    gemma = tiny_gemma3(text_use_cache=True)
+    text_before = snapshot(gemma.config.text_config)
+    gen_before = snapshot(gemma.generation_config)
+    rw = widget_for(gemma=gemma)
+    assert "cache-in-training" in checks(rw)
+
+    only(rw.buttons("Set use_cache=False")).click()
+
+    assert gemma.config.text_config.use_cache is False
+    assert gemma.generation_config.use_cache is False
+    assert "cache-in-training" not in checks(rw)
+    assert "gemma.config.text_config.use_cache = False" in "".join(rw.html_values())
+    assert cache_flags(rw)["gemma.config.text_config.use_cache"] == "False"
+
+    only(rw.buttons("Undo")).click()
+
+    assert gemma.config.text_config.use_cache is True and gemma.generation_config.use_cache is True
+    assert same(text_before, snapshot(gemma.config.text_config))
+    assert same(gen_before, snapshot(gemma.generation_config))
+    assert "cache-in-training" in checks(rw)
+
+
+def test_undo_still_works_after_several_refreshes_and_other_fixes():
+    model = bf16_model()
+    scaler, _opt = stepped(model)
+    gemma = tiny_gemma3(text_use_cache=True)
+    rw = widget_for(model=model, scaler=scaler, gemma=gemma)
+
+    only(rw.buttons("Disable the GradScaler")).click()
+    only(rw.buttons("Re-diagnose")).click()
+    only(rw.buttons("Set use_cache=False")).click()
+    only(rw.buttons("Re-diagnose")).click()
+    assert checks(rw) == set() and len(rw.applied) == 2
+
+    rw.buttons("Undo")[0].click()  # the oldest: the scaler fix, from the very first report
+
+    assert scaler.is_enabled() is True and gemma.config.text_config.use_cache is False
+    assert checks(rw) == {"scaler-with-bf16"}
+    assert [a.fix_view["title"] for a in rw.applied] == [
+        "Set use_cache=False on text_config, generation_config"
+    ]
+
+
+# -- unsafe fixes --------------------------------------------------------------------
+
+
+def fp16_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 8, dtype=torch.float16)).float().sum().backward()
+    opt.step()  # momentum buffers: optimizer state to cast along
+    return model, opt, torch.amp.GradScaler("cpu")
+
+
+def test_the_unsafe_cast_needs_a_confirming_second_click_and_undo_restores_fp16_exactly():
+    model, opt, scaler = fp16_setup()
+    params = list(model.parameters())
+    saved = [
+        (p.data_ptr(), p.detach().clone(), p.grad.detach().clone(), opt.state[p]["momentum_buffer"].clone())
+        for p in params
+    ]
+    rw = widget_for(m16=model, opt=opt, scaler=scaler)
+    (finding,) = rw.report.findings_for("fp16-trainable-params-with-scaler")
+    assert not finding.fixes[0].safe
+
+    button = only(rw.buttons("(unsafe)"))
+    assert button.button_style == "warning" and button.description.startswith("\u26a0 Cast 2 trainable fp16")
+    button.click()
+
+    assert model.weight.dtype == torch.float16, "one click must not apply an unsafe fix"
+    armed = only(rw.buttons("Click again to confirm"))
+    assert armed.button_style == "danger"
+    assert "cast 2 trainable fp16 parameters to float32" in armed.description
+    armed.click()
+
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in params)
+    assert list(model.parameters()) == params, "the Parameter objects are kept (optimizers hold them)"
+    assert all(opt.state[p]["momentum_buffer"].dtype == torch.float32 for p in params)
+    assert "fp16-trainable-params-with-scaler" not in checks(rw)
+
+    only(rw.buttons("Undo")).click()
+
+    for p, (ptr, data, grad, momentum) in zip(params, saved):
+        assert p.dtype == torch.float16 and p.data_ptr() == ptr and torch.equal(p.detach(), data)
+        assert torch.equal(p.grad, grad) and torch.equal(opt.state[p]["momentum_buffer"], momentum)
+    assert "fp16-trainable-params-with-scaler" in checks(rw)
+
+
+def test_a_double_click_is_not_a_confirmation():
+    model, opt, scaler = fp16_setup()
+    rw = widget_for(m16=model, opt=opt, scaler=scaler)
+    rw.confirm_delay = 0.05
+    only(rw.buttons("(unsafe)")).click()
+    only(rw.buttons("Click again to confirm")).click()  # at once: the second half of a double-click
+    assert model.weight.dtype == torch.float16
+    time.sleep(0.06)
+    only(rw.buttons("Click again to confirm")).click()
+    assert model.weight.dtype == torch.float32
+
+
+def test_apply_all_safe_fixes_applies_only_the_safe_ones():
+    model = bf16_model()
+    m16, opt, scaler = fp16_setup()
+    gemma = tiny_gemma3(text_use_cache=True)
+    rw = widget_for(model=model, m16=m16, opt=opt, scaler=scaler, gemma=gemma)
+    assert {"scaler-with-bf16", "cache-in-training", "fp16-trainable-params-with-scaler"} <= checks(rw)
+    safe = [fx for fx in rw.report.fixes if fx.safe]
+    button = only(rw.buttons("Apply all safe fixes"))
+    assert button.description == f"Apply all safe fixes ({len(safe)})"
+
+    button.click()
+
+    assert scaler.is_enabled() is False and gemma.config.text_config.use_cache is False
+    assert m16.weight.dtype == torch.float16, "the unsafe cast is never applied in bulk"
+    assert [a.fix for a in rw.applied] == safe
+    assert not ({"scaler-with-bf16", "cache-in-training"} & checks(rw))
+    assert rw.apply_all_button.disabled and rw.apply_all_button.description == "Apply all safe fixes (0)"
+
+
+# -- failures ------------------------------------------------------------------------
+
+
+class StubbornScaler(torch.amp.GradScaler):
+    """A real GradScaler whose ``_enabled`` silently ignores assignments after construction."""
+
+    def __setattr__(self, name, value):
+        if name == "_enabled" and "_enabled" in self.__dict__:
+            return
+        super().__setattr__(name, value)
+
+
+def test_a_fix_that_does_not_take_shows_why_in_the_widget_and_the_finding_stays():
+    model = bf16_model()
+    scaler = StubbornScaler("cpu")
+    rw = widget_for(model=model, scaler=scaler)
+
+    only(rw.buttons("Disable the GradScaler")).click()  # must not raise
+
+    assert scaler.is_enabled() is True
+    assert "scaler-with-bf16" in checks(rw) and rw.applied == []
+    html = "".join(rw.html_values())
+    assert "Not applied, nothing was changed" in html and "did not take" in html
+    assert "Traceback" not in html
+    assert "failed and was rolled back" in rw.status
+
+
+def _report_with_a_big_backup_fix(scaler: torch.amp.GradScaler):
+    """A report whose only finding offers a safe fix with an undo backup over the budget."""
+
+    def build():
+        base = mpdoctor.diagnose(scaler, names={id(scaler): "scaler"})
+        findings = []
+        if scaler.is_enabled():
+            fix = Fix(
+                "Disable the scaler",
+                "scaler._enabled = False",
+                True,
+                lambda: [SetAttr(scaler, "_enabled", False, "scaler._enabled")],
+                backup_bytes=UNDO_BUDGET_BYTES + 2**30,
+            )
+            findings.append(
+                Finding("big-undo", "warning", "scaler", "A fix with a large undo backup.", {}, [fix])
+            )
+        return mpdoctor.Report(findings, base.facts, rediagnose=build)
+
+    return build()
+
+
+def test_a_fix_needing_confirmation_shows_the_message_then_applies_on_a_second_click():
+    scaler = torch.amp.GradScaler("cpu")
+    rw = ReportWidget(_report_with_a_big_backup_fix(scaler))
+    rw.confirm_delay = 0.0
+
+    only(rw.buttons("Disable the scaler")).click()
+
+    assert scaler.is_enabled() is True
+    assert "undo backup" in "".join(rw.html_values())
+    armed = only(rw.buttons("Click again to confirm"))
+    assert "GiB undo backup" in armed.description
+    armed.click()
+    assert scaler.is_enabled() is False and not rw.report.findings
+
+
+def test_apply_all_skips_a_fix_needing_confirmation_and_says_so():
+    scaler = torch.amp.GradScaler("cpu")
+    rw = ReportWidget(_report_with_a_big_backup_fix(scaler))
+    only(rw.buttons("Apply all safe fixes")).click()
+    assert scaler.is_enabled() is True
+    assert "Click its button to confirm" in "".join(rw.html_values())
+    assert "could not be applied" in rw.status
+
+
+# -- what it shows -------------------------------------------------------------------
+
+
+def test_the_header_panels_and_issue_text_show_the_live_state():
+    model = bf16_model()
+    scaler, opt = stepped(model)
+    gemma = tiny_gemma3(text_use_cache=True)
+    rw = widget_for(model=model, scaler=scaler, opt=opt, gemma=gemma)
+    rw.report.elapsed = 0.0123
+    rw._render()
+
+    header = rw.header.value
+    c = rw.report.counts()
+    assert c["warning"] >= 2  # scaler-with-bf16 and cache-in-training at least
+    assert (
+        f">{c['error']} errors</b>" in header
+        and f">{c['warning']} warnings</b>" in header
+        and f">{c['info']} info</b>" in header
+    )
+    for name, cls in (
+        ("model", "Sequential"),
+        ("scaler", "GradScaler"),
+        ("opt", "AdamW"),
+        ("gemma", "Gemma3ForConditionalGeneration"),
+    ):
+        assert f">{name}</code> <span style='color:#666'>{cls}</span>" in header
+    assert "cpu (live)" in header and "diagnosed in 12 ms" in header
+
+    dtypes = rw.dtypes_panel.value
+    for text in (
+        "params",
+        "grads",
+        "buffers",
+        "optimizer state",
+        "bf16",
+        "f32",
+        "i64",
+        "trainable",
+        "frozen",
+        "KiB",
+    ):
+        assert text in dtypes, text
+    for path in (
+        "gemma.config.use_cache",
+        "gemma.config.text_config.use_cache",
+        "gemma.generation_config.use_cache",
+    ):
+        assert path in rw.caches_panel.value
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", rw.scaler_panel.value)
+    assert cells == [
+        "scaler",
+        "True",
+        "cpu",
+        "65536",
+        "1",
+        "2000",
+    ]  # name, enabled, device, scale, growth tracker, interval
+    assert "autocast now" in rw.precision_panel.value and "bf16 native" in rw.precision_panel.value
+    assert rw.issue_text.value == rw.report.to_markdown()
+    assert [rw.panels.get_title(i) for i in range(5)] == [
+        "dtypes",
+        "caches",
+        "scaler",
+        "precision",
+        "copy as issue report",
+    ]
+
+    from mpdoctor.checks import REGISTRY
+
+    why = REGISTRY["scaler-with-bf16"].why
+    assert why and e(why) in "".join(rw.html_values())
+
+
+def test_the_precision_panel_puts_requested_and_effective_side_by_side():
+    pytest.importorskip("accelerate")
+    from setups import tiny_trainer
+
+    trainer = tiny_trainer(fp16=True)  # fp16 on a CPU: accelerate's native amp is off, the run is fp32
+    rw = widget_for(trainer=trainer)
+    html = rw.precision_panel.value
+    assert "requested (args)" in html and "effective" in html and "ACCELERATE_MIXED_PRECISION" in html
+    row = html.split("<tbody>")[1].split("</tr>")[0]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    assert cells[0] == "trainer" and cells[1] == "fp16" and cells[-1] == "no"
+    assert "font-weight:bold" in row.split("<td")[-1], (
+        "an effective precision differing from the request stands out"
+    )
+
+
+def test_every_user_string_is_escaped_in_every_html_widget_and_in_to_html():
+    evil_cls = type(PAYLOAD, (torch.nn.Linear,), {})
+    model = evil_cls(4, 4).to(torch.bfloat16)
+    gemma = tiny_gemma3(text_use_cache=True)
+    gemma.config.vision_config.use_cache = SCRIPT
+    gemma.config.text_config.model_type = SCRIPT
+    rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": model, "gemma": gemma})
+    assert f"Disable the GradScaler {PAYLOAD}" in [
+        b.description for b in rw.buttons()
+    ]  # button labels are text
+
+    def assert_escaped() -> None:
+        from ipywidgets import Button, Widget
+
+        html = rw.html_values() + [rw.report.to_html()]
+        for value in html:
+            assert "<img" not in value.lower() and "<script" not in value.lower(), value[:300]
+        joined = "".join(html)
+        assert (
+            "&lt;img src=x onerror=alert(1)&gt;" in joined
+            and "&lt;script&gt;alert(1)&lt;/script&gt;" in joined
+        )
+        for w in iter_widgets(rw.view):
+            assert isinstance(w, Widget)
+            if not isinstance(w, Button):
+                assert not getattr(w, "description", ""), "ipywidgets 7 renders descriptions as HTML"
+
+    assert_escaped()
+    only(rw.buttons(f"Disable the GradScaler {PAYLOAD}")).click()
+    assert "scaler-with-bf16" not in checks(rw)
+    assert_escaped()  # the applied card shows the code with the name in it
+
+
+def test_the_mimebundle_carries_the_widget_view_with_text_and_html_for_static_exports():
+    model = bf16_model()
+    report = mpdoctor.diagnose(namespace={"model": model, "scaler": torch.amp.GradScaler("cpu")})
+    rw = report.widget()
+    assert isinstance(rw, ReportWidget)
+    bundle = rw.mimebundle()
+    assert bundle[WIDGET_VIEW_MIME] == {"version_major": 2, "version_minor": 0, "model_id": rw.view.model_id}
+    assert bundle["text/plain"] == report.to_text() and bundle["text/html"] == report.to_html()
+    assert "mpdoctor-widget" in rw.view._dom_classes
+    assert set(rw._repr_mimebundle_(include=["text/plain"])) == {"text/plain"}
+    assert WIDGET_VIEW_MIME not in rw._repr_mimebundle_(exclude=[WIDGET_VIEW_MIME])
+    json.dumps(bundle)
+
+
+# -- in a real kernel ----------------------------------------------------------------
+
+
+def test_in_a_real_kernel_the_magic_shows_the_widget_once(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    kernel_dir = tmp_path / "kernels" / "mpdoctor-this-python"
+    kernel_dir.mkdir(parents=True)
+    (kernel_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "this",
+                "language": "python",
+            }
+        )
+    )
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "import torch\n"
+            "model = torch.nn.Linear(4, 4).to(torch.bfloat16)\n"
+            "scaler = torch.amp.GradScaler('cpu')\n"
+            "%load_ext mpdoctor"
+        ),
+        nbformat.v4.new_code_cell("%mpdoctor"),
+        nbformat.v4.new_code_cell("r = %mpdoctor"),
+        nbformat.v4.new_code_cell("r"),
+        nbformat.v4.new_code_cell("r.widget()"),
+        nbformat.v4.new_code_cell("%mpdoctor --text"),
+    ]
+    nbclient.NotebookClient(
+        nb, kernel_name="mpdoctor-this-python", timeout=120, shutdown_kernel="immediate"
+    ).execute()
+
+    def widget_outputs(cell) -> list:
+        return [o for o in cell.outputs if WIDGET_VIEW_MIME in o.get("data", {})]
+
+    for index in (1, 2, 3, 4):
+        cell = nb.cells[index]
+        assert len(cell.outputs) == 1, (cell.source, cell.outputs)
+        (out,) = widget_outputs(cell)
+        assert (
+            "scaler-with-bf16" in out["data"]["text/plain"] and "scaler-with-bf16" in out["data"]["text/html"]
+        )
+    text_cell = nb.cells[5]
+    assert not widget_outputs(text_cell) and "scaler-with-bf16" in "".join(
+        o.get("text", "") for o in text_cell.outputs
+    )
