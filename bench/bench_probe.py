@@ -1,0 +1,128 @@
+"""What ``mpdoctor.probe`` adds to one forward + backward, next to transformers' ``DebugUnderflowOverflow``.
+
+Model: a 4-layer Llama, hidden 256, built from a config (no download), fp32
+on the CPU; batch: 4 sequences of 128 tokens with labels. Three timings,
+interleaved so that the machine's noise hits them alike (median of N):
+
+- plain: ``model(**batch).loss.backward()`` with the grads cleared first;
+- probe: ``mpdoctor.probe(model, batch)`` (hooks on every module, forward and
+  backward statistics, grads/RNG/modes saved and restored, report built);
+- DebugUnderflowOverflow: the same plain forward + backward on an identical
+  copy of the model carrying transformers' forward hooks (they cannot be
+  removed, hence the copy). It checks forward only.
+
+Overhead = time - plain. Target: probe overhead <= 0.5x DebugUnderflowOverflow's. ``--quick``: 2 layers, batch 2x32,
+3 rounds (seconds; only checks the script works).
+Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import json
+import statistics
+import time
+
+import torch
+
+
+def build(layers: int = 4, hidden: int = 256, seq: int = 128, batch: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=8192,
+        use_cache=False,
+    )
+    model = LlamaForCausalLM(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids.clone()}
+
+
+def plain_step(model, batch) -> None:
+    model.zero_grad(set_to_none=True)
+    model(**batch).loss.backward()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    import mpdoctor
+    from mpdoctor.numerics.probe import run_probe
+
+    torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
+    repeat = 3 if args.quick else 21
+    shape = dict(layers=2, seq=32, batch=2) if args.quick else dict(layers=4, seq=128, batch=4)
+    model, batch = build(**shape)
+    duo_model = copy.deepcopy(model)
+    DebugUnderflowOverflow(duo_model)
+    n_modules = sum(1 for _ in model.modules())
+
+    # Warm-up: allocator, first-use imports (pandas for the table), the unscale-kernel probe.
+    for _ in range(1 if args.quick else 2):
+        plain_step(model, batch)
+        plain_step(duo_model, batch)
+        mpdoctor.probe(model, batch)
+    timings: dict[str, list[float]] = {"plain": [], "probe": [], "hooks": [], "duo": []}
+    sink = io.StringIO()
+    for _ in range(repeat):
+        for key, fn in (
+            ("plain", lambda: plain_step(model, batch)),
+            ("probe", lambda: mpdoctor.probe(model, batch)),
+            ("hooks", lambda: run_probe(model, batch)),
+            ("duo", lambda: plain_step(duo_model, batch)),
+        ):
+            with contextlib.redirect_stdout(sink):  # DebugUnderflowOverflow prints when it detects something
+                start = time.perf_counter()
+                fn()
+                timings[key].append(time.perf_counter() - start)
+    med = {k: statistics.median(v) * 1000 for k, v in timings.items()}
+    probe_over = med["probe"] - med["plain"]
+    hooks_over = med["hooks"] - med["plain"]
+    duo_over = med["duo"] - med["plain"]
+    ratio = probe_over / duo_over if duo_over > 0 else float("inf")
+    hooks_ratio = hooks_over / duo_over if duo_over > 0 else float("inf")
+    print(f"{shape['layers']}-layer Llama (hidden 256, {n_modules} modules), batch {shape['batch']}x{shape['seq']}, "
+          f"fp32 CPU, 1 thread, median of {repeat}")  # fmt: skip
+    print(f"  plain forward+backward                     {med['plain']:8.1f} ms")
+    print(f"  mpdoctor.probe (fwd+bwd, report)           {med['probe']:8.1f} ms  overhead {probe_over:7.1f} ms")
+    print(f"  mpdoctor run_probe (fwd+bwd, hooks only)   {med['hooks']:8.1f} ms  overhead {hooks_over:7.1f} ms")
+    print(f"  DebugUnderflowOverflow (forward hooks)     {med['duo']:8.1f} ms  overhead {duo_over:7.1f} ms")
+    print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.5)")
+    rows = [
+        {
+            "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer Llama h256)",
+            "mpdoctor": round(probe_over, 2),
+            "baseline": round(duo_over, 2),
+            "ratio": round(ratio, 3),
+            "target": "ratio <= 0.5",
+            "met": ratio <= 0.5,
+            "unit": "ms added (median)",
+        },
+        {
+            "figure": "probe hooks only (run_probe) overhead vs DebugUnderflowOverflow's",
+            "mpdoctor": round(hooks_over, 2),
+            "baseline": round(duo_over, 2),
+            "ratio": round(hooks_ratio, 3),
+            "target": "ratio <= 0.5",
+            "met": hooks_ratio <= 0.5,
+            "unit": "ms added (median)",
+        },
+    ]
+    for r in rows:
+        print("RESULT " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""``MPDoctorCallback``: mpdoctor inside ``Trainer.train()``.
+
+- ``on_train_begin``: diagnoses the model, optimizer and arguments; shows the
+  report (IPython display in a notebook, ``logging`` elsewhere) when it has
+  errors or warnings. With ``stop_on_error=True`` an error stops the run
+  before the first step by raising :class:`MPDoctorAbort` (its message is the
+  report); ``control.should_training_stop`` would only act after a step.
+- every micro-batch: a forward pre-hook on the model keeps a reference to the
+  latest inputs and a forward hook the loss tensor (no copy, no sync).
+- ``on_pre_optimizer_step``: reads this step's losses with one transfer;
+  on the first non-finite loss it probes that micro-batch *before* the
+  optimizer step writes NaN into the weights, and shows where it went wrong.
+  With ``stop_on_nonfinite=True`` it then raises :class:`MPDoctorAbort`, so the
+  weights are left as they were before the bad step.
+- ``on_step_end`` / ``on_log``: a GradScaler scale that collapsed (below 1 or
+  2^16 times under its start) or a logged non-finite loss / grad norm probes
+  the latest batch, once.
+- ``on_train_end``: removes its hooks.
+
+This is the only mpdoctor module importing transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger("mpdoctor")
+
+
+class MPDoctorAbort(RuntimeError):
+    """Raised by :class:`MPDoctorCallback` to stop training; ``.report`` holds the diagnosis."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def _ipython_shell() -> Any:
+    mod = sys.modules.get("IPython")
+    if mod is None:
+        return None
+    try:
+        return mod.get_ipython()
+    except Exception:
+        return None
+
+
+def _loss_of(output: Any) -> torch.Tensor | None:
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].dim() == 0 else None
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class MPDoctorCallback(TrainerCallback):
+    """Diagnose at the start of training and probe the batch where the loss first goes non-finite.
+
+    Parameters
+    ----------
+    stop_on_error : bool
+        Raise :class:`MPDoctorAbort` from ``on_train_begin`` when the diagnosis
+        has errors, so the run stops before its first step.
+    stop_on_nonfinite : bool
+        Raise :class:`MPDoctorAbort` after probing a non-finite loss, before
+        the optimizer step (the weights stay as they were).
+    probe : bool
+        Probe the failing batch (one extra forward + backward, everything restored).
+    scan : bool
+        Also scan tensor values in the start-of-training diagnosis.
+    ignore : iterable of str
+        Check slugs to skip.
+    verbose : bool
+        Show the start-of-training report even when it finds nothing (default:
+        only with errors or warnings, so a healthy run stays silent).
+
+    Attributes
+    ----------
+    start_report : Report or None
+        The ``on_train_begin`` diagnosis.
+    probe_report : Report or None
+        The probe of the first failing batch.
+    events : list of dict
+        What the callback noticed (``{"step", "event", "detail"}``).
+    """
+
+    def __init__(
+        self,
+        stop_on_error: bool = False,
+        stop_on_nonfinite: bool = False,
+        probe: bool = True,
+        scan: bool = False,
+        ignore: tuple[str, ...] | list[str] = (),
+        verbose: bool = False,
+    ) -> None:
+        self.stop_on_error = stop_on_error
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.probe = probe
+        self.scan = scan
+        self.ignore = tuple(ignore)
+        self.verbose = verbose
+        self.start_report: Any = None
+        self.probe_report: Any = None
+        self.events: list[dict] = []
+        self._handles: list[Any] = []
+        self._latest: tuple[tuple, dict] | None = None
+        self._step: list[tuple[torch.Tensor, tuple[tuple, dict] | None]] = []
+        self._fired = False
+        self._probing = False
+
+    # -- hooks on the model ------------------------------------------------------------
+    def _watching(self, module: torch.nn.Module) -> bool:
+        return not self._probing and module.training and torch.is_grad_enabled()
+
+    def _keep_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._watching(module):
+            self._latest = (args, kwargs)
+
+    def _keep_loss(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if self._watching(module):
+            loss = _loss_of(output)
+            if loss is not None:
+                self._step.append((loss.detach(), self._latest))
+
+    def _detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._latest = None
+        self._step.clear()
+
+    # -- events ------------------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
+        """Diagnose; stop before the first step on errors when asked; start watching the model."""
+        from .. import diagnose
+
+        objects = [o for o in (model, optimizer, args) if o is not None]
+        names = {id(model): "model", id(optimizer): "optimizer", id(args): "args"}
+        self.start_report = diagnose(*objects, names=names, scan=self.scan, ignore=self.ignore)
+        if self.verbose or not self.start_report.ok:
+            self._show(self.start_report, "at the start of training")
+        errors = self.start_report.counts()["error"]
+        if self.stop_on_error and errors:
+            raise MPDoctorAbort(
+                f"mpdoctor stopped training before the first step: {errors} error(s).\n{self.start_report.to_text()}",
+                self.start_report,
+            )
+        self._detach()
+        if isinstance(model, torch.nn.Module):
+            self._handles.append(model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True))
+            self._handles.append(model.register_forward_hook(self._keep_loss))
+        return control
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
+        """Check this step's losses before the optimizer writes them into the weights."""
+        self._check_losses(state.global_step + 1, model, optimizer)
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
+        """Check the losses (if not checked yet) and the GradScaler's scale."""
+        self._check_losses(state.global_step, model, optimizer)
+        scaler = getattr(optimizer, "scaler", None)
+        if scaler is not None and not self._fired:
+            from ..checks.scaler import COLLAPSE_FACTOR
+            from ..facts.scaler import gather_scaler
+
+            sc = gather_scaler("optimizer.scaler", scaler)
+            if sc.enabled and sc.scale is not None and (sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR):
+                self._fire(state.global_step, "scale-collapsed", f"loss scale {sc.scale:g} (started at {sc.init_scale:g})",
+                           self._latest, model, optimizer)  # fmt: skip
+        return control
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None,
+               optimizer: Any = None, **kwargs: Any):  # fmt: skip
+        """A logged non-finite loss or grad norm (Trainer filters NaN losses by default; grad norms are not)."""
+        for key in ("loss", "grad_norm"):
+            value = (logs or {}).get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value) and not self._fired:
+                self._fire(state.global_step, f"nonfinite-{key}", f"logged {key} = {value}", self._latest, model, optimizer)
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
+        """Remove the hooks."""
+        self._detach()
+        return control
+
+    # -- internals ---------------------------------------------------------------------
+    def _check_losses(self, step_number: int, model: Any, optimizer: Any) -> None:
+        step, self._step = self._step, []
+        if not step or self._fired:
+            return
+        values = torch.stack([loss.float().reshape(()) for loss, _ in step]).tolist()
+        for value, (_, inputs) in zip(values, step):
+            if not math.isfinite(value):
+                self._fire(step_number, "nonfinite-loss", f"loss = {value}", inputs, model, optimizer)
+                return
+
+    def _fire(self, step: int, event: str, detail: str, inputs: Any, model: Any, optimizer: Any) -> None:
+        self._fired = True
+        self.events.append({"step": step, "event": event, "detail": detail})
+        report = None
+        if self.probe and inputs is not None and isinstance(model, torch.nn.Module):
+            from .probe import ForwardCall, probe
+
+            self._probing = True
+            try:
+                report = probe(model, ForwardCall.of(*inputs), name="model", scaler=getattr(optimizer, "scaler", None))
+                self.probe_report = report
+                self._show(report, f"at step {step} ({detail})")
+            except Exception as exc:  # mpdoctor must never be what breaks the run
+                logger.warning("mpdoctor: the probe at step %s failed: %s: %s", step, type(exc).__name__, exc)
+            finally:
+                self._probing = False
+        else:
+            logger.warning("mpdoctor: %s at step %s (no batch captured to probe)", detail, step)
+        if self.stop_on_nonfinite and event == "nonfinite-loss":
+            self._detach()
+            text = report.to_text() if report is not None else detail
+            raise MPDoctorAbort(f"mpdoctor stopped training at step {step} before the optimizer step: {detail}.\n{text}",
+                                report)  # fmt: skip
+
+    def _show(self, report: Any, when: str) -> None:
+        shell = _ipython_shell()
+        if shell is not None:
+            from IPython.display import display
+
+            print(f"mpdoctor {when}:")
+            display(report)
+            return
+        counts = report.counts()
+        level = logging.ERROR if counts["error"] else logging.WARNING if counts["warning"] else logging.INFO
+        logger.log(level, "mpdoctor %s:\n%s", when, report.to_text())

@@ -1,0 +1,828 @@
+"""One-batch probe: one forward and one backward with cheap hooks on every module.
+
+``probe(model, batch)`` runs the batch under the precision the setup really
+uses (a Trainer's or Accelerator's autocast and loss scale, the user's
+current autocast, or ``autocast=``), records per module the dtypes and the
+abs max / non-finite count of inputs, outputs, output gradients and
+parameter gradients, and names the first module that goes non-finite,
+passes the fp16 range or raises (a dtype mismatch is attributed to the module
+running when it was raised). It returns a :class:`~mpdoctor.report.Report`
+whose ``probe_table`` is the per-module DataFrame.
+
+The hooks never synchronise an accelerator per tensor: statistics stay on the
+device as 0-d tensors and are read out once at the end (on the CPU, where
+reading a scalar costs nothing, counts are taken only where the extremes are
+non-finite). The probe leaves nothing behind: hooks removed, ``.grad`` of every
+parameter and batch tensor restored to the very same objects, RNG states,
+train/eval flags and normalisation running statistics restored, optimizer and
+scaler never touched, even when the forward raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..discover import is_a
+from ..facts.tensors import dtype_name
+from .scan import FP16_MAX, no_autocast
+
+_TRAINER = ("transformers.trainer.Trainer",)
+_ACCELERATOR = ("accelerate.accelerator.Accelerator",)
+_SCALER = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler")
+
+#: Exception texts that mean two dtypes met where one was expected.
+DTYPE_ERROR = re.compile(
+    r"dtype|scalar type|BFloat16|\bHalf\b|expected .* but (got|found)|type \(.*\) .*should be the same",
+    re.IGNORECASE,
+)
+
+#: Columns of ``Report.probe_table``.
+PROBE_COLUMNS = [
+    "order", "module", "class", "calls", "input_dtypes", "output_dtypes", "grad_dtypes", "param_dtypes",
+    "in_absmax", "out_absmax", "grad_absmax", "param_grad_absmax",
+    "in_nonfinite", "out_nonfinite", "grad_nonfinite", "param_grad_nonfinite", "fp16_headroom",
+]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModuleProbe:
+    """What one module saw during the probe (maxima and sums over its calls).
+
+    ``*_absmax`` are None when the module saw no floating tensor of that kind;
+    they are NaN/inf when a NaN/inf was seen. Inputs are measured where it
+    matters: on the CPU only for calls whose output went non-finite or past
+    65504 (everything else there would double the probe's cost), on
+    accelerators for every call (queued, free of syncs). ``grad`` is the gradient of the
+    loss with respect to the module's output; ``param_grad`` the gradients of
+    its own (direct) parameters. ``done`` and ``grad_order`` are the positions
+    of its first forward completion and first output gradient, the orders that
+    decide which module went wrong first.
+    """
+
+    order: int
+    path: str
+    class_name: str
+    calls: int
+    input_dtypes: tuple[str, ...]
+    output_dtypes: tuple[str, ...]
+    grad_dtypes: tuple[str, ...]
+    param_dtypes: tuple[str, ...]
+    in_absmax: float | None
+    out_absmax: float | None
+    grad_absmax: float | None
+    param_grad_absmax: float | None
+    in_nonfinite: int
+    out_nonfinite: int
+    grad_nonfinite: int
+    param_grad_nonfinite: int
+    param_nonfinite: int
+    done: int | None
+    grad_order: int | None
+
+    @property
+    def fp16_headroom(self) -> float:
+        """How many times its largest output or gradient fits under 65504 (< 1: past the fp16 range; 0: non-finite)."""
+        peaks = [v for v in (self.out_absmax, self.grad_absmax) if v is not None]
+        if not peaks:
+            return math.inf
+        peak = max(peaks, key=lambda v: math.inf if math.isnan(v) else v)
+        if not math.isfinite(peak):
+            return 0.0
+        return math.inf if peak == 0 else FP16_MAX / peak
+
+    def row(self, model: str) -> dict:
+        """One ``probe_table`` row; modules are named as the user reaches them (``model.layers.0.mlp``)."""
+        return {
+            "order": self.order,
+            "module": f"{model}.{self.path}" if self.path else model,
+            "class": self.class_name,
+            "calls": self.calls,
+            "input_dtypes": ",".join(self.input_dtypes),
+            "output_dtypes": ",".join(self.output_dtypes),
+            "grad_dtypes": ",".join(self.grad_dtypes),
+            "param_dtypes": ",".join(self.param_dtypes),
+            "in_absmax": self.in_absmax,
+            "out_absmax": self.out_absmax,
+            "grad_absmax": self.grad_absmax,
+            "param_grad_absmax": self.param_grad_absmax,
+            "in_nonfinite": self.in_nonfinite,
+            "out_nonfinite": self.out_nonfinite,
+            "grad_nonfinite": self.grad_nonfinite,
+            "param_grad_nonfinite": self.param_grad_nonfinite,
+            "fp16_headroom": self.fp16_headroom,
+        }
+
+
+@dataclass(frozen=True)
+class ProbeError:
+    """An exception raised during the probe, attributed to the module running at that moment."""
+
+    phase: str  # "forward", "loss" or "backward"
+    module: str | None
+    class_name: str | None
+    exception: str
+    message: str
+    input_dtypes: tuple[str, ...] = ()
+    param_dtypes: tuple[str, ...] = ()
+
+    @property
+    def is_dtype_error(self) -> bool:
+        """True when the message says two dtypes met where one was expected."""
+        return bool(DTYPE_ERROR.search(self.message))
+
+
+@dataclass(frozen=True)
+class ProbeFacts:
+    """Everything one probe saw; checks in :mod:`mpdoctor.checks.numerics` turn it into findings.
+
+    Attributes
+    ----------
+    model : str
+        The model's name.
+    modules : tuple of ModuleProbe
+        One per module that ran, in the order modules were first called.
+    autocast : str or None
+        The autocast dtype the forward ran under (``"bfloat16"``, ``"float16"``), None for none.
+    autocast_source : str
+        Where it came from: ``"argument"``, ``"accelerator"``, ``"ambient"`` (the caller's), ``"none"``.
+    device : str
+        The device type the model ran on.
+    loss_scale : float
+        The GradScaler scale the loss was multiplied by before backward (1 without an enabled scaler).
+    loss : float or None
+        The unscaled loss.
+    backward : bool
+        Whether the backward ran.
+    note : str
+        Why the backward did not run, when it did not.
+    error : ProbeError or None
+        The exception the model raised, if any.
+    fp16_weights : bool
+        Whether some parameters are stored in fp16.
+    seconds : float
+        Wall time of the probe.
+    """
+
+    model: str
+    modules: tuple[ModuleProbe, ...]
+    autocast: str | None
+    autocast_source: str
+    device: str
+    loss_scale: float
+    loss: float | None
+    backward: bool
+    note: str
+    error: ProbeError | None
+    fp16_weights: bool
+    seconds: float
+
+    @property
+    def fp16_in_use(self) -> bool:
+        """True when this forward computed in fp16 (fp16 autocast or fp16 weights)."""
+        return self.autocast == "float16" or self.fp16_weights
+
+    def _first(self, key: Callable[[ModuleProbe], bool], order: str) -> ModuleProbe | None:
+        hits = [m for m in self.modules if getattr(m, order) is not None and key(m)]
+        return min(hits, key=lambda m: getattr(m, order)) if hits else None
+
+    def first_nonfinite(self) -> tuple[ModuleProbe, str] | None:
+        """The first module whose output went non-finite in the forward, else whose output gradient did in backward."""
+        m = self._first(lambda m: m.out_nonfinite > 0, "done")
+        if m is not None:
+            return m, "forward"
+        m = self._first(lambda m: m.grad_nonfinite > 0, "grad_order")
+        return (m, "backward") if m is not None else None
+
+    def first_overflow(self) -> tuple[ModuleProbe, str] | None:
+        """The first module whose finite output (forward) or output gradient (backward) passed 65504."""
+        m = self._first(lambda m: _past(m.out_absmax), "done")
+        if m is not None:
+            return m, "forward"
+        m = self._first(lambda m: _past(m.grad_absmax), "grad_order")
+        return (m, "backward") if m is not None else None
+
+    def module(self, path: str) -> ModuleProbe | None:
+        """The record of the module at ``path``."""
+        return next((m for m in self.modules if m.path == path), None)
+
+    def rows(self) -> list[dict]:
+        """The per-module table as plain rows."""
+        return [m.row(self.model) for m in self.modules]
+
+    def table(self) -> Any:
+        """The per-module table as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows(), columns=PROBE_COLUMNS)
+
+
+class ForwardCall:
+    """Positional and keyword arguments of one ``forward`` call, as a batch for :func:`probe`.
+
+    What :class:`~mpdoctor.numerics.callback.MPDoctorCallback` captures from
+    a Trainer; also for models taking both (``probe(model, ForwardCall(x, mask=m))``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+        self.kwargs = kwargs
+
+    @classmethod
+    def of(cls, args: tuple, kwargs: dict) -> ForwardCall:
+        """From an ``(args, kwargs)`` pair, as a forward pre-hook sees them."""
+        return cls(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"ForwardCall({len(self.args)} args, kwargs {sorted(self.kwargs)})"
+
+
+def _past(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > FP16_MAX
+
+
+# -- statistics ------------------------------------------------------------------------
+
+
+class _Stats:
+    """Abs max and non-finite counts of many tensors, read out in one go.
+
+    On the CPU every reduction has already finished when it returns, so the
+    extremes are read at once and the non-finite count is taken only when they
+    are not finite. Elsewhere the min, max and count stay on the device as 0-d
+    tensors until :meth:`finish` stacks them and reads them with one transfer.
+    """
+
+    #: Device types whose scalars are read at once (no sync to avoid there).
+    EAGER = frozenset({"cpu"})
+
+    def __init__(self) -> None:
+        self.slots: list[list] = []  # [min, max, nonfinite] as floats/ints or 0-d tensors
+        self._last: tuple[Any, int, int] | None = None  # (tensor, version, slot)
+
+    def add(self, t: torch.Tensor) -> int:
+        """Queue the statistics of ``t``; returns its slot."""
+        last = self._last
+        # A module returning its child's output (or one gradient reaching two hooks) is measured once.
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        d = t.detach()
+        mn, mx = torch.aminmax(d)
+        if d.device.type in self.EAGER:
+            lo, hi = mn.item(), mx.item()
+            nf = 0
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                nf = d.numel() - int(torch.count_nonzero(torch.isfinite(d)))
+            self.slots.append([lo, hi, nf])
+        else:
+            self.slots.append([mn, mx, d.numel() - torch.isfinite(d).sum()])
+        slot = len(self.slots) - 1
+        self._last = (t, t._version, slot)
+        return slot
+
+    def bad(self, slot: int) -> bool:
+        """True when a slot read on the CPU is non-finite or past fp16's range (False while still pending)."""
+        lo, hi, _ = self.slots[slot]
+        if isinstance(lo, torch.Tensor):
+            return False
+        return not (-FP16_MAX <= lo and hi <= FP16_MAX)
+
+    def forget(self) -> None:
+        """Drop the reference to the last tensor (so it is not kept alive past the probe)."""
+        self._last = None
+
+    def finish(self) -> None:
+        """Read every pending device scalar with one stack and ``tolist`` per device and dtype."""
+        groups: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
+        for i, slot in enumerate(self.slots):
+            for j, v in enumerate(slot):
+                if isinstance(v, torch.Tensor):
+                    groups.setdefault((v.device, v.dtype), []).append((i, j, v))
+        for items in groups.values():
+            values = torch.stack([v for _, _, v in items]).tolist()
+            for (i, j, _), value in zip(items, values):
+                self.slots[i][j] = value
+
+    def absmax(self, ids: list[int]) -> float | None:
+        if not ids:
+            return None
+        out = 0.0
+        for i in ids:
+            lo, hi, _ = self.slots[i]
+            if math.isnan(lo) or math.isnan(hi):
+                return math.nan
+            out = max(out, abs(lo), abs(hi))
+        return out
+
+    def nonfinite(self, ids: list[int]) -> int:
+        return int(sum(self.slots[i][2] for i in ids))
+
+
+def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Floating tensors in a module's inputs or outputs (tensors, tuples, lists, dicts, ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and value.device.type != "meta":
+            yield value
+    elif depth < 3 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v, depth + 1)
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v, depth + 1)
+
+
+class _Record:
+    __slots__ = ("order", "calls", "done", "grad_order", "ins", "outs", "grads", "in_dt", "out_dt", "grad_dt")
+
+    def __init__(self, order: int) -> None:
+        self.order = order
+        self.calls = 0
+        self.done: int | None = None
+        self.grad_order: int | None = None
+        self.ins: list[int] = []
+        self.outs: list[int] = []
+        self.grads: list[int] = []
+        self.in_dt: dict[str, None] = {}
+        self.out_dt: dict[str, None] = {}
+        self.grad_dt: dict[str, None] = {}
+
+
+class _Recorder:
+    """The hooks: a stack of running modules for attribution, and statistics per module."""
+
+    def __init__(self, modules: list[tuple[str, torch.nn.Module]]) -> None:
+        self.modules = modules
+        self.index = {id(m): i for i, (_, m) in enumerate(modules)}
+        self.records: dict[int, _Record] = {}
+        self.stack: list[int] = []
+        self.stats = _Stats()
+        self.phase = "forward"
+        self.done = 0
+        self.grad_seen = 0
+        self.last_grad: int | None = None
+        self.handles: list[Any] = []
+
+    def attach(self) -> None:
+        for _, m in self.modules:
+            self.handles.append(m.register_forward_pre_hook(self.pre_hook, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self.post_hook, with_kwargs=True))
+
+    def detach(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.stats.forget()
+
+    def _inputs(self, rec: _Record, args: tuple, kwargs: dict, eager: bool) -> None:
+        for t in _tensors((args, kwargs)):
+            if (t.device.type in self.stats.EAGER) == eager:
+                rec.ins.append(self.stats.add(t))
+
+    def pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.phase != "forward":
+            return None
+        i = self.index[id(module)]
+        self.stack.append(i)
+        rec = self.records.get(i)
+        if rec is None:
+            rec = self.records[i] = _Record(len(self.records))
+        rec.calls += 1
+        for t in _tensors((args, kwargs)):
+            rec.in_dt[dtype_name(t.dtype)] = None
+        # Accelerator inputs are measured now (queued, no sync); CPU inputs only if the output goes bad.
+        if rec.in_dt:
+            self._inputs(rec, args, kwargs, eager=False)
+        return None
+
+    def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        i = self.index[id(module)]
+        forward = self.phase == "forward"
+        if forward:
+            # A module whose forward raised and was caught inside the model left entries above it.
+            while self.stack and self.stack.pop() != i:
+                pass
+            rec = self.records[i]
+            if rec.done is None:
+                rec.done = self.done
+                self.done += 1
+        else:
+            rec = self.records.get(i)
+            if rec is None:
+                return None
+        bad = False
+        for t in _tensors(output):
+            if forward:
+                slot = self.stats.add(t)
+                rec.outs.append(slot)
+                rec.out_dt[dtype_name(t.dtype)] = None
+                bad = bad or self.stats.bad(slot)
+            if t.requires_grad and t.grad_fn is not None:
+                self.handles.append(t.register_hook(self._grad_hook(i)))
+        if bad and rec.in_dt:
+            self._inputs(rec, args, kwargs, eager=True)
+        return None
+
+    def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            rec = self.records[i]
+            if rec.grad_order is None:
+                rec.grad_order = self.grad_seen
+                self.grad_seen += 1
+            self.last_grad = i
+            if grad is not None and grad.is_floating_point() and grad.numel() > 0:
+                rec.grads.append(self.stats.add(grad))
+                rec.grad_dt[dtype_name(grad.dtype)] = None
+
+        return hook
+
+    def running(self) -> int | None:
+        """The innermost module running now (forward) or last reached by the gradient (backward)."""
+        if self.phase == "forward":
+            return self.stack[-1] if self.stack else None
+        return self.last_grad
+
+
+# -- what to leave behind exactly as found -----------------------------------------------
+
+
+class _Snapshot:
+    """The state a forward + backward could change, restored exactly by :meth:`restore`."""
+
+    def __init__(self, model: torch.nn.Module, batch: Any) -> None:
+        self.modes = [(m, m.training) for m in model.modules()]
+        self.params = list(dict.fromkeys(model.parameters()))  # each once, in order
+        self.grads = [p.grad for p in self.params]
+        self.leaves = [t for t in _all_tensors(batch) if t.requires_grad and t.is_leaf]
+        self.leaf_grads = [t.grad for t in self.leaves]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        # BatchNorm-style running statistics move on every training forward.
+        self.running = [
+            (b, b.detach().clone())
+            for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+            for b in m.buffers(recurse=False)
+        ]
+
+    def clear_grads(self) -> None:
+        """Let backward write fresh grads instead of accumulating into the user's."""
+        for p in self.params:
+            p.grad = None
+        for t in self.leaves:
+            t.grad = None
+
+    def restore(self) -> None:
+        for p, g in zip(self.params, self.grads):
+            p.grad = g
+        for t, g in zip(self.leaves, self.leaf_grads):
+            t.grad = g
+        for m, flag in self.modes:
+            m.training = flag
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+        with torch.no_grad():
+            for b, saved in self.running:
+                b.copy_(saved)
+
+
+def _all_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    if isinstance(value, ForwardCall):
+        yield from _all_tensors((value.args, value.kwargs), depth)
+    elif isinstance(value, torch.Tensor):
+        yield value
+    elif depth < 3 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _all_tensors(v, depth + 1)
+    elif depth < 3 and isinstance(value, Mapping):
+        for v in value.values():
+            yield from _all_tensors(v, depth + 1)
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """The batch on the model's device (a DataLoader yields CPU tensors; the Trainer moves them the same way)."""
+    if isinstance(value, ForwardCall):
+        return ForwardCall.of(_to_device(value.args, device), _to_device(value.kwargs, device))
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device or value.device.type == "meta" else value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if type(value) in (tuple, list):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+# -- the setup's precision ----------------------------------------------------------------
+
+
+def _accelerator_of(setup: Any) -> Any:
+    if setup is None:
+        return None
+    if is_a(setup, _ACCELERATOR):
+        return setup
+    if is_a(setup, _TRAINER):
+        return getattr(setup, "accelerator", None)
+    return None
+
+
+def _autocast_for(model_device: torch.device, setup: Any, autocast: Any) -> tuple[Any, str | None, str]:
+    """``(context manager, dtype name or None, source)`` of the precision the forward should run under."""
+    dev = model_device.type
+    if autocast is False:
+        return contextlib.nullcontext(), None, "none"
+    if isinstance(autocast, torch.dtype):
+        return torch.autocast(dev, dtype=autocast), dtype_name(autocast), "argument"
+    if autocast not in (None, True):
+        raise TypeError(f"autocast must be None, False or a torch.dtype, not {autocast!r}")
+    acc = _accelerator_of(setup)
+    if acc is not None:
+        # The accelerator's own context (what it wraps forward with after prepare()).
+        mp = str(getattr(acc, "mixed_precision", "no"))
+        native = bool(getattr(acc, "native_amp", False))
+        label = {"fp16": "float16", "bf16": "bfloat16"}.get(mp) if native else None
+        return acc.autocast(), label, "accelerator"
+    try:
+        if torch.is_autocast_enabled(dev):
+            return contextlib.nullcontext(), dtype_name(torch.get_autocast_dtype(dev)), "ambient"
+    except Exception:
+        pass
+    return contextlib.nullcontext(), None, "none"
+
+
+def _loss_scale(setup: Any, scaler: Any) -> float:
+    """The current scale of the GradScaler the setup multiplies its loss by (read only)."""
+    from ..facts.scaler import gather_scaler
+
+    if scaler is None:
+        if setup is not None and is_a(setup, _SCALER):
+            scaler = setup
+        else:
+            acc = _accelerator_of(setup)
+            scaler = getattr(acc, "scaler", None) if acc is not None else None
+    if scaler is None or not is_a(scaler, _SCALER):
+        return 1.0
+    facts = gather_scaler("scaler", scaler)
+    if not facts.enabled:
+        return 1.0
+    return facts.scale if facts.scale is not None else facts.init_scale
+
+
+def _loss_of(output: Any, loss_fn: Callable | None) -> torch.Tensor:
+    if loss_fn is not None:
+        return loss_fn(output)
+    loss = None
+    if isinstance(output, dict):
+        loss = output.get("loss")
+    elif not isinstance(output, torch.Tensor):
+        loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    first = next(_tensors(output), None)
+    if first is None:
+        raise TypeError(f"no loss: the model returned {type(output).__name__} without a floating tensor")
+    return first.float().mean()
+
+
+def _call(model: torch.nn.Module, batch: Any) -> Any:
+    if isinstance(batch, ForwardCall):
+        return model(*batch.args, **batch.kwargs)
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, torch.Tensor):
+        return model(batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    raise TypeError(f"batch must be a mapping of keyword arguments, a tensor or a tuple/list, not {type(batch).__name__}")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:500]
+
+
+# -- the probe --------------------------------------------------------------------------
+
+
+def run_probe(
+    model: torch.nn.Module,
+    batch: Any,
+    setup: Any = None,
+    name: str = "model",
+    autocast: Any = None,
+    scaler: Any = None,
+    loss_fn: Callable | None = None,
+    training: bool = True,
+) -> ProbeFacts:
+    """Run the probe and return what it saw (no Report, no checks); see :func:`probe`."""
+    if not isinstance(batch, (Mapping, torch.Tensor, tuple, list, ForwardCall)):
+        raise TypeError(f"batch must be a dict of keyword arguments, a tensor or a tuple/list, not {type(batch).__name__}")
+    start = time.perf_counter()
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    ctx, ac_dtype, ac_source = _autocast_for(device, setup, autocast)
+    scale = _loss_scale(setup, scaler)
+    modules = list(model.named_modules())
+    recorder = _Recorder(modules)
+    snapshot = _Snapshot(model, batch)
+    batch = _to_device(batch, device)
+    loss_value: float | None = None
+    error: ProbeError | None = None
+    ran_backward = False
+    note = ""
+    new_grads: list[torch.Tensor | None] = []
+    try:
+        model.train(training)
+        snapshot.clear_grads()
+        recorder.attach()
+        phase = "forward"
+        try:
+            with torch.enable_grad(), ctx:  # a probe called under no_grad still needs its backward
+                output = _call(model, batch)
+                phase = "loss"
+                loss = _loss_of(output, loss_fn)
+            del output
+            loss_value = float(loss.detach().float())
+            if loss.requires_grad:
+                phase = "backward"
+                recorder.phase = "backward"
+                with torch.enable_grad():
+                    (loss * scale if scale != 1.0 else loss).backward()
+                ran_backward = True
+            else:
+                note = "the loss does not require grad (no trainable parameter reached it): forward only"
+        except Exception as exc:  # the model's error is the finding, never a traceback
+            where = recorder.running() if phase != "loss" else None
+            path = modules[where][0] if where is not None else None
+            mod = modules[where][1] if where is not None else None
+            rec = recorder.records.get(where) if where is not None else None
+            error = ProbeError(
+                phase=phase,
+                module=path,
+                class_name=type(mod).__name__ if mod is not None else None,
+                exception=type(exc).__name__,
+                message=_first_line(exc),
+                input_dtypes=tuple(rec.in_dt) if rec is not None else (),
+                param_dtypes=tuple(dict.fromkeys(dtype_name(p.dtype) for p in mod.parameters(recurse=False)))
+                if mod is not None
+                else (),
+            )
+        new_grads = [p.grad for p in snapshot.params]
+    finally:
+        recorder.detach()
+        snapshot.restore()
+    with no_autocast():
+        records = _finish(recorder, modules, snapshot.params, new_grads)
+    fp16_weights = any(p.dtype == torch.float16 for p in snapshot.params)
+    return ProbeFacts(
+        model=name,
+        modules=records,
+        autocast=ac_dtype,
+        autocast_source=ac_source,
+        device=device.type,
+        loss_scale=float(scale),
+        loss=loss_value,
+        backward=ran_backward,
+        note=note,
+        error=error,
+        fp16_weights=fp16_weights,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _finish(
+    recorder: _Recorder,
+    modules: list[tuple[str, torch.nn.Module]],
+    params: list[torch.nn.Parameter],
+    grads: list[torch.Tensor | None],
+) -> tuple[ModuleProbe, ...]:
+    """Read the statistics out once and build one record per module that ran."""
+    stats = recorder.stats
+    grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
+    # Gradients of each module's own parameters, through the same queued statistics.
+    pgrads: dict[int, list[int]] = {}
+    for i in recorder.records:
+        gs = [grad_of[id(p)] for p in modules[i][1].parameters(recurse=False) if id(p) in grad_of]
+        pgrads[i] = [stats.add(g) for g in _tensors(gs)]
+    stats.finish()
+    stats.forget()
+    out: list[ModuleProbe] = []
+    for i, rec in sorted(recorder.records.items(), key=lambda kv: kv[1].order):
+        path, mod = modules[i]
+        own_params = list(mod.parameters(recurse=False))
+        out.append(
+            ModuleProbe(
+                order=rec.order,
+                path=path,
+                class_name=type(mod).__name__,
+                calls=rec.calls,
+                input_dtypes=tuple(rec.in_dt),
+                output_dtypes=tuple(rec.out_dt),
+                grad_dtypes=tuple(rec.grad_dt),
+                param_dtypes=tuple(dict.fromkeys(dtype_name(p.dtype) for p in own_params)),
+                in_absmax=stats.absmax(rec.ins),
+                out_absmax=stats.absmax(rec.outs),
+                grad_absmax=stats.absmax(rec.grads),
+                param_grad_absmax=stats.absmax(pgrads[i]),
+                in_nonfinite=stats.nonfinite(rec.ins),
+                out_nonfinite=stats.nonfinite(rec.outs),
+                grad_nonfinite=stats.nonfinite(rec.grads),
+                param_grad_nonfinite=stats.nonfinite(pgrads[i]),
+                param_nonfinite=_nonfinite_params(own_params) if stats.nonfinite(rec.outs) else 0,
+                done=rec.done,
+                grad_order=rec.grad_order,
+            )
+        )
+    return tuple(out)
+
+
+def _nonfinite_params(params: list[torch.Tensor]) -> int:
+    """NaN/Inf count in a module's own weights (read only for modules whose output went non-finite)."""
+    total = 0
+    for p in params:
+        if p.is_floating_point() and p.numel() and p.device.type != "meta":
+            total += p.numel() - int(torch.count_nonzero(torch.isfinite(p.detach())))
+    return total
+
+
+def probe(
+    model: torch.nn.Module,
+    batch: Any,
+    setup: Any = None,
+    name: str = "model",
+    *,
+    autocast: Any = None,
+    scaler: Any = None,
+    loss_fn: Callable | None = None,
+    training: bool = True,
+    checks: bool = True,
+) -> Any:
+    """Run one forward and one backward on ``batch`` and report where the numbers go wrong.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The model (PEFT, DDP and accelerate-prepared models included).
+    batch : dict, tensor, tuple or list
+        What a DataLoader yields: keyword arguments for ``forward`` (Hugging
+        Face models), one tensor, or positional arguments. Moved to the
+        model's device if needed (a copy of the batch, never of the model).
+    setup : Trainer or Accelerator, optional
+        Its autocast (``accelerator.autocast()``) and GradScaler scale are used,
+        so the probe computes in the precision the run really uses.
+    name : str
+        The model's name in the report.
+    autocast : torch.dtype or False, optional
+        Override: run under ``torch.autocast(device, dtype=autocast)``, or
+        ``False`` for no autocast. Default: the setup's, else the caller's
+        current autocast, else none.
+    scaler : GradScaler, optional
+        Multiply the loss by its current scale before backward (default: the setup's scaler, if any).
+    loss_fn : callable, optional
+        ``output -> scalar loss``; default ``output.loss``, else the mean of
+        the first floating tensor of the output.
+    training : bool
+        Run in train mode (dropout on, as in training); the modes are restored after.
+    checks : bool
+        Also run mpdoctor's static checks on the model and setup.
+
+    Returns
+    -------
+    Report
+        ``report.findings`` has ``probe-*`` findings (the first non-finite or
+        fp16-overflowing module, the module that raised), ``report.probe_table``
+        one row per module in call order and ``report.facts.probes`` the raw
+        :class:`ProbeFacts`. ``report.refresh()`` probes the same batch again.
+    """
+    from ..checks import REGISTRY, load, run_checks
+    from ..discover import discover
+    from ..facts import Facts, gather
+    from ..report import Report
+
+    start = time.perf_counter()
+    facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training)
+    objects = [model] + ([setup] if setup is not None else [])
+    subjects = discover(objects, names={id(model): name})
+    facts = gather(subjects)
+    facts = Facts(**{**facts.__dict__, "probes": (facts_probe,)})
+    load()
+    ignore = () if checks else tuple(s for s in REGISTRY if not s.startswith("probe-"))
+    findings = run_checks(facts, ignore=ignore)
+
+    def again() -> Any:
+        return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
+
+    return Report(
+        findings,
+        facts,
+        ignore=ignore,
+        elapsed=time.perf_counter() - start,
+        probe_table=facts_probe.table(),
+        rediagnose=again,
+    )

@@ -1,0 +1,704 @@
+"""Value scan: NaN/Inf counts, abs max and fp16/bf16 range of every parameter, grad and optimizer-state tensor.
+
+One read of memory per tensor: each piece of a tensor (a view, no copy) goes
+through one ``torch.aminmax``, a reduction that allocates nothing, and all the
+extremes of a model are read back at once. NaN propagates to the min and max
+and an inf shows up as one of them, so the extremes alone say whether a piece
+holds anything worth counting. Only such pieces get a second look: an aminmax
+of each small sub-chunk narrows them to the sub-chunks holding the culprits,
+which are then counted exactly in reused buffers of at most
+:data:`TEMP_BUDGET` bytes. Counting values that would flush to zero in fp16
+needs a second look at every chunk (the extremes say nothing about the
+smallest magnitudes), so it runs only when fp16 is in play
+(``underflow="auto"``) or on request, at a fraction of the speed.
+
+Never a full-size temporary, never a cross-device copy (results come back as
+scalars), meta tensors skipped, autocast off, nothing mutated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from ..facts.tensors import dtype_name
+
+#: Largest finite fp16 value; anything past it is out of fp16 range.
+FP16_MAX = 65504.0
+#: Smallest positive fp16 value (subnormal); nonzero magnitudes below it flush to zero.
+FP16_TINY = 2.0**-24
+#: Largest finite bf16 value.
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+#: Smallest positive bf16 value (subnormal).
+BF16_TINY = 2.0**-133
+#: Bytes of scan buffers alive at once (chunk copies, abs values, masks): a quarter of the 64 MiB promise.
+TEMP_BUDGET = 16 * 2**20
+#: Elements per ``aminmax`` on the first pass over dense tensors: views, so no memory, only fewer calls.
+READ_ELEMENTS = 2**24
+#: A flagged piece is narrowed down to sub-chunks of this many elements (one more ``aminmax`` each)
+#: before the exact counts, which cost several passes, run on the few sub-chunks holding the culprits.
+NARROW_ELEMENTS = 2**16
+#: Show a progress bar when a scan reads more than this many bytes.
+PROGRESS_BYTES = 10**9
+
+_NATIVE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+class TensorScan(NamedTuple):
+    """Value statistics of one tensor.
+
+    ``absmax`` is over finite values. ``fp16_overflow`` counts finite values
+    with ``|x| > 65504``; ``fp16_underflow`` nonzero values with ``|x| < 2**-24``
+    (None when not computed); ``bf16_*`` likewise for bf16's range, and are 0
+    for tensors already in a 16-bit format.
+    """
+
+    object: str
+    name: str
+    module: str
+    kind: str
+    dtype: str
+    device: str
+    numel: int
+    nan: int
+    inf: int
+    absmax: float
+    fp16_overflow: int
+    fp16_underflow: int | None
+    bf16_overflow: int
+    bf16_underflow: int | None
+
+    @property
+    def nonfinite(self) -> int:
+        """NaN plus Inf count."""
+        return self.nan + self.inf
+
+    @property
+    def bytes(self) -> int:
+        """Bytes read."""
+        return self.numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ScanFacts:
+    """The value scan of one model or optimizer.
+
+    Attributes
+    ----------
+    object : str
+        The subject's name (``model``, ``trainer.optimizer``).
+    kind : str
+        ``"model"`` or ``"optimizer"``.
+    tensors : tuple of TensorScan
+        One row per scanned tensor, in module order.
+    skipped : tuple of (str, str)
+        Tensors not scanned and why (``meta``, not floating, unsupported).
+    underflow : bool
+        Whether flush-to-zero counts were computed.
+    seconds : float
+        Wall time of this object's scan.
+    chunk_elements : int
+        Elements per chunk (bounds the scan's temporary memory).
+    peak_temp_bytes : int
+        Largest total of scan buffers alive at once.
+    """
+
+    object: str
+    kind: str
+    tensors: tuple[TensorScan, ...]
+    skipped: tuple[tuple[str, str], ...] = ()
+    underflow: bool = False
+    seconds: float = 0.0
+    chunk_elements: int = 0
+    peak_temp_bytes: int = 0
+
+    @property
+    def bytes(self) -> int:
+        """Bytes read by the scan."""
+        return sum(t.bytes for t in self.tensors)
+
+    def modules(self) -> list[dict]:
+        """One row per module and kind (param, grad, optimizer_state): the per-module view."""
+        return module_rows(self.tensors)
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize if hasattr(torch, dtype) else 1
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype chunks are read in: the tensor's own, or fp32 for formats ``aminmax`` cannot read (float8)."""
+    return dtype if dtype in _NATIVE else torch.float32
+
+
+def chunk_elements_for(dtype: torch.dtype, budget: int = TEMP_BUDGET) -> int:
+    """Elements per chunk so that one chunk's buffers fit ``budget`` bytes.
+
+    A chunk may need a copy (non-contiguous tensors and float8, in the work
+    dtype), its absolute values (work dtype) and one boolean mask (1 byte).
+    """
+    per_element = 2 * _work_dtype(dtype).itemsize + 1
+    return max(1024, budget // per_element)
+
+
+class _Buffers:
+    """Scratch buffers (copy, abs, mask) of one chunk size, reused across chunks and tensors.
+
+    One set is alive at a time (a new device or dtype releases the old set),
+    so the scan's temporary memory is one chunk's worth whatever the model size.
+    """
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk = chunk
+        self.key: tuple | None = None
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.alive = 0
+        self.peak = 0
+
+    def begin(self, t: torch.Tensor) -> None:
+        """Start a tensor: keep the buffers when its device and dtype match the last one's."""
+        key = (t.device, t.dtype)
+        if key != self.key:
+            self.release()
+            self.key = key
+
+    def get(self, name: str, dtype: torch.dtype, device: torch.device, n: int) -> torch.Tensor:
+        """A buffer of at least ``n`` elements (``n <= chunk``), grown only when a larger piece needs it."""
+        buf = self.bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            if buf is not None:
+                self.alive -= buf.numel() * buf.element_size()
+                del self.bufs[name], buf
+            buf = self.bufs[name] = torch.empty(n, dtype=dtype, device=device)
+            self.alive += buf.numel() * buf.element_size()
+            self.peak = max(self.peak, self.alive)
+        return buf[:n]
+
+    def release(self) -> None:
+        """Drop every buffer."""
+        self.bufs.clear()
+        self.key = None
+        self.alive = 0
+
+
+def _dense_flat(t: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view over all of ``t``'s elements without a copy, or None when its memory has gaps or overlaps."""
+    if t.is_contiguous():
+        return t.view(-1)
+    # A transposed or permuted tensor is dense in another dimension order.
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d)), reverse=True)
+    permuted = t.permute(order)
+    return permuted.reshape(-1) if permuted.is_contiguous() else None
+
+
+def _pieces(t: torch.Tensor, chunk: int, bufs: _Buffers, readable: bool, read: int) -> Iterator[torch.Tensor]:
+    """Yield 1-D pieces covering every element of ``t`` once.
+
+    Dense tensors are sliced as views of ``read`` elements (no copy); tensors
+    with gaps (slices of a bigger tensor) and dtypes ``aminmax`` cannot read
+    (float8) are copied ``chunk`` elements at a time into a reused buffer.
+    """
+    flat = _dense_flat(t)
+    if flat is not None:
+        step = read if readable else chunk
+        for i in range(0, flat.numel(), step):
+            piece = flat[i : i + step]
+            if readable:
+                yield piece
+            else:
+                yield bufs.get("copy", torch.float32, t.device, piece.numel()).copy_(piece)
+        return
+    if t.dim() <= 1 or t.numel() <= chunk:
+        if t.dim() == 0:
+            t = t.reshape(1)
+        if t.dim() == 1 and t.numel() > chunk:
+            for i in range(0, t.numel(), chunk):
+                yield from _pieces(t[i : i + chunk], chunk, bufs, readable, read)
+            return
+        n = t.numel()
+        buf = bufs.get("copy", _work_dtype(t.dtype), t.device, n)
+        buf.view(t.shape).copy_(t)
+        yield buf
+        return
+    for sub in t.unbind(0):
+        yield from _pieces(sub, chunk, bufs, readable, read)
+
+
+_THRESHOLDS: dict[tuple, tuple[torch.Tensor, bool]] = {}
+
+
+def _threshold(limit: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``(value, strict)`` such that ``x > limit`` is exactly ``x > value`` (strict) or ``x >= value`` in ``dtype``.
+
+    A Python scalar would be rounded to ``dtype`` first: 65504 becomes 65536
+    in bf16, so a plain ``x > 65504`` would miss bf16's 65536.
+    """
+    key = (limit, dtype, str(device))
+    if key not in _THRESHOLDS:
+        value = torch.tensor(limit, dtype=dtype, device=device)
+        rounded = float(value)
+        if rounded < limit:  # the first representable value past the limit
+            value = torch.nextafter(value, torch.tensor(math.inf, dtype=dtype, device=device))
+        _THRESHOLDS[key] = (value, rounded == limit)
+    return _THRESHOLDS[key]
+
+
+class _Counter:
+    """Exact counts of one tensor's flagged chunks, accumulated as device tensors and read out once."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device, underflow: bool) -> None:
+        self.wide16 = dtype.itemsize > 2 or dtype == torch.bfloat16  # can hold values past fp16 range
+        wide_bf16 = dtype.itemsize > 2  # can hold values past bf16 range
+        self.underflow = underflow
+        self.work = _work_dtype(dtype)
+        self.fp16_over = _threshold(FP16_MAX, self.work, device) if self.wide16 else None
+        self.bf16_over = _threshold(BF16_MAX, self.work, device) if wide_bf16 else None
+        self.fp16_tiny = _threshold(FP16_TINY, self.work, device)[0] if self.wide16 and underflow else None
+        self.bf16_tiny = _threshold(BF16_TINY, self.work, device)[0] if wide_bf16 and underflow else None
+        self.counts: dict[str, list[torch.Tensor]] = {}
+        self.finite_max: list[torch.Tensor] = []
+
+    def add(self, key: str, value: torch.Tensor) -> None:
+        self.counts.setdefault(key, []).append(value)
+
+    def totals(self) -> tuple[dict[str, int], float | None]:
+        """Sums per key and the finite abs max of the looked-at chunks, in one read-out."""
+        keys = list(self.counts)
+        flat = [v for k in keys for v in self.counts[k]]
+        values = torch.stack(flat).tolist() if flat else []
+        out: dict[str, int] = {}
+        i = 0
+        for k in keys:
+            n = len(self.counts[k])
+            out[k] = int(sum(values[i : i + n]))
+            i += n
+        fmax = max(torch.stack(self.finite_max).double().tolist()) if self.finite_max else None
+        return out, fmax
+
+
+def _count_above(a: torch.Tensor, threshold: tuple[torch.Tensor, bool], mask: torch.Tensor) -> torch.Tensor:
+    value, strict = threshold
+    (torch.gt if strict else torch.ge)(a, value, out=mask)
+    return torch.count_nonzero(mask)
+
+
+def _second_look(c: torch.Tensor, cnt: _Counter, bufs: _Buffers, nonfinite: bool, wide: bool) -> None:
+    """Exact counts over one chunk: NaN/Inf, past fp16/bf16 range, and flush-to-zero when asked."""
+    n = c.numel()
+    a = torch.abs(c, out=bufs.get("abs", c.dtype, c.device, n))
+    mask = bufs.get("mask", torch.bool, c.device, n)
+    inf = None
+    if nonfinite:
+        cnt.add("nan", torch.count_nonzero(torch.ne(a, a, out=mask)))
+        inf = torch.count_nonzero(torch.eq(a, math.inf, out=mask))
+        cnt.add("inf", inf)
+    if wide and cnt.fp16_over is not None:
+        # inf is past every limit; the counts are of finite values.
+        over = _count_above(a, cnt.fp16_over, mask)
+        cnt.add("fp16_overflow", over if inf is None else over - inf)
+        if cnt.bf16_over is not None:
+            over = _count_above(a, cnt.bf16_over, mask)
+            cnt.add("bf16_overflow", over if inf is None else over - inf)
+    if cnt.fp16_tiny is not None or cnt.bf16_tiny is not None:
+        zeros = n - torch.count_nonzero(c)  # |x| < tiny counts zeros too; NaN compares false
+        if cnt.fp16_tiny is not None:
+            cnt.add("fp16_underflow", torch.count_nonzero(torch.lt(a, cnt.fp16_tiny, out=mask)) - zeros)
+        if cnt.bf16_tiny is not None:
+            cnt.add("bf16_underflow", torch.count_nonzero(torch.lt(a, cnt.bf16_tiny, out=mask)) - zeros)
+    if nonfinite:
+        # Zero the non-finite magnitudes in our own buffer to get the finite abs max.
+        cnt.finite_max.append(torch.nan_to_num_(a, nan=0.0, posinf=0.0).amax())
+
+
+def _flags(values: list[float], wide16: bool, underflow: bool) -> dict[int, tuple[bool, bool]]:
+    """Which pieces need a second look, from their ``[min, max, min, max, ...]``: ``{index: (nonfinite, wide)}``."""
+    looks: dict[int, tuple[bool, bool]] = {}
+    for i in range(0, len(values), 2):
+        mn, mx = values[i], values[i + 1]
+        finite = math.isfinite(mn) and math.isfinite(mx)
+        # NaN/Inf hide whether finite values also pass the limit, so those pieces get every count.
+        wide = wide16 and (not finite or max(-mn, mx) > FP16_MAX)
+        if not finite or wide or underflow:
+            looks[i // 2] = (not finite, wide)
+    return looks
+
+
+def _finite_absmax(values: list[float]) -> float:
+    out = 0.0
+    for i in range(0, len(values), 2):
+        mn, mx = values[i], values[i + 1]
+        if math.isfinite(mn) and math.isfinite(mx):
+            out = max(out, -mn, mx)
+    return out
+
+
+class _Job:
+    """One tensor through the two passes."""
+
+    __slots__ = ("t", "chunk", "read", "readable", "wide16", "extremes", "values")
+
+    def __init__(self, t: torch.Tensor, chunk: int, read: int) -> None:
+        self.t = t.detach()
+        self.chunk = chunk
+        self.read = max(read, chunk)
+        self.readable = t.dtype in _NATIVE
+        self.wide16 = t.dtype.itemsize > 2 or t.dtype == torch.bfloat16  # can hold values past fp16 range
+        self.extremes: list[torch.Tensor] = []
+        self.values: list[float] = []
+
+
+def _first_pass(job: _Job, bufs: _Buffers, progress: Any) -> None:
+    """One aminmax per piece (views of dense tensors: no memory); results stay on the device."""
+    bufs.begin(job.t)
+    size = job.t.element_size()
+    for piece in _pieces(job.t, job.chunk, bufs, job.readable, job.read):
+        job.extremes.extend(torch.aminmax(piece))
+        if progress is not None:
+            progress.update(piece.numel() * size)
+
+
+def _read_out(jobs: list[_Job]) -> None:
+    """All extremes of many tensors read with one stack and transfer per device and dtype."""
+    groups: dict[tuple, list[_Job]] = {}
+    for job in jobs:
+        if job.extremes:
+            groups.setdefault((job.t.device, job.t.dtype), []).append(job)
+    for group in groups.values():
+        values = torch.stack([x for job in group for x in job.extremes]).tolist()
+        i = 0
+        for job in group:
+            n = len(job.extremes)
+            job.values, job.extremes = values[i : i + n], []
+            i += n
+
+
+def _second_pass(job: _Job, underflow: bool, bufs: _Buffers) -> dict:
+    """Exact counts, only on the pieces whose extremes call for them.
+
+    A flagged piece is first narrowed, by an aminmax of each small sub-chunk,
+    to the sub-chunks that hold the culprits. Flush-to-zero counts need every
+    value, so that mode counts whole chunks.
+    """
+    t = job.t
+    result: dict[str, Any] = {"numel": t.numel(), "nan": 0, "inf": 0, "absmax": 0.0, "fp16_overflow": 0,
+                              "bf16_overflow": 0, "fp16_underflow": 0 if underflow else None,
+                              "bf16_underflow": 0 if underflow else None}  # fmt: skip
+    if not job.values:
+        return result
+    absmax = _finite_absmax(job.values)
+    looks = _flags(job.values, job.wide16, underflow)
+    if looks:
+        bufs.begin(t)
+        cnt = _Counter(t.dtype, t.device, underflow)
+        for i, piece in enumerate(_pieces(t, job.chunk, bufs, job.readable, job.read)):
+            if i not in looks:
+                continue
+            subs = list(piece.split(job.chunk if underflow else min(job.chunk, NARROW_ELEMENTS)))
+            if len(subs) == 1 or underflow:
+                sub_looks = dict.fromkeys(range(len(subs)), looks[i])
+            else:
+                sub_values = torch.stack([x for s in subs for x in torch.aminmax(s)]).tolist()
+                absmax = max(absmax, _finite_absmax(sub_values))
+                sub_looks = _flags(sub_values, job.wide16, False)
+            for j, (nonfinite, wide) in sub_looks.items():
+                _second_look(subs[j], cnt, bufs, nonfinite, wide)
+        totals, fmax = cnt.totals()
+        result.update(totals)
+        if fmax is not None:
+            absmax = max(absmax, fmax)
+    result["absmax"] = absmax
+    return result
+
+
+def scan_tensor(
+    t: torch.Tensor,
+    underflow: bool = False,
+    chunk_elements: int | None = None,
+    read_elements: int = READ_ELEMENTS,
+) -> dict:
+    """Scan one floating tensor's values; see :class:`TensorScan` for the fields.
+
+    Parameters
+    ----------
+    t : torch.Tensor
+        Any strided floating tensor, on any device (read where it lives).
+    underflow : bool
+        Also count values that would flush to zero in fp16 (and bf16 for
+        wider tensors): a second look at every chunk.
+    chunk_elements : int, optional
+        Elements per chunk of the second look and of copies (default:
+        :func:`chunk_elements_for` the dtype); bounds the scan's buffers.
+    read_elements : int
+        Elements per ``aminmax`` view on the first pass over dense tensors.
+
+    Returns
+    -------
+    dict
+        ``numel, nan, inf, absmax, fp16_overflow, fp16_underflow, bf16_overflow, bf16_underflow``.
+    """
+    chunk = chunk_elements or chunk_elements_for(t.dtype)
+    job = _Job(t, chunk, read_elements)
+    bufs = _Buffers(chunk)
+    with no_autocast():
+        _first_pass(job, bufs, None)
+        _read_out([job])
+        result = _second_pass(job, underflow, bufs)
+    bufs.release()
+    return result
+
+
+def _params_of(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(full name, module path, parameter)`` once per parameter, in module order."""
+    seen: set[int] = set()
+    for mpath, mod in module.named_modules(remove_duplicate=True):
+        for pname, p in mod.__dict__.get("_parameters", {}).items():
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield (f"{mpath}.{pname}" if mpath else pname), mpath, p
+
+
+def _skip_reason(t: torch.Tensor) -> str | None:
+    if t.device.type == "meta":
+        return "meta"
+    if t.layout != torch.strided:
+        return f"layout {t.layout}"
+    if not t.dtype.is_floating_point:
+        return f"not floating ({dtype_name(t.dtype)})"
+    return None
+
+
+class _Plan(NamedTuple):
+    object: str
+    kind: str
+    items: list  # (name, module, kind, tensor)
+
+
+def _plans(facts: Any) -> list[_Plan]:
+    """What to scan: each model's parameters and grads, each optimizer's state tensors."""
+    plans: list[_Plan] = []
+    owners: dict[int, tuple[str, str, str]] = {}  # param id -> (model, param name, module)
+    seen: set[int] = set()
+    for m in facts.models:
+        items = []
+        for name, mpath, p in _params_of(m.subject.obj):
+            owners.setdefault(id(p), (m.name, name, mpath))
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            items.append((f"{m.name}.{name}", mpath, "param", p))
+            grad = p.grad if p.is_leaf else None
+            if grad is not None:
+                items.append((f"{m.name}.{name}.grad", mpath, "grad", grad))
+        plans.append(_Plan(m.name, "model", items))
+    for o in facts.optimizers:
+        subject = facts.subject(o.name)
+        inner = subject.inner if subject is not None else None
+        state = inner.__dict__.get("state", {}) if inner is not None else {}
+        groups = inner.__dict__.get("param_groups", []) if inner is not None else []
+        items = []
+        index = 0
+        for group in groups:
+            for p in group.get("params", ()):
+                st = state.get(p) if isinstance(state, dict) else None
+                owner = owners.get(id(p))
+                label = f"{owner[0]}.{owner[1]}" if owner else f"param {index}"
+                index += 1
+                if not isinstance(st, dict):
+                    continue
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1 and id(value) not in seen:
+                        seen.add(id(value))
+                        items.append((f"{o.name}.state[{label}][{key!r}]", owner[2] if owner else "", "optimizer_state", value))
+        plans.append(_Plan(o.name, "optimizer", items))
+    return plans
+
+
+def fp16_in_play(facts: Any) -> bool:
+    """True when something in the setup computes or stores in fp16 (so flush-to-zero counts matter)."""
+    for p in facts.precisions:
+        if "fp16" in (p.effective, p.requested, p.accelerator_mixed_precision, p.args.get("mixed_precision")):
+            return True
+    if "float16" in facts.runtime.autocast.values():
+        return True
+    if any(s.enabled for s in facts.scalers):
+        return True
+    if not facts.hardware.bf16_native:
+        return True
+    return any(m.tensors.param_dtype_counts().get("float16") for m in facts.models)
+
+
+def no_autocast() -> contextlib.ExitStack:
+    """A context with autocast off on every device: the caller's autocast must not reach mpdoctor's own
+    reductions (CPU autocast to fp16 even breaks ``torch.stack`` of bf16 scalars)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.autocast("cpu", enabled=False))
+    if torch.cuda.is_available():
+        stack.enter_context(torch.autocast("cuda", enabled=False))
+    return stack
+
+
+def _progress_bar(total: int, progress: bool | None) -> Any:
+    if progress is False or (progress is None and total <= PROGRESS_BYTES):
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: no bar, same scan
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="mpdoctor scan", leave=False)
+
+
+def scan_objects(
+    plans: Iterable[tuple[str, str, list]],
+    underflow: bool = False,
+    chunk_elements: int | None = None,
+    progress: bool | None = None,
+) -> tuple[ScanFacts, ...]:
+    """Scan ``(object, kind, [(name, module, tensor kind, tensor), ...])`` plans; see :func:`scan_facts`."""
+    plans = list(plans)
+    total = sum(
+        t.numel() * t.element_size() for _, _, items in plans for *_, t in items if _skip_reason(t) is None
+    )
+    bar = _progress_bar(total, progress)
+    out: list[ScanFacts] = []
+    try:
+        with no_autocast():
+            for obj, kind, items in plans:
+                out.append(_scan_object(obj, kind, items, underflow, chunk_elements, bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    return tuple(out)
+
+
+def _scan_object(obj: str, kind: str, items: list, underflow: bool, chunk_elements: int | None, bar: Any) -> ScanFacts:
+    start = time.perf_counter()
+    skipped: list[tuple[str, str]] = []
+    jobs: list[tuple[str, str, str, _Job]] = []
+    budget = 0
+    bufs = _Buffers(0)
+    for name, module, tkind, t in items:
+        reason = _skip_reason(t)
+        if reason is not None:
+            skipped.append((name, reason))
+            continue
+        job = _Job(t, chunk_elements or chunk_elements_for(t.dtype), READ_ELEMENTS)
+        bufs.chunk = job.chunk
+        budget = max(budget, job.chunk)
+        try:
+            _first_pass(job, bufs, bar)
+        except Exception as exc:  # one odd tensor (a subclass, an exotic dtype) must not stop the scan
+            skipped.append((name, f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        jobs.append((name, module, tkind, job))
+    _read_out([job for *_, job in jobs])
+    rows: list[TensorScan] = []
+    for name, module, tkind, job in jobs:
+        bufs.chunk = job.chunk
+        try:
+            r = _second_pass(job, underflow, bufs)
+        except Exception as exc:
+            skipped.append((name, f"{type(exc).__name__}: {exc}"[:200]))
+            continue
+        t = job.t
+        rows.append(
+            TensorScan(
+                obj, name, module, tkind, dtype_name(t.dtype), t.device.type, r["numel"], r["nan"], r["inf"],
+                r["absmax"], r["fp16_overflow"], r["fp16_underflow"], r["bf16_overflow"], r["bf16_underflow"],
+            )
+        )  # fmt: skip
+    bufs.release()
+    return ScanFacts(obj, kind, tuple(rows), tuple(skipped), underflow, time.perf_counter() - start, budget, bufs.peak)
+
+
+def scan_facts(
+    facts: Any,
+    underflow: bool | str = "auto",
+    chunk_elements: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Return ``facts`` with ``scans`` filled: one :class:`ScanFacts` per model and optimizer.
+
+    Parameters
+    ----------
+    facts : Facts
+        Gathered facts; their subjects are the live objects scanned.
+    underflow : bool or "auto"
+        Count values that would flush to zero in fp16 / bf16. ``"auto"``: only
+        when fp16 is in play (an fp16 setup, autocast, scaler, fp16 weights or
+        a device without bf16), since it costs a second read of every tensor.
+    chunk_elements : int, optional
+        Elements per chunk; the default keeps scan buffers under :data:`TEMP_BUDGET`.
+    progress : bool, optional
+        Show a tqdm progress bar; default: when the scan reads more than 1 GB.
+    """
+    from ..facts import Facts
+
+    if underflow == "auto":
+        underflow = fp16_in_play(facts)
+    scans = scan_objects(_plans(facts), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
+    return Facts(**{**facts.__dict__, "scans": tuple(facts.scans) + scans})
+
+
+def module_rows(tensors: Iterable[TensorScan]) -> list[dict]:
+    """Aggregate tensor rows per object, module and kind (in first-seen order)."""
+    rows: dict[tuple[str, str, str], dict] = {}
+    for t in tensors:
+        key = (t.object, t.module, t.kind)
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = {
+                "object": t.object, "module": t.module, "kind": t.kind, "dtypes": [], "tensors": 0, "elements": 0,
+                "nan": 0, "inf": 0, "absmax": 0.0, "fp16_overflow": 0, "fp16_underflow": 0, "bf16_overflow": 0,
+                "bf16_underflow": 0,
+            }  # fmt: skip
+        if t.dtype not in row["dtypes"]:
+            row["dtypes"].append(t.dtype)
+        row["tensors"] += 1
+        row["elements"] += t.numel
+        for k in ("nan", "inf", "fp16_overflow", "bf16_overflow"):
+            row[k] += getattr(t, k)
+        for k in ("fp16_underflow", "bf16_underflow"):
+            value = getattr(t, k)
+            row[k] = None if value is None or row[k] is None else row[k] + value
+        row["absmax"] = max(row["absmax"], t.absmax)
+    for row in rows.values():
+        row["dtypes"] = ",".join(row["dtypes"])
+    return list(rows.values())
+
+
+SCAN_COLUMNS = [
+    "object", "module", "kind", "dtypes", "tensors", "elements", "nan", "inf", "absmax",
+    "fp16_overflow", "fp16_underflow", "bf16_overflow", "bf16_underflow",
+]  # fmt: skip
+
+
+def scan_rows(facts: Any, by: str = "module") -> list[dict]:
+    """The scan as plain rows: per ``"module"`` (default) or per ``"tensor"``; empty without a scan."""
+    tensors = [t for s in getattr(facts, "scans", ()) for t in s.tensors]
+    if by == "tensor":
+        return [dict(t._asdict(), nonfinite=t.nonfinite) for t in tensors]
+    if by != "module":
+        raise ValueError(f"by must be 'module' or 'tensor', not {by!r}")
+    return module_rows(tensors)
+
+
+def scan_table(report_or_facts: Any, by: str = "module") -> Any:
+    """The scan as a pandas DataFrame (one row per module and kind, or per tensor with ``by="tensor"``).
+
+    Accepts a Report (``diagnose(..., scan=True)``) or a Facts bundle.
+    """
+    import pandas as pd
+
+    facts = getattr(report_or_facts, "facts", report_or_facts)
+    rows = scan_rows(facts, by=by)
+    if by == "tensor":
+        return pd.DataFrame(rows, columns=list(TensorScan._fields) + ["nonfinite"])
+    return pd.DataFrame(rows, columns=SCAN_COLUMNS)
+

@@ -1,0 +1,40 @@
+"""The benchmark suite still runs: ``bench/run_all.py --quick`` once (figures present; targets are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+KEYS = {"figure", "mpdoctor", "baseline", "ratio", "target", "met", "unit"}
+
+
+def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run_all.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert all(KEYS <= set(r) for r in rows)
+    figures = " | ".join(r["figure"] for r in rows)
+    for expected in (
+        "value scan throughput vs bare aminmax loop",
+        "value scan throughput vs naive",
+        "value scan peak extra memory",
+        "probe() overhead over fwd+bwd vs DebugUnderflowOverflow",
+        "%load_ext mpdoctor on top of import torch",
+    ):
+        assert expected in figures
+    if (ROOT / "bench" / "bench_diagnose.py").exists():
+        assert "diagnose()" in figures
+    assert all(isinstance(r["mpdoctor"], (int, float)) for r in rows)
+    table = proc.stdout.split("\n\n")[-1]
+    assert table.splitlines()[0].split() == ["figure", "mpdoctor", "baseline", "ratio", "target", "met", "unit"]
+    assert len(table.splitlines()) == len(rows) + 2

@@ -1,0 +1,264 @@
+"""The one-batch probe: it names the module that overflows or raises, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from setups import batch, tiny_llama
+
+import mpdoctor
+from mpdoctor.numerics.probe import PROBE_COLUMNS, ForwardCall
+
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_state_dict_hooks",
+)
+
+
+class Everything:
+    """What a probe could leave behind: hooks, grads, modes, RNG, buffers, optimizer and scaler state."""
+
+    def __init__(self, model, optimizer=None, scaler=None) -> None:
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.hooks = self._hooks()
+        self.grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+        self.modes = [m.training for m in model.modules()]
+        self.rng = torch.get_rng_state()
+        self.buffers = [b.clone() for b in model.buffers()]
+        self.opt = self._optimizer_state()
+        self.scale = (scaler._scale.clone(), scaler._growth_tracker.clone()) if scaler is not None else None
+
+    def _hooks(self):
+        return [{k: list(getattr(m, k, {})) for k in HOOK_DICTS} for m in self.model.modules()]
+
+    def _optimizer_state(self):
+        if self.optimizer is None:
+            return None
+        return [(k, v.clone()) for s in self.optimizer.state.values() for k, v in s.items() if torch.is_tensor(v)]
+
+    def assert_unchanged(self) -> None:
+        assert self._hooks() == self.hooks
+        for p, grad, value in self.grads:
+            assert p.grad is grad  # the very same object (or still None): nothing accumulated into it
+            if value is not None:
+                assert torch.equal(p.grad, value)
+        assert [m.training for m in self.model.modules()] == self.modes
+        assert torch.equal(torch.get_rng_state(), self.rng)
+        assert all(torch.equal(a, b) for a, b in zip(self.buffers, self.model.buffers()))
+        if self.optimizer is not None:
+            assert all(k == k2 and torch.equal(v, v2) for (k, v), (k2, v2) in zip(self.opt, self._optimizer_state()))
+        if self.scaler is not None:
+            assert torch.equal(self.scaler._scale, self.scale[0])
+            assert torch.equal(self.scaler._growth_tracker, self.scale[1])
+
+
+def _one_step(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(**batch()).loss.backward()
+    opt.step()
+    model(**batch(seed=1)).loss.backward()  # leave grads in place for the probe not to touch
+    return opt
+
+
+def test_probe_names_the_first_module_whose_output_passes_fp16_range_and_reports_it_per_module():
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e9)
+    report = mpdoctor.probe(model, batch())
+    (finding,) = report.findings_for("probe-overflow")
+    assert finding.subject == "model.model.layers.1.mlp.down_proj"
+    assert finding.severity == "info"  # fp32 run: only fp16 would overflow
+    table = report.probe_table
+    assert list(table.columns) == PROBE_COLUMNS
+    row = table.set_index("module").loc["model.model.layers.1.mlp.down_proj"]
+    assert row["class"] == "Linear" and row.out_absmax > 65504 and row.fp16_headroom < 1
+    assert row.output_dtypes == "float32" and row.grad_dtypes == "float32" and row.grad_absmax > 0
+    order = list(table.module)
+    assert order[0] == "model" and order.index("model.model.embed_tokens") < order.index("model.model.layers.0")
+
+
+def test_under_fp16_autocast_the_same_layer_is_named_as_the_first_non_finite_from_finite_inputs():
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e9)
+    report = mpdoctor.probe(model, batch(), autocast=torch.float16)
+    (finding,) = report.findings_for("probe-nonfinite")
+    assert finding.subject == "model.model.layers.1.mlp.down_proj" and finding.severity == "error"
+    assert finding.evidence["phase"] == "forward" and finding.evidence["input_nonfinite"] == 0
+    assert finding.evidence["output_dtypes"] == ["float16"] and finding.evidence["weight_nonfinite"] == 0
+    assert report.facts.probes[0].autocast == "float16"
+
+
+def test_the_accelerator_path_queues_statistics_and_reads_them_once_with_the_same_verdict(monkeypatch):
+    from mpdoctor.numerics import probe as probe_module
+
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(1e9)
+    eager = mpdoctor.probe(model, batch(), autocast=torch.float16)
+    monkeypatch.setattr(probe_module._Stats, "EAGER", frozenset())  # as on a GPU: nothing read until the end
+    queued = mpdoctor.probe(model, batch(), autocast=torch.float16)
+    assert [f.subject for f in queued.findings] == [f.subject for f in eager.findings]
+    cols = ["module", "out_absmax", "out_nonfinite", "grad_nonfinite", "param_grad_nonfinite"]
+    assert queued.probe_table[cols].equals(eager.probe_table[cols])
+    assert queued.probe_table.in_absmax.notna().sum() > eager.probe_table.in_absmax.notna().sum()
+
+
+def test_an_inf_weight_is_named_with_its_own_weights_as_the_cause():
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.v_proj.weight[3, 5] = math.inf
+    (finding,) = mpdoctor.probe(model, batch()).findings_for("probe-nonfinite")
+    assert finding.subject == "model.model.layers.0.self_attn.v_proj"
+    assert finding.evidence["weight_nonfinite"] == 1 and "own weights" in finding.message
+
+
+def test_a_dtype_error_is_attributed_to_the_module_running_and_nothing_is_left_behind():
+    model = tiny_llama(use_cache=False)
+    opt = _one_step(model)
+    model.model.layers[1].mlp.to(torch.bfloat16)  # fp32 activations meet bf16 weights, no autocast
+    model.eval()
+    model.model.layers[0].train()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))
+    everything = Everything(model, opt, scaler)
+
+    report = mpdoctor.probe(model, batch(), scaler=scaler, name="llm")
+
+    everything.assert_unchanged()
+    (finding,) = report.findings_for("probe-dtype-error")
+    assert finding.subject == "llm.model.layers.1.mlp.gate_proj"
+    with pytest.raises(RuntimeError) as raised:  # the text torch gives for this very mismatch
+        model.model.layers[1].mlp.gate_proj(torch.ones(2, 8, 16))
+    assert str(raised.value) in finding.message and "same dtype" in finding.message
+    assert "Traceback" not in finding.message and "\n" not in finding.message
+    assert finding.evidence["input_dtypes"] == ["float32"] and finding.evidence["param_dtypes"] == ["bfloat16"]
+    assert report.facts.probes[0].backward is False
+
+
+def test_field_case_5_a_bf16_linear_feeding_an_fp32_linear_is_named_with_torchs_message():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 2))
+    (finding,) = mpdoctor.probe(model, torch.ones(3, 8, dtype=torch.bfloat16)).findings_for("probe-dtype-error")
+    assert finding.subject == "model.1"
+    assert "mat1 and mat2 must have the same dtype, but got BFloat16 and Float" in finding.message
+
+
+class _FusedLoRA(torch.autograd.Function):
+    """A fused kernel in the style of FIELD-CASES #5: its backward forgets to cast the fp32 weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return x @ weight.to(x.dtype).t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        return grad @ weight, None  # bf16 grad meets fp32 weight
+
+
+class _Adapter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 8))  # fp32 adapter on a bf16 model
+
+    def forward(self, x):
+        return _FusedLoRA.apply(x, self.weight)
+
+
+def test_a_dtype_error_raised_in_backward_is_attributed_to_the_module_the_gradient_had_reached():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Adapter(), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    model[1].float()
+    everything = Everything(model)
+    (finding,) = mpdoctor.probe(model, torch.ones(3, 8, dtype=torch.bfloat16)).findings_for("probe-dtype-error")
+    everything.assert_unchanged()
+    assert finding.subject == "model.1" and finding.evidence["phase"] == "backward"
+    assert "same dtype" in finding.message
+
+
+def test_a_clean_probe_with_dropout_restores_grads_modes_rng_running_stats_optimizer_and_scaler():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    model[0].weight.grad = None  # one parameter without a grad, the others with one
+    model.eval()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    x = torch.randn(4, 8)
+    everything = Everything(model, opt, scaler)
+
+    report = mpdoctor.probe(model, x, scaler=scaler)
+
+    everything.assert_unchanged()
+    probe = report.facts.probes[0]
+    assert probe.backward and probe.loss_scale == 1024.0 and report.ok
+    rows = report.probe_table.set_index("module")
+    assert rows.loc["model.3", "param_grad_absmax"] > 0  # grads were computed, then the user's put back
+    assert rows.loc["model.1", "calls"] == 1
+
+
+@pytest.mark.parametrize(
+    "make_batch",
+    [
+        lambda x: x,  # one tensor
+        lambda x: (x,),  # positional arguments
+        lambda x: {"input": x},  # keyword arguments
+        lambda x: ForwardCall(x),
+    ],
+)
+def test_every_dataloader_batch_shape_is_accepted(make_batch):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    report = mpdoctor.probe(model, make_batch(torch.ones(2, 4)))
+    assert report.facts.probes[0].backward and report.facts.probes[0].error is None
+
+
+def test_the_accelerators_autocast_is_the_one_probed():
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model = tiny_llama(use_cache=False)
+    report = mpdoctor.probe(model, batch(), setup=acc)
+    probe = report.facts.probes[0]
+    assert (probe.autocast, probe.autocast_source) == ("bfloat16", "accelerator")
+    q = report.probe_table.set_index("module").loc["model.model.layers.0.self_attn.q_proj"]
+    assert q.output_dtypes == "bfloat16" and q.param_dtypes == "float32"
+
+
+def test_refresh_probes_the_same_batch_again():
+    model = tiny_llama(use_cache=False)
+    first = mpdoctor.probe(model, batch())
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = math.nan
+    again = first.refresh()
+    assert again.findings_for("probe-nonfinite")[0].subject == "model.lm_head"
+    assert again.probe_table is not None
+
+
+def test_magic_probe_runs_on_a_batch_variable():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext mpdoctor", store_history=False)
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.model.norm.weight[0] = math.inf
+    shell.user_ns.update({"model": model, "batch": batch()})
+    try:
+        shell.run_cell("r = %mpdoctor model --probe batch --text", store_history=False)
+        report = shell.user_ns["r"]
+        assert report.findings_for("probe-nonfinite")[0].subject == "model.model.norm"
+    finally:
+        for name in ("model", "batch", "r"):
+            shell.user_ns.pop(name, None)
+        shell.run_cell("%unload_ext mpdoctor", store_history=False)
