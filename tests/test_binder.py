@@ -1,0 +1,81 @@
+"""Binder builds from ``binder/`` and the tour runs there.
+
+repo2docker sees a ``binder/`` folder, ignores the root ``pyproject.toml`` and
+runs ``pip install -r binder/requirements.txt`` from the repository root in a
+fresh environment that already holds Jupyter and ipykernel. This test does the
+same in a fresh venv (no system site-packages) and executes ``00_tour.ipynb``
+with that venv's interpreter as the kernel.
+
+Offline, the ``--extra-index-url`` of PyTorch's CPU wheels cannot be reached:
+pip warns and takes torch 2.13.0 from its other sources (this machine's pip
+configuration points at local wheels). Each unreachable lookup is retried 5
+times by default, which alone costs about ten minutes over ~80 packages, so the
+test runs pip with ``PIP_RETRIES=0``: the same install, without the waiting.
+pip's cache is reused. ``MPDOCTOR_SKIP_BINDER=1`` skips this test (about two
+minutes on two cores).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_notebooks import NOTEBOOKS, ROOT, check_lessons, run_notebook
+
+BINDER = ROOT / "binder"
+
+pytestmark = pytest.mark.skipif(os.environ.get("MPDOCTOR_SKIP_BINDER") == "1", reason="MPDOCTOR_SKIP_BINDER=1")
+
+
+def requirement_lines() -> list[str]:
+    lines = (BINDER / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def test_binder_files_pin_python_and_a_cpu_torch_and_install_this_repository():
+    assert (BINDER / "runtime.txt").read_text().strip() == "python-3.11"
+    lines = requirement_lines()
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert "torch==2.13.0" in lines
+    assert ".[hf]" in lines  # the repository itself: repo2docker ignores pyproject.toml once binder/ exists
+    assert not (BINDER / "postBuild").exists() or os.access(BINDER / "postBuild", os.X_OK)
+
+
+def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    cfg = (venv / "pyvenv.cfg").read_text()
+    assert "include-system-site-packages = false" in cfg
+    python = str(venv / "bin" / "python")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"))}
+    env.update(PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # As repo2docker: from the repository root; ipykernel stands in for its base environment.
+    install = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "-r", "binder/requirements.txt", "ipykernel"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert install.returncode == 0, install.stderr[-4000:]
+    versions = subprocess.run(
+        [python, "-c", "import sys, torch; print(sys.version_info[:2], torch.__version__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert versions.startswith("(3, 11)") and "2.13.0" in versions, versions
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    executed, kernel, seconds = run_notebook(NOTEBOOKS / "00_tour.ipynb", python, workdir, env=env)
+    assert kernel["prefix"] == os.path.realpath(venv), kernel
+    assert Path(kernel["mpdoctor"]).is_relative_to(os.path.realpath(venv)), f"mpdoctor came from {kernel['mpdoctor']}"
+    check_lessons(executed)
+    print(f"00_tour.ipynb in the Binder venv: {seconds:.1f} s")
