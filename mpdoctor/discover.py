@@ -1,12 +1,15 @@
 """Turn a namespace or a list of objects into typed subjects.
 
 Discovery is the only place that touches arbitrary user objects, so it is
-defensive: it classifies values by ``type(value).__mro__`` (never by
-``value.__class__``, which an object may fake, and never through a user
-``__getattr__``), descends only into plain ``list`` / ``tuple`` / ``dict``
-containers to a small depth and width, and reads attributes only from objects
-whose class it has already recognised as a torch / transformers / accelerate /
-peft class.
+defensive: it classifies values by ``type(value).__mro__`` read through
+``type``'s own descriptors (never ``value.__class__`` or ``isinstance``, which
+an object may fake, never a metaclass's ``__eq__`` / ``__hash__`` /
+``__getattribute__``, never a user ``__getattr__``), descends only into exact
+``list`` / ``tuple`` / ``dict`` containers (never subclasses, whose methods
+are user code) to a small depth and width, and reads attributes only from
+objects whose class it has already recognised as a torch / transformers /
+accelerate / peft class. Classification is cached per class, so a namespace
+of 100,000 plain objects costs about one dict lookup each.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from .redact import redact
 
 #: Kinds of subject, in the order a report lists them.
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
@@ -41,33 +46,56 @@ _PEFT_TUNER = ("peft.tuners.tuners_utils.BaseTuner",)
 _PRETRAINED = ("transformers.modeling_utils.PreTrainedModel",)
 
 
+# ``type``'s own descriptors: calling them never runs a metaclass's attribute hooks.
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+_TYPE_MODULE = type.__dict__["__module__"].__get__
+_TYPE_QUALNAME = type.__dict__["__qualname__"].__get__
+_TYPE_NAME = type.__dict__["__name__"].__get__
+
+
+def type_name(obj: Any) -> str:
+    """``type(obj).__name__``, read without running user code."""
+    try:
+        return _TYPE_NAME(type(obj))
+    except Exception:
+        return "?"
+
+
 def class_path(cls: type) -> str:
     """Return ``module.qualname`` of a class, read without running user code."""
-    module = cls.__dict__.get("__module__", "")
-    qualname = cls.__dict__.get("__qualname__", getattr(cls, "__name__", "?"))
-    return f"{module}.{qualname}" if isinstance(module, str) and module else str(qualname)
-
-
-def mro_paths(obj: Any) -> tuple[str, ...]:
-    """Class paths of ``type(obj)`` and its bases; empty when the MRO cannot be read."""
     try:
-        mro = type.__dict__["__mro__"].__get__(type(obj))
-        return tuple(class_path(c) for c in mro)
+        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
     except Exception:
-        return ()
+        return "?"
+    if type(qualname) is not str:
+        qualname = "?"
+    return f"{module}.{qualname}" if type(module) is str and module else qualname
 
 
-def is_a(obj: Any, names: Iterable[str]) -> bool:
-    """True when one of ``names`` is a class path in ``type(obj)``'s MRO."""
-    paths = mro_paths(obj)
-    return any(n in paths for n in names)
+#: ``id(cls) -> (cls.__mro__, class paths, kind)``. The cached MRO tuple starts with the class
+#: itself, so the class stays alive and its id cannot be reused while the entry exists; a
+#: class whose ``__bases__`` were reassigned has a new MRO tuple and is classified again.
+_CLASS_CACHE: dict[int, tuple[tuple, tuple[str, ...], str | None]] = {}
+_CLASS_CACHE_SIZE = 4096
 
 
-def kind_of(obj: Any) -> str | None:
-    """Return the subject kind of ``obj`` or None when mpdoctor has nothing to say about it."""
-    paths = mro_paths(obj)
-    if not paths:
-        return None
+def _classify(cls: type) -> tuple[tuple[str, ...], str | None]:
+    try:
+        mro = _TYPE_MRO(cls)
+    except Exception:
+        return (), None
+    entry = _CLASS_CACHE.get(id(cls))
+    if entry is not None and entry[0] is mro:
+        return entry[1], entry[2]
+    paths = tuple(class_path(c) for c in mro)
+    kind = _kind_from_paths(paths)
+    if len(_CLASS_CACHE) >= _CLASS_CACHE_SIZE:
+        _CLASS_CACHE.clear()
+    _CLASS_CACHE[id(cls)] = (mro, paths, kind)
+    return paths, kind
+
+
+def _kind_from_paths(paths: tuple[str, ...]) -> str | None:
     if _MODULE[0] in paths:
         return "model"
     if _OPTIMIZER[0] in paths:
@@ -81,6 +109,22 @@ def kind_of(obj: Any) -> str | None:
     if _ACCELERATOR[0] in paths:
         return "accelerator"
     return None
+
+
+def mro_paths(obj: Any) -> tuple[str, ...]:
+    """Class paths of ``type(obj)`` and its bases; empty when the MRO cannot be read."""
+    return _classify(type(obj))[0]
+
+
+def is_a(obj: Any, names: Iterable[str]) -> bool:
+    """True when one of ``names`` is a class path in ``type(obj)``'s MRO."""
+    paths = mro_paths(obj)
+    return any(n in paths for n in names)
+
+
+def kind_of(obj: Any) -> str | None:
+    """Return the subject kind of ``obj`` or None when mpdoctor has nothing to say about it."""
+    return _classify(type(obj))[1]
 
 
 @dataclass(eq=False)
@@ -123,7 +167,7 @@ class Subject:
     @property
     def class_name(self) -> str:
         """The class name of the outer object."""
-        return type(self.obj).__name__
+        return type_name(self.obj)
 
 
 def _attr(obj: Any, name: str) -> Any:
@@ -185,43 +229,86 @@ def _make_subject(kind: str, name: str, obj: Any, owner: str | None) -> Subject:
     return Subject(kind, name, obj, owner=owner)
 
 
+def _namespace_items(namespace: Mapping[str, Any]) -> list[tuple[Any, Any]]:
+    # dict.items on a dict (or subclass: IPython's user_ns may be one) never runs an overridden items().
+    if dict in _TYPE_MRO(type(namespace)):
+        return list(dict.items(namespace))
+    return list(namespace.items())
+
+
+def _key_label(key: Any) -> str | None:
+    """``[key]`` for a plain str or small int dict key; None for any other key (not named, not followed)."""
+    if type(key) is str:
+        return f"[{key[:80]!r}]" if len(key) <= 80 else f"[{key[:77]!r}...]"
+    if type(key) is int and -(10**18) < key < 10**18:  # repr of a huge int raises
+        return f"[{key!r}]"
+    return None
+
+
 def _walk_namespace(namespace: Mapping[str, Any], hidden: Iterable[str]) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, value)`` for recognised values in a namespace and its plain containers."""
-    hidden_names = set(hidden)
+    """Yield ``(name, value)`` for recognised values in a namespace and its plain containers.
+
+    Only exact ``list`` / ``tuple`` / ``dict`` are followed, at most
+    :data:`CONTAINER_DEPTH` deep and :data:`CONTAINER_WIDTH` items wide, so
+    the work is bounded by the number of names, whatever the containers hold.
+    """
     try:
-        items = list(dict.items(namespace)) if isinstance(namespace, dict) else list(namespace.items())
+        hidden_names = {h for h in hidden if type(h) is str}
+    except Exception:
+        hidden_names = set()
+    try:
+        items = _namespace_items(namespace)
     except Exception:
         return
-    stack: list[tuple[str, Any, int]] = [
-        (name, value, 0)
-        for name, value in items
-        if isinstance(name, str) and not name.startswith("_") and name not in hidden_names
-    ]
-    stack.reverse()
+    # id(class) -> kind for this walk: the namespace keeps every value, so every class, alive.
+    kinds: dict[int, str | None] = {}
     seen_containers: set[int] = set()
+    for name, value in items:
+        if type(name) is not str or name.startswith("_") or name in hidden_names:
+            continue
+        cls = type(value)
+        if cls is list or cls is tuple or cls is dict:
+            yield from _walk_container(name, value, kinds, seen_containers)
+            continue
+        kind = kinds.get(id(cls), _UNSEEN)
+        if kind is _UNSEEN:
+            kind = kinds[id(cls)] = _classify(cls)[1]
+        if kind is not None:
+            # A name shown in every rendering: one that looks like a token is redacted at the source.
+            yield redact(name), value
+
+
+_UNSEEN: Any = object()
+
+
+def _walk_container(
+    name: str, container: Any, kinds: dict[int, str | None], seen_containers: set[int]
+) -> Iterator[tuple[str, Any]]:
+    stack: list[tuple[str, Any, int]] = [(name, container, 0)]
     while stack:
         name, value, depth = stack.pop()
         cls = type(value)
-        if cls in (list, tuple, dict):
+        if cls is list or cls is tuple or cls is dict:
             if depth >= CONTAINER_DEPTH or id(value) in seen_containers:
                 continue
             seen_containers.add(id(value))
+            pairs: list[tuple[str, Any, int]] = []
             if cls is dict:
-                pairs = []
                 for i, (key, item) in enumerate(dict.items(value)):
                     if i >= CONTAINER_WIDTH:
                         break
-                    if type(key) in (str, int):
-                        pairs.append((f"{name}[{key!r}]", item, depth + 1))
+                    label = _key_label(key)
+                    if label is not None:
+                        pairs.append((f"{name}{label}", item, depth + 1))
             else:
-                pairs = [
-                    (f"{name}[{i}]", item, depth + 1)
-                    for i, item in enumerate(value[:CONTAINER_WIDTH] if cls is list else value[:CONTAINER_WIDTH])
-                ]
+                pairs = [(f"{name}[{i}]", item, depth + 1) for i, item in enumerate(value[:CONTAINER_WIDTH])]
             stack.extend(reversed(pairs))
             continue
-        if kind_of(value) is not None:
-            yield name, value
+        kind = kinds.get(id(cls), _UNSEEN)
+        if kind is _UNSEEN:
+            kind = kinds[id(cls)] = _classify(cls)[1]
+        if kind is not None:
+            yield redact(name), value
 
 
 def _default_name(kind: str, index: int) -> str:

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from .redact import describe_exception
+
 #: Fixes whose undo backup would exceed this many bytes ask for ``apply(confirm=True)``.
 UNDO_BUDGET_BYTES = 2 * 2**30
 
@@ -118,7 +120,8 @@ class CastParams(Change):
         label: str = "parameters",
         state: bool = True,
     ) -> None:
-        self.params = [p for p in params if p.dtype != dtype]
+        unique = {id(p): p for p in params}  # a tied weight listed twice is cast once
+        self.params = [p for p in unique.values() if p.dtype != dtype]
         self.dtype = dtype
         self.optimizers = list(optimizers)
         self.cast_state = state
@@ -129,10 +132,13 @@ class CastParams(Change):
         out = []
         if not self.cast_state:
             return out
+        seen: set[int] = set()
         for opt in self.optimizers:
             st = opt.state.get(p) if hasattr(opt, "state") else None
-            if not isinstance(st, dict):
+            # A wrapper and the optimizer inside it share one state dict: cast it once.
+            if not isinstance(st, dict) or id(st) in seen:
                 continue
+            seen.add(id(st))
             for key, value in st.items():
                 if (
                     isinstance(value, torch.Tensor)
@@ -151,25 +157,39 @@ class CastParams(Change):
             new_grad = cast_tensor(p.grad, self.dtype) if p.grad is not None else None
             new_state = [(st, key, old, cast_tensor(old, self.dtype)) for st, key, old in self._state_entries(p)]
             staged.append((p, new_data, new_grad, new_state))
-        # Phase 2: swap references; nothing here allocates.
+        # Phase 2: swap references; nothing here allocates. Should a swap still fail (a state
+        # dict that refuses a key), the swaps already made are undone before the error leaves.
         self._backup = []
-        for p, new_data, new_grad, new_state in staged:
-            old_grad = p.grad
-            self._backup.append((p, p.data, old_grad, [(st, key, old) for st, key, old, _ in new_state]))
-            p.grad = None
-            p.data = new_data
-            p.grad = new_grad
-            for st, key, _old, new in new_state:
-                st[key] = new
+        try:
+            for p, new_data, new_grad, new_state in staged:
+                old_grad = p.grad
+                self._backup.append((p, p.data, old_grad, [(st, key, old) for st, key, old, _ in new_state]))
+                p.grad = None
+                p.data = new_data
+                p.grad = new_grad
+                for st, key, _old, new in new_state:
+                    st[key] = new
+        except BaseException:
+            self.revert()
+            raise
 
     def revert(self) -> None:
+        failures: list[BaseException] = []
         for p, old_data, old_grad, states in reversed(self._backup):
-            p.grad = None
-            p.data = old_data
-            p.grad = old_grad
+            try:
+                p.grad = None
+                p.data = old_data
+                p.grad = old_grad
+            except Exception as exc:
+                failures.append(exc)
             for st, key, old in states:
-                st[key] = old
+                try:
+                    st[key] = old
+                except Exception as exc:
+                    failures.append(exc)
         self._backup = []
+        if failures:
+            raise failures[0]
 
     @property
     def backup_bytes(self) -> int:
@@ -268,30 +288,52 @@ class Fix:
             if problem:
                 raise FixFailed(f"the change did not take: {problem}")
         except BaseException as exc:
-            for change in reversed(done):
-                change.revert()
-            self.error = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, (FixFailed, KeyboardInterrupt)):
+            leftovers = _revert_all(done)
+            cause = describe_exception(exc)
+            if leftovers:
+                self.error = f"failed ({cause}) and could not be fully rolled back: {leftovers}"
+            else:
+                self.error = f"rolled back after {cause}"
+            if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise FixFailed(f"{self.title} failed and was rolled back: {self.error}") from exc
+            raise FixFailed(f"{self.title} {self.error}") from exc
         self._done = done
         self.applied = True
         self.error = None
         return self
 
     def undo(self) -> Fix:
-        """Restore exactly what :meth:`apply` changed; does nothing when not applied."""
+        """Restore exactly what :meth:`apply` changed; does nothing when not applied.
+
+        Raises
+        ------
+        FixFailed
+            When a step could not be restored (every other step still is).
+        """
         if not self.applied:
             return self
-        for change in reversed(self._done):
-            change.revert()
+        leftovers = _revert_all(self._done)
         self._done = []
         self.applied = False
+        if leftovers:
+            self.error = f"undo could not restore everything: {leftovers}"
+            raise FixFailed(f"{self.title}: {self.error}")
         return self
 
     def to_dict(self) -> dict:
         """A JSON-serialisable description."""
         return {"title": self.title, "code": self.code, "safe": self.safe, "applied": self.applied, "error": self.error}
+
+
+def _revert_all(changes: list[Change]) -> str:
+    """Revert ``changes`` newest first, each even when another fails; describe the failures."""
+    failed = []
+    for change in reversed(changes):
+        try:
+            change.revert()
+        except BaseException as exc:  # keep restoring the others
+            failed.append(f"{change.description}: {describe_exception(exc)}")
+    return "; ".join(failed)
 
 
 def set_attrs(title: str, code: str, targets: list[tuple[Any, str, Any, str]], safe: bool = True, slug: str = "") -> Fix:

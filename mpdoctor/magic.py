@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import re
-import shlex
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import List, Unicode
+
+try:
+    from IPython.core.magic import no_var_expand
+except ImportError:  # IPython < 7.3
+
+    def no_var_expand(func):
+        """Mark a magic whose line IPython must not expand (``{expr}`` / ``$name``)."""
+        func._ipython_no_var_expand = True
+        return func
+
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -33,6 +42,7 @@ class MPDoctorMagics(Magics):
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help="Run one forward+backward on this batch variable.")
     @line_magic
+    @no_var_expand  # IPython would evaluate {expr} and $name in the line before the magic sees it
     def mpdoctor(self, line: str = ""):
         """Diagnose mixed-precision faults in the live model, optimizer, scaler, Trainer and Accelerator.
 
@@ -78,6 +88,7 @@ class MPDoctorMagics(Magics):
     def _run(self, args):
         from .diagnosis import diagnose
         from .facts.hardware import UnknownTarget
+        from .redact import describe_exception
 
         ignore = list(self.ignore) + [s.strip() for s in args.ignore.split(",") if s.strip()]
         target = args.target if args.target is not None else self.target
@@ -85,8 +96,11 @@ class MPDoctorMagics(Magics):
             if args.names:
                 objects, labels, missing = self._resolve(args.names)
                 if missing:
-                    shown = ", ".join(shlex.quote(m) for m in missing)
-                    _print_line(f"no such variable: {shown}")
+                    odd = any(not _NAME.match(m) for m in missing)
+                    # Plain names as typed; anything else quoted so the line shows exactly what was not run.
+                    shown = ", ".join(m if _NAME.match(m) else repr(m) for m in missing)
+                    note = " (give variable names: mpdoctor looks them up and evaluates nothing)" if odd else ""
+                    _print_line(f"no such variable: {shown}{note}")
                     return None
                 report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore)
             else:
@@ -105,9 +119,13 @@ class MPDoctorMagics(Magics):
             _print_line(str(exc))
             return None
         except Exception as exc:  # never a traceback in the user's notebook
-            _print_line(f"internal error: {type(exc).__name__}: {exc}")
+            _print_line(f"internal error: {describe_exception(exc)}")
             return None
-        self._show(report, args)
+        try:
+            self._show(report, args)
+        except Exception as exc:  # a rendering failure still returns the report, shown nowhere else
+            report._skip_display_in = self.shell.execution_count
+            _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
         return report
 
     def _probe(self, batch_name: str, report, target):
@@ -128,7 +146,7 @@ class MPDoctorMagics(Magics):
         return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
 
     def _show(self, report, args) -> None:
-        from IPython.display import display
+        from .render.frontend import show
 
         if args.json:
             print(report.to_json())
@@ -137,6 +155,8 @@ class MPDoctorMagics(Magics):
         elif args.text:
             print(report.to_text())
         else:
-            display(report)
+            # What display(report) runs, called directly: IPython's formatter would print the
+            # traceback of a rendering failure into the cell; here it becomes one line.
+            show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         report._skip_display_in = self.shell.execution_count

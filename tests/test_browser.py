@@ -60,7 +60,7 @@ def _js_notebook(page, body: str, arg=None):
 
 def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record_property):
     _require_chromium()
-    playwright = pytest.importorskip("playwright.sync_api")
+    import playwright.sync_api as playwright
     from browser.lab import STATE_LINE, LabServer, write_notebook
 
     started = time.monotonic()
@@ -88,6 +88,8 @@ def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record
 
             report = page.locator(".mpdoctor-widget")
             report.wait_for(state="visible", timeout=90_000)
+            # The frontend renders child widgets as their models arrive: wait for the findings.
+            report.locator("text=scaler-with-bf16").first.wait_for(timeout=60_000)
             assert report.count() == 1, "%mpdoctor as the last line must show the widget once"
             assert "scaler-with-bf16" in report.inner_text()
             assert "cache-in-training" in report.inner_text()
@@ -144,9 +146,8 @@ def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe
     tmp_path,
 ):
     _require_chromium()
-    playwright = pytest.importorskip("playwright.sync_api")
-    if not os.path.exists(COLAB_PYTHON):
-        pytest.skip(f"{COLAB_PYTHON} is not built (make test-colab builds it)")
+    import playwright.sync_api as playwright
+    assert os.path.exists(COLAB_PYTHON), f"{COLAB_PYTHON} is not built (make test builds it before this suite)"
     probe = subprocess.run(
         [
             COLAB_PYTHON,
@@ -156,8 +157,7 @@ def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe
         capture_output=True,
         text=True,
     )
-    if probe.returncode != 0 or not probe.stdout.startswith("7."):
-        pytest.skip(f"{COLAB_PYTHON} has no classic notebook with ipywidgets 7")
+    assert probe.returncode == 0 and probe.stdout.startswith("7."), f"{COLAB_PYTHON} lacks classic notebook / ipywidgets 7"
     from browser.lab import STATE_LINE, ClassicNotebookServer, write_notebook
 
     root = tmp_path / "root"
@@ -178,6 +178,8 @@ def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe
             page.evaluate("() => Jupyter.notebook.execute_all_cells()")
             report = page.locator(".mpdoctor-widget")
             report.wait_for(state="visible", timeout=90_000)
+            # The frontend renders child widgets as their models arrive: wait for the findings.
+            report.locator("text=scaler-with-bf16").first.wait_for(timeout=60_000)
             assert report.count() == 1
             assert "scaler-with-bf16" in report.inner_text()
 

@@ -388,7 +388,6 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
 
 
 def test_the_precision_panel_puts_requested_and_effective_side_by_side():
-    pytest.importorskip("accelerate")
     from setups import tiny_trainer
 
     trainer = tiny_trainer(fp16=True)  # fp16 on a CPU: accelerate's native amp is off, the run is fp32
@@ -454,8 +453,8 @@ def test_the_mimebundle_carries_the_widget_view_with_text_and_html_for_static_ex
 
 
 def test_in_a_real_kernel_the_magic_shows_the_widget_once(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient
+    import nbformat
     kernel_dir = tmp_path / "kernels" / "mpdoctor-this-python"
     kernel_dir.mkdir(parents=True)
     (kernel_dir / "kernel.json").write_text(

@@ -80,7 +80,7 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
             + (
                 ", and accelerate's fp32 output conversion will crash on it ('...Cache' object has no attribute 'float')."
                 if crash
-                else " (wasted memory; setting only model.config.use_cache is not enough here)." if nested else " (wasted memory)."
+                else f" (wasted memory; setting only {m.config_path}.config.use_cache is not enough here)." if nested else " (wasted memory)."
             )
         )
         yield Finding(

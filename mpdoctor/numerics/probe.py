@@ -32,6 +32,7 @@ import torch
 
 from ..discover import is_a
 from ..facts.tensors import dtype_name
+from ..redact import redact_finding
 from .scan import FP16_MAX, no_autocast
 
 _TRAINER = ("transformers.trainer.Trainer",)
@@ -813,7 +814,8 @@ def probe(
     facts = Facts(**{**facts.__dict__, "probes": (facts_probe,)})
     load()
     ignore = () if checks else tuple(s for s in REGISTRY if not s.startswith("probe-"))
-    findings = run_checks(facts, ignore=ignore)
+    # Probe findings quote exceptions raised by user code: redact them like diagnose() does.
+    findings = [redact_finding(f) for f in run_checks(facts, ignore=ignore)]
 
     def again() -> Any:
         return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
