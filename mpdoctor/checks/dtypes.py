@@ -228,6 +228,8 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         ``_cast_input_dtype``; transformers ``_keep_in_fp32_modules``.
     """
     for m in facts.models:
+        if len({d for md in m.tensors.modules for d in md.dtypes}) < 2:
+            continue  # one floating dtype in the whole model: nothing can meet another
         units = compute_units(m)
         dtype = compute_dtype(m, units)
         if dtype is None:

@@ -222,14 +222,20 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
     devices: set[str] = set()
     patched: list[tuple[str, str]] = []
     tuners: list[str] = []
+    per_class: dict[type, tuple[str | None, bool]] = {}
     for mpath, mod in module.named_modules(remove_duplicate=True):
         mdict = mod.__dict__
         if mdict.get("gradient_checkpointing") is True:
             checkpointing = True
-        origin = _patched_forward(mod)
+        cls = type(mod)
+        # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
+        known = per_class.get(cls)
+        if known is None:
+            known = per_class[cls] = (_patched_forward(mod) if "forward" not in mdict else None, is_a(mod, _TUNER_LAYER))
+        origin = _patched_forward(mod) if "forward" in mdict else known[0]
         if origin is not None:
             patched.append((mpath, origin))
-        if is_a(mod, _TUNER_LAYER):
+        if known[1]:
             tuners.append(mpath)
         direct: list[tuple[str, str, bool]] = []
         for pname, p in mdict.get("_parameters", {}).items():
@@ -262,7 +268,6 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
                 )
             )
         if direct:
-            cls = type(mod)
             modules.append(ModuleDtypes(mpath, f"{cls.__module__}.{cls.__qualname__}", tuple(direct)))
         for _bname, b in mdict.get("_buffers", {}).items():
             if b is None or id(b) in seen:
