@@ -197,6 +197,79 @@ class CastParams(Change):
         return sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in self.params)
 
 
+class CastGrads(Change):
+    """Cast each parameter's ``.grad`` to the parameter's dtype, keeping the grad tensor objects.
+
+    ``grad.data`` is swapped rather than ``param.grad`` rebound: a grad whose
+    dtype differs from its parameter could not be assigned back through
+    ``param.grad`` on undo.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], label: str = "parameters") -> None:
+        self.params = list(params)
+        self.description = f"cast the grads of {len(self.params)} {label} to their parameter's dtype"
+        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        # Allocate every new grad first: a failure here changes nothing.
+        staged = [
+            (p.grad, cast_tensor(p.grad.data, p.dtype))
+            for p in self.params
+            if p.grad is not None and p.grad.dtype != p.dtype
+        ]
+        self._backup = []
+        for grad, new in staged:
+            self._backup.append((grad, grad.data))
+            grad.data = new
+
+    def revert(self) -> None:
+        for grad, old in reversed(self._backup):
+            grad.data = old
+        self._backup = []
+
+
+class CastStateEntries(Change):
+    """Replace optimizer state tensors by copies in another dtype; undo puts the originals back."""
+
+    def __init__(self, entries: list[tuple[dict, Any, torch.dtype]], label: str) -> None:
+        self.entries = entries
+        self.description = f"cast {len(entries)} {label}"
+        self._backup: list[tuple[dict, Any, torch.Tensor]] = []
+
+    def apply(self) -> None:
+        staged = [(st, key, st[key], cast_tensor(st[key], dtype)) for st, key, dtype in self.entries]
+        self._backup = []
+        for st, key, old, new in staged:
+            self._backup.append((st, key, old))
+            st[key] = new
+
+    def revert(self) -> None:
+        for st, key, old in reversed(self._backup):
+            st[key] = old
+        self._backup = []
+
+
+class SetItem(Change):
+    """Set a key of a plain dict; undo restores the old value or its absence."""
+
+    def __init__(self, d: dict, key: Any, value: Any, label: str) -> None:
+        self.d, self.key, self.value = d, key, value
+        self.description = f"{label} = {value!r}"
+        self._had = False
+        self._old: Any = None
+
+    def apply(self) -> None:
+        self._had = self.key in self.d
+        self._old = self.d.get(self.key)
+        self.d[self.key] = self.value
+
+    def revert(self) -> None:
+        if self._had:
+            self.d[self.key] = self._old
+        else:
+            self.d.pop(self.key, None)
+
+
 class Call(Change):
     """A change made by a function, undone by another (both given by the check)."""
 

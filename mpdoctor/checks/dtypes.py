@@ -12,7 +12,7 @@ import torch
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
 from ..findings import Finding
-from ..fixes import Change, Fix, cast_params_fix, cast_tensor
+from ..fixes import CastGrads, Change, Fix, cast_params_fix
 from . import check
 
 
@@ -295,32 +295,6 @@ LERP_OPTIMIZERS = frozenset(
         "torch.optim.radam.RAdam",
     }
 )
-
-
-class CastGrads(Change):
-    """Cast ``p.grad`` to ``p.dtype`` for each parameter, keeping the grad tensor objects."""
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.params = params
-        self.description = f"cast the grads of {len(params)} parameters to their parameter's dtype"
-        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def apply(self) -> None:
-        # Allocate every new grad first: a failure here changes nothing.
-        staged = [
-            (p.grad, cast_tensor(p.grad.data, p.dtype))
-            for p in self.params
-            if p.grad is not None and p.grad.dtype != p.dtype
-        ]
-        self._backup = []
-        for grad, new in staged:
-            self._backup.append((grad, grad.data))
-            grad.data = new
-
-    def revert(self) -> None:
-        for grad, old in reversed(self._backup):
-            grad.data = old
-        self._backup = []
 
 
 def cast_grads_fix(title: str, code: str, params: list[torch.nn.Parameter], safe: bool) -> Fix:

@@ -11,7 +11,7 @@ from ..discover import is_a
 from ..facts import Facts, ModelFacts, PrecisionFacts
 from ..facts.configs import ConfigFacts, raw_attr
 from ..findings import Finding
-from ..fixes import CastParams, Change, Fix, SetAttr
+from ..fixes import CastParams, Change, Fix, SetAttr, SetItem
 from . import check
 from .precision import computes_in, declared_precision, live_setup, native_amp_for, precision_changes
 
@@ -295,27 +295,6 @@ def _half_dtype(facts: Facts, m: ModelFacts) -> str | None:
 _LINEAR_4BIT = ("bitsandbytes.nn.modules.Linear4bit",)
 
 
-class _SetItem(Change):
-    """Set a key of a plain dict; undo restores the old value or its absence."""
-
-    def __init__(self, d: dict, key: str, value: Any, label: str) -> None:
-        self.d, self.key, self.value = d, key, value
-        self.description = f"{label} = {value!r}"
-        self._had = False
-        self._old: Any = None
-
-    def apply(self) -> None:
-        self._had = self.key in self.d
-        self._old = self.d.get(self.key)
-        self.d[self.key] = self.value
-
-    def revert(self) -> None:
-        if self._had:
-            self.d[self.key] = self._old
-        else:
-            self.d.pop(self.key, None)
-
-
 @check("bnb-compute-dtype-fp32", "warning")
 def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
     """A bitsandbytes 4-bit model computing in fp32 while the rest of the model or the run is half precision.
@@ -355,7 +334,7 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
                 label = f"{c.path}.quantization_config.bnb_4bit_compute_dtype"
                 if isinstance(q, dict):
                     if q.get("bnb_4bit_compute_dtype") != dtype:
-                        changes.append(_SetItem(q, "bnb_4bit_compute_dtype", dtype, label))
+                        changes.append(SetItem(q, "bnb_4bit_compute_dtype", dtype, label))
                 elif q is not None and raw_attr(q, "bnb_4bit_compute_dtype", None) != dtype:
                     changes.append(SetAttr(q, "bnb_4bit_compute_dtype", dtype, label))
             for name, mod in model.named_modules():

@@ -11,7 +11,7 @@ import torch
 
 from ..facts import Facts, OptimizerFacts
 from ..findings import Finding
-from ..fixes import CastParams, Change, Fix
+from ..fixes import CastGrads, CastParams, CastStateEntries, Change, Fix
 from . import check
 
 _DTYPES = {
@@ -127,52 +127,6 @@ def requirement_for(class_path: str) -> DtypeRequirement | None:
 # -- changes the optimizer fixes need beyond fixes.CastParams ---------------------------------------------
 
 
-class CastGradData(Change):
-    """Cast gradients to their parameter's dtype in place (the grad tensor object stays the same).
-
-    ``grad.data`` is swapped rather than ``param.grad`` rebound because a gradient whose dtype differs from
-    its parameter cannot be assigned back through ``param.grad`` on undo.
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        self.params = [p for p in params if p.grad is not None and p.grad.dtype != p.dtype]
-        self.description = f"cast {len(self.params)} gradients to their parameter's dtype"
-        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def apply(self) -> None:
-        staged = [(p.grad, p.grad.data.to(dtype=p.dtype, copy=True)) for p in self.params]
-        self._backup = []
-        for grad, new in staged:
-            self._backup.append((grad, grad.data))
-            grad.data = new
-
-    def revert(self) -> None:
-        for grad, old in reversed(self._backup):
-            grad.data = old
-        self._backup = []
-
-
-class CastStateEntries(Change):
-    """Replace optimizer state tensors by copies in another dtype; undo puts the originals back."""
-
-    def __init__(self, entries: list[tuple[dict, Any, torch.dtype]], label: str) -> None:
-        self.entries = entries
-        self.description = f"cast {len(entries)} {label}"
-        self._backup: list[tuple[dict, Any, torch.Tensor]] = []
-
-    def apply(self) -> None:
-        staged = [(st, key, st[key], st[key].to(dtype=dtype, copy=True)) for st, key, dtype in self.entries]
-        self._backup = []
-        for st, key, old, new in staged:
-            self._backup.append((st, key, old))
-            st[key] = new
-
-    def revert(self) -> None:
-        for st, key, old in reversed(self._backup):
-            st[key] = old
-        self._backup = []
-
-
 # -- helpers ----------------------------------------------------------------------------------------------
 
 
@@ -249,7 +203,7 @@ def _grad_cast_fix(name: str, params: list[torch.nn.Parameter]) -> Fix:
         "        if p.grad is not None and p.grad.dtype != p.dtype:\n"
         "            p.grad.data = p.grad.data.to(p.dtype)  # the kernel reads p in the grad's dtype"
     )
-    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, False, lambda: [CastGradData(params)], verify)
+    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, False, lambda: [CastGrads(params, "gradients")], verify)
 
 
 # -- checks -----------------------------------------------------------------------------------------------
