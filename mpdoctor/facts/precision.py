@@ -7,6 +7,7 @@ A precision setup is a Trainer (its arguments and accelerator), or a lone
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,7 +173,22 @@ def _versions() -> dict:
         mod = sys.modules.get(lib)
         if mod is not None:
             out[lib] = str(getattr(mod, "__version__", "?"))
+        else:
+            installed = _installed_version(lib)
+            if installed is not None:
+                out[lib] = f"{installed} (installed, not imported)"
     return out
+
+
+@functools.cache
+def _installed_version(dist: str) -> str | None:
+    # Package metadata, never an import: mpdoctor must not pull transformers into a kernel.
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist.lower() if dist == "IPython" else dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def gather_runtime() -> RuntimeFacts:
