@@ -270,15 +270,20 @@ def _walk_namespace(namespace: Mapping[str, Any], hidden: Iterable[str]) -> Iter
         if cls is list or cls is tuple or cls is dict:
             yield from _walk_container(name, value, kinds, seen_containers)
             continue
-        kind = kinds.get(id(cls), _UNSEEN)
-        if kind is _UNSEEN:
-            kind = kinds[id(cls)] = _classify(cls)[1]
-        if kind is not None:
+        if _cached_kind(kinds, cls) is not None:
             # A name shown in every rendering: one that looks like a token is redacted at the source.
             yield redact(name), value
 
 
 _UNSEEN: Any = object()
+
+
+def _cached_kind(kinds: dict, cls: type) -> str | None:
+    """The subject kind of instances of ``cls``, classified once per class and walk."""
+    kind = kinds.get(id(cls), _UNSEEN)
+    if kind is _UNSEEN:
+        kind = kinds[id(cls)] = _classify(cls)[1]
+    return kind
 
 
 def _walk_container(
@@ -304,10 +309,7 @@ def _walk_container(
                 pairs = [(f"{name}[{i}]", item, depth + 1) for i, item in enumerate(value[:CONTAINER_WIDTH])]
             stack.extend(reversed(pairs))
             continue
-        kind = kinds.get(id(cls), _UNSEEN)
-        if kind is _UNSEEN:
-            kind = kinds[id(cls)] = _classify(cls)[1]
-        if kind is not None:
+        if _cached_kind(kinds, cls) is not None:
             yield redact(name), value
 
 
