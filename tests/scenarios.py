@@ -710,6 +710,8 @@ def hostile_pool() -> Pool:
         "hostile_class": MetaHostile,
         "evil_dict": EvilDict(a=1),
         "evil_list": EvilList([1, 2]),
+        # Hostile user objects, not stand-ins for a library: a MagicMock claims every attribute and
+        # is an instance of nothing, which is what discovery must survive in a real user_ns.
         "magic_mock": mock.MagicMock(),
         "noncallable_mock": mock.NonCallableMagicMock(),
         "mock_spec_module": mock.MagicMock(spec=torch.nn.Module),

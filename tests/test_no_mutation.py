@@ -182,6 +182,8 @@ MUTATIONS = {
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_the_fingerprint_sees_every_kind_of_change(mutation):
     ns = BY_NAME["bf16_model_with_enabled_scaler"].build()
+    # A user's MagicMock in the namespace (input, not a library stand-in): reading any attribute of it
+    # grows a child, so it proves the fingerprint sees attribute reads on hostile objects.
     ns["mock"] = mock.MagicMock()
     before = fingerprint(ns)
     assert fingerprint(ns) == before
