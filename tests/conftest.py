@@ -27,3 +27,14 @@ def _reset_accelerate() -> None:
     state = sys.modules.get("accelerate.state")
     if state is not None:
         state.AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.fixture()
+def shell():
+    """A real IPython InteractiveShell with ``%load_ext mpdoctor`` done (unloaded afterwards)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_cell("%load_ext mpdoctor", store_history=False)
+    yield ip
+    ip.run_cell("%unload_ext mpdoctor", store_history=False)

@@ -15,6 +15,18 @@ import torch
 
 VOCAB = 64
 
+#: Script payloads planted in user-controlled strings by the escaping tests.
+PAYLOAD = "<img src=x onerror=alert(1)>"
+SCRIPT = "<script>alert(1)</script>"
+
+
+def bf16_model() -> torch.nn.Module:
+    """A seeded bf16 MLP (torch only, so the Colab venv's widget tests can use it too)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(
+        torch.bfloat16
+    )
+
 
 def tiny_llama(dtype: torch.dtype = torch.float32, train: bool = True, use_cache: bool = True, seed: int = 0):
     """A 2-layer Llama with hidden size 16, in ``dtype``."""

@@ -267,16 +267,6 @@ def test_diagnose_never_raises_never_calls_hostile_code_and_reports_each_real_su
     assert "Traceback" not in report.to_text()
 
 
-@pytest.fixture()
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_cell("%load_ext mpdoctor", store_history=False)
-    yield ip
-    ip.run_cell("%unload_ext mpdoctor", store_history=False)
-
-
 @MAGIC
 @given(gen=namespaces(), flags=st.sampled_from(["", "--text", "--json", "--markdown", "--scan --text", "--target T4"]))
 def test_the_magic_never_leaves_an_exception_in_the_cell(shell, capsys, gen, flags):

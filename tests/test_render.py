@@ -14,22 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from setups import tiny_gemma3
+from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
 
 pytestmark = pytest.mark.colab
 
 GOLDEN = Path(__file__).parent / "golden"
-PAYLOAD = "<img src=x onerror=alert(1)>"
-SCRIPT = "<script>alert(1)</script>"
-
-
-def bf16_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(
-        torch.bfloat16
-    )
 
 
 def bf16_scaler_on_t4() -> mpdoctor.Report:

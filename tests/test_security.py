@@ -238,16 +238,6 @@ def test_python_m_mpdoctor_env_shows_no_secret(secrets):
 # -- the magic evaluates nothing ---------------------------------------------------------------------
 
 
-@pytest.fixture()
-def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    ip = InteractiveShell.instance()
-    ip.run_cell("%load_ext mpdoctor", store_history=False)
-    yield ip
-    ip.run_cell("%unload_ext mpdoctor", store_history=False)
-
-
 @pytest.mark.parametrize(
     "template",
     [

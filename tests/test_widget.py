@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from setups import tiny_gemma3
+from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
 from mpdoctor.findings import Finding
@@ -23,15 +23,6 @@ from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
 
 pytestmark = pytest.mark.colab
 
-PAYLOAD = "<img src=x onerror=alert(1)>"
-SCRIPT = "<script>alert(1)</script>"
-
-
-def bf16_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(
-        torch.bfloat16
-    )
 
 
 def stepped(model: torch.nn.Module) -> tuple[torch.amp.GradScaler, torch.optim.Optimizer]:
