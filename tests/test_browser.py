@@ -172,11 +172,26 @@ def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 1800})
+            # widgetsnbextension 3.6 asks an ipywidgets-7 kernel for its widgets over a control comm the
+            # kernel lacks, then falls back to fetching every model; widgets created while that fallback
+            # runs render partially. A person never runs cells within milliseconds of the page load, so
+            # wait for the widget manager's start-up to finish first.
+            manager_loading = []
+            page.on(
+                "console",
+                lambda msg: manager_loading.append(msg.text) if "jupyter.widget.control" in msg.text else None,
+            )
             page.set_default_timeout(60_000)
             page.goto(nbserver.notebook_url(NOTEBOOK))
             page.wait_for_function(
                 "() => window.Jupyter && Jupyter.notebook && Jupyter.notebook.kernel && Jupyter.notebook.kernel.is_connected()"
+                " && Jupyter.WidgetManager && Jupyter.WidgetManager._managers.length > 0"
             )
+            for _ in range(100):  # up to 10 s for the control-comm attempt to give up
+                if manager_loading:
+                    break
+                page.wait_for_timeout(100)
+            page.wait_for_timeout(2_000)  # the fallback is one comm_info round trip on a fresh kernel
             page.evaluate("() => Jupyter.notebook.execute_all_cells()")
             report = page.locator(".mpdoctor-widget")
             report.wait_for(state="visible", timeout=90_000)
