@@ -19,8 +19,10 @@ from .facts import Facts, gather
 from .facts.hardware import DeviceProfile, profile_for
 from .facts.precision import RuntimeFacts
 from .findings import Finding
+from .live import Live
 from .redact import describe_exception, redact_finding
 from .report import Report
+from .treatment import plan as plan_treatment
 
 
 def diagnose(
@@ -91,21 +93,45 @@ def diagnose_subjects(
     start = time.perf_counter() if start is None else start
     subjects = tuple(subjects)
     ignore = tuple(ignore)
-    facts, failures = _gather(subjects, target)
+    live = Live()
+    facts, failures = _gather(subjects, target, live)
     if scan:
-        facts = _with_scan(facts)
+        facts = _with_scan(facts, subjects)
+    hidden: dict[str, int] = {}
     try:
-        findings = run_checks(facts, ignore=ignore)
+        findings = run_checks(facts, ignore=ignore, hidden=hidden)
     except Exception as exc:  # run_checks isolates each check; this guards its own bookkeeping
         findings = [_failure("the checks", exc)]
+    try:
+        treatment = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
+    except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
+        treatment = [fx for f in findings for fx in f.fixes]
+        failures.append(_failure("the treatment plan", exc))
     findings = [redact_finding(f) for f in failures + findings]
-    return Report(findings, facts, target=target, scan=scan, ignore=ignore, elapsed=time.perf_counter() - start)
+    report = Report(
+        findings,
+        facts,
+        target=target,
+        scan=scan,
+        ignore=ignore,
+        elapsed=time.perf_counter() - start,
+        subjects=subjects,
+        live=live,
+        plan=treatment,
+        hidden=hidden,
+    )
+    for f in findings:
+        for fx in f.fixes:
+            fx.bind(live, report)
+    for fx in treatment:
+        fx.bind(live, report)
+    return report
 
 
-def _gather(subjects: tuple[Subject, ...], target: str | None) -> tuple[Facts, list[Finding]]:
+def _gather(subjects: tuple[Subject, ...], target: str | None, live: Live) -> tuple[Facts, list[Finding]]:
     """Gather facts; when that fails as a whole, drop the subjects that make it fail and gather the rest."""
     try:
-        return gather(subjects, target=target), []
+        return gather(subjects, target=target, live=live), []
     except Exception:
         pass
     try:
@@ -121,11 +147,20 @@ def _gather(subjects: tuple[Subject, ...], target: str | None) -> tuple[Facts, l
         except Exception as exc:
             failures.append(_failure(s.name, exc))
     try:
+        full = gather(tuple(kept), target=target, live=live)
         # The dropped subjects stay listed as inspected: their internal-error findings name them.
-        return dataclasses.replace(gather(tuple(kept), target=target), subjects=subjects), failures
+        dropped = tuple(_plain(s) for s in subjects if s not in kept)
+        return dataclasses.replace(full, subjects=full.subjects + dropped), failures
     except Exception as exc:
         failures.append(_failure("facts", exc))
         return _empty_facts(subjects, target), failures
+
+
+def _plain(s: Subject):
+    from .facts import SubjectFacts
+    from .introspect import type_name
+
+    return SubjectFacts(s.kind, s.name, id(s.obj), id(s.inner), s.inner_path, s.owner, type_name(s.obj), "?")
 
 
 def _empty_facts(subjects: tuple[Subject, ...], target: str | None) -> Facts:
@@ -135,7 +170,13 @@ def _empty_facts(subjects: tuple[Subject, ...], target: str | None) -> Facts:
         hardware = DeviceProfile("unknown", "cpu", None, False, False, False, True)
     runtime = RuntimeFacts(autocast={}, matmul_tf32=False, cudnn_tf32=False, float32_matmul_precision="?", env={}, versions={})
     return Facts(
-        subjects=subjects, models=(), optimizers=(), scalers=(), precisions=(), runtime=runtime, hardware=hardware
+        subjects=tuple(_plain(s) for s in subjects),
+        models=(),
+        optimizers=(),
+        scalers=(),
+        precisions=(),
+        runtime=runtime,
+        hardware=hardware,
     )
 
 
@@ -154,12 +195,12 @@ def _failure(where: str, exc: BaseException) -> Finding:
         )
 
 
-def _with_scan(facts: Facts) -> Facts:
+def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:
     try:
         from .numerics.scan import scan_facts
     except ModuleNotFoundError:
         return facts
     try:
-        return scan_facts(facts)
+        return scan_facts(facts, subjects)
     except Exception as exc:
         return Facts(**{**facts.__dict__, "errors": facts.errors + (("value scan", describe_exception(exc)),)})

@@ -19,62 +19,23 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import integrations
+from .introspect import attr_of_known, class_path, class_paths, is_a, mro_paths, type_mro, type_name
 from .redact import redact
 
+__all__ = ["KINDS", "Subject", "class_path", "discover", "is_a", "kind_of", "mro_paths", "type_name"]
+
 #: Kinds of subject, in the order a report lists them.
-KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
+KINDS = integrations.KINDS
 
 #: How deep and how wide discovery looks into plain containers of a namespace.
 CONTAINER_DEPTH = 2
 CONTAINER_WIDTH = 32
 
-# Fully qualified class names (module.qualname) that mark a kind; matched against the MRO.
-_TRAINER = ("transformers.trainer.Trainer",)
-_TRAINING_ARGS = ("transformers.training_args.TrainingArguments",)
-_ACCELERATOR = ("accelerate.accelerator.Accelerator",)
-_ACCELERATED_OPTIMIZER = ("accelerate.optimizer.AcceleratedOptimizer",)
-_SCALER = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler")
-_OPTIMIZER = ("torch.optim.optimizer.Optimizer",)
-_MODULE = ("torch.nn.modules.module.Module",)
-_DDP = (
-    "torch.nn.parallel.distributed.DistributedDataParallel",
-    "torch.nn.parallel.data_parallel.DataParallel",
-)
-_COMPILED = ("torch._dynamo.eval_frame.OptimizedModule",)
-_PEFT_MODEL = ("peft.peft_model.PeftModel", "peft.mixed_model.PeftMixedModel")
-_PEFT_TUNER = ("peft.tuners.tuners_utils.BaseTuner",)
-_PRETRAINED = ("transformers.modeling_utils.PreTrainedModel",)
+_TYPE_MRO = type_mro
 
-
-# ``type``'s own descriptors: calling them never runs a metaclass's attribute hooks.
-_TYPE_MRO = type.__dict__["__mro__"].__get__
-_TYPE_MODULE = type.__dict__["__module__"].__get__
-_TYPE_QUALNAME = type.__dict__["__qualname__"].__get__
-_TYPE_NAME = type.__dict__["__name__"].__get__
-
-
-def type_name(obj: Any) -> str:
-    """``type(obj).__name__``, read without running user code."""
-    try:
-        return _TYPE_NAME(type(obj))
-    except Exception:
-        return "?"
-
-
-def class_path(cls: type) -> str:
-    """Return ``module.qualname`` of a class, read without running user code."""
-    try:
-        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
-    except Exception:
-        return "?"
-    if type(qualname) is not str:
-        qualname = "?"
-    return f"{module}.{qualname}" if type(module) is str and module else qualname
-
-
-#: ``id(cls) -> (cls.__mro__, class paths, kind)``. The cached MRO tuple starts with the class
-#: itself, so the class stays alive and its id cannot be reused while the entry exists; a
-#: class whose ``__bases__`` were reassigned has a new MRO tuple and is classified again.
+#: ``id(cls) -> (cls.__mro__, active integrations, kind)``: the kind depends on which libraries are
+#: imported, so an entry is valid for one set of active integrations.
 _CLASS_CACHE: dict[int, tuple[tuple, tuple[str, ...], str | None]] = {}
 _CLASS_CACHE_SIZE = 4096
 
@@ -84,42 +45,16 @@ def _classify(cls: type) -> tuple[tuple[str, ...], str | None]:
         mro = _TYPE_MRO(cls)
     except Exception:
         return (), None
+    key = integrations.active_key()
     entry = _CLASS_CACHE.get(id(cls))
-    if entry is not None and entry[0] is mro:
-        return entry[1], entry[2]
-    paths = tuple(class_path(c) for c in mro)
-    kind = _kind_from_paths(paths)
+    paths = class_paths(cls)
+    if entry is not None and entry[0] is mro and entry[1] == key:
+        return paths, entry[2]
+    kind = integrations.kind_from_paths(paths)
     if len(_CLASS_CACHE) >= _CLASS_CACHE_SIZE:
         _CLASS_CACHE.clear()
-    _CLASS_CACHE[id(cls)] = (mro, paths, kind)
+    _CLASS_CACHE[id(cls)] = (mro, key, kind)
     return paths, kind
-
-
-def _kind_from_paths(paths: tuple[str, ...]) -> str | None:
-    if _MODULE[0] in paths:
-        return "model"
-    if _OPTIMIZER[0] in paths:
-        return "optimizer"
-    if any(p in paths for p in _SCALER):
-        return "scaler"
-    if _TRAINER[0] in paths:
-        return "trainer"
-    if _TRAINING_ARGS[0] in paths:
-        return "training_args"
-    if _ACCELERATOR[0] in paths:
-        return "accelerator"
-    return None
-
-
-def mro_paths(obj: Any) -> tuple[str, ...]:
-    """Class paths of ``type(obj)`` and its bases; empty when the MRO cannot be read."""
-    return _classify(type(obj))[0]
-
-
-def is_a(obj: Any, names: Iterable[str]) -> bool:
-    """True when one of ``names`` is a class path in ``type(obj)``'s MRO."""
-    paths = mro_paths(obj)
-    return any(n in paths for n in names)
 
 
 def kind_of(obj: Any) -> str | None:
@@ -157,6 +92,8 @@ class Subject:
     inner: Any = field(default=None, repr=False)
     inner_path: str = ""
     owner: str | None = None
+    #: Other names the user holds this object, or a part of it, by (``layer = model.model.layers[28]``).
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.inner is None:
@@ -170,62 +107,47 @@ class Subject:
         return type_name(self.obj)
 
 
-def _attr(obj: Any, name: str) -> Any:
-    """Read an attribute of a recognised library object; None when it is absent or raises."""
-    try:
-        return getattr(obj, name, None)
-    except Exception:
-        return None
+_attr = attr_of_known
+
+
+def _unwrap(obj: Any, rules: list, want: str, name: str) -> tuple[Any, str]:
+    """Follow wrapper rules from ``obj`` to the innermost object of kind ``want``."""
+    path, current = name, obj
+    for _ in range(8):
+        paths = mro_paths(current)
+        rule = next((r for r in rules if r.class_path in paths), None)
+        if rule is None:
+            break
+        nxt = _attr(current, rule.attr)
+        if nxt is None or kind_of(nxt) != want:
+            break
+        current, path = nxt, path + rule.suffix
+    return current, path
 
 
 def unwrap_model(module: Any, name: str) -> tuple[Any, str]:
     """Return the innermost module behind DDP / compile / PEFT wrappers and the path users type to reach its config."""
-    path = name
-    current = module
-    for _ in range(8):
-        if is_a(current, _DDP):
-            nxt = _attr(current, "module")
-            path = f"{path}.module"
-        elif is_a(current, _COMPILED):
-            nxt = _attr(current, "_orig_mod")
-        elif is_a(current, _PEFT_MODEL):
-            nxt = _attr(current, "base_model")
-        elif is_a(current, _PEFT_TUNER):
-            nxt = _attr(current, "model")
-        else:
-            break
-        if nxt is None or kind_of(nxt) != "model":
-            break
-        current = nxt
-    return current, path
+    return _unwrap(module, list(integrations.model_unwraps()), "model", name)
 
 
 def _children(subject: Subject) -> Iterator[tuple[str, str, Any]]:
-    """Yield ``(kind, name, obj)`` for the objects a subject brings along."""
-    obj = subject.obj
-    if subject.kind == "trainer":
-        for attr in ("model", "optimizer", "args", "accelerator", "scaler"):
-            value = _attr(obj, attr)
-            if value is not None and kind_of(value) is not None:
-                yield kind_of(value), f"{subject.name}.{attr}", value
-    elif subject.kind == "accelerator":
-        scaler = _attr(obj, "scaler")
-        if scaler is not None and kind_of(scaler) == "scaler":
-            yield "scaler", f"{subject.name}.scaler", scaler
-    elif subject.kind == "optimizer" and is_a(obj, _ACCELERATED_OPTIMIZER):
-        scaler = _attr(obj, "scaler")
-        if scaler is not None and kind_of(scaler) == "scaler":
-            yield "scaler", f"{subject.name}.scaler", scaler
+    """Yield ``(kind, name, obj)`` for the objects a subject brings along (as its integrations declare)."""
+    for attr in integrations.brought_attrs(mro_paths(subject.obj)):
+        value = _attr(subject.obj, attr)
+        if value is not None:
+            kind = kind_of(value)
+            if kind is not None:
+                yield kind, f"{subject.name}.{attr}", value
 
 
 def _make_subject(kind: str, name: str, obj: Any, owner: str | None) -> Subject:
     if kind == "model":
         inner, path = unwrap_model(obj, name)
         return Subject(kind, name, obj, inner=inner, inner_path=path, owner=owner)
-    if kind == "optimizer" and is_a(obj, _ACCELERATED_OPTIMIZER):
-        inner = _attr(obj, "optimizer")
-        if inner is not None and kind_of(inner) == "optimizer":
-            return Subject(kind, name, obj, inner=inner, inner_path=f"{name}.optimizer", owner=owner)
+    if kind == "optimizer":
+        inner, path = _unwrap(obj, list(integrations.optimizer_unwraps()), "optimizer", name)
+        if inner is not obj:
+            return Subject(kind, name, obj, inner=inner, inner_path=path, owner=owner)
     return Subject(kind, name, obj, owner=owner)
 
 
@@ -387,9 +309,50 @@ def discover(
     # An inner module or optimizer listed on its own before its wrapper is dropped in favour of the wrapper.
     inner_ids = {id(s.inner) for s in subjects if s.inner is not s.obj}
     subjects = [s for s in subjects if not (id(s.obj) in inner_ids and s.inner is s.obj)]
+    subjects = _one_patient_per_tree(subjects)
     order = {k: n for n, k in enumerate(KINDS)}
     subjects.sort(key=lambda s: order.get(s.kind, len(order)))
     return subjects
+
+
+def _module_paths(module: Any) -> dict[int, str]:
+    """``id(submodule) -> dotted path`` of every submodule of ``module`` (the root excluded)."""
+    try:
+        return {id(m): path for path, m in module.named_modules() if path}
+    except Exception:  # a half-built module: it keeps its own subject
+        return {}
+
+
+def _one_patient_per_tree(subjects: list[Subject]) -> list[Subject]:
+    """Drop a model that is a submodule of another inspected model; its name becomes an alias of the owner.
+
+    A leftover loop variable (``layer = model.model.layers[28]``) is part of the
+    model, not a second patient: diagnosing it alone would prescribe for one
+    layer what the whole model needs otherwise.
+    """
+    models = [s for s in subjects if s.kind == "model"]
+    if len(models) < 2:
+        return subjects
+    trees = {id(s): _module_paths(s.obj) for s in models}
+    dropped: set[int] = set()
+    aliases: dict[int, list[str]] = {}
+    for s in models:
+        for owner in models:
+            if owner is s or id(owner) in dropped:
+                continue
+            path = trees[id(owner)].get(id(s.obj))
+            if path is not None:
+                dropped.add(id(s))
+                aliases.setdefault(id(owner), []).append(f"{s.name} = {owner.name}.{path}")
+                break
+    out = []
+    for s in subjects:
+        if id(s) in dropped:
+            continue
+        if id(s) in aliases:
+            s.aliases = tuple(s.aliases) + tuple(aliases[id(s)])
+        out.append(s)
+    return out
 
 
 def transformers_loaded() -> bool:

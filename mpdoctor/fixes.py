@@ -16,7 +16,9 @@ applied only on an explicit request.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable, Sequence
+from enum import Enum
 from typing import Any, Callable
 
 import torch
@@ -284,6 +286,17 @@ class Call(Change):
         self._undo(self._token)
 
 
+class Applicability(str, Enum):
+    """How a fix may be applied, as ruff classifies fixes."""
+
+    #: Keeps the meaning of the run the user intended; "Apply all safe fixes" applies it.
+    SAFE = "safe"
+    #: Changes numerics or state; applied only on an explicit request.
+    UNSAFE = "unsafe"
+    #: Nothing mpdoctor can do in place (re-create an optimizer, reload a model): the code says what to run.
+    DISPLAY_ONLY = "display-only"
+
+
 class Fix:
     """A way to fix a finding in place.
 
@@ -295,51 +308,116 @@ class Fix:
         The Python that makes the same change, to paste where the object is created.
     safe : bool
         True when the fix keeps the meaning of the intended run; False when it
-        narrows a dtype, drops state or replaces a reference.
-    plan : callable
-        Returns the list of :class:`Change` steps, computed from the live objects.
+        narrows a dtype, drops state or replaces a reference. Ignored when
+        ``applicability`` is given.
+    plan : callable, optional
+        Returns the list of :class:`Change` steps. Fixes built by checks give
+        ``changes`` instead and are resolved against the live table.
     verify : callable, optional
         Called after the changes; returning a string means the fix did not
         take (the changes are reverted and :class:`FixFailed` raised).
     backup_bytes : int
         Estimated undo backup; above :data:`UNDO_BUDGET_BYTES` the title says
         so and ``apply`` needs ``confirm=True``.
+    changes : tuple of ChangeSpec
+        What the fix does, as plain data (:mod:`mpdoctor.changes`).
+    applicability : Applicability, optional
+        Safe, unsafe or display-only.
+    cost : str
+        What the fix costs (memory, speed), for choosing between alternatives.
+    recipe : str
+        A stable name of the treatment within its check (``"fp32-master-weights"``).
     """
 
     def __init__(
         self,
         title: str,
         code: str,
-        safe: bool,
-        plan: Callable[[], list[Change]],
+        safe: bool = False,
+        plan: Callable[[], list[Change]] | None = None,
         verify: Callable[[], str | None] | None = None,
         backup_bytes: int = 0,
         slug: str = "",
+        *,
+        changes: Sequence[Any] = (),
+        applicability: Applicability | None = None,
+        cost: str = "",
+        recipe: str = "",
     ) -> None:
         self.slug = slug
         self.code = code
-        self.safe = safe
-        self._plan = plan
-        self._verify = verify
+        self.applicability = applicability or (Applicability.SAFE if safe else Applicability.UNSAFE)
+        self.changes = tuple(changes)
+        # Fixes built by checks resolve their change specs against the live table; both hooks stay
+        # replaceable attributes so fault-injection tests can make any step fail.
+        self._plan = plan if plan is not None else self._spec_steps
+        self._verify = verify if verify is not None else self._spec_problem
         self.backup_bytes = backup_bytes
         self.needs_confirmation = backup_bytes > UNDO_BUDGET_BYTES
         if self.needs_confirmation:
             title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup: apply(confirm=True))"
         self.title = title
+        self.cost = cost
+        self.recipe = recipe
         self.applied = False
         self.error: str | None = None
+        #: Set by the treatment planner: whether this fix is part of the report's plan, and why not.
+        self.planned = True
+        self.note = ""
         self._done: list[Change] = []
+        self._live: Any = None
+        self._report: Any = None
+        self.finding_subject = ""
+
+    @property
+    def safe(self) -> bool:
+        """True for a safe fix."""
+        return self.applicability is Applicability.SAFE
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What identifies this treatment across re-diagnoses: check, subject, recipe."""
+        return (self.slug, self.finding_subject, self.recipe or re.sub(r"\d[\d,.]*", "#", self.title))
+
+    def bind(self, live: Any, report: Any = None) -> Fix:
+        """Attach the live table (and the report that re-plans on apply)."""
+        self._live = live
+        self._report = report
+        return self
 
     def __repr__(self) -> str:
         state = "applied" if self.applied else ("failed" if self.error else "pending")
-        return f"<Fix {self.title!r} safe={self.safe} {state}>"
+        return f"<Fix {self.title!r} {self.applicability.value} {state}>"
+
+    def _spec_steps(self) -> list[Change]:
+        if self._live is None:
+            raise FixFailed("this fix is not bound to live objects (take it from a Report)")
+        return [step for spec in self.changes for step in spec.bind(self._live)]
+
+    def _spec_problem(self) -> str | None:
+        if self._live is not None:
+            for spec in self.changes:
+                problem = spec.verify(self._live)
+                if problem:
+                    return problem
+        return None
+
+    def _steps(self) -> list[Change]:
+        return self._plan()
+
+    def _problem(self) -> str | None:
+        return self._verify()
 
     def preview(self) -> list[str]:
         """Describe the changes :meth:`apply` would make now."""
-        return [c.description for c in self._plan()]
+        return [c.description for c in self._steps()]
 
     def apply(self, confirm: bool = False) -> Fix:
         """Apply the fix in place; a second call does nothing.
+
+        A fix taken from a Report is re-planned first against the live objects
+        as they are now: when another fix applied since made it unnecessary,
+        it does nothing and ``note`` says why.
 
         Raises
         ------
@@ -347,17 +425,25 @@ class Fix:
             When the undo backup exceeds the budget and ``confirm`` is False.
         FixFailed
             When a step fails; every step already taken has been reverted.
+            Also for a display-only fix (its ``code`` is what to run).
         """
         if self.applied:
             return self
+        if self.applicability is Applicability.DISPLAY_ONLY:
+            raise FixFailed(f"{self.title}: nothing can be changed in place; run fix.code where the objects are built")
         if self.needs_confirmation and not confirm:
             raise FixNeedsConfirmation(self.title)
+        if self._report is not None and self.changes:
+            current = self._report._current_treatment(self)
+            if current is None:
+                return self  # no longer needed: the report set self.note
+            self.changes = current.changes
         done: list[Change] = []
         try:
-            for change in self._plan():
+            for change in self._steps():
                 change.apply()
                 done.append(change)
-            problem = self._verify() if self._verify is not None else None
+            problem = self._problem()
             if problem:
                 raise FixFailed(f"the change did not take: {problem}")
         except BaseException as exc:
@@ -395,7 +481,17 @@ class Fix:
 
     def to_dict(self) -> dict:
         """A JSON-serialisable description."""
-        return {"title": self.title, "code": self.code, "safe": self.safe, "applied": self.applied, "error": self.error}
+        return {
+            "title": self.title,
+            "code": self.code,
+            "safe": self.safe,
+            "applicability": self.applicability.value,
+            "planned": self.planned,
+            "note": self.note,
+            "cost": self.cost,
+            "applied": self.applied,
+            "error": self.error,
+        }
 
 
 def _revert_all(changes: list[Change]) -> str:

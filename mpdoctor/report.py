@@ -49,6 +49,10 @@ class Report:
         elapsed: float = 0.0,
         probe_table: Any = None,
         rediagnose: Any = None,
+        subjects: tuple = (),
+        live: Any = None,
+        plan: list | None = None,
+        hidden: dict | None = None,
     ) -> None:
         self.findings = findings
         self.facts = facts
@@ -61,12 +65,17 @@ class Report:
         self._rediagnose = rediagnose
         self._histogram = None
         self._skip_display_in: int | None = None
+        self._subjects = tuple(subjects)
+        self.live = live
+        self._plan = plan
+        #: Findings hidden by ``ignore``, per check slug.
+        self.hidden: dict[str, int] = dict(hidden or {})
 
     # -- queries -----------------------------------------------------------------------
     @property
     def subjects(self) -> tuple:
-        """The inspected subjects (name, kind, live object)."""
-        return self.facts.subjects
+        """The inspected subjects: name, kind and the live object (``.obj``), as discovered."""
+        return self._subjects or self.facts.subjects
 
     def findings_for(self, check: str) -> list[Finding]:
         """Findings of one check slug."""
@@ -87,8 +96,32 @@ class Report:
 
     @property
     def fixes(self) -> list:
-        """Every fix offered by every finding."""
-        return [fx for f in self.findings for fx in f.fixes]
+        """The treatment: the planned fixes, in the order to apply them (they never undo each other).
+
+        Alternatives a finding also offers (``finding.fixes``, with ``fix.planned`` False and
+        ``fix.note`` saying why) are in :attr:`all_fixes`.
+        """
+        if self._plan is not None:
+            return list(self._plan)
+        return self.all_fixes
+
+    @property
+    def all_fixes(self) -> list:
+        """Every fix offered by every finding, planned or not."""
+        out: list = []
+        for f in self.findings:
+            out.extend(fx for fx in f.fixes if all(fx is not x for x in out))
+        return out
+
+    def _current_treatment(self, fix: Any) -> Any:
+        """The fix with ``fix``'s key in a plan made now from the live objects; None when not needed any more."""
+        if not self._subjects:
+            return fix
+        now = self.refresh()
+        match = next((fx for fx in now.all_fixes if fx.key == fix.key), None)
+        if match is None:
+            fix.note = "not applied: no longer needed (the fixes applied since resolved its finding)"
+        return match
 
     @property
     def histogram(self) -> pandas.DataFrame:
@@ -116,7 +149,7 @@ class Report:
 
         if self._rediagnose is not None:
             return self._rediagnose()
-        return diagnose_subjects(self.facts.subjects, target=self.target, scan=self.scan, ignore=self.ignore)
+        return diagnose_subjects(self._subjects, target=self.target, scan=self.scan, ignore=self.ignore)
 
     def apply_safe_fixes(self) -> list:
         """Apply every safe fix not yet applied; return the fixes applied.

@@ -17,7 +17,7 @@ from mpdoctor.checks.optimizer import (
     optimizer_state_dtype_mismatch,
     requirement_for,
 )
-from mpdoctor.fixes import FixFailed
+from mpdoctor.fixes import Applicability, FixFailed
 
 
 def _adamwbf16_over_fp32():
@@ -174,6 +174,8 @@ def test_bnb_8bit_optimizer_with_grads_in_another_dtype_than_params_is_an_error_
     (finding,) = [f for f in findings if "gradients" in f.message]
     assert finding.severity == "error"
     (fix,) = finding.fixes
+    # Findings are plain data: a fix acts on the objects of a live table (a report's, here).
+    fix.bind(mpdoctor.diagnose(namespace={"model": model, "opt": opt}).live)
     fix.apply()
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     fix.undo()
@@ -288,7 +290,11 @@ def test_an_optimizer_left_on_a_recreated_model_is_an_error_and_the_live_model_n
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # measured harm: no update
     report = mpdoctor.diagnose(namespace={"model": model, "opt": opt})
     (finding,) = report.findings_for("optimizer-params-not-in-model")
-    assert finding.severity == "error" and finding.fixes == []
+    (fix,) = finding.fixes  # nothing can be done in place: the code to run, display-only
+    assert finding.severity == "error" and fix.applicability is Applicability.DISPLAY_ONLY
+    assert "opt = torch.optim." in fix.code and "model.parameters()" in fix.code
+    with pytest.raises(FixFailed, match="nothing can be changed in place"):
+        fix.apply()
     assert "model.parameters()" in finding.evidence["suggested_code"]
 
 
@@ -351,8 +357,11 @@ def test_pure_bf16_adamw_loses_most_updates_and_is_a_warning_whose_master_weight
     report = mpdoctor.diagnose(namespace={"model": model, "opt": opt})
     (finding,) = report.findings_for("pure-bf16-adamw")
     assert finding.severity == "warning" and "lr=1e-05" in finding.message
-    (fix,) = finding.fixes
-    assert not fix.safe
+    # Two recipes: fp32 master weights (planned, in place) or a bf16-safe optimizer (display-only).
+    fix, alternative = finding.fixes
+    assert not fix.safe and fix.planned and report.fixes == [fix]
+    assert alternative.applicability is Applicability.DISPLAY_ONLY and "AdamWBF16" in alternative.code
+    assert "MiB" in fix.cost and "restarts" in alternative.cost
     fix.apply()
     assert model.weight.dtype == torch.float32
     assert not report.refresh().findings_for("pure-bf16-adamw")

@@ -10,9 +10,9 @@ from setups import tiny_llama, tiny_trainer, training_args
 from setups_precision import ENV, accelerate_snapshot, compute_dtypes, one_torch_thread  # noqa: F401 (one_torch_thread: autouse)
 
 import mpdoctor
-import mpdoctor.checks.precision as precision_module
-from mpdoctor.checks.precision import fp32_precisions, restore_fp32_precisions
+import mpdoctor.integrations.accelerate as precision_module
 from mpdoctor.fixes import FixFailed
+from mpdoctor.runtime_state import fp32_precisions, restore_fp32_precisions
 
 
 def _trainer(env: str | None = None, prepared: bool = False, **kwargs):

@@ -45,7 +45,7 @@ def test_a_gemma3_in_train_mode_returns_a_cache_from_every_forward_that_nobody_r
         assert cache_bytes(out.past_key_values) == expected_cache_bytes(model, inputs) > 0
 
     (finding,) = mpdoctor.diagnose(model).findings_for("cache-in-training")
-    assert finding.severity == "warning"
+    assert finding.severity == "info"  # true and measured, but harmless in this setup: no crash combination
     assert finding.subject == "model.config.text_config.use_cache"
 
 
@@ -104,7 +104,7 @@ def test_accelerates_fp32_output_wrapper_is_a_fact_and_on_transformers_5_the_cac
     report = mpdoctor.diagnose(model)
     assert report.facts.models[0].forward_wrapped
     (finding,) = report.findings_for("cache-in-training")
-    assert finding.severity == "warning" and finding.evidence["forward_wrapped_fp32"] is True
+    assert finding.severity == "info" and finding.evidence["forward_wrapped_fp32"] is True
 
 
 def test_before_transformers_4_51_the_wrapped_forward_makes_it_an_error(accelerated_gemma3):

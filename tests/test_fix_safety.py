@@ -36,7 +36,7 @@ from setups import batch, train_step
 
 import mpdoctor
 import mpdoctor.fixes as fixes_mod
-from mpdoctor.fixes import Fix, FixFailed
+from mpdoctor.fixes import Applicability, Fix, FixFailed
 
 TARGETS = (None, "T4", "A100")
 
@@ -76,6 +76,8 @@ def _keyed_fixes(report: mpdoctor.Report) -> list[tuple[tuple[str, str, str], in
     out = []
     for finding in report.findings:
         for fix in finding.fixes:
+            if fix.applicability is Applicability.DISPLAY_ONLY:
+                continue  # nothing to apply: its code is what to run (tested in test_treatment.py)
             key = _key(finding, fix)
             out.append((key, counts.get(key, 0), fix))
             counts[key] = counts.get(key, 0) + 1

@@ -30,7 +30,7 @@ from typing import Callable
 
 from ..findings import Finding
 
-SECTIONS = ("What it detects", "Why it matters", "Fix", "Source")
+SECTIONS = ("What it detects", "Why it matters", "Severity", "Fix", "Source")
 
 #: Modules holding checks, imported in this order when the registry is first used.
 MODULES = ("scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "numerics")
@@ -122,8 +122,12 @@ def internal_error(where: str, exc: BaseException) -> Finding:
     )
 
 
-def run_checks(facts, ignore: Iterable[str] = ()) -> list[Finding]:
-    """Run every registered check not in ``ignore``; never raises."""
+def run_checks(facts, ignore: Iterable[str] = (), hidden: dict[str, int] | None = None) -> list[Finding]:
+    """Run every registered check; drop the findings of checks in ``ignore``; never raises.
+
+    Ignored checks still run when ``hidden`` is given, which receives how many
+    findings each of them would have shown (a report says what it hides).
+    """
     skip = set(ignore)
     findings: list[Finding] = []
     for where, detail in facts.errors:
@@ -137,10 +141,15 @@ def run_checks(facts, ignore: Iterable[str] = ()) -> list[Finding]:
             )
         )
     for slug, chk in load().items():
-        if slug in skip:
+        if slug in skip and hidden is None:
             continue
         try:
-            for finding in chk.func(facts) or ():
+            produced = list(chk.func(facts) or ())
+            if slug in skip:
+                if produced and hidden is not None:
+                    hidden[slug] = hidden.get(slug, 0) + len(produced)
+                continue
+            for finding in produced:
                 for fix in finding.fixes:
                     fix.slug = fix.slug or slug
                 findings.append(finding)

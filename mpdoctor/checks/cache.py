@@ -4,16 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from ..changes import SetAttrTo
 from ..facts import Facts, ModelFacts
 from ..findings import Finding
-from ..fixes import set_attrs
+from ..fixes import Fix
+from ..knowledge import CACHE_CHANGES_LOGITS
 from . import check
-
-#: Model types whose cached and uncached forwards take different code paths (recurrent
-#: or hybrid state), where turning the cache off has been reported to change logits.
-CACHE_CHANGES_LOGITS = frozenset(
-    {"mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "recurrent_gemma", "rwkv", "xlstm", "bamba"}
-)
 
 
 def _cached(m: ModelFacts) -> list:
@@ -31,13 +27,18 @@ def _transformers_before(version: str | None, major: int, minor: int) -> bool:
 def cache_off_fix(m: ModelFacts):
     """Set ``use_cache=False`` on every config and sub-config (and the generation config) of ``m``."""
     configs = _cached(m)
-    targets = [(c.obj, "use_cache", False, f"{c.path}.use_cache") for c in configs]
     code = "\n".join(f"{c.path}.use_cache = False" for c in configs)
     where = ", ".join(c.key for c in configs)
-    return set_attrs(f"Set use_cache=False on {where}", code, targets)
+    return Fix(
+        f"Set use_cache=False on {where}",
+        code,
+        safe=True,
+        changes=tuple(SetAttrTo(c.ref, "use_cache", False, f"{c.path}.use_cache") for c in configs),
+        recipe="cache-off",
+    )
 
 
-@check("cache-in-training", "error")
+@check("cache-in-training", "info")
 def cache_in_training(facts: Facts) -> Iterator[Finding]:
     """A model in training mode whose config (or a nested sub-config) keeps ``use_cache=True``.
 
@@ -56,6 +57,10 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
         (fp16/bf16 mixed precision) and transformers before 4.51, cache classes
         carrying a ``.dtype`` attribute are taken for tensors and crash:
         ``'HybridCache' object has no attribute 'float'``.
+    Severity
+        Error when the crash combination is present (a wrapped forward and transformers before 4.51);
+        info otherwise: the default ``use_cache=True`` of every transformers config is harmless in the
+        healthy QLoRA, PEFT, FSDP and DeepSpeed recipes (the cache is dropped after each forward).
     Fix
         Set ``use_cache=False`` on the config, every sub-config and the
         generation config, in place (undo it before ``generate()``, which
@@ -80,12 +85,13 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
             + (
                 ", and accelerate's fp32 output conversion will crash on it ('...Cache' object has no attribute 'float')."
                 if crash
-                else f" (wasted memory; setting only {m.config_path}.config.use_cache is not enough here)." if nested else " (wasted memory)."
+                else f" (memory for nothing; setting only {m.config_path}.config.use_cache is not enough here)." if nested
+                else " (memory for nothing, freed after each step)."
             )
         )
         yield Finding(
             "cache-in-training",
-            "error" if crash else "warning",
+            "error" if crash else "info",
             cached[0].path + ".use_cache",
             msg,
             {
@@ -115,6 +121,9 @@ def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
         checkpointing" (so the flag says the opposite of what runs); in custom
         modules recomputation in backward meets a cache built in forward and
         the memory checkpointing saves is spent on the cache.
+    Severity
+        Info for a transformers model (it drops the cache itself and warns); warning for other modules,
+        where the cache defeats the memory checkpointing saves.
     Fix
         Set ``use_cache=False`` on every config and sub-config (and the
         generation config), in place.

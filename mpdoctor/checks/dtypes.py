@@ -9,10 +9,11 @@ from typing import NamedTuple
 
 import torch
 
+from ..changes import CastGradsToParams, CastParamsTo
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
 from ..findings import Finding
-from ..fixes import CastGrads, Change, Fix, cast_params_fix
+from ..fixes import Fix
 from . import check
 
 
@@ -156,18 +157,21 @@ def _describe(units: list[Unit], limit: int = 3) -> str:
     return ", ".join(parts) + more
 
 
+def _optimizer_refs(facts: Facts, m: ModelFacts) -> tuple[int, ...]:
+    return tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m))
+
+
 def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: str) -> Fix:
-    root = m.subject.obj
+    ids_by_name = {p.name: p for p in m.tensors.params}
     params, paths, narrowing = [], [], False
     for u in units:
-        mod = root.get_submodule(u.module.path)
         for pname, pdtype, _ in u.module.params:
-            p = mod._parameters.get(pname)
-            if isinstance(p, torch.Tensor) and pdtype != dtype:
-                params.append(p)
+            full = f"{u.module.path}.{pname}" if u.module.path else pname
+            info = ids_by_name.get(full)
+            if info is not None and pdtype != dtype:
+                params.append(info)
                 narrowing = narrowing or not widens(pdtype, dtype)
         paths.append(u.module.path)
-    optimizers = [facts.subject(o.name).inner for o in facts.optimizers_of(m)]
     listed = "".join(f"\n    {p!r}," for p in paths)
     code = (
         f"for path in ({listed}\n):\n"
@@ -175,15 +179,23 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
         f"        if p.is_floating_point() and p.dtype != torch.{dtype}:\n"
         f"            p.data = p.data.to(torch.{dtype})  # same Parameter: optimizers keep their references"
     )
-    return cast_params_fix(
-        f"Cast {len(params)} parameters of {len(paths)} modules of {m.name} to {dtype}",
-        code,
-        params,
-        torch_dtype(dtype),
-        optimizers,
-        label=f"minority parameters of {m.name}",
-        safe=not narrowing,
+    spec = CastParamsTo(
+        m.ref, frozenset(p.id for p in params), dtype, _optimizer_refs(facts, m), f"minority parameters of {m.name}"
     )
+    delta = sum(p.numel * (torch_dtype(dtype).itemsize - torch_dtype(p.dtype).itemsize) for p in params)
+    return Fix(
+        f"Cast {_plural(len(params), 'parameter')} of {_plural(len(paths), 'module')} of {m.name} to {dtype}",
+        code,
+        not narrowing,
+        changes=(spec,),
+        backup_bytes=spec.backup_bytes(facts),
+        recipe="cast-minority",
+        cost=f"{'+' if delta >= 0 else '-'}{abs(delta) / 2**20:.1f} MiB of weights",
+    )
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 @check("mixed-param-dtypes", "error")
@@ -217,6 +229,10 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         ones (``addmm_``) inside custom autograd Functions, which is how
         Unsloth's fused LoRA backward met fp32 adapters under gradient
         checkpointing.
+    Severity
+        Error for a compute module without autocast (the first matmul raises); warning for wider norms
+        without autocast, or patched forwards under autocast; nothing for PEFT adapters, autocast-
+        covered models and norms that keep their input dtype.
     Fix
         Cast the minority parameters of the affected modules (with their
         grads and optimizer state) to the compute dtype in place, keeping the
@@ -297,18 +313,9 @@ LERP_OPTIMIZERS = frozenset(
 )
 
 
-def cast_grads_fix(title: str, code: str, params: list[torch.nn.Parameter], safe: bool) -> Fix:
+def cast_grads_fix(title: str, code: str, owner: int, ids: frozenset[int], safe: bool) -> Fix:
     """A fix casting each parameter's grad to the parameter's dtype in place."""
-
-    def plan() -> list[Change]:
-        return [CastGrads(params)]
-
-    def verify() -> str | None:
-        left = sum(1 for p in params if p.grad is not None and p.grad.dtype != p.dtype)
-        return f"{left} grads still differ from their parameter's dtype" if left else None
-
-    backup = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    return Fix(title, code, safe, plan, verify, backup_bytes=backup)
+    return Fix(title, code, safe, changes=(CastGradsToParams(owner, ids),), recipe="cast-grads")
 
 
 @check("grad-dtype-mismatch", "error")
@@ -328,6 +335,8 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         (``expected dtype c10::BFloat16 for `end` but got dtype float``); SGD
         with momentum silently builds fp32 state for bf16 parameters (twice
         the memory, and state that no longer matches its parameter).
+    Severity
+        Error when an Adam-family optimizer holds the parameter (its step raises); warning otherwise.
     Fix
         Cast each grad to its parameter's dtype in place (``p.grad.data =
         p.grad.data.to(p.dtype)``, the same grad tensor). Safe when that widens
@@ -337,23 +346,18 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         Adam's ``lerp`` update.
     """
     seen: set[int] = set()
-    holders: list[tuple[str, object, list[tuple[int, str, str | None]]]] = []
+    holders: list[tuple[str, int, bool, list[tuple[int, str, str | None]]]] = []
     for m in facts.models:
         rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
-        holders.append((m.name, m.subject.obj, rows))
+        holders.append((m.name, m.ref, True, rows))
         seen.update(p.id for p in m.tensors.params)
     for o in facts.optimizers:
         rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
-        holders.append((o.name, facts.subject(o.name).inner, rows))
-    for name, live, rows in holders:
+        holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))
+    for name, owner, is_model, rows in holders:
         bad = {pid: (dt, gdt) for pid, dt, gdt in rows if gdt is not None and gdt != dt}
         if not bad:
             continue
-        if isinstance(live, torch.nn.Module):
-            candidates = list(live.parameters())
-        else:
-            candidates = [p for g in live.param_groups for p in g["params"]]
-        params = [p for p in candidates if id(p) in bad]
         optimizers = [o for o in facts.optimizers if o.param_ids & bad.keys()]
         crashing = [o.name for o in optimizers if o.class_path in LERP_OPTIMIZERS]
         pairs = sorted({f"{gdt} grads on {dt} parameters" for dt, gdt in bad.values()})
@@ -366,7 +370,7 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             consequence = "an optimizer step will raise (Adam family) or build state in the grads' dtype"
         source = (
             f"{name}.parameters()"
-            if isinstance(live, torch.nn.Module)
+            if is_model
             else f"(p for group in {name}.param_groups for p in group['params'])"
         )
         code = (
@@ -380,7 +384,7 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             name,
             f"{len(bad)} parameters of {name} carry {'; '.join(pairs)}: {consequence}.",
             {"parameters": len(bad), "pairs": pairs, "optimizers": [o.name for o in optimizers], "raises_in": crashing},
-            [cast_grads_fix(f"Cast {len(params)} grads of {name} to their parameter's dtype", code, params, safe)],
+            [cast_grads_fix(f"Cast {len(bad)} grads of {name} to their parameter's dtype", code, owner, frozenset(bad), safe)],
         )
 
 
@@ -406,6 +410,9 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         information: right as fp32 master weights under autocast, waste for
         inference. bf16 from an fp32 checkpoint drops mantissa bits but keeps
         the range, which is usually intended.
+    Severity
+        Warning for fp16 from a wider checkpoint (overflow risk); info otherwise (fp32 master weights
+        are right under autocast).
     Fix
         Cast the parameters in the model's dtype to the checkpoint dtype in
         place, keeping the Parameter objects; not offered when an optimizer
@@ -436,22 +443,21 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         offer = not (training and widens(saved, held)) and not (saved == "float32" and held == "bfloat16")
         fixes = []
         if offer:
-            live = m.subject.obj
-            params = [p for p in live.parameters() if p.dtype == torch_dtype(held)]
+            params = [p for p in m.tensors.params if p.dtype == held]
             code = (
                 f"# better: from_pretrained(..., dtype=torch.{saved})\n"
                 f"for p in {m.name}.parameters():\n"
                 f"    if p.dtype == torch.{held}:\n"
                 f"        p.data = p.data.to(torch.{saved})"
             )
+            spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, _optimizer_refs(facts, m), f"{held} parameters of {m.name}")
             fixes.append(
-                cast_params_fix(
+                Fix(
                     f"Cast {len(params)} {held} parameters of {m.name} to the checkpoint's {saved}",
                     code,
-                    params,
-                    torch_dtype(saved),
-                    [facts.subject(o.name).inner for o in facts.optimizers_of(m)],
-                    label=f"{held} parameters of {m.name}",
+                    changes=(spec,),
+                    backup_bytes=spec.backup_bytes(facts),
+                    recipe="cast-to-checkpoint",
                 )
             )
         yield Finding(

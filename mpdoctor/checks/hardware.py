@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import torch
-
-from ..discover import is_a
+from ..changes import CastParamsTo, DType, SetAttrTo
 from ..facts import Facts, ModelFacts, PrecisionFacts
-from ..facts.configs import ConfigFacts, raw_attr
+from ..facts.configs import ConfigFacts
 from ..findings import Finding
-from ..fixes import CastParams, Change, Fix, SetAttr, SetItem
+from ..fixes import Fix
+from ..knowledge import FP16_OVERFLOW_MODEL_TYPES, LINEAR_4BIT_CLASSES
 from . import check
-from .precision import computes_in, declared_precision, live_setup, native_amp_for, precision_changes
-
-#: Model types whose activations or gradients overflow fp16 (65504) in training, so that on a GPU
-#: without bf16 the safe choice is fp32, not fp16 AMP. The one list mpdoctor keeps; cite it from here.
-#: Sources: transformers issues #9295, #10830 (T5 / mT5 "inf in T5DenseReluDense"), #39972 (Gemma 3 fp16
-#: NaN); Unsloth ``models/loader.py`` ``FORCE_FLOAT32`` (gemma3, gemma3_text, gemma3n, gemma4, glm4_moe,
-#: gpt_oss, qwen3_5, qwen3_moe) and unsloth-zoo PRs #212 (falcon_h1) and #866; Gemma 2's logit
-#: soft-capping was trained and is served in bf16.
-FP16_OVERFLOW_MODEL_TYPES = frozenset(
-    {
-        "t5",
-        "mt5",
-        "umt5",
-        "gemma2",
-        "gemma3",
-        "gemma3_text",
-        "gemma3n",
-        "gemma3n_text",
-        "gemma4",
-        "gemma4_text",
-        "glm4_moe",
-        "gpt_oss",
-        "qwen3_moe",
-        "qwen3_5",
-        "falcon_h1",
-    }
-)
+from .precision import align_spec, declared_precision, native_amp_for
 
 
 def fp16_overflow_type(m: ModelFacts) -> str | None:
@@ -54,18 +26,14 @@ def _bf16_params(m: ModelFacts) -> list:
     return [p for p in m.tensors.params if p.dtype == "bfloat16"]
 
 
-def _live_params_of(m: ModelFacts, ids: set[int]) -> list[torch.nn.Parameter]:
-    return [p for p in m.subject.obj.parameters() if id(p) in ids]
-
-
-def _optimizers_of(facts: Facts, ids: set[int]) -> list[Any]:
-    out = []
+def _optimizer_refs(facts: Facts, ids: frozenset[int]) -> tuple[int, ...]:
+    out: list[int] = []
     for o in facts.optimizers:
         if o.param_ids & ids:
-            s = facts.subject(o.name)
-            if s is not None and all(s.inner is not x for x in out):
-                out.append(s.inner)
-    return out
+            ref = facts.subject(o.name).inner_ref
+            if ref not in out:
+                out.append(ref)
+    return tuple(out)
 
 
 def _cast_code(model_name: str) -> str:
@@ -83,29 +51,20 @@ def _fp32_master_fix(
     facts: Facts, models: list[ModelFacts], title: str, code: str, setup: PrecisionFacts | None, target: str
 ) -> Fix:
     """Cast the bf16 parameters of ``models`` to fp32 and, for a setup, switch its arguments and accelerator."""
-    params: list[torch.nn.Parameter] = []
+    specs: list = []
+    backup = 0
     for m in models:
-        params += _live_params_of(m, {p.id for p in _bf16_params(m)})
-    optimizers = _optimizers_of(facts, {id(p) for p in params})
-    live = live_setup(facts, setup) if setup is not None else None
-    flags = {"bf16": False, "fp16": target == "fp16"}
-    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params)
-
-    def plan() -> list[Change]:
-        changes: list[Change] = [CastParams(params, torch.float32, optimizers, "bf16 parameters")] if params else []
-        if live is not None:
-            # accelerate's rule on the device these objects live on: on a CPU, fp16 args run as fp32.
-            changes += precision_changes(live, target, native_amp_for(target, live.device()), flags)
-        return changes
-
-    def verify() -> str | None:
-        if any(p.dtype == torch.bfloat16 for p in params):
-            return "bf16 parameters remain"
-        if live is not None and live.args is not None and raw_attr(live.args, "bf16", False):
-            return "args.bf16 is still True"
-        return None
-
-    return Fix(title, code, False, plan, verify, backup_bytes=backup)
+        ids = frozenset(p.id for p in _bf16_params(m))
+        if ids:
+            spec = CastParamsTo(m.ref, ids, "float32", _optimizer_refs(facts, ids), "bf16 parameters")
+            specs.append(spec)
+            backup += spec.backup_bytes(facts)
+    if setup is not None:
+        # accelerate's rule on the device these objects live on: on a CPU, fp16 args run as fp32.
+        live_gpu = facts.hardware.live and facts.hardware.kind == "cuda"
+        device = "cpu" if setup.args.get("use_cpu") else (setup.device or ("cuda" if live_gpu else "cpu"))
+        specs.append(align_spec(facts, setup, target, native_amp_for(target, device), {"bf16": False, "fp16": target == "fp16"}))
+    return Fix(title, code, False, changes=tuple(specs), backup_bytes=backup, recipe=f"fp32-master-{target}")
 
 
 @check("bf16-unsupported", "error")
@@ -122,6 +81,9 @@ def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
         and fused kernels without a bf16 path (FlashAttention, SDPA's flash backend) refuse them. Switching
         to fp16 instead can overflow on checkpoints trained in bf16 (T5, Gemma 2/3, Qwen3-MoE, GPT-OSS,
         ...: ``FP16_OVERFLOW_MODEL_TYPES``).
+    Severity
+        Error when a setup or autocast asks for bf16 on a device without it; warning for bf16 weights
+        alone.
     Fix
         Switch to fp16 AMP with fp32 master weights: cast the bf16 parameters (with grads and optimizer
         state) to fp32 in place, set ``args.bf16=False, args.fp16=True`` and bring the accelerator to fp16
@@ -226,6 +188,9 @@ def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
         FlashAttention kernels exist only for fp16 and bf16: "FlashAttention only support fp16 and bf16 data
         type". transformers casts fp32 queries to the autocast dtype, else to the dtype of the model's
         Linear weights, which is fp32 here, so the first forward raises.
+    Severity
+        Error when a Trainer will run it in fp32 (the first forward raises); warning for a bare model,
+        whose loop may autocast.
     Fix
         Switch the attention to SDPA (``eager`` for models without SDPA support) in place, on every config
         that names a flash kernel: same math in fp32. Safe. To keep FlashAttention, train under bf16/fp16
@@ -244,18 +209,12 @@ def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
         if not flash or m.tensors.main_dtype != "float32":
             continue
         setups = [p for p in facts.precisions if m.name in p.model_names]
-        if any(computes_in(p, hw) in ("fp16", "bf16") for p in setups):
+        if any(p.computes_in in ("fp16", "bf16") for p in setups):
             continue
-        inner = m.subject.inner
-        fallback = "sdpa" if raw_attr(inner, "_supports_sdpa", True) is not False else "eager"
-        targets = [(c.obj, "_attn_implementation_internal", fallback, f"{c.path}._attn_implementation") for c in flash]
-
-        def plan(targets: list = targets) -> list[Change]:
-            return [SetAttr(o, a, v, lbl) for o, a, v, lbl in targets if raw_attr(o, a, None) != v]
-
-        def verify(targets: list = targets) -> str | None:
-            left = [lbl for o, a, v, lbl in targets if raw_attr(o, a, None) != v]
-            return f"{', '.join(left)} still name a flash kernel" if left else None
+        fallback = "sdpa" if m.supports_sdpa is not False else "eager"
+        specs = tuple(
+            SetAttrTo(c.ref, "_attn_implementation_internal", fallback, f"{c.path}._attn_implementation") for c in flash
+        )
 
         code = (
             f"{m.config_path}.set_attn_implementation({fallback!r})  # FlashAttention has no fp32 kernels\n"
@@ -271,7 +230,7 @@ def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
             + (" in its Trainer" if setups else "")
             + ": FlashAttention only supports fp16 and bf16, so the first forward raises.",
             {"attn_implementation": kernels, "main_dtype": m.tensors.main_dtype, "setups": [p.name for p in setups]},
-            [Fix(f"Switch {m.name}'s attention to {fallback}", code, True, plan, verify)],
+            [Fix(f"Switch {m.name}'s attention to {fallback}", code, True, changes=specs, recipe="attention-fallback")],
         )
 
 
@@ -286,13 +245,12 @@ def _half_dtype(facts: Facts, m: ModelFacts) -> str | None:
         return m.tensors.main_dtype
     for p in facts.precisions:
         if m.name in p.model_names:
-            mode = computes_in(p, facts.hardware)
+            mode = p.computes_in
             if mode in ("fp16", "bf16"):
                 return "float16" if mode == "fp16" else "bfloat16"
     return None
 
 
-_LINEAR_4BIT = ("bitsandbytes.nn.modules.Linear4bit",)
 
 
 @check("bnb-compute-dtype-fp32", "warning")
@@ -309,6 +267,8 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
         activation memory. bitsandbytes warns "Input type into Linear4bit is torch.float16, but
         bnb_4bit_compute_dtype=torch.float32 (default). This will lead to slow inference or training
         speed."
+    Severity
+        Warning: measurable slowdown and activation memory, no crash.
     Fix
         Set ``bnb_4bit_compute_dtype`` to the half dtype in use, on the quantization config and on every
         live ``Linear4bit`` module's ``compute_dtype`` (the attribute the forward reads), in place.
@@ -324,28 +284,17 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
         half = _half_dtype(facts, m)
         if half is None:
             continue
-        dtype = getattr(torch, half)
-        model = m.subject.obj
-
-        def plan(cfgs: list = cfgs, dtype: torch.dtype = dtype, model: Any = model) -> list[Change]:
-            changes: list[Change] = []
-            for c in cfgs:
-                q = raw_attr(c.obj, "quantization_config", None)
-                label = f"{c.path}.quantization_config.bnb_4bit_compute_dtype"
-                if isinstance(q, dict):
-                    if q.get("bnb_4bit_compute_dtype") != dtype:
-                        changes.append(SetItem(q, "bnb_4bit_compute_dtype", dtype, label))
-                elif q is not None and raw_attr(q, "bnb_4bit_compute_dtype", None) != dtype:
-                    changes.append(SetAttr(q, "bnb_4bit_compute_dtype", dtype, label))
-            for name, mod in model.named_modules():
-                if is_a(mod, _LINEAR_4BIT) and raw_attr(mod, "compute_dtype", None) != dtype:
-                    changes.append(SetAttr(mod, "compute_dtype", dtype, f"{name}.compute_dtype"))
-            return changes
-
-        def verify(plan: Any = plan) -> str | None:
-            left = plan()
-            return f"{len(left)} compute dtypes still fp32" if left else None
-
+        specs = []
+        for c in cfgs:
+            if c.quant_ref:
+                specs.append(
+                    SetAttrTo(c.quant_ref, "bnb_4bit_compute_dtype", DType(half), f"{c.path}.quantization_config.bnb_4bit_compute_dtype")
+                )
+        specs += [
+            SetAttrTo(m.ref, "compute_dtype", DType(half), f"{path}.compute_dtype", submodule=path)
+            for path, cls in m.tensors.module_classes
+            if cls in LINEAR_4BIT_CLASSES
+        ]
         code = "\n".join(
             ["import torch"]
             + [f"{c.path}.quantization_config.bnb_4bit_compute_dtype = torch.{half}" for c in cfgs]
@@ -363,6 +312,6 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
             f"{m.name} is 4-bit quantized with bnb_4bit_compute_dtype=float32 while it runs in {half}: every 4-bit "
             "matmul upcasts to fp32 (slow, twice the activation memory).",
             {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs]},
-            [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, False, plan, verify)],
+            [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, False, changes=tuple(specs), recipe="bnb-compute-dtype")],
         )
 

@@ -63,6 +63,9 @@ def fp16_overflow_risk(facts: Facts) -> Iterator[Finding]:
         the loss turns NaN within a few steps (a GradScaler only skips steps
         and collapses its scale). A weight past 65504 becomes inf the moment
         autocast casts it.
+    Severity
+        Error when a scan shows values past fp16's range in a model that will run in fp16; warning for a
+        model type known to overflow fp16 without a scan.
     Fix
         Use bf16 where the hardware has it (``bf16=True`` on Ampere or newer);
         on V100/T4, train in fp32 (Unsloth forces fp32 for several of these
@@ -138,6 +141,8 @@ def nonfinite_values(facts: Facts) -> Iterator[Finding]:
         every later update NaN; non-finite gradients turn the next optimizer
         step into NaN weights unless a GradScaler skips it (then it is a warning:
         the scaler is doing its job, until its scale collapses).
+    Severity
+        Error: NaN or Inf already in weights, grads or optimizer state poisons every later step.
     Fix
         No automatic fix: reload the last good checkpoint; find the layer that
         overflows with ``mpdoctor.probe(model, batch)`` (``%mpdoctor --probe batch``),
@@ -218,6 +223,8 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
         already inf, an fp16 activation past 65504, a softmax over -inf). In
         backward under a GradScaler, an overflow at the current scale makes the
         scaler skip the step (a warning); repeated, it collapses the scale.
+    Severity
+        Error: the probe's batch produced NaN/Inf; the finding names the first module.
     Fix
         Depends on the module: reload weights that hold inf/NaN; keep the
         module in fp32 or switch to bf16 for activation overflow; lower the
@@ -290,6 +297,8 @@ def probe_overflow(facts: Facts) -> Iterator[Finding]:
         Those values survive only because this op ran in bf16/fp32. In fp16,
         or on a T4/V100 where fp16 is the only half precision, they become inf
         and the loss NaN: the classic T5 / Gemma fp16 failure.
+    Severity
+        Warning: activations or gradients pass fp16's range, so an fp16 run overflows there.
     Fix
         Keep bf16 (or fp32) for this model; where fp16 is unavoidable, keep
         this module in fp32 (``_keep_in_fp32_modules``) or rescale it.
@@ -333,6 +342,8 @@ def probe_dtype_error(facts: Facts) -> Iterator[Finding]:
         module and its dtypes say which weight or activation is in the wrong
         dtype (fp32 LoRA adapters on bf16 activations, a layer left in fp32
         outside autocast).
+    Severity
+        Error: the probe's forward or backward raised a dtype error; the finding names the module.
     Fix
         Cast the module's weights to the activation dtype, or run the forward
         under ``torch.autocast`` so mixed dtypes are legal.
@@ -375,6 +386,8 @@ def probe_failed(facts: Facts) -> Iterator[Finding]:
     Why it matters
         Training would fail the same way on its first step; the module name
         is more telling than a long traceback.
+    Severity
+        Error: the probe could not run the batch (the exception is shown).
     Fix
         Read the message and the module; check the batch matches ``forward``'s
         signature (``probe`` passes a dict as keyword arguments, a tuple as

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable, Iterator
 
 import torch
 
+from ..changes import CastGradsToParams, CastParamsTo, CastStateToParams
 from ..facts import Facts, OptimizerFacts
+from ..facts.optimizer import OptParam
 from ..findings import Finding
-from ..fixes import CastGrads, CastParams, CastStateEntries, Change, Fix
+from ..fixes import Applicability, Fix
+from ..knowledge import REQUIREMENTS, DtypeRequirement
 from . import check
 
 _DTYPES = {
@@ -24,98 +25,6 @@ _DTYPES = {
 _WIDTH = {"float64": 3, "float32": 2, "bfloat16": 1, "float16": 1}
 
 
-def _always(_o: OptimizerFacts) -> bool:
-    return True
-
-
-def _kahan_requested(o: OptimizerFacts) -> bool:
-    return o.defaults.get("kahan_sum") is True
-
-
-@dataclass(frozen=True)
-class DtypeRequirement:
-    """What one family of optimizers needs from the dtypes of its parameters, gradients and state.
-
-    Attributes
-    ----------
-    name : str
-        How messages call the optimizer.
-    patterns : tuple of str
-        ``fnmatch`` patterns on the optimizer's class path (``module.QualName``).
-    param_dtypes : frozenset of str
-        Dtypes the optimizer accepts for the parameters it updates (those with ``requires_grad``).
-    severity : str
-        Severity of a parameter outside ``param_dtypes``.
-    consequence : str
-        What happens then, in one clause.
-    cast_to : str or None
-        Dtype the fix casts offending parameters to; None: no cast is offered.
-    applies : callable
-        ``OptimizerFacts -> bool``: whether the requirement is in force (optimi's only with ``kahan_sum=True``).
-    grads_match_params : bool
-        The kernels read the parameter in the gradient's dtype, so the two must agree.
-    state_dtypes : frozenset of str or None
-        Dtypes allowed for full-size floating state tensors; None: anything.
-    low_bit_from : int or None
-        Parameters with at least this many elements should have low-bit (non-floating) state;
-        floating full-size state there means the memory saving is not happening.
-    """
-
-    name: str
-    patterns: tuple[str, ...]
-    param_dtypes: frozenset[str]
-    severity: str
-    consequence: str
-    cast_to: str | None
-    applies: Callable[[OptimizerFacts], bool] = _always
-    grads_match_params: bool = False
-    state_dtypes: frozenset[str] | None = None
-    low_bit_from: int | None = None
-
-
-#: Optimizers with dtype requirements. Sources: adamw_bf16 0.0.3 (``AdamWBF16.step``: ``assert p.dtype ==
-#: torch.bfloat16``), SimpleTuner's vendored copies, optimi's ``_init_state`` (Kahan buffers only for 16-bit
-#: params), bitsandbytes ``optimizer_update_32bit`` / ``_8bit_blockwise`` (kernel chosen by the grad dtype).
-REQUIREMENTS: tuple[DtypeRequirement, ...] = (
-    DtypeRequirement(
-        name="AdamWBF16",
-        patterns=(
-            "adamw_bf16.AdamWBF16",
-            "adamw_bf16.*.AdamWBF16",
-            "*adam_bfloat16*.AdamWBF16",
-            "*adamw_bfloat16*.AdamWBF16",
-        ),
-        param_dtypes=frozenset({"bfloat16"}),
-        severity="error",
-        consequence="its first step() raises 'AssertionError: only bfloat 16 is supported.'",
-        cast_to="bfloat16",
-    ),
-    DtypeRequirement(
-        name="optimi with kahan_sum=True",
-        patterns=("optimi.*",),
-        param_dtypes=frozenset({"bfloat16", "float16"}),
-        severity="warning",
-        consequence=(
-            "optimi applies Kahan summation only to bf16/fp16 parameters, so these train as plain fp32 "
-            "(twice the weight memory the Kahan recipe is for)"
-        ),
-        cast_to="bfloat16",
-        applies=_kahan_requested,
-    ),
-    DtypeRequirement(
-        name="bitsandbytes 8-bit optimizer",
-        patterns=("bitsandbytes.optim.*8bit*", "bitsandbytes.optim.*8Bit*"),
-        param_dtypes=frozenset({"float32", "float16", "bfloat16"}),
-        severity="error",
-        consequence="its kernels raise 'Gradient+optimizer bit data type combination not supported'",
-        cast_to="float32",
-        grads_match_params=True,
-        state_dtypes=frozenset({"float32"}),
-        low_bit_from=4096,
-    ),
-)
-
-
 def requirement_for(class_path: str) -> DtypeRequirement | None:
     """The registry entry whose pattern matches ``class_path``, if any."""
     for req in REQUIREMENTS:
@@ -124,54 +33,38 @@ def requirement_for(class_path: str) -> DtypeRequirement | None:
     return None
 
 
-# -- changes the optimizer fixes need beyond fixes.CastParams ---------------------------------------------
+# -- fixes as data -----------------------------------------------------------------------------------------
 
 
-# -- helpers ----------------------------------------------------------------------------------------------
-
-
-def _live_optimizer(facts: Facts, o: OptimizerFacts) -> Any:
-    subject = facts.subject(o.name)
-    return subject.inner if subject is not None else None
-
-
-def _live_params(optimizer: Any, ids: set[int]) -> list[torch.nn.Parameter]:
-    out, seen = [], set()
-    for group in getattr(optimizer, "param_groups", ()):
-        for p in group.get("params", ()):
-            if id(p) in ids and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def _holders(facts: Facts, ids: set[int]) -> list[Any]:
-    """Every live optimizer holding one of ``ids`` (their state must follow the cast)."""
-    out = []
+def _holders(facts: Facts, ids: frozenset[int]) -> tuple[int, ...]:
+    """Refs of every optimizer holding one of ``ids`` (their state must follow the cast)."""
+    out: list[int] = []
     for o in facts.optimizers:
         if o.param_ids & ids:
-            live = _live_optimizer(facts, o)
-            if live is not None and all(live is not x for x in out):
-                out.append(live)
-    return out
+            ref = facts.subject(o.name).inner_ref
+            if ref not in out:
+                out.append(ref)
+    return tuple(out)
 
 
-def _cast_fix(
-    facts: Facts, title: str, code: str, params: list[torch.nn.Parameter], dtype: torch.dtype, label: str
-) -> Fix:
-    """Cast ``params`` with their grads and their state in every optimizer holding them to ``dtype``, in place."""
-    ids = {id(p) for p in params}
-    optimizers = _holders(facts, ids)
-    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params if p.dtype != dtype)
+def _memory_delta(params: Iterable[OptParam], dtype: str) -> str:
+    delta = sum(p.numel * (_BYTES[dtype] - _BYTES.get(p.dtype, 4)) for p in params)
+    sign = "+" if delta >= 0 else "-"
+    return f"{sign}{abs(delta) / 2**20:.1f} MiB of weights"
 
-    def plan() -> list[Change]:
-        return [CastParams(params, dtype, optimizers, label)]
 
-    def verify() -> str | None:
-        left = sum(1 for p in params if p.dtype != dtype or (p.grad is not None and p.grad.dtype != dtype))
-        return f"{left} parameters or grads are not {dtype}" if left else None
+_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
-    return Fix(title, code, False, plan, verify, backup_bytes=backup)
+
+def _cast_fix(facts: Facts, o: OptimizerFacts, title: str, code: str, params: list[OptParam], dtype: str, label: str,
+              recipe: str, cost: str = "") -> Fix:
+    """Cast ``params`` of optimizer ``o`` with their grads and their state in every optimizer holding them."""
+    ids = frozenset(p.id for p in params)
+    spec = CastParamsTo(facts.subject(o.name).inner_ref, ids, dtype, _holders(facts, ids), label)
+    return Fix(
+        title, code, changes=(spec,), backup_bytes=spec.backup_bytes(facts), recipe=recipe,
+        cost=cost or _memory_delta(params, dtype),
+    )
 
 
 def _cast_code(optimizer_name: str, cond: str, dtype: str, why: str) -> str:
@@ -190,20 +83,17 @@ def _cast_code(optimizer_name: str, cond: str, dtype: str, why: str) -> str:
     )
 
 
-def _grad_cast_fix(name: str, params: list[torch.nn.Parameter]) -> Fix:
+def _grad_cast_fix(facts: Facts, o: OptimizerFacts, params: list[OptParam]) -> Fix:
     """Cast the gradients of ``params`` to their parameter's dtype, in place."""
-
-    def verify() -> str | None:
-        left = sum(1 for p in params if p.grad is not None and p.grad.dtype != p.dtype)
-        return f"{left} gradients still differ from their parameter" if left else None
-
+    name = o.name
     code = (
         f"for group in {name}.param_groups:\n"
         '    for p in group["params"]:\n'
         "        if p.grad is not None and p.grad.dtype != p.dtype:\n"
         "            p.grad.data = p.grad.data.to(p.dtype)  # the kernel reads p in the grad's dtype"
     )
-    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, False, lambda: [CastGrads(params, "gradients")], verify)
+    spec = CastGradsToParams(facts.subject(name).inner_ref, frozenset(p.id for p in params), "gradients")
+    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, changes=(spec,), recipe="cast-grads")
 
 
 # -- checks -----------------------------------------------------------------------------------------------
@@ -226,6 +116,10 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
         silently skips Kahan summation for fp32 parameters, so the low-precision recipe the user chose is
         not running. bitsandbytes picks its kernel by the gradient's dtype and reads the parameter in that
         dtype, so a mismatched pair is rejected or misread.
+    Severity
+        Error where the optimizer raises or misreads (AdamWBF16, bitsandbytes); warning where the recipe
+        silently does not run (optimi's Kahan summation); info for 32-bit state where 8-bit was
+        expected.
     Fix
         Cast the offending parameters (with their grads and every optimizer's state for them) to the
         dtype the optimizer needs, in place: the Parameter objects stay the same, so the optimizer, the
@@ -240,19 +134,18 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
         req = requirement_for(o.class_path)
         if req is None or not req.applies(o):
             continue
-        live = _live_optimizer(facts, o)
         bad = [p for p in o.params if p.requires_grad and p.dtype not in req.param_dtypes]
         mismatched_grads = [p for p in o.params if p.grad_dtype is not None and p.grad_dtype != p.dtype]
         if bad:
             dtypes = sorted({p.dtype for p in bad})
             elements = sum(p.numel for p in bad)
             fixes = []
-            if req.cast_to is not None and live is not None:
-                params = _live_params(live, {p.id for p in bad})
+            if req.cast_to is not None:
                 accepted = " and ".join(f"p.dtype != torch.{d}" for d in sorted(req.param_dtypes))
                 fixes.append(
                     _cast_fix(
                         facts,
+                        o,
                         f"Cast {len(bad)} trainable {'/'.join(dtypes)} parameters of {o.name} to {req.cast_to} in place",
                         _cast_code(
                             o.name,
@@ -260,9 +153,10 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
                             req.cast_to,
                             f"{req.name} needs {'/'.join(sorted(req.param_dtypes))}",
                         ),
-                        params,
-                        _DTYPES[req.cast_to],
+                        bad,
+                        req.cast_to,
                         f"parameters held by {o.name}",
+                        "meet-optimizer-requirement",
                     )
                 )
             yield Finding(
@@ -283,7 +177,7 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
             )
         if req.grads_match_params and mismatched_grads:
             pairs = sorted({f"{p.dtype} param / {p.grad_dtype} grad" for p in mismatched_grads})
-            fixes = [] if live is None else [_grad_cast_fix(o.name, _live_params(live, {p.id for p in mismatched_grads}))]
+            fixes = [_grad_cast_fix(facts, o, mismatched_grads)]
             yield Finding(
                 "optimizer-dtype-requirement",
                 "error",
@@ -339,29 +233,10 @@ def _narrower(state: str, param: str) -> bool:
 
 
 def _state_cast_fix(
-    name: str, live: Any, flagged: list[tuple[int, str, str, str]], pairs: list[tuple[str, str]], widening: bool
+    facts: Facts, o: OptimizerFacts, flagged: list[tuple[int, str, str, str]], pairs: list[tuple[str, str]], widening: bool
 ) -> Fix:
-    """Cast the flagged state tensors of optimizer ``name`` to their parameter's dtype, in place."""
-    by_id = {id(p): p for p in _live_params(live, {i for i, *_ in flagged})}
-    wanted = {(i, k) for i, k, *_ in flagged}
-
-    def pending() -> list[tuple[dict, Any, torch.dtype]]:
-        entries = []
-        for pid, p in by_id.items():
-            st = live.state.get(p)
-            for key, value in (st.items() if isinstance(st, dict) else ()):
-                if (pid, str(key)) in wanted and torch.is_tensor(value) and value.dtype != p.dtype:
-                    entries.append((st, key, p.dtype))
-        return entries
-
-    def plan() -> list[Change]:
-        entries = pending()
-        return [CastStateEntries(entries, f"state tensors of {name} to their parameter's dtype")] if entries else []
-
-    def verify() -> str | None:
-        left = pending()
-        return f"{len(left)} state tensors still differ from their parameter" if left else None
-
+    """Cast the flagged state tensors of optimizer ``o`` to their parameter's dtype, in place."""
+    name = o.name
     pair_code = ", ".join(f"(torch.{pd}, torch.{sd})" for pd, sd in pairs)
     code = (
         "import torch\n"
@@ -372,7 +247,13 @@ def _state_cast_fix(
         "            if torch.is_tensor(value) and value.shape == p.shape and (p.dtype, value.dtype) in mismatched:\n"
         f"                {name}.state[p][key] = value.to(p.dtype)  # as load_state_dict does"
     )
-    return Fix(f"Cast {len(flagged)} state tensors of {name} to their parameter's dtype", code, widening, plan, verify)
+    spec = CastStateToParams(
+        facts.subject(name).inner_ref, frozenset((i, k) for i, k, *_ in flagged), f"state tensors of {name} to their parameter's dtype"
+    )
+    return Fix(
+        f"Cast {len(flagged)} state tensors of {name} to their parameter's dtype", code, widening,
+        changes=(spec,), recipe="cast-state",
+    )
 
 
 @check("optimizer-state-dtype-mismatch", "error")
@@ -393,6 +274,8 @@ def optimizer_state_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         raises at the next ``step()`` (``expected dtype ... for `end` but got ...``), foreach kernels (the
         CUDA default) reject any narrower state, and where a step still runs, fp16 second moments underflow
         for gradients below ~2.4e-4 and blow the update up.
+    Severity
+        Error for torch optimizers whose next step raises; warning for narrower state elsewhere.
     Fix
         Cast the mismatched state tensors to their parameter's dtype in place, as
         ``Optimizer.load_state_dict`` does. Safe when every cast widens (fp16/bf16 state to fp32: values are
@@ -420,8 +303,7 @@ def optimizer_state_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             continue
         pairs = sorted({(pd, sd) for _i, _k, pd, sd in flagged})
         widening = all(_WIDTH[pd] > _WIDTH[sd] for pd, sd in pairs)
-        live = _live_optimizer(facts, o)
-        fixes = [] if live is None else [_state_cast_fix(o.name, live, flagged, pairs, widening)]
+        fixes = [_state_cast_fix(facts, o, flagged, pairs, widening)]
         desc = ", ".join(f"{sd} state for {pd} params" for pd, sd in pairs)
         yield Finding(
             "optimizer-state-dtype-mismatch",
@@ -464,6 +346,9 @@ def optimizer_params_not_in_model(facts: Facts) -> Iterator[Finding]:
     Why it matters
         ``optimizer.step()`` updates the tensors the optimizer holds. When they are not the model's, the
         model never changes: the loss stays flat while everything runs without an error.
+    Severity
+        Error when the orphaned parameters are twins of a model's (the model was replaced); warning when
+        nothing is shared; info for a few extra tensors.
     Fix
         None automatic. Re-create the optimizer (and its LR scheduler, and the Trainer or ``accelerate``
         wrapper that holds it) from the live model's ``parameters()``. mpdoctor does not rebind: the
@@ -525,6 +410,15 @@ def optimizer_params_not_in_model(facts: Facts) -> Iterator[Finding]:
                 "shared_with": [m.name for m in models],
                 "suggested_code": hint,
             },
+            [
+                Fix(
+                    f"Re-create {o.name} from {owner}'s live parameters",
+                    hint,
+                    applicability=Applicability.DISPLAY_ONLY,
+                    recipe="recreate-optimizer",
+                    cost="the optimizer's state restarts (as at step 0)",
+                )
+            ],
         )
 
 
@@ -546,6 +440,8 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
         whenever it is smaller than half a unit in the last place, i.e. for every weight larger than about
         ``256 * lr`` in magnitude (0.0026 at ``lr=1e-5``). Most updates round to zero and training stalls
         without any error.
+    Severity
+        Warning: updates smaller than half a bf16 ulp are lost, measured as a stalled loss; no crash.
     Fix
         Keep fp32 master weights: cast the trainable bf16 parameters (with their grads and Adam state) to
         fp32 in place, keeping the Parameter objects, and compute in bf16 with autocast
@@ -574,10 +470,8 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
             if isinstance(lr, (int, float)) and lr > 0
             else " a step is lost for every weight larger than about 256 * lr in magnitude"
         )
-        live = _live_optimizer(facts, o)
         fixes = []
-        if live is not None:
-            params = _live_params(live, {p.id for p in pure})
+        if True:
             code = _cast_code(
                 o.name, "p.requires_grad and p.dtype == torch.bfloat16", "float32", "fp32 master weights"
             ) + (
@@ -588,13 +482,26 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
             fixes.append(
                 _cast_fix(
                     facts,
-                    f"Keep fp32 master weights: cast {len(params)} trainable bf16 parameters of {o.name} to fp32",
+                    o,
+                    f"Keep fp32 master weights: cast {len(pure)} trainable bf16 parameters of {o.name} to fp32",
                     code,
-                    params,
-                    torch.float32,
+                    pure,
+                    "float32",
                     f"trainable bf16 parameters held by {o.name}",
+                    "fp32-master-weights",
+                    cost=_memory_delta(pure, "float32") + " (fp32 master copies); bf16 compute comes from autocast",
                 )
             )
+        fixes.append(
+            Fix(
+                f"Keep bf16 weights and use a bf16-safe optimizer instead of {o.class_name}",
+                f"from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
+                f"{o.name} = AdamWBF16(model.parameters(), lr={lr!r})  # or optimi.AdamW(..., kahan_sum=True)",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="bf16-safe-optimizer",
+                cost="no extra weight memory; the optimizer is re-created, so its state restarts",
+            )
+        )
         yield Finding(
             "pure-bf16-adamw",
             "warning",

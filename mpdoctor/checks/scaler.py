@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
+from ..changes import CastParamsTo, SetAttrTo
 from ..facts import Facts, ScalerFacts
 from ..findings import Finding
-from ..fixes import cast_params_fix, set_attrs
+from ..fixes import Fix
 from . import check
 
 
@@ -21,16 +20,16 @@ def _trainable_dtypes(facts: Facts) -> dict[str, int]:
 
 
 def _bf16_setups(facts: Facts) -> list[str]:
-    return [p.name for p in facts.precisions if p.effective == "bf16"]
+    return [p.name for p in facts.precisions if p.computes_in == "bf16"]
 
 
-def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> object:
+def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
     """The safe fix shared by scaler checks: turn the scaler off in place.
 
     The GradScaler object is shared (an Accelerator and its AcceleratedOptimizer
     hold the same one), so it is mutated rather than rebound.
     """
-    live = facts.subject(scaler.name).obj
+    ref = facts.subject(scaler.name).ref
     owners = ", ".join(scaler.owners) if scaler.owners else None
     if owners:
         code = (
@@ -40,8 +39,13 @@ def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> object:
         )
     else:
         code = f"# {why}\n{scaler.name} = torch.amp.GradScaler({scaler.device!r}, enabled=False)"
-    return set_attrs(
-        f"Disable the GradScaler {scaler.name}", code, [(live, "_enabled", False, f"{scaler.name}._enabled")]
+    return Fix(
+        f"Disable the GradScaler {scaler.name}",
+        code,
+        safe=True,
+        changes=(SetAttrTo(ref, "_enabled", False, f"{scaler.name}._enabled"),),
+        recipe="disable-scaler",
+        cost="saves a scale and an unscale pass over the gradients every step",
     )
 
 
@@ -59,6 +63,9 @@ def scaler_with_bf16(facts: Facts) -> Iterator[Finding]:
         not implemented for 'BFloat16'``; where it has one, every step pays for
         scaling and unscaling for nothing. mpdoctor probes the real kernel on
         the live device: error where it fails, warning where it runs.
+    Severity
+        Error where the live device's unscale kernel (probed) has no bf16 path and the gradients are
+        bf16: the first ``scaler.step`` crashes; warning otherwise (wasted work every step).
     Fix
         Disable the scaler in place (``scaler._enabled = False``; the same object
         an Accelerator and its optimizer share), and build it with
@@ -120,6 +127,8 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
         ``scaler.unscale_`` refuses fp16 gradients: ``ValueError: Attempting to
         unscale FP16 gradients.`` at the first step. The AMP recipe keeps fp32
         master weights and lets autocast compute in fp16.
+    Severity
+        Error: the first ``scaler.step`` raises.
     Fix
         Cast the trainable fp16 parameters (with their grads and optimizer
         state) to fp32 in place, keeping the Parameter objects; run the forward
@@ -135,10 +144,11 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
         fp16 = [p for p in m.tensors.params if p.requires_grad and p.dtype == "float16"]
         if not fp16:
             continue
-        live = m.subject.obj
-        by_id = {id(p): p for p in live.parameters()}
-        params = [by_id[p.id] for p in fp16 if p.id in by_id]
-        optimizers = [facts.subject(o.name).inner for o in facts.optimizers_of(m)]
+        ids = frozenset(p.id for p in fp16)
+        spec = CastParamsTo(
+            m.ref, ids, "float32", tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m)),
+            "trainable fp16 parameters",
+        )
         code = (
             f"for p in {m.name}.parameters():\n"
             f"    if p.requires_grad and p.dtype == torch.float16:\n"
@@ -152,13 +162,13 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
             "scaler.step() will raise 'Attempting to unscale FP16 gradients.'",
             {"fp16_trainable_tensors": len(fp16), "scalers": [s.name for s in enabled]},
             [
-                cast_params_fix(
-                    f"Cast {len(params)} trainable fp16 parameters of {m.name} to fp32",
+                Fix(
+                    f"Cast {len(ids)} trainable fp16 parameters of {m.name} to fp32",
                     code,
-                    params,
-                    torch.float32,
-                    optimizers,
-                    label="trainable fp16 parameters",
+                    changes=(spec,),
+                    backup_bytes=spec.backup_bytes(facts),
+                    recipe="fp32-master-weights",
+                    cost=f"+{sum(p.numel for p in fp16) * 2 / 2**20:.1f} MiB of weights (fp32 master copies)",
                 )
             ],
         )
@@ -180,6 +190,8 @@ def scaler_scale_collapsed(facts: Facts) -> Iterator[Finding]:
         optimizer step; a collapsed scale means the run has been skipping steps
         (repeated overflow), usually from fp16 activations past 65504 or a
         learning rate that diverged. Training silently stops learning.
+    Severity
+        Warning: steps are being skipped, so the run has stopped learning, without an error.
     Fix
         No automatic fix: find the overflowing layer with ``mpdoctor.probe``
         (or ``%mpdoctor --probe batch``), then switch to bf16 where the hardware

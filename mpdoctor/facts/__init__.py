@@ -10,11 +10,14 @@ gathered.
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..discover import Subject, is_a
-from .configs import ConfigFacts, gather_configs, raw_attr
+from .. import integrations
+from ..discover import Subject
+from ..introspect import class_path, raw_attr, type_name
+from ..live import Live
+from .configs import ConfigFacts
 from .hardware import DeviceProfile, live_profile, profile_for
 from .optimizer import OptimizerFacts, gather_optimizer
 from .precision import PrecisionFacts, RuntimeFacts, gather_precision, gather_runtime
@@ -30,11 +33,31 @@ __all__ = [
     "PrecisionFacts",
     "RuntimeFacts",
     "ScalerFacts",
+    "SubjectFacts",
     "gather",
 ]
 
-_PEFT = ("peft.peft_model.PeftModel", "peft.mixed_model.PeftMixedModel", "peft.tuners.tuners_utils.BaseTuner")
-_PRETRAINED = ("transformers.modeling_utils.PreTrainedModel",)
+
+
+@dataclass(frozen=True)
+class SubjectFacts:
+    """An inspected object as plain data: its kind, the name the user knows it by, its ref in the live table.
+
+    ``inner_ref`` / ``inner_path`` point at the object inside wrappers (the
+    network inside DDP / ``torch.compile`` / PEFT, the optimizer inside
+    accelerate's wrapper); ``aliases`` are other names the user holds it, or
+    a part of it, by.
+    """
+
+    kind: str
+    name: str
+    ref: int
+    inner_ref: int
+    inner_path: str
+    owner: str | None
+    class_name: str
+    class_path: str
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,7 +79,13 @@ class ModelFacts:
     forward_wrapped: bool
     is_peft: bool
     is_pretrained: bool
-    subject: Subject = field(compare=False, repr=False)
+    #: Refs of the model (as the user holds it) and of the network inside its wrappers.
+    ref: int = 0
+    inner_ref: int = 0
+    #: accelerate's ``prepare()`` has seen this model (it will not wrap ``forward`` again).
+    accelerate_prepared: bool = False
+    #: transformers' ``_supports_sdpa`` of the network (None when not a transformers model).
+    supports_sdpa: bool | None = None
     #: transformers' ``_keep_in_fp32_modules`` (and ``_strict``): module names its modeling code keeps
     #: in fp32 and casts around on purpose.
     keep_in_fp32: tuple[str, ...] = ()
@@ -79,7 +108,7 @@ class ModelFacts:
 class Facts:
     """The bundle checks read: one tuple per kind of fact, plus the device and runtime."""
 
-    subjects: tuple[Subject, ...]
+    subjects: tuple[SubjectFacts, ...]
     models: tuple[ModelFacts, ...]
     optimizers: tuple[OptimizerFacts, ...]
     scalers: tuple[ScalerFacts, ...]
@@ -100,7 +129,7 @@ class Facts:
             rows.extend(o.tallies)
         return tuple(rows)
 
-    def subject(self, name: str) -> Subject | None:
+    def subject(self, name: str) -> SubjectFacts | None:
         """The subject called ``name``."""
         return next((s for s in self.subjects if s.name == name), None)
 
@@ -120,18 +149,27 @@ def _summarise(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}{where}"[:500]
 
 
-def _own_attrs(obj: Any) -> dict:
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-        return d if isinstance(d, dict) else {}
-    except Exception:
-        return {}
+def _subject_facts(s: Subject, live: Live) -> SubjectFacts:
+    live.add(s.obj)
+    live.add(s.inner)
+    return SubjectFacts(
+        kind=s.kind,
+        name=s.name,
+        ref=id(s.obj),
+        inner_ref=id(s.inner),
+        inner_path=s.inner_path,
+        owner=s.owner,
+        class_name=type_name(s.obj),
+        class_path=class_path(type(s.obj)),
+        aliases=tuple(s.aliases),
+    )
 
 
-def _model_facts(subject: Subject) -> ModelFacts:
+def _model_facts(subject: Subject, live: Live) -> ModelFacts:
     obj, inner = subject.obj, subject.inner
     cls, icls = type(obj), type(inner)
-    wrapped = any(_own_attrs(m).get("_original_forward") is not None for m in (obj, inner))
+    fields = {"configs": (), "forward_wrapped": False, "is_peft": False, "is_pretrained": False, "keep_in_fp32": ()}
+    fields.update(integrations.model_extras(obj, inner, subject.inner_path, live))
     return ModelFacts(
         name=subject.name,
         config_path=subject.inner_path,
@@ -139,27 +177,15 @@ def _model_facts(subject: Subject) -> ModelFacts:
         class_path=f"{cls.__module__}.{cls.__qualname__}",
         inner_class=icls.__name__,
         training=bool(raw_attr(obj, "training", False)),
-        tensors=gather_module_tensors(subject.name, obj),
-        configs=gather_configs(subject.inner_path, inner),
-        forward_wrapped=wrapped,
-        is_peft=is_a(obj, _PEFT),
-        is_pretrained=is_a(inner, _PRETRAINED),
-        subject=subject,
-        keep_in_fp32=_keep_in_fp32(inner),
+        tensors=gather_module_tensors(subject.name, obj, integrations.casting_layers()),
+        ref=id(obj),
+        inner_ref=id(inner),
+        **fields,
     )
 
 
-def _keep_in_fp32(module: Any) -> tuple[str, ...]:
-    names: set[str] = set()
-    for key in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
-        value = raw_attr(module, key, None)
-        if isinstance(value, (list, tuple, set, frozenset)):
-            names.update(v for v in value if isinstance(v, str))
-    return tuple(sorted(names))
-
-
-def _precision_setups(subjects: tuple[Subject, ...]) -> list[PrecisionFacts]:
-    by_name = {s.name: s for s in subjects}
+def _precision_setups(subjects: tuple[Subject, ...], hw: DeviceProfile) -> list[PrecisionFacts]:
+    """One setup per trainer (its arguments, accelerator and model), then lone arguments and accelerators."""
     out: list[PrecisionFacts] = []
     used: set[str] = set()
     for s in subjects:
@@ -172,17 +198,17 @@ def _precision_setups(subjects: tuple[Subject, ...]) -> list[PrecisionFacts]:
             args = _find_by_identity(subjects, raw_attr(s.obj, "args", None))
         if acc is None:
             acc = _find_by_identity(subjects, raw_attr(s.obj, "accelerator", None))
-        models = tuple(c.name for c in subjects if c.kind == "model" and c.obj is raw_attr(s.obj, "model", None))
-        out.append(gather_precision(s.name, args, acc, models, owner=s))
+        model = raw_attr(s.obj, "model", None)
+        models = tuple(c for c in subjects if c.kind == "model" and c.obj is model)
+        out.append(gather_precision(s.name, args, acc, hw, tuple(m.name for m in models), tuple(id(m.obj) for m in models)))
         used.update(x.name for x in (args, acc) if x is not None)
     for s in subjects:
         if s.name in used or s.kind not in ("training_args", "accelerator"):
             continue
         if s.kind == "training_args":
-            out.append(gather_precision(s.name, s, None))
+            out.append(gather_precision(s.name, s, None, hw))
         else:
-            out.append(gather_precision(s.name, None, s))
-    del by_name
+            out.append(gather_precision(s.name, None, s, hw))
     return out
 
 
@@ -202,17 +228,26 @@ def _scaler_owners(subject: Subject, subjects: tuple[Subject, ...]) -> tuple[str
     return tuple(owners)
 
 
-def gather(subjects: list[Subject] | tuple[Subject, ...], target: str | None = None) -> Facts:
-    """Gather the facts of ``subjects``, on the live device or the ``target`` profile."""
+def gather(
+    subjects: list[Subject] | tuple[Subject, ...], target: str | None = None, live: Live | None = None
+) -> Facts:
+    """Gather the facts of ``subjects``, on the live device or the ``target`` profile.
+
+    ``live`` (a :class:`~mpdoctor.live.Live`) receives every object a fact refers to by ref.
+    """
     subjects = tuple(subjects)
+    live = Live() if live is None else live
     errors: list[tuple[str, str]] = []
     models: list[ModelFacts] = []
     optimizers: list[OptimizerFacts] = []
     scalers: list[ScalerFacts] = []
+    plain: list[SubjectFacts] = []
+    hardware = profile_for(target) if target is not None else live_profile()
     for s in subjects:
         try:
+            plain.append(_subject_facts(s, live))
             if s.kind == "model":
-                models.append(_model_facts(s))
+                models.append(_model_facts(s, live))
             elif s.kind == "optimizer":
                 optimizers.append(gather_optimizer(s.name, s.obj, s.inner))
             elif s.kind == "scaler":
@@ -220,13 +255,15 @@ def gather(subjects: list[Subject] | tuple[Subject, ...], target: str | None = N
         except Exception as exc:  # a hostile or half-built object must not stop the report
             errors.append((s.name, _summarise(exc)))
     try:
-        precisions = tuple(_precision_setups(subjects))
+        precisions = tuple(_precision_setups(subjects, hardware))
+        for s in subjects:
+            if s.kind in ("training_args", "accelerator", "trainer"):
+                live.add(s.obj)
     except Exception as exc:
         precisions = ()
         errors.append(("precision", _summarise(exc)))
-    hardware = profile_for(target) if target is not None else live_profile()
     return Facts(
-        subjects=subjects,
+        subjects=tuple(plain),
         models=tuple(models),
         optimizers=tuple(optimizers),
         scalers=tuple(scalers),

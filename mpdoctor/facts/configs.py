@@ -7,10 +7,10 @@ runs and a config missing an attribute simply yields ``None``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..discover import is_a
+from ..introspect import is_a, raw_attr
 from ..redact import redact, safe_value
 
 _CONFIG_CLASSES = (
@@ -21,24 +21,6 @@ _GENERATION_CONFIG = ("transformers.generation.configuration_utils.GenerationCon
 MISSING = object()
 #: How deep nested sub-configs are followed.
 MAX_DEPTH = 4
-
-
-def raw_attr(obj: Any, key: str, default: Any = None) -> Any:
-    """Read ``key`` from ``obj.__dict__`` or its class dicts without running user code."""
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-        if key in d:
-            return d[key]
-    except Exception:
-        pass
-    try:
-        for cls in type.__dict__["__mro__"].__get__(type(obj)):
-            if key in cls.__dict__:
-                value = cls.__dict__[key]
-                return default if isinstance(value, (property, staticmethod, classmethod)) or callable(value) else value
-    except Exception:
-        pass
-    return default
 
 
 @dataclass(frozen=True)
@@ -60,8 +42,11 @@ class ConfigFacts:
     quant_method: str | None
     bnb_compute_dtype: str | None
     is_generation_config: bool = False
-    obj: Any = field(default=None, compare=False, repr=False)
+    #: The config object's ref in the live table (fixes resolve it there).
+    ref: int = 0
     quant_4bit: bool | None = None
+    #: Ref of the quantization config (a ``BitsAndBytesConfig`` or a dict), 0 when there is none.
+    quant_ref: int = 0
 
 
 def _dtype_text(value: Any) -> str | None:
@@ -76,7 +61,7 @@ def _is_dict(value: Any) -> bool:
     return any(c is dict for c in type.__dict__["__mro__"].__get__(type(value)))
 
 
-def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFacts:
+def _one(path: str, key: str, config: Any, live: Any, generation: bool = False) -> ConfigFacts:
     use_cache = raw_attr(config, "use_cache", MISSING)
     dtype = raw_attr(config, "dtype", None)
     if dtype is None:
@@ -112,12 +97,13 @@ def _one(path: str, key: str, config: Any, generation: bool = False) -> ConfigFa
         quant_method=quant_method,
         bnb_compute_dtype=bnb_dtype,
         is_generation_config=generation,
-        obj=config,
+        ref=live.add(config) if live is not None else id(config),
         quant_4bit=quant_4bit,
+        quant_ref=(live.add(quant) if live is not None else id(quant)) if quant is not None else 0,
     )
 
 
-def gather_configs(model_path: str, module: Any) -> tuple[ConfigFacts, ...]:
+def gather_configs(model_path: str, module: Any, live: Any = None) -> tuple[ConfigFacts, ...]:
     """Return the config tree of ``module`` (root first, then sub-configs, then the generation config)."""
     out: list[ConfigFacts] = []
     root = raw_attr(module, "config", None)
@@ -129,7 +115,7 @@ def gather_configs(model_path: str, module: Any) -> tuple[ConfigFacts, ...]:
             if id(cfg) in seen:
                 continue
             seen.add(id(cfg))
-            out.append(_one(path, key, cfg))
+            out.append(_one(path, key, cfg, live))
             if depth >= MAX_DEPTH:
                 continue
             try:
@@ -142,5 +128,5 @@ def gather_configs(model_path: str, module: Any) -> tuple[ConfigFacts, ...]:
                     stack.append((f"{path}.{redact(sub_key)}", redact(sub_key), value, depth + 1))
     gen = raw_attr(module, "generation_config", None)
     if gen is not None and is_a(gen, _GENERATION_CONFIG):
-        out.append(_one(f"{model_path}.generation_config", "generation_config", gen, generation=True))
+        out.append(_one(f"{model_path}.generation_config", "generation_config", gen, live, generation=True))
     return tuple(out)

@@ -51,25 +51,10 @@ class DeviceProfile:
         return f"{self.name} ({cap}{'live' if self.live else 'what-if'})"
 
 
-def _gpu(name: str, cap: tuple[int, int], memory: float) -> DeviceProfile:
-    major = cap[0]
-    return DeviceProfile(name, "cuda", cap, major >= 8, major >= 7, major >= 8, False, None, memory)
-
+from ..knowledge import device_profiles  # noqa: E402  (the table needs DeviceProfile above)
 
 #: What-if profiles for ``target=``; names are matched case-insensitively.
-PROFILES: dict[str, DeviceProfile] = {
-    "cpu": DeviceProfile("cpu", "cpu", None, True, False, False, False, None, None),
-    "P100": _gpu("P100", (6, 0), 16),
-    "V100": _gpu("V100", (7, 0), 16),
-    "T4": _gpu("T4", (7, 5), 15),
-    "RTX2080": _gpu("RTX2080", (7, 5), 8),
-    "A10G": _gpu("A10G", (8, 6), 24),
-    "A100": _gpu("A100", (8, 0), 80),
-    "RTX3090": _gpu("RTX3090", (8, 6), 24),
-    "L4": _gpu("L4", (8, 9), 24),
-    "RTX4090": _gpu("RTX4090", (8, 9), 24),
-    "H100": _gpu("H100", (9, 0), 80),
-}
+PROFILES: dict[str, DeviceProfile] = device_profiles()
 
 
 class UnknownTarget(ValueError):

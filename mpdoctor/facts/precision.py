@@ -7,30 +7,16 @@ A precision setup is a Trainer (its arguments and accelerator), or a lone
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from ..discover import Subject
-from ..redact import allowed_env, safe_value
-from .configs import raw_attr
-
-_ARG_KEYS = (
-    "fp16",
-    "bf16",
-    "fp16_full_eval",
-    "bf16_full_eval",
-    "tf32",
-    "half_precision_backend",
-    "use_cpu",
-    "mixed_precision",
-    "optim",
-    "gradient_checkpointing",
-    "deepspeed",
-)
+from ..redact import allowed_env
+from .hardware import DeviceProfile
 
 
 @dataclass(frozen=True)
@@ -73,18 +59,22 @@ class PrecisionFacts:
     scaler_enabled: bool | None
     device: str | None
     model_names: tuple[str, ...] = ()
-    subject: Any = field(default=None, compare=False, repr=False)
+    #: The precision the next training step computes in, on the live device or the ``target=`` profile:
+    #: computed once while gathering (:func:`computes_in`) and read by every check and renderer.
+    computes_in: str = "no"
+    args_ref: int = 0
+    accelerator_ref: int = 0
+    model_refs: tuple[int, ...] = ()
 
     @property
     def effective(self) -> str:
-        """The precision the next training step will actually compute in."""
-        if self.accelerator_mixed_precision is not None:
-            if self.accelerator_mixed_precision in ("fp16", "bf16") and self.native_amp is False:
-                return "no"
-            return self.accelerator_mixed_precision
-        if self.args.get("mixed_precision") in ("fp16", "bf16", "no"):
-            return self.args["mixed_precision"]
-        return self.requested or "no"
+        """The precision the next training step will actually compute in (``"no"`` is fp32)."""
+        return self.computes_in
+
+    @property
+    def declared(self) -> str | None:
+        """The mode the setup says it runs in: the accelerator's, else ``args.mixed_precision``."""
+        return declared_precision(self)
 
 
 @dataclass(frozen=True)
@@ -99,15 +89,6 @@ class RuntimeFacts:
     versions: dict
 
 
-def _args_dict(args: Any) -> dict:
-    out = {}
-    for key in _ARG_KEYS:
-        value = raw_attr(args, key, None)
-        if value is not None:
-            out[key] = safe_value(value)
-    return out
-
-
 def _requested(args: dict) -> str | None:
     if not args:
         return None
@@ -118,37 +99,66 @@ def _requested(args: dict) -> str | None:
     return "no"
 
 
-def _accelerator_view(acc: Any) -> tuple[str | None, bool | None, bool | None, str | None]:
-    if acc is None:
-        return None, None, None, None
-    state = raw_attr(acc, "state", None)
-    mp = raw_attr(state, "_mixed_precision", None) if state is not None else None
-    if mp is None and state is not None:
-        shared = raw_attr(state, "_shared_state", None)
-        if isinstance(shared, dict):
-            mp = shared.get("_mixed_precision")
-    native = raw_attr(acc, "native_amp", None)
-    scaler = raw_attr(acc, "scaler", None)
-    scaler_enabled = bool(raw_attr(scaler, "_enabled", False)) if scaler is not None else False
-    device = raw_attr(acc, "device", None)
-    if device is None and state is not None:
-        device = raw_attr(state, "device", None)
-    dev_type = getattr(device, "type", None) if isinstance(device, torch.device) else None
-    return (str(mp) if mp is not None else None), (bool(native) if native is not None else None), scaler_enabled, dev_type
+_MODES = ("no", "fp16", "bf16", "fp8")
+
+
+def declared_precision(p: PrecisionFacts) -> str | None:
+    """The mode the setup says it runs in: the accelerator's, else ``args.mixed_precision``."""
+    if p.accelerator_mixed_precision in _MODES:
+        return p.accelerator_mixed_precision
+    mp = p.args.get("mixed_precision")
+    return mp if mp in _MODES else None
+
+
+def setup_device(p: PrecisionFacts, hw: DeviceProfile) -> str:
+    """The device type the setup trains on: the what-if target's, else the accelerator's (``use_cpu`` wins)."""
+    if not hw.live:
+        return hw.kind
+    if p.args.get("use_cpu"):
+        return "cpu"
+    return p.device or hw.kind
+
+
+def native_amp_for(precision: str, device: str) -> bool:
+    """accelerate's rule (``Accelerator.__init__``): fp16 autocasts everywhere but on the CPU; bf16 everywhere."""
+    if precision == "fp16":
+        return device != "cpu"
+    return precision in ("bf16", "fp8")
+
+
+def computes_in(p: PrecisionFacts, hw: DeviceProfile) -> str:
+    """The precision the next training step of setup ``p`` computes in on ``hw`` (the one precision model).
+
+    On the live machine, an accelerator's own ``native_amp`` decides; for a
+    ``target=`` what-if, accelerate's rule is applied to the target's device.
+    """
+    declared = declared_precision(p)
+    if declared is None:
+        return p.requested if p.requested in ("fp16", "bf16") and native_amp_for(p.requested, setup_device(p, hw)) else "no"
+    if declared == "no":
+        return "no"
+    if hw.live and p.accelerator_name is not None and p.native_amp is not None:
+        return declared if p.native_amp else "no"
+    return declared if native_amp_for(declared, setup_device(p, hw)) else "no"
 
 
 def gather_precision(
     name: str,
     args_subject: Subject | None,
     acc_subject: Subject | None,
+    hw: DeviceProfile,
     model_names: tuple[str, ...] = (),
-    owner: Subject | None = None,
+    model_refs: tuple[int, ...] = (),
 ) -> PrecisionFacts:
     """Read one setup's requested and effective precision."""
-    args = _args_dict(args_subject.obj) if args_subject is not None else {}
+    from .. import integrations
+    from ..introspect import mro_paths
+
+    args = integrations.requested_of(args_subject.obj, mro_paths(args_subject.obj)) if args_subject is not None else {}
     acc = acc_subject.obj if acc_subject is not None else None
-    mp, native, scaler_enabled, device = _accelerator_view(acc)
-    return PrecisionFacts(
+    view = integrations.effective_of(acc, mro_paths(acc)) if acc is not None else None
+    mp, native, scaler_enabled, device = view if view is not None else (None, None, None, None)
+    facts = PrecisionFacts(
         name=name,
         args_name=args_subject.name if args_subject else None,
         accelerator_name=acc_subject.name if acc_subject else None,
@@ -161,8 +171,11 @@ def gather_precision(
         scaler_enabled=scaler_enabled if acc is not None else None,
         device=device,
         model_names=model_names,
-        subject=owner or args_subject or acc_subject,
+        args_ref=id(args_subject.obj) if args_subject is not None else 0,
+        accelerator_ref=id(acc) if acc is not None else 0,
+        model_refs=model_refs,
     )
+    return dataclasses.replace(facts, computes_in=computes_in(facts, hw))
 
 
 def _versions() -> dict:

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..discover import class_path, is_a
+from ..introspect import class_path, class_paths
 
 
 def dtype_name(dtype: Any) -> str:
@@ -144,6 +144,8 @@ class ModuleTensors:
     patched_forwards: tuple[tuple[str, str], ...] = ()
     #: Paths of PEFT tuner layers (LoRA ``Linear`` ...): they cast their input to the adapter dtype.
     tuner_layers: tuple[str, ...] = ()
+    #: ``(path, class path)`` of every module, root first.
+    module_classes: tuple[tuple[str, str], ...] = ()
 
     @property
     def param_ids(self) -> frozenset[int]:
@@ -170,7 +172,6 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
     return p.grad if p.is_leaf else None
 
 
-_TUNER_LAYER = ("peft.tuners.tuners_utils.BaseTunerLayer",)
 #: Packages whose forward wrappers are not patches of the model's code (autocast, hooks, compile).
 _WRAPPER_PACKAGES = frozenset({"torch", "accelerate"})
 _TYPE_MRO = type.__dict__["__mro__"].__get__
@@ -212,7 +213,9 @@ def _patched_forward(mod: torch.nn.Module) -> str | None:
     return origin
 
 
-def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
+def gather_module_tensors(
+    name: str, module: torch.nn.Module, casting_layers: frozenset[str] = frozenset()
+) -> ModuleTensors:
     """Walk ``module`` once and collect its tensor facts (metadata only)."""
     tally = Tallier(name)
     params: list[ParamInfo] = []
@@ -222,16 +225,25 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
     devices: set[str] = set()
     patched: list[tuple[str, str]] = []
     tuners: list[str] = []
+    classes: list[tuple[str, str]] = []
+    paths_of: dict[type, str] = {}
     per_class: dict[type, tuple[str | None, bool]] = {}
     for mpath, mod in module.named_modules(remove_duplicate=True):
         mdict = mod.__dict__
         if mdict.get("gradient_checkpointing") is True:
             checkpointing = True
         cls = type(mod)
+        cpath = paths_of.get(cls)
+        if cpath is None:
+            cpath = paths_of[cls] = f"{cls.__module__}.{cls.__qualname__}"
+        classes.append((mpath, cpath))
         # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
         known = per_class.get(cls)
         if known is None:
-            known = per_class[cls] = (_patched_forward(mod) if "forward" not in mdict else None, is_a(mod, _TUNER_LAYER))
+            known = per_class[cls] = (
+                _patched_forward(mod) if "forward" not in mdict else None,
+                bool(casting_layers) and any(c in casting_layers for c in class_paths(cls)),
+            )
         origin = _patched_forward(mod) if "forward" in mdict else known[0]
         if origin is not None:
             patched.append((mpath, origin))
@@ -268,7 +280,7 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
                 )
             )
         if direct:
-            modules.append(ModuleDtypes(mpath, f"{cls.__module__}.{cls.__qualname__}", tuple(direct)))
+            modules.append(ModuleDtypes(mpath, cpath, tuple(direct)))
         for _bname, b in mdict.get("_buffers", {}).items():
             if b is None or id(b) in seen:
                 continue
@@ -282,6 +294,7 @@ def gather_module_tensors(name: str, module: torch.nn.Module) -> ModuleTensors:
         frozenset(devices),
         patched_forwards=tuple(patched),
         tuner_layers=tuple(tuners),
+        module_classes=tuple(classes),
     )
 
 

@@ -601,13 +601,15 @@ def probe(
     from ..checks import REGISTRY, load, run_checks
     from ..discover import discover
     from ..facts import Facts, gather
+    from ..live import Live
     from ..report import Report
 
     start = time.perf_counter()
     facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training)
     objects = [model] + ([setup] if setup is not None else [])
     subjects = discover(objects, names={id(model): name})
-    facts = gather(subjects)
+    live = Live()
+    facts = gather(subjects, live=live)
     facts = Facts(**{**facts.__dict__, "probes": (facts_probe,)})
     load()
     ignore = () if checks else tuple(s for s in REGISTRY if not s.startswith("probe-"))
@@ -617,11 +619,17 @@ def probe(
     def again() -> Any:
         return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
 
-    return Report(
+    report = Report(
         findings,
         facts,
         ignore=ignore,
         elapsed=time.perf_counter() - start,
         probe_table=facts_probe.table(),
         rediagnose=again,
+        subjects=tuple(subjects),
+        live=live,
     )
+    for f in findings:
+        for fx in f.fixes:
+            fx.bind(live)
+    return report

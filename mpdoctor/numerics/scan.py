@@ -480,14 +480,17 @@ class _Plan(NamedTuple):
     items: list  # (name, module, kind, tensor)
 
 
-def _plans(facts: Any) -> list[_Plan]:
+def _plans(facts: Any, subjects: Any = ()) -> list[_Plan]:
     """What to scan: each model's parameters and grads, each optimizer's state tensors."""
+    live = {s.name: s for s in subjects}
     plans: list[_Plan] = []
     owners: dict[int, tuple[str, str, str]] = {}  # param id -> (model, param name, module)
     seen: set[int] = set()
     for m in facts.models:
         items = []
-        for name, mpath, p in _params_of(m.subject.obj):
+        if m.name not in live:
+            continue
+        for name, mpath, p in _params_of(live[m.name].obj):
             owners.setdefault(id(p), (m.name, name, mpath))
             if id(p) in seen:
                 continue
@@ -498,7 +501,7 @@ def _plans(facts: Any) -> list[_Plan]:
                 items.append((f"{m.name}.{name}.grad", mpath, "grad", grad))
         plans.append(_Plan(m.name, "model", items))
     for o in facts.optimizers:
-        subject = facts.subject(o.name)
+        subject = live.get(o.name)
         inner = subject.inner if subject is not None else None
         state = inner.__dict__.get("state", {}) if inner is not None else {}
         groups = inner.__dict__.get("param_groups", []) if inner is not None else []
@@ -619,6 +622,7 @@ def _scan_object(obj: str, kind: str, items: list, underflow: bool, chunk_elemen
 
 def scan_facts(
     facts: Any,
+    subjects: Any = (),
     underflow: bool | str = "auto",
     chunk_elements: int | None = None,
     progress: bool | None = None,
@@ -628,7 +632,9 @@ def scan_facts(
     Parameters
     ----------
     facts : Facts
-        Gathered facts; their subjects are the live objects scanned.
+        Gathered facts (plain data).
+    subjects : sequence of Subject
+        The discovered subjects: the live objects scanned.
     underflow : bool or "auto"
         Count values that would flush to zero in fp16 / bf16. ``"auto"``: only
         when fp16 is in play (an fp16 setup, autocast, scaler, fp16 weights or
@@ -642,7 +648,7 @@ def scan_facts(
 
     if underflow == "auto":
         underflow = fp16_in_play(facts)
-    scans = scan_objects(_plans(facts), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
+    scans = scan_objects(_plans(facts, subjects), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
     return Facts(**{**facts.__dict__, "scans": tuple(facts.scans) + scans})
 
 

@@ -27,7 +27,10 @@ def humanize_count(n: float) -> str:
 
 def subjects_view(report: Any) -> list[dict]:
     """Name, kind and class of every subject."""
-    return [{"name": s.name, "kind": s.kind, "class": type(s.obj).__name__} for s in report.facts.subjects]
+    return [
+        {"name": s.name, "kind": s.kind, "class": s.class_name, "aliases": list(s.aliases)}
+        for s in report.facts.subjects
+    ]
 
 
 def precision_view(report: Any) -> list[dict]:
@@ -126,6 +129,8 @@ def report_dict(report: Any) -> dict:
     rt = report.facts.runtime
     data = {
         "summary": report.counts(),
+        "hidden": dict(getattr(report, "hidden", {}) or {}),
+        "plan": [fx.title for fx in report.fixes],
         "elapsed_seconds": round(report.elapsed, 4),
         "target": report.target,
         "device": hardware_view(report),

@@ -46,7 +46,12 @@ def render_text(report: Any, width: int = 100) -> str:
         lines += textwrap.wrap(f["message"], **wrap)
         for fx in f["fixes"]:
             state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
-            lines.append(f"        fix ({'safe' if fx['safe'] else 'unsafe'}): {fx['title']}{state}")
+            kind = fx["applicability"] if fx["planned"] else f"alternative, {fx['applicability']}"
+            lines.append(f"        fix ({kind}): {fx['title']}{state}")
+            if fx["cost"]:
+                lines.append(f"            cost: {fx['cost']}")
+            if fx["note"] and not fx["planned"]:
+                lines += textwrap.wrap(f"note: {fx['note']}", width, initial_indent="            ", subsequent_indent="              ")
             for code_line in fx["code"].splitlines():
                 lines.append(f"            {code_line}")
     if not data["findings"]:

@@ -1,0 +1,460 @@
+"""Changes as data: what a fix will do, as plain values, resolved against the live table when applied.
+
+A check describes its fix as a tuple of :class:`ChangeSpec` values (refs,
+parameter ids, dtype names, attribute names): no live object is captured,
+so findings stay plain data. Each kind of spec knows three things:
+
+- ``bind(live)``: the executable :class:`~mpdoctor.fixes.Change` steps, computed
+  from the live objects at the moment the fix is applied;
+- ``simulate(facts)``: the Facts as they will be after the change, so the
+  treatment planner can run the checks on the outcome of a plan before
+  anything is touched (:mod:`mpdoctor.treatment`);
+- ``targets()``: ``(ref, key) -> value`` pairs it sets, so two specs that set
+  the same thing to different values are seen to conflict.
+
+Adding a kind of change: a frozen dataclass here with those methods, and a
+test in ``tests/test_fix_safety.py`` that applying and undoing it restores the
+fingerprint exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .fixes import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetEnv, SetItem
+from .introspect import raw_attr
+
+if TYPE_CHECKING:
+    from .facts import Facts
+    from .live import Live
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a torch dtype: {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class DType:
+    """A dtype as a value to set (``module.compute_dtype = torch.bfloat16``), kept as its name."""
+
+    name: str
+
+    def resolve(self) -> torch.dtype:
+        """The torch dtype."""
+        return torch_dtype(self.name)
+
+
+def _resolve(value: Any) -> Any:
+    return value.resolve() if isinstance(value, DType) else value
+
+
+class ChangeSpec:
+    """Base of every change kind (see the module docstring)."""
+
+    def bind(self, live: Live) -> list[Change]:
+        """The executable steps, from the live objects now."""
+        raise NotImplementedError
+
+    def simulate(self, facts: Facts) -> Facts:
+        """Facts after the change; the default is no visible change."""
+        return facts
+
+    def verify(self, live: Live) -> str | None:
+        """After applying: None when the change took, else what did not."""
+        return None
+
+    def targets(self) -> dict[tuple, Any]:
+        """``(ref, key) -> value`` this change sets."""
+        return {}
+
+    def backup_bytes(self, facts: Facts) -> int:
+        """Bytes an undo backup of this change keeps alive."""
+        return 0
+
+
+def _params_of(owner: Any, ids: frozenset[int]) -> list[torch.nn.Parameter]:
+    """The live parameters with these ids, from a module or an optimizer."""
+    out, seen = [], set()
+    if isinstance(owner, torch.nn.Module):
+        candidates: Iterable = owner.parameters()
+    else:
+        candidates = (p for g in getattr(owner, "param_groups", ()) for p in g.get("params", ()))
+    for p in candidates:
+        if id(p) in ids and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _replace_params(facts: Facts, ids: frozenset[int], dtype: str | None, grad_dtype: str | None, grads_only: bool) -> Facts:
+    """Facts with the parameters ``ids`` (and their grads / full-size state) in new dtypes."""
+    models = []
+    for m in facts.models:
+        hit = [p for p in m.tensors.params if p.id in ids]
+        if not hit:
+            models.append(m)
+            continue
+        names = {p.name: p for p in hit}
+        params = tuple(
+            p._replace(
+                dtype=p.dtype if grads_only else dtype,
+                grad_dtype=(grad_dtype if p.grad_dtype is not None else None) if grad_dtype else p.grad_dtype,
+            )
+            if p.id in ids
+            else p
+            for p in m.tensors.params
+        )
+        modules = []
+        for md in m.tensors.modules:
+            new = tuple(
+                (n, dtype if (not grads_only and (f"{md.path}.{n}" if md.path else n) in names) else d, rg)
+                for n, d, rg in md.params
+            )
+            modules.append(md._replace(params=new))
+        tensors = dataclasses.replace(m.tensors, params=params, modules=tuple(modules))
+        models.append(dataclasses.replace(m, tensors=tensors))
+    optimizers = []
+    for o in facts.optimizers:
+        if not (o.param_ids & ids):
+            optimizers.append(o)
+            continue
+        params = []
+        for p in o.params:
+            if p.id not in ids:
+                params.append(p)
+                continue
+            new_dtype = p.dtype if grads_only else dtype
+            state = tuple((k, new_dtype if (sd == p.dtype and not grads_only) else sd) for k, sd in p.state_dtypes)
+            gd = (grad_dtype if p.grad_dtype is not None else None) if grad_dtype else p.grad_dtype
+            params.append(p._replace(dtype=new_dtype, grad_dtype=gd, state_dtypes=state))
+        optimizers.append(dataclasses.replace(o, params=tuple(params)))
+    return dataclasses.replace(facts, models=tuple(models), optimizers=tuple(optimizers))
+
+
+def _param_bytes(facts: Facts, ids: frozenset[int], dtype: str | None) -> int:
+    total = 0
+    for m in facts.models:
+        for p in m.tensors.params:
+            if p.id in ids and p.dtype != dtype and p.device != "meta":
+                size = torch_dtype(p.dtype).itemsize if p.dtype in _SIZES else 4
+                total += p.numel * size * (2 if p.grad_dtype is not None else 1)
+    return total
+
+
+_SIZES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+@dataclass(frozen=True)
+class CastParamsTo(ChangeSpec):
+    """Cast parameters (with their grads and every holder optimizer's full-size state) to ``dtype``, in place.
+
+    The Parameter objects stay the same, so optimizers, schedulers and hooks keep their references.
+    ``owner`` is the model or optimizer whose parameters are looked up by id.
+    """
+
+    owner: int
+    param_ids: frozenset[int]
+    dtype: str
+    holders: tuple[int, ...] = ()
+    label: str = "parameters"
+
+    def bind(self, live: Live) -> list[Change]:
+        params = _params_of(live.get(self.owner), self.param_ids)
+        holders = [live.get(r) for r in self.holders if r in live]
+        return [CastParams(params, torch_dtype(self.dtype), holders, self.label)]
+
+    def simulate(self, facts: Facts) -> Facts:
+        return _replace_params(facts, self.param_ids, self.dtype, self.dtype, grads_only=False)
+
+    def verify(self, live: Live) -> str | None:
+        dtype = torch_dtype(self.dtype)
+        left = sum(1 for p in _params_of(live.get(self.owner), self.param_ids) if p.dtype != dtype)
+        return f"{left} {self.label} are not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(pid, "dtype"): self.dtype for pid in self.param_ids}
+
+    def backup_bytes(self, facts: Facts) -> int:
+        return _param_bytes(facts, self.param_ids, self.dtype)
+
+
+@dataclass(frozen=True)
+class CastGradsToParams(ChangeSpec):
+    """Cast each listed parameter's ``.grad`` to the parameter's dtype, keeping the grad tensor objects."""
+
+    owner: int
+    param_ids: frozenset[int]
+    label: str = "parameters"
+
+    def bind(self, live: Live) -> list[Change]:
+        return [CastGrads(_params_of(live.get(self.owner), self.param_ids), self.label)]
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            params = tuple(
+                p._replace(grad_dtype=p.dtype) if p.id in self.param_ids and p.grad_dtype is not None else p
+                for p in m.tensors.params
+            )
+            models.append(dataclasses.replace(m, tensors=dataclasses.replace(m.tensors, params=params)))
+        optimizers = []
+        for o in facts.optimizers:
+            params = tuple(
+                p._replace(grad_dtype=p.dtype) if p.id in self.param_ids and p.grad_dtype is not None else p
+                for p in o.params
+            )
+            optimizers.append(dataclasses.replace(o, params=params))
+        return dataclasses.replace(facts, models=tuple(models), optimizers=tuple(optimizers))
+
+    def verify(self, live: Live) -> str | None:
+        params = _params_of(live.get(self.owner), self.param_ids)
+        left = sum(1 for p in params if p.grad is not None and p.grad.dtype != p.dtype)
+        return f"{left} grads still differ from their parameter's dtype" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(pid, "grad"): "param dtype" for pid in self.param_ids}
+
+
+@dataclass(frozen=True)
+class CastStateToParams(ChangeSpec):
+    """Cast optimizer state tensors ``(param id, key)`` to their parameter's dtype, as ``load_state_dict`` does."""
+
+    optimizer: int
+    entries: frozenset[tuple[int, str]]
+    label: str = "state tensors"
+
+    def _pending(self, live: Live) -> list[tuple[dict, Any, torch.dtype]]:
+        opt = live.get(self.optimizer)
+        by_id = {id(p): p for p in _params_of(opt, frozenset(i for i, _ in self.entries))}
+        out = []
+        for pid, p in by_id.items():
+            st = opt.state.get(p)
+            for key, value in st.items() if isinstance(st, dict) else ():
+                if (pid, str(key)) in self.entries and torch.is_tensor(value) and value.dtype != p.dtype:
+                    out.append((st, key, p.dtype))
+        return out
+
+    def bind(self, live: Live) -> list[Change]:
+        pending = self._pending(live)
+        return [CastStateEntries(pending, self.label)] if pending else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        optimizers = []
+        for o in facts.optimizers:
+            if id(o) and o.params and any((p.id, k) in self.entries for p in o.params for k, _ in p.state_dtypes):
+                params = tuple(
+                    p._replace(state_dtypes=tuple((k, p.dtype if (p.id, k) in self.entries else d) for k, d in p.state_dtypes))
+                    for p in o.params
+                )
+                o = dataclasses.replace(o, params=params)
+            optimizers.append(o)
+        return dataclasses.replace(facts, optimizers=tuple(optimizers))
+
+    def verify(self, live: Live) -> str | None:
+        left = self._pending(live)
+        return f"{len(left)} state tensors still differ from their parameter" if left else None
+
+
+@dataclass(frozen=True)
+class SetAttrTo(ChangeSpec):
+    """``obj.attr = value`` on the object ``ref`` (or its submodule ``submodule``); undo restores it exactly.
+
+    ``value`` is plain data (a bool, str, number, None or :class:`DType`).
+    """
+
+    ref: int
+    attr: str
+    value: Any
+    label: str
+    submodule: str | None = None
+
+    def _obj(self, live: Live) -> Any:
+        obj = live.get(self.ref)
+        return obj.get_submodule(self.submodule) if self.submodule else obj
+
+    def bind(self, live: Live) -> list[Change]:
+        obj, value = self._obj(live), _resolve(self.value)
+        if isinstance(obj, dict):
+            return [SetItem(obj, self.attr, value, self.label)] if obj.get(self.attr) != value else []
+        return [SetAttr(obj, self.attr, value, self.label)] if _differs(obj, self.attr, value) else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        return simulate_attr(facts, self.ref, self.attr, self.value)
+
+    def verify(self, live: Live) -> str | None:
+        obj, value = self._obj(live), _resolve(self.value)
+        current = obj.get(self.attr) if isinstance(obj, dict) else _read(obj, self.attr)
+        return None if current == value else f"{self.label} is still {current!r}"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, self.submodule, self.attr): self.value}
+
+
+def _read(obj: Any, attr: str) -> Any:
+    try:
+        return getattr(obj, attr)
+    except Exception:
+        return raw_attr(obj, attr, None)
+
+
+def _differs(obj: Any, attr: str, value: Any) -> bool:
+    try:
+        return getattr(obj, attr) != value
+    except Exception:
+        return True
+
+
+def simulate_attr(facts: Facts, ref: int, attr: str, value: Any) -> Facts:
+    """Facts after ``obj.attr = value`` where the facts know what that attribute means."""
+    if attr in ("use_cache", "_attn_implementation_internal", "_attn_implementation"):
+        models = []
+        for m in facts.models:
+            if any(c.ref == ref for c in m.configs):
+                field = "use_cache" if attr == "use_cache" else "attn_implementation"
+                configs = tuple(dataclasses.replace(c, **{field: value}) if c.ref == ref else c for c in m.configs)
+                m = dataclasses.replace(m, configs=configs)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+    if attr == "_enabled":
+        names = {s.name for s in facts.subjects if s.ref == ref}
+        scalers = tuple(dataclasses.replace(s, enabled=bool(value)) if s.name in names else s for s in facts.scalers)
+        return dataclasses.replace(facts, scalers=scalers)
+    return facts
+
+
+@dataclass(frozen=True)
+class SetEnvTo(ChangeSpec):
+    """Set (or, with None, remove) an environment variable."""
+
+    name: str
+    value: str | None
+
+    def bind(self, live: Live) -> list[Change]:
+        import os
+
+        return [SetEnv(self.name, self.value)] if os.environ.get(self.name) != self.value else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        if self.name != "ACCELERATE_MIXED_PRECISION":
+            return facts
+        precisions = tuple(dataclasses.replace(p, env_mixed_precision=self.value) for p in facts.precisions)
+        return dataclasses.replace(facts, precisions=precisions)
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("env", self.name): self.value}
+
+
+@dataclass(frozen=True)
+class AlignPrecision(ChangeSpec):
+    """Bring a setup (arguments, accelerator, prepared models) to ``precision``, autocasting iff ``native``.
+
+    Resolved by the accelerate integration at apply time: it edits
+    ``AcceleratorState._mixed_precision``, ``native_amp``, the shared GradScaler
+    and the autocast wrapper of already prepared models, as
+    ``Accelerator.__init__`` and ``prepare_model`` would have set them.
+    """
+
+    setup: str
+    precision: str
+    native: bool
+    flags: tuple[tuple[str, Any], ...] = ()
+    args: int = 0
+    accelerator: int = 0
+    args_name: str | None = None
+    accelerator_name: str | None = None
+    models: tuple[tuple[str, int], ...] = ()
+
+    def _live_setup(self, live: Live) -> Any:
+        from .integrations.accelerate import LiveSetup
+
+        args = live.get(self.args) if self.args else None
+        acc = live.get(self.accelerator) if self.accelerator else None
+        models = [(n, live.get(r)) for n, r in self.models if r in live]
+        return LiveSetup(args, self.args_name, acc, self.accelerator_name, models)
+
+    def bind(self, live: Live) -> list[Change]:
+        from .integrations.accelerate import precision_changes
+
+        return precision_changes(self._live_setup(live), self.precision, self.native, dict(self.flags))
+
+    def simulate(self, facts: Facts) -> Facts:
+        from .facts.precision import computes_in
+
+        out = []
+        for p in facts.precisions:
+            if p.name == self.setup:
+                args = dict(p.args)
+                if p.args_name is not None:
+                    args.update(dict(self.flags))
+                    args["mixed_precision"] = self.precision
+                requested = "fp16" if args.get("fp16") else "bf16" if args.get("bf16") else ("no" if args else None)
+                p = dataclasses.replace(
+                    p,
+                    args=args,
+                    requested=requested if p.requested is not None else None,
+                    accelerator_mixed_precision=self.precision if p.accelerator_name else p.accelerator_mixed_precision,
+                    native_amp=self.native if p.accelerator_name else p.native_amp,
+                    env_mixed_precision=None if p.env_mixed_precision not in (None, self.precision) else p.env_mixed_precision,
+                )
+                p = dataclasses.replace(p, computes_in=computes_in(p, facts.hardware))
+            out.append(p)
+        return dataclasses.replace(facts, precisions=tuple(out))
+
+    def verify(self, live: Live) -> str | None:
+        setup = self._live_setup(live)
+        bad = []
+        if setup.args is not None and raw_attr(setup.args, "mixed_precision", None) != self.precision:
+            bad.append("args.mixed_precision")
+        if setup.acc is not None:
+            if raw_attr(raw_attr(setup.acc, "state", None), "_mixed_precision", None) != self.precision:
+                bad.append("accelerator.mixed_precision")
+            if bool(raw_attr(setup.acc, "native_amp", False)) != self.native:
+                bad.append("accelerator.native_amp")
+        return f"{', '.join(bad)} still differ" if bad else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("setup", self.setup): (self.precision, self.native)}
+
+
+@dataclass(frozen=True)
+class SetMatmulPrecision(ChangeSpec):
+    """``torch.set_float32_matmul_precision(value)``, process-wide; undo restores every backend's setting."""
+
+    value: str
+
+    def bind(self, live: Live) -> list[Change]:
+        from .fixes import Call
+        from .runtime_state import fp32_precisions, restore_fp32_precisions
+
+        def do() -> tuple[str, dict]:
+            old = (torch.get_float32_matmul_precision(), fp32_precisions())
+            torch.set_float32_matmul_precision(self.value)
+            return old
+
+        def undo(old: tuple[str, dict]) -> None:
+            torch.set_float32_matmul_precision(old[0])
+            restore_fp32_precisions(old[1])  # the legacy setter leaves "ieee" where "none" was
+
+        return [Call(do, undo, f"torch.set_float32_matmul_precision({self.value!r})")]
+
+    def simulate(self, facts: Facts) -> Facts:
+        runtime = dataclasses.replace(
+            facts.runtime, float32_matmul_precision=self.value, matmul_tf32=self.value != "highest"
+        )
+        return dataclasses.replace(facts, runtime=runtime)
+
+    def verify(self, live: Live) -> str | None:
+        now = torch.get_float32_matmul_precision()
+        return None if now == self.value else f"float32_matmul_precision is {now!r}"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("torch", "float32_matmul_precision"): self.value}

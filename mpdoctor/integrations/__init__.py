@@ -1,0 +1,181 @@
+"""Integrations: one module per library, each a plain declaration of what mpdoctor knows about it.
+
+An :class:`Integration` says which classes of its library mpdoctor recognises
+(and as which kind of subject), how its wrappers unwrap, which child subjects
+an object brings along (a Trainer brings its model, optimizer, arguments,
+accelerator and scaler), which facts it adds to a model, and how it states
+precision (what the arguments request, what the accelerator will run).
+
+:mod:`mpdoctor.discover` and :mod:`mpdoctor.facts` iterate the registry and
+hold no library-specific branches. An integration is active only when its
+library is already imported by the user (``name in sys.modules``): a missing
+or unused library costs nothing, and mpdoctor never imports one first.
+
+Adding a library is one new module here plus its tests: declare an
+``INTEGRATION`` and list the module in :data:`MODULES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+#: Subject kinds, in the order a report lists them.
+KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
+
+#: The integration modules, in registry order (torch first: its kinds are the base of all others).
+MODULES = ("torch", "transformers", "accelerate", "peft")
+
+
+@dataclass(frozen=True)
+class Unwrap:
+    """A wrapper class whose attribute holds the wrapped object.
+
+    ``suffix`` is what the user types to reach the inner object's config
+    (``.module`` for DDP; empty where the wrapper forwards attribute access).
+    """
+
+    class_path: str
+    attr: str
+    suffix: str = ""
+
+
+@dataclass(frozen=True)
+class Integration:
+    """What mpdoctor knows about one library.
+
+    Attributes
+    ----------
+    name : str
+        The library (``"transformers"``).
+    modules : tuple of str
+        Top-level modules that must already be in ``sys.modules`` for the integration to be active.
+    kinds : tuple of (str, str)
+        ``(class path, kind)``: instances of a class with that path in their MRO are subjects of that kind.
+    model_unwraps, optimizer_unwraps : tuple of Unwrap
+        Wrappers to look through to the network (DDP, ``torch.compile``, PEFT) or the optimizer
+        (accelerate's ``AcceleratedOptimizer``); the wrapper stays the subject, under the user's name.
+    brings : tuple of (str, tuple of str)
+        ``(class path, attributes)``: an instance brings the recognised objects in these attributes
+        along as child subjects.
+    casting_layers : tuple of str
+        Module classes that cast their input to their own weights' dtype (PEFT tuner layers).
+    model_facts : callable, optional
+        ``(outer, inner, inner_path, live) -> dict`` of extra :class:`~mpdoctor.facts.ModelFacts` fields.
+    requested : callable, optional
+        ``obj -> dict`` of the precision-related fields of an arguments object of this library.
+    effective : callable, optional
+        ``obj -> AcceleratorView`` of what an accelerator object of this library will run.
+    """
+
+    name: str
+    modules: tuple[str, ...]
+    kinds: tuple[tuple[str, str], ...] = ()
+    model_unwraps: tuple[Unwrap, ...] = ()
+    optimizer_unwraps: tuple[Unwrap, ...] = ()
+    brings: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    casting_layers: tuple[str, ...] = ()
+    model_facts: Callable[..., dict] | None = None
+    requested: Callable[[Any], dict] | None = None
+    effective: Callable[[Any], Any] | None = None
+
+    @property
+    def active(self) -> bool:
+        """True when the user's process has imported the library."""
+        return all(m in sys.modules for m in self.modules)
+
+
+_REGISTRY: list[Integration] = []
+
+
+def registry() -> tuple[Integration, ...]:
+    """Every known integration (imported on first use; importing one never imports its library)."""
+    if not _REGISTRY:
+        for name in MODULES:
+            _REGISTRY.append(importlib.import_module(f"{__name__}.{name}").INTEGRATION)
+    return tuple(_REGISTRY)
+
+
+def active() -> tuple[Integration, ...]:
+    """The integrations whose library is imported now."""
+    return tuple(i for i in registry() if i.active)
+
+
+def active_key() -> tuple[str, ...]:
+    """Names of the active integrations: classification caches are valid for one key."""
+    return tuple(i.name for i in registry() if i.active)
+
+
+def kind_from_paths(paths: tuple[str, ...]) -> str | None:
+    """The subject kind of a class whose MRO has ``paths``, or None.
+
+    The first kind in :data:`KINDS` order wins: a class that is both a Module and
+    something else (never seen, but possible) is a model.
+    """
+    pathset = set(paths)
+    found = {kind for integ in active() for path, kind in integ.kinds if path in pathset}
+    for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator"):
+        if kind in found:
+            return kind
+    return None
+
+
+def model_unwraps() -> Iterator[Unwrap]:
+    """Model wrapper rules of the active integrations."""
+    for integ in active():
+        yield from integ.model_unwraps
+
+
+def optimizer_unwraps() -> Iterator[Unwrap]:
+    """Optimizer wrapper rules of the active integrations."""
+    for integ in active():
+        yield from integ.optimizer_unwraps
+
+
+def brought_attrs(paths: tuple[str, ...]) -> tuple[str, ...]:
+    """Attributes whose objects a subject with these class paths brings along."""
+    pathset = set(paths)
+    out: list[str] = []
+    for integ in active():
+        for path, attrs in integ.brings:
+            if path in pathset:
+                out.extend(a for a in attrs if a not in out)
+    return tuple(out)
+
+
+def casting_layers() -> frozenset[str]:
+    """Module classes that cast their inputs to their own dtype."""
+    return frozenset(c for integ in active() for c in integ.casting_layers)
+
+
+def _declaring(obj_paths: tuple[str, ...], attr: str) -> Callable | None:
+    pathset = set(obj_paths)
+    for integ in active():
+        fn = getattr(integ, attr)
+        if fn is not None and any(path in pathset for path, _kind in integ.kinds):
+            return fn
+    return None
+
+
+def requested_of(obj: Any, paths: tuple[str, ...]) -> dict:
+    """The precision an arguments object requests, read by the integration that recognises it."""
+    fn = _declaring(paths, "requested")
+    return fn(obj) if fn is not None else {}
+
+
+def effective_of(obj: Any, paths: tuple[str, ...]) -> Any:
+    """What an accelerator object will run, read by the integration that recognises it; None if none does."""
+    fn = _declaring(paths, "effective")
+    return fn(obj) if fn is not None else None
+
+
+def model_extras(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    """Extra ModelFacts fields contributed by every active integration."""
+    out: dict = {}
+    for integ in active():
+        if integ.model_facts is not None:
+            out.update(integ.model_facts(outer, inner, inner_path, live))
+    return out

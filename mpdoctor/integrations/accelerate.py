@@ -1,0 +1,251 @@
+"""accelerate: the Accelerator (what it will autocast to, its shared GradScaler) and its wrappers.
+
+``AcceleratedOptimizer`` wraps the user's optimizer and shares the
+accelerator's scaler; ``prepare()`` replaces a model's ``forward`` with autocast
+plus fp32 output conversion and keeps the original as ``_original_forward``.
+The accelerator's mode lives in the process-wide ``AcceleratorState``
+singleton; ``native_amp`` says whether it really autocasts (False for fp16 on a
+CPU: the run is fp32 whatever the mode says).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any, NamedTuple
+
+import torch
+
+from ..fixes import Change, SetAttr, SetEnv
+from ..introspect import own_dict, raw_attr
+from . import Integration, Unwrap
+
+ACCELERATOR = "accelerate.accelerator.Accelerator"
+ACCELERATED_OPTIMIZER = "accelerate.optimizer.AcceleratedOptimizer"
+
+
+class AcceleratorView(NamedTuple):
+    """What an accelerator will run: its mode, whether it autocasts, its scaler, its device type."""
+
+    mixed_precision: str | None
+    native_amp: bool | None
+    scaler_enabled: bool | None
+    device: str | None
+
+
+def effective(acc: Any) -> AcceleratorView:
+    """Read an Accelerator's precision state from its fields (no method is called)."""
+    state = raw_attr(acc, "state", None)
+    mp = raw_attr(state, "_mixed_precision", None) if state is not None else None
+    if mp is None and state is not None:
+        shared = raw_attr(state, "_shared_state", None)
+        if isinstance(shared, dict):
+            mp = shared.get("_mixed_precision")
+    native = raw_attr(acc, "native_amp", None)
+    scaler = raw_attr(acc, "scaler", None)
+    scaler_enabled = bool(raw_attr(scaler, "_enabled", False)) if scaler is not None else False
+    device = raw_attr(acc, "device", None)
+    if device is None and state is not None:
+        device = raw_attr(state, "device", None)
+    dev_type = device.type if isinstance(device, torch.device) else None
+    return AcceleratorView(
+        str(mp) if mp is not None else None, bool(native) if native is not None else None, scaler_enabled, dev_type
+    )
+
+
+def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    wrapped = any(own_dict(m).get("_original_forward") is not None for m in (outer, inner))
+    prepared = wrapped or any(own_dict(m).get("_is_accelerate_prepared") is True for m in (outer, inner))
+    return {"forward_wrapped": wrapped, "accelerate_prepared": prepared}
+
+
+
+# -- live changes: what fixes do to an accelerator, in place --------------------------------------------
+
+HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ENV_VAR = "ACCELERATE_MIXED_PRECISION"
+
+
+@dataclass
+class LiveSetup:
+    """The live arguments, accelerator and models of one precision setup."""
+
+    args: Any
+    args_name: str | None
+    acc: Any
+    acc_name: str | None
+    models: list[tuple[str, Any]] = field(default_factory=list)
+
+    def device(self) -> str:
+        """The accelerator's device type (``cpu`` for arguments alone with ``use_cpu``)."""
+        state = raw_attr(self.acc, "state", None) if self.acc is not None else None
+        dev = raw_attr(state, "device", None) if state is not None else None
+        if isinstance(dev, torch.device):
+            return dev.type
+        if self.args is not None and raw_attr(self.args, "use_cpu", False):
+            return "cpu"
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class DictPatch(Change):
+    """Edit some keys of an object's ``__dict__``; undo restores exactly those keys (value or absence)."""
+
+    def __init__(self, obj: Any, keys: tuple[str, ...], edit: Callable[[dict], None], description: str) -> None:
+        self.obj, self.keys, self.edit, self.description = obj, keys, edit, description
+        self._saved: dict[str, Any] = {}
+        self._absent: set[str] = set()
+
+    def apply(self) -> None:
+        d = object.__getattribute__(self.obj, "__dict__")
+        self._saved = {k: d[k] for k in self.keys if k in d}
+        self._absent = {k for k in self.keys if k not in d}
+        try:
+            self.edit(d)
+        except BaseException:
+            self.revert()
+            raise
+
+    def revert(self) -> None:
+        d = object.__getattribute__(self.obj, "__dict__")
+        for k in self._absent:
+            d.pop(k, None)
+        d.update(self._saved)
+
+
+def _unwrap(model: Any, d: dict) -> None:
+    """Undo accelerate's autocast wrapper of ``forward`` (what ``extract_model_from_parallel`` does)."""
+    original = d.pop("_original_forward")
+    if isinstance(original, MethodType) and original.__self__ is model and original.__func__ is getattr(type(model), "forward", None):
+        d.pop("forward", None)  # the class's forward again, as before prepare()
+    else:
+        d["forward"] = original
+
+
+def _wrap(model: Any, d: dict, autocast: Callable[[], Any]) -> None:
+    """Wrap ``forward`` in autocast and fp32 output conversion, as ``Accelerator.prepare_model`` does."""
+    from accelerate.utils import convert_outputs_to_fp32
+
+    forward = model.forward
+    d["_original_forward"] = forward
+    if hasattr(forward, "__func__"):
+        inner = MethodType(autocast()(forward.__func__), model)
+        d["forward"] = MethodType(convert_outputs_to_fp32(inner.__func__), model)
+    else:
+        d["forward"] = convert_outputs_to_fp32(autocast()(forward))
+
+
+def _autocast_factory(acc: Any, precision: str, device: str) -> Callable[[], Any]:
+    handler = raw_attr(acc, "autocast_handler", None)
+    kwargs = handler.to_kwargs() if handler is not None and hasattr(handler, "to_kwargs") else {}
+    return lambda: torch.autocast(device_type=device, dtype=HALF[precision], **kwargs)
+
+
+def _give_scaler(opt: Any, scaler: Any) -> Callable[[dict], None]:
+    def edit(d: dict) -> None:
+        from accelerate.optimizer import patch_optimizer_step
+
+        inner = d["optimizer"]
+        d["scaler"] = scaler
+        d["_accelerate_step_called"] = False
+        d["_optimizer_original_step_method"] = inner.step
+        d["_optimizer_patched_step_method"] = patch_optimizer_step(opt, inner.step)
+
+    return edit
+
+
+_OPT_SCALER_KEYS = ("scaler", "_accelerate_step_called", "_optimizer_original_step_method", "_optimizer_patched_step_method")
+
+
+def precision_changes(
+    live: LiveSetup, precision: str, native: bool, flags: dict | None = None, env: bool = True
+) -> list[Change]:
+    """The changes that make ``live`` run in ``precision`` (autocasting iff ``native``), from its state now.
+
+    Parameters
+    ----------
+    live
+        The setup's live objects.
+    precision
+        ``"no"``, ``"fp16"`` or ``"bf16"``: the accelerator mode and ``args.mixed_precision`` to set.
+    native
+        Whether the accelerator really autocasts (``native_amp``).
+    flags
+        ``TrainingArguments`` fields to set as well (``{"fp16": False, "bf16": True}``).
+    env
+        Remove an ``ACCELERATE_MIXED_PRECISION`` that says something else.
+    """
+    changes: list[Change] = []
+    args, acc = live.args, live.acc
+    if args is not None:
+        for key, value in (flags or {}).items():
+            if raw_attr(args, key, None) != value:
+                changes.append(SetAttr(args, key, value, f"{live.args_name}.{key}"))
+        if raw_attr(args, "mixed_precision", None) != precision:
+            changes.append(SetAttr(args, "mixed_precision", precision, f"{live.args_name}.mixed_precision"))
+    if env and os.environ.get(ENV_VAR) not in (None, precision):
+        changes.append(SetEnv(ENV_VAR, None))
+    if acc is None:
+        return changes
+    state = raw_attr(acc, "state", None)
+    before = raw_attr(state, "_mixed_precision", None)
+    if state is not None and before != precision:
+        changes.append(SetAttr(state, "_mixed_precision", precision, f"{live.acc_name}.state._mixed_precision"))
+    was_native = bool(raw_attr(acc, "native_amp", False))
+    if was_native != native:
+        changes.append(SetAttr(acc, "native_amp", native, f"{live.acc_name}.native_amp"))
+    device = live.device()
+    want_scaler = native and precision == "fp16"
+    scaler = raw_attr(acc, "scaler", None)
+    if scaler is not None:
+        enabled = bool(raw_attr(scaler, "_enabled", False))
+        if enabled != want_scaler:
+            # Shared with every AcceleratedOptimizer: mutate, never rebind.
+            changes.append(SetAttr(scaler, "_enabled", want_scaler, f"{live.acc_name}.scaler._enabled"))
+    elif want_scaler:
+        handler = raw_attr(acc, "scaler_handler", None)
+        kwargs = handler.to_kwargs() if handler is not None and hasattr(handler, "to_kwargs") else {}
+        new = torch.amp.GradScaler(device, **kwargs)
+        changes.append(SetAttr(acc, "scaler", new, f"{live.acc_name}.scaler"))
+        for opt in raw_attr(acc, "_optimizers", None) or ():
+            if "optimizer" in _own(opt) and _own(opt).get("scaler") is None:
+                changes.append(DictPatch(opt, _OPT_SCALER_KEYS, _give_scaler(opt, new), "give the optimizer the scaler"))
+    models: list[Any] = []
+    for m in list(raw_attr(acc, "_models", None) or ()) + [m for _n, m in live.models]:
+        if isinstance(m, torch.nn.Module) and all(m is not x for x in models):
+            models.append(m)
+    for m in models:
+        d = _own(m)
+        wrapped = d.get("_original_forward") is not None
+        prepared = bool(d.get("_is_accelerate_prepared", False)) or wrapped
+        stale = wrapped and (not native or before != precision)
+        need = native and (stale or not wrapped) and prepared
+        if not stale and not need:
+            continue
+        factory = _autocast_factory(acc, precision, device) if need else None
+
+        def edit(d: dict, m: Any = m, stale: bool = stale, factory: Callable | None = factory) -> None:
+            if stale:
+                _unwrap(m, d)
+            if factory is not None:
+                _wrap(m, d, factory)
+
+        what = ("re-wrap" if stale else "wrap") if need else "unwrap"
+        changes.append(DictPatch(m, ("forward", "_original_forward"), edit, f"{what} {type(m).__name__}.forward"))
+    return changes
+
+
+_own = own_dict
+
+
+
+INTEGRATION = Integration(
+    name="accelerate",
+    modules=("accelerate",),
+    kinds=((ACCELERATOR, "accelerator"),),
+    optimizer_unwraps=(Unwrap(ACCELERATED_OPTIMIZER, "optimizer", ".optimizer"),),
+    brings=((ACCELERATOR, ("scaler",)), (ACCELERATED_OPTIMIZER, ("scaler",))),
+    model_facts=_model_facts,
+    effective=effective,
+)

@@ -1,0 +1,25 @@
+"""PyTorch: modules, optimizers, GradScalers; DDP, DataParallel and ``torch.compile`` wrappers.
+
+Always active (mpdoctor itself imports torch). The tensor facts every model gets
+(dtype tallies, per-parameter records, per-module dtype sets) live in
+:mod:`mpdoctor.facts.tensors`; this declaration says which objects they apply to.
+"""
+
+from __future__ import annotations
+
+from . import Integration, Unwrap
+
+MODULE = "torch.nn.modules.module.Module"
+OPTIMIZER = "torch.optim.optimizer.Optimizer"
+SCALERS = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler")
+
+INTEGRATION = Integration(
+    name="torch",
+    modules=("torch",),
+    kinds=((MODULE, "model"), (OPTIMIZER, "optimizer")) + tuple((s, "scaler") for s in SCALERS),
+    model_unwraps=(
+        Unwrap("torch.nn.parallel.distributed.DistributedDataParallel", "module", ".module"),
+        Unwrap("torch.nn.parallel.data_parallel.DataParallel", "module", ".module"),
+        Unwrap("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),
+    ),
+)

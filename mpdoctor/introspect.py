@@ -1,0 +1,111 @@
+"""Reading user objects without running user code: class paths through ``type``'s own descriptors, raw attributes.
+
+Everything that classifies or reads an arbitrary object goes through here:
+``type(obj).__mro__`` read with ``type``'s descriptors (never ``obj.__class__``
+or ``isinstance``, which an object may fake; never a metaclass's hooks), and
+attributes read from ``__dict__`` and class dicts (never ``getattr``, which
+runs properties and ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+_TYPE_MODULE = type.__dict__["__module__"].__get__
+_TYPE_QUALNAME = type.__dict__["__qualname__"].__get__
+_TYPE_NAME = type.__dict__["__name__"].__get__
+
+
+def type_name(obj: Any) -> str:
+    """``type(obj).__name__``, read without running user code."""
+    try:
+        return _TYPE_NAME(type(obj))
+    except Exception:
+        return "?"
+
+
+def class_path(cls: type) -> str:
+    """``module.qualname`` of a class, read without running user code."""
+    try:
+        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
+    except Exception:
+        return "?"
+    if type(qualname) is not str:
+        qualname = "?"
+    return f"{module}.{qualname}" if type(module) is str and module else qualname
+
+
+def type_mro(cls: type) -> tuple:
+    """``cls.__mro__`` through ``type``'s descriptor; raises for a non-class."""
+    return _TYPE_MRO(cls)
+
+
+#: ``id(cls) -> (cls.__mro__, class paths)``. The cached MRO tuple starts with the class itself, so
+#: the class stays alive and its id cannot be reused while the entry exists; a class whose
+#: ``__bases__`` were reassigned has a new MRO tuple and is read again.
+_PATHS: dict[int, tuple[tuple, tuple[str, ...]]] = {}
+_PATHS_SIZE = 4096
+
+
+def class_paths(cls: type) -> tuple[str, ...]:
+    """Class paths of ``cls`` and its bases; empty when the MRO cannot be read."""
+    try:
+        mro = _TYPE_MRO(cls)
+    except Exception:
+        return ()
+    entry = _PATHS.get(id(cls))
+    if entry is not None and entry[0] is mro:
+        return entry[1]
+    paths = tuple(class_path(c) for c in mro)
+    if len(_PATHS) >= _PATHS_SIZE:
+        _PATHS.clear()
+    _PATHS[id(cls)] = (mro, paths)
+    return paths
+
+
+def mro_paths(obj: Any) -> tuple[str, ...]:
+    """Class paths of ``type(obj)`` and its bases."""
+    return class_paths(type(obj))
+
+
+def is_a(obj: Any, names: Iterable[str]) -> bool:
+    """True when one of ``names`` is a class path in ``type(obj)``'s MRO."""
+    paths = mro_paths(obj)
+    return any(n in paths for n in names)
+
+
+def raw_attr(obj: Any, key: str, default: Any = None) -> Any:
+    """Read ``key`` from ``obj.__dict__`` or its class dicts without running user code."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+        if key in d:
+            return d[key]
+    except Exception:
+        pass
+    try:
+        for cls in _TYPE_MRO(type(obj)):
+            if key in cls.__dict__:
+                value = cls.__dict__[key]
+                return default if isinstance(value, (property, staticmethod, classmethod)) or callable(value) else value
+    except Exception:
+        pass
+    return default
+
+
+def own_dict(obj: Any) -> dict:
+    """``obj.__dict__`` read without ``__getattribute__`` hooks; empty when there is none."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+        return d if isinstance(d, dict) else {}
+    except Exception:
+        return {}
+
+
+def attr_of_known(obj: Any, name: str) -> Any:
+    """``getattr`` on an object whose class mpdoctor recognised as a library class; None when absent or raising."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:
+        return None

@@ -1,0 +1,143 @@
+"""One coherent treatment per report: fixes planned together, by simulating them on the facts.
+
+Checks offer fixes one finding at a time; two of them can pull in opposite
+directions (cast a bf16 model's fp32 head to bf16; cast its bf16 weights to
+fp32 for stock AdamW). Because facts are plain data and every fix is a plan of
+:mod:`mpdoctor.changes` specs that can be simulated on them, the planner runs
+the checks on the outcome of each candidate before anything is touched:
+
+1. Score the findings: (errors, warnings, infos).
+2. Among the fixes on offer, pick the one whose simulated outcome scores
+   best (safe before unsafe, then the order the checks offered them), and
+   only if it improves the score. Apply it to the simulated facts.
+3. Repeat from the new simulated state until no fix improves it.
+
+The chosen fixes, in order, are the plan (``Report.fixes``): applied one
+after another they never undo each other. Every other fix is kept on its
+finding as an alternative, with a note saying why it is not planned (the
+plan already resolves its finding, or it would not improve the setup).
+Work: at most a few rounds of the checks per fix on offer, all on plain data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .findings import Finding
+from .fixes import Applicability, Fix
+
+if TYPE_CHECKING:
+    from .facts import Facts
+
+#: Bound on planning rounds (each round runs the checks once per fix on offer).
+MAX_ROUNDS = 12
+
+
+def score(findings: Sequence[Finding]) -> tuple[int, int, int]:
+    """(errors, warnings, infos): lower is healthier."""
+    counts = {"error": 0, "warning": 0, "info": 0}
+    for f in findings:
+        counts[f.severity] = counts.get(f.severity, 0) + 1
+    return counts["error"], counts["warning"], counts["info"]
+
+
+def _simulate(facts: Facts, fix: Fix) -> Facts:
+    for spec in fix.changes:
+        facts = spec.simulate(facts)
+    return facts
+
+
+def _key(f: Finding) -> tuple[str, str]:
+    return (f.check, f.subject)
+
+
+def _candidates(findings: list[Finding]) -> list[Fix]:
+    out = []
+    for f in findings:
+        for fx in f.fixes:
+            fx.finding_subject = f.subject
+            if fx.changes and fx.applicability is not Applicability.DISPLAY_ONLY:
+                out.append(fx)
+    return out
+
+
+def plan(facts: Facts, findings: list[Finding], run: Callable[[Facts], list[Finding]]) -> list[Fix]:
+    """Choose the fixes to apply, in order; annotate every fix's ``planned`` and ``note``.
+
+    Each round draws its candidates from the findings of the simulated state,
+    so a fix chosen late is computed against what the earlier ones leave
+    (the parameters a cast must cover after another cast, say).
+
+    Parameters
+    ----------
+    facts
+        The facts the findings were drawn from.
+    findings
+        What the checks found; their fix lists are updated in place so that a
+        planned fix is the same object in ``finding.fixes`` and in the plan.
+    run
+        Runs the checks on (simulated) facts.
+
+    Returns
+    -------
+    list of Fix
+        The plan: apply in this order.
+    """
+    chosen: list[Fix] = []
+    unsimulated: dict[tuple, str] = {}
+    state, current = facts, list(findings)
+    for _round in range(MAX_ROUNDS):
+        base = score(current)
+        best: tuple | None = None
+        for order, fx in enumerate(_candidates(current)):
+            if fx.key in unsimulated:
+                continue
+            try:
+                after_facts = _simulate(state, fx)
+                after = run(after_facts)
+            except Exception as exc:  # judged unplannable; it stays on offer as an alternative
+                unsimulated[fx.key] = f"not planned: its outcome could not be simulated ({type(exc).__name__})"
+                continue
+            s = score(after)
+            if s >= base:
+                continue
+            rank = (s, 0 if fx.safe else 1, order)
+            if best is None or rank < best[0]:
+                best = (rank, fx, after_facts, after)
+        if best is None:
+            break
+        _rank, fx, state, current = best
+        chosen.append(fx)
+    remaining = {_key(f) for f in current}
+    planned_keys = {fx.key: fx for fx in chosen}
+    plan_out = list(chosen)
+    for f in findings:
+        for i, fx in enumerate(list(f.fixes)):
+            fx.finding_subject = f.subject
+            if fx.applicability is Applicability.DISPLAY_ONLY:
+                fx.planned, fx.note = False, "display-only: run its code where the objects are built"
+            elif not fx.changes:  # built by hand with a live plan: planned as offered
+                fx.planned, fx.note = True, ""
+                if fx not in plan_out:
+                    plan_out.append(fx)
+            elif fx.key in planned_keys:
+                match = planned_keys[fx.key]
+                match.planned, match.note = True, ""
+                f.fixes[i] = match
+            else:
+                fx.planned = False
+                if _key(f) not in remaining:
+                    resolver = next((c for c in chosen if _owns(findings, c) is not f), None)
+                    fx.note = (
+                        f"alternative: the planned fix '{resolver.title}' already resolves this finding"
+                        if resolver is not None
+                        else "alternative: the plan already resolves this finding"
+                    )
+                else:
+                    fx.note = unsimulated.get(fx.key, "alternative: not planned, it would not make the setup healthier")
+    return plan_out
+
+
+def _owns(findings: list[Finding], fx: Fix) -> Finding | None:
+    return next((f for f in findings if any(x is fx for x in f.fixes)), None)
