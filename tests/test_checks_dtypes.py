@@ -12,8 +12,8 @@ from setups import batch, tiny_gemma3, tiny_llama, tiny_trainer
 from setups_dtypes import assert_same_state, finite, tensor_state
 
 import mpdoctor
-from mpdoctor.checks.dtypes import CastGrads, compute_dtype, compute_units, widens
-from mpdoctor.fixes import Change, Fix, FixFailed
+from mpdoctor.checks.dtypes import compute_dtype, compute_units, widens
+from mpdoctor.fixes import CastGrads, Change, Fix, FixFailed
 
 SAME_DTYPE = r"(mat1|self|m1) and (mat2|m2).*same dtype"
 
