@@ -11,6 +11,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from ..crash.cause import cause_label
 from ..facts.tensors import SHORT_DTYPE
 from .data import humanize_bytes, humanize_count, report_dict
 
@@ -282,10 +283,18 @@ def section(title: str, body: str) -> str:
     return f"<div style='margin-top:8px'><div style='font-weight:bold;margin-bottom:2px'>{e(title)}</div>{body}</div>"
 
 
+def cause_html(label: str) -> str:
+    """The heading above the finding that explains an exception (``cause of RuntimeError: ...``)."""
+    return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;color:{COLORS['error']};margin:6px 0 0'>{e(label)}</div>"
+
+
 def render_html(report: Any) -> str:
     """Render a report as a self-contained HTML fragment."""
     data = report_dict(report)
     parts = [f"<div class='mpdoctor-report' style='{FONT}'>", verdict_html(data), subjects_html(data)]
+    label = cause_label(report)
+    if label:  # the finding that explains an exception comes first, under this heading
+        parts.append(cause_html(label))
     parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
     parts.append(section("precision: requested vs effective", precision_html(data)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ..crash.cause import cause_label
 from ..facts.tensors import SHORT_DTYPE
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
 
@@ -41,6 +42,9 @@ def render_text(report: Any, width: int = 100) -> str:
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
         lines.append("")
+    label = cause_label(report)
+    if label:  # the finding that explains an exception comes first, under this heading
+        lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
     for f in data["findings"]:
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ..crash.cause import cause_label
 from ..fixes import FixFailed, FixNeedsConfirmation
 from .data import report_dict
 from .html import (
@@ -30,6 +31,7 @@ from .html import (
     OK_COLOR,
     PRE,
     caches_html,
+    cause_html,
     code,
     e,
     finding_body_html,
@@ -224,6 +226,9 @@ class ReportWidget:
         )
         open_keys = {_finding_key(f) for f in self.report.findings}
         cards = [self._applied_card(a, a.key in open_keys) for a in self.applied]
+        label = cause_label(self.report)
+        if label:  # the finding that explains an exception comes first, under this heading
+            cards.append(self._w.HTML(cause_html(label)))
         cards += [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
         if not self.report.findings:
             cards.append(
