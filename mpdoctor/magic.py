@@ -6,7 +6,7 @@ import re
 
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import List, Unicode
+from traitlets import Bool, List, Unicode
 
 try:
     from IPython.core.magic import no_var_expand
@@ -31,6 +31,9 @@ class MPDoctorMagics(Magics):
 
     target = Unicode(None, allow_none=True, help="Default device profile for %mpdoctor (what-if).").tag(config=True)
     ignore = List(Unicode(), default_value=[], help="Check slugs %mpdoctor skips by default.").tag(config=True)
+    on_error = Bool(
+        True, help="After a cell raises a known mixed-precision error, show the diagnosis below the traceback."
+    ).tag(config=True)
 
     @magic_arguments()
     @argument("names", nargs="*", help="Variables to inspect (default: everything in the namespace).")

@@ -109,10 +109,10 @@ def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None
         if not view.user:
             continue
         try:
+            if namespace is not None and view.frame.f_locals is namespace:
+                continue  # an IPython cell's frame: its locals are the namespace already read
             local_items = _locals(view.frame)
         except Exception:
-            continue
-        if namespace is not None and local_items is namespace:
             continue
         for name, value in local_items:
             if type(name) is not str or name.startswith("_"):
