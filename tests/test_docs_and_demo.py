@@ -35,7 +35,15 @@ def test_demo_shows_the_failure_diagnoses_fixes_and_trains():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
+    # One line first says what is broken, before any section.
+    assert text.splitlines()[0].startswith("The broken setup: a tiny Llama cast to bf16 with its output head left in fp32")
     assert "training step failed" in text.split("=== 2.")[0]  # the broken setup really breaks
+    # Every unsafe fix the demo applies (in a notebook: a second click) comes with its reason.
+    applied = text.split("=== 3.")[1].split("=== 4.")[0].splitlines()
+    unsafe = [i for i, line in enumerate(applied) if line.startswith("applied (unsafe):")]
+    assert unsafe
+    for i in unsafe:
+        assert applied[i + 1].strip().startswith("why: ") and len(applied[i + 1].strip()) > len("why: ") + 10
     assert "ERROR" in text.split("=== 3.")[0] or "WARN" in text.split("=== 3.")[0]
     after = text.split("=== 4.")[1].split("=== 5.")[0]
     assert "0 errors | 0 warnings" in after
