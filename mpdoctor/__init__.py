@@ -34,6 +34,7 @@ __all__ = [
     "load_ipython_extension",
     "probe",
     "unload_ipython_extension",
+    "watch",
 ]
 
 
@@ -77,6 +78,10 @@ def __getattr__(name: str) -> Any:
         from .numerics.probe import probe
 
         return probe
+    if name == "watch":
+        from .crash.watch import watch
+
+        return watch
     if name == "MPDoctorCallback":
         from .numerics.callback import MPDoctorCallback
 
