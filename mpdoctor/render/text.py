@@ -6,8 +6,8 @@ import textwrap
 from typing import Any
 
 from ..crash.cause import cause_label
-from ..facts.tensors import SHORT_DTYPE
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
+from .evidence import SHORT_DTYPE, precision_word, singular_counts, summarize_evidence
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -48,9 +48,12 @@ def render_text(report: Any, width: int = 100) -> str:
     for f in data["findings"]:
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
+        if f["evidence"]:  # long lists summarised (the full lists are in report.to_dict())
+            facts = "; ".join(f"{item.key}={item.summary}" for item in summarize_evidence(f["evidence"]))
+            lines += textwrap.wrap(f"evidence: {facts}", **wrap)
         for fx in f["fixes"]:
             state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
-            lines.append(f"        fix ({'safe' if fx['safe'] else 'unsafe'}): {fx['title']}{state}")
+            lines.append(f"        fix ({'safe' if fx['safe'] else 'unsafe'}): {singular_counts(fx['title'])}{state}")
             for code_line in fx["code"].splitlines():
                 lines.append(f"            {code_line}")
     if not data["findings"]:
@@ -71,9 +74,9 @@ def render_text(report: Any, width: int = 100) -> str:
         lines += ["", "precision (requested -> effective)"]
         for p in prec:
             lines.append(
-                f"  {p['setup']}: requested {p['requested']} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
-                f" | accelerator {p['accelerator.mixed_precision']} (native amp {p['native_amp']})"
-                f" | scaler {p['scaler']} | effective {p['effective']}"
+                f"  {p['setup']}: requested {precision_word(p['requested'])} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
+                f" | accelerator {precision_word(p['accelerator.mixed_precision'])} (native amp {p['native_amp']})"
+                f" | scaler {p['scaler']} | effective {precision_word(p['effective'])}"
             )
     caches = cache_view(report)
     if caches:
