@@ -102,7 +102,6 @@ class HybridCache:
 
 def cache_through_accelerate_fp32_conversion():
     from accelerate.utils import convert_outputs_to_fp32
-
     from setups import tiny_llama
 
     model = tiny_llama(torch.bfloat16, train=True, use_cache=True)
