@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,37 @@ def test_demo_shows_the_failure_diagnoses_fixes_and_trains():
     assert "0 errors | 0 warnings" in after
     assert "training step ran, loss" in text.split("=== 5.")[1]
     assert text.rstrip().endswith("result: fixed")
+
+
+# -- from clone to click ------------------------------------------------------------------------------
+
+
+def test_make_lab_passes_allow_root_exactly_when_run_as_root():
+    # `make -n` prints the commands without running them (nor the venv's install).
+    out = subprocess.run(["make", "-n", "lab"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    lab = [line for line in out.stdout.splitlines() if " lab " in line and "jupyter" in line]
+    assert len(lab) == 1 and lab[0].endswith("notebooks/00_tour.ipynb")
+    assert ("--allow-root" in lab[0]) == (os.getuid() == 0)
+
+
+def test_every_installing_step_of_the_makefile_announces_itself_and_shows_pips_progress():
+    recipe = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for venv in ("$(BIN)", "$(COLAB_VENV)/bin"):
+        install = next(line for line in recipe.splitlines() if f"{venv}/python -m pip install" in line and "-e " in line)
+        assert " -q " not in install, install
+        before = recipe.splitlines()[recipe.splitlines().index(install) - 1]
+        assert before.strip().startswith('@echo "== installing'), before
+
+
+def test_ruff_covers_the_notebook_sources_in_make_test_and_make_lint():
+    recipe = (ROOT / "Makefile").read_text(encoding="utf-8")
+    ruff_lines = [line.strip() for line in recipe.splitlines() if "ruff check" in line]
+    assert len(ruff_lines) == 2 and all(line.endswith("mpdoctor tests bench notebooks") for line in ruff_lines)
+
+
+def test_pyproject_declares_an_spdx_license_and_a_setuptools_that_reads_it():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert project["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in project["build-system"]["requires"]
