@@ -71,10 +71,10 @@ STYLE = f"""<style>
 .mpdoctor-widget .lm-TabBar-content, .mpdoctor-widget .p-TabBar-content {{ flex-wrap: wrap; }}
 .mpdoctor-widget .lm-TabBar, .mpdoctor-widget .p-TabBar {{ min-height: var(--jp-widgets-horizontal-tab-height, 24px); max-height: none; height: auto; overflow: visible; }}
 .mpdoctor-widget .lm-TabBar-tab, .mpdoctor-widget .p-TabBar-tab {{
-  flex: 0 0 auto; min-width: 0; max-width: none; color: var(--jp-ui-font-color1, #1f2328);
-  background: var(--jp-layout-color2, #eee); }}
+  flex: 0 0 auto; min-width: 0; max-width: none; color: var(--jp-ui-font-color1, #1f2328) !important;
+  background: var(--jp-layout-color2, #eee) !important; }}
 .mpdoctor-widget .lm-TabBar-tab.lm-mod-current, .mpdoctor-widget .p-TabBar-tab.p-mod-current {{
-  color: var(--jp-ui-font-color0, #000); background: {BG}; }}
+  color: var(--jp-ui-font-color0, #000) !important; background: {BG} !important; }}
 .mpdoctor-widget .lm-TabBar-tabLabel, .mpdoctor-widget .p-TabBar-tabLabel {{ overflow: visible; text-overflow: clip; }}
 .mpdoctor-widget .widget-textarea textarea {{ color: {FG}; background: {BG}; }}
 .mpdoctor-widget .widget-html-content {{ overflow-wrap: anywhere; }}
