@@ -533,3 +533,60 @@ def test_a_notebook_executed_by_nbconvert_exports_html_that_shows_the_report_wit
     outside_scripts = re.sub(r"<script.*?</script>", "", page, flags=re.S)
     assert "class='mpdoctor-fallback'" in outside_scripts or 'class="mpdoctor-fallback"' in outside_scripts
     assert "scaler-with-bf16" in outside_scripts and "Disable the GradScaler" in outside_scripts
+
+
+# -- small things ------------------------------------------------------------------------------
+
+
+def test_open_findings_come_before_applied_cards():
+    model = bf16_model()
+    scaler, _opt = stepped(model)
+    gemma = tiny_gemma3(text_use_cache=True)
+    rw = widget_for(model=model, scaler=scaler, gemma=gemma)
+    only(rw.buttons("Disable the GradScaler")).click()
+    cards = ["".join(x.value for x in iter_widgets(c) if hasattr(x, "value") and isinstance(x.value, str)) for c in rw.findings_box.children]
+    assert "cache-in-training" in cards[0], "the open finding first"
+    assert "applied" in cards[-1] and "scaler-with-bf16" in cards[-1]
+
+
+def test_an_armed_unsafe_fix_can_be_cancelled_without_rediagnosing():
+    model, opt, scaler = fp16_setup()
+    rw = widget_for(m16=model, opt=opt, scaler=scaler)
+    report = rw.report
+    only(rw.buttons("(unsafe)")).click()
+    assert only(rw.buttons("Click again to confirm"))
+    only(rw.buttons("Cancel")).click()
+    assert not rw.buttons("Click again to confirm") and not rw.buttons("Cancel")
+    assert only(rw.buttons("(unsafe)")) and rw.report is report, "no re-diagnosis was needed"
+    assert model.weight.dtype == torch.float16
+
+
+def test_a_clean_report_says_so_once_and_offers_no_disabled_apply_all():
+    torch.manual_seed(0)
+    rw = widget_for(model=torch.nn.Linear(4, 4))
+    assert not rw.report.findings
+    shown = "".join(rw.html_values())
+    assert shown.count("no mixed-precision problems found") == 1 and "No problems found" not in shown
+    assert rw.apply_all_button.layout.display == "none"
+
+
+def test_the_copy_button_hands_the_issue_markdown_to_the_browser_escaped():
+    rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": bf16_model()})
+    only(rw.buttons("Copy to clipboard")).click()
+    (out,) = rw._clipboard.outputs
+    script = out["data"]["application/javascript"]
+    assert script.startswith("navigator.clipboard && navigator.clipboard.writeText(")
+    assert "<" not in script and ">" not in script.replace("&&", ""), "no markup can close the script"
+    assert json.loads(script[script.index("(") + 1 : script.rindex(")")].replace("\\u003c", "<").replace("\\u003e", ">")) == rw.issue_text.value
+    rw._render()
+    assert rw._clipboard.outputs == (), "a redraw never copies again"
+
+
+def test_buttons_say_one_parameter_not_one_parameters_and_keep_the_full_title_on_hover():
+    from mpdoctor.render.evidence import fix_label
+
+    short, full = fix_label("Cast 1 parameters of 1 modules of m to bf16 (keeps a 3.0 GiB undo backup: apply(confirm=True))")
+    assert short == "Cast 1 parameter of 1 module of m to bf16 (keeps a 3.0 GiB undo backup)"
+    assert full.endswith("apply(confirm=True))")
+    long_short, long_full = fix_label("Set " + "very_long_name." * 20 + "use_cache=False")
+    assert long_short.endswith("\u2026") and len(long_short) <= 90 and long_full.startswith("Set very_long_name")

@@ -351,5 +351,7 @@ def fix_label(title: str, limit: int = 90) -> tuple[str, str]:
     full = singular_counts(title)
     short = re.sub(r":\s*apply\(confirm=True\)\)", ")", full)
     if len(short) > limit:
-        short = short[: limit - 1].rsplit(" ", 1)[0] + "\u2026"
+        cut = short[: limit - 1]
+        head = cut.rsplit(" ", 1)[0]  # at a word when one ends in the second half, else mid-name
+        short = (head if len(head) > limit // 2 else cut) + "\u2026"
     return short, full
