@@ -22,6 +22,12 @@ class Regressor(torch.nn.Module):
         return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
 
 
+def shown(capsys) -> str:
+    """What watch showed: stderr in plain Python, IPython's display (stdout) when a shell exists."""
+    captured = capsys.readouterr()
+    return captured.out + captured.err
+
+
 def hooks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
     return (dict(model._forward_hooks), dict(model._forward_pre_hooks), dict(optimizer._optimizer_step_pre_hooks))
 
@@ -33,7 +39,7 @@ def test_a_crash_in_the_block_is_explained_and_still_raised_and_every_hook_is_re
         with mpdoctor.watch(model, optimizer) as w:
             model(torch.randn(2, 4)).sum().backward()
     assert w.crash_report.cause.check == "mixed-param-dtypes"
-    assert ">> cause of RuntimeError" in capsys.readouterr().err
+    assert ">> cause of RuntimeError" in shown(capsys)
     assert hooks_of(model, optimizer) == ({}, {}, {})
 
 
@@ -46,9 +52,9 @@ def test_the_setup_is_diagnosed_before_the_first_optimizer_step(capsys):
     model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
     optimizer.step()
     assert w.start_report.findings_for("scaler-with-bf16")
-    assert "mpdoctor before the first optimizer step" in capsys.readouterr().err
+    assert "mpdoctor before the first optimizer step" in shown(capsys)
     optimizer.step()
-    assert capsys.readouterr().err == ""  # once, not at every step
+    assert shown(capsys) == ""  # once, not at every step
     w.close()
     assert hooks_of(model, optimizer) == ({}, {}, {})
 
@@ -93,4 +99,4 @@ def test_a_healthy_loop_is_silent(capsys):
             optimizer.step()
             optimizer.zero_grad()
     assert w.start_report.ok and w.probe_report is None and w.events == []
-    assert capsys.readouterr().err == ""
+    assert shown(capsys) == ""
