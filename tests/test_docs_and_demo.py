@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +85,21 @@ def test_pyproject_declares_an_spdx_license_and_a_setuptools_that_reads_it():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert project["project"]["license"] == "Apache-2.0"
     assert "setuptools>=77" in project["build-system"]["requires"]
+
+
+def test_the_readme_links_only_inside_the_repository():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert targets and [t for t in targets if "://" in t] == []
+    for target in targets:
+        assert (ROOT / target.split("#")[0]).exists(), target
+
+
+def test_the_readme_install_section_names_extras_that_exist():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert {e for e in extras if f"`{e}`" in install or f"[{e}]" in install} == set(extras)  # each one explained
+    assert set(re.findall(r"\[(\w+)\]", install)) <= set(extras)  # and none that does not exist
