@@ -40,7 +40,7 @@ BF16_TINY = 2.0**-133
 #: Bytes of scan buffers alive at once (chunk copies, abs values, masks): a quarter of the 64 MiB promise.
 TEMP_BUDGET = 16 * 2**20
 #: Elements per ``aminmax`` on the first pass over dense tensors: views, so no memory, only fewer calls.
-READ_ELEMENTS = 2**24
+READ_ELEMENTS = 2**22
 #: A flagged piece is narrowed down to sub-chunks of this many elements (one more ``aminmax`` each)
 #: before the exact counts, which cost several passes, run on the few sub-chunks holding the culprits.
 NARROW_ELEMENTS = 2**16
@@ -869,53 +869,55 @@ def scan_table(report_or_facts: Any, by: str = "module") -> Any:
 # -- the adapter from Facts: which live tensors a diagnosis scans ---------------------------------
 
 
-def _params_of(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """``(full name, module path, parameter)`` once per parameter, in ``named_modules()`` order.
+def _model_entries(model: torch.nn.Module, name: str, seen: set[int]) -> list[tuple[str, str, str, torch.Tensor]]:
+    """``(module path, kind, full name, tensor)`` of each parameter not in ``seen`` and its grad, in
+    ``named_modules()`` order.
 
-    A walk of the ``_modules`` dicts with a stack: ``named_modules``' recursive
-    generators cost more than the scan itself on a model of many small modules.
+    One loop over the ``_modules`` and ``_parameters`` dicts with a stack:
+    ``named_modules``' recursive generators cost more than the scan itself on
+    a model of many small modules.
     """
-    seen: set[int] = set()
+    entries: list[tuple[str, str, str, torch.Tensor]] = []
+    append = entries.append
+    parameter = torch.nn.Parameter
     visited: set[int] = set()
-    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
     while stack:
         mpath, mod = stack.pop()
         if id(mod) in visited:
             continue
         visited.add(id(mod))
         attrs = mod.__dict__
-        for pname, p in attrs.get("_parameters", {}).items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield (f"{mpath}.{pname}" if mpath else pname), mpath, p
+        params = attrs.get("_parameters")
+        if params:
+            base = f"{name}.{mpath}." if mpath else f"{name}."
+            for pname, p in params.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                full = base + pname
+                append((mpath, "param", full, p))
+                # A Parameter is a leaf by construction; reading .grad of a non-leaf would warn.
+                grad = p.grad if type(p) is parameter or p.is_leaf else None
+                if grad is not None:
+                    append((mpath, "grad", full + ".grad", grad))
         children = attrs.get("_modules")
         if children:
             prefix = mpath + "." if mpath else ""
             stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
+    return entries
 
 
 def _plans(facts: Any) -> list[tuple[str, str, list]]:
     """What to scan: ``(object, kind, [(module, tensor kind, name, tensor), ...])`` per model and optimizer."""
     plans: list[tuple[str, str, list]] = []
-    owners: dict[int, tuple[str, str, str]] = {}  # param id -> (model, param name, module)
     seen: set[int] = set()
-    parameter = torch.nn.Parameter
     for m in facts.models:
-        entries = []
-        prefix = m.name + "."
-        for name, mpath, p in _params_of(m.subject.obj):
-            owners.setdefault(id(p), (m.name, name, mpath))
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            full = prefix + name
-            entries.append((mpath, "param", full, p))
-            # A Parameter is a leaf by construction; reading .grad of a non-leaf would warn.
-            grad = p.grad if type(p) is parameter or p.is_leaf else None
-            if grad is not None:
-                entries.append((mpath, "grad", full + ".grad", grad))
-        plans.append((m.name, "model", entries))
+        plans.append((m.name, "model", _model_entries(m.subject.obj, m.name, seen)))
+    if not facts.optimizers:
+        return plans
+    # param id -> (module path, full name): how optimizer state is labelled.
+    owners = {id(e[3]): (e[0], e[2]) for _, _, entries in plans for e in entries if e[1] == "param"}
     for o in facts.optimizers:
         subject = facts.subject(o.name)
         inner = subject.inner if subject is not None else None
@@ -926,15 +928,14 @@ def _plans(facts: Any) -> list[tuple[str, str, list]]:
         for group in groups:
             for p in group.get("params", ()):
                 st = state.get(p) if isinstance(state, dict) else None
-                owner = owners.get(id(p))
-                label = f"{owner[0]}.{owner[1]}" if owner else f"param {index}"
+                module, label = owners.get(id(p), ("", f"param {index}"))
                 index += 1
                 if not isinstance(st, dict):
                     continue
                 for key, value in st.items():
                     if isinstance(value, torch.Tensor) and value.numel() > 1 and id(value) not in seen:
                         seen.add(id(value))
-                        entries.append((owner[2] if owner else "", "optimizer_state", f"{o.name}.state[{label}][{key!r}]", value))
+                        entries.append((module, "optimizer_state", f"{o.name}.state[{label}][{key!r}]", value))
         plans.append((o.name, "optimizer", entries))
     return plans
 
