@@ -571,7 +571,13 @@ def test_a_clean_report_says_so_once_and_offers_no_disabled_apply_all():
 
 
 def test_the_copy_button_hands_the_issue_markdown_to_the_browser_escaped():
+    import ipywidgets
+
     rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": bf16_model()})
+    if ipywidgets.__version__.startswith("7."):
+        # classic Notebook's ipywidgets 7 frontend cannot create Output models: no button, the select-all hint
+        assert not rw.buttons("Copy") and "select all (Ctrl/Cmd+A)" in "".join(rw.html_values())
+        return
     only(rw.buttons("Copy to clipboard")).click()
     (out,) = rw._clipboard.outputs
     script = out["data"]["application/javascript"]

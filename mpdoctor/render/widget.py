@@ -88,6 +88,13 @@ _COPY_JS = (
 )
 
 
+def _major(version: str) -> int:
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        return 0
+
+
 def _exc_named(exc: BaseException, name: str) -> bool:
     # The fix exceptions are matched by name: renderers never import the fix machinery (it imports torch).
     return any(cls.__name__ == name for cls in type(exc).__mro__)
@@ -200,19 +207,27 @@ class ReportWidget:
         self.scaler_panel = w.HTML()
         self.precision_panel = w.HTML()
         self.issue_text = w.Textarea(layout=w.Layout(width="98%", height="260px"))
-        self.copy_button = w.Button(
-            description="Copy to clipboard",
-            icon="copy",
-            tooltip="Copy the report as markdown (with versions and device) for a bug report",
-            layout=_button_layout(w),
-        )
-        self.copy_button.on_click(self._on_copy)
-        self._clipboard = w.Output(layout=w.Layout(height="0px", overflow="hidden"))
+        # The Copy button runs one line of script through an Output widget. classic Notebook's
+        # widgetsnbextension 3.6 (ipywidgets 7) cannot create Output models, so there the box and
+        # the select-all hint stay and the button is left out.
+        self._clipboard = w.Output(layout=w.Layout(height="0px", overflow="hidden")) if _major(w.__version__) >= 8 else None
         issue_help = w.HTML(
             f"<div style='{FONT};color:{MUTED}'>The report as markdown, with versions and device, "
-            "to paste into a bug report.</div>"
+            "to paste into a bug report"
+            + ("." if self._clipboard is not None else ": click in the box, select all (Ctrl/Cmd+A) and copy.")
+            + "</div>"
         )
-        issue_box = w.VBox([issue_help, w.HBox([self.copy_button, self._clipboard]), self.issue_text])
+        copy_row = []
+        if self._clipboard is not None:
+            self.copy_button = w.Button(
+                description="Copy to clipboard",
+                icon="copy",
+                tooltip="Copy the report as markdown (with versions and device) for a bug report",
+                layout=_button_layout(w),
+            )
+            self.copy_button.on_click(self._on_copy)
+            copy_row = [w.HBox([self.copy_button, self._clipboard])]
+        issue_box = w.VBox([issue_help, *copy_row, self.issue_text])
         issue_box.add_class("mpd-issue")
         self.panels = w.Tab(
             children=[
@@ -324,7 +339,8 @@ class ReportWidget:
         self.scaler_panel.value = scalers_html(data["scalers"])
         self.precision_panel.value = precision_html(data)
         self.issue_text.value = self.report.to_markdown()
-        self._clipboard.outputs = ()
+        if self._clipboard is not None:
+            self._clipboard.outputs = ()
 
     def _finding_card(self, finding: Any, view: dict) -> Any:
         w = self._w
