@@ -9,17 +9,24 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-main test-colab lab bench bench-quick env lint checks-doc browser-deps clean
 
+# pip without -q: a first install fetches ~1 GB (torch, JupyterLab, Playwright) and would otherwise be minutes of silence.
 $(STAMP): pyproject.toml constraints.txt Makefile
+	@echo "== creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "== upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test,browser]"
+	@echo "== installing mpdoctor with its test and browser extras into $(VENV) (torch CPU, transformers, JupyterLab, ...)"
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[test,browser]"
 	touch $@
 
 # Colab's stack (IPython 7.34, ipywidgets 7.7.1): the widget and magic tests run here too.
 $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
+	@echo "== creating $(COLAB_VENV) (Colab's stack) with $(PYTHON)"
 	$(PYTHON) -m venv $(COLAB_VENV)
+	@echo "== upgrading pip in $(COLAB_VENV)"
 	$(COLAB_VENV)/bin/python -m pip install -q --upgrade pip
-	$(COLAB_VENV)/bin/python -m pip install -q -c constraints-colab.txt -e ".[test]"
+	@echo "== installing mpdoctor with its test extra on IPython 7.34 / ipywidgets 7.7.1 into $(COLAB_VENV)"
+	$(COLAB_VENV)/bin/python -m pip install --progress-bar off -c constraints-colab.txt -e ".[test]"
 	touch $@
 
 demo: $(STAMP)
@@ -29,7 +36,7 @@ test: test-main test-colab
 
 # The browser suite also drives classic Notebook in the Colab venv, so build it first.
 test-main: $(STAMP) $(COLAB_STAMP)
-	$(BIN)/ruff check mpdoctor tests bench
+	$(BIN)/ruff check mpdoctor tests bench notebooks
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The whole suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17);
@@ -38,8 +45,9 @@ test-colab: $(COLAB_STAMP)
 	$(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --ignore=tests/test_browser.py \
 		--ignore=tests/test_binder.py --ignore=tests/test_bench_smoke.py $(PYTEST_ARGS)
 
+# Jupyter refuses to start as root (containers, CI) unless told it may.
 lab: $(STAMP)
-	$(BIN)/jupyter lab notebooks/00_tour.ipynb
+	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/00_tour.ipynb
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py
@@ -51,7 +59,7 @@ env: $(STAMP)
 	$(BIN)/python -m mpdoctor env
 
 lint: $(STAMP)
-	$(BIN)/ruff check mpdoctor tests bench
+	$(BIN)/ruff check mpdoctor tests bench notebooks
 
 checks-doc: $(STAMP)
 	$(BIN)/python -m mpdoctor checks --markdown

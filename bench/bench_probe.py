@@ -9,10 +9,12 @@ interleaved so that the machine's noise hits them alike (median of N):
   backward statistics, grads/RNG/modes saved and restored, report built);
 - DebugUnderflowOverflow: the same plain forward + backward on an identical
   copy of the model carrying transformers' forward hooks (they cannot be
-  removed, hence the copy). It checks forward only.
+  removed, hence the copy). It checks forward only; the probe also records
+  every module's output gradient and its parameters' gradients in backward.
 
-Overhead = time - plain. Target: probe overhead <= 0.5x DebugUnderflowOverflow's. ``--quick``: 2 layers, batch 2x32,
-3 rounds (seconds; only checks the script works).
+Overhead = best time - best plain time (best of N rounds, each round running the
+three in turn). Target: probe overhead <= 0.25x DebugUnderflowOverflow's.
+``--quick``: 2 layers, batch 2x32, 3 rounds (seconds; only checks the script works).
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
 """
 
@@ -23,7 +25,6 @@ import contextlib
 import copy
 import io
 import json
-import statistics
 import time
 
 import torch
@@ -87,37 +88,38 @@ def main() -> None:
                 start = time.perf_counter()
                 fn()
                 timings[key].append(time.perf_counter() - start)
-    med = {k: statistics.median(v) * 1000 for k, v in timings.items()}
+    med = {k: min(v) * 1000 for k, v in timings.items()}
     probe_over = med["probe"] - med["plain"]
     hooks_over = med["hooks"] - med["plain"]
     duo_over = med["duo"] - med["plain"]
     ratio = probe_over / duo_over if duo_over > 0 else float("inf")
     hooks_ratio = hooks_over / duo_over if duo_over > 0 else float("inf")
     print(f"{shape['layers']}-layer Llama (hidden 256, {n_modules} modules), batch {shape['batch']}x{shape['seq']}, "
-          f"fp32 CPU, 1 thread, median of {repeat}")  # fmt: skip
+          f"fp32 CPU, 1 thread, best of {repeat}")  # fmt: skip
     print(f"  plain forward+backward                     {med['plain']:8.1f} ms")
     print(f"  mpdoctor.probe (fwd+bwd, report)           {med['probe']:8.1f} ms  overhead {probe_over:7.1f} ms")
     print(f"  mpdoctor run_probe (fwd+bwd, hooks only)   {med['hooks']:8.1f} ms  overhead {hooks_over:7.1f} ms")
     print(f"  DebugUnderflowOverflow (forward hooks)     {med['duo']:8.1f} ms  overhead {duo_over:7.1f} ms")
-    print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.5)")
+    print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.25, with backward covered)")
     rows = [
         {
-            "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer Llama h256)",
+            "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer Llama h256; "
+            "the probe records backward too, DUO forward only)",
             "mpdoctor": round(probe_over, 2),
             "baseline": round(duo_over, 2),
             "ratio": round(ratio, 3),
-            "target": "ratio <= 0.5",
-            "met": ratio <= 0.5,
-            "unit": "ms added (median)",
+            "target": "ratio <= 0.25",
+            "met": ratio <= 0.25,
+            "unit": "ms added (best)",
         },
         {
             "figure": "probe hooks only (run_probe) overhead vs DebugUnderflowOverflow's",
             "mpdoctor": round(hooks_over, 2),
             "baseline": round(duo_over, 2),
             "ratio": round(hooks_ratio, 3),
-            "target": "ratio <= 0.5",
-            "met": hooks_ratio <= 0.5,
-            "unit": "ms added (median)",
+            "target": "ratio <= 0.25",
+            "met": hooks_ratio <= 0.25,
+            "unit": "ms added (best)",
         },
     ]
     for r in rows:

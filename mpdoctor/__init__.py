@@ -34,6 +34,7 @@ __all__ = [
     "load_ipython_extension",
     "probe",
     "unload_ipython_extension",
+    "watch",
 ]
 
 
@@ -46,14 +47,25 @@ def checks_reference() -> str:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register ``%mpdoctor`` (called by ``%load_ext mpdoctor``)."""
+    """Register ``%mpdoctor`` and the crash diagnosis (called by ``%load_ext mpdoctor``).
+
+    A cell that raises a known mixed-precision error shows its traceback and
+    then the diagnosis; ``%config MPDoctorMagics.on_error = False`` turns that off.
+    """
+    from .crash.hook import install
     from .magic import MPDoctorMagics
 
     ipython.register_magics(MPDoctorMagics)
+    magics = ipython.magics_manager.registry.get("MPDoctorMagics")
+    if not install(ipython, enabled=lambda: bool(getattr(magics, "on_error", True))):
+        print("mpdoctor: another custom exception handler is set; crashes will not be diagnosed automatically")
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Remove ``%mpdoctor`` (called by ``%unload_ext mpdoctor``)."""
+    """Remove ``%mpdoctor`` and the crash diagnosis (called by ``%unload_ext mpdoctor``)."""
+    from .crash.hook import uninstall
+
+    uninstall(ipython)
     magics = ipython.magics_manager.magics.get("line", {})
     magics.pop("mpdoctor", None)
     registry = ipython.magics_manager.registry
@@ -66,6 +78,10 @@ def __getattr__(name: str) -> Any:
         from .numerics.probe import probe
 
         return probe
+    if name == "watch":
+        from .crash.watch import watch
+
+        return watch
     if name == "MPDoctorCallback":
         from .numerics.callback import MPDoctorCallback
 

@@ -52,15 +52,41 @@ def training_step(ns: dict) -> float:
     return float(loss.detach())
 
 
+#: Why the demo applies each unsafe fix: in a notebook each needs a second click, which the demo makes.
+UNSAFE_REASONS = {
+    "mixed-param-dtypes": "the run is meant to be bf16; the fp32 head is the leftover that makes the forward raise",
+    "optimizer-dtype-requirement": "AdamWBF16 takes only bf16 parameters, so the fp32 head must become bf16",
+}
+
+INSTALL_HF = 'the demo builds a tiny Llama with transformers, which is not installed: pip install "mpdoctor[hf]" (from a clone: pip install -e ".[hf]")'
+
+
+def _why_unsafe(report, fix) -> str:
+    """The reason to accept an unsafe fix here: the demo's own, else the first sentence of its finding."""
+    if fix.slug in UNSAFE_REASONS:
+        return UNSAFE_REASONS[fix.slug]
+    finding = next((f for f in report.findings if any(x is fix for x in f.fixes)), None)
+    return finding.message.split(": ", 1)[-1].split(". ")[0] if finding is not None else "it clears a finding above"
+
+
 def _rule(title: str) -> None:
     print(f"\n=== {title} " + "=" * max(0, 76 - len(title)))
 
 
 def run_demo() -> int:
     """Run the demo; returns the process exit code (0 when the fixed setup trains)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(f"mpdoctor demo: {INSTALL_HF}", file=sys.stderr)
+        return 2
     from . import diagnose
 
     ns = build_broken_setup()
+    print(
+        "The broken setup: a tiny Llama cast to bf16 with its output head left in fp32, in training mode with its "
+        f"KV cache on, the optimizer {type(ns['optimizer']).__name__}, and a GradScaler copied from an fp16 recipe."
+    )
     _rule("1. a broken setup: what happens when it trains")
     try:
         loss = training_step(ns)
@@ -80,7 +106,7 @@ def run_demo() -> int:
         if not fix.applied and not fix.safe:
             # In a notebook an unsafe fix needs an explicit click; the demo clicks.
             fix.apply(confirm=True)
-            print(f"applied (unsafe): {fix.title}")
+            print(f"applied (unsafe): {fix.title}\n                  why: {_why_unsafe(report, fix)}")
     for fix in report.fixes:
         if fix.error:
             print(f"failed:           {fix.title}: {fix.error}")

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Mapping
+from typing import Any
 
+import torch
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import List, Unicode
+from traitlets import Bool, List, Unicode
+
+from .facts.hardware import PROFILES
 
 try:
     from IPython.core.magic import no_var_expand
@@ -21,8 +27,39 @@ except ImportError:  # IPython < 7.3
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
+_BATCH_HINT = "a dict of keyword arguments for forward, a tensor, or a tuple/list of positional arguments"
+_INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
+
+
 def _print_line(text: str) -> None:
     print(f"mpdoctor: {text}")
+
+
+def _type_name(obj: Any) -> str:
+    # type() never runs user code, unlike obj.__class__ on proxies and mocks.
+    return type(obj).__name__
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
+def _nothing_to_inspect(name: str, obj: Any) -> str:
+    """Why a named object brought no subject: the user named the wrong thing, so say what to name."""
+    cls = type(obj)
+    if issubclass(cls, torch.Tensor):
+        return (
+            f"{name} is a tensor ({str(obj.dtype).replace('torch.', '')}): nothing to inspect on its own; "
+            "name the model or optimizer that holds it"
+        )
+    if any(c.__name__ == "PretrainedConfig" for c in cls.__mro__) or cls.__name__.endswith("Config"):
+        return f"{name} is {_a(cls.__name__)}: a config is read through the model built from it; name the model"
+    return f"{name} is {_a(cls.__name__)}: nothing to inspect (mpdoctor inspects {_INSPECTED})"
+
+
+def _close_matches(slug: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(slug, known, n=3, cutoff=0.5)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
 @magics_class
@@ -31,16 +68,19 @@ class MPDoctorMagics(Magics):
 
     target = Unicode(None, allow_none=True, help="Default device profile for %mpdoctor (what-if).").tag(config=True)
     ignore = List(Unicode(), default_value=[], help="Check slugs %mpdoctor skips by default.").tag(config=True)
+    on_error = Bool(
+        True, help="After a cell raises a known mixed-precision error, show the diagnosis below the traceback."
+    ).tag(config=True)
 
     @magic_arguments()
     @argument("names", nargs="*", help="Variables to inspect (default: everything in the namespace).")
     @argument("--text", action="store_true", help="Print the text rendering instead of the widget.")
     @argument("--json", action="store_true", help="Print the report as JSON.")
     @argument("--markdown", action="store_true", help="Print the report as markdown (for bug reports).")
-    @argument("--target", metavar="GPU", default=None, help="Evaluate on a device profile: cpu, T4, V100, A10G, A100, L4, H100.")
+    @argument("--target", metavar="GPU", default=None, help=f"Evaluate on a device profile (what-if): {', '.join(PROFILES)}.")
     @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
-    @argument("--probe", metavar="BATCH_NAME", default=None, help="Run one forward+backward on this batch variable.")
+    @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
     @line_magic
     @no_var_expand  # IPython would evaluate {expr} and $name in the line before the magic sees it
     def mpdoctor(self, line: str = ""):
@@ -90,7 +130,9 @@ class MPDoctorMagics(Magics):
         from .facts.hardware import UnknownTarget
         from .redact import describe_exception
 
-        ignore = list(self.ignore) + [s.strip() for s in args.ignore.split(",") if s.strip()]
+        ignore = self._ignore_list(args.ignore)
+        if ignore is None:
+            return None
         target = args.target if args.target is not None else self.target
         try:
             if args.names:
@@ -103,6 +145,11 @@ class MPDoctorMagics(Magics):
                     _print_line(f"no such variable: {shown}{note}")
                     return None
                 report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore)
+                empty = [(labels[id(o)], o) for o in objects if not _brought_a_subject(report, labels[id(o)], o)]
+                for name, obj in dict(empty).items():
+                    _print_line(_nothing_to_inspect(name, obj))
+                if empty and not report.subjects:
+                    return None
             else:
                 report = diagnose(
                     namespace=self.shell.user_ns,
@@ -115,6 +162,7 @@ class MPDoctorMagics(Magics):
                 report = self._probe(args.probe, report, target)
                 if report is None:
                     return None
+            hidden = {} if args.probe else _hidden_counts(report, ignore)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -126,12 +174,34 @@ class MPDoctorMagics(Magics):
         except Exception as exc:  # a rendering failure still returns the report, shown nowhere else
             report._skip_display_in = self.shell.execution_count
             _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
+        if not (args.json or args.markdown):  # the exports stay parseable: no line after them
+            if args.probe:
+                _print_line(_probe_summary(report, args.probe))
+            if hidden:
+                total = sum(hidden.values())
+                each = ", ".join(f"{slug} {n}" for slug, n in sorted(hidden.items()))
+                _print_line(f"{total} finding{'s' if total != 1 else ''} hidden by the ignore list ({each})")
         return report
+
+    def _ignore_list(self, option: str) -> list[str] | None:
+        """The configured and typed check slugs to skip; None (after one line per unknown slug) on a typo."""
+        from .checks import load
+
+        known = sorted(load())
+        wanted = [("MPDoctorMagics.ignore", s) for s in self.ignore]
+        wanted += [("--ignore", s.strip()) for s in option.split(",") if s.strip()]
+        unknown = [(where, slug) for where, slug in wanted if slug not in known]
+        for where, slug in unknown:
+            _print_line(f"{where}: unknown check {slug!r}{_close_matches(slug, known)} (python -m mpdoctor checks lists them)")
+        return None if unknown else list(dict.fromkeys(slug for _, slug in wanted))
 
     def _probe(self, batch_name: str, report, target):
         value, ok = self._lookup(self.shell.user_ns, batch_name)
         if not ok:
             _print_line(f"no such variable: {batch_name}")
+            return None
+        if not issubclass(type(value), _batch_types()):
+            _print_line(f"--probe {batch_name}: {batch_name} is {_a(_type_name(value))}, not a batch; give {_BATCH_HINT}")
             return None
         models = [s for s in report.subjects if s.kind == "model"]
         if len(models) != 1:
@@ -145,7 +215,7 @@ class MPDoctorMagics(Magics):
         others = [s.obj for s in report.subjects if s.kind in ("trainer", "accelerator")]
         return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
 
-    def _show(self, report, args) -> None:
+    def _show(self, report: Any, args: Any) -> None:
         from .render.frontend import show
 
         if args.json:
@@ -160,3 +230,55 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         report._skip_display_in = self.shell.execution_count
+
+
+def _batch_types() -> tuple:
+    """What ``--probe`` accepts: what a DataLoader yields (imported late: the probe's module is not cheap)."""
+    from .numerics.probe_facts import ForwardCall
+
+    return (Mapping, torch.Tensor, tuple, list, ForwardCall)
+
+
+def _brought_a_subject(report: Any, name: str, obj: Any) -> bool:
+    """Whether the object named ``name`` was inspected, itself or through what it holds."""
+    for s in report.subjects:
+        if s.obj is obj or s.name == name or s.name.startswith((f"{name}.", f"{name}[")):
+            return True
+    return False
+
+
+def _hidden_counts(report: Any, ignore: list[str]) -> dict[str, int]:
+    """How many findings each ignored check would have reported on the same facts.
+
+    The Report keeps only the ignore list, so the ignored checks are run here on
+    ``report.facts`` (checks are pure functions of facts: nothing is read again).
+    """
+    if not ignore:
+        return {}
+    from .checks import load, run_checks
+
+    ignored = set(ignore)
+    others = [slug for slug in load() if slug not in ignored]
+    counts: dict[str, int] = {}
+    for finding in run_checks(report.facts, ignore=others):
+        if finding.check in ignored:
+            counts[finding.check] = counts.get(finding.check, 0) + 1
+    return counts
+
+
+def _probe_summary(report: Any, batch_name: str) -> str:
+    """One line saying that the probe ran, how, and what it found, healthy runs included."""
+    probes = getattr(report.facts, "probes", ())
+    if not probes:
+        return f"--probe {batch_name}: the probe did not run"
+    pf = probes[0]
+    how = "forward and backward" if pf.backward else "forward only"
+    precision = f"{pf.autocast} autocast" if pf.autocast else "no autocast"
+    loss = f", loss {pf.loss:.4g}" if pf.loss is not None else ""
+    found = [f for f in report.findings if f.check.startswith("probe-")]
+    if found:
+        what = "found " + "; ".join(f"{f.check} at {f.subject}" for f in found)
+    else:
+        what = "no module raised, went NaN/Inf or passed fp16's 65504"
+    note = f" ({pf.note})" if pf.note else ""
+    return f"probed {pf.model} on {batch_name}: one {how}, {precision}, {len(pf.modules)} modules{loss}{note}; {what}"

@@ -37,6 +37,11 @@ class Report:
         Seconds the diagnosis took.
     probe_table : pandas.DataFrame or None
         Per-module table of a one-batch probe (only for ``probe()`` reports).
+    cause : Finding or None
+        When the report explains an exception (the crash hook, ``mpdoctor run``,
+        ``watch``): the finding that caused it, first in ``findings``.
+    exception : str or None
+        One-line summary of that exception (``"RuntimeError: mat1 and mat2 ..."``).
     """
 
     def __init__(
@@ -70,6 +75,9 @@ class Report:
         self._plan = plan
         #: Findings hidden by ``ignore``, per check slug.
         self.hidden: dict[str, int] = dict(hidden or {})
+        # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
+        self.cause: Finding | None = None
+        self.exception: str | None = None
 
     # -- queries -----------------------------------------------------------------------
     @property

@@ -25,10 +25,12 @@ def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
     assert all(KEYS <= set(r) for r in rows)
     figures = " | ".join(r["figure"] for r in rows)
     for expected in (
-        "value scan throughput vs bare aminmax loop",
-        "value scan throughput vs naive",
+        "value scan speed vs bare aminmax loop",
+        "small bf16 tensors (scan_tensors) vs bare aminmax loop",
+        "value scan speed vs naive",
         "value scan peak extra memory",
         "probe() overhead over fwd+bwd vs DebugUnderflowOverflow",
+        "MPDoctorCallback per-step cost",
         "%load_ext mpdoctor on top of import torch",
     ):
         assert expected in figures

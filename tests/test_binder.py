@@ -12,7 +12,8 @@ configuration points at local wheels). Each unreachable lookup is retried 5
 times by default, which alone costs about ten minutes over ~80 packages, so the
 test runs pip with ``PIP_RETRIES=0``: the same install, without the waiting.
 pip's cache is reused. ``MPDOCTOR_SKIP_BINDER=1`` skips this test (about two
-minutes on two cores).
+minutes on two cores). Those minutes are not silent: each step and each package
+pip collects is printed as it happens, past pytest's output capture.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,30 @@ def test_binder_files_pin_python_and_a_cpu_torch_and_install_this_repository():
     assert not (BINDER / "postBuild").exists() or os.access(BINDER / "postBuild", os.X_OK)
 
 
-def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path):
+def _say(capsys, text: str) -> None:
+    """A progress line on the terminal now, even while pytest captures the test's output."""
+    with capsys.disabled():
+        print(f"\n[binder] {text}", end="", flush=True)
+
+
+def _pip_with_progress(capsys, args: list[str], timeout: float, **kwargs) -> tuple[int, str]:
+    """Run pip, echoing the lines that show progress (one per package); return (exit code, full output)."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(("Collecting", "Installing collected", "Successfully installed")):
+                _say(capsys, "pip: " + line.strip()[:150])
+        proc.wait()
+    finally:
+        timer.cancel()
+    return proc.returncode, "".join(lines)
+
+
+def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path, capsys):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     cfg = (venv / "pyvenv.cfg").read_text()
@@ -54,15 +79,15 @@ def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"))}
     env.update(PIP_RETRIES="0", PIP_DISABLE_PIP_VERSION_CHECK="1")
     # As repo2docker: from the repository root; ipykernel stands in for its base environment.
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "-q", "-r", "binder/requirements.txt", "ipykernel"],
+    _say(capsys, "installing binder/requirements.txt into a fresh venv, as repo2docker does (a few minutes)")
+    code, output = _pip_with_progress(
+        capsys,
+        [python, "-m", "pip", "install", "--progress-bar", "off", "-r", "binder/requirements.txt", "ipykernel"],
+        timeout=900,
         cwd=ROOT,
         env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
     )
-    assert install.returncode == 0, install.stderr[-4000:]
+    assert code == 0, output[-4000:]
     versions = subprocess.run(
         [python, "-c", "import sys, torch; print(sys.version_info[:2], torch.__version__)"],
         cwd=tmp_path,
@@ -74,6 +99,7 @@ def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path)
 
     workdir = tmp_path / "run"
     workdir.mkdir()
+    _say(capsys, "running notebooks/00_tour.ipynb in that venv's kernel\n")
     executed, kernel, seconds = run_notebook(NOTEBOOKS / "00_tour.ipynb", python, workdir, env=env)
     assert kernel["prefix"] == os.path.realpath(venv), kernel
     assert Path(kernel["mpdoctor"]).is_relative_to(os.path.realpath(venv)), f"mpdoctor came from {kernel['mpdoctor']}"

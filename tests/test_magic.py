@@ -15,7 +15,7 @@ def ip():
     shell = InteractiveShell.instance()
     shell.run_cell("%load_ext mpdoctor", store_history=False)
     yield shell
-    for name in ("model", "scaler", "opt", "r", "batch", "nothing"):
+    for name in ("model", "scaler", "opt", "r", "batch", "nothing", "t", "cfg", "trainer"):
         shell.user_ns.pop(name, None)
     shell.run_cell("%unload_ext mpdoctor", store_history=False)
 
@@ -117,3 +117,123 @@ def test_config_sets_a_default_target(ip):
         assert ip.user_ns["r"].target == "V100"
     finally:
         ip.run_cell("%config MPDoctorMagics.target = None")
+
+
+# -- a user's mistake is said as the user's mistake -------------------------------------------------------
+
+
+def test_help_lists_every_target(ip, capsys):
+    from mpdoctor.facts.hardware import PROFILES
+
+    ip.run_cell("%mpdoctor?")
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--target GPU" in help_text
+    for name in PROFILES:
+        assert f" {name}," in help_text or f" {name}." in help_text, name
+
+
+def test_naming_a_tensor_or_a_config_says_why_nothing_was_inspected(ip, capsys):
+    from transformers import LlamaConfig
+
+    ip.user_ns["t"] = torch.zeros(3, dtype=torch.float16)
+    ip.user_ns["cfg"] = LlamaConfig(hidden_size=64, num_hidden_layers=1)
+    result = ip.run_cell("r = %mpdoctor t cfg")
+    out = capsys.readouterr().out.splitlines()
+    assert result.error_in_exec is None and ip.user_ns["r"] is None
+    assert out == [
+        "mpdoctor: t is a tensor (float16): nothing to inspect on its own; name the model or optimizer that holds it",
+        "mpdoctor: cfg is a LlamaConfig: a config is read through the model built from it; name the model",
+    ]
+
+
+def test_a_name_holding_nothing_is_explained_and_the_others_are_still_diagnosed(ip, capsys):
+    _bf16_setup(ip)
+    ip.user_ns["t"] = 3
+    ip.run_cell("r = %mpdoctor model t --text")
+    out = capsys.readouterr().out
+    assert out.startswith("mpdoctor: t is an int: nothing to inspect (mpdoctor inspects models, optimizers,")
+    assert [s.name for s in ip.user_ns["r"].subjects] == ["model"]
+
+
+def test_a_trainer_brings_its_model_so_naming_both_explains_nothing(ip, capsys, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    _bf16_setup(ip)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    ip.user_ns["trainer"] = Trainer(model=ip.user_ns["model"], args=args)
+    ip.run_cell("r = %mpdoctor trainer model --text")
+    assert "nothing to inspect" not in capsys.readouterr().out
+
+
+def test_an_unknown_ignore_slug_is_an_error_with_close_matches(ip, capsys):
+    _bf16_setup(ip)
+    result = ip.run_cell("r = %mpdoctor --ignore scaler-bf16,cache-in-training --text")
+    assert result.error_in_exec is None and ip.user_ns["r"] is None
+    assert capsys.readouterr().out.strip() == (
+        "mpdoctor: --ignore: unknown check 'scaler-bf16'; did you mean scaler-with-bf16? "
+        "(python -m mpdoctor checks lists them)"
+    )
+
+
+def test_an_unknown_slug_in_the_configured_ignore_list_is_named_as_coming_from_there(ip, capsys):
+    _bf16_setup(ip)
+    ip.run_cell("%config MPDoctorMagics.ignore = ['cache-in-trainning']")
+    try:
+        ip.run_cell("r = %mpdoctor --text")
+        assert ip.user_ns["r"] is None
+        out = capsys.readouterr().out
+        assert out.startswith("mpdoctor: MPDoctorMagics.ignore: unknown check 'cache-in-trainning'; did you mean cache-in-training?")
+    finally:
+        ip.run_cell("%config MPDoctorMagics.ignore = []")
+
+
+def test_the_report_says_how_many_findings_the_ignore_list_hid(ip, capsys):
+    _bf16_setup(ip)
+    ip.run_cell("r = %mpdoctor --ignore scaler-with-bf16 --text")
+    out = capsys.readouterr().out
+    assert not ip.user_ns["r"].findings_for("scaler-with-bf16")
+    assert out.rstrip().splitlines()[-1] == "mpdoctor: 1 finding hidden by the ignore list (scaler-with-bf16 1)"
+
+
+def test_the_hidden_count_keeps_json_parseable(ip, capsys):
+    import json
+
+    _bf16_setup(ip)
+    ip.run_cell("r = %mpdoctor --ignore scaler-with-bf16 --json")
+    assert json.loads(capsys.readouterr().out)["findings"] == []
+
+
+def test_probe_with_a_non_batch_says_it_is_not_a_batch(ip, capsys):
+    from transformers import LlamaConfig
+
+    _bf16_setup(ip)
+    ip.user_ns["cfg"] = LlamaConfig(hidden_size=64, num_hidden_layers=1)
+    result = ip.run_cell("r = %mpdoctor model --probe cfg")
+    out = capsys.readouterr().out
+    assert result.error_in_exec is None and ip.user_ns["r"] is None
+    assert "internal error" not in out
+    assert out.strip() == (
+        "mpdoctor: --probe cfg: cfg is a LlamaConfig, not a batch; give a dict of keyword arguments for forward, "
+        "a tensor, or a tuple/list of positional arguments"
+    )
+
+
+def test_probe_says_that_it_ran_and_what_it_found_when_nothing_is_wrong(ip, capsys):
+    _bf16_setup(ip)
+    ip.user_ns["batch"] = torch.randn(2, 4, dtype=torch.bfloat16)
+    ip.run_cell("r = %mpdoctor model --probe batch --text")
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    report = ip.user_ns["r"]
+    assert report.facts.probes and report.facts.probes[0].backward
+    assert last.startswith("mpdoctor: probed model on batch: one forward and backward, no autocast, 4 modules, loss ")
+    assert last.endswith("; no module raised, went NaN/Inf or passed fp16's 65504")
+
+
+def test_probe_names_what_it_found(ip, capsys):
+    _bf16_setup(ip)
+    with torch.no_grad():
+        ip.user_ns["model"][0].weight[0, 0] = float("inf")
+    ip.user_ns["batch"] = torch.ones(2, 4, dtype=torch.bfloat16)
+    ip.run_cell("r = %mpdoctor model --probe batch --text")
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    assert "; found probe-nonfinite at model.0" in last

@@ -1,5 +1,8 @@
 """The teaching notebooks run top to bottom, from a clean kernel, and still teach the truth.
 
+Each ``notebooks/NN_name.ipynb`` is paired with a jupytext percent source
+``notebooks/NN_name.py`` (the file to edit); the two must hold the same cells.
+
 Each notebook is executed with nbclient in a fresh kernel of *this* interpreter
 (a kernelspec written to a temporary directory, so a stray ``python3`` spec on
 the PATH cannot swap the interpreter), in a temporary working directory. The
@@ -28,13 +31,6 @@ NOTEBOOK_BUDGET = 120  # seconds per notebook: the lessons promise "under a minu
 PROBE_CELL = """import json, os, sys
 import mpdoctor
 print(json.dumps({"prefix": os.path.realpath(sys.prefix), "mpdoctor": os.path.realpath(mpdoctor.__file__)}))"""
-
-
-def _load_builder():
-    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOKS / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def notebook_paths() -> list[Path]:
@@ -134,13 +130,27 @@ def missing_requirements(nb) -> list[str]:
 # -- the committed files --------------------------------------------------------------------
 
 
-def test_the_notebooks_on_disk_are_exactly_what_the_builder_writes():
-    builder = _load_builder()
-    built = builder.build()
-    assert sorted(built) == [p.stem for p in notebook_paths()]
-    for stem, nb in built.items():
-        on_disk = (NOTEBOOKS / f"{stem}.ipynb").read_text(encoding="utf-8")
-        assert on_disk == builder.render(nb), f"{stem}.ipynb is stale: run `python notebooks/_build.py`"
+def test_every_notebook_has_a_percent_source_and_every_source_a_notebook():
+    sources = sorted(p.stem for p in NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+    assert sources == [p.stem for p in notebook_paths()]
+
+
+@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.stem)
+def test_each_notebook_and_its_percent_source_hold_the_same_cells(path):
+    """The .py is what people edit and review, the .ipynb what Colab and Binder open: they cannot drift."""
+    import jupytext
+
+    source = path.with_suffix(".py")
+    from_py, from_ipynb = jupytext.read(source), jupytext.read(path)
+    stale = f"{path.stem}: the .py and the .ipynb differ; run `jupytext --sync notebooks/{source.name}`"
+    assert from_ipynb.metadata["jupytext"]["formats"] == "ipynb,py:percent"
+    assert [c.cell_type for c in from_py.cells] == [c.cell_type for c in from_ipynb.cells], stale
+    for index, (a, b) in enumerate(zip(from_py.cells, from_ipynb.cells)):
+        assert a.source == b.source, f"{stale} (cell {index})"
+        assert a.metadata == b.metadata, f"{stale} (metadata of cell {index})"
+    assert from_py.metadata.get("mpdoctor") == from_ipynb.metadata.get("mpdoctor"), stale
+    # The other way round too: the .ipynb written as a percent source is the .py, byte for byte.
+    assert jupytext.writes(from_ipynb, fmt="py:percent") == source.read_text(encoding="utf-8"), stale
 
 
 @pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.stem)

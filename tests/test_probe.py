@@ -85,6 +85,41 @@ def test_probe_names_the_first_module_whose_output_passes_fp16_range_and_reports
     assert order[0] == "model" and order.index("model.model.embed_tokens") < order.index("model.model.layers.0")
 
 
+def _backward_amplifier():
+    """A real Llama whose forward stays within fp16 (logits ~2.6e3) but whose lm_head, 10,000x too large,
+    turns a loss-scaled gradient of 2**15 into ~2e6 on its way back into the final norm."""
+    model = tiny_llama(use_cache=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    scaler.scale(torch.ones(()))  # the scale tensor exists, as after a first step
+    return model, scaler
+
+
+def test_a_gradient_that_passes_fp16_range_only_in_backward_is_named_with_its_module():
+    model, scaler = _backward_amplifier()
+    report = mpdoctor.probe(model, batch(), scaler=scaler)
+    (finding,) = report.findings_for("probe-overflow")
+    assert finding.subject == "model.model.norm" and finding.evidence["phase"] == "backward"
+    assert finding.evidence["absmax"] > 65504 and "scaled by the loss scale" in finding.message
+    table = report.probe_table.set_index("module")
+    assert table.out_absmax.max() < 65504  # the forward alone would have looked healthy
+    assert table.loc["model.lm_head", "grad_absmax"] < 65504 < table.loc["model.model.norm", "grad_absmax"]
+
+
+def test_under_fp16_autocast_the_backward_overflow_is_named_as_the_first_non_finite_gradient():
+    model, scaler = _backward_amplifier()
+    everything = Everything(model, scaler=scaler)
+    report = mpdoctor.probe(model, batch(), scaler=scaler, autocast=torch.float16)
+    everything.assert_unchanged()
+    (finding,) = report.findings_for("probe-nonfinite")
+    assert finding.subject == "model.model.norm" and finding.evidence["phase"] == "backward"
+    table = report.probe_table.set_index("module")
+    assert table.out_nonfinite.sum() == 0 and table.loc["model.lm_head", "grad_nonfinite"] == 0
+    assert table.loc["model.model.norm", "grad_nonfinite"] > 0
+    assert report.facts.probes[0].loss_scale == 2.0**15
+
+
 def test_under_fp16_autocast_the_same_layer_is_named_as_the_first_non_finite_from_finite_inputs():
     model = tiny_llama(use_cache=False)
     with torch.no_grad():
@@ -109,7 +144,14 @@ def test_the_accelerator_path_queues_statistics_and_reads_them_once_with_the_sam
     assert [f.subject for f in queued.findings] == [f.subject for f in eager.findings]
     cols = ["module", "out_absmax", "out_nonfinite", "grad_nonfinite", "param_grad_nonfinite"]
     assert queued.probe_table[cols].equals(eager.probe_table[cols])
-    assert queued.probe_table.in_absmax.notna().sum() > eager.probe_table.in_absmax.notna().sum()
+    inputs_measured = [sum(m.in_absmax is not None for m in r.facts.probes[0].modules) for r in (queued, eager)]
+    assert inputs_measured[0] > inputs_measured[1]  # on the CPU only where an output went bad
+
+
+def test_no_probe_table_column_is_empty_on_a_healthy_cpu_run():
+    table = mpdoctor.probe(tiny_llama(use_cache=False), batch()).probe_table
+    assert list(table.columns) == PROBE_COLUMNS
+    assert [c for c in table.columns if table[c].isna().all() or (table[c] == "").all()] == []
 
 
 def test_an_inf_weight_is_named_with_its_own_weights_as_the_cause():

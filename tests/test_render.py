@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,93 @@ def test_every_string_from_user_objects_is_escaped_in_the_static_html():
         html.count("&lt;img src=x onerror=alert(1)&gt;") >= 4
     )  # subject, class, finding, fix title and code
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+# -- the view model: summaries, words, pictures --------------------------------------------------
+
+from mpdoctor.render.evidence import (  # noqa: E402
+    layer_rows,
+    layer_strips,
+    plural,
+    precision_word,
+    probe_bars,
+    rst_to_plain,
+    singular_counts,
+    summarize_evidence,
+)
+from mpdoctor.render.svg import layer_strip_svg, probe_chart_svg  # noqa: E402
+
+
+def mixed_llama(layers: int = 32):
+    """A bf16 Llama whose MLPs in every fourth layer were left in fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, use_cache=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16).train()
+    for i in range(0, layers, 4):
+        model.model.layers[i].mlp.float()
+    return model
+
+
+def test_a_32_layer_module_flood_is_one_sentence_with_the_full_list_folded():
+    report = mpdoctor.diagnose(namespace={"llama": mixed_llama()})
+    (finding,) = report.findings_for("mixed-param-dtypes")
+    assert len(finding.evidence["modules"]) == 24
+    items = {i.key: i for i in summarize_evidence(finding.evidence)}
+    assert "roles" not in items, "roles are folded into the modules summary"
+    assert items["modules"].summary == "24 MLP projections in 8 layers are fp32: layers 0, 4, 8, 12, 16, 20, ..."
+    assert items["modules"].full.count("\n") == 23 and "model.layers.28.mlp.down_proj: [float32]" in items["modules"].full
+    text = report.to_text()
+    assert "24 MLP projections in 8 layers are fp32" in text and "'model.layers.28.mlp.up_proj': " not in text
+    html = report.to_html()
+    assert "all modules (24 lines)</summary>" in html, "the full list is folded in a <details>"
+
+
+def test_words_for_people():
+    assert plural(1, "error") == "1 error" and plural(2, "error") == "2 errors" and plural(3, "safe fix", "safe fixes") == "3 safe fixes"
+    assert singular_counts("Cast 1 parameters of 1 modules of m to bf16") == "Cast 1 parameter of 1 module of m to bf16"
+    assert singular_counts("Cast 11 parameters of 21 modules") == "Cast 11 parameters of 21 modules"
+    assert precision_word("no") == "fp32" and precision_word("bf16") == "bf16"
+    assert rst_to_plain("set ``use_cache=False``; see :func:`torch.autocast`") == "set use_cache=False; see torch.autocast"
+
+
+def test_the_layer_strip_marks_the_layers_that_differ():
+    report = mpdoctor.diagnose(namespace={"llama": mixed_llama(8)})
+    rows = layer_rows(report)
+    assert {r.dtype for r in rows} == {"bfloat16", "float32"} and all(r.model == "llama" for r in rows)
+    (strip,) = layer_strips(rows)
+    assert strip.layers == list(range(8)) and strip.differing == [0, 4]
+    assert strip.cells[(0, "mlp.up_proj")] == ("float32",) and strip.cells[(1, "mlp.up_proj")] == ("bfloat16",)
+    svg = layer_strip_svg(strip)
+    assert svg.startswith("<svg") and svg.count("<title>layer 0 mlp.up_proj: fp32</title>") == 1
+    assert "var(--jp-content-font-color1,#1f2328)" in svg, "text drawn in the theme's colour"
+    assert "dtypes per layer" in report.to_html()
+    two_layers = mpdoctor.diagnose(namespace={"llama": mixed_llama(2)})
+    assert layer_strips(layer_rows(two_layers)) == [] and "dtypes per layer" not in two_layers.to_html()
+
+
+def test_the_probe_chart_draws_both_half_precision_limits_and_non_finite_values():
+    rows = [
+        {"module": "m.embed", "out_absmax": 3.5, "grad_absmax": 0.01},
+        {"module": "m.layers.0.mlp", "out_absmax": 70000.0, "grad_absmax": None},
+        {"module": "m.layers.1.mlp", "out_absmax": float("inf"), "grad_absmax": float("nan")},
+        {"module": "m.dropout", "out_absmax": None, "grad_absmax": None},
+    ]
+    svg = probe_chart_svg(probe_bars(rows))
+    assert "fp16 max 65504" in svg and "bf16 max 3.4e38" in svg
+    assert "m.dropout" not in svg, "a module that saw no floating tensor is left out"
+    assert ">70,000<" in svg and "m.layers.1.mlp output: inf" in svg
+
+
+def test_scan_numbers_show_even_when_no_finding_fires():
+    torch.manual_seed(0)
+    report = mpdoctor.diagnose(namespace={"model": torch.nn.Linear(8, 8)}, scan=True)
+    assert not [f for f in report.findings if f.severity != "info"]
+    html = report.to_html()
+    assert ">numerics</div>" in html and "NaN / Inf" in html and "fp16 headroom" in html
+    headroom = re.search(r"fp16 headroom</td><td[^>]*>([^<]+)</td>", html).group(1)
+    assert re.fullmatch(r"[\d,.e+]+x", headroom) and len(headroom) <= 10, f"rounded: {headroom}"

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from fingerprint import assert_unchanged, fingerprint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from setups import tiny_gemma3, tiny_llama, training_args
@@ -14,10 +15,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mpdoctor
 from mpdoctor.numerics.scan import (
     FP16_MAX,
+    SMALL_ELEMENTS,
     TEMP_BUDGET,
     chunk_elements_for,
+    module_rows,
     scan_table,
     scan_tensor,
+    scan_tensors,
 )
 
 FP16_TINY = 2.0**-24
@@ -128,6 +132,118 @@ def test_no_op_of_a_scan_allocates_more_than_one_chunk_even_on_a_tensor_full_of_
     assert got["nan"] + got["fp16_overflow"] == big.numel()
     assert 0 < log.largest <= 65536 * 4  # one fp32 chunk, never the tensor's 16 MiB
     assert big.numel() * 4 > 60 * log.largest
+
+
+SHAPES = [(), (1,), (3,), (0,), (0, 4), (4, 5), (5, 4), (2, 3, 4), (64, 64)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _planted(shape, dtype, seed: int, plants) -> torch.Tensor:
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    for i, value in plants:
+        if t.numel():
+            t.view(-1)[i % t.numel()] = value
+    return t.to(dtype)
+
+
+def _entries(tensors):
+    return [(f"m{i % 3}", "param", f"t{i}", t) for i, t in enumerate(tensors)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(
+            st.sampled_from(SHAPES),
+            st.sampled_from(DTYPES),
+            st.lists(st.tuples(st.integers(0, 4095), st.sampled_from(PLANTS)), max_size=3),
+            st.booleans(),  # a transposed (non-contiguous) view instead of the tensor itself
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    chunk=st.integers(1, 300),
+    underflow=st.booleans(),
+)
+def test_the_bulk_scan_of_many_small_tensors_is_exact_per_tensor_whatever_the_mix_and_chunking(specs, chunk, underflow):
+    tensors = []
+    for n, (shape, dtype, plants, transpose) in enumerate(specs):
+        t = _planted(shape, dtype, n, plants)
+        tensors.append(t.t() if transpose and t.dim() == 2 else t)
+    sf = scan_tensors(_entries(tensors), "model", "model", underflow=underflow, chunk_elements=chunk)
+    assert sf.skipped == ()
+    assert [r.name for r in sf.tensors] == [f"t{i}" for i in range(len(tensors))]  # input order, one row each
+    for row, t in zip(sf.tensors, tensors):
+        want = reference(t)
+        if not underflow:
+            want["fp16_underflow"] = want["bf16_underflow"] = None
+        assert {k: getattr(row, k) for k in want} == want, (row, tuple(t.shape), t.dtype)
+        assert (row.dtype, row.device, row.kind, row.object) == (str(t.dtype).removeprefix("torch."), "cpu", "param", "model")
+
+
+def test_ten_thousand_small_tensors_keep_exact_counts_and_abs_max_per_tensor_and_per_module():
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(64, 64, generator=gen).to(torch.bfloat16) for _ in range(10_000)]
+    tensors[17][3, 4] = math.nan
+    tensors[17][5, 6] = math.inf
+    tensors[4242][0, 0] = -1e5  # past fp16's range, in bf16
+    tensors[9997][63, 63] = -12.5  # the largest finite magnitude of its module
+    sf = scan_tensors(_entries(tensors), "model", "model")
+    rows = {r.name: r for r in sf.tensors}
+    assert len(rows) == 10_000
+    assert (rows["t17"].nan, rows["t17"].inf, rows["t17"].absmax) == (1, 1, reference(tensors[17])["absmax"])
+    bf16_1e5 = float(torch.tensor(1e5, dtype=torch.bfloat16))
+    assert (rows["t4242"].fp16_overflow, rows["t4242"].absmax) == (1, bf16_1e5)
+    assert rows["t9997"].absmax == 12.5
+    for i in (0, 1, 9998):
+        assert rows[f"t{i}"].absmax == float(tensors[i].abs().max())
+    by_module = {r["module"]: r for r in module_rows(sf.tensors)}  # tensor i belongs to module m{i % 3}
+    assert (by_module["m0"]["fp16_overflow"], by_module["m0"]["absmax"]) == (1, bf16_1e5)
+    assert (by_module["m1"]["nan"], by_module["m1"]["absmax"]) == (0, 12.5)
+    assert (by_module["m2"]["nan"], by_module["m2"]["inf"]) == (1, 1)
+
+
+def test_tensors_the_bulk_path_cannot_read_are_skipped_or_read_one_at_a_time_with_the_reason():
+    with torch.device("meta"):
+        meta = torch.randn(4, 4)
+    f8 = torch.tensor([1.0, -448.0, math.nan]).to(torch.float8_e4m3fn)
+    big = torch.zeros(SMALL_ELEMENTS + 1)
+    big[-1] = math.inf
+    tensors = [torch.ones(3), meta, torch.arange(4), f8, big, torch.ones(2, 2).to_sparse(), torch.ones(3) * 2]
+    sf = scan_tensors(_entries(tensors), "model", "model")
+    assert dict(sf.skipped) == {"t1": "meta", "t2": "not floating (int64)", "t5": "layout torch.sparse_coo"}
+    rows = {r.name: r for r in sf.tensors}
+    assert (rows["t3"].nan, rows["t3"].absmax, rows["t3"].dtype) == (1, 448.0, "float8_e4m3fn")
+    assert (rows["t4"].inf, rows["t4"].numel) == (1, SMALL_ELEMENTS + 1)
+    assert (rows["t0"].absmax, rows["t6"].absmax) == (1.0, 2.0)
+
+
+@pytest.mark.parametrize("underflow", [False, True])
+def test_the_bulk_scan_allocates_at_most_its_budget_whatever_the_number_of_small_tensors(underflow):
+    gen = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(32, 32, generator=gen) for _ in range(2_000)]  # 8 MiB of fp32
+    tensors[1234][1, 1] = math.nan
+    log = AllocationLog()
+    with log:
+        sf = scan_tensors(_entries(tensors), "model", "model", underflow=underflow, chunk_elements=16_384)
+    assert sum(r.nan for r in sf.tensors) == 1 and len(sf.tensors) == 2_000
+    assert 0 < log.largest <= 16_384 * 4  # one chunk of fp32 values, never all 8 MiB
+    assert sf.peak_temp_bytes <= 16_384 * (4 + 1)  # the chunk and its mask
+
+
+def test_a_scan_of_many_small_tensors_and_their_grads_changes_nothing_it_reads():
+    model = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(300)).to(torch.bfloat16)
+    for layer in model:
+        layer(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+    with torch.no_grad():
+        model[7].weight[0, 0] = math.nan
+        model[9].bias.grad[1] = -7e4
+    before = fingerprint({"model": model})
+    report = mpdoctor.diagnose(model, names={id(model): "model"}, scan=True)
+    assert_unchanged(before, fingerprint({"model": model}), "a scan")
+    rows = {t.name: t for t in report.facts.scans[0].tensors}
+    assert len(rows) == 1200  # weight, bias and both grads of 300 layers
+    assert rows["model.7.weight"].nan == 1 and rows["model.9.bias.grad"].fp16_overflow == 1
 
 
 def _live_state(*objects) -> list:

@@ -179,12 +179,12 @@ def test_the_unsafe_cast_needs_a_confirming_second_click_and_undo_restores_fp16_
     assert not finding.fixes[0].safe
 
     button = only(rw.buttons("(unsafe)"))
-    assert button.button_style == "warning" and button.description.startswith("\u26a0 Cast 2 trainable fp16")
+    assert "mpd-unsafe" in button._dom_classes and button.description.startswith("\u26a0 Cast 2 trainable fp16")
     button.click()
 
     assert model.weight.dtype == torch.float16, "one click must not apply an unsafe fix"
     armed = only(rw.buttons("Click again to confirm"))
-    assert armed.button_style == "danger"
+    assert "mpd-armed" in armed._dom_classes
     assert "cast 2 trainable fp16 parameters to float32" in armed.description
     armed.click()
 
@@ -229,7 +229,7 @@ def test_apply_all_safe_fixes_applies_only_the_safe_ones():
     assert m16.weight.dtype == torch.float16, "the unsafe cast is never applied in bulk"
     assert [a.fix for a in rw.applied] == safe
     assert not ({"scaler-with-bf16", "cache-in-training"} & checks(rw))
-    assert rw.apply_all_button.disabled and rw.apply_all_button.description == "Apply all safe fixes (0)"
+    assert rw.apply_all_button.disabled and rw.apply_all_button.layout.display == "none", "no disabled '(0)' button"
 
 
 # -- failures ------------------------------------------------------------------------
@@ -319,18 +319,15 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     header = rw.header.value
     c = rw.report.counts()
     assert c["warning"] >= 2  # scaler-with-bf16 and cache-in-training at least
-    assert (
-        f">{c['error']} errors</b>" in header
-        and f">{c['warning']} warnings</b>" in header
-        and f">{c['info']} info</b>" in header
-    )
+    words = re.sub("<[^>]+>", "", header)
+    assert f"{c['error']} errors" in words and f"{c['warning']} warnings" in words and f"{c['info']} info" in words
     for name, cls in (
         ("model", "Sequential"),
         ("scaler", "GradScaler"),
         ("opt", "AdamW"),
         ("gemma", "Gemma3ForConditionalGeneration"),
     ):
-        assert f">{name}</code> <span style='color:#666'>{cls}</span>" in header
+        assert re.search(f">{name}</code> <span style='[^']*'>{cls}</span>", header), name
     assert "cpu (live)" in header and "diagnosed in 12 ms" in header
 
     dtypes = rw.dtypes_panel.value
@@ -364,18 +361,22 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     ]  # name, enabled, device, scale, growth tracker, interval
     assert "autocast now" in rw.precision_panel.value and "bf16 native" in rw.precision_panel.value
     assert rw.issue_text.value == rw.report.to_markdown()
-    assert [rw.panels.get_title(i) for i in range(5)] == [
+    assert [rw.panels.get_title(i) for i in range(7)] == [
         "dtypes",
+        "layers",
+        "numerics",
         "caches",
         "scaler",
         "precision",
-        "copy as issue report",
+        "issue report",
     ]
 
     from mpdoctor.checks import REGISTRY
 
     why = REGISTRY["scaler-with-bf16"].why
-    assert why and e(why) in "".join(rw.html_values())
+    assert why and "``" in why, "the docstring is reStructuredText"
+    shown = "".join(rw.html_values())
+    assert e(why.replace("``", "")) in shown and "``" not in shown
 
 
 def test_the_precision_panel_puts_requested_and_effective_side_by_side():
@@ -387,8 +388,8 @@ def test_the_precision_panel_puts_requested_and_effective_side_by_side():
     assert "requested (args)" in html and "effective" in html and "ACCELERATE_MIXED_PRECISION" in html
     row = html.split("<tbody>")[1].split("</tr>")[0]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
-    assert cells[0] == "trainer" and cells[1] == "fp16" and cells[-1] == "no"
-    assert "font-weight:bold" in row.split("<td")[-1], (
+    assert cells[0] == "trainer" and cells[1] == "fp16" and "fp32" in cells[-1], "accelerate's 'no' is said as fp32"
+    assert "font-weight:bold" in row.split("<td")[-1] and "background:#b71c1c" in row.split("<td")[-1], (
         "an effective precision differing from the request stands out"
     )
 
@@ -443,9 +444,7 @@ def test_the_mimebundle_carries_the_widget_view_with_text_and_html_for_static_ex
 # -- in a real kernel ----------------------------------------------------------------
 
 
-def test_in_a_real_kernel_the_magic_shows_the_widget_once(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
+def _kernel_for_this_python(tmp_path, monkeypatch) -> str:
     kernel_dir = tmp_path / "kernels" / "mpdoctor-this-python"
     kernel_dir.mkdir(parents=True)
     (kernel_dir / "kernel.json").write_text(
@@ -459,35 +458,141 @@ def test_in_a_real_kernel_the_magic_shows_the_widget_once(tmp_path, monkeypatch)
     )
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    return "mpdoctor-this-python"
+
+
+SETUP_SOURCE = (
+    "import torch\n"
+    "model = torch.nn.Linear(4, 4).to(torch.bfloat16)\n"
+    "scaler = torch.amp.GradScaler('cpu')\n"
+    "%load_ext mpdoctor"
+)
+
+
+def test_in_a_real_kernel_the_magic_shows_the_widget_once_then_its_static_stand_in(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    kernel = _kernel_for_this_python(tmp_path, monkeypatch)
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell(
-            "import torch\n"
-            "model = torch.nn.Linear(4, 4).to(torch.bfloat16)\n"
-            "scaler = torch.amp.GradScaler('cpu')\n"
-            "%load_ext mpdoctor"
-        ),
+        nbformat.v4.new_code_cell(SETUP_SOURCE),
         nbformat.v4.new_code_cell("%mpdoctor"),
         nbformat.v4.new_code_cell("r = %mpdoctor"),
         nbformat.v4.new_code_cell("r"),
         nbformat.v4.new_code_cell("r.widget()"),
         nbformat.v4.new_code_cell("%mpdoctor --text"),
     ]
-    nbclient.NotebookClient(
-        nb, kernel_name="mpdoctor-this-python", timeout=120, shutdown_kernel="immediate"
-    ).execute()
+    nbclient.NotebookClient(nb, kernel_name=kernel, timeout=120, shutdown_kernel="immediate").execute()
 
     def widget_outputs(cell) -> list:
         return [o for o in cell.outputs if WIDGET_VIEW_MIME in o.get("data", {})]
 
     for index in (1, 2, 3, 4):
         cell = nb.cells[index]
-        assert len(cell.outputs) == 1, (cell.source, cell.outputs)
-        (out,) = widget_outputs(cell)
-        assert (
-            "scaler-with-bf16" in out["data"]["text/plain"] and "scaler-with-bf16" in out["data"]["text/html"]
-        )
+        assert len(cell.outputs) == 2, (cell.source, cell.outputs)
+        view, static = cell.outputs
+        assert set(view["data"]) == {WIDGET_VIEW_MIME, "text/plain"}, "the widget output carries no second report"
+        assert view["data"]["text/plain"].startswith("mpdoctor | 0 errors | 1 warning")
+        assert set(static["data"]) == {"text/plain", "text/html"}
+        assert "scaler-with-bf16" in static["data"]["text/plain"]
+        html = static["data"]["text/html"]
+        assert "class='mpdoctor-fallback'" in html and "scaler-with-bf16" in html
+        assert ":root:has(.mpdoctor-widget) .mpdoctor-fallback" in html, "hidden wherever the widget renders"
     text_cell = nb.cells[5]
     assert not widget_outputs(text_cell) and "scaler-with-bf16" in "".join(
         o.get("text", "") for o in text_cell.outputs
     )
+
+
+def test_a_notebook_executed_by_nbconvert_exports_html_that_shows_the_report_without_the_widget_manager(
+    tmp_path, monkeypatch
+):
+    import subprocess
+
+    import nbformat
+
+    kernel = _kernel_for_this_python(tmp_path, monkeypatch)
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": "this", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(SETUP_SOURCE), nbformat.v4.new_code_cell("%mpdoctor")]
+    path = tmp_path / "report.ipynb"
+    nbformat.write(nb, str(path))
+    done = subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--execute", "--to", "html", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    page = (tmp_path / "report.html").read_text()
+    # nbconvert saved the widget state, so the widget output becomes a widget-manager placeholder...
+    assert "application/vnd.jupyter.widget-state+json" in page
+    assert '<script type="application/vnd.jupyter.widget-view+json">' in page
+    # ...and the static report is plain HTML beside it, outside any script: it shows with no network.
+    outside_scripts = re.sub(r"<script.*?</script>", "", page, flags=re.S)
+    assert "class='mpdoctor-fallback'" in outside_scripts or 'class="mpdoctor-fallback"' in outside_scripts
+    assert "scaler-with-bf16" in outside_scripts and "Disable the GradScaler" in outside_scripts
+
+
+# -- small things ------------------------------------------------------------------------------
+
+
+def test_open_findings_come_before_applied_cards():
+    model = bf16_model()
+    scaler, _opt = stepped(model)
+    gemma = tiny_gemma3(text_use_cache=True)
+    rw = widget_for(model=model, scaler=scaler, gemma=gemma)
+    only(rw.buttons("Disable the GradScaler")).click()
+    cards = ["".join(x.value for x in iter_widgets(c) if hasattr(x, "value") and isinstance(x.value, str)) for c in rw.findings_box.children]
+    assert "cache-in-training" in cards[0], "the open finding first"
+    assert "applied" in cards[-1] and "scaler-with-bf16" in cards[-1]
+
+
+def test_an_armed_unsafe_fix_can_be_cancelled_without_rediagnosing():
+    model, opt, scaler = fp16_setup()
+    rw = widget_for(m16=model, opt=opt, scaler=scaler)
+    report = rw.report
+    only(rw.buttons("(unsafe)")).click()
+    assert only(rw.buttons("Click again to confirm"))
+    only(rw.buttons("Cancel")).click()
+    assert not rw.buttons("Click again to confirm") and not rw.buttons("Cancel")
+    assert only(rw.buttons("(unsafe)")) and rw.report is report, "no re-diagnosis was needed"
+    assert model.weight.dtype == torch.float16
+
+
+def test_a_clean_report_says_so_once_and_offers_no_disabled_apply_all():
+    torch.manual_seed(0)
+    rw = widget_for(model=torch.nn.Linear(4, 4))
+    assert not rw.report.findings
+    shown = "".join(rw.html_values())
+    assert shown.count("no mixed-precision problems found") == 1 and "No problems found" not in shown
+    assert rw.apply_all_button.layout.display == "none"
+
+
+def test_the_copy_button_hands_the_issue_markdown_to_the_browser_escaped():
+    import ipywidgets
+
+    rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": bf16_model()})
+    if ipywidgets.__version__.startswith("7."):
+        # classic Notebook's ipywidgets 7 frontend cannot create Output models: no button, the select-all hint
+        assert not rw.buttons("Copy") and "select all (Ctrl/Cmd+A)" in "".join(rw.html_values())
+        return
+    only(rw.buttons("Copy to clipboard")).click()
+    (out,) = rw._clipboard.outputs
+    script = out["data"]["application/javascript"]
+    assert script.startswith("navigator.clipboard && navigator.clipboard.writeText(")
+    assert "<" not in script and ">" not in script.replace("&&", ""), "no markup can close the script"
+    assert json.loads(script[script.index("(") + 1 : script.rindex(")")].replace("\\u003c", "<").replace("\\u003e", ">")) == rw.issue_text.value
+    rw._render()
+    assert rw._clipboard.outputs == (), "a redraw never copies again"
+
+
+def test_buttons_say_one_parameter_not_one_parameters_and_keep_the_full_title_on_hover():
+    from mpdoctor.render.evidence import fix_label
+
+    short, full = fix_label("Cast 1 parameters of 1 modules of m to bf16 (keeps a 3.0 GiB undo backup: apply(confirm=True))")
+    assert short == "Cast 1 parameter of 1 module of m to bf16 (keeps a 3.0 GiB undo backup)"
+    assert full.endswith("apply(confirm=True))")
+    long_short, long_full = fix_label("Set " + "very_long_name." * 20 + "use_cache=False")
+    assert long_short.endswith("\u2026") and len(long_short) <= 90 and long_full.startswith("Set very_long_name")

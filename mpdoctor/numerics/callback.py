@@ -5,8 +5,9 @@
   errors or warnings. With ``stop_on_error=True`` an error stops the run
   before the first step by raising :class:`MPDoctorAbort` (its message is the
   report); ``control.should_training_stop`` would only act after a step.
-- every micro-batch: a forward pre-hook on the model keeps a reference to the
-  latest inputs and a forward hook the loss tensor (no copy, no sync).
+- every micro-batch: a forward hook on the model keeps a reference to the
+  latest inputs and the loss tensor (no copy, no sync), through
+  :class:`mpdoctor.crash.watch.LossWatcher`, shared with ``mpdoctor.watch``.
 - ``on_pre_optimizer_step``: reads this step's losses with one transfer;
   on the first non-finite loss it probes that micro-batch *before* the
   optimizer step writes NaN into the weights, and shows where it went wrong.
@@ -30,6 +31,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..crash.watch import LossWatcher
+
 logger = logging.getLogger("mpdoctor")
 
 
@@ -49,13 +52,6 @@ def _ipython_shell() -> Any:
         return mod.get_ipython()
     except Exception:
         return None
-
-
-def _loss_of(output: Any) -> torch.Tensor | None:
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        loss = output[0] if output[0].dim() == 0 else None
-    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
 
 
 class MPDoctorCallback(TrainerCallback):
@@ -107,32 +103,12 @@ class MPDoctorCallback(TrainerCallback):
         self.start_report: Any = None
         self.probe_report: Any = None
         self.events: list[dict] = []
-        self._handles: list[Any] = []
-        self._latest: tuple[tuple, dict] | None = None
-        self._step: list[tuple[torch.Tensor, tuple[tuple, dict] | None]] = []
+        # The hooks, the capture of inputs and losses and the probe are shared with mpdoctor.watch.
+        self._watcher = LossWatcher()
         self._fired = False
-        self._probing = False
-
-    # -- hooks on the model ------------------------------------------------------------
-    def _watching(self, module: torch.nn.Module) -> bool:
-        return not self._probing and module.training and torch.is_grad_enabled()
-
-    def _keep_inputs(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._watching(module):
-            self._latest = (args, kwargs)
-
-    def _keep_loss(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self._watching(module):
-            loss = _loss_of(output)
-            if loss is not None:
-                self._step.append((loss.detach(), self._latest))
 
     def _detach(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._latest = None
-        self._step.clear()
+        self._watcher.close()
 
     # -- events ------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
@@ -152,8 +128,7 @@ class MPDoctorCallback(TrainerCallback):
             )
         self._detach()
         if isinstance(model, torch.nn.Module):
-            self._handles.append(model.register_forward_pre_hook(self._keep_inputs, with_kwargs=True))
-            self._handles.append(model.register_forward_hook(self._keep_loss))
+            self._watcher.attach(model)
         return control
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
@@ -172,7 +147,7 @@ class MPDoctorCallback(TrainerCallback):
             sc = gather_scaler("optimizer.scaler", scaler)
             if sc.enabled and sc.scale is not None and (sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR):
                 self._fire(state.global_step, "scale-collapsed", f"loss scale {sc.scale:g} (started at {sc.init_scale:g})",
-                           self._latest, model, optimizer)  # fmt: skip
+                           self._watcher.latest, model, optimizer)  # fmt: skip
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, model: Any = None,
@@ -181,7 +156,8 @@ class MPDoctorCallback(TrainerCallback):
         for key in ("loss", "grad_norm"):
             value = (logs or {}).get(key)
             if isinstance(value, (int, float)) and not math.isfinite(value) and not self._fired:
-                self._fire(state.global_step, f"nonfinite-{key}", f"logged {key} = {value}", self._latest, model, optimizer)
+                self._fire(state.global_step, f"nonfinite-{key}", f"logged {key} = {value}", self._watcher.latest, model,
+                           optimizer)  # fmt: skip
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any):
@@ -191,31 +167,22 @@ class MPDoctorCallback(TrainerCallback):
 
     # -- internals ---------------------------------------------------------------------
     def _check_losses(self, step_number: int, model: Any, optimizer: Any) -> None:
-        step, self._step = self._step, []
-        if not step or self._fired:
-            return
-        values = torch.stack([loss.float().reshape(()) for loss, _ in step]).tolist()
-        for value, (_, inputs) in zip(values, step):
-            if not math.isfinite(value):
-                self._fire(step_number, "nonfinite-loss", f"loss = {value}", inputs, model, optimizer)
-                return
+        found = self._watcher.take_nonfinite()
+        if found is not None and not self._fired:
+            value, inputs = found
+            self._fire(step_number, "nonfinite-loss", f"loss = {value}", inputs, model, optimizer)
 
     def _fire(self, step: int, event: str, detail: str, inputs: Any, model: Any, optimizer: Any) -> None:
         self._fired = True
         self.events.append({"step": step, "event": event, "detail": detail})
         report = None
         if self.probe and inputs is not None and isinstance(model, torch.nn.Module):
-            from .probe import ForwardCall, probe
-
-            self._probing = True
             try:
-                report = probe(model, ForwardCall.of(*inputs), name="model", scaler=getattr(optimizer, "scaler", None))
+                report = self._watcher.probe(model, inputs, name="model", scaler=getattr(optimizer, "scaler", None))
                 self.probe_report = report
                 self._show(report, f"at step {step} ({detail})")
             except Exception as exc:  # mpdoctor must never be what breaks the run
                 logger.warning("mpdoctor: the probe at step %s failed: %s: %s", step, type(exc).__name__, exc)
-            finally:
-                self._probing = False
         else:
             logger.warning("mpdoctor: %s at step %s (no batch captured to probe)", detail, step)
         if self.stop_on_nonfinite and event == "nonfinite-loss":

@@ -64,6 +64,9 @@ class _Stats:
     def __init__(self) -> None:
         self.slots: list[list] = []  # [min, max, nonfinite] as floats/ints or 0-d tensors
         self._last: tuple[Any, int, int] | None = None  # (tensor, version, slot)
+        # Forward tensors measured so far: a model returning its head's logits next to the loss would
+        # read the largest activation twice. Autograd keeps most of them alive until backward anyway.
+        self._seen: dict[int, tuple[Any, int, int]] | None = {}
 
     def add(self, t: torch.Tensor) -> int:
         """Queue the statistics of ``t``; returns its slot."""
@@ -71,6 +74,11 @@ class _Stats:
         # A module returning its child's output (or one gradient reaching two hooks) is measured once.
         if last is not None and last[0] is t and last[1] == t._version:
             return last[2]
+        seen = self._seen
+        if seen is not None:
+            hit = seen.get(id(t))
+            if hit is not None and hit[0] is t and hit[1] == t._version:
+                return hit[2]
         d = t.detach()
         mn, mx = torch.aminmax(d)
         if d.device.type in self.EAGER:
@@ -83,7 +91,13 @@ class _Stats:
             self.slots.append([mn, mx, d.numel() - torch.isfinite(d).sum()])
         slot = len(self.slots) - 1
         self._last = (t, t._version, slot)
+        if seen is not None:
+            seen[id(t)] = self._last
         return slot
+
+    def end_forward(self) -> None:
+        """Stop remembering every tensor: gradients are freed as backward goes, and must stay so."""
+        self._seen = None
 
     def bad(self, slot: int) -> bool:
         """True when a slot read on the CPU is non-finite or past fp16's range (False while still pending)."""
@@ -93,8 +107,9 @@ class _Stats:
         return not (-FP16_MAX <= lo and hi <= FP16_MAX)
 
     def forget(self) -> None:
-        """Drop the reference to the last tensor (so it is not kept alive past the probe)."""
+        """Drop the references to measured tensors (so none is kept alive past the probe)."""
         self._last = None
+        self._seen = None
 
     def finish(self) -> None:
         """Read every pending device scalar with one stack and ``tolist`` per device and dtype."""
@@ -450,6 +465,7 @@ def run_probe(
             if loss.requires_grad:
                 phase = "backward"
                 recorder.phase = "backward"
+                recorder.stats.end_forward()
                 with torch.enable_grad():
                     (loss * scale if scale != 1.0 else loss).backward()
                 ran_backward = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,7 +40,7 @@ BF16_TINY = 2.0**-133
 #: Bytes of scan buffers alive at once (chunk copies, abs values, masks): a quarter of the 64 MiB promise.
 TEMP_BUDGET = 16 * 2**20
 #: Elements per ``aminmax`` on the first pass over dense tensors: views, so no memory, only fewer calls.
-READ_ELEMENTS = 2**24
+READ_ELEMENTS = 2**22
 #: A flagged piece is narrowed down to sub-chunks of this many elements (one more ``aminmax`` each)
 #: before the exact counts, which cost several passes, run on the few sub-chunks holding the culprits.
 NARROW_ELEMENTS = 2**16
@@ -453,88 +453,275 @@ def scan_tensor(
     return result
 
 
-def _params_of(module: torch.nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
-    """``(full name, module path, parameter)`` once per parameter, in module order."""
-    seen: set[int] = set()
-    for mpath, mod in module.named_modules(remove_duplicate=True):
-        for pname, p in mod.__dict__.get("_parameters", {}).items():
-            if p is None or id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield (f"{mpath}.{pname}" if mpath else pname), mpath, p
+
+# -- many small tensors at once -----------------------------------------------------------
+
+#: Tensors of at most this many elements are scanned in bulk (see :func:`_bulk_group`): one
+#: ``aminmax`` each would cost more in per-call overhead than reading their values.
+SMALL_ELEMENTS = 2**15
+
+#: The integer view of each float format read in bulk and the mask clearing its sign bit. With the
+#: sign cleared, bit patterns order like magnitudes, and every NaN orders above inf, inf above every
+#: finite value: one integer max per tensor says "holds a NaN", "holds an inf" or gives its abs max.
+_BITS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFF_FFFF),
+    torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF),
+}
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+#: One tensor's statistics: dtype, device type, then the counts of :class:`TensorScan` from ``numel`` on.
+Stats = tuple
 
 
-def _skip_reason(t: torch.Tensor) -> str | None:
-    if t.device.type == "meta":
-        return "meta"
-    if t.layout != torch.strided:
-        return f"layout {t.layout}"
-    if not t.dtype.is_floating_point:
-        return f"not floating ({dtype_name(t.dtype)})"
-    return None
+def _dtype_label(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
 
 
-class _Plan(NamedTuple):
-    object: str
-    kind: str
-    items: list  # (name, module, kind, tensor)
+def _tiny_bits(limit: float, dtype: torch.dtype) -> int:
+    """The bit pattern below which a magnitude in ``dtype`` is smaller than ``limit`` (``limit`` rounded up)."""
+    value = torch.tensor(limit, dtype=dtype)
+    if float(value) < limit:
+        value = torch.nextafter(value, torch.tensor(math.inf, dtype=dtype))
+    return int(value.view(_BITS[dtype][0]))
 
 
-def _plans(facts: Any, subjects: Any = ()) -> list[_Plan]:
-    """What to scan: each model's parameters and grads, each optimizer's state tensors."""
-    live = {s.name: s for s in subjects}
-    plans: list[_Plan] = []
-    owners: dict[int, tuple[str, str, str]] = {}  # param id -> (model, param name, module)
-    seen: set[int] = set()
-    for m in facts.models:
-        items = []
-        if m.name not in live:
+def _empty_stats(label: str, device: str, dtype: torch.dtype, underflow: bool) -> Stats:
+    zero = 0 if underflow else None
+    return (label, device, 0, 0, 0, 0.0, 0, zero, 0, zero)
+
+
+def _row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """True values per row of a 2-D mask (summed as int8 into int32: ten times faster than a bool sum on CPU)."""
+    return mask.view(torch.int8).sum(dim=1, dtype=torch.int32)
+
+
+def _bulk_group(
+    dtype: torch.dtype,
+    device: torch.device,
+    shape: torch.Size,
+    tensors: list[torch.Tensor],
+    underflow: bool,
+    chunk: int,
+    bufs: _Buffers,
+    bar: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Abs max (or NaN/inf) and flush-to-zero counts of same-shaped tensors, left on the device.
+
+    The tensors are stacked ``chunk // numel`` at a time into one reused
+    buffer (a copy: reductions never write into user tensors), the sign bits
+    cleared in place, then one integer ``amax`` per row gives each tensor's
+    abs max, or a NaN/inf marker. Returns the maxima as float64 and, when
+    ``underflow``, an int64 ``(len(tensors), 2)`` tensor of fp16 and bf16
+    flush-to-zero counts.
+    """
+    numel = math.prod(shape)
+    ints, sign_off = _BITS[dtype]
+    per = max(1, chunk // numel)
+    wide16 = dtype.itemsize > 2 or dtype == torch.bfloat16
+    wide_bf16 = dtype.itemsize > 2
+    tiny16 = _tiny_bits(FP16_TINY, dtype) if underflow and wide16 else None
+    tiny_bf16 = _tiny_bits(BF16_TINY, dtype) if underflow and wide_bf16 else None
+    maxima: list[torch.Tensor] = []
+    counts: list[torch.Tensor] = []
+    for start in range(0, len(tensors), per):
+        part = tensors[start : start + per]
+        rows = len(part)
+        buf = bufs.get("bulk", dtype, device, rows * numel)
+        torch.stack(part, out=buf.view(rows, *shape))
+        bits = buf.view(ints).view(rows, numel)
+        bits.bitwise_and_(sign_off)
+        maxima.append(bits.amax(dim=1).view(dtype).double())
+        if underflow:
+            found = torch.zeros(rows, 2, dtype=torch.int64, device=device)
+            if tiny16 is not None:
+                # |x| < tiny and x != 0; NaN and inf have larger bit patterns, so they never count.
+                mask = bufs.get("mask", torch.bool, device, rows * numel).view(rows, numel)
+                zeros = _row_counts(torch.eq(bits, 0, out=mask))
+                found[:, 0] = _row_counts(torch.lt(bits, tiny16, out=mask)) - zeros
+                if tiny_bf16 is not None:
+                    found[:, 1] = _row_counts(torch.lt(bits, tiny_bf16, out=mask)) - zeros
+            counts.append(found)
+        if bar is not None:
+            bar.update(rows * numel * dtype.itemsize)
+    return torch.cat(maxima), torch.cat(counts) if counts else None
+
+
+def _single_stats(
+    tensors: list[torch.Tensor], underflow: bool, chunk_elements: int | None, bar: Any
+) -> tuple[list[Stats | str], int, int]:
+    """One tensor at a time (large ones, float8, and small ones whose extremes call for exact counts).
+
+    Returns the stats (or why a tensor could not be read), the largest
+    chunk used and the peak bytes of the scan's buffers.
+    """
+    out: list[Stats | str] = [""] * len(tensors)
+    jobs: list[tuple[int, _Job]] = []
+    bufs = _Buffers(0)
+    budget = 0
+    for i, t in enumerate(tensors):
+        job = _Job(t, chunk_elements or chunk_elements_for(t.dtype), READ_ELEMENTS)
+        bufs.chunk = job.chunk
+        budget = max(budget, job.chunk)
+        try:
+            _first_pass(job, bufs, bar)
+        except Exception as exc:  # one odd tensor (a subclass, an exotic dtype) must not stop the scan
+            out[i] = f"{type(exc).__name__}: {exc}"[:200]
             continue
-        for name, mpath, p in _params_of(live[m.name].obj):
-            owners.setdefault(id(p), (m.name, name, mpath))
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            items.append((f"{m.name}.{name}", mpath, "param", p))
-            grad = p.grad if p.is_leaf else None
-            if grad is not None:
-                items.append((f"{m.name}.{name}.grad", mpath, "grad", grad))
-        plans.append(_Plan(m.name, "model", items))
-    for o in facts.optimizers:
-        subject = live.get(o.name)
-        inner = subject.inner if subject is not None else None
-        state = inner.__dict__.get("state", {}) if inner is not None else {}
-        groups = inner.__dict__.get("param_groups", []) if inner is not None else []
-        items = []
-        index = 0
-        for group in groups:
-            for p in group.get("params", ()):
-                st = state.get(p) if isinstance(state, dict) else None
-                owner = owners.get(id(p))
-                label = f"{owner[0]}.{owner[1]}" if owner else f"param {index}"
-                index += 1
-                if not isinstance(st, dict):
-                    continue
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1 and id(value) not in seen:
-                        seen.add(id(value))
-                        items.append((f"{o.name}.state[{label}][{key!r}]", owner[2] if owner else "", "optimizer_state", value))
-        plans.append(_Plan(o.name, "optimizer", items))
-    return plans
+        jobs.append((i, job))
+    _read_out([job for _, job in jobs])
+    for i, job in jobs:
+        bufs.chunk = job.chunk
+        t = job.t
+        try:
+            r = _second_pass(job, underflow, bufs)
+        except Exception as exc:
+            out[i] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        out[i] = (
+            _dtype_label(t.dtype), t.device.type, r["numel"], r["nan"], r["inf"], r["absmax"],
+            r["fp16_overflow"], r["fp16_underflow"], r["bf16_overflow"], r["bf16_underflow"],
+        )  # fmt: skip
+    bufs.release()
+    return out, budget, bufs.peak
 
 
-def fp16_in_play(facts: Any) -> bool:
-    """True when something in the setup computes or stores in fp16 (so flush-to-zero counts matter)."""
-    for p in facts.precisions:
-        if "fp16" in (p.effective, p.requested, p.accelerator_mixed_precision, p.args.get("mixed_precision")):
-            return True
-    if "float16" in facts.runtime.autocast.values():
-        return True
-    if any(s.enabled for s in facts.scalers):
-        return True
-    if not facts.hardware.bf16_native:
-        return True
-    return any(m.tensors.param_dtype_counts().get("float16") for m in facts.models)
+def tensor_stats(
+    tensors: Sequence[torch.Tensor],
+    underflow: bool = False,
+    chunk_elements: int | None = None,
+    progress: bool | None = None,
+) -> tuple[list[Stats | str], int, int]:
+    """Statistics of many tensors, the small ones in bulk.
+
+    Tensors are grouped by dtype, device and shape with a few attribute reads
+    each; every group of small tensors is reduced by a handful of ops whatever
+    its size (:func:`_bulk_group`), and all groups' results come back in one
+    transfer per device. A tensor whose abs max is NaN, inf or past 65504 then
+    gets the exact counts of the one-tensor path, like every large tensor.
+
+    Parameters
+    ----------
+    tensors : sequence of torch.Tensor
+        Any tensors; those that cannot be scanned get a reason instead of stats.
+    underflow : bool
+        Also count values that would flush to zero in fp16 / bf16.
+    chunk_elements : int, optional
+        Elements per chunk (bulk buffers and the one-tensor path's copies).
+    progress : bool, optional
+        Show a tqdm bar; default: when more than :data:`PROGRESS_BYTES` are read.
+
+    Returns
+    -------
+    (stats, chunk, peak) : tuple
+        ``stats[i]`` is ``(dtype, device type, numel, nan, inf, absmax,
+        fp16_overflow, fp16_underflow, bf16_overflow, bf16_underflow)`` or the
+        reason ``tensors[i]`` was skipped; the largest chunk in elements; the
+        peak bytes of the scan's own buffers.
+    """
+    out: list[Stats | str] = [""] * len(tensors)
+    groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
+    single: list[int] = []
+    strided = torch.strided
+    for i, t in enumerate(tensors):
+        dtype = t.dtype
+        if dtype in _BITS and t.layout is strided:
+            key = (dtype, t.device, t.shape)
+            group = groups.get(key)
+            if group is None:
+                group = groups[key] = ([], [])
+            group[0].append(i)
+            group[1].append(t)
+            continue
+        reason = _skip_reason(t)
+        if reason is None:
+            single.append(i)
+        else:
+            out[i] = reason
+    bulk: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
+    total = 0
+    for key, (idx, ts) in groups.items():
+        dtype, device, shape = key
+        numel = math.prod(shape)
+        if device.type == "meta":
+            for i in idx:
+                out[i] = "meta"
+        elif numel == 0:
+            empty = _empty_stats(_dtype_label(dtype), device.type, dtype, underflow)
+            for i in idx:
+                out[i] = empty
+        elif numel > SMALL_ELEMENTS:
+            single.extend(idx)
+        else:
+            bulk.append((key, idx, ts))
+        total += numel * len(idx) * dtype.itemsize
+    bar = _progress_bar(total, progress)
+    try:
+        with torch.no_grad():  # stacking parameters into our own buffer is no step of anyone's graph
+            flagged, chunk, peak = _bulk_stats(bulk, out, underflow, chunk_elements, bar)
+        if single or flagged:
+            rest = sorted(single + flagged)
+            stats, chunk2, peak2 = _single_stats([tensors[i] for i in rest], underflow, chunk_elements, bar)
+            for i, s in zip(rest, stats):
+                out[i] = s
+            chunk, peak = max(chunk, chunk2), max(peak, peak2)
+    finally:
+        if bar is not None:
+            bar.close()
+    return out, chunk, peak
+
+
+def _bulk_stats(
+    bulk: list[tuple[tuple, list[int], list[torch.Tensor]]],
+    out: list[Stats | str],
+    underflow: bool,
+    chunk_elements: int | None,
+    bar: Any,
+) -> tuple[list[int], int, int]:
+    """Fill ``out`` for the small tensors; returns the indices that need the one-tensor path, chunk and peak."""
+    flagged: list[int] = []
+    pending: dict[torch.device, list[tuple[tuple, list[int], tuple]]] = {}
+    bufs = _Buffers(0)
+    largest = 0
+    for key, idx, ts in bulk:
+        dtype, device, shape = key
+        # Budget: the stacked copy plus, when counting flush-to-zero, one boolean mask.
+        chunk = chunk_elements or TEMP_BUDGET // (dtype.itemsize + (1 if underflow else 0))
+        largest = max(largest, chunk)
+        if bufs.key != (device, dtype):
+            bufs.release()
+            bufs.key = (device, dtype)
+        try:
+            result = _bulk_group(dtype, device, shape, ts, underflow, chunk, bufs, bar)
+        except Exception:  # an exotic tensor subclass: the one-tensor path reads it or says why not
+            flagged.extend(idx)
+            continue
+        pending.setdefault(device, []).append((key, idx, result))
+    bufs.release()
+    for items in pending.values():
+        # One transfer per device for every small tensor's statistics.
+        maxima = torch.cat([m for *_, (m, _) in items]).tolist()
+        counts = torch.cat([c for *_, (_, c) in items]).t().tolist() if underflow else None
+        row = 0
+        for (dtype, device, shape), idx, _ in items:
+            label, dev, numel = _dtype_label(dtype), device.type, math.prod(shape)
+            wide16 = dtype.itemsize > 2 or dtype == torch.bfloat16
+            for k, i in enumerate(idx, row):
+                absmax = maxima[k]
+                # NaN, inf, or values past fp16's range: the exact counts come from the one-tensor path.
+                if absmax != absmax or absmax == math.inf or (wide16 and absmax > FP16_MAX):
+                    flagged.append(i)
+                elif counts is None:
+                    out[i] = (label, dev, numel, 0, 0, absmax, 0, None, 0, None)
+                else:
+                    out[i] = (label, dev, numel, 0, 0, absmax, 0, counts[0][k], 0, counts[1][k])
+            row += len(idx)
+    return flagged, largest, bufs.peak
 
 
 def no_autocast() -> contextlib.ExitStack:
@@ -557,99 +744,69 @@ def _progress_bar(total: int, progress: bool | None) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="mpdoctor scan", leave=False)
 
 
+def _skip_reason(t: torch.Tensor) -> str | None:
+    if t.device.type == "meta":
+        return "meta"
+    if t.layout != torch.strided:
+        return f"layout {t.layout}"
+    if not t.dtype.is_floating_point:
+        return f"not floating ({dtype_name(t.dtype)})"
+    return None
+
+
+def scan_tensors(
+    entries: Iterable[tuple[str, str, str, torch.Tensor]],
+    object: str = "",
+    kind: str = "",
+    underflow: bool = False,
+    chunk_elements: int | None = None,
+    progress: bool | None = None,
+) -> ScanFacts:
+    """Scan live tensors: the scan's core, independent of how the tensors were found.
+
+    Parameters
+    ----------
+    entries : iterable of (module, kind, name, tensor)
+        ``module`` is the owner's path (rows aggregate per module), ``kind``
+        ``"param"``, ``"grad"`` or ``"optimizer_state"``, ``name`` the
+        tensor's full name as the user reaches it.
+    object, kind : str
+        The owner's name and kind (``"model"``, ``"optimizer"``) in the result.
+    underflow, chunk_elements, progress
+        See :func:`tensor_stats`.
+
+    Returns
+    -------
+    ScanFacts
+        One :class:`TensorScan` per scanned tensor, in ``entries`` order; the
+        others in ``skipped`` with the reason.
+    """
+    start = time.perf_counter()
+    entries = entries if isinstance(entries, list) else list(entries)
+    with no_autocast():
+        stats, chunk, peak = tensor_stats([e[3] for e in entries], underflow, chunk_elements, progress)
+    rows: list[TensorScan] = []
+    skipped: list[tuple[str, str]] = []
+    make = TensorScan._make
+    for (module, tkind, name, _), s in zip(entries, stats):
+        if type(s) is str:
+            skipped.append((name, s))
+        else:
+            rows.append(make((object, name, module, tkind, *s)))
+    return ScanFacts(object, kind, tuple(rows), tuple(skipped), underflow, time.perf_counter() - start, chunk, peak)
+
+
 def scan_objects(
     plans: Iterable[tuple[str, str, list]],
     underflow: bool = False,
     chunk_elements: int | None = None,
     progress: bool | None = None,
 ) -> tuple[ScanFacts, ...]:
-    """Scan ``(object, kind, [(name, module, tensor kind, tensor), ...])`` plans; see :func:`scan_facts`."""
-    plans = list(plans)
-    total = sum(
-        t.numel() * t.element_size() for _, _, items in plans for *_, t in items if _skip_reason(t) is None
+    """Scan ``(object, kind, [(module, tensor kind, name, tensor), ...])`` plans, one :class:`ScanFacts` each."""
+    return tuple(
+        scan_tensors(entries, obj, kind, underflow=underflow, chunk_elements=chunk_elements, progress=progress)
+        for obj, kind, entries in plans
     )
-    bar = _progress_bar(total, progress)
-    out: list[ScanFacts] = []
-    try:
-        with no_autocast():
-            for obj, kind, items in plans:
-                out.append(_scan_object(obj, kind, items, underflow, chunk_elements, bar))
-    finally:
-        if bar is not None:
-            bar.close()
-    return tuple(out)
-
-
-def _scan_object(obj: str, kind: str, items: list, underflow: bool, chunk_elements: int | None, bar: Any) -> ScanFacts:
-    start = time.perf_counter()
-    skipped: list[tuple[str, str]] = []
-    jobs: list[tuple[str, str, str, _Job]] = []
-    budget = 0
-    bufs = _Buffers(0)
-    for name, module, tkind, t in items:
-        reason = _skip_reason(t)
-        if reason is not None:
-            skipped.append((name, reason))
-            continue
-        job = _Job(t, chunk_elements or chunk_elements_for(t.dtype), READ_ELEMENTS)
-        bufs.chunk = job.chunk
-        budget = max(budget, job.chunk)
-        try:
-            _first_pass(job, bufs, bar)
-        except Exception as exc:  # one odd tensor (a subclass, an exotic dtype) must not stop the scan
-            skipped.append((name, f"{type(exc).__name__}: {exc}"[:200]))
-            continue
-        jobs.append((name, module, tkind, job))
-    _read_out([job for *_, job in jobs])
-    rows: list[TensorScan] = []
-    for name, module, tkind, job in jobs:
-        bufs.chunk = job.chunk
-        try:
-            r = _second_pass(job, underflow, bufs)
-        except Exception as exc:
-            skipped.append((name, f"{type(exc).__name__}: {exc}"[:200]))
-            continue
-        t = job.t
-        rows.append(
-            TensorScan(
-                obj, name, module, tkind, dtype_name(t.dtype), t.device.type, r["numel"], r["nan"], r["inf"],
-                r["absmax"], r["fp16_overflow"], r["fp16_underflow"], r["bf16_overflow"], r["bf16_underflow"],
-            )
-        )  # fmt: skip
-    bufs.release()
-    return ScanFacts(obj, kind, tuple(rows), tuple(skipped), underflow, time.perf_counter() - start, budget, bufs.peak)
-
-
-def scan_facts(
-    facts: Any,
-    subjects: Any = (),
-    underflow: bool | str = "auto",
-    chunk_elements: int | None = None,
-    progress: bool | None = None,
-) -> Any:
-    """Return ``facts`` with ``scans`` filled: one :class:`ScanFacts` per model and optimizer.
-
-    Parameters
-    ----------
-    facts : Facts
-        Gathered facts (plain data).
-    subjects : sequence of Subject
-        The discovered subjects: the live objects scanned.
-    underflow : bool or "auto"
-        Count values that would flush to zero in fp16 / bf16. ``"auto"``: only
-        when fp16 is in play (an fp16 setup, autocast, scaler, fp16 weights or
-        a device without bf16), since it costs a second read of every tensor.
-    chunk_elements : int, optional
-        Elements per chunk; the default keeps scan buffers under :data:`TEMP_BUDGET`.
-    progress : bool, optional
-        Show a tqdm progress bar; default: when the scan reads more than 1 GB.
-    """
-    from ..facts import Facts
-
-    if underflow == "auto":
-        underflow = fp16_in_play(facts)
-    scans = scan_objects(_plans(facts, subjects), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
-    return Facts(**{**facts.__dict__, "scans": tuple(facts.scans) + scans})
 
 
 def module_rows(tensors: Iterable[TensorScan]) -> list[dict]:
@@ -708,3 +865,129 @@ def scan_table(report_or_facts: Any, by: str = "module") -> Any:
         return pd.DataFrame(rows, columns=list(TensorScan._fields) + ["nonfinite"])
     return pd.DataFrame(rows, columns=SCAN_COLUMNS)
 
+
+# -- the adapter from Facts: which live tensors a diagnosis scans ---------------------------------
+
+
+def _model_entries(model: torch.nn.Module, name: str, seen: set[int]) -> list[tuple[str, str, str, torch.Tensor]]:
+    """``(module path, kind, full name, tensor)`` of each parameter not in ``seen`` and its grad, in
+    ``named_modules()`` order.
+
+    One loop over the ``_modules`` and ``_parameters`` dicts with a stack:
+    ``named_modules``' recursive generators cost more than the scan itself on
+    a model of many small modules.
+    """
+    entries: list[tuple[str, str, str, torch.Tensor]] = []
+    append = entries.append
+    parameter = torch.nn.Parameter
+    visited: set[int] = set()
+    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+    while stack:
+        mpath, mod = stack.pop()
+        if id(mod) in visited:
+            continue
+        visited.add(id(mod))
+        attrs = mod.__dict__
+        params = attrs.get("_parameters")
+        if params:
+            base = f"{name}.{mpath}." if mpath else f"{name}."
+            for pname, p in params.items():
+                if p is None or id(p) in seen:
+                    continue
+                seen.add(id(p))
+                full = base + pname
+                append((mpath, "param", full, p))
+                # A Parameter is a leaf by construction; reading .grad of a non-leaf would warn.
+                grad = p.grad if type(p) is parameter or p.is_leaf else None
+                if grad is not None:
+                    append((mpath, "grad", full + ".grad", grad))
+        children = attrs.get("_modules")
+        if children:
+            prefix = mpath + "." if mpath else ""
+            stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
+    return entries
+
+
+def _plans(facts: Any, subjects: Any = ()) -> list[tuple[str, str, list]]:
+    """What to scan: ``(object, kind, [(module, tensor kind, name, tensor), ...])`` per model and optimizer.
+
+    ``facts`` say what to scan; the live objects come from the discovered ``subjects``.
+    """
+    live = {s.name: s for s in subjects}
+    plans: list[tuple[str, str, list]] = []
+    seen: set[int] = set()
+    for m in facts.models:
+        if m.name in live:
+            plans.append((m.name, "model", _model_entries(live[m.name].obj, m.name, seen)))
+    if not facts.optimizers:
+        return plans
+    # param id -> (module path, full name): how optimizer state is labelled.
+    owners = {id(e[3]): (e[0], e[2]) for _, _, entries in plans for e in entries if e[1] == "param"}
+    for o in facts.optimizers:
+        subject = live.get(o.name)
+        inner = subject.inner if subject is not None else None
+        state = inner.__dict__.get("state", {}) if inner is not None else {}
+        groups = inner.__dict__.get("param_groups", []) if inner is not None else []
+        entries = []
+        index = 0
+        for group in groups:
+            for p in group.get("params", ()):
+                st = state.get(p) if isinstance(state, dict) else None
+                module, label = owners.get(id(p), ("", f"param {index}"))
+                index += 1
+                if not isinstance(st, dict):
+                    continue
+                for key, value in st.items():
+                    if isinstance(value, torch.Tensor) and value.numel() > 1 and id(value) not in seen:
+                        seen.add(id(value))
+                        entries.append((module, "optimizer_state", f"{o.name}.state[{label}][{key!r}]", value))
+        plans.append((o.name, "optimizer", entries))
+    return plans
+
+
+def fp16_in_play(facts: Any) -> bool:
+    """True when something in the setup computes or stores in fp16 (so flush-to-zero counts matter)."""
+    for p in facts.precisions:
+        if "fp16" in (p.effective, p.requested, p.accelerator_mixed_precision, p.args.get("mixed_precision")):
+            return True
+    if "float16" in facts.runtime.autocast.values():
+        return True
+    if any(s.enabled for s in facts.scalers):
+        return True
+    if not facts.hardware.bf16_native:
+        return True
+    return any(m.tensors.param_dtype_counts().get("float16") for m in facts.models)
+
+
+def scan_facts(
+    facts: Any,
+    subjects: Any = (),
+    underflow: bool | str = "auto",
+    chunk_elements: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Return ``facts`` with ``scans`` filled: one :class:`ScanFacts` per model and optimizer.
+
+    Parameters
+    ----------
+    facts : Facts
+        Gathered facts (plain data).
+    subjects : sequence of Subject
+        The discovered subjects: the live objects scanned.
+    underflow : bool or "auto"
+        Count values that would flush to zero in fp16 / bf16. ``"auto"``: only
+        when fp16 is in play (an fp16 setup, autocast, scaler, fp16 weights or
+        a device without bf16), since it costs a second read of every tensor.
+    chunk_elements : int, optional
+        Elements per chunk; the default keeps scan buffers under :data:`TEMP_BUDGET`.
+    progress : bool, optional
+        Show a tqdm progress bar; default: when the scan reads more than 1 GB.
+    """
+    from ..facts import Facts
+
+    if not subjects and (facts.models or facts.optimizers):
+        raise ValueError("scan_facts needs the discovered subjects: facts hold no live tensors")
+    if underflow == "auto":
+        underflow = fp16_in_play(facts)
+    scans = scan_objects(_plans(facts, subjects), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
+    return Facts(**{**facts.__dict__, "scans": tuple(facts.scans) + scans})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+
 
 def in_colab() -> bool:
     """True inside Google Colab."""
@@ -33,6 +35,48 @@ def widget_frontend() -> bool:
     return True
 
 
+#: Hides the static copy of a report wherever a report widget rendered: in the live frontend and in an
+#: exported page whose widgets load. Offline exports (nbconvert's HTML with saved widget state and no
+#: network for the widget manager) render no widget, so the static report stays visible there.
+FALLBACK_STYLE = (
+    "<style>:root:has(.mpdoctor-widget) .mpdoctor-fallback,"
+    ":root:has(.mpdoctor-widget) .jp-OutputArea-child:has(.mpdoctor-fallback),"
+    ":root:has(.mpdoctor-widget) .output_area:has(.mpdoctor-fallback){display:none}</style>"
+)
+
+
+def static_bundle(report: Any) -> dict:
+    """The report as text and static HTML, marked as the stand-in for a widget shown beside it."""
+    return {
+        "text/plain": report.to_text(),
+        "text/html": f"{FALLBACK_STYLE}<div class='mpdoctor-fallback'>{report.to_html()}</div>",
+    }
+
+
+def widget_bundle(widget: Any) -> dict:
+    """The widget view alone, with a one-line text for frontends that cannot draw it.
+
+    The full text and HTML travel in the next output (:func:`static_bundle`): an
+    exporter that picks the widget view for this output (nbconvert's HTML
+    exporter does whenever widget state was saved) still shows the report.
+    """
+    from .text import header
+
+    bundle = widget.mimebundle()
+    return {
+        "text/plain": f"{header(widget.report)} (interactive report: it needs a running kernel)",
+        WIDGET_VIEW_MIME: bundle[WIDGET_VIEW_MIME],
+    }
+
+
+def display_widget(widget: Any) -> None:
+    """Display a report widget, followed by its static rendering for exports (hidden where the widget shows)."""
+    from IPython.display import display
+
+    display(widget_bundle(widget), raw=True)
+    display(static_bundle(widget.report), raw=True)
+
+
 def show(report: Any) -> None:
     """Display a report: the widget where a widget frontend exists, else text and HTML.
 
@@ -52,8 +96,12 @@ def show(report: Any) -> None:
         try:
             from .widget import ReportWidget
 
-            display(ReportWidget(report).mimebundle(), raw=True)
-            return
+            widget = ReportWidget(report)
+            bundle = widget_bundle(widget)
         except Exception:
             pass  # fall back to static HTML: a report must always show
+        else:
+            display(bundle, raw=True)
+            display(static_bundle(report), raw=True)
+            return
     display(report._repr_mimebundle_(), raw=True)

@@ -4,6 +4,15 @@ The widget builds its HTML pieces from the functions here, so the static
 export (nbconvert, GitHub's notebook viewer) and the live widget show the same
 thing. Every string that may come from a user object goes through :func:`e`;
 the markup around it is built here, never from user text.
+
+Colours: text and backgrounds come from JupyterLab's CSS variables (also
+defined by Notebook 7, VS Code's renderer and ipywidgets' own stylesheet),
+each with a light-theme fallback for frontends without them (classic
+Notebook, Colab). Every coloured text sits on a background set with it
+(the report's own panel, a code block, a badge), so the pair always reads:
+WCAG contrast 4.5 or more in the light and dark themes and in the fallback.
+Severity colours are fixed dark hues used as badge backgrounds under white
+text, and for borders; never as text on the theme's background.
 """
 
 from __future__ import annotations
@@ -11,19 +20,45 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from ..facts.tensors import SHORT_DTYPE
+from ..crash.cause import cause_label
 from .data import humanize_bytes, humanize_count, report_dict
+from .evidence import (
+    SHORT_DTYPE,
+    format_number,
+    layer_rows,
+    layer_strips,
+    plural,
+    precision_word,
+    probe_bars,
+    rst_to_plain,
+    scan_summary,
+    singular_counts,
+    summarize_evidence,
+)
+from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg
 
-COLORS = {"error": "#c62828", "warning": "#e65100", "info": "#1565c0"}
-OK_COLOR = "#2e7d32"
-MUTED = "#666"
-DTYPE_COLORS = {"float32": "#1976d2", "bfloat16": "#8e24aa", "float16": "#f57c00", "float64": "#00897b"}
+#: Severity hues: badge backgrounds under white text (contrast >= 6.2) and borders.
+COLORS = {"error": "#b71c1c", "warning": "#9a4a00", "info": "#0d47a1"}
+OK_COLOR = "#1b5e20"
+#: Text colours, from the theme, with light-theme fallbacks.
+FG = "var(--jp-content-font-color1,#1f2328)"
+# Secondary text: the theme's text colour at 75% (>= 5.5:1 on the panel and code backgrounds in both themes);
+# where color-mix is unknown the declaration is dropped and the text inherits the full colour.
+MUTED = "color-mix(in srgb,var(--jp-content-font-color1,#1f2328) 75%,transparent)"
+LINK = "var(--jp-content-link-color,#0b57d0)"
+BG = "var(--jp-layout-color0,#fff)"
+CODE_BG = "var(--jp-layout-color2,#eee)"
+BORDER = "var(--jp-border-color1,#bdbdbd)"
+DTYPE_COLORS = DTYPE_FILL
 KIND_LABELS = {"param": "params", "grad": "grads", "buffer": "buffers", "optimizer_state": "optimizer state"}
 # Double quotes only inside styles: every style attribute here is single-quoted.
 FONT = 'font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;font-size:13px;line-height:1.45'
+#: The report's own panel: the colours every text inside is measured against.
+PANEL = f"{FONT};color:{FG};background:{BG}"
 
-CODE = "font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px"
-PRE = f"{CODE};background:#f6f8fa;border:1px solid #e1e4e8;border-radius:4px;padding:4px 8px;margin:4px 0;white-space:pre-wrap"
+CODE = f"font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;font-size:12px;color:{FG};background:{CODE_BG};border-radius:3px;padding:0 3px;overflow-wrap:anywhere"
+PRE = f"{CODE};border:1px solid {BORDER};padding:4px 8px;margin:4px 0;white-space:pre-wrap;display:block"
+SUMMARY = f"cursor:pointer;color:{LINK}"
 
 
 def e(value: Any) -> str:
@@ -36,41 +71,42 @@ def code(value: Any) -> str:
     return f"<code style='{CODE}'>{e(value)}</code>"
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+def muted(html: str, size: int = 12) -> str:
+    """Secondary text (already escaped markup)."""
+    return f"<span style='color:{MUTED};font-size:{size}px'>{html}</span>"
+
+
+def pill(text: str, background: str, size: int = 11) -> str:
+    """White text on a fixed dark background: reads the same in every theme."""
+    return (
+        f"<span style='background:{background};color:#fff;border-radius:3px;padding:0 6px;"
+        f"font-size:{size}px;font-weight:bold;letter-spacing:.03em;white-space:nowrap'>{e(text)}</span>"
+    )
 
 
 def badge(severity: str) -> str:
     """A coloured severity label."""
-    return (
-        f"<span style='background:{COLORS[severity]};color:#fff;border-radius:3px;padding:0 6px;"
-        f"font-size:11px;font-weight:bold;letter-spacing:.03em'>{e(severity.upper())}</span>"
-    )
+    return pill(severity.upper(), COLORS[severity])
 
 
 def verdict_html(data: dict) -> str:
-    """The header line: coloured counts, device or target profile, time taken."""
+    """The header line: counts, device or target profile, time taken."""
     c = data["summary"]
     if c["error"] == 0 and c["warning"] == 0:
-        verdict = f"<b style='color:{OK_COLOR}'>&#10004; no mixed-precision problems found</b>"
+        verdict = pill("\u2714 no mixed-precision problems found", OK_COLOR, 12)
         if c["info"]:
-            verdict += f" <span style='color:{COLORS['info']}'>({e(_plural(c['info'], 'note'))})</span>"
+            verdict += f" {muted(e('(' + plural(c['info'], 'note') + ')'))}"
     else:
-        counts = [
-            (c["error"], "error", "error"),
-            (c["warning"], "warning", "warning"),
-            (c["info"], "info", "info"),
-        ]
-        verdict = " &middot; ".join(
-            f"<b style='color:{COLORS[sev] if n else MUTED}'>{e(_plural(n, word) if sev != 'info' else f'{n} info')}</b>"
-            for n, word, sev in counts
+        counts = [(c["error"], "error"), (c["warning"], "warning"), (c["info"], "info")]
+        verdict = " ".join(
+            pill(plural(n, word), COLORS[word], 12) if n else f"<b>{e(plural(n, word))}</b>" for n, word in counts
         )
     device = data["device"]
     where = f"target {code(device['label'])}" if data.get("target") else f"device {code(device['label'])}"
     ms = f"{data['elapsed_seconds'] * 1000:.0f} ms"
     return (
         f"<div style='font-size:15px'><b>mpdoctor</b> &nbsp;{verdict}</div>"
-        f"<div style='color:{MUTED};font-size:12px'>{where} &nbsp;&middot;&nbsp; diagnosed in {e(ms)}</div>"
+        f"<div style='font-size:12px;color:{MUTED}'>{where} &nbsp;&middot;&nbsp; diagnosed in {e(ms)}</div>"
     )
 
 
@@ -79,43 +115,48 @@ def subjects_html(data: dict) -> str:
     subjects = data["subjects"]
     if not subjects:
         return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>"
-    items = ", ".join(
-        f"{code(s['name'])} <span style='color:{MUTED}'>{e(s['class'])}</span>" for s in subjects
-    )
+    items = ", ".join(f"{code(s['name'])} {muted(e(s['class']), 13)}" for s in subjects)
     return f"<div>inspected: {items}</div>"
 
 
 def evidence_html(evidence: dict) -> str:
-    """The facts a finding rests on, as ``key = value`` pairs."""
+    """The facts a finding rests on: short values inline, long lists summarised with the full list folded."""
     if not evidence:
         return ""
-    pairs = " &nbsp; ".join(f"{e(k)}&nbsp;=&nbsp;{code(v)}" for k, v in evidence.items())
-    return f"<div style='font-size:12px;color:#444;margin-top:2px'>evidence: {pairs}</div>"
+    inline, folded = [], []
+    for item in summarize_evidence(evidence):
+        inline.append(f"<span style='white-space:nowrap'>{e(item.key)}&nbsp;=</span> {code(item.summary)}")
+        if item.full is not None:
+            folded.append(
+                f"<details style='margin:2px 0 0 12px'><summary style='{SUMMARY}'>all {e(item.key)} "
+                f"({e(plural(item.full.count(chr(10)) + 1, 'line'))})</summary><pre style='{PRE}'>{e(item.full)}</pre></details>"
+            )
+    return f"<div style='font-size:12px;margin-top:2px'>evidence: {' &nbsp; '.join(inline)}{''.join(folded)}</div>"
 
 
 def finding_body_html(f: dict) -> str:
     """A finding without its fixes: severity, check, subject, message, an expandable why, the evidence."""
-    why = f.get("why") or ""
+    why = rst_to_plain(f.get("why") or "")
     why_block = (
-        f"<details style='margin-top:2px'><summary style='cursor:pointer;color:{COLORS['info']}'>why it matters</summary>"
+        f"<details style='margin-top:2px'><summary style='{SUMMARY}'>why it matters</summary>"
         f"<div style='font-size:12px;margin:2px 0 2px 12px'>{e(why)}</div></details>"
         if why
         else ""
     )
     return (
         f"<div style='{FONT}'>"
-        f"<div>{badge(f['severity'])} {code(f['check'])} <span style='color:{MUTED}'>on</span> {code(f['subject'])}</div>"
-        f"<div style='margin:3px 0'>{e(f['message'])}</div>"
+        f"<div>{badge(f['severity'])} {code(f['check'])} on {code(f['subject'])}</div>"
+        f"<div style='margin:3px 0;overflow-wrap:anywhere'>{e(f['message'])}</div>"
         f"{why_block}{evidence_html(f['evidence'])}</div>"
     )
 
 
 def fix_html(fx: dict) -> str:
     """A fix in the static rendering: its safety, title, state and the code that does the same."""
-    safety = "safe fix" if fx["safe"] else "<b style='color:#b71c1c'>unsafe fix</b>"
-    state = " <b style='color:#2e7d32'>(applied)</b>" if fx["applied"] else ""
-    failed = f" <span style='color:#b71c1c'>failed: {e(fx['error'])}</span>" if fx.get("error") else ""
-    return f"<li>{safety}: {e(fx['title'])}{state}{failed}<pre style='{PRE}'>{e(fx['code'])}</pre></li>"
+    safety = "safe fix" if fx["safe"] else pill("unsafe fix", COLORS["error"])
+    state = f" {pill('applied', OK_COLOR)}" if fx["applied"] else ""
+    failed = f" {pill('failed', COLORS['error'])} {e(fx['error'])}" if fx.get("error") else ""
+    return f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}<pre style='{PRE}'>{e(fx['code'])}</pre></li>"
 
 
 def finding_html(f: dict) -> str:
@@ -123,7 +164,7 @@ def finding_html(f: dict) -> str:
     fixes = "".join(fix_html(fx) for fx in f["fixes"])
     fixes_block = f"<ul style='margin:2px 0;padding-left:20px'>{fixes}</ul>" if fixes else ""
     return (
-        f"<div style='border:1px solid #e0e0e0;border-left:4px solid {COLORS[f['severity']]};border-radius:3px;"
+        f"<div style='border:1px solid {BORDER};border-left:4px solid {COLORS[f['severity']]};border-radius:3px;"
         f"padding:4px 8px;margin:4px 0'>{finding_body_html(f)}{fixes_block}</div>"
     )
 
@@ -133,10 +174,11 @@ def histogram_html(hist: list[dict]) -> str:
 
     Each row names the tensor kind (params, grads, buffers, optimizer state),
     the dtype and trainable / frozen, and writes its count, elements and bytes
-    out, so nothing needs hovering. Bars are scaled within each object.
+    out, so nothing needs hovering. Bars are scaled within each object; rows
+    wrap in a narrow window.
     """
     if not hist:
-        return f"<p style='color:{MUTED}'>No tensors.</p>"
+        return f"<p style='{FONT};color:{MUTED}'>No tensors.</p>"
     groups: dict[str, list[dict]] = {}
     for r in hist:
         groups.setdefault(r["object"], []).append(r)
@@ -145,8 +187,8 @@ def histogram_html(hist: list[dict]) -> str:
         total = sum(r["bytes"] for r in rows)
         biggest = max(r["bytes"] for r in rows) or 1
         parts.append(
-            f"<div style='margin:6px 0 2px'>{code(obj)} <span style='color:{MUTED};font-size:12px'>"
-            f"{e(_plural(sum(r['tensors'] for r in rows), 'tensor'))}, {e(humanize_bytes(total))}</span></div>"
+            f"<div style='margin:6px 0 2px'>{code(obj)} "
+            f"{muted(e(plural(sum(r['tensors'] for r in rows), 'tensor') + ', ' + humanize_bytes(total)))}</div>"
         )
         for r in rows:
             pct = max(1.0, 100.0 * r["bytes"] / biggest) if r["bytes"] else 0.0
@@ -155,41 +197,42 @@ def histogram_html(hist: list[dict]) -> str:
             kind = KIND_LABELS.get(r["kind"], r["kind"])
             state = "trainable" if r["trainable"] else "frozen"
             meta = f", {r['meta']} on meta" if r.get("meta") else ""
-            figures = f"{_plural(r['tensors'], 'tensor')} · {humanize_count(r['elements'])} elements · {humanize_bytes(r['bytes'])}{meta}"
+            figures = f"{plural(r['tensors'], 'tensor')} · {humanize_count(r['elements'])} elements · {humanize_bytes(r['bytes'])}{meta}"
             parts.append(
-                "<div style='display:flex;align-items:center;gap:8px;font-size:12px;margin:1px 0 1px 12px'>"
+                "<div style='display:flex;flex-wrap:wrap;align-items:center;column-gap:8px;font-size:12px;margin:1px 0 1px 12px'>"
                 f"<div style='width:110px;flex:none'>{e(kind)}</div>"
-                f"<div style='width:56px;flex:none;font-weight:bold;color:{color}'>{e(dtype)}</div>"
+                f"<div style='width:56px;flex:none;font-weight:bold'><span style='display:inline-block;width:9px;height:9px;"
+                f"background:{color};margin-right:4px'></span>{e(dtype)}</div>"
                 f"<div style='width:70px;flex:none;color:{MUTED}'>{state}</div>"
-                f"<div style='width:200px;flex:none;background:#eee;border-radius:2px'>"
+                f"<div style='width:200px;flex:0 1 200px;min-width:60px;background:{CODE_BG};border-radius:2px'>"
                 f"<div style='width:{pct:.1f}%;background:{color};height:12px;border-radius:2px'></div></div>"
-                f"<div style='white-space:nowrap'>{e(figures)}</div></div>"
+                f"<div>{e(figures)}</div></div>"
             )
     parts.append("</div>")
     return "".join(parts)
 
 
 def table_html(rows: list[dict], columns: list[str] | None = None, highlight: Any = None) -> str:
-    """A small table; ``highlight(row, column)`` may return a CSS colour for a cell."""
+    """A small table; ``highlight(row, column)`` may return a severity colour: that cell becomes a pill."""
     if not rows:
         return ""
     columns = columns or list(rows[0])
     head = "".join(
-        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid #ddd'>{e(c)}</th>"
-        for c in columns
+        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid {BORDER}'>{e(c)}</th>" for c in columns
     )
     body = []
     for r in rows:
         cells = []
         for c in columns:
             color = highlight(r, c) if highlight else None
-            style = f"padding:2px 10px 2px 0;{f'color:{color};font-weight:bold' if color else ''}"
             value = r.get(c, "")
-            cells.append(f"<td style='{style}'>{e('-' if value is None else value)}</td>")
+            text = "-" if value is None else value
+            inner = pill(str(text), color, 12) if color else e(text)
+            cells.append(f"<td style='padding:2px 10px 2px 0;overflow-wrap:anywhere{';font-weight:bold' if color else ''}'>{inner}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return (
-        f"<table style='border-collapse:collapse;{FONT};font-size:12px'><thead><tr>{head}</tr></thead>"
-        f"<tbody>{''.join(body)}</tbody></table>"
+        f"<div style='overflow-x:auto'><table style='border-collapse:collapse;{FONT};font-size:12px;color:{FG}'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{''.join(body)}</tbody></table></div>"
     )
 
 
@@ -199,11 +242,7 @@ def caches_html(caches: list[dict]) -> str:
         return f"<p style='{FONT};color:{MUTED}'>No Hugging Face config among the inspected objects.</p>"
 
     def warn(row: dict, column: str) -> str | None:
-        return (
-            COLORS["warning"]
-            if column == "use_cache" and row["use_cache"] is True and row["training"]
-            else None
-        )
+        return COLORS["warning"] if column == "use_cache" and row["use_cache"] is True and row["training"] else None
 
     return table_html(caches, ["path", "use_cache", "model_type", "training"], warn)
 
@@ -236,15 +275,15 @@ def precision_html(data: dict) -> str:
         rows = [
             {
                 "setup": p["setup"],
-                "requested (args)": p["requested"],
-                "args.mixed_precision": p["args.mixed_precision"],
+                "requested (args)": precision_word(p["requested"]),
+                "args.mixed_precision": precision_word(p["args.mixed_precision"]),
                 "ACCELERATE_MIXED_PRECISION": p["ACCELERATE_MIXED_PRECISION"],
-                "accelerator": p["accelerator.mixed_precision"],
+                "accelerator": precision_word(p["accelerator.mixed_precision"]),
                 "native amp": p["native_amp"],
                 "scaler": p["scaler"],
                 "autocast now": autocast,
                 "device bf16": p["device bf16"],
-                "effective": p["effective"],
+                "effective": precision_word(p["effective"]),
             }
             for p in data["precision"]
         ]
@@ -277,19 +316,85 @@ def precision_html(data: dict) -> str:
     return "".join(parts)
 
 
+def layers_html(report: Any) -> str:
+    """The per-layer dtype strip of every model with many layers, or a line saying why there is none."""
+    strips = layer_strips(layer_rows(report))
+    if not strips:
+        return f"<p style='{FONT};color:{MUTED}'>No model with 4 or more numbered layers among the inspected objects.</p>"
+    parts = [f"<div style='{FONT}'>"]
+    for strip in strips:
+        if strip.differing:
+            note = f"{plural(len(strip.differing), 'layer')} differ from the rest: layers {', '.join(map(str, strip.differing[:12]))}" + (
+                ", ..." if len(strip.differing) > 12 else ""
+            )
+        else:
+            note = f"all {len(strip.layers)} layers hold the same dtypes"
+        parts.append(f"<div style='margin:6px 0 2px'>{code(strip.model)} {muted(e(note))}</div>{layer_strip_svg(strip)}")
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def numerics_html(data: dict) -> str:
+    """The value scan and the probe in numbers and a chart, shown whether or not a finding fired."""
+    parts = [f"<div style='{FONT}'>"]
+    scan = scan_summary(data.get("scan") or [])
+    if scan:
+        rows = [
+            {
+                "value scan": "values read",
+                "": humanize_count(scan["values"]) + f" in {plural(scan['rows'], 'module row')}",
+            },
+            {"value scan": "NaN / Inf", "": f"{format_number(scan['nan'])} / {format_number(scan['inf'])}"},
+            {"value scan": "largest |value|", "": format_number(scan["absmax"])},
+            {"value scan": "past fp16's 65504", "": format_number(scan["fp16_overflow"])},
+            {"value scan": "fp16 headroom", "": "no finite value" if scan["absmax"] == 0 else f"{format_number(scan['fp16_headroom'])}x"},
+        ]
+
+        def bad(row: dict, column: str) -> str | None:
+            hot = row["value scan"] in ("NaN / Inf", "past fp16's 65504") and row[""] not in ("0 / 0", "0")
+            return COLORS["error"] if column == "" and hot else None
+
+        parts.append(table_html(rows, highlight=bad))
+    probe = data.get("probe") or []
+    if probe:
+        parts.append(f"<div style='margin:8px 0 2px;font-weight:bold'>one-batch probe: {e(plural(len(probe), 'module'))}</div>")
+        parts.append(probe_chart_svg(probe_bars(probe)))
+    if not scan and not probe:
+        parts.append(
+            f"<p style='color:{MUTED}'>No values were read: <code style='{CODE}'>%mpdoctor --scan</code> scans "
+            f"the tensors for NaN/Inf and fp16 headroom; <code style='{CODE}'>%mpdoctor model --probe batch</code> "
+            "runs one batch and charts each module's largest activation.</p>"
+        )
+    parts.append("</div>")
+    return "".join(parts)
+
+
 def section(title: str, body: str) -> str:
     """A titled block of the static rendering."""
     return f"<div style='margin-top:8px'><div style='font-weight:bold;margin-bottom:2px'>{e(title)}</div>{body}</div>"
 
 
+def cause_html(label: str) -> str:
+    """The heading above the finding that explains an exception (``cause of RuntimeError: ...``)."""
+    return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;margin:6px 0 0'>{pill('cause', COLORS['error'])} {e(label)}</div>"
+
+
 def render_html(report: Any) -> str:
     """Render a report as a self-contained HTML fragment."""
     data = report_dict(report)
-    parts = [f"<div class='mpdoctor-report' style='{FONT}'>", verdict_html(data), subjects_html(data)]
+    parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
+    label = cause_label(report)
+    if label:  # the finding that explains an exception comes first, under this heading
+        parts.append(cause_html(label))
     parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
+    if layer_strips(layer_rows(report)):
+        parts.append(section("dtypes per layer", layers_html(report)))
+    if data.get("scan") or data.get("probe"):
+        parts.append(section("numerics", numerics_html(data)))
     parts.append(section("precision: requested vs effective", precision_html(data)))
     parts.append(section("caches", caches_html(data["caches"])))
     parts.append(section("scalers", scalers_html(data["scalers"])))
     parts.append("</div>")
     return "".join(parts)
+

@@ -5,8 +5,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ..facts.tensors import SHORT_DTYPE
+from ..crash.cause import cause_label
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
+from .evidence import SHORT_DTYPE, precision_word, singular_counts, summarize_evidence
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -41,13 +42,19 @@ def render_text(report: Any, width: int = 100) -> str:
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
         lines.append("")
+    label = cause_label(report)
+    if label:  # the finding that explains an exception comes first, under this heading
+        lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
     for f in data["findings"]:
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
+        if f["evidence"]:  # long lists summarised (the full lists are in report.to_dict())
+            facts = "; ".join(f"{item.key}={item.summary}" for item in summarize_evidence(f["evidence"]))
+            lines += textwrap.wrap(f"evidence: {facts}", **wrap)
         for fx in f["fixes"]:
             state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
             kind = fx["applicability"] if fx["planned"] else f"alternative, {fx['applicability']}"
-            lines.append(f"        fix ({kind}): {fx['title']}{state}")
+            lines.append(f"        fix ({kind}): {singular_counts(fx['title'])}{state}")
             if fx["cost"]:
                 lines.append(f"            cost: {fx['cost']}")
             if fx["note"] and not fx["planned"]:
@@ -72,9 +79,9 @@ def render_text(report: Any, width: int = 100) -> str:
         lines += ["", "precision (requested -> effective)"]
         for p in prec:
             lines.append(
-                f"  {p['setup']}: requested {p['requested']} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
-                f" | accelerator {p['accelerator.mixed_precision']} (native amp {p['native_amp']})"
-                f" | scaler {p['scaler']} | effective {p['effective']}"
+                f"  {p['setup']}: requested {precision_word(p['requested'])} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
+                f" | accelerator {precision_word(p['accelerator.mixed_precision'])} (native amp {p['native_amp']})"
+                f" | scaler {p['scaler']} | effective {precision_word(p['effective'])}"
             )
     caches = cache_view(report)
     if caches:

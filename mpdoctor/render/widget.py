@@ -16,24 +16,34 @@ refreshes.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..fixes import FixFailed, FixNeedsConfirmation
+from ..crash.cause import cause_label
 from .data import report_dict
+from .evidence import fix_label, plural, singular_counts
 from .html import (
+    BG,
+    BORDER,
     COLORS,
+    FG,
     FONT,
+    LINK,
     MUTED,
     OK_COLOR,
     PRE,
     caches_html,
+    cause_html,
     code,
     e,
     finding_body_html,
     histogram_html,
+    layers_html,
+    numerics_html,
+    pill,
     precision_html,
     scalers_html,
     subjects_html,
@@ -41,8 +51,53 @@ from .html import (
 )
 
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
-#: Tab titles of the panels, in order.
-PANELS = ("dtypes", "caches", "scaler", "precision", "copy as issue report")
+#: Tab titles of the panels, in order (short: seven of them fit on two rows at 600 px).
+PANELS = ("dtypes", "layers", "numerics", "caches", "scaler", "precision", "issue report")
+
+#: The widget's stylesheet, scoped to the report. Colours come from JupyterLab's CSS variables (which
+#: ipywidgets 7 also defines for classic Notebook) with light-theme fallbacks; buttons and tab labels
+#: wrap instead of being cut with an ellipsis; the header's buttons drop under the verdict when narrow.
+STYLE = f"""<style>
+.mpdoctor-widget {{ color: {FG}; background: {BG}; {FONT}; }}
+.mpdoctor-widget .jupyter-button, .mpdoctor-widget .widget-button {{
+  white-space: normal; overflow: visible; text-overflow: clip; height: auto; min-height: 28px;
+  max-width: 100%; line-height: 1.3; padding: 3px 10px; text-align: left; overflow-wrap: anywhere;
+  color: var(--jp-ui-font-color1, #1f2328); background: var(--jp-layout-color2, #eee);
+  border: 1px solid {BORDER}; }}
+.mpdoctor-widget .jupyter-button.mpd-safe {{ background: {OK_COLOR}; color: #fff; border-color: {OK_COLOR}; }}
+.mpdoctor-widget .jupyter-button.mpd-unsafe {{ background: {COLORS["warning"]}; color: #fff; border-color: {COLORS["warning"]}; }}
+.mpdoctor-widget .jupyter-button.mpd-armed {{ background: {COLORS["error"]}; color: #fff; border-color: {COLORS["error"]}; }}
+.mpdoctor-widget .jupyter-button:disabled {{ opacity: 1; }}
+.mpdoctor-widget .lm-TabBar-content, .mpdoctor-widget .p-TabBar-content {{ flex-wrap: wrap; }}
+.mpdoctor-widget .lm-TabBar, .mpdoctor-widget .p-TabBar {{ min-height: var(--jp-widgets-horizontal-tab-height, 24px); max-height: none; height: auto; overflow: visible; }}
+.mpdoctor-widget .lm-TabBar-tab, .mpdoctor-widget .p-TabBar-tab {{
+  flex: 0 0 auto; min-width: 0; max-width: none; color: var(--jp-ui-font-color1, #1f2328) !important;
+  background: var(--jp-layout-color2, #eee) !important; }}
+.mpdoctor-widget .lm-TabBar-tab.lm-mod-current, .mpdoctor-widget .p-TabBar-tab.p-mod-current {{
+  color: var(--jp-ui-font-color0, #000) !important; background: {BG} !important; }}
+.mpdoctor-widget .lm-TabBar-tabLabel, .mpdoctor-widget .p-TabBar-tabLabel {{ overflow: visible; text-overflow: clip; }}
+.mpdoctor-widget .widget-textarea textarea {{ color: {FG}; background: {BG}; }}
+.mpdoctor-widget .widget-html-content {{ overflow-wrap: anywhere; }}
+</style>"""
+
+#: Copies the issue-report text of the widget it is shown in; run in the browser by the Copy button.
+_COPY_JS = (
+    "(function(){var t=document.querySelectorAll('.mpdoctor-widget .mpd-issue textarea');"
+    "var v=t.length?t[t.length-1].value:'';"
+    "if(navigator.clipboard){navigator.clipboard.writeText(v);}})();"
+)
+
+
+def _major(version: str) -> int:
+    try:
+        return int(version.split(".")[0])
+    except ValueError:
+        return 0
+
+
+def _exc_named(exc: BaseException, name: str) -> bool:
+    # The fix exceptions are matched by name: renderers never import the fix machinery (it imports torch).
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
 
 
 @dataclass(eq=False)
@@ -77,8 +132,8 @@ def _close_tree(root: Any) -> None:
 
 
 def _button_layout(w: Any) -> Any:
-    # Sized to the label (the default width truncates titles), never stretched by a VBox.
-    return w.Layout(width="auto", flex="0 0 auto", align_self="flex-start", margin="2px 6px 2px 0")
+    # Sized to the label, never stretched by a VBox, never wider than the report (long labels wrap).
+    return w.Layout(width="auto", max_width="100%", flex="0 1 auto", align_self="flex-start", margin="2px 6px 2px 0")
 
 
 def _finding_key(finding: Any) -> tuple[str, str]:
@@ -87,6 +142,16 @@ def _finding_key(finding: Any) -> tuple[str, str]:
 
 def _fix_key(finding: Any, fix: Any) -> tuple[str, str, str]:
     return (finding.check, finding.subject, fix.title)
+
+
+def _style(button: Any, kind: str) -> Any:
+    """Mark a button as ``safe``, ``unsafe``, ``armed`` or plain; the stylesheet colours it."""
+    for cls in ("mpd-safe", "mpd-unsafe", "mpd-armed"):
+        if cls in button._dom_classes:
+            button.remove_class(cls)
+    if kind:
+        button.add_class(f"mpd-{kind}")
+    return button
 
 
 class ReportWidget:
@@ -122,34 +187,57 @@ class ReportWidget:
         self._notes: dict[tuple[str, str], str] = {}
         self._armed: dict[tuple[str, str, str], tuple[float, str]] = {}
 
-        self.header = w.HTML()
-        self.header.layout = w.Layout(flex="1 1 auto")
+        self.style = w.HTML(STYLE, layout=w.Layout(height="0px", margin="0", overflow="hidden"))
+        self.header = w.HTML(layout=w.Layout(flex="1 1 320px", min_width="0"))
         self.rediagnose_button = w.Button(
             description="Re-diagnose",
             tooltip="Diagnose the same live objects again",
             layout=_button_layout(w),
         )
         self.rediagnose_button.on_click(lambda _b: self._refresh("Re-diagnosed the live objects"))
-        self.apply_all_button = w.Button(button_style="success", layout=_button_layout(w))
+        self.apply_all_button = w.Button(layout=_button_layout(w))
+        _style(self.apply_all_button, "safe")
         self.apply_all_button.on_click(self._on_apply_all)
         self.status_line = w.HTML()
         self.findings_box = w.VBox()
         self.dtypes_panel = w.HTML()
+        self.layers_panel = w.HTML()
+        self.numerics_panel = w.HTML()
         self.caches_panel = w.HTML()
         self.scaler_panel = w.HTML()
         self.precision_panel = w.HTML()
         self.issue_text = w.Textarea(layout=w.Layout(width="98%", height="260px"))
+        # The Copy button runs one line of script through an Output widget. classic Notebook's
+        # widgetsnbextension 3.6 (ipywidgets 7) cannot create Output models, so there the box and
+        # the select-all hint stay and the button is left out.
+        self._clipboard = w.Output(layout=w.Layout(height="0px", overflow="hidden")) if _major(w.__version__) >= 8 else None
         issue_help = w.HTML(
-            f"<div style='{FONT};color:{MUTED}'>The report as markdown, with versions and device: "
-            "click in the box, select all (Ctrl/Cmd+A), copy, and paste into a bug report.</div>"
+            f"<div style='{FONT};color:{MUTED}'>The report as markdown, with versions and device, "
+            "to paste into a bug report"
+            + ("." if self._clipboard is not None else ": click in the box, select all (Ctrl/Cmd+A) and copy.")
+            + "</div>"
         )
+        copy_row = []
+        if self._clipboard is not None:
+            self.copy_button = w.Button(
+                description="Copy to clipboard",
+                icon="copy",
+                tooltip="Copy the report as markdown (with versions and device) for a bug report",
+                layout=_button_layout(w),
+            )
+            self.copy_button.on_click(self._on_copy)
+            copy_row = [w.HBox([self.copy_button, self._clipboard])]
+        issue_box = w.VBox([issue_help, *copy_row, self.issue_text])
+        issue_box.add_class("mpd-issue")
         self.panels = w.Tab(
             children=[
                 self.dtypes_panel,
+                self.layers_panel,
+                self.numerics_panel,
                 self.caches_panel,
                 self.scaler_panel,
                 self.precision_panel,
-                w.VBox([issue_help, self.issue_text]),
+                issue_box,
             ]
         )
         for i, title in enumerate(PANELS):
@@ -158,13 +246,16 @@ class ReportWidget:
         top = w.HBox(
             [
                 self.header,
-                w.HBox([self.rediagnose_button, self.apply_all_button], layout=w.Layout(flex="0 0 auto")),
+                w.HBox(
+                    [self.rediagnose_button, self.apply_all_button],
+                    layout=w.Layout(flex="0 1 auto", flex_flow="row wrap", max_width="100%"),
+                ),
             ],
-            layout=w.Layout(justify_content="space-between", align_items="flex-start", width="100%"),
+            layout=w.Layout(flex_flow="row wrap", justify_content="space-between", align_items="flex-start", width="100%"),
         )
         self.view = w.VBox(
-            [top, self.status_line, self.findings_box, self.panels],
-            layout=w.Layout(border="1px solid #d0d7de", padding="6px 10px", margin="2px 0"),
+            [self.style, top, self.status_line, self.findings_box, self.panels],
+            layout=w.Layout(border=f"1px solid {BORDER}", padding="6px 10px", margin="2px 0"),
         )
         self.view.add_class("mpdoctor-widget")
         self._render()
@@ -190,6 +281,11 @@ class ReportWidget:
             bundle = {k: v for k, v in bundle.items() if k not in exclude}
         return bundle
 
+    def _ipython_display_(self) -> None:
+        from .frontend import display_widget
+
+        display_widget(self)
+
     def close(self) -> None:
         """Close every widget of the report (the kernel side forgets them)."""
         _close_tree(self.view)
@@ -214,76 +310,85 @@ class ReportWidget:
         pending_safe = [fx for fx in self.report.fixes if fx.safe and not fx.applied]
         self.apply_all_button.description = f"Apply all safe fixes ({len(pending_safe)})"
         self.apply_all_button.disabled = not pending_safe
+        # Nothing to apply: no button at all rather than a disabled "(0)".
+        self.apply_all_button.layout.display = None if pending_safe else "none"
         self.apply_all_button.tooltip = (
             "Apply every safe fix: they keep the meaning of the run (unsafe ones need their own click)"
         )
         self.status_line.value = (
-            f"<div style='{FONT};color:#0d47a1;background:#e3f2fd;padding:2px 6px;border-radius:3px'>{e(self.status)}</div>"
+            f"<div style='{FONT};color:{FG};border-left:3px solid {COLORS['info']};padding:2px 6px;margin:2px 0'>{e(self.status)}</div>"
             if self.status
             else ""
         )
         open_keys = {_finding_key(f) for f in self.report.findings}
-        cards = [self._applied_card(a, a.key in open_keys) for a in self.applied]
+        # Open findings first: they are what needs doing; applied fixes (with Undo) follow.
+        cards = []
+        label = cause_label(self.report)
+        if label:  # the finding that explains an exception comes first, under this heading
+            cards.append(self._w.HTML(cause_html(label)))
         cards += [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
-        if not self.report.findings:
-            cards.append(
-                self._w.HTML(f"<div style='{FONT};color:{OK_COLOR};margin:4px 0'>No problems found.</div>")
-            )
+        cards += [self._applied_card(a, a.key in open_keys) for a in self.applied]
         old = self.findings_box.children
         self.findings_box.children = tuple(cards)
         for widget in old:
             _close_tree(widget)
         self.dtypes_panel.value = histogram_html(data["histogram"])
+        self.layers_panel.value = layers_html(self.report)
+        self.numerics_panel.value = numerics_html(data)
         self.caches_panel.value = caches_html(data["caches"])
         self.scaler_panel.value = scalers_html(data["scalers"])
         self.precision_panel.value = precision_html(data)
         self.issue_text.value = self.report.to_markdown()
+        if self._clipboard is not None:
+            self._clipboard.outputs = ()
 
     def _finding_card(self, finding: Any, view: dict) -> Any:
         w = self._w
         parts = [finding_body_html(view)]
         if view["fixes"]:
             snippets = "".join(
-                f"<div style='font-size:12px;color:{MUTED}'>{e(fx['title'])}:</div><pre style='{PRE}'>{e(fx['code'])}</pre>"
+                f"<div style='font-size:12px;color:{MUTED}'>{e(singular_counts(fx['title']))}:</div><pre style='{PRE}'>{e(fx['code'])}</pre>"
                 for fx in view["fixes"]
             )
             parts.append(
-                f"<details style='{FONT}'><summary style='cursor:pointer;color:{COLORS['info']}'>"
+                f"<details style='{FONT}'><summary style='cursor:pointer;color:{LINK}'>"
                 f"the same fix as code</summary>{snippets}</details>"
             )
         else:
-            parts.append(
-                f"<div style='{FONT};font-size:12px;color:{MUTED}'>No automatic fix for this one.</div>"
-            )
+            parts.append(f"<div style='{FONT};font-size:12px;color:{MUTED}'>No automatic fix for this one.</div>")
         note = self._notes.get(_finding_key(finding))
         if note:
-            parts.append(f"<div style='{FONT};color:#b71c1c;margin-top:2px'>&#9888; {e(note)}</div>")
-        buttons = [self._fix_button(finding, fix, fv, view) for fix, fv in zip(finding.fixes, view["fixes"])]
+            parts.append(f"<div style='{FONT};margin-top:2px'>{pill('! note', COLORS['error'])} {e(note)}</div>")
+        buttons: list[Any] = []
+        for fix, fv in zip(finding.fixes, view["fixes"]):
+            buttons.append(self._fix_button(finding, fix, fv, view))
+            if _fix_key(finding, fix) in self._armed:
+                cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
+                cancel.on_click(self._disarm_handler(_fix_key(finding, fix)))
+                buttons.append(cancel)
         children = [w.HTML("".join(parts))]
         if buttons:
-            children.append(w.HBox(buttons, layout=w.Layout(flex_flow="row wrap")))
+            children.append(w.HBox(buttons, layout=w.Layout(flex_flow="row wrap", max_width="100%")))
         return w.VBox(
             children,
-            layout=w.Layout(
-                border=f"1px solid {COLORS[finding.severity]}", padding="4px 8px", margin="4px 0"
-            ),
+            layout=w.Layout(border=f"1px solid {BORDER}", padding="4px 8px", margin="4px 0"),
         )
 
     def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> Any:
         w = self._w
+        short, full = fix_label(fix_view["title"])
         armed = self._armed.get(_fix_key(finding, fix))
         if armed is not None:
-            description, style = armed[1], "danger"
-            tooltip = "Click again to apply this fix"
+            description, kind = armed[1], "armed"
+            tooltip = f"{full}. {armed[1]}"
         elif fix.safe:
-            description, style = fix_view["title"], "success"
-            tooltip = "Safe fix: keeps the meaning of the run you intended. Undo is available after."
+            description, kind = short, "safe"
+            tooltip = f"{full}. Safe fix: keeps the meaning of the run you intended. Undo is available after."
         else:
-            description, style = f"\u26a0 {fix_view['title']} (unsafe)", "warning"
-            tooltip = "Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
-        button = w.Button(
-            description=description, button_style=style, tooltip=tooltip, layout=_button_layout(w)
-        )
+            description, kind = f"\u26a0 {short} (unsafe)", "unsafe"
+            tooltip = f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
+        button = w.Button(description=description, tooltip=tooltip, layout=_button_layout(w))
+        _style(button, kind)
         button.on_click(lambda _b: self._on_fix(finding, fix, fix_view, view))
         return button
 
@@ -291,12 +396,12 @@ class ReportWidget:
         w = self._w
         f = entry.finding
         outcome = (
-            f"<b style='color:{COLORS['error']}'>still reported after re-diagnosis: the fix did not take</b>"
+            f"{pill('still reported', COLORS['error'])} after re-diagnosis: the fix did not take"
             if still_reported
-            else f"<span style='color:{OK_COLOR}'>gone after re-diagnosis of the live objects</span>"
+            else "gone after re-diagnosis of the live objects"
         )
         html = (
-            f"<div style='{FONT}'><div><b style='color:{OK_COLOR}'>&#10004; applied</b> {e(entry.fix_view['title'])}</div>"
+            f"<div style='{FONT}'><div>{pill('applied', OK_COLOR)} {e(singular_counts(entry.fix_view['title']))}</div>"
             f"<div style='font-size:12px'>{code(f['check'])} on {code(f['subject'])}: {outcome}</div>"
             f"<div style='font-size:12px;color:{MUTED};margin-top:2px'>to make it stick, paste this where the object is created:</div>"
             f"<pre style='{PRE}'>{e(entry.fix_view['code'])}</pre></div>"
@@ -336,6 +441,14 @@ class ReportWidget:
         self._armed[_fix_key(finding, fix)] = (time.monotonic(), f"Click again to confirm: {reason}")
         self._render()
 
+    def _disarm_handler(self, key: tuple[str, str, str]) -> Any:
+        return lambda _b: self._disarm(key)
+
+    def _disarm(self, key: tuple[str, str, str]) -> None:
+        self._armed.pop(key, None)
+        self._notes.pop(key[:2], None)
+        self._render()
+
     def _unsafe_reason(self, fix: Any) -> str:
         try:
             steps = "; ".join(fix.preview())
@@ -356,18 +469,18 @@ class ReportWidget:
             return
         if armed is not None and time.monotonic() - armed[0] < self.confirm_delay:
             return  # the second half of a double-click is not a confirmation
-        title = fix_view["title"]
+        title = singular_counts(fix_view["title"])
         try:
             fix.apply(confirm=armed is not None)
-        except FixNeedsConfirmation as exc:
-            self._notes[key] = f"Not applied yet: {exc}. Click the button again to confirm."
-            self._arm(finding, fix, f"keeps a {fix.backup_bytes / 2**30:.1f} GiB undo backup")
-            return
-        except FixFailed as exc:
-            self._notes[key] = f"Not applied, nothing was changed: {exc}"
-            self._refresh(f"“{title}” failed and was rolled back")
-            return
-        except Exception as exc:  # Fix.apply wraps errors in FixFailed; this is the last line
+        except Exception as exc:  # Fix.apply wraps errors in FixFailed; anything else is the last line
+            if _exc_named(exc, "FixNeedsConfirmation"):
+                self._notes[key] = f"Not applied yet: {exc}. Click the button again to confirm."
+                self._arm(finding, fix, f"keeps a {fix.backup_bytes / 2**30:.1f} GiB undo backup")
+                return
+            if _exc_named(exc, "FixFailed"):
+                self._notes[key] = f"Not applied, nothing was changed: {exc}"
+                self._refresh(f"“{title}” failed and was rolled back")
+                return
             self._notes[key] = f"Not applied: {type(exc).__name__}: {exc}"
             self._refresh(f"“{title}” failed")
             return
@@ -376,7 +489,7 @@ class ReportWidget:
         self._refresh(f"Applied “{title}” and re-diagnosed the live objects", watch=key)
 
     def _on_undo(self, entry: AppliedFix) -> None:
-        title = entry.fix_view["title"]
+        title = singular_counts(entry.fix_view["title"])
         try:
             entry.fix.undo()
         except Exception as exc:
@@ -386,6 +499,18 @@ class ReportWidget:
         if entry in self.applied:
             self.applied.remove(entry)
         self._refresh(f"Undid “{title}” and re-diagnosed the live objects")
+
+    def _on_copy(self, _button: Any = None) -> None:
+        """Put the issue-report markdown on the browser's clipboard (a one-line script run by the frontend)."""
+        text = json.dumps(self.issue_text.value).replace("<", "\\u003c").replace(">", "\\u003e")
+        script = f"navigator.clipboard && navigator.clipboard.writeText({text});"
+        self._clipboard.outputs = (
+            {"output_type": "display_data", "data": {"application/javascript": script, "text/plain": ""}, "metadata": {}},
+        )
+        self.status = "Copied the issue report to the clipboard (or select the text in the box and copy it)"
+        self.status_line.value = (
+            f"<div style='{FONT};color:{FG};border-left:3px solid {COLORS['info']};padding:2px 6px;margin:2px 0'>{e(self.status)}</div>"
+        )
 
     def _on_apply_all(self, _button: Any = None) -> None:
         data = report_dict(self.report)
@@ -406,7 +531,7 @@ class ReportWidget:
                 hint = " Click its button to confirm." if fx.needs_confirmation else ""
                 self._notes[_finding_key(finding)] = f"Not applied: {fx.error}.{hint}"
                 skipped += 1
-        action = f"Applied {len(done)} safe fix{'' if len(done) == 1 else 'es'}"
+        action = f"Applied {plural(len(done), 'safe fix', 'safe fixes')}"
         if skipped:
             action += f" ({skipped} could not be applied)"
         self._refresh(action + " and re-diagnosed the live objects")

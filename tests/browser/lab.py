@@ -278,3 +278,29 @@ class ClassicNotebookServer(LabServer):
             f"--NotebookApp.notebook_dir={self.root}",
             "--allow-root",
         ]
+
+
+#: A 32-layer Llama in bf16 whose MLPs in every fourth layer were left in fp32: a layer strip with
+#: differing columns, a flood of module evidence, and an unsafe fix to arm.
+LAYERS_CELL = """\
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+llama = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=32, num_attention_heads=2,
+                                     num_key_value_heads=1, vocab_size=64, use_cache=False)).to(torch.bfloat16).train()
+for i in range(0, 32, 4):
+    llama.model.layers[i].mlp.float()"""
+
+
+def write_report_notebook(path: Path) -> Path:
+    """The notebook the theme test opens: the broken setup, a 32-layer mixed model, ``%mpdoctor --scan``."""
+    write_notebook(path)
+    nb = nbformat.read(str(path), as_version=4)
+    nb.cells = [
+        nb.cells[0],
+        nbformat.v4.new_code_cell(LAYERS_CELL),
+        nbformat.v4.new_code_cell("%load_ext mpdoctor"),
+        nbformat.v4.new_code_cell("%mpdoctor --scan"),
+    ]
+    nbformat.write(nb, str(path))
+    return path

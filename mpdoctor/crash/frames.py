@@ -1,0 +1,184 @@
+"""The objects of a traceback's frames, read without running user code.
+
+Frame locals are plain mappings handed to :func:`mpdoctor.diagnose` as a
+namespace, so the existing discovery classifies them (by MRO read through
+``type``'s descriptors, never ``isinstance`` or ``getattr`` on user objects).
+Only user frames are read: the frames of torch, transformers, accelerate and
+the other libraries below hold the user's objects under other names
+(``self``, ``module``) and would list every submodule as a subject.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import Any
+
+#: At most this many frames are read, innermost first.
+MAX_FRAMES = 50
+
+#: Top-level packages whose frames are library code, not the user's.
+LIBRARY_PACKAGES = frozenset(
+    {
+        "torch", "transformers", "accelerate", "peft", "trl", "diffusers", "lightning", "pytorch_lightning",
+        "deepspeed", "bitsandbytes", "adamw_bf16", "IPython", "ipykernel", "traitlets", "tornado", "asyncio",
+        "runpy", "importlib", "contextlib", "functools", "threading", "concurrent", "mpdoctor", "pytest",
+        "_pytest", "pluggy", "unittest",
+    }
+)  # fmt: skip
+
+# ``type``'s own descriptors: reading them never runs a metaclass's attribute hooks.
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+_TYPE_MODULE = type.__dict__["__module__"].__get__
+_TYPE_QUALNAME = type.__dict__["__qualname__"].__get__
+
+
+def class_path(cls: type) -> str:
+    """``module.qualname`` of a class, read without running user code (``"?"`` when unreadable)."""
+    try:
+        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
+    except Exception:
+        return "?"
+    if type(module) is not str or type(qualname) is not str:
+        return "?"
+    return f"{module}.{qualname}"
+
+
+@dataclass(frozen=True)
+class FrameView:
+    """One frame of a traceback.
+
+    Attributes
+    ----------
+    function : str
+        The code object's name (``forward``, ``<module>``).
+    module : str
+        ``__name__`` of the frame's globals (``"?"`` when unreadable).
+    filename : str
+    lineno : int
+    user : bool
+        False for frames of :data:`LIBRARY_PACKAGES`.
+    frame : FrameType
+    """
+
+    function: str
+    module: str
+    filename: str
+    lineno: int
+    user: bool
+    frame: FrameType
+
+
+def traceback_frames(tb: TracebackType | None, limit: int = MAX_FRAMES) -> list[FrameView]:
+    """The frames of ``tb``, outermost first, at most the innermost ``limit``."""
+    views: list[FrameView] = []
+    while tb is not None:
+        frame = tb.tb_frame
+        code = frame.f_code
+        module = _module_name(frame)
+        top = module.split(".", 1)[0]
+        views.append(FrameView(code.co_name, module, code.co_filename, tb.tb_lineno, top not in LIBRARY_PACKAGES, frame))
+        tb = tb.tb_next
+    return views[-limit:]
+
+
+def _module_name(frame: FrameType) -> str:
+    name = dict.get(frame.f_globals, "__name__") if type(frame.f_globals) is dict else None
+    return name if type(name) is str else "?"
+
+
+def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One namespace of the user's objects: ``namespace`` first, then user frames, innermost first.
+
+    An object already named keeps its first name (discovery reports each
+    object once); a local whose name another object took is qualified with
+    its function (``train.model``). Names starting with ``_`` are skipped, as
+    discovery does.
+    """
+    merged: dict[str, Any] = {}
+    if namespace is not None:
+        try:
+            items = list(dict.items(namespace)) if dict in _TYPE_MRO(type(namespace)) else list(namespace.items())
+        except Exception:
+            items = []
+        for name, value in items:
+            if type(name) is str:
+                merged[name] = value
+    for view in reversed(frames):
+        if not view.user:
+            continue
+        try:
+            if namespace is not None and view.frame.f_locals is namespace:
+                continue  # an IPython cell's frame: its locals are the namespace already read
+            local_items = _locals(view.frame)
+        except Exception:
+            continue
+        for name, value in local_items:
+            if type(name) is not str or name.startswith("_"):
+                continue
+            if name not in merged:
+                merged[name] = value
+            elif merged[name] is not value:
+                merged.setdefault(f"{view.function}.{name}", value)
+    return merged
+
+
+def _locals(frame: FrameType) -> list[tuple[Any, Any]]:
+    # f_locals is a dict (a snapshot) before Python 3.13 and a FrameLocalsProxy after: neither runs user code.
+    local_map = frame.f_locals
+    if type(local_map) is dict:
+        return list(dict.items(local_map))
+    return list(local_map.items())
+
+
+def tensor_locals(frames: list[FrameView], frames_read: int = 3, limit: int = 8) -> list[str]:
+    """``"Linear.forward: input float32[2, 4]"`` lines for the plain tensors and parameters of the innermost frames.
+
+    Only exact ``torch.Tensor`` / ``torch.nn.Parameter`` instances are read
+    (their dtype and shape are torch's own descriptors), and the direct
+    parameters of modules whose class is one of torch's own (``torch.nn.*``).
+    """
+    import torch
+
+    out: list[str] = []
+    for view in reversed(frames[-frames_read:]):
+        try:
+            items = _locals(view.frame)
+        except Exception:
+            continue
+        where = _qualname(view)
+        for name, value in items:
+            if type(name) is not str or name.startswith("__"):
+                continue
+            cls = type(value)
+            if cls is torch.Tensor or cls is torch.nn.Parameter:
+                out.append(f"{where}: {name} {_tensor_text(value)}")
+            elif _is_torch_module(cls):
+                params = object.__getattribute__(value, "_parameters")
+                if type(params) is dict:
+                    for pname, p in list(params.items())[:4]:
+                        if type(p) is torch.nn.Parameter:
+                            out.append(f"{where}: {name}.{pname} {_tensor_text(p)}")
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def _qualname(view: FrameView) -> str:
+    code = view.frame.f_code
+    qualname = getattr(code, "co_qualname", None)  # Python 3.11+
+    return qualname if type(qualname) is str else view.function
+
+
+def _is_torch_module(cls: type) -> bool:
+    # torch's own module classes only: a user subclass may override attribute access.
+    return class_path(cls).startswith("torch.nn.modules.") and any(
+        class_path(c) == "torch.nn.modules.module.Module" for c in _TYPE_MRO(cls)
+    )
+
+
+def _tensor_text(t: Any) -> str:
+    dtype = str(t.dtype).replace("torch.", "")
+    shape = ", ".join(str(d) for d in t.shape)
+    return f"{dtype}[{shape}]"

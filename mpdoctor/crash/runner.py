@@ -1,0 +1,108 @@
+"""``python -m mpdoctor run train.py [args...]``: run a script unchanged; explain a mixed-precision crash.
+
+The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as
+``python train.py args...`` would set them. On an uncaught exception the
+traceback is printed (without the runner's own frames), then, for a known
+mixed-precision failure, the text report of the objects in the failing
+frames; the exit code is the one Python would have given (1 for an
+exception, the ``SystemExit`` code otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from types import TracebackType
+from typing import Any
+
+#: Frames of these modules are the runner's, not the script's: left out of the printed traceback.
+_RUNNER_MODULES = frozenset({"runpy", __name__})
+
+
+def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: bool = False) -> int:
+    """Run ``path`` as ``__main__`` with ``args``; return the exit code Python would have returned.
+
+    Parameters
+    ----------
+    path : str
+        The script.
+    args : list of str
+        Its arguments, untouched.
+    scan : bool
+        Scan values (NaN/Inf, fp16 range) in the crash report.
+    probe_on_nan : bool
+        Watch every top-level module forward: on the first non-finite loss,
+        probe that batch and name the first layer that overflows (one finiteness
+        check per forward, so only when asked).
+    """
+    if not os.path.exists(path):
+        print(f"mpdoctor run: no such file: {path}", file=sys.stderr)
+        return 2
+    saved_argv, saved_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    sys.argv = [path, *args]
+    script_dir = os.path.dirname(os.path.abspath(path))
+    if sys.path:
+        sys.path[0] = script_dir
+    else:
+        sys.path.insert(0, script_dir)
+    watcher = _global_watcher() if probe_on_nan else None
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        return _exit_code(exc.code)
+    except BaseException as exc:  # noqa: BLE001 - every uncaught exception is the script's failure
+        tb = _script_traceback(exc.__traceback__)
+        traceback.print_exception(type(exc), exc, tb)
+        if not isinstance(exc, KeyboardInterrupt):
+            _explain(exc, tb, scan)
+        return 130 if isinstance(exc, KeyboardInterrupt) else 1
+    finally:
+        if watcher is not None:
+            watcher.close()
+        sys.argv = saved_argv
+        if saved_path0 is not None and sys.path:
+            sys.path[0] = saved_path0
+    return 0
+
+
+def _exit_code(code: Any) -> int:
+    # What the interpreter does with SystemExit(code): None is 0, an int is itself, anything else is printed and 1.
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _script_traceback(tb: TracebackType | None) -> TracebackType | None:
+    while tb is not None and _frame_module(tb) in _RUNNER_MODULES:
+        tb = tb.tb_next
+    return tb
+
+
+def _frame_module(tb: TracebackType) -> str:
+    g = tb.tb_frame.f_globals
+    name = dict.get(g, "__name__") if type(g) is dict else None
+    return name if type(name) is str else "?"
+
+
+def _explain(exc: BaseException, tb: TracebackType | None, scan: bool) -> None:
+    try:
+        from .cause import explain
+
+        report = explain(exc, tb, scan=True if scan else None)
+        if report is not None:
+            print(f"\n{report.to_text()}", file=sys.stderr)
+    except BaseException as failure:  # the traceback is printed; the report is a bonus
+        from ..redact import describe_exception
+
+        print(f"mpdoctor: could not diagnose this exception ({describe_exception(failure)})", file=sys.stderr)
+
+
+def _global_watcher() -> Any:
+    from .watch import GlobalLossWatcher
+
+    return GlobalLossWatcher()

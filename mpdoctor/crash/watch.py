@@ -1,0 +1,328 @@
+"""``mpdoctor.watch``: the doctor inside a hand-written training loop.
+
+:class:`LossWatcher` is the shared machinery: forward hooks that keep the
+latest inputs and loss of a model (no copy, no sync), one transfer per
+optimizer step to find the first non-finite loss, and a probe of that batch.
+:class:`watch` (loops), ``MPDoctorCallback`` (Trainer) and ``mpdoctor run
+--probe-on-nan`` (:class:`GlobalLossWatcher`) are built on it; a Lightning
+callback can be too: attach in ``on_fit_start``, ``take_nonfinite`` in
+``on_before_optimizer_step``, ``close`` in ``on_fit_end``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from types import TracebackType
+from typing import Any
+
+import torch
+
+Inputs = tuple[tuple, dict]
+
+
+def loss_of(output: Any) -> torch.Tensor | None:
+    """The scalar loss in a forward's output (``output.loss``, ``output["loss"]`` or a 0-d first element)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.numel() == 1 and output.dim() == 0 else None
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        loss = output[0] if output[0].dim() == 0 else None
+    return loss if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+
+
+class LossWatcher:
+    """Keep a model's latest inputs and losses; find the first non-finite loss; probe its batch.
+
+    Attributes
+    ----------
+    latest : (args, kwargs) or None
+        The inputs of the latest training forward.
+    probing : bool
+        True while a probe runs (its own forwards are not recorded).
+    """
+
+    def __init__(self) -> None:
+        self.latest: Inputs | None = None
+        self.probing = False
+        self._pending: list[tuple[torch.Tensor, Inputs | None]] = []
+        self._handles: list[Any] = []
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Hook ``model``'s forward: keep its inputs, and its loss when the output carries one."""
+        self._handles.append(model.register_forward_hook(self._on_forward, with_kwargs=True))
+
+    def _watching(self, module: torch.nn.Module) -> bool:
+        return not self.probing and module.training and torch.is_grad_enabled()
+
+    def _on_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self._watching(module):
+            self.latest = (args, kwargs)
+            loss = loss_of(output)
+            if loss is not None:
+                self._pending.append((loss.detach(), self.latest))
+
+    def observe(self, loss: torch.Tensor) -> None:
+        """Record a loss computed outside the model (``criterion(model(x), y)``) with the latest inputs."""
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            self._pending.append((loss.detach(), self.latest))
+
+    def take_nonfinite(self) -> tuple[float, Inputs | None] | None:
+        """Empty the recorded losses; the first non-finite one (value, inputs), or None. One transfer."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return None
+        values = torch.stack([loss.float().reshape(()) for loss, _ in pending]).tolist()
+        for value, (_, inputs) in zip(values, pending):
+            if not math.isfinite(value):
+                return value, inputs
+        return None
+
+    def probe(self, model: torch.nn.Module, inputs: Inputs, name: str = "model", scaler: Any = None) -> Any:
+        """Probe ``model`` on ``inputs`` (one forward + backward, everything restored); the Report."""
+        from ..numerics.probe import probe
+        from ..numerics.probe_facts import ForwardCall
+
+        self.probing = True
+        try:
+            return probe(model, ForwardCall.of(*inputs), name=name, scaler=scaler)
+        finally:
+            self.probing = False
+
+    def close(self) -> None:
+        """Remove every hook; forget the inputs and losses."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+        self.latest = None
+
+
+def show(report: Any, when: str) -> None:
+    """Display a report in IPython (widget or HTML), else print its text to stderr."""
+    ipython = sys.modules.get("IPython")
+    shell = None
+    if ipython is not None:
+        try:
+            shell = ipython.get_ipython()
+        except Exception:
+            shell = None
+    if shell is not None:
+        from ..render.frontend import show as display_report
+
+        print(f"mpdoctor {when}:")
+        display_report(report)
+    else:
+        print(f"mpdoctor {when}:\n{report.to_text()}", file=sys.stderr)
+
+
+class NonFiniteLoss(RuntimeError):
+    """Raised by :class:`watch` with ``stop_on_nonfinite=True``; ``.report`` is the probe of the batch."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimizer)
+    """Watch a hand-written training loop for mixed-precision faults.
+
+    - before the first ``optimizer.step()``: diagnoses the model, optimizer and
+      scaler and shows the report when it has errors or warnings;
+    - at every ``optimizer.step()``: on the first non-finite loss of the step
+      (a loss the model returns, or one passed to :meth:`observe`), probes that
+      batch before the step writes NaN into the weights and names the layer;
+    - used as a context manager, explains a known mixed-precision exception
+      raised in the block (the exception still propagates);
+    - :meth:`close` (or leaving the block) removes every hook it added.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+    optimizer : torch.optim.Optimizer, optional
+    scaler : torch.amp.GradScaler, optional
+    probe : bool
+        Probe the batch of the first non-finite loss.
+    stop_on_nonfinite : bool
+        Raise :class:`NonFiniteLoss` from that ``optimizer.step()`` after the
+        probe, so the weights keep their last finite values.
+    scan, ignore, target
+        As for :func:`mpdoctor.diagnose`.
+    verbose : bool
+        Show the first diagnosis even when it finds nothing.
+
+    Attributes
+    ----------
+    start_report, probe_report, crash_report : Report or None
+        The diagnosis before the first step, the probe of the first non-finite
+        loss, the explanation of an exception raised in the block.
+    events : list of dict
+
+    Examples
+    --------
+    >>> with mpdoctor.watch(model, optimizer, scaler) as w:
+    ...     for x, y in loader:
+    ...         loss = criterion(model(x), y)
+    ...         w.observe(loss)          # not needed when the model returns .loss
+    ...         loss.backward(); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any = None,
+        scaler: Any = None,
+        *,
+        probe: bool = True,
+        stop_on_nonfinite: bool = False,
+        scan: bool = False,
+        ignore: tuple[str, ...] | list[str] = (),
+        target: str | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        self.probe, self.stop_on_nonfinite, self.verbose = probe, stop_on_nonfinite, verbose
+        self.scan, self.ignore, self.target = scan, tuple(ignore), target
+        self.start_report: Any = None
+        self.probe_report: Any = None
+        self.crash_report: Any = None
+        self.events: list[dict] = []
+        self._steps = 0
+        self._fired = False
+        self._watcher = LossWatcher()
+        self._handles: list[Any] = []
+        if isinstance(model, torch.nn.Module):
+            self._watcher.attach(model)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        else:
+            self._diagnose()
+
+    def _names(self) -> dict[int, str]:
+        return {id(self.model): "model", id(self.optimizer): "optimizer", id(self.scaler): "scaler"}
+
+    def _objects(self) -> list[Any]:
+        return [o for o in (self.model, self.optimizer, self.scaler) if o is not None]
+
+    def _diagnose(self) -> None:
+        from .. import diagnose
+
+        self.start_report = diagnose(*self._objects(), names=self._names(), target=self.target, scan=self.scan,
+                                     ignore=self.ignore)  # fmt: skip
+        if self.verbose or not self.start_report.ok:
+            show(self.start_report, "before the first optimizer step")
+
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self._steps += 1
+        if self.start_report is None:
+            self._diagnose()
+        found = self._watcher.take_nonfinite()
+        if found is None or self._fired:
+            return
+        self._fired = True
+        value, inputs = found
+        detail = f"loss = {value}"
+        self.events.append({"step": self._steps, "event": "nonfinite-loss", "detail": detail})
+        if self.probe and inputs is not None and isinstance(self.model, torch.nn.Module):
+            try:
+                self.probe_report = self._watcher.probe(self.model, inputs, scaler=self.scaler)
+                show(self.probe_report, f"at optimizer step {self._steps} ({detail})")
+            except Exception as exc:  # mpdoctor must never be what breaks the loop
+                print(f"mpdoctor: the probe at step {self._steps} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            print(f"mpdoctor: {detail} at optimizer step {self._steps} (no batch captured to probe)", file=sys.stderr)
+        if self.stop_on_nonfinite:
+            text = self.probe_report.to_text() if self.probe_report is not None else detail
+            raise NonFiniteLoss(f"mpdoctor stopped before optimizer step {self._steps}: {detail}.\n{text}",
+                                self.probe_report)  # fmt: skip
+
+    def observe(self, loss: torch.Tensor) -> torch.Tensor:
+        """Record a loss computed outside the model; returns it, so ``loss = w.observe(criterion(...))`` reads well."""
+        self._watcher.observe(loss)
+        return loss
+
+    def explain(self, exc: BaseException, tb: TracebackType | None = None) -> Any:
+        """Explain a known mixed-precision exception with the watched objects and the frames' objects; show it."""
+        from .cause import explain
+
+        report = explain(exc, tb, *self._objects(), names=self._names(), target=self.target, ignore=self.ignore)
+        if report is not None:
+            self.crash_report = report
+            show(report, "at the crash")
+        return report
+
+    def close(self) -> None:
+        """Remove every hook this watch added."""
+        self._watcher.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> watch:
+        return self
+
+    def __exit__(self, etype: type | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        try:
+            if isinstance(exc, Exception) and not isinstance(exc, NonFiniteLoss):
+                try:
+                    self.explain(exc, tb)
+                except Exception as failure:  # the user's exception propagates whatever happens here
+                    print(f"mpdoctor: could not diagnose this exception ({type(failure).__name__})", file=sys.stderr)
+        finally:
+            self.close()
+        return False
+
+
+class GlobalLossWatcher:
+    """Every top-level module forward in the process (``mpdoctor run --probe-on-nan``).
+
+    A global forward hook sees each outermost module call; when its output
+    carries a non-finite loss (one transfer per outermost forward), the
+    batch is probed once and the report printed to stderr.
+    """
+
+    def __init__(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.report: Any = None
+        self._depth = 0
+        self._fired = False
+        self._model_call: tuple[torch.nn.Module, tuple, dict] | None = None
+        self._watcher = LossWatcher()
+        self._handles = [
+            register_module_forward_pre_hook(self._enter),
+            register_module_forward_hook(self._leave, with_kwargs=True, always_call=True),
+        ]
+
+    def _enter(self, module: torch.nn.Module, args: tuple) -> None:
+        self._depth += 1
+
+    def _leave(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth or self._fired or not self._watcher._watching(module):
+            return
+        loss = loss_of(output)
+        is_criterion = type(module).__module__ == "torch.nn.modules.loss"
+        if not is_criterion:
+            self._model_call = (module, args, kwargs)
+        if loss is None or bool(torch.isfinite(loss.detach()).all()):
+            return
+        # A criterion module's loss belongs to the model called before it: probe that call.
+        target = self._model_call if is_criterion else (module, args, kwargs)
+        if target is None:
+            return
+        self._fired = True
+        try:
+            model, margs, mkwargs = target
+            self.report = self._watcher.probe(model, (margs, mkwargs), name=type(model).__name__)
+            show(self.report, f"at the first non-finite loss ({loss.detach().float().item()})")
+        except Exception as exc:  # never what breaks the script
+            print(f"mpdoctor: the probe failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    def close(self) -> None:
+        """Remove the global hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._watcher.close()
+        self._model_call = None

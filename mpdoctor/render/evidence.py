@@ -1,0 +1,357 @@
+"""View-model helpers shared by the text, HTML and widget renderers: plain data in, short words out.
+
+Nothing here imports torch or touches a live object: evidence dicts, report
+views and fact tuples are read as plain data. :func:`layer_rows` is the one
+place that knows where per-parameter dtypes live in a report's facts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+#: Terse dtype names (as lovely-tensors writes them); kept here so renderers need not import the facts' torch code.
+SHORT_DTYPE = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "float8_e4m3fn": "f8e4m3",
+    "float8_e5m2": "f8e5m2",
+    "int8": "i8",
+    "uint8": "u8",
+    "int32": "i32",
+    "int64": "i64",
+    "bool": "bool",
+    "complex64": "c64",
+}
+#: How people say a dtype in a sentence.
+SPOKEN_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
+#: Largest finite values of the half-precision formats (the probe chart draws both).
+FP16_MAX = 65504.0
+BF16_MAX = 3.3895313892515355e38
+#: A list or dict in evidence longer than this is summarised and the full value folded away.
+EVIDENCE_INLINE_ITEMS = 6
+
+_IRREGULAR = {"info": "info", "kind": "kinds", "evidence": "evidence", "data": "data", "analysis": "analyses"}
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``plural(1, "error") == "1 error"``, ``plural(2, "error") == "2 errors"``; ``many`` for irregular words."""
+    if n == 1:
+        return f"{n} {word}"
+    if many is None:
+        many = _IRREGULAR.get(word) or (word[:-1] + "ies" if word.endswith("y") and word[-2:-1] not in "aeiou" else word + ("es" if word.endswith(("s", "x", "ch", "sh")) else "s"))
+    return f"{n} {many}"
+
+
+_COUNTED = re.compile(r"\b1 (\w+?)s\b")
+
+
+def singular_counts(text: str) -> str:
+    """Mend titles written for plurals when a count is 1: ``"Cast 1 parameters of 1 modules"`` -> ``"Cast 1 parameter of 1 module"``."""
+    return _COUNTED.sub(lambda m: f"1 {m.group(1)}", text)
+
+
+def precision_word(mode: Any) -> Any:
+    """accelerate's ``"no"`` mixed precision is fp32 to a reader; other values unchanged."""
+    return "fp32" if mode == "no" else mode
+
+
+def dtype_word(dtype: str) -> str:
+    """``"float32"`` -> ``"fp32"``."""
+    return SPOKEN_DTYPE.get(dtype, SHORT_DTYPE.get(dtype, dtype))
+
+
+def rst_to_plain(text: str) -> str:
+    """Docstring reStructuredText for people: ````x```` -> ``x``, ``:func:`x``` -> ``x``."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+def round_number(value: Any, digits: int = 3) -> Any:
+    """Floats to ``digits`` significant figures (``12345.678`` -> ``12300``, ``0.000123456`` -> ``0.000123``)."""
+    if isinstance(value, bool) or not isinstance(value, float):
+        return value
+    if not math.isfinite(value) or value == 0:
+        return value
+    return float(f"{value:.{digits}g}")
+
+
+def format_number(value: Any, digits: int = 3) -> str:
+    """A number as people read it: ``65504.0`` -> ``"65504"``, ``1.2e+38`` stays short, NaN/inf spelled out."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value == int(value) and abs(value) < 1e6:
+        return f"{int(value):,}"
+    return f"{value:.{digits}g}"
+
+
+def short_list(items: list[Any], limit: int = 6) -> str:
+    """``0, 4, 8, ...`` : the first ``limit`` items, then an ellipsis when there are more."""
+    head = ", ".join(str(i) for i in items[:limit])
+    return head + (", ..." if len(items) > limit else "")
+
+
+# -- module paths -------------------------------------------------------------------------------
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+_KINDS = (
+    ("MLP projection", re.compile(r"(gate_proj|up_proj|down_proj|fc_?1|fc_?2|c_fc|c_proj\b.*mlp|mlp\.|dense_h_to_4h|dense_4h_to_h|\bw[123]$|wi|wo$|experts)")),
+    ("attention projection", re.compile(r"(q_proj|k_proj|v_proj|o_proj|qkv|c_attn|query|key|value|attn|attention|out_proj)")),
+    ("norm", re.compile(r"(norm|ln_|\bln\b|layernorm)")),
+    ("embedding", re.compile(r"(embed|wte|wpe|tok_embeddings)")),
+    ("output head", re.compile(r"(lm_head|classifier|score|head)$")),
+)
+
+
+def layer_of(path: str) -> int | None:
+    """The first integer component of a module path (``model.layers.12.mlp.up_proj`` -> 12), or None."""
+    m = _LAYER_INDEX.search(path)
+    return int(m.group(1)) if m else None
+
+
+def kind_of(path: str) -> str:
+    """What a module path names, for summaries: ``"MLP projection"``, ``"attention projection"``, ``"norm"``, ..."""
+    low = path.lower()
+    for label, pattern in _KINDS:
+        if pattern.search(low):
+            return label
+    return "module"
+
+
+def summarize_modules(modules: dict[str, Any], roles: dict[str, str] | None = None) -> list[str]:
+    """Group module paths by kind, role and dtypes into sentences.
+
+    ``{"model.layers.0.mlp.up_proj": ["float32"], ...}`` ->
+    ``["24 MLP projections in 6 layers are fp32: layers 0, 4, 8, 12, 16, 20"]``.
+    """
+    roles = roles or {}
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for path, dtypes in modules.items():
+        values = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes]
+        words = "/".join(dtype_word(str(d)) for d in values)
+        role = roles.get(path, "")
+        groups.setdefault((kind_of(path), role if role not in ("", "compute", "norm") else "", words), []).append(path)
+    out = []
+    for (kind, role, words), paths in groups.items():
+        label = f"{role} {kind}" if role else kind
+        layers = sorted({i for i in (layer_of(p) for p in paths) if i is not None})
+        what = plural(len(paths), label)
+        verb = "is" if len(paths) == 1 else "are"
+        if len(layers) > 1:
+            out.append(f"{what} in {len(layers)} layers {verb} {words}: layers {short_list(layers)}")
+        elif len(paths) == 1:
+            out.append(f"{paths[0]} is {words}")
+        else:
+            out.append(f"{what} {verb} {words}: {short_list(paths, 3)}")
+    return out
+
+
+# -- evidence ---------------------------------------------------------------------------------
+
+
+class EvidenceItem(NamedTuple):
+    """One fact of a finding as shown: ``key``, a short ``summary``, and the ``full`` value when it was folded."""
+
+    key: str
+    summary: str
+    full: str | None
+
+
+def _plain(value: Any) -> str:
+    if isinstance(value, float):
+        return format_number(value, 4)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_plain(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_plain(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _full_lines(value: Any) -> str:
+    if isinstance(value, dict):
+        return "\n".join(f"{k}: {_plain(v)}" for k, v in value.items())
+    return "\n".join(_plain(v) for v in value)
+
+
+def summarize_evidence(evidence: dict) -> list[EvidenceItem]:
+    """The evidence of a finding, each long list or dict summarised with its full value kept for folding.
+
+    ``modules`` and ``roles`` (module path -> dtypes / role) become one
+    ``modules`` item in words; any other list or dict longer than
+    :data:`EVIDENCE_INLINE_ITEMS` is counted; floats are rounded.
+    """
+    items: list[EvidenceItem] = []
+    modules = evidence.get("modules")
+    roles = evidence.get("roles") if isinstance(evidence.get("roles"), dict) else None
+    for key, value in evidence.items():
+        if key == "roles" and isinstance(modules, dict):
+            continue  # folded into the modules summary
+        if key == "modules" and isinstance(value, dict) and value:
+            full = "\n".join(
+                f"{path}: {_plain(d)}" + (f" ({roles[path]})" if roles and path in roles else "")
+                for path, d in value.items()
+            )
+            sentences = summarize_modules(value, roles)
+            folded = len(value) > 1 or len(full) > 80
+            items.append(EvidenceItem(key, "; ".join(sentences), full if folded else None))
+        elif isinstance(value, (list, tuple, dict)) and len(value) > EVIDENCE_INLINE_ITEMS:
+            noun = "entries" if isinstance(value, dict) else "items"
+            head = list(value)[:3]
+            items.append(EvidenceItem(key, f"{len(value)} {noun}: {', '.join(_plain(h) for h in head)}, ...", _full_lines(value)))
+        else:
+            items.append(EvidenceItem(key, _plain(value), None))
+    return items
+
+
+# -- the per-layer strip ----------------------------------------------------------------------
+
+
+class ParamRow(NamedTuple):
+    """One parameter as the layer strip reads it."""
+
+    model: str
+    name: str
+    dtype: str
+    numel: int
+
+
+def layer_rows(report: Any) -> list[ParamRow]:
+    """Every parameter of every inspected model as ``(model, name, dtype, numel)``.
+
+    The one adapter between the renderers and where the facts keep per-parameter
+    dtypes (``report.facts.models[i].tensors.params`` today); repoint it here
+    when the facts change shape.
+    """
+    rows = []
+    for m in getattr(report.facts, "models", ()) or ():
+        tensors = getattr(m, "tensors", None)
+        for p in getattr(tensors, "params", ()) or ():
+            rows.append(ParamRow(m.name, p.name, p.dtype, int(p.numel)))
+    return rows
+
+
+class LayerStrip(NamedTuple):
+    """A grid of one model: ``cells[(layer, kind)] = dtypes`` over ``layers`` x ``kinds``."""
+
+    model: str
+    layers: list[int]
+    kinds: list[str]
+    cells: dict[tuple[int, str], tuple[str, ...]]
+    differing: list[int]
+
+
+#: Models with at least this many numbered layers get a strip.
+STRIP_MIN_LAYERS = 4
+
+_PARAM_KIND = re.compile(r"^(?:[^.]*\.)*?\d+\.(.+)\.[^.]+$")
+
+
+def _column(name: str) -> str:
+    """The module kind of a parameter under a numbered layer: ``model.layers.3.mlp.up_proj.weight`` -> ``mlp.up_proj``."""
+    m = _PARAM_KIND.match(name)
+    return m.group(1) if m else name.rsplit(".", 1)[0]
+
+
+def layer_strips(rows: Iterable[ParamRow], min_layers: int = STRIP_MIN_LAYERS) -> list[LayerStrip]:
+    """Per model with ``min_layers`` or more numbered layers: layer index x module kind -> dtypes.
+
+    ``differing`` lists the layers whose row is not the most common row, the
+    ones a reader should look at.
+    """
+    by_model: dict[str, list[ParamRow]] = {}
+    for r in rows:
+        by_model.setdefault(r.model, []).append(r)
+    strips = []
+    for model, params in by_model.items():
+        cells: dict[tuple[int, str], list[str]] = {}
+        kinds: list[str] = []
+        for p in params:
+            layer = layer_of(p.name)
+            if layer is None:
+                continue
+            kind = _column(p.name)
+            if kind not in kinds:
+                kinds.append(kind)
+            dtypes = cells.setdefault((layer, kind), [])
+            if p.dtype not in dtypes:
+                dtypes.append(p.dtype)
+        layers = sorted({layer for layer, _ in cells})
+        if len(layers) < min_layers:
+            continue
+        frozen = {k: tuple(sorted(v)) for k, v in cells.items()}
+        signature = {layer: tuple(frozen.get((layer, k), ()) for k in kinds) for layer in layers}
+        counts: dict[tuple, int] = {}
+        for sig in signature.values():
+            counts[sig] = counts.get(sig, 0) + 1
+        common = max(counts, key=counts.get)
+        differing = [layer for layer in layers if signature[layer] != common]
+        strips.append(LayerStrip(model, layers, kinds, frozen, differing))
+    return strips
+
+
+# -- numerics -----------------------------------------------------------------------------------
+
+
+class ProbeBar(NamedTuple):
+    """One module of the probe chart: its largest forward output and backward gradient (None: not seen)."""
+
+    module: str
+    out_absmax: float | None
+    grad_absmax: float | None
+
+
+def probe_bars(rows: list[dict]) -> list[ProbeBar]:
+    """The probe table's rows (``report.probe_table`` as records) as chart bars, in forward order."""
+    out = []
+    for r in rows:
+        out.append(ProbeBar(str(r.get("module", "")), _float(r.get("out_absmax")), _float(r.get("grad_absmax"))))
+    return out
+
+
+def _float(value: Any) -> float | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def scan_summary(rows: list[dict]) -> dict:
+    """What the value scan found in numbers: values read, NaN, Inf, the largest abs value and fp16 headroom."""
+    if not rows:
+        return {}
+    finite = [r["absmax"] for r in rows if isinstance(r.get("absmax"), (int, float)) and math.isfinite(r["absmax"])]
+    peak = max(finite) if finite else 0.0
+    return {
+        "rows": len(rows),
+        "values": sum(r.get("elements", 0) for r in rows),
+        "nan": sum(r.get("nan", 0) for r in rows),
+        "inf": sum(r.get("inf", 0) for r in rows),
+        "absmax": peak,
+        "fp16_overflow": sum(r.get("fp16_overflow", 0) for r in rows),
+        "fp16_headroom": (FP16_MAX / peak) if peak else math.inf,
+    }
+
+
+def fix_label(title: str, limit: int = 90) -> tuple[str, str]:
+    """A button label and its full text: the API hint for confirmation is dropped (the button asks itself)."""
+    full = singular_counts(title)
+    short = re.sub(r":\s*apply\(confirm=True\)\)", ")", full)
+    if len(short) > limit:
+        cut = short[: limit - 1]
+        head = cut.rsplit(" ", 1)[0]  # at a word when one ends in the second half, else mid-name
+        short = (head if len(head) > limit // 2 else cut) + "\u2026"
+    return short, full

@@ -1,0 +1,166 @@
+"""Small inline SVG pictures from plain data: the per-layer dtype strip and the probe's activation chart.
+
+No plotting library: a few rects, lines and texts. Text is drawn in the
+theme's font colour (JupyterLab's CSS variable, with a light-theme
+fallback) on a background the SVG paints itself, so it reads in light and
+dark themes and where no ``--jp-*`` variable exists. Every name in the
+picture comes from a user object and goes through :func:`~mpdoctor.render.html.e`.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+from typing import Any
+
+from .evidence import BF16_MAX, FP16_MAX, LayerStrip, ProbeBar, dtype_word, format_number
+
+#: Cell colours by dtype: the same hues as the dtype histogram, never used for text.
+DTYPE_FILL = {"float32": "#1976d2", "bfloat16": "#8e24aa", "float16": "#f57c00", "float64": "#00897b"}
+OTHER_FILL = "#9e9e9e"
+TEXT = "fill:var(--jp-content-font-color1,#1f2328)"
+PANEL = "fill:var(--jp-layout-color0,#fff)"
+RULE = "stroke:var(--jp-content-font-color1,#1f2328)"
+LIMIT_FP16 = "#c62828"
+LIMIT_BF16 = "#6a1b9a"
+
+
+def _e(value: Any) -> str:
+    return escape(str(value), quote=True)
+
+
+def _svg(width: float, height: float, body: str, label: str) -> str:
+    # width="100%" with a max-width keeps it whole in a narrow window: it scales down instead of being cut.
+    return (
+        f"<svg xmlns='http://www.w3.org/2000/svg' role='img' aria-label='{_e(label)}' viewBox='0 0 {width:.0f} {height:.0f}' "
+        f"width='100%' style='max-width:{width:.0f}px;height:auto;display:block;font-family:system-ui,sans-serif;font-size:11px'>"
+        f"<rect x='0' y='0' width='{width:.0f}' height='{height:.0f}' style='{PANEL}'/>{body}</svg>"
+    )
+
+
+def layer_strip_svg(strip: LayerStrip) -> str:
+    """Layer index (columns) x module kind (rows), each cell coloured by its parameters' dtype.
+
+    A cell holding two dtypes is split in two; layers whose row differs from
+    the most common one are marked with a triangle under their column.
+    """
+    cell = 12 if len(strip.layers) <= 48 else 8
+    label_w = min(190, 7 * max(len(k) for k in strip.kinds) + 10)
+    top = 18
+    width = label_w + cell * len(strip.layers) + 10
+    grid_h = cell * len(strip.kinds)
+    legend_y = top + grid_h + 26
+    height = legend_y + 10
+    parts = [f"<text x='0' y='11' style='{TEXT}'>{_e(strip.model)}: layer</text>"]
+    step = max(1, math.ceil(len(strip.layers) / 16))
+    for i, layer in enumerate(strip.layers):
+        if i % step == 0:
+            parts.append(
+                f"<text x='{label_w + i * cell + cell / 2:.1f}' y='{top - 3}' text-anchor='middle' style='{TEXT};font-size:9px'>{layer}</text>"
+            )
+    for row, kind in enumerate(strip.kinds):
+        y = top + row * cell
+        parts.append(
+            f"<text x='{label_w - 6}' y='{y + cell - 2}' text-anchor='end' style='{TEXT};font-size:{min(11, cell)}px'>{_e(kind)}</text>"
+        )
+        for i, layer in enumerate(strip.layers):
+            dtypes = strip.cells.get((layer, kind), ())
+            x = label_w + i * cell
+            if not dtypes:
+                continue
+            w = (cell - 1) / len(dtypes)
+            tip = f"layer {layer} {kind}: {', '.join(dtype_word(d) for d in dtypes)}"
+            for j, d in enumerate(dtypes):
+                parts.append(
+                    f"<rect x='{x + j * w:.1f}' y='{y}' width='{w:.1f}' height='{cell - 1}' fill='{DTYPE_FILL.get(d, OTHER_FILL)}'>"
+                    f"<title>{_e(tip)}</title></rect>"
+                )
+    differing = set(strip.differing)
+    for i, layer in enumerate(strip.layers):
+        if layer in differing:
+            cx = label_w + i * cell + cell / 2
+            yb = top + grid_h + 2
+            parts.append(
+                f"<path d='M{cx:.1f} {yb} l{cell / 2 - 1:.1f} {cell - 3} h{-(cell - 2):.1f} z' style='{TEXT}'>"
+                f"<title>layer {layer} differs from most layers</title></path>"
+            )
+    x = 0.0
+    used = sorted({d for ds in strip.cells.values() for d in ds})
+    for d in used:
+        parts.append(f"<rect x='{x}' y='{legend_y - 9}' width='10' height='10' fill='{DTYPE_FILL.get(d, OTHER_FILL)}'/>")
+        parts.append(f"<text x='{x + 14}' y='{legend_y}' style='{TEXT}'>{_e(dtype_word(d))}</text>")
+        x += 24 + 7 * len(dtype_word(d))
+    if differing:
+        parts.append(f"<text x='{x + 6}' y='{legend_y}' style='{TEXT}'>\u25b2 differs from most layers</text>")
+    return _svg(width, height, "".join(parts), f"dtype of every layer of {strip.model}")
+
+
+#: The probe chart shows at most this many modules (the rest stay in ``report.probe_table``).
+PROBE_CHART_ROWS = 60
+
+
+def probe_chart_svg(bars: list[ProbeBar]) -> str:
+    """Per module, its largest forward output (and backward gradient) on a log scale, with fp16's and bf16's limits.
+
+    A NaN or inf is drawn to the right edge and labelled; modules that saw
+    no floating tensor are left out.
+    """
+    bars = [b for b in bars if b.out_absmax is not None or b.grad_absmax is not None][:PROBE_CHART_ROWS]
+    if not bars:
+        return ""
+    seen = [v for b in bars for v in (b.out_absmax, b.grad_absmax) if v is not None and math.isfinite(v) and v > 0]
+    lo = math.floor(math.log10(min(seen))) if seen else -3
+    lo = min(lo, 0)
+    hi = math.ceil(math.log10(BF16_MAX))
+    label_w = min(240, 6.5 * max(len(b.module) for b in bars) + 10)
+    plot_w = 420
+    row = 14
+    top = 30
+    width = label_w + plot_w + 70
+    height = top + row * len(bars) + 30
+
+    def xpos(v: float) -> float:
+        return label_w + plot_w * (math.log10(max(v, 10.0**lo)) - lo) / (hi - lo)
+
+    parts = [
+        f"<text x='0' y='11' style='{TEXT}'>largest |value| per module (log scale): "
+        f"<tspan style='font-weight:bold'>\u25a0</tspan> forward output, \u25ad gradient</text>"
+    ]
+    for value, color, name in ((FP16_MAX, LIMIT_FP16, "fp16 max 65504"), (BF16_MAX, LIMIT_BF16, "bf16 max 3.4e38")):
+        x = xpos(value)
+        parts.append(
+            f"<line x1='{x:.1f}' y1='{top - 4}' x2='{x:.1f}' y2='{top + row * len(bars)}' stroke='{color}' stroke-width='1.5' stroke-dasharray='4 2'/>"
+        )
+        anchor = "end" if value == BF16_MAX else "middle"
+        parts.append(f"<text x='{x:.1f}' y='{top - 8}' text-anchor='{anchor}' style='{TEXT};font-size:10px'>{name}</text>")
+    for i, b in enumerate(bars):
+        y = top + i * row
+        parts.append(
+            f"<text x='{label_w - 6}' y='{y + row - 4}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(b.module)}</text>"
+        )
+        for value, filled in ((b.out_absmax, True), (b.grad_absmax, False)):
+            if value is None:
+                continue
+            bad = not math.isfinite(value)
+            end = label_w + plot_w if bad else xpos(value)
+            over = bad or value > FP16_MAX
+            color = LIMIT_FP16 if over else "#1976d2"
+            h = 6 if filled else 4
+            yy = y + (1 if filled else 8)
+            style = f"fill='{color}'" if filled else f"fill='none' stroke='{color}'"
+            tip = f"{b.module} {'output' if filled else 'gradient'}: {format_number(value)}"
+            parts.append(
+                f"<rect x='{label_w}' y='{yy}' width='{max(1.0, end - label_w):.1f}' height='{h}' {style}><title>{_e(tip)}</title></rect>"
+            )
+            if filled and (over or i == 0 or value == max(seen or [0])):
+                parts.append(
+                    f"<text x='{end + 3:.1f}' y='{y + row - 4}' style='{TEXT};font-size:10px'>{_e(format_number(value))}</text>"
+                )
+    axis_y = top + row * len(bars) + 2
+    parts.append(f"<line x1='{label_w}' y1='{axis_y}' x2='{label_w + plot_w}' y2='{axis_y}' style='{RULE}'/>")
+    for p in range(lo, hi + 1):
+        if (p - lo) % 10 and p not in (0, 5):
+            continue
+        x = xpos(10.0**p)
+        parts.append(f"<text x='{x:.1f}' y='{axis_y + 13}' text-anchor='middle' style='{TEXT};font-size:10px'>1e{p}</text>")
+    return _svg(width, height, "".join(parts), "largest activation per module")

@@ -1,0 +1,102 @@
+"""``mpdoctor.watch`` in a hand-written training loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mpdoctor
+from mpdoctor.crash.watch import NonFiniteLoss
+
+pytestmark = pytest.mark.colab
+
+
+class Regressor(torch.nn.Module):
+    """Returns its loss, as Hugging Face models do when given labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict:
+        return {"loss": torch.nn.functional.mse_loss(self.body(x), y)}
+
+
+def shown(capsys) -> str:
+    """What watch showed: stderr in plain Python, IPython's display (stdout) when a shell exists."""
+    captured = capsys.readouterr()
+    return captured.out + captured.err
+
+
+def hooks_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+    return (dict(model._forward_hooks), dict(model._forward_pre_hooks), dict(optimizer._optimizer_step_pre_hooks))
+
+
+def test_a_crash_in_the_block_is_explained_and_still_raised_and_every_hook_is_removed(capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        with mpdoctor.watch(model, optimizer) as w:
+            model(torch.randn(2, 4)).sum().backward()
+    assert w.crash_report.cause.check == "mixed-param-dtypes"
+    assert ">> cause of RuntimeError" in shown(capsys)
+    assert hooks_of(model, optimizer) == ({}, {}, {})
+
+
+def test_the_setup_is_diagnosed_before_the_first_optimizer_step(capsys):
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    w = mpdoctor.watch(model, optimizer, scaler)
+    assert w.start_report is None
+    model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    assert w.start_report.findings_for("scaler-with-bf16")
+    assert "mpdoctor before the first optimizer step" in shown(capsys)
+    optimizer.step()
+    assert shown(capsys) == ""  # once, not at every step
+    w.close()
+    assert hooks_of(model, optimizer) == ({}, {}, {})
+
+
+def test_the_first_non_finite_loss_is_probed_before_the_step_and_names_the_layer(capsys):
+    torch.manual_seed(0)
+    model = Regressor()
+    with torch.no_grad():
+        model.body[0].weight.fill_(1e38)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteLoss):
+        with mpdoctor.watch(model, optimizer, stop_on_nonfinite=True) as w:
+            loss = model(torch.full((2, 4), 1e10), torch.zeros(2, 1))["loss"]
+            loss.backward()
+            optimizer.step()
+    assert w.events == [{"step": 1, "event": "nonfinite-loss", "detail": "loss = nan"}]
+    finding = w.probe_report.findings_for("probe-nonfinite")[0]
+    assert finding.subject == "model.body.0"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step never ran
+    assert hooks_of(model, optimizer) == ({}, {}, {})
+
+
+def test_a_loss_computed_outside_the_model_is_watched_through_observe():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(1e38)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with mpdoctor.watch(model, optimizer) as w:
+        loss = w.observe(torch.nn.functional.mse_loss(model(torch.full((2, 4), 1e10)), torch.zeros(2, 1)))
+        loss.backward()
+        optimizer.step()
+    assert w.probe_report.findings_for("probe-nonfinite")[0].subject == "model.0"
+
+
+def test_a_healthy_loop_is_silent(capsys):
+    model = Regressor()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with mpdoctor.watch(model, optimizer) as w:
+        for _ in range(3):
+            model(torch.randn(2, 4), torch.zeros(2, 1))["loss"].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert w.start_report.ok and w.probe_report is None and w.events == []
+    assert shown(capsys) == ""
