@@ -150,6 +150,14 @@ class Report:
 
         return scan_table(self)
 
+    def scan_rows(self) -> list[dict]:
+        """The value scan as plain rows per module (what renderers show); empty without a scan."""
+        if not self.facts.scans:
+            return []
+        from .numerics.scan import scan_rows
+
+        return scan_rows(self.facts)
+
     # -- actions -----------------------------------------------------------------------
     def refresh(self) -> Report:
         """Diagnose the same live objects again (with the same target, scan and ignore list)."""

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
+from ..render.evidence import cause_label  # noqa: F401  (the renderers' view of a cause; re-exported)
+
 #: Longest exception summary shown in a report heading.
 SUMMARY_CHARS = 240
 
@@ -31,15 +33,6 @@ def exception_summary(exc: BaseException) -> str:
     if len(first) > SUMMARY_CHARS:
         first = first[: SUMMARY_CHARS - 3] + "..."
     return redact(f"{name}: {first}")
-
-
-def cause_label(report: Any) -> str | None:
-    """``"cause of RuntimeError: ..."`` when the report's first finding is the cause of an exception, else None."""
-    cause = getattr(report, "cause", None)
-    findings = getattr(report, "findings", None)
-    if cause is None or not findings or findings[0] is not cause:
-        return None
-    return f"cause of {getattr(report, 'exception', None) or 'the exception'}"
 
 
 def explain(

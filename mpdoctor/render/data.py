@@ -106,9 +106,7 @@ def scan_view(report: Any) -> list[dict]:
     """Per-module value-scan rows (only modules with something to say, plus totals); empty without a scan."""
     if not report.facts.scans:
         return []
-    from ..numerics.scan import scan_rows
-
-    return scan_rows(report.facts)
+    return report.scan_rows()
 
 
 def probe_view(report: Any) -> list[dict]:

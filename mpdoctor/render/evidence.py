@@ -355,3 +355,15 @@ def fix_label(title: str, limit: int = 90) -> tuple[str, str]:
         head = cut.rsplit(" ", 1)[0]  # at a word when one ends in the second half, else mid-name
         short = (head if len(head) > limit // 2 else cut) + "\u2026"
     return short, full
+
+
+# -- the cause of an exception ----------------------------------------------------------------------------
+
+
+def cause_label(report: Any) -> str | None:
+    """``"cause of RuntimeError: ..."`` when the report's first finding is the cause of an exception, else None."""
+    cause = getattr(report, "cause", None)
+    findings = getattr(report, "findings", None)
+    if cause is None or not findings or findings[0] is not cause:
+        return None
+    return f"cause of {getattr(report, 'exception', None) or 'the exception'}"

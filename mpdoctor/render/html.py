@@ -20,10 +20,10 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from ..crash.cause import cause_label
 from .data import humanize_bytes, humanize_count, report_dict
 from .evidence import (
     SHORT_DTYPE,
+    cause_label,
     format_number,
     layer_rows,
     layer_strips,

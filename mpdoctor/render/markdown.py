@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.tensors import SHORT_DTYPE
 from .data import humanize_bytes, precision_view, report_dict
+from .evidence import SHORT_DTYPE
 
 
 def _cell(value: Any) -> str:

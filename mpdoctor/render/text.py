@@ -5,9 +5,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ..crash.cause import cause_label
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import SHORT_DTYPE, precision_word, singular_counts, summarize_evidence
+from .evidence import SHORT_DTYPE, cause_label, precision_word, singular_counts, summarize_evidence
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 

@@ -22,9 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..crash.cause import cause_label
 from .data import report_dict
-from .evidence import fix_label, plural, singular_counts
+from .evidence import cause_label, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
