@@ -639,23 +639,27 @@ def tensor_stats(
     groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
     single: list[int] = []
     strided = torch.strided
+    total = 0
     for i, t in enumerate(tensors):
-        dtype = t.dtype
-        if dtype in _BITS and t.layout is strided:
-            key = (dtype, t.device, t.shape)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = ([], [])
-            group[0].append(i)
-            group[1].append(t)
-            continue
-        reason = _skip_reason(t)
-        if reason is None:
-            single.append(i)
-        else:
-            out[i] = reason
+        try:
+            dtype = t.dtype
+            if dtype in _BITS and t.layout is strided:
+                key = (dtype, t.device, t.shape)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ([], [])
+                group[0].append(i)
+                group[1].append(t)
+                continue
+            reason = _skip_reason(t)
+            if reason is None:
+                total += t.numel() * t.element_size()  # float8 and the like, read one at a time
+                single.append(i)
+            else:
+                out[i] = reason
+        except Exception as exc:  # a lazy module's uninitialized parameter has no shape yet
+            out[i] = f"{type(exc).__name__}: {exc}"[:200]
     bulk: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
-    total = sum(tensors[i].numel() * tensors[i].element_size() for i in single)  # float8 and the like
     for key, (idx, ts) in groups.items():
         dtype, device, shape = key
         numel = math.prod(shape)
