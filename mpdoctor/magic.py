@@ -29,6 +29,11 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 _BATCH_HINT = "a dict of keyword arguments for forward, a tensor, or a tuple/list of positional arguments"
 _INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
+# transformers 5 renamed PretrainedConfig to PreTrainedConfig.
+_CONFIG_CLASSES = (
+    "transformers.configuration_utils.PreTrainedConfig",
+    "transformers.configuration_utils.PretrainedConfig",
+)
 
 
 def _print_line(text: str) -> None:
@@ -36,8 +41,9 @@ def _print_line(text: str) -> None:
 
 
 def _type_name(obj: Any) -> str:
-    # type() never runs user code, unlike obj.__class__ on proxies and mocks.
-    return type(obj).__name__
+    from .discover import type_name
+
+    return type_name(obj)  # never runs user code: not obj.__class__, nor a metaclass's __getattribute__
 
 
 def _a(noun: str) -> str:
@@ -46,15 +52,16 @@ def _a(noun: str) -> str:
 
 def _nothing_to_inspect(name: str, obj: Any) -> str:
     """Why a named object brought no subject: the user named the wrong thing, so say what to name."""
-    cls = type(obj)
-    if issubclass(cls, torch.Tensor):
-        return (
-            f"{name} is a tensor ({str(obj.dtype).replace('torch.', '')}): nothing to inspect on its own; "
-            "name the model or optimizer that holds it"
-        )
-    if any(c.__name__ == "PretrainedConfig" for c in cls.__mro__) or cls.__name__.endswith("Config"):
-        return f"{name} is {_a(cls.__name__)}: a config is read through the model built from it; name the model"
-    return f"{name} is {_a(cls.__name__)}: nothing to inspect (mpdoctor inspects {_INSPECTED})"
+    from .discover import is_a
+
+    cls_name = _type_name(obj)
+    if is_a(obj, ("torch.Tensor",)):
+        dtype = obj.dtype if type(obj) in (torch.Tensor, torch.nn.Parameter) else None
+        shown = f" ({str(dtype).replace('torch.', '')})" if dtype is not None else ""
+        return f"{name} is a tensor{shown}: nothing to inspect on its own; name the model or optimizer that holds it"
+    if is_a(obj, _CONFIG_CLASSES) or cls_name.endswith("Config"):
+        return f"{name} is {_a(cls_name)}: a config is read through the model built from it; name the model"
+    return f"{name} is {_a(cls_name)}: nothing to inspect (mpdoctor inspects {_INSPECTED})"
 
 
 def _close_matches(slug: str, known: list[str]) -> str:

@@ -237,3 +237,13 @@ def test_probe_names_what_it_found(ip, capsys):
     ip.run_cell("r = %mpdoctor model --probe batch --text")
     last = capsys.readouterr().out.rstrip().splitlines()[-1]
     assert "; found probe-nonfinite at model.0" in last
+
+
+def test_explaining_a_name_that_holds_nothing_runs_none_of_its_code(ip, capsys):
+    from scenarios import HOSTILE_CALLS, MetaHostile
+
+    ip.user_ns["t"] = MetaHostile()  # its metaclass records every attribute read on the class
+    HOSTILE_CALLS.clear()
+    result = ip.run_cell("%mpdoctor t --text")
+    assert result.error_in_exec is None and HOSTILE_CALLS == []
+    assert capsys.readouterr().out.startswith("mpdoctor: t is a MetaHostile: nothing to inspect")

@@ -1,19 +1,30 @@
 """Value scan: NaN/Inf counts, abs max and fp16/bf16 range of every parameter, grad and optimizer-state tensor.
 
-One read of memory per tensor: each piece of a tensor (a view, no copy) goes
-through one ``torch.aminmax``, a reduction that allocates nothing, and all the
-extremes of a model are read back at once. NaN propagates to the min and max
-and an inf shows up as one of them, so the extremes alone say whether a piece
-holds anything worth counting. Only such pieces get a second look: an aminmax
-of each small sub-chunk narrows them to the sub-chunks holding the culprits,
-which are then counted exactly in reused buffers of at most
-:data:`TEMP_BUDGET` bytes. Counting values that would flush to zero in fp16
-needs a second look at every chunk (the extremes say nothing about the
+The work is done in bulk, not per tensor in Python. :func:`scan_tensors` (the
+core, a function of live tensors) groups tensors by dtype, device and shape:
+
+- small tensors (at most :data:`SMALL_ELEMENTS`, the many norms, biases and
+  small layers whose cost is per-call overhead, not memory) are stacked a
+  budgeted chunk at a time into one reused buffer; with their sign bits
+  cleared, the bit patterns order like magnitudes (every NaN above inf, inf
+  above every finite value), so one integer ``amax`` per row gives each
+  tensor's exact abs max or says it holds a NaN or an inf;
+- large tensors go through one ``torch.aminmax`` per piece (a view, no copy).
+
+All extremes are read back at once per device. NaN propagates to the
+extremes and an inf shows up as one of them, so the extremes alone say
+whether a tensor holds anything worth counting; only such tensors get a
+second look: an aminmax of each small sub-chunk narrows them to the
+sub-chunks holding the culprits, which are then counted exactly in reused
+buffers of at most :data:`TEMP_BUDGET` bytes. Counting values that would
+flush to zero in fp16 needs every value (the extremes say nothing about the
 smallest magnitudes), so it runs only when fp16 is in play
 (``underflow="auto"``) or on request, at a fraction of the speed.
 
 Never a full-size temporary, never a cross-device copy (results come back as
 scalars), meta tensors skipped, autocast off, nothing mutated.
+:func:`scan_facts`, at the bottom, is the thin adapter from a diagnosis'
+Facts to the live tensors it names.
 """
 
 from __future__ import annotations
@@ -491,7 +502,7 @@ def _tiny_bits(limit: float, dtype: torch.dtype) -> int:
     return int(value.view(_BITS[dtype][0]))
 
 
-def _empty_stats(label: str, device: str, dtype: torch.dtype, underflow: bool) -> Stats:
+def _empty_stats(label: str, device: str, underflow: bool) -> Stats:
     zero = 0 if underflow else None
     return (label, device, 0, 0, 0, 0.0, 0, zero, 0, zero)
 
@@ -628,31 +639,36 @@ def tensor_stats(
     groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}
     single: list[int] = []
     strided = torch.strided
-    for i, t in enumerate(tensors):
-        dtype = t.dtype
-        if dtype in _BITS and t.layout is strided:
-            key = (dtype, t.device, t.shape)
-            group = groups.get(key)
-            if group is None:
-                group = groups[key] = ([], [])
-            group[0].append(i)
-            group[1].append(t)
-            continue
-        reason = _skip_reason(t)
-        if reason is None:
-            single.append(i)
-        else:
-            out[i] = reason
-    bulk: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
     total = 0
+    for i, t in enumerate(tensors):
+        try:
+            dtype = t.dtype
+            if dtype in _BITS and t.layout is strided:
+                key = (dtype, t.device, t.shape)
+                group = groups.get(key)
+                if group is None:
+                    group = groups[key] = ([], [])
+                group[0].append(i)
+                group[1].append(t)
+                continue
+            reason = _skip_reason(t)
+            if reason is None:
+                total += t.numel() * t.element_size()  # float8 and the like, read one at a time
+                single.append(i)
+            else:
+                out[i] = reason
+        except Exception as exc:  # a lazy module's uninitialized parameter has no shape yet
+            out[i] = f"{type(exc).__name__}: {exc}"[:200]
+    bulk: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
     for key, (idx, ts) in groups.items():
         dtype, device, shape = key
         numel = math.prod(shape)
         if device.type == "meta":
             for i in idx:
                 out[i] = "meta"
-        elif numel == 0:
-            empty = _empty_stats(_dtype_label(dtype), device.type, dtype, underflow)
+            continue
+        if numel == 0:
+            empty = _empty_stats(_dtype_label(dtype), device.type, underflow)
             for i in idx:
                 out[i] = empty
         elif numel > SMALL_ELEMENTS:
