@@ -37,6 +37,7 @@ test: test-main test-colab
 # The browser suite also drives classic Notebook in the Colab venv, so build it first.
 test-main: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/ruff check mpdoctor tests bench notebooks
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The whole suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17);
@@ -60,6 +61,7 @@ env: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mpdoctor tests bench notebooks
+	$(BIN)/lint-imports
 
 checks-doc: $(STAMP)
 	$(BIN)/python -m mpdoctor checks --markdown

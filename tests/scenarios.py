@@ -2,7 +2,7 @@
 
 Each :class:`Scenario` builds a fresh namespace (what a notebook's ``user_ns``
 would hold) from tiny real models, and knows how to run one training step in
-it. The field cases come from /work/shared/FIELD-CASES.md; the healthy
+it. The field cases are the five the project started from (README, "Notebooks"); the healthy
 controls must produce no error or warning. :func:`hostile_pool` builds, once,
 the objects the hostile-namespace properties sample from.
 
