@@ -43,9 +43,10 @@ test-main: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The whole suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17);
-# the browser, Binder and benchmark tests need the main venv's JupyterLab and run there only.
+# the browser, Binder and benchmark tests need the main venv's JupyterLab, and tests/stack and tests/distributed
+# the training stack beyond transformers; they run there only.
 test-colab: $(COLAB_STAMP)
-	$(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider -m "not stack and not distributed" --ignore=tests/test_browser.py \
+	$(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --ignore=tests/stack --ignore=tests/distributed --ignore=tests/test_browser.py \
 		--ignore=tests/test_binder.py --ignore=tests/test_bench_smoke.py $(PYTEST_ARGS)
 
 # Jupyter refuses to start as root (containers, CI) unless told it may.
