@@ -58,6 +58,11 @@ class Finding:
         }
 
 
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "parameter")`` -> ``"1 parameter"``; ``count(3, "parameter")`` -> ``"3 parameters"``."""
+    return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}

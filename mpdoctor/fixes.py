@@ -355,7 +355,7 @@ class Fix:
         self.backup_bytes = backup_bytes
         self.needs_confirmation = backup_bytes > UNDO_BUDGET_BYTES
         if self.needs_confirmation:
-            title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup: apply(confirm=True))"
+            title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup)"
         self.title = title
         self.cost = cost
         self.recipe = recipe

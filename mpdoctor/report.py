@@ -243,7 +243,9 @@ class Report:
     def __repr__(self) -> str:
         c = self.counts()
         names = ", ".join(s.name for s in self.subjects) or "nothing"
-        return f"<mpdoctor.Report: {c['error']} errors, {c['warning']} warnings, {c['info']} info on {names}>"
+        from .findings import count
+
+        return f"<mpdoctor.Report: {count(c['error'], 'error')}, {count(c['warning'], 'warning')}, {c['info']} info on {names}>"
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:
         p.text(repr(self) if cycle else self.to_text())

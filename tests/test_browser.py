@@ -95,7 +95,7 @@ def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record
             assert report.count() == 1, "%mpdoctor as the last line must show the widget once"
             assert "scaler-with-bf16" in report.inner_text()
             assert "cache-in-training" in report.inner_text()
-            fix = report.locator("button", has_text="Disable the GradScaler scaler")
+            fix = report.locator("button", has_text="Disable scaler (GradScaler)")
             fix.wait_for(state="visible")
             page.wait_for_timeout(300)  # let fonts and the tab bar settle for the screenshot
             report.screenshot(path=str(before_png))
@@ -201,7 +201,7 @@ def test_with_ipywidgets_7_in_classic_notebook_the_unsafe_fix_waits_and_the_safe
             if unsafe.count():  # pure-bf16-adamw offers an unsafe cast: one click only arms it
                 unsafe.first.click()
                 report.locator("button", has_text="Click again to confirm").wait_for(timeout=30_000)
-            report.locator("button", has_text="Disable the GradScaler scaler").click()
+            report.locator("button", has_text="Disable scaler (GradScaler)").click()
             report.locator("text=gone after re-diagnosis").wait_for(timeout=30_000)
             report.screenshot(path=str(tmp_path / "classic-ipywidgets7-after.png"))
 

@@ -91,7 +91,7 @@ def test_static_html_shows_the_same_content_as_the_widget_without_buttons():
     html = report.to_html()
     assert "<button" not in html.lower()
     assert "scaler-with-bf16" in html and "ERROR" in html and "why it matters" in html
-    assert "Disable the GradScaler scaler" in html and "enabled=False" in html
+    assert "Disable scaler (GradScaler)" in html and "enabled=False" in html
     for section in ("dtypes", "precision: requested vs effective", "caches", "scalers"):
         assert f">{section}</div>" in html
     assert "target <code" in html and "T4 (sm_75, what-if)" in html

@@ -12,7 +12,7 @@ import torch
 from ..changes import CastGradsToParams, CastParamsTo
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
-from ..findings import Finding
+from ..findings import Finding, count
 from ..fixes import Fix
 from . import check
 
@@ -184,7 +184,7 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
     )
     delta = sum(p.numel * (torch_dtype(dtype).itemsize - torch_dtype(p.dtype).itemsize) for p in params)
     return Fix(
-        f"Cast {_plural(len(params), 'parameter')} of {_plural(len(paths), 'module')} of {m.name} to {dtype}",
+        f"Cast {count(len(params), 'parameter')} of {count(len(paths), 'module')} of {m.name} to {dtype}",
         code,
         not narrowing,
         changes=(spec,),
@@ -192,10 +192,6 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
         recipe="cast-minority",
         cost=f"{'+' if delta >= 0 else '-'}{abs(delta) / 2**20:.1f} MiB of weights",
     )
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 @check("mixed-param-dtypes", "error")
@@ -382,9 +378,9 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             "grad-dtype-mismatch",
             "error" if crashing else "warning",
             name,
-            f"{len(bad)} parameters of {name} carry {'; '.join(pairs)}: {consequence}.",
+            f"{count(len(bad), 'parameter')} of {name} carry {'; '.join(pairs)}: {consequence}.",
             {"parameters": len(bad), "pairs": pairs, "optimizers": [o.name for o in optimizers], "raises_in": crashing},
-            [cast_grads_fix(f"Cast {len(bad)} grads of {name} to their parameter's dtype", code, owner, frozenset(bad), safe)],
+            [cast_grads_fix(f"Cast {count(len(bad), 'grad')} of {name} to their parameter's dtype", code, owner, frozenset(bad), safe)],
         )
 
 
@@ -453,7 +449,7 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, _optimizer_refs(facts, m), f"{held} parameters of {m.name}")
             fixes.append(
                 Fix(
-                    f"Cast {len(params)} {held} parameters of {m.name} to the checkpoint's {saved}",
+                    f"Cast {count(len(params), held + ' parameter')} of {m.name} to the checkpoint's {saved}",
                     code,
                     changes=(spec,),
                     backup_bytes=spec.backup_bytes(facts),

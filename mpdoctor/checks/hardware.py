@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from ..changes import CastParamsTo, DType, SetAttrTo
 from ..facts import Facts, ModelFacts, PrecisionFacts
 from ..facts.configs import ConfigFacts
-from ..findings import Finding
+from ..findings import Finding, count
 from ..fixes import Fix
 from ..knowledge import FP16_OVERFLOW_MODEL_TYPES, LINEAR_4BIT_CLASSES
 from . import check
@@ -154,7 +154,7 @@ def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
             "bf16-unsupported",
             "warning",
             m.name,
-            f"{m.name} holds {len(bf16)} bf16 parameters ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
+            f"{m.name} holds {count(len(bf16), 'bf16 parameter')} ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
             "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
             f"weights and {then}.",
             {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
@@ -162,7 +162,7 @@ def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
                 _fp32_master_fix(
                     facts,
                     [m],
-                    f"Cast {len(bf16)} bf16 parameters of {m.name} to fp32 (fp32 master weights)",
+                    f"Cast {count(len(bf16), 'bf16 parameter')} of {m.name} to fp32 (fp32 master weights)",
                     _cast_code(m.name) + f"\n# then {then}",
                     None,
                     "no" if risky else "fp16",

@@ -10,7 +10,7 @@ import torch
 from ..changes import CastGradsToParams, CastParamsTo, CastStateToParams
 from ..facts import Facts, OptimizerFacts
 from ..facts.optimizer import OptParam
-from ..findings import Finding
+from ..findings import Finding, count
 from ..fixes import Applicability, Fix
 from ..knowledge import REQUIREMENTS, DtypeRequirement
 from . import check
@@ -93,7 +93,7 @@ def _grad_cast_fix(facts: Facts, o: OptimizerFacts, params: list[OptParam]) -> F
         "            p.grad.data = p.grad.data.to(p.dtype)  # the kernel reads p in the grad's dtype"
     )
     spec = CastGradsToParams(facts.subject(name).inner_ref, frozenset(p.id for p in params), "gradients")
-    return Fix(f"Cast {len(params)} gradients of {name} to their parameter's dtype", code, changes=(spec,), recipe="cast-grads")
+    return Fix(f"Cast {count(len(params), 'gradient')} of {name} to their parameter's dtype", code, changes=(spec,), recipe="cast-grads")
 
 
 # -- checks -----------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
                     _cast_fix(
                         facts,
                         o,
-                        f"Cast {len(bad)} trainable {'/'.join(dtypes)} parameters of {o.name} to {req.cast_to} in place",
+                        f"Cast {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} of {o.name} to {req.cast_to} in place",
                         _cast_code(
                             o.name,
                             f"p.requires_grad and {accepted}",
@@ -163,7 +163,7 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
                 "optimizer-dtype-requirement",
                 req.severity,
                 o.name,
-                f"{o.name} ({req.name}) holds {len(bad)} trainable {'/'.join(dtypes)} parameters "
+                f"{o.name} ({req.name}) holds {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} "
                 f"({elements:,} elements): {req.consequence}.",
                 {
                     "optimizer": o.class_path,
@@ -251,7 +251,7 @@ def _state_cast_fix(
         facts.subject(name).inner_ref, frozenset((i, k) for i, k, *_ in flagged), f"state tensors of {name} to their parameter's dtype"
     )
     return Fix(
-        f"Cast {len(flagged)} state tensors of {name} to their parameter's dtype", code, widening,
+        f"Cast {count(len(flagged), 'state tensor')} of {name} to their parameter's dtype", code, widening,
         changes=(spec,), recipe="cast-state",
     )
 
@@ -309,7 +309,7 @@ def optimizer_state_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             "optimizer-state-dtype-mismatch",
             "error" if crashes else "warning",
             o.name,
-            f"{o.name} ({o.class_name}) holds {len(flagged)} state tensors in another dtype than their parameter ({desc}): "
+            f"{o.name} ({o.class_name}) holds {count(len(flagged), 'state tensor')} in another dtype than their parameter ({desc}): "
             + (
                 "its next step() will raise (or, where it runs, update with the wrong precision)."
                 if crashes
@@ -483,7 +483,7 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
                 _cast_fix(
                     facts,
                     o,
-                    f"Keep fp32 master weights: cast {len(pure)} trainable bf16 parameters of {o.name} to fp32",
+                    f"Keep fp32 master weights: cast {count(len(pure), 'trainable bf16 parameter')} of {o.name} to fp32",
                     code,
                     pure,
                     "float32",
@@ -506,7 +506,7 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
             "pure-bf16-adamw",
             "warning",
             o.name,
-            f"{o.name} ({o.class_name}) updates {len(pure)} trainable bf16 parameters with bf16 moments: bf16 keeps "
+            f"{o.name} ({o.class_name}) updates {count(len(pure), 'trainable bf16 parameter')} with bf16 moments: bf16 keeps "
             f"8 significant bits, so{lost}; training stalls silently.",
             {
                 "optimizer": o.class_path,

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from ..changes import CastParamsTo, SetAttrTo
 from ..facts import Facts, ScalerFacts
-from ..findings import Finding
+from ..findings import Finding, count
 from ..fixes import Fix
 from . import check
 
@@ -40,7 +40,7 @@ def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
     else:
         code = f"# {why}\n{scaler.name} = torch.amp.GradScaler({scaler.device!r}, enabled=False)"
     return Fix(
-        f"Disable the GradScaler {scaler.name}",
+        f"Disable {scaler.name} (GradScaler)",
         code,
         safe=True,
         changes=(SetAttrTo(ref, "_enabled", False, f"{scaler.name}._enabled"),),
@@ -158,12 +158,12 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
             "fp16-trainable-params-with-scaler",
             "error",
             m.name,
-            f"{len(fp16)} trainable parameters of {m.name} are fp16 while {enabled[0].name} is enabled; "
+            f"{count(len(fp16), 'trainable parameter')} of {m.name} are fp16 while {enabled[0].name} is enabled; "
             "scaler.step() will raise 'Attempting to unscale FP16 gradients.'",
             {"fp16_trainable_tensors": len(fp16), "scalers": [s.name for s in enabled]},
             [
                 Fix(
-                    f"Cast {len(ids)} trainable fp16 parameters of {m.name} to fp32",
+                    f"Cast {count(len(ids), 'trainable fp16 parameter')} of {m.name} to fp32",
                     code,
                     changes=(spec,),
                     backup_bytes=spec.backup_bytes(facts),

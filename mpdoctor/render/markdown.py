@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import humanize_bytes, precision_view, report_dict
-from .evidence import SHORT_DTYPE
+from .evidence import SHORT_DTYPE, plural
 
 
 def _cell(value: Any) -> str:
@@ -20,7 +20,7 @@ def render_markdown(report: Any) -> str:
     lines = [
         "## mpdoctor report",
         "",
-        f"**{c['error']} errors, {c['warning']} warnings, {c['info']} info** on device `{data['device']['label']}`",
+        f"**{plural(c['error'], 'error')}, {plural(c['warning'], 'warning')}, {c['info']} info** on device `{data['device']['label']}`",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in rt["versions"].items()),
         "",
