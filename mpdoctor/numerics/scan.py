@@ -30,6 +30,7 @@ Facts to the live tensors it names.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -494,6 +495,7 @@ def _dtype_label(dtype: torch.dtype) -> str:
     return name
 
 
+@functools.cache
 def _tiny_bits(limit: float, dtype: torch.dtype) -> int:
     """The bit pattern below which a magnitude in ``dtype`` is smaller than ``limit`` (``limit`` rounded up)."""
     value = torch.tensor(limit, dtype=dtype)
