@@ -61,7 +61,7 @@ def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
         the CPU's half precision), or run ``16-mixed`` on a GPU. The plugin cannot be swapped in place.
     Source
         lightning ``pytorch/trainer/connectors/accelerator_connector.py`` ``_check_and_init_precision`` and
-        ``fabric/connector.py`` (2.x); Lightning-AI/pytorch-lightning issues #17035, #16792.
+        ``fabric/connector.py`` (2.x); Lightning-AI/pytorch-lightning PR #10033 (the CPU fallback).
     """
     for p in facts.lightning:
         if p.requested is None or p.effective is None or p.requested == p.effective:
@@ -99,7 +99,7 @@ def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
         ``16-true``: Adam's default ``eps=1e-8`` is below fp16's smallest value (6e-8) and rounds to zero,
         and a squared gradient below 2.4e-4 underflows to zero in ``exp_avg_sq``, so ``m / (sqrt(v) + eps)``
         divides by zero: the weights become inf/NaN at the first step where a gradient is small (measured
-        here: one step with gradients of 1e-5 makes the weights NaN). ``bf16-true``: every update smaller
+        here: one AdamW step with gradients of 1e-5 makes fp16 weights -inf). ``bf16-true``: every update smaller
         than half a bf16 ulp (about ``weight / 256``) is lost, so training stalls silently; the
         ``pure-bf16-adamw`` check measures that on the optimizer itself.
     Severity
@@ -111,7 +111,7 @@ def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
         plugin casts every batch to half and a Linear then meets two dtypes.
     Source
         Lightning docs "N-bit precision" (true half precision "may lead to unstable training");
-        Lightning-AI/pytorch-lightning issue #18016; "Revisiting BFloat16 Training" (Zamirai et al.).
+        Lightning-AI/pytorch-lightning issue #20619 (16-true, Adam eps=1e-8, NaN at the first step); "Revisiting BFloat16 Training" (Zamirai et al.).
     """
     by_name = {o.name: o for o in facts.optimizers}
     for p in facts.lightning:
