@@ -27,6 +27,7 @@ __all__ = [
     "FixFailed",
     "FixNeedsConfirmation",
     "MPDoctorCallback",
+    "MPDoctorLightningCallback",
     "Report",
     "checks_reference",
     "diagnose",
@@ -86,4 +87,8 @@ def __getattr__(name: str) -> Any:
         from .numerics.callback import MPDoctorCallback
 
         return MPDoctorCallback
+    if name == "MPDoctorLightningCallback":
+        from .numerics.lightning_callback import MPDoctorLightningCallback
+
+        return MPDoctorLightningCallback
     raise AttributeError(f"module 'mpdoctor' has no attribute {name!r}")

@@ -133,11 +133,18 @@ def unwrap_model(module: Any, name: str) -> tuple[Any, str]:
 def _children(subject: Subject) -> Iterator[tuple[str, str, Any]]:
     """Yield ``(kind, name, obj)`` for the objects a subject brings along (as its integrations declare)."""
     for attr in integrations.brought_attrs(mro_paths(subject.obj)):
-        value = _attr(subject.obj, attr)
-        if value is not None:
-            kind = kind_of(value)
+        # A dotted attribute is followed step by step (``precision_plugin.scaler``).
+        value = subject.obj
+        for part in attr.split("."):
+            value = _attr(value, part) if value is not None else None
+        if value is None:
+            continue
+        # An exact list or tuple holds several children (Lightning's ``trainer.optimizers``).
+        items = list(enumerate(value[:CONTAINER_WIDTH])) if type(value) in (list, tuple) else [(None, value)]
+        for index, item in items:
+            kind = kind_of(item)
             if kind is not None:
-                yield kind, f"{subject.name}.{attr}", value
+                yield kind, f"{subject.name}.{attr}" + ("" if index is None else f"[{index}]"), item
 
 
 def _make_subject(kind: str, name: str, obj: Any, owner: str | None) -> Subject:

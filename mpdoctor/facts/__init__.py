@@ -118,6 +118,8 @@ class Facts:
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
     probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
+    #: mpdoctor.facts.lightning.LightningPrecisionFacts, one per Lightning Trainer / Fabric
+    lightning: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -262,6 +264,11 @@ def gather(
     except Exception as exc:
         precisions = ()
         errors.append(("precision", _summarise(exc)))
+    try:
+        extra = integrations.setup_facts_of(subjects, hardware)
+    except Exception as exc:
+        extra = {}
+        errors.append(("setup", _summarise(exc)))
     return Facts(
         subjects=tuple(plain),
         models=tuple(models),
@@ -271,4 +278,5 @@ def gather(
         runtime=gather_runtime(),
         hardware=hardware,
         errors=tuple(errors),
+        **extra,
     )

@@ -27,7 +27,7 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft")
+MODULES = ("torch", "transformers", "accelerate", "peft", "lightning")
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,17 @@ class Integration:
     model_facts: Callable[..., dict] | None = None
     requested: Callable[[Any], dict] | None = None
     effective: Callable[[Any], Any] | None = None
+    #: Active when any of these is imported too (a library published under several names: Lightning).
+    any_modules: tuple[str, ...] = ()
+    #: ``(subjects, device profile) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields (setup facts
+    #: of a library with its own precision model, such as Lightning's plugins).
+    setup_facts: Callable[..., dict] | None = None
 
     @property
     def active(self) -> bool:
         """True when the user's process has imported the library."""
+        if self.any_modules and not any(m in sys.modules for m in self.any_modules):
+            return False
         return all(m in sys.modules for m in self.modules)
 
 
@@ -178,4 +185,13 @@ def model_extras(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     for integ in active():
         if integ.model_facts is not None:
             out.update(integ.model_facts(outer, inner, inner_path, live))
+    return out
+
+
+def setup_facts_of(subjects: tuple, hardware: Any) -> dict:
+    """Extra Facts fields from the active integrations that gather setup facts of their own."""
+    out: dict = {}
+    for integ in active():
+        if integ.setup_facts is not None:
+            out.update(integ.setup_facts(subjects, hardware))
     return out

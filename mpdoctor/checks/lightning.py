@@ -1,0 +1,166 @@
+"""Checks on Lightning's precision plugins: a request Lightning replaced, half weights under a stock Adam.
+
+They read :class:`~mpdoctor.facts.lightning.LightningPrecisionFacts` (``facts.lightning``). A Trainer's
+precision plugin is chosen once, in its constructor, and wired into its strategy, module and optimizers,
+so nothing here is changed in place: every fix is display-only and carries the ``Trainer(precision=...)``
+(or ``Fabric(precision=...)``) to build instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..facts import Facts
+from ..facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts
+from ..findings import Finding
+from ..fixes import Applicability, Fix
+from . import check
+
+#: Stock torch optimizers whose moments follow the parameter dtype (``zeros_like(p)``).
+_STOCK_ADAM = frozenset({"torch.optim.adam.Adam", "torch.optim.adamw.AdamW"})
+#: The smallest positive fp16 value (subnormal): Adam's default eps=1e-8 rounds to zero below it.
+FP16_TINY = 2.0**-24
+
+
+def _ctor(p: LightningPrecisionFacts) -> str:
+    return "Fabric" if p.kind == "fabric" else "Trainer"
+
+
+def rebuild_fix(p: LightningPrecisionFacts, precision: str, title: str, cost: str, note: str = "") -> Fix:
+    """A display-only fix: the Trainer / Fabric to build with ``precision`` (its plugin cannot be swapped in place)."""
+    ctor = _ctor(p)
+    accel = f"accelerator={p.device!r}, " if p.device else ""
+    code = (
+        f"# a {ctor}'s precision plugin is wired into its strategy, module and optimizers at construction:\n"
+        f"# build it again{note}\n"
+        f"{p.name} = L.{ctor}({accel}precision={precision!r}, ...)  # import lightning as L; other arguments as before"
+    )
+    return Fix(title, code, applicability=Applicability.DISPLAY_ONLY, recipe=f"lightning-{precision}", cost=cost)
+
+
+@check("lightning-precision-replaced", "warning")
+def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
+    """Lightning runs another precision than the one requested (``16-mixed`` on a CPU runs as ``bf16-mixed``).
+
+    What it detects
+        A Lightning ``Trainer`` / ``Fabric`` whose precision plugin runs something else than the flag asked
+        for. Lightning 2.x has one such rule (its accelerator connector): ``precision="16-mixed"`` with
+        ``accelerator="cpu"`` becomes ``bf16-mixed`` with the warning "You passed
+        `Trainer(accelerator='cpu', precision='16-mixed')` but AMP with fp16 is not supported on CPU. Using
+        `precision='bf16-mixed'` instead." The connector then overwrites its own record of the request
+        (``_precision_flag``), so on a built Trainer the replacement is visible only where the request is
+        known: a ``target=`` what-if (the rule applied to the target's device) or facts built by hand.
+    Why it matters
+        The run computes in bf16 (8 significant bits) where fp16 (11) was asked: its losses and gradients
+        differ measurably from the fp16 run the user meant to reproduce on a GPU, and nothing but a
+        one-time warning says so. No crash: bf16 autocast trains on a CPU.
+    Severity
+        Warning: the run trains, in another precision than asked (measurable, not ruinous).
+    Fix
+        Display-only: build the Trainer with the precision that really runs (``precision="bf16-mixed"``,
+        the CPU's half precision), or run ``16-mixed`` on a GPU. The plugin cannot be swapped in place.
+    Source
+        lightning ``pytorch/trainer/connectors/accelerator_connector.py`` ``_check_and_init_precision`` and
+        ``fabric/connector.py`` (2.x); Lightning-AI/pytorch-lightning PR #10033 (the CPU fallback).
+    """
+    for p in facts.lightning:
+        if p.requested is None or p.effective is None or p.requested == p.effective:
+            continue
+        quoted = CPU_FALLBACK_WARNING.replace("Trainer(", f"{_ctor(p)}(") if p.requested == "16-mixed" else ""
+        yield Finding(
+            "lightning-precision-replaced",
+            "warning",
+            p.name,
+            f"{p.name} asks for precision={p.requested!r} but its {p.plugin} runs {p.effective!r} on the "
+            f"{p.device or 'device'}: the run computes in another precision than asked."
+            + (f" Lightning says: {quoted}" if quoted else ""),
+            {"requested": p.requested, "effective": p.effective, "plugin": p.plugin, "device": p.device},
+            [
+                rebuild_fix(
+                    p,
+                    p.effective,
+                    f"Build {p.name} with precision={p.effective!r}, what really runs on the {p.device}",
+                    "no change to the numbers this run computes; the arguments say what runs",
+                    f" saying what runs on the {p.device} (or run {p.requested} on a GPU)",
+                )
+            ],
+        )
+
+
+@check("lightning-true-half-adam", "error")
+def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
+    """``bf16-true`` / ``16-true`` weights updated by stock torch Adam/AdamW: the update itself is half precision.
+
+    What it detects
+        A Lightning ``Trainer`` / ``Fabric`` running ``bf16-true`` or ``16-true`` (``HalfPrecision``: the
+        module, its inputs and so the optimizer's parameters and moments are half) whose optimizer is
+        ``torch.optim.Adam`` / ``AdamW``.
+    Why it matters
+        ``16-true``: Adam's default ``eps=1e-8`` is below fp16's smallest value (6e-8) and rounds to zero,
+        and a squared gradient below 2.4e-4 underflows to zero in ``exp_avg_sq``, so ``m / (sqrt(v) + eps)``
+        divides by zero: the weights become inf/NaN at the first step where a gradient is small (measured
+        here: one AdamW step with gradients of 1e-5 makes fp16 weights -inf). ``bf16-true``: every update smaller
+        than half a bf16 ulp (about ``weight / 256``) is lost, so training stalls silently; the
+        ``pure-bf16-adamw`` check measures that on the optimizer itself.
+    Severity
+        Warning for ``bf16-true`` (updates lost, the loss stalls); error for ``16-true`` (NaN weights).
+    Fix
+        Display-only: build the Trainer with ``precision="bf16-mixed"`` (fp32 weights and Adam state, bf16
+        compute), or keep true-half weights with a bf16-safe optimizer (``adamw_bf16.AdamWBF16``, optimi
+        with ``kahan_sum=True``). Casting the weights to fp32 in place would not do: the ``HalfPrecision``
+        plugin casts every batch to half and a Linear then meets two dtypes.
+    Source
+        Lightning docs "N-bit precision" (true half precision "may lead to unstable training");
+        Lightning-AI/pytorch-lightning issue #20619 (16-true, Adam eps=1e-8, NaN at the first step); "Revisiting BFloat16 Training" (Zamirai et al.).
+    """
+    by_name = {o.name: o for o in facts.optimizers}
+    for p in facts.lightning:
+        dtype = p.true_half
+        if dtype is None:
+            continue
+        for name in p.optimizer_names:
+            o = by_name.get(name)
+            if o is None or o.class_path not in _STOCK_ADAM:
+                continue
+            half = [q for q in o.params if q.requires_grad and q.dtype == dtype]
+            if not half:
+                continue
+            fp16 = dtype == "float16"
+            eps = o.defaults.get("eps")
+            if fp16:
+                msg = (
+                    f"{p.name} runs {p.effective!r}: {name} ({o.class_name}) keeps {len(half)} parameters and its "
+                    f"moments in fp16, where eps={eps!r} rounds to 0 and squared gradients below 2.4e-4 underflow: "
+                    "the first small gradient divides by zero and the weights become inf/NaN."
+                )
+            else:
+                msg = (
+                    f"{p.name} runs {p.effective!r}: {name} ({o.class_name}) updates {len(half)} bf16 parameters "
+                    "with bf16 moments, so every update smaller than about weight/256 is lost and training stalls "
+                    "silently."
+                )
+            yield Finding(
+                "lightning-true-half-adam",
+                "error" if fp16 else "warning",
+                p.name,
+                msg,
+                {"precision": p.effective, "optimizer": o.class_path, "half_params": len(half), "eps": eps, "lr": o.defaults.get("lr")},
+                [
+                    rebuild_fix(
+                        p,
+                        "bf16-mixed",
+                        f"Build {p.name} with precision='bf16-mixed': fp32 weights and Adam state, bf16 compute",
+                        "twice the weight memory of true half; bf16 matmuls as before",
+                    ),
+                    Fix(
+                        f"Keep {p.effective} weights and use a bf16-safe optimizer instead of {o.class_name}",
+                        "# in configure_optimizers():\n"
+                        "from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
+                        f"return AdamWBF16(self.parameters(), lr={o.defaults.get('lr')!r})"
+                        + ("\n# 16-true: also raise eps above fp16's 6e-8 (eps=1e-4), or prefer bf16-true" if fp16 else ""),
+                        applicability=Applicability.DISPLAY_ONLY,
+                        recipe="bf16-safe-optimizer",
+                        cost="no extra weight memory; the optimizer is re-created, so its state restarts",
+                    ),
+                ],
+            )

@@ -1,0 +1,183 @@
+"""Lightning: discovery of a Trainer / Fabric, precision requested vs effective, its checks, its callback.
+
+Real ``lightning.Trainer(max_steps=1, accelerator="cpu", ...)`` fits on a tiny module; no mocks.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+import mpdoctor
+from mpdoctor.discover import discover
+from mpdoctor.facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts, lightning_effective
+
+
+class Tiny(L.LightningModule):
+    def __init__(self, optimizer=torch.optim.AdamW, **opt_kwargs):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.opt_cls, self.opt_kwargs = optimizer, {"lr": 1e-3, **opt_kwargs}
+        self.losses: list[float] = []
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y.float())
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return self.opt_cls(self.parameters(), **self.opt_kwargs)
+
+
+def loader(scale: float = 1.0):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g) * scale
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+
+
+def trainer(precision: str, **kw) -> L.Trainer:
+    return L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, precision=precision, **kw,
+    )  # fmt: skip
+
+
+def slugs(report, *severities):
+    return {f.check for f in report.findings if f.severity in severities}
+
+
+def test_trainer_brings_its_module_optimizers_and_plugin_facts():
+    t, m = trainer("bf16-true"), Tiny()
+    t.fit(m, loader())
+    subjects = {(s.kind, s.name) for s in discover([t], names={id(t): "trainer"})}
+    assert subjects == {("trainer", "trainer"), ("model", "trainer.lightning_module"), ("optimizer", "trainer.optimizers[0]")}
+    (p,) = mpdoctor.diagnose(t, names={id(t): "trainer"}).facts.lightning
+    assert (p.requested, p.effective, p.plugin, p.input_dtype, p.device) == ("bf16-true", "bf16-true", "HalfPrecision", "bfloat16", "cpu")
+    assert p.optimizer_names == ("trainer.optimizers[0]",) and p.model_names == ("trainer.lightning_module",)
+
+
+def test_16_mixed_on_cpu_is_replaced_and_lightning_forgets_the_request():
+    """Lightning's real rule, reproduced: 16-mixed on a CPU becomes bf16-mixed with this warning.
+
+    The connector overwrites ``_precision_flag``, so a built Trainer no longer knows what was asked: the
+    live diagnosis reports what runs (bf16-mixed) and raises nothing; the check fires where the request is
+    known (facts of the request, or a what-if).
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = trainer("16-mixed")
+    assert CPU_FALLBACK_WARNING in [str(w.message) for w in caught]
+    assert t.precision == "bf16-mixed" and lightning_effective("16-mixed", "cpu") == "bf16-mixed"
+    report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    (p,) = report.facts.lightning
+    assert (p.requested, p.effective) == ("bf16-mixed", "bf16-mixed")
+    assert "lightning-precision-replaced" not in slugs(report, "error", "warning", "info")
+    # The request as the user wrote it, on the device it ran on.
+    from mpdoctor.checks.lightning import lightning_precision_replaced
+
+    asked = LightningPrecisionFacts("trainer", "trainer", "16-mixed", lightning_effective("16-mixed", "cpu"), "MixedPrecision", device="cpu")
+    (finding,) = lightning_precision_replaced(mpdoctor.diagnose(t).facts.__class__(**{**report.facts.__dict__, "lightning": (asked,)}))
+    assert finding.severity == "warning" and CPU_FALLBACK_WARNING in finding.message
+    assert "precision='bf16-mixed'" in finding.fixes[0].code
+
+
+def test_field_16_true_adam_eps_underflow_nan():
+    """Lightning-AI/pytorch-lightning#20619: "16 bit precision in Trainer leading to NaN".
+
+    The reporter's Adam with default eps=1e-8 turned every parameter NaN at the first step under 16-bit
+    weights. Reproduced: ``precision="16-true"`` + AdamW, small gradients -> non-finite weights after one
+    step. Diagnosis ``lightning-true-half-adam`` (error); fix: build the Trainer with ``bf16-mixed``; a step
+    then trains with finite weights.
+    """
+    t, m = trainer("16-true"), Tiny()
+    t.fit(m, loader(scale=1e-3))
+    assert not torch.isfinite(m.layer.weight).all()  # the harm, measured
+    report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    finding = next(f for f in report.findings if f.check == "lightning-true-half-adam")
+    assert finding.severity == "error"
+    code = finding.fixes[0].code
+    assert "precision='bf16-mixed'" in code and finding.fixes[0].applicability.value == "display-only"
+    fixed_t, fixed_m = trainer("bf16-mixed"), Tiny()
+    fixed_t.fit(fixed_m, loader(scale=1e-3))
+    assert torch.isfinite(fixed_m.layer.weight).all() and fixed_m.layer.weight.dtype == torch.float32
+    assert not slugs(mpdoctor.diagnose(fixed_t), "error", "warning")
+
+
+def test_bf16_true_adamw_stalls_and_reuses_pure_bf16_logic():
+    t, m = trainer("bf16-true"), Tiny()
+    t.fit(m, loader())
+    report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    assert {"lightning-true-half-adam", "pure-bf16-adamw"} <= slugs(report, "warning")
+    assert "lightning-true-half-adam" not in slugs(report, "error")
+
+
+def test_bf16_mixed_plugin_refuses_a_scaler():
+    """A GradScaler in a bf16 Lightning run is not reachable through the public API: the plugin refuses it."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="does not use a scaler"):
+        MixedPrecision("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_healthy_trainer_recipes(precision):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t, m = trainer(precision), Tiny()
+    assert not [w for w in caught if "precision" in str(w.message)]
+    t.fit(m, loader())
+    report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def test_healthy_fabric_bf16_mixed():
+    fabric = L.Fabric(accelerator="cpu", precision="bf16-mixed", devices=1)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = fabric.setup(model, opt)
+    x = torch.randn(4, 4)
+    loss = model(x).float().pow(2).mean()
+    fabric.backward(loss)
+    opt.step()
+    report = mpdoctor.diagnose(fabric, names={id(fabric): "fabric"})
+    (p,) = report.facts.lightning
+    assert (p.kind, p.requested, p.effective, p.plugin) == ("fabric", "bf16-mixed", "bf16-mixed", "MixedPrecision")
+    assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def test_callback_diagnoses_at_fit_start_and_probes_a_nonfinite_loss():
+    class Exploding(Tiny):
+        def training_step(self, batch, i):
+            loss = super().training_step(batch, i)
+            return loss * float("inf")
+
+    cb = mpdoctor.MPDoctorLightningCallback(stop_on_nonfinite=True)
+    t, m = trainer("bf16-mixed", callbacks=[cb]), Exploding()
+    before = m.layer.weight.detach().clone()
+    with pytest.raises(mpdoctor.numerics.callback.MPDoctorAbort):
+        t.fit(m, loader())
+    assert cb.start_report is not None and cb.start_report.ok
+    assert cb.events and cb.events[0]["event"] == "nonfinite-loss"
+    assert torch.equal(m.layer.weight, before)  # stopped before the optimizer step
+    assert cb._watcher._handles == []
+
+
+def test_import_mpdoctor_does_not_import_the_callback():
+    import sys
+
+    assert "mpdoctor.numerics.lightning_callback" in sys.modules or True
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.numerics.lightning_callback' in sys.modules)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.stdout.split() == ["False", "False"]
