@@ -118,6 +118,8 @@ class Facts:
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
     probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
+    #: mpdoctor.facts.distributed.DistributedFacts: process group, FSDP units, launcher state, other ranks.
+    distributed: Any = None
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -262,7 +264,15 @@ def gather(
     except Exception as exc:
         precisions = ()
         errors.append(("precision", _summarise(exc)))
+    try:
+        from .distributed import gather_distributed
+
+        distributed = gather_distributed(subjects, models)
+    except Exception as exc:
+        distributed = None
+        errors.append(("distributed", _summarise(exc)))
     return Facts(
+        distributed=distributed,
         subjects=tuple(plain),
         models=tuple(models),
         optimizers=tuple(optimizers),
