@@ -63,7 +63,7 @@ def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
         sharded cannot be cast in place: rebuild it from a uniformly-typed model.
     Source
         torch ``distributed/fsdp/_flat_param.py`` (``_validate_tensors_to_flatten``) and
-        ``_fully_shard/_fsdp_param_group.py`` (``lazy_init``); pytorch/pytorch issue #100945.
+        ``_fully_shard/_fsdp_param.py`` (``init_dtype_attrs``), reproduced on torch 2.13.
     """
     dist = facts.distributed
     if dist is None:
@@ -125,8 +125,7 @@ def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
     Fix
         ``reduce_dtype=torch.float32`` in the policy when accuracy matters more than bandwidth.
     Source
-        torch FSDP docs (``MixedPrecision``, ``MixedPrecisionPolicy``); accelerate issue
-        huggingface/accelerate#2624 on FSDP mixed precision policies.
+        torch FSDP docs (``MixedPrecision``, ``MixedPrecisionPolicy``).
     """
     dist = facts.distributed
     if dist is None:
@@ -172,7 +171,7 @@ def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
         Create the Accelerator with ``cpu=True`` inside the launched function on a CPU
         (or initialise the process group: ``torch.distributed.init_process_group``).
     Source
-        accelerate ``launchers.py`` and ``state.py`` (``PartialState.__init__``); huggingface/accelerate#1022.
+        accelerate ``launchers.py`` and ``state.py`` (``PartialState.__init__``), reproduced with accelerate 1.15.
     """
     dist = facts.distributed
     if dist is None or not dist.env_world_size or dist.env_world_size < 2 or dist.world_size > 1:
@@ -219,7 +218,7 @@ def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
         without a restart, ``AcceleratorState._reset_state(True)`` clears accelerate's state
         (CUDA cannot be un-initialised: restart the kernel).
     Source
-        accelerate ``launchers.py`` (``notebook_launcher``); huggingface/accelerate#1136.
+        accelerate ``launchers.py`` (``notebook_launcher``).
     """
     dist = facts.distributed
     if dist is None or not dist.launcher_imported or dist.distributed or dist.env_world_size:
@@ -294,8 +293,8 @@ def ranks_disagree(facts: Facts) -> Iterator[Finding]:
         On the odd ranks, cast the parameters to the majority's dtype (offered in place on
         those ranks); make every rank build its objects from the same code and arguments.
     Source
-        torch ``nn/parallel/distributed.py`` (``_sync_module_states``); STACK.md measurements;
-        pytorch/pytorch issue #90603.
+        torch ``nn/parallel/distributed.py`` (``_sync_module_states``); reproduced on 2 gloo
+        processes (tests/distributed).
     """
     dist = facts.distributed
     if dist is None or not dist.exchanged or len({r.digest for r in dist.ranks}) < 2:

@@ -24,7 +24,7 @@ from ..introspect import is_a, own_dict, raw_attr
 from . import Integration
 
 FSDP1 = "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"
-FSDP2 = "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule"
+FSDP2 = ("torch.distributed.fsdp.FSDPModule", "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule")
 ACCELERATOR = "accelerate.accelerator.Accelerator"
 TRAINING_ARGS = "transformers.training_args.TrainingArguments"
 _EXAMPLES = 4
@@ -59,13 +59,17 @@ def _fsdp2_unit(model: str, path: str, mod: Any) -> FsdpUnit | None:
     if get_state is None:
         return None
     state = get_state(mod)
-    group = raw_attr(state, "_fsdp_param_group", None)
-    if group is None:  # a unit that manages no parameters of its own
+    # torch 2.13 keeps a list of param groups; earlier releases one group.
+    groups = raw_attr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        one = raw_attr(state, "_fsdp_param_group", None)
+        groups = [one] if one is not None else []
+    if not groups:  # a unit that manages no parameters of its own
         return None
-    policy = raw_attr(group, "mp_policy", None)
+    policy = raw_attr(groups[0], "mp_policy", None) or raw_attr(state, "_mp_policy", None)
     by_dtype: dict[str, list[str]] = {}
     numel = 0
-    for fp in raw_attr(group, "fsdp_params", None) or ():
+    for fp in (fp for g in groups for fp in (raw_attr(g, "fsdp_params", None) or ())):
         orig = own_dict(fp).get("orig_dtype")
         sharded = raw_attr(fp, "sharded_param", None)
         name = _dt(orig if orig is not None else getattr(sharded, "dtype", None)) or "?"
@@ -102,7 +106,7 @@ def fsdp_units(model: str, module: Any) -> tuple[FsdpUnit, ...]:
             try:
                 if is_a(mod, (FSDP1,)):
                     unit = _fsdp1_unit(model, path, mod)
-                elif is_a(mod, (FSDP2,)):
+                elif is_a(mod, FSDP2):
                     unit = _fsdp2_unit(model, path, mod)
                 else:
                     continue

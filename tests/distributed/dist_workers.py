@@ -77,9 +77,10 @@ def ddp_fp16_vs_bf16(rank: int, world: int) -> dict:
 
 def fsdp2_mixed_unit(rank: int, world: int) -> dict:
     """FSDP2 shards a unit of mixed dtypes; the diagnosis names it before the first forward raises."""
-    import mpdoctor
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mpdoctor
 
     mesh = init_device_mesh("cpu", (world,))
     model = tiny()
@@ -110,9 +111,10 @@ def fsdp2_mixed_unit(rank: int, world: int) -> dict:
 
 def fsdp1_units(rank: int, world: int) -> dict:
     """FSDP1: the real wrap error on a mixed model; the facts of a healthy wrap (policy read from _handle)."""
-    import mpdoctor
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
+
+    import mpdoctor
 
     out = {}
     bad = tiny()
@@ -126,7 +128,7 @@ def fsdp1_units(rank: int, world: int) -> dict:
               device_id=torch.device("cpu"), use_orig_params=True)  # fmt: skip
     report = mpdoctor.diagnose(fm, names={id(fm): "fm"})
     out["report"] = _summary(report)
-    out["units"] = [(u.version, u.dtypes, u.param_dtype, u.reduce_dtype) for u in report.facts.distributed.fsdp_units]
+    out["units"] = [[u.version, list(u.dtypes), u.param_dtype, u.reduce_dtype] for u in report.facts.distributed.fsdp_units]
     return out
 
 
@@ -134,9 +136,10 @@ def accelerate_fsdp_plan(rank: int, world: int) -> dict:
     """A plain mixed-dtype model that an Accelerator with an FSDP plugin is about to wrap."""
     import os
 
-    import mpdoctor
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import mpdoctor
 
     os.environ["ACCELERATE_USE_CPU"] = "true"
     acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
