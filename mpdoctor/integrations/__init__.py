@@ -27,7 +27,7 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft", "distributed")
+MODULES = ("torch", "transformers", "accelerate", "peft")
 
 
 @dataclass(frozen=True)

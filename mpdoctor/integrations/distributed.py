@@ -179,8 +179,12 @@ def planned_wrap(name: str, obj: Any) -> PlannedWrap | None:
 
 def launcher_state() -> dict:
     """The notebook_launcher pitfalls, read in the parent process (nothing is initialised by reading)."""
-    out = {"launcher_imported": "accelerate.launchers" in sys.modules, "accelerator_state_initialized": False,
-           "cuda_initialized": False}  # fmt: skip
+    # ``import accelerate`` imports its launchers: what counts is notebook_launcher held in the user's namespace.
+    launchers = sys.modules.get("accelerate.launchers")
+    launcher = raw_attr(launchers, "notebook_launcher", None) if launchers is not None else None
+    main = own_dict(sys.modules.get("__main__"))
+    held = launcher is not None and any(v is launcher for v in list(main.values()))
+    out = {"launcher_imported": held, "accelerator_state_initialized": False, "cuda_initialized": False}
     if "accelerate.state" in sys.modules:
         out["accelerator_state_initialized"] = bool(_shared("accelerate.state.AcceleratorState"))
     torch = sys.modules.get("torch")
@@ -220,4 +224,6 @@ def default_store() -> Any:
         return None
 
 
+#: Declared for the registry's shape; not listed in ``MODULES``: it adds no subject kinds, and its readers are
+#: called by :func:`mpdoctor.facts.distributed.gather_distributed`.
 INTEGRATION = Integration(name="torch.distributed", modules=("torch",))
