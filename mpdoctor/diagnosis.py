@@ -33,6 +33,8 @@ def diagnose(
     ignore: Iterable[str] = (),
     names: Mapping[int, str] | None = None,
     hidden: Iterable[str] = (),
+    distributed: bool = False,
+    timeout: float = 60.0,
 ) -> Report:
     """Diagnose live training objects for mixed-precision faults.
 
@@ -59,6 +61,13 @@ def diagnose(
         Display names for ``objects``, keyed by ``id``.
     hidden : iterable of str
         Namespace names to skip (IPython's ``user_ns_hidden``).
+    distributed : bool
+        A collective: every rank of the default process group calls it; the ranks
+        exchange compact fingerprints and every rank's report says what they
+        disagree on (``report.ranks``). No-op outside a process group.
+    timeout : float
+        Seconds to wait for the other ranks (``distributed=True``); ranks that do
+        not answer are named in an error finding, and the call returns.
 
     Returns
     -------
@@ -76,7 +85,9 @@ def diagnose(
         failure = _failure("discovery", exc)
     else:
         failure = None
-    report = diagnose_subjects(subjects, target=target, scan=scan, ignore=ignore, start=start)
+    report = diagnose_subjects(
+        subjects, target=target, scan=scan, ignore=ignore, start=start, distributed=distributed, timeout=timeout
+    )
     if failure is not None:
         report.findings.insert(0, redact_finding(failure))
     return report
@@ -88,6 +99,9 @@ def diagnose_subjects(
     scan: bool = False,
     ignore: Iterable[str] = (),
     start: float | None = None,
+    distributed: bool = False,
+    timeout: float = 60.0,
+    ranks_from: Any = None,
 ) -> Report:
     """Diagnose already-discovered subjects (what ``Report.refresh()`` calls)."""
     start = time.perf_counter() if start is None else start
@@ -97,6 +111,14 @@ def diagnose_subjects(
     facts, failures = _gather(subjects, target, live)
     if scan:
         facts = _with_scan(facts, subjects)
+    if distributed:
+        from .distributed import exchange
+
+        facts = exchange(facts, timeout=timeout)
+    elif ranks_from is not None:
+        from .distributed import reattach
+
+        facts = reattach(facts, ranks_from)
     hidden: dict[str, int] = {}
     try:
         findings = run_checks(facts, ignore=ignore, hidden=hidden)
@@ -120,6 +142,10 @@ def diagnose_subjects(
         plan=treatment,
         hidden=hidden,
     )
+    dist = getattr(facts, "distributed", None)
+    if dist is not None and dist.exchanged:
+        # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
+        report._rediagnose = lambda: diagnose_subjects(subjects, target=target, scan=scan, ignore=ignore, ranks_from=dist)
     for f in findings:
         for fx in f.fixes:
             fx.bind(live, report)

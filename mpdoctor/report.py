@@ -158,6 +158,24 @@ class Report:
 
         return scan_rows(self.facts)
 
+    @property
+    def ranks(self) -> list[dict]:
+        """One row per rank after ``diagnose(..., distributed=True)``: rank, digest, whether it agrees, absent.
+
+        Empty outside a cross-rank diagnosis. Rows of ranks that disagree carry their fingerprint.
+        """
+        dist = getattr(self.facts, "distributed", None)
+        if dist is None or not dist.exchanged:
+            return []
+        counts: dict[str, int] = {}
+        for r in dist.ranks:
+            counts[r.digest] = counts.get(r.digest, 0) + 1
+        common = max(counts, key=lambda d: (counts[d], -min(x.rank for x in dist.ranks if x.digest == d))) if counts else None
+        rows = [{"rank": r.rank, "digest": r.digest, "agrees": r.digest == common, "answered": True,
+                 "fingerprint": r.fingerprint} for r in dist.ranks]  # fmt: skip
+        rows += [{"rank": r, "digest": None, "agrees": False, "answered": False, "fingerprint": None} for r in dist.absent]
+        return sorted(rows, key=lambda row: row["rank"])
+
     # -- actions -----------------------------------------------------------------------
     def refresh(self) -> Report:
         """Diagnose the same live objects again (with the same target, scan and ignore list)."""
@@ -197,10 +215,14 @@ class Report:
                 "subject": f.subject,
                 "message": f.message,
                 "fixes": "; ".join(x.title for x in f.fixes),
+                "ranks": ",".join(str(r) for r in f.evidence.get("ranks", ())) if isinstance(f.evidence, dict) else "",
             }
             for f in self.findings
         ]
-        return pd.DataFrame(rows, columns=["severity", "check", "subject", "message", "fixes"])
+        columns = ["severity", "check", "subject", "message", "fixes"]
+        if self.ranks:  # a cross-rank report: which ranks each finding concerns
+            columns.append("ranks")
+        return pd.DataFrame(rows, columns=columns)
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict of the whole report."""

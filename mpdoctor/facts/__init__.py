@@ -120,6 +120,8 @@ class Facts:
     probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
     #: mpdoctor.facts.lightning.LightningPrecisionFacts, one per Lightning Trainer / Fabric
     lightning: tuple = ()
+    #: mpdoctor.facts.distributed.DistributedFacts: process group, FSDP units, launcher state, other ranks.
+    distributed: Any = None
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -269,7 +271,15 @@ def gather(
     except Exception as exc:
         extra = {}
         errors.append(("setup", _summarise(exc)))
+    try:
+        from .distributed import gather_distributed
+
+        distributed = gather_distributed(subjects, models)
+    except Exception as exc:
+        distributed = None
+        errors.append(("distributed", _summarise(exc)))
     return Facts(
+        distributed=distributed,
         subjects=tuple(plain),
         models=tuple(models),
         optimizers=tuple(optimizers),

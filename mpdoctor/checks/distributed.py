@@ -1,0 +1,377 @@
+"""Checks on distributed training: FSDP units, reduce dtypes, launches, and what the ranks disagree on."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..changes import CastParamsTo, torch_dtype
+from ..facts import Facts, ModelFacts
+from ..facts.tensors import FLOATING
+from ..findings import Finding
+from ..fixes import Applicability, Fix
+from . import check
+
+HALF = ("float16", "bfloat16")
+
+
+def _widens(src: str, dst: str) -> bool:
+    return torch_dtype(dst).itemsize >= torch_dtype(src).itemsize and not {src, dst} == set(HALF)
+
+
+def _optimizer_refs(facts: Facts, m: ModelFacts) -> tuple[int, ...]:
+    return tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m) if facts.subject(o.name) is not None)
+
+
+def _cast_fix(facts: Facts, m: ModelFacts, dtype: str, recipe: str, why: str) -> Fix | None:
+    params = [p for p in m.tensors.params if p.dtype in FLOATING and p.dtype != dtype]
+    if not params:
+        return None
+    safe = all(_widens(p.dtype, dtype) for p in params)
+    code = (
+        f"for p in {m.name}.parameters():  # {why}\n"
+        f"    if p.is_floating_point() and p.dtype != torch.{dtype}:\n"
+        f"        p.data = p.data.to(torch.{dtype})"
+    )
+    spec = CastParamsTo(m.ref, frozenset(p.id for p in params), dtype, _optimizer_refs(facts, m), f"parameters of {m.name}")
+    return Fix(f"Cast {len(params)} parameters of {m.name} to {dtype}", code, safe, changes=(spec,),
+               backup_bytes=spec.backup_bytes(facts), recipe=recipe)  # fmt: skip
+
+
+def _float_dtypes(m: ModelFacts) -> dict[str, int]:
+    return {d: n for d, n in m.tensors.param_dtype_counts().items() if d in FLOATING}
+
+
+@check("fsdp-mixed-dtype-unit", "error")
+def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
+    """An FSDP unit, or a model an FSDP wrap is planned for, holds parameters of more than one dtype.
+
+    What it detects
+        An FSDP2 ``fully_shard``-ed module whose parameters have different original
+        dtypes (the wrap succeeded; the first forward has not run), or a plain model with
+        mixed floating parameter dtypes while a Trainer's ``fsdp`` arguments or an
+        Accelerator's FSDP plugin are set to wrap it.
+    Why it matters
+        FSDP flattens (FSDP1) or all-gathers (FSDP2) a unit's parameters as one buffer of
+        one dtype. FSDP1 raises ``ValueError: Must flatten tensors with uniform dtype but
+        got ...`` when it wraps; FSDP2 raises ``AssertionError: FSDP expects uniform
+        original parameter dtype but got {...}`` at the first forward, on every rank.
+    Severity
+        error: the run cannot start.
+    Fix
+        Cast the model's parameters to one dtype (fp32 master weights; the FSDP mixed
+        precision policy gives the 16-bit compute) before wrapping. An FSDP2 unit already
+        sharded cannot be cast in place: rebuild it from a uniformly-typed model.
+    Source
+        torch ``distributed/fsdp/_flat_param.py`` (``_validate_tensors_to_flatten``) and
+        ``_fully_shard/_fsdp_param.py`` (``init_dtype_attrs``), reproduced on torch 2.13.
+    """
+    dist = facts.distributed
+    if dist is None:
+        return
+    for u in dist.fsdp_units:
+        if len(u.dtypes) < 2:
+            continue
+        listed = ", ".join(f"{n} ({d})" for d, n in u.examples[:6])
+        code = (
+            f"# before fully_shard / FSDP(...): one dtype per unit (fp32 master weights)\n"
+            f"model = model.float()  # or cast the odd layers: {listed}\n"
+            f"fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))"
+        )
+        yield Finding(
+            "fsdp-mixed-dtype-unit",
+            "error",
+            f"{u.model}{'.' + u.path if u.path else ''}",
+            f"FSDP unit {u.path or '<root>'} of {u.model} holds parameters of {' and '.join(u.dtypes)} ({listed}): "
+            f"its first forward will raise 'FSDP expects uniform original parameter dtype' on every rank.",
+            {"unit": u.path, "version": u.version, "dtypes": list(u.dtypes), "examples": [list(e) for e in u.examples]},
+            [Fix("Cast the model to one dtype before sharding it", code, False, applicability=Applicability.DISPLAY_ONLY,
+                 recipe="fsdp-uniform-dtype")],  # fmt: skip
+        )
+    if not dist.planned_wraps:
+        return
+    wrapped = {u.model for u in dist.fsdp_units}
+    owners = ", ".join(p.owner for p in dist.planned_wraps)
+    for m in facts.models:
+        counts = _float_dtypes(m)
+        if m.name in wrapped or len(counts) < 2:
+            continue
+        widest = max(counts, key=lambda d: (torch_dtype(d).itemsize, counts[d]))
+        fix = _cast_fix(facts, m, widest, "fsdp-uniform-dtype", "FSDP needs one dtype per unit")
+        yield Finding(
+            "fsdp-mixed-dtype-unit",
+            "error",
+            m.name,
+            f"{owners} will wrap {m.name} with FSDP, but its parameters are {' and '.join(sorted(counts))}: the wrap "
+            f"(FSDP1: 'Must flatten tensors with uniform dtype') or the first forward (FSDP2) will fail on every rank.",
+            {"dtypes": sorted(counts), "planned_by": [p.owner for p in dist.planned_wraps],
+             "elements": counts},  # fmt: skip
+            [fix] if fix is not None else [],
+        )
+
+
+@check("fsdp-reduce-in-half", "info")
+def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
+    """FSDP reduces gradients across ranks in a 16-bit format.
+
+    What it detects
+        FSDP units whose reduce dtype is fp16 or bf16 (FSDP1 ``MixedPrecision.reduce_dtype``;
+        FSDP2 ``MixedPrecisionPolicy.reduce_dtype``, which defaults to ``param_dtype``).
+    Why it matters
+        The gradient sum over N ranks is rounded to 8 (bf16) or 11 (fp16) mantissa bits; with
+        many ranks small contributions are lost. fp32 reduction doubles the gradient traffic
+        of a step. Many recipes accept this trade, so it is reported, not blamed.
+    Severity
+        info: a deliberate speed / precision trade, harmless at small world sizes.
+    Fix
+        ``reduce_dtype=torch.float32`` in the policy when accuracy matters more than bandwidth.
+    Source
+        torch FSDP docs (``MixedPrecision``, ``MixedPrecisionPolicy``).
+    """
+    dist = facts.distributed
+    if dist is None:
+        return
+    per_model: dict[str, list] = {}
+    for u in dist.fsdp_units:
+        reduce = u.reduce_dtype or (u.param_dtype if u.version == "fsdp2" else None)
+        if reduce in HALF:
+            per_model.setdefault(u.model, []).append((u, reduce))
+    for model, units in per_model.items():
+        elements = sum(u.params for u, _ in units)
+        reduce = units[0][1]
+        extra = elements * 2
+        code = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP2\n" \
+               "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP1"  # fmt: skip
+        yield Finding(
+            "fsdp-reduce-in-half",
+            "info",
+            model,
+            f"{len(units)} FSDP unit(s) of {model} reduce gradients in {reduce} across {dist.world_size} ranks; fp32 "
+            f"reduction costs {extra / 2**20:.2f} MiB more traffic per rank and step (2x).",
+            {"units": [u.path for u, _ in units], "reduce_dtype": reduce, "world_size": dist.world_size,
+             "fp32_extra_bytes": extra},  # fmt: skip
+            [Fix("Reduce gradients in fp32", code, False, applicability=Applicability.DISPLAY_ONLY, recipe="fsdp-fp32-reduce",
+                 cost="2x gradient communication")],  # fmt: skip
+        )
+
+
+@check("launch-world-of-one", "error")
+def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
+    """A process launched as one of several trains alone.
+
+    What it detects
+        The launcher set ``WORLD_SIZE`` > 1, but this process has no process group of
+        that size and its Accelerator says one process (``DistributedType.NO``).
+    Why it matters
+        Each process trains its own copy of the model on its own data: N independent
+        trainings, no gradient averaging, N times the work, silently. ``notebook_launcher``
+        on a CPU without ``Accelerator(cpu=True)`` does exactly this.
+    Severity
+        error: the run silently is not the distributed training that was launched.
+    Fix
+        Create the Accelerator with ``cpu=True`` inside the launched function on a CPU
+        (or initialise the process group: ``torch.distributed.init_process_group``).
+    Source
+        accelerate ``launchers.py`` and ``state.py`` (``PartialState.__init__``), reproduced with accelerate 1.15.
+    """
+    dist = facts.distributed
+    if dist is None or not dist.env_world_size or dist.env_world_size < 2 or dist.world_size > 1:
+        return
+    accs = [a for a in dist.accelerators if a.num_processes == 1]
+    if not accs and not facts.models:
+        return
+    who = ", ".join(f"{a.name} ({a.distributed_type}, num_processes={a.num_processes})" for a in accs) or "torch.distributed (no process group)"
+    code = (
+        "def train():\n"
+        "    accelerator = Accelerator(cpu=True, mixed_precision=\"bf16\")  # inside the launched function\n"
+        "    ...\n"
+        f"notebook_launcher(train, num_processes={dist.env_world_size})"
+    )
+    yield Finding(
+        "launch-world-of-one",
+        "error",
+        accs[0].name if accs else "process group",
+        f"This process was launched as rank {dist.env_rank} of {dist.env_world_size}, but {who} sees a world of one: "
+        f"the {dist.env_world_size} processes train {dist.env_world_size} independent copies.",
+        {"env_world_size": dist.env_world_size, "env_rank": dist.env_rank, "world_size": dist.world_size,
+         "accelerators": [a.name for a in accs]},  # fmt: skip
+        [Fix("Create the Accelerator with cpu=True inside the launched function", code, False,
+             applicability=Applicability.DISPLAY_ONLY, recipe="accelerator-cpu")],  # fmt: skip
+    )
+
+
+@check("launcher-initialized-early", "error")
+def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
+    """An Accelerator or a CUDA device was initialised in the notebook before ``notebook_launcher``.
+
+    What it detects
+        In a process that imported ``accelerate``'s launchers and is not itself a launched
+        worker: accelerate's shared ``AcceleratorState`` is already filled, or CUDA is
+        initialised.
+    Why it matters
+        ``notebook_launcher`` refuses to start ("the `Accelerator` should only be initialized
+        inside your training function") and forked workers cannot re-initialise CUDA
+        ("Cannot re-initialize CUDA in forked subprocess"); the kernel must be restarted.
+    Severity
+        error: the launch will fail.
+    Fix
+        Create the Accelerator and touch CUDA only inside the launched function; to recover
+        without a restart, ``AcceleratorState._reset_state(True)`` clears accelerate's state
+        (CUDA cannot be un-initialised: restart the kernel).
+    Source
+        accelerate ``launchers.py`` (``notebook_launcher``).
+    """
+    dist = facts.distributed
+    if dist is None or not dist.launcher_imported or dist.distributed or dist.env_world_size:
+        return
+    if dist.accelerator_state_initialized:
+        code = (
+            "from accelerate.state import AcceleratorState\n"
+            "AcceleratorState._reset_state(True)  # or restart the kernel\n"
+            "# and create the Accelerator only inside the function given to notebook_launcher"
+        )
+        yield Finding(
+            "launcher-initialized-early",
+            "error",
+            "AcceleratorState",
+            "An Accelerator was created in this kernel: notebook_launcher will refuse to start ('the `Accelerator` "
+            "should only be initialized inside your training function').",
+            {"accelerator_state_initialized": True},
+            [Fix("Reset accelerate's state and create the Accelerator inside the function", code, False,
+                 applicability=Applicability.DISPLAY_ONLY, recipe="launcher-reset-state")],  # fmt: skip
+        )
+    if dist.cuda_initialized:
+        yield Finding(
+            "launcher-initialized-early",
+            "error",
+            "torch.cuda",
+            "CUDA is initialised in this kernel: notebook_launcher's forked workers will fail with 'Cannot re-initialize "
+            "CUDA in forked subprocess'.",
+            {"cuda_initialized": True},
+            [Fix("Restart the kernel and touch CUDA only inside the launched function", "# restart the kernel", False,
+                 applicability=Applicability.DISPLAY_ONLY, recipe="launcher-restart")],  # fmt: skip
+        )
+
+
+#: Fingerprint keys, the severity of a disagreement on them, and why it matters.
+_KEYS = {
+    "params": ("error", "DDP's start-up broadcast overwrites the other ranks' weights with these bytes and its "
+                        "gradient all-reduce then aborts or sums garbage"),
+    "fsdp": ("error", "FSDP all-gathers and reduces the units as if every rank held the same layout"),
+    "precision": ("error", "the ranks compute in different precisions while their gradients are averaged"),
+    "scalers": ("error", "only some ranks scale the loss: the averaged gradients mix scaled and unscaled values"),
+    "autocast": ("error", "the ranks compute in different precisions while their gradients are averaged"),
+    "env": ("warning", "the precision environment differs, so later objects will differ too"),
+    "device": ("warning", "the ranks run on different devices; the slowest sets the pace and dtypes may not match"),
+    "versions": ("warning", "different library versions may take different precision paths"),
+}
+
+
+def _reference(rows: tuple) -> str:
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.digest] = counts.get(r.digest, 0) + 1
+    return max(counts, key=lambda d: (counts[d], -min(r.rank for r in rows if r.digest == d)))
+
+
+@check("ranks-disagree", "error")
+def ranks_disagree(facts: Facts) -> Iterator[Finding]:
+    """The ranks of one job disagree on dtypes, precision, scaler, autocast, environment or versions.
+
+    What it detects
+        After ``diagnose(..., distributed=True)``: ranks whose fingerprint differs from the
+        majority's, per topic (parameter dtypes, FSDP units, precision setups, scalers,
+        autocast, precision environment, device, versions), naming the odd ranks.
+    Why it matters
+        Under DDP, ranks holding different dtypes do not fail at construction: the start-up
+        broadcast silently overwrites one rank's weights with the other's bytes, the first
+        gradient all-reduce aborts gloo ("Received data size doesn't match expected size"),
+        and fp16 against bf16 (same width) averages to garbage without any error.
+    Severity
+        error for dtypes, precision, scaler and autocast (the run is ruined); warning for the
+        environment, device and versions.
+    Fix
+        On the odd ranks, cast the parameters to the majority's dtype (offered in place on
+        those ranks); make every rank build its objects from the same code and arguments.
+    Source
+        torch ``nn/parallel/distributed.py`` (``_sync_module_states``); reproduced on 2 gloo
+        processes (tests/distributed).
+    """
+    dist = facts.distributed
+    if dist is None or not dist.exchanged or len({r.digest for r in dist.ranks}) < 2:
+        return
+    ref = _reference(dist.ranks)
+    ref_fp = next((r.fingerprint for r in dist.ranks if r.digest == ref and r.fingerprint is not None), None)
+    groups: dict[str, list[int]] = {}
+    fps: dict[str, dict | None] = {}
+    for r in dist.ranks:
+        if r.digest != ref:
+            groups.setdefault(r.digest, []).append(r.rank)
+            fps.setdefault(r.digest, r.fingerprint)
+    for key, (severity, why) in _KEYS.items():
+        odd = sorted(r for d, ranks in groups.items() for r in ranks if (fps[d] or {}).get(key) != (ref_fp or {}).get(key))
+        if not odd or ref_fp is None:
+            continue
+        values = {"majority": ref_fp.get(key)}
+        for d, ranks in groups.items():
+            if (fps[d] or {}).get(key) != ref_fp.get(key):
+                values[f"rank {ranks[0]}"] = (fps[d] or {}).get(key)
+        fixes = []
+        if key == "params" and dist.rank in odd:
+            for m in facts.models:
+                want = ref_fp["params"].get(m.name) or {}
+                if len(want) == 1:
+                    fix = _cast_fix(facts, m, next(iter(want)), "match-other-ranks", "as on the other ranks")
+                    if fix is not None:
+                        fixes.append(fix)
+        names = ", ".join(str(r) for r in odd)
+        yield Finding(
+            "ranks-disagree",
+            severity,
+            f"ranks {names}" if len(odd) > 1 else f"rank {names}",
+            f"Rank{'s' if len(odd) > 1 else ''} {names} of {dist.world_size} disagree{'' if len(odd) > 1 else 's'} with "
+            f"the others on {key}: {why}.",
+            {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size},
+            fixes,
+        )
+
+
+@check("rank-did-not-answer", "error")
+def rank_did_not_answer(facts: Facts) -> Iterator[Finding]:
+    """Ranks of the process group did not join the cross-rank diagnosis within its timeout.
+
+    What it detects
+        ``diagnose(..., distributed=True, timeout=...)`` on some ranks while other ranks
+        never called it in time (crashed, hung, or running different code), or an exchange
+        that could not run at all.
+    Why it matters
+        A rank that is not where the others are will hang the next collective of the
+        training (30 minutes by default, then an abort without a cause).
+    Severity
+        error: the job is already diverged or dead on those ranks.
+    Fix
+        Look at the named ranks' logs; make sure every rank runs the same code path and
+        calls ``diagnose(..., distributed=True)``.
+    Source
+        torch.distributed store semantics; mpdoctor's cross-rank exchange.
+    """
+    dist = facts.distributed
+    if dist is None:
+        return
+    if dist.absent:
+        names = ", ".join(str(r) for r in dist.absent)
+        yield Finding(
+            "rank-did-not-answer",
+            "error",
+            "process group",
+            f"Rank{'s' if len(dist.absent) > 1 else ''} {names} of {dist.world_size} did not answer within "
+            f"{dist.timeout:g} s: the report compares only the ranks that did.",
+            {"ranks": list(dist.absent), "timeout": dist.timeout, "world_size": dist.world_size},
+        )
+    elif dist.exchange_error:
+        yield Finding(
+            "rank-did-not-answer",
+            "warning",
+            "process group",
+            f"The cross-rank exchange could not run ({dist.exchange_error}); this report covers this rank only.",
+            {"ranks": [], "detail": dist.exchange_error},
+        )

@@ -1,0 +1,160 @@
+"""Functions run on each rank of the real gloo jobs in this folder (importable by spawned children)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def tiny(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _summary(report) -> dict:
+    return {
+        "slugs": sorted({f.check for f in report.findings}),
+        "severities": {f.check: f.severity for f in report.findings},
+        "ranks_of": {f.check: f.evidence.get("ranks") for f in report.findings if "ranks" in f.evidence},
+        "table": [{k: r[k] for k in ("rank", "agrees", "answered")} for r in report.ranks],
+        "ops": report.facts.distributed.extra.get("exchange_ops"),
+        "bytes": report.facts.distributed.extra.get("exchange_bytes"),
+    }
+
+
+def odd_rank_dtype(rank: int, world: int) -> dict:
+    """The last rank holds bf16 weights: caught before DDP, fixed in place on that rank, then DDP trains."""
+    import mpdoctor
+
+    model = tiny()
+    if rank == world - 1:
+        model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    before = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names={id(model): "model", id(opt): "opt"})
+    out = {"before": _summary(before), "frame_has_ranks": "ranks" in before.to_frame().columns}
+    applied = before.apply_safe_fixes()
+    out["applied"] = [fx.title for fx in applied]
+    after = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names={id(model): "model", id(opt): "opt"})
+    out["after"] = _summary(after)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    loss = ddp(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    out["loss_finite"] = bool(torch.isfinite(loss))
+    return out
+
+
+def identical(rank: int, world: int) -> dict:
+    import mpdoctor
+
+    model = tiny()
+    report = mpdoctor.diagnose(model, distributed=True, timeout=30, names={id(model): "model"})
+    return _summary(report)
+
+
+def absent_rank(rank: int, world: int) -> dict:
+    """Rank 1 never joins the diagnosis; rank 0 must come back within its timeout."""
+    import mpdoctor
+
+    if rank == 1:
+        time.sleep(6)
+        return {}
+    model = tiny()
+    start = time.monotonic()
+    report = mpdoctor.diagnose(model, distributed=True, timeout=2, names={id(model): "model"})
+    return {**_summary(report), "waited": time.monotonic() - start}
+
+
+def ddp_fp16_vs_bf16(rank: int, world: int) -> dict:
+    """The real harm: fp16 on rank 0, bf16 on rank 1; DDP's start-up broadcast overwrites rank 1 silently."""
+    model = tiny().to(torch.float16 if rank == 0 else torch.bfloat16)
+    original = [p.detach().float().clone() for p in model.parameters()]
+    torch.nn.parallel.DistributedDataParallel(model)
+    drift = max((p.detach().float() - o).abs().max().item() for p, o in zip(model.parameters(), original))
+    return {"drift": drift, "dtype": str(next(model.parameters()).dtype)}
+
+
+def fsdp2_mixed_unit(rank: int, world: int) -> dict:
+    """FSDP2 shards a unit of mixed dtypes; the diagnosis names it before the first forward raises."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import mpdoctor
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = tiny()
+    model[2].to(torch.bfloat16)
+    fully_shard(model, mesh=mesh)
+    report = mpdoctor.diagnose(model, distributed=True, timeout=30, names={id(model): "model"})
+    out = {"report": _summary(report)}
+    try:
+        model(torch.randn(4, 8))
+        out["error"] = None
+    except AssertionError as exc:
+        out["error"] = str(exc)
+    # The fix: one dtype per unit before sharding; bf16 compute comes from the policy.
+    fixed = tiny()
+    fully_shard(fixed, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    healthy = mpdoctor.diagnose(fixed, distributed=True, timeout=30, names={id(fixed): "model"})
+    out["healthy"] = _summary(healthy)
+    opt = torch.optim.AdamW(fixed.parameters())
+    loss = fixed(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    out["loss_finite"] = bool(torch.isfinite(loss))
+    half = tiny()
+    fully_shard(half, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    out["half_reduce"] = _summary(mpdoctor.diagnose(half, names={id(half): "model"}))
+    return out
+
+
+def fsdp1_units(rank: int, world: int) -> dict:
+    """FSDP1: the real wrap error on a mixed model; the facts of a healthy wrap (policy read from _handle)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+
+    import mpdoctor
+
+    out = {}
+    bad = tiny()
+    bad[2].to(torch.bfloat16)
+    try:
+        FSDP(bad, device_id=torch.device("cpu"), use_orig_params=True)
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    fm = FSDP(tiny(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+              device_id=torch.device("cpu"), use_orig_params=True)  # fmt: skip
+    report = mpdoctor.diagnose(fm, names={id(fm): "fm"})
+    out["report"] = _summary(report)
+    out["units"] = [[u.version, list(u.dtypes), u.param_dtype, u.reduce_dtype] for u in report.facts.distributed.fsdp_units]
+    return out
+
+
+def accelerate_fsdp_plan(rank: int, world: int) -> dict:
+    """A plain mixed-dtype model that an Accelerator with an FSDP plugin is about to wrap."""
+    import os
+
+    from accelerate import Accelerator
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    import mpdoctor
+
+    os.environ["ACCELERATE_USE_CPU"] = "true"
+    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    model = tiny()
+    model[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    names = {id(model): "model", id(acc): "accelerator", id(opt): "opt"}
+    report = mpdoctor.diagnose(model, opt, acc, distributed=True, timeout=30, names=names)
+    out = {"report": _summary(report), "type": str(acc.distributed_type), "n": acc.num_processes, "backend": acc.state.backend}
+    try:
+        pm, po = acc.prepare(model, opt)
+        pm(torch.randn(4, 8))
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    fixed = mpdoctor.diagnose(model, opt, acc, names=names)
+    out["applied"] = [fx.title for fx in fixed.apply_safe_fixes()]
+    return out

@@ -1,0 +1,79 @@
+"""Real gloo jobs on this CPU: the cross-rank report, FSDP1/FSDP2 units, and the harm it prevents.
+
+Each job is bounded by a timeout (``run_ranks``); workers live in ``dist_workers.py``.
+"""
+
+from __future__ import annotations
+
+import dist_workers as w
+import pytest
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def _ok(results: dict, world: int) -> dict:
+    assert sorted(results) == list(range(world)), results
+    for rank, (status, value) in results.items():
+        assert status == "ok", f"rank {rank}: {value}"
+    return {r: v for r, (_s, v) in results.items()}
+
+
+def test_ddp_ranks_with_different_dtypes_corrupt_weights_silently():
+    """The harm first: fp16 on rank 0, bf16 on rank 1; DDP's constructor does not fail, it overwrites rank 1."""
+    out = _ok(run_ranks(w.ddp_fp16_vs_bf16, world=2, timeout=120), 2)
+    assert out[0]["drift"] == 0.0
+    assert out[1]["drift"] > 0.0  # rank 1's bf16 weights now hold rank 0's fp16 bytes
+
+
+def test_odd_rank_dtype_is_named_on_every_rank_and_fixed_in_place_before_ddp():
+    out = _ok(run_ranks(w.odd_rank_dtype, world=2, timeout=150), 2)
+    for rank in (0, 1):
+        before = out[rank]["before"]
+        assert before["severities"]["ranks-disagree"] == "error"
+        assert before["ranks_of"]["ranks-disagree"] == [1]
+        assert [r["agrees"] for r in before["table"]] == [True, False]
+        assert out[rank]["frame_has_ranks"]
+        assert "ranks-disagree" not in out[rank]["after"]["slugs"]
+        assert out[rank]["loss_finite"]
+    assert out[1]["applied"] and out[0]["applied"] == []
+
+
+def test_identical_ranks_stay_quiet_and_the_exchange_is_small():
+    out = _ok(run_ranks(w.identical, world=2, timeout=120), 2)
+    for rank in (0, 1):
+        assert out[rank]["slugs"] == []
+        assert all(r["agrees"] and r["answered"] for r in out[rank]["table"])
+        assert out[rank]["bytes"] < 1024  # a digest, counters and one reference fingerprint
+
+
+def test_an_absent_rank_is_named_within_the_timeout():
+    out = _ok(run_ranks(w.absent_rank, world=2, timeout=120), 2)
+    assert out[0]["severities"]["rank-did-not-answer"] == "error"
+    assert out[0]["ranks_of"]["rank-did-not-answer"] == [1]
+    assert [r["answered"] for r in out[0]["table"]] == [True, False]
+
+
+def test_fsdp2_mixed_unit_is_caught_before_the_first_forward_raises():
+    out = _ok(run_ranks(w.fsdp2_mixed_unit, world=2, timeout=150), 2)
+    for rank in (0, 1):
+        assert out[rank]["report"]["severities"]["fsdp-mixed-dtype-unit"] == "error"
+        assert "FSDP expects uniform original parameter dtype" in out[rank]["error"]
+        assert out[rank]["healthy"]["slugs"] == []  # fp32 units + bf16 policy + fp32 reduce: the healthy recipe
+        assert out[rank]["loss_finite"]
+        assert out[rank]["half_reduce"]["severities"] == {"fsdp-reduce-in-half": "info"}
+
+
+def test_fsdp1_wrap_error_and_policy_read_from_the_handle():
+    out = _ok(run_ranks(w.fsdp1_units, world=2, timeout=150), 2)
+    for rank in (0, 1):
+        assert "Must flatten tensors with uniform dtype" in out[rank]["error"]
+        assert out[rank]["units"] == [["fsdp1", ["float32"], "bfloat16", "bfloat16"]]
+        assert out[rank]["report"]["severities"] == {"fsdp-reduce-in-half": "info"}
+
+
+def test_four_ranks_one_odd():
+    out = _ok(run_ranks(w.odd_rank_dtype, world=4, timeout=240), 4)
+    for rank in range(4):
+        assert out[rank]["before"]["ranks_of"]["ranks-disagree"] == [3]
+        assert out[rank]["after"]["slugs"] == [] or "ranks-disagree" not in out[rank]["after"]["slugs"]
