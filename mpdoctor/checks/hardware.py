@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo, DType, SetAttrTo
+from ..changes import CastParamsTo, DType, SetAttrTo, SetComputeDtype
 from ..facts import Facts, ModelFacts, PrecisionFacts
 from ..facts.configs import ConfigFacts
 from ..findings import Finding
@@ -291,10 +291,10 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
         for c in cfgs:
             if c.quant_ref:
                 specs.append(
-                    SetAttrTo(c.quant_ref, "bnb_4bit_compute_dtype", DType(half), f"{c.path}.quantization_config.bnb_4bit_compute_dtype")
+                    SetComputeDtype(c.quant_ref, "bnb_4bit_compute_dtype", DType(half), f"{c.path}.quantization_config.bnb_4bit_compute_dtype")
                 )
         specs += [
-            SetAttrTo(m.ref, "compute_dtype", DType(half), f"{layer.path}.compute_dtype", submodule=layer.path)
+            SetComputeDtype(m.ref, "compute_dtype", DType(half), f"{layer.path}.compute_dtype", submodule=layer.path)
             for layer in slow
         ]
         code = "\n".join(
