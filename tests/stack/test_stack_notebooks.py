@@ -12,8 +12,14 @@ import sys
 
 import nbformat
 import pytest
-
-from test_notebooks import NOTEBOOK_BUDGET, check_lessons, is_stack_notebook, missing_requirements, notebook_paths, run_notebook
+from test_notebooks import (
+    NOTEBOOK_BUDGET,
+    check_lessons,
+    is_stack_notebook,
+    missing_requirements,
+    notebook_paths,
+    run_notebook,
+)
 
 STACK_NOTEBOOKS = [p for p in notebook_paths() if is_stack_notebook(p)]
 
