@@ -93,3 +93,9 @@ def test_vae_upcast_and_pipeline_cast_are_exactly_undoable():
 def test_the_static_vae_finding_is_info_and_a_force_upcast_vae_draws_none():
     assert "vae-fp16-overflow" not in {f.check for f in mpdoctor.diagnose(tiny_vae(True).half()).findings}
     assert {f.check: f.severity for f in mpdoctor.diagnose(tiny_vae(False).half()).findings}["vae-fp16-overflow"] == "info"
+
+
+def test_the_stack_integrations_are_registered_after_the_core_ones():
+    names = [i.name for i in mpdoctor.integrations.registry()]
+    assert {"diffusers", "bitsandbytes", "torchao"} <= set(names[4:])
+    assert "pipeline" in mpdoctor.integrations.KINDS
