@@ -44,8 +44,8 @@ class Captured(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def lora_step(model, ids) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+def lora_step(model, ids, opt=None) -> None:
+    opt = opt or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -108,8 +108,9 @@ def test_healthy_qlora_bf16_compute_draws_no_warning(tmp_path):
     model = load_4bit(tmp_path, torch.bfloat16, torch.bfloat16)
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    lora_step(model, torch.randint(0, 64, (1, 8)))
-    report = mpdoctor.diagnose(model, names={id(model): "model"})
+    opt = bnb.optim.AdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-3)  # QLoRA's 8-bit optimizer
+    lora_step(model, torch.randint(0, 64, (1, 8)), opt)
+    report = mpdoctor.diagnose(model, opt, names={id(model): "model", id(opt): "optimizer"})
     assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
 
 
