@@ -458,3 +458,30 @@ class SetMatmulPrecision(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {("torch", "float32_matmul_precision"): self.value}
+
+
+@dataclass(frozen=True)
+class SetComputeDtype(SetAttrTo):
+    """``SetAttrTo`` for a quantized layer's ``compute_dtype`` or a quantization config's ``bnb_4bit_compute_dtype``.
+
+    Binds like ``SetAttrTo``; its simulation updates the facts that say what the layers compute in (the
+    bitsandbytes layer facts, the config's ``bnb_compute_dtype``), so the planner sees the fix take.
+    """
+
+    def simulate(self, facts: Facts) -> Facts:
+        name = self.value.name if isinstance(self.value, DType) else str(self.value)
+        models = []
+        for m in facts.models:
+            if self.submodule is not None and m.ref == self.ref and self.attr == "compute_dtype":
+                layers = tuple(
+                    dataclasses.replace(x, compute_dtype=name, compute_dtype_set=True) if x.path == self.submodule else x
+                    for x in m.low_bit_layers
+                )
+                m = dataclasses.replace(m, low_bit_layers=layers)
+            elif self.attr == "bnb_4bit_compute_dtype" and any(c.quant_ref == self.ref for c in m.configs):
+                configs = tuple(
+                    dataclasses.replace(c, bnb_compute_dtype=name) if c.quant_ref == self.ref else c for c in m.configs
+                )
+                m = dataclasses.replace(m, configs=configs)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))

@@ -37,6 +37,17 @@ def notebook_paths() -> list[Path]:
     return sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
+def is_stack_notebook(path: Path) -> bool:
+    """Notebooks marked ``mpdoctor.stack: true`` need the training stack (bitsandbytes, diffusers, ...):
+    ``tests/stack/test_stack_notebooks.py`` executes them in the main venv; the Colab venv has no stack."""
+    return bool(nbformat.read(path, as_version=4).metadata.get("mpdoctor", {}).get("stack", False))
+
+
+def core_notebook_paths() -> list[Path]:
+    """The notebooks both venvs execute."""
+    return [p for p in notebook_paths() if not is_stack_notebook(p)]
+
+
 def write_kernelspec(directory: Path, python: str, name: str = "mpdoctor-under-test") -> tuple[str, Path]:
     """Write a kernelspec that launches ``python`` (absolute path) and return (name, kernels dir)."""
     kernels = directory / "kernels"
@@ -179,7 +190,7 @@ def test_each_notebook_opens_with_a_colab_badge_a_binder_link_and_a_guarded_inst
 # -- execution ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", notebook_paths(), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", core_notebook_paths(), ids=lambda p: p.stem)
 def test_notebook_runs_top_to_bottom_and_its_claims_hold(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     missing = missing_requirements(nb)

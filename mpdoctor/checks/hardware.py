@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo, DType, SetAttrTo
+from ..changes import CastParamsTo, DType, SetAttrTo, SetComputeDtype
 from ..facts import Facts, ModelFacts, PrecisionFacts
 from ..facts.configs import ConfigFacts
 from ..findings import Finding, count
 from ..fixes import Fix
-from ..knowledge import FP16_OVERFLOW_MODEL_TYPES, LINEAR_4BIT_CLASSES
+from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
 from . import check
 from .precision import align_spec, declared_precision, native_amp_for
 
@@ -259,7 +259,8 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
 
     What it detects
         ``quantization_config`` with ``load_in_4bit=True`` and ``bnb_4bit_compute_dtype=torch.float32``
-        (the default) on a model whose unquantized weights are fp16/bf16, or that a setup runs under
+        (the default), or ``Linear4bit`` layers whose ``compute_dtype`` is fp32 (read by the bitsandbytes
+        integration, so hand-built 4-bit models count too), on a model whose unquantized weights are fp16/bf16, or that a setup runs under
         fp16/bf16 autocast.
     Why it matters
         Each ``Linear4bit`` casts its half-precision input to fp32, dequantizes to fp32 and multiplies in
@@ -279,7 +280,9 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
     """
     for m in facts.models:
         cfgs = [c for c in m.configs if _is_bnb(c.quant_method) and c.quant_4bit and c.bnb_compute_dtype == "float32"]
-        if not cfgs:
+        # The layers' own compute dtype (read by the bitsandbytes integration) is what the forward uses.
+        slow = [layer for layer in m.low_bit_layers if layer.bits == 4 and layer.compute_dtype == "float32"]
+        if not cfgs and not slow:
             continue
         half = _half_dtype(facts, m)
         if half is None:
@@ -288,12 +291,11 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
         for c in cfgs:
             if c.quant_ref:
                 specs.append(
-                    SetAttrTo(c.quant_ref, "bnb_4bit_compute_dtype", DType(half), f"{c.path}.quantization_config.bnb_4bit_compute_dtype")
+                    SetComputeDtype(c.quant_ref, "bnb_4bit_compute_dtype", DType(half), f"{c.path}.quantization_config.bnb_4bit_compute_dtype")
                 )
         specs += [
-            SetAttrTo(m.ref, "compute_dtype", DType(half), f"{path}.compute_dtype", submodule=path)
-            for path, cls in m.tensors.module_classes
-            if cls in LINEAR_4BIT_CLASSES
+            SetComputeDtype(m.ref, "compute_dtype", DType(half), f"{layer.path}.compute_dtype", submodule=layer.path)
+            for layer in slow
         ]
         code = "\n".join(
             ["import torch"]
@@ -305,13 +307,14 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
                 f"# when loading: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.{half})",
             ]
         )
+        where = cfgs[0].path + ".quantization_config.bnb_4bit_compute_dtype" if cfgs else f"{m.name}.{slow[0].path}.compute_dtype"
         yield Finding(
             "bnb-compute-dtype-fp32",
             "warning",
-            cfgs[0].path + ".quantization_config.bnb_4bit_compute_dtype",
-            f"{m.name} is 4-bit quantized with bnb_4bit_compute_dtype=float32 while it runs in {half}: every 4-bit "
-            "matmul upcasts to fp32 (slow, twice the activation memory).",
-            {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs]},
+            where,
+            f"{m.name} is 4-bit quantized with bnb_4bit_compute_dtype=float32"
+            + (f" on {len(slow)} Linear4bit layers" if slow else "")
+            + f" while it runs in {half}: every 4-bit matmul upcasts to fp32 (slow, twice the activation memory).",
+            {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs], "layers": len(slow)},
             [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, False, changes=tuple(specs), recipe="bnb-compute-dtype")],
         )
-

@@ -89,6 +89,14 @@ class ModelFacts:
     #: transformers' ``_keep_in_fp32_modules`` (and ``_strict``): module names its modeling code keeps
     #: in fp32 and casts around on purpose.
     keep_in_fp32: tuple[str, ...] = ()
+    #: The subject this model was reached through (``pipe`` for ``pipe.vae``), None for a top-level model.
+    owner: str | None = None
+    #: bitsandbytes quantized layers (:class:`~mpdoctor.facts.lowbit.LowBitLayer`), from the bitsandbytes integration.
+    low_bit_layers: tuple = ()
+    #: torchao float8 training layers (:class:`~mpdoctor.facts.lowbit.Float8Layer`), from the torchao integration.
+    float8_layers: tuple = ()
+    #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.lowbit.ComponentFacts`), or None.
+    component: object = None
 
     @property
     def model_type(self) -> str | None:
@@ -184,6 +192,7 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         tensors=gather_module_tensors(subject.name, obj, integrations.casting_layers()),
         ref=id(obj),
         inner_ref=id(inner),
+        owner=subject.owner,
         **fields,
     )
 

@@ -1,0 +1,167 @@
+"""Diffusion pipelines: a VAE decoding in fp16 past 65504, pipeline components whose dtypes meet without a cast."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..changes import CastParamsTo
+from ..facts import Facts, ModelFacts
+from ..findings import Finding
+from ..fixes import Applicability, Fix
+from . import check
+
+#: Component attributes of a pipeline that produce the conditioning the denoiser reads.
+_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+_DENOISERS = ("unet", "transformer", "prior", "decoder")
+
+
+def _fp16_ids(m: ModelFacts) -> frozenset[int]:
+    return frozenset(p.id for p in m.tensors.params if p.dtype == "float16")
+
+
+def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
+    ids = _fp16_ids(m)
+    spec = CastParamsTo(m.ref, ids, "float32", (), "fp16 VAE parameters")
+    mib = sum(p.numel for p in m.tensors.params if p.id in ids) * 2 / 2**20
+    return [
+        Fix(
+            f"Upcast {m.name} to fp32 (the VAE decodes in fp32; the denoiser stays fp16)",
+            f"{m.name}.to(torch.float32)  # pipelines cast the latents to the VAE's dtype before decoding",
+            False,
+            changes=(spec,),
+            backup_bytes=spec.backup_bytes(facts),
+            recipe="vae-fp32",
+            cost=f"+{mib:.1f} MiB of VAE weights",
+        ),
+        Fix(
+            f"Keep {m.name} in fp16 and let the pipeline upcast it to decode (force_upcast=True)",
+            f"{m.name}.register_to_config(force_upcast=True)  # SDXL / SD3 pipelines call upcast_vae() before decoding\n"
+            "# or load an fp16-safe VAE: AutoencoderKL.from_pretrained('madebyollin/sdxl-vae-fp16-fix', torch_dtype=torch.float16)",
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="vae-force-upcast",
+        ),
+    ]
+
+
+@check("vae-fp16-overflow", "error")
+def vae_fp16_overflow(facts: Facts) -> Iterator[Finding]:
+    """A diffusers VAE running in fp16 whose activations overflow (or would, with force_upcast off).
+
+    What it detects
+        A diffusers VAE (``AutoencoderKL`` ...) with fp16 weights. Error when a one-batch probe
+        (``mpdoctor.probe(pipe.vae, latents_or_images)``) saw its activations go inf/NaN in fp16; info
+        when it is fp16 with ``config.force_upcast=False`` and no probe has looked yet.
+    Why it matters
+        The Stable Diffusion and SDXL VAEs have activations past fp16's 65504 in their decoder: in fp16 they
+        become inf, the decoded image NaN, and the saved image black ("RuntimeWarning: invalid value
+        encountered in cast"). diffusers marks such VAEs ``force_upcast=True`` and its pipelines upcast them
+        to fp32 before decoding; a VAE loaded with ``force_upcast=False`` (or called directly) decodes in fp16.
+        fp16-fixed VAEs (``madebyollin/sdxl-vae-fp16-fix``) are safe in fp16, so the static case is only info.
+    Severity
+        Error when a probe saw the overflow (every image is black); info for the flag alone.
+    Fix
+        Upcast the VAE to fp32 in place (the denoiser stays fp16; pipelines cast latents to the VAE's dtype),
+        or keep it fp16 with ``force_upcast=True`` so the pipeline upcasts it to decode, or load an fp16-safe VAE.
+    Source
+        diffusers ``StableDiffusionXLPipeline.__call__`` ("make sure the VAE is in float32 mode, as it
+        overflows in float16"), ``AutoencoderKL(force_upcast=...)``; ComfyUI issue #1401; InstantID issue #261;
+        ComfyUI-MVAdapter issue #14.
+    """
+    probed: set[str] = set()
+    for p in facts.probes:
+        m = next((x for x in facts.models if x.name == p.model), None)
+        if m is None or m.component is None or not m.component.is_vae:
+            continue
+        fp16 = m.tensors.main_dtype == "float16" or p.autocast == "float16"
+        hit = p.first_nonfinite()
+        if not fp16 or hit is None:
+            continue
+        probed.add(m.name)
+        module, phase = hit
+        yield Finding(
+            "vae-fp16-overflow",
+            "error",
+            m.name,
+            f"{m.name} ({m.component.class_path.rsplit('.', 1)[-1]}) runs in fp16 and its activations overflow: "
+            f"{module.path or m.name} produced {module.out_nonfinite or module.grad_nonfinite:,} inf/NaN values in the "
+            f"{phase} (fp16 tops out at 65504), so decoded images are NaN (black). Upcast the VAE to fp32 to decode.",
+            {"module": module.path, "phase": phase, "force_upcast": m.component.flag("force_upcast"), "main_dtype": m.tensors.main_dtype},
+            _upcast_fixes(facts, m),
+        )
+    for m in facts.models:
+        c = m.component
+        if c is None or not c.is_vae or m.name in probed or m.tensors.main_dtype != "float16":
+            continue
+        if c.flag("force_upcast") is not False:
+            continue
+        yield Finding(
+            "vae-fp16-overflow",
+            "info",
+            m.name,
+            f"{m.name} is fp16 with force_upcast=False: pipelines decode with it in fp16. The Stable Diffusion / SDXL "
+            "VAEs overflow fp16 there (black images); an fp16-fixed VAE does not. mpdoctor.probe(...) on a batch of "
+            "latents tells which this is.",
+            {"force_upcast": False, "main_dtype": "float16"},
+            _upcast_fixes(facts, m),
+        )
+
+
+def _role(m: ModelFacts) -> str:
+    return m.name.rsplit(".", 1)[-1]
+
+
+@check("pipeline-component-dtypes", "error")
+def pipeline_component_dtypes(facts: Facts) -> Iterator[Finding]:
+    """A diffusion pipeline whose text encoder and denoiser hold different dtypes.
+
+    What it detects
+        In one ``DiffusionPipeline``, a text / image encoder whose weights are in another floating dtype than
+        the denoiser (``unet`` / ``transformer``) it conditions, e.g. after ``pipe.unet.half()`` alone.
+    Why it matters
+        Pipelines cast the prompt embeddings to the text encoder's dtype and prepare the latents in that dtype,
+        then call the denoiser with them and no autocast: the first convolution or matmul raises
+        ``Input type (float) and bias type (c10::Half) should be the same`` (or ``mat1 and mat2 must have the
+        same dtype``). A VAE in fp32 beside an fp16 denoiser is the opposite case and fine: the pipelines cast
+        the latents to the VAE's dtype (the ``force_upcast`` practice).
+    Severity
+        Error: the pipeline call raises at the first denoising step.
+    Fix
+        Cast the encoder to the denoiser's dtype in place (``pipe.text_encoder.to(torch.float16)``), or load
+        the whole pipeline with one ``torch_dtype``. Unsafe: it changes the encoder's precision.
+    Source
+        diffusers ``StableDiffusionPipeline.encode_prompt`` / ``prepare_latents``; sdnext issue #1431
+        ("Input type (c10::BFloat16) and bias type (c10::Half) should be the same").
+    """
+    owners = {s.name for s in facts.subjects if s.kind == "pipeline"}
+    for owner in sorted(owners):
+        parts = [m for m in facts.models if m.owner == owner]
+        denoiser = next((m for m in parts if _role(m) in _DENOISERS and m.tensors.main_dtype), None)
+        if denoiser is None:
+            continue
+        want = denoiser.tensors.main_dtype
+        for enc in parts:
+            have = enc.tensors.main_dtype
+            if _role(enc) not in _ENCODERS or have is None or have == want:
+                continue
+            ids = frozenset(p.id for p in enc.tensors.params if p.dtype == have)
+            spec = CastParamsTo(enc.ref, ids, want, (), f"{have} parameters of {enc.name}")
+            yield Finding(
+                "pipeline-component-dtypes",
+                "error",
+                enc.name,
+                f"{enc.name} is {have} while {denoiser.name} is {want}: {owner} prepares the prompt embeddings and "
+                f"latents in {have} and feeds them to the {want} denoiser without a cast, so the first denoising step "
+                "raises a dtype mismatch.",
+                {"encoder": enc.name, "encoder_dtype": have, "denoiser": denoiser.name, "denoiser_dtype": want},
+                [
+                    Fix(
+                        f"Cast {enc.name} to {want} (one dtype for the pipeline's encoder and denoiser)",
+                        f"{enc.name}.to(torch.{want})\n# or load the pipeline with one dtype: "
+                        f"DiffusionPipeline.from_pretrained(..., torch_dtype=torch.{want})",
+                        False,
+                        changes=(spec,),
+                        backup_bytes=spec.backup_bytes(facts),
+                        recipe="pipeline-one-dtype",
+                    )
+                ],
+            )

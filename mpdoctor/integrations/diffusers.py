@@ -1,0 +1,85 @@
+"""diffusers: a ``DiffusionPipeline`` is one patient whose parts are models.
+
+A pipeline brings its components (UNet or transformer, VAE, text encoders,
+ControlNet, ...) as child model subjects named ``pipe.unet``, ``pipe.vae``, ...
+Each diffusers model (``ModelMixin``) adds the precision flags of its config:
+``force_upcast`` on a VAE (the pipelines upcast an fp16 VAE to fp32 to decode
+when it is True), ``upcast_attention`` / ``upcast_softmax`` on UNets and
+attention blocks, and the class's ``_keep_in_fp32_modules``.
+
+The config is diffusers' ``FrozenDict`` (a ``dict`` subclass): it is read with
+``dict.get`` so no user hook runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..facts.lowbit import ComponentFacts
+from ..introspect import class_path, is_a, raw_attr
+from . import Integration
+
+PIPELINE = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
+MODEL_MIXIN = "diffusers.models.modeling_utils.ModelMixin"
+VAE_CLASSES = (
+    "diffusers.models.autoencoders.autoencoder_kl.AutoencoderKL",
+    "diffusers.models.autoencoders.autoencoder_tiny.AutoencoderTiny",
+    "diffusers.models.autoencoders.vae.VAE",
+)
+
+#: The attributes under which pipelines register their model components (``register_modules``).
+COMPONENTS = (
+    "unet",
+    "transformer",
+    "prior",
+    "decoder",
+    "controlnet",
+    "vae",
+    "movq",
+    "text_encoder",
+    "text_encoder_2",
+    "text_encoder_3",
+    "image_encoder",
+)
+
+#: Config keys that change what a component computes in. Sources: diffusers ``AutoencoderKL.__init__``
+#: (``force_upcast``), ``UNet2DConditionModel`` (``upcast_attention``), ``Attention`` (``upcast_softmax``),
+#: pipelines' ``upcast_vae`` (StableDiffusionXLPipeline: "make sure the VAE is in float32 mode, as it
+#: overflows in float16").
+PRECISION_FLAGS = ("force_upcast", "upcast_attention", "upcast_softmax", "mid_block_add_attention", "scaling_factor")
+
+
+def _config_flags(module: Any) -> tuple[tuple[str, object], ...]:
+    config = raw_attr(module, "_internal_dict", None)
+    if not isinstance(config, dict):
+        return ()
+    out = []
+    for key in PRECISION_FLAGS:
+        value = dict.get(config, key)
+        if isinstance(value, (bool, int, float, str)):
+            out.append((key, value))
+    keep = raw_attr(module, "_keep_in_fp32_modules", None)
+    if isinstance(keep, (list, tuple)) and keep:
+        out.append(("_keep_in_fp32_modules", tuple(str(k) for k in keep)))
+    return tuple(out)
+
+
+def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    if not is_a(inner, (MODEL_MIXIN,)):
+        return {}
+    return {
+        "component": ComponentFacts(
+            class_path=class_path(type(inner)),
+            is_vae=is_a(inner, VAE_CLASSES),
+            flags=_config_flags(inner),
+        )
+    }
+
+
+INTEGRATION = Integration(
+    name="diffusers",
+    modules=("diffusers",),
+    kinds=((PIPELINE, "pipeline"),),
+    brings=((PIPELINE, COMPONENTS),),
+    model_facts=_model_facts,
+)
