@@ -27,7 +27,7 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft", "lightning")
+MODULES = ("torch", "transformers", "accelerate", "peft", "lightning", "trl")
 
 
 @dataclass(frozen=True)
