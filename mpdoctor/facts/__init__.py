@@ -130,6 +130,8 @@ class Facts:
     lightning: tuple = ()
     #: mpdoctor.facts.distributed.DistributedFacts: process group, FSDP units, launcher state, other ranks.
     distributed: Any = None
+    #: mpdoctor.facts.trl.TrlFacts, one per TRL trainer (SFT, DPO, GRPO ...): its config and reference model.
+    trl: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -27,7 +27,7 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao")
+MODULES = ("torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl")
 
 
 @dataclass(frozen=True)
