@@ -89,6 +89,9 @@ class ModelFacts:
     #: transformers' ``_keep_in_fp32_modules`` (and ``_strict``): module names its modeling code keeps
     #: in fp32 and casts around on purpose.
     keep_in_fp32: tuple[str, ...] = ()
+    #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
+    #: phase error in radians at the last position, positions)``; read by the transformers integration.
+    rope_buffers: tuple[tuple[str, str, str, float, int], ...] = ()
 
     @property
     def model_type(self) -> str | None:
