@@ -152,8 +152,12 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
             severity,
             where,
             f"{len(paths)} rotary embeddings of {m.name} ({cls}) hold inv_freq in {dtype} (model.to({dtype}) casts "
-            f"buffers): position * inv_freq is off by {err:.2g} rad at position {positions - 1}, so long-context "
-            "positions are encoded wrongly.",
+            f"buffers): position * inv_freq is off by {err:.2g} rad at position {positions - 1}"
+            + (
+                ", so long-context positions are encoded wrongly."
+                if severity == "warning"
+                else "; small at this context length, but the error grows with the position and is free to avoid."
+            ),
             {"modules": list(paths), "class": cls, "dtype": dtype, "phase_error_rad": err, "positions": positions},
             fixes,
         )
