@@ -24,7 +24,7 @@ def trainable(model):
 
 
 def test_fp16_lora_adapters_under_a_grad_scaler_raise_at_unscale_and_fp32_adapters_train():
-    """oobabooga/text-generation-webui PR #5268 ("Attempting to unscale FP16 gradients" training LoRA on a V100,
+    """oobabooga/textgen PR #5268 ("Attempting to unscale FP16 gradients" training LoRA on a V100,
     fixed with huggingface/peft PR #1336, which later became ``autocast_adapter_dtype=True``).
 
     https://github.com/oobabooga/textgen/pull/5268 -- https://github.com/huggingface/peft/pull/1706
