@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 def builder():
     spec = importlib.util.spec_from_file_location("build_field_cases", DOCS / "build_field_cases.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
