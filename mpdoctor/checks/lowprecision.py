@@ -106,8 +106,9 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
         Warning when the phase error at the last position passes 0.5 rad; info below (short contexts).
     Fix
         Recompute the frequencies in fp32 from the config and put them back in place (safe: the modeling
-        code expects fp32 and casts cos/sin to the activation dtype itself). Load with
-        ``from_pretrained(..., dtype=torch.bfloat16)`` instead of casting after loading.
+        code expects fp32 and casts cos/sin to the activation dtype itself); offered in place for the
+        warning, as advice for the info. Load with ``from_pretrained(..., dtype=torch.bfloat16)`` instead
+        of casting after loading.
     Source
         huggingface/transformers #29496 and PR #29285 (RoPE loses precision in bf16); NVIDIA/Megatron-LM #744;
         EleutherAI/gpt-neox #1003; Modalities/modalities PR #462.
@@ -131,22 +132,22 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
             "        module.inv_freq = inv_freq  # fp32 again; a later model.to(dtype) casts it back\n"
             "        module.original_inv_freq = inv_freq.clone()"
         )
-        fixes = [
-            Fix(
-                f"Recompute the rotary frequencies of {m.name} in fp32 ({len(paths)} modules)",
-                "import transformers\n" + code,
-                safe=True,
-                changes=(spec,),
-                recipe="fp32-rope-buffers",
-                cost="a few hundred bytes per module",
-            ),
-            Fix(
-                "Load in the target dtype instead of casting after loading",
-                "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # keeps inv_freq fp32",
-                applicability=Applicability.DISPLAY_ONLY,
-                recipe="load-in-dtype",
-            ),
-        ]
+        recompute = Fix(
+            f"Recompute the rotary frequencies of {m.name} in fp32 ({len(paths)} modules)",
+            "import transformers\n" + code,
+            safe=True,
+            changes=(spec,),
+            recipe="fp32-rope-buffers",
+            cost="a few hundred bytes per module",
+        )
+        load = Fix(
+            "Load in the target dtype instead of casting after loading",
+            "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # keeps inv_freq fp32",
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="load-in-dtype",
+        )
+        # Harmless at this context length (info): advice only, nothing to change in place.
+        fixes = [recompute, load] if severity == "warning" else [load]
         yield Finding(
             "half-precision-rope-buffers",
             severity,

@@ -396,8 +396,8 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
             if cause == "activation-overflow-fp16":
                 because += f" and its {m.class_name} output, computed in float16, passed fp16's largest value 65504"
             msg = (
-                f"{where} ({m.class_name}) is the first module whose output (an activation) went non-finite "
-                f"({m.out_nonfinite:,} NaN/Inf values) under {_precision(p)}; {because}."
+                f"{where} ({m.class_name}) is the first module whose output went non-finite "
+                f"({m.out_nonfinite:,} NaN/Inf activation values) under {_precision(p)}; {because}."
             )
             severity = "error"
         else:
