@@ -485,3 +485,81 @@ class SetComputeDtype(SetAttrTo):
                 m = dataclasses.replace(m, configs=configs)
             models.append(m)
         return dataclasses.replace(facts, models=tuple(models))
+class SetGroupOption(ChangeSpec):
+    """``group[key] = value`` in every param group of the optimizer ``ref`` and in its ``defaults``.
+
+    Undo restores each group's own value exactly. ``key`` is a hyperparameter the optimizer reads at every
+    step (``eps``), so the change takes effect at the next ``step()``.
+    """
+
+    ref: int
+    key: str
+    value: Any
+    label: str
+
+    def bind(self, live: Live) -> list[Change]:
+        opt = live.get(self.ref)
+        steps: list[Change] = []
+        for i, group in enumerate(raw_attr(opt, "param_groups", None) or ()):
+            if isinstance(group, dict) and group.get(self.key) != self.value:
+                steps.append(SetItem(group, self.key, self.value, f"{self.label}.param_groups[{i}][{self.key!r}]"))
+        defaults = raw_attr(opt, "defaults", None)
+        if isinstance(defaults, dict) and self.key in defaults and defaults[self.key] != self.value:
+            steps.append(SetItem(defaults, self.key, self.value, f"{self.label}.defaults[{self.key!r}]"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        names = {s.name for s in facts.subjects if s.inner_ref == self.ref or s.ref == self.ref}
+        out = []
+        for o in facts.optimizers:
+            if o.name in names:
+                defaults = {**o.defaults, self.key: self.value} if self.key in o.defaults else o.defaults
+                eps = tuple(self.value for _ in o.group_eps) if self.key == "eps" else o.group_eps
+                o = dataclasses.replace(o, defaults=defaults, group_eps=eps)
+            out.append(o)
+        return dataclasses.replace(facts, optimizers=tuple(out))
+
+    def verify(self, live: Live) -> str | None:
+        groups = raw_attr(live.get(self.ref), "param_groups", None) or ()
+        left = sum(1 for g in groups if isinstance(g, dict) and g.get(self.key) != self.value)
+        return f"{left} param groups of {self.label} still have another {self.key}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "param_groups", self.key): self.value}
+
+
+@dataclass(frozen=True)
+class RecomputeRopeBuffers(ChangeSpec):
+    """Replace half-precision rotary ``inv_freq`` buffers of the model ``ref`` with fp32 ones recomputed from its config.
+
+    Resolved by the transformers integration (``rope_fp32_changes``): the buffer dict entries are swapped,
+    so undo puts the very same half-precision tensors back.
+    """
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "rotary embeddings"
+
+    def bind(self, live: Live) -> list[Change]:
+        from .integrations.transformers import rope_fp32_changes
+
+        return rope_fp32_changes(live.get(self.ref), self.paths)
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if self.ref in (m.ref, m.inner_ref):
+                kept = tuple(r for r in m.rope_buffers if r[0] not in self.paths)
+                m = dataclasses.replace(m, rope_buffers=kept)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        from .integrations.transformers import _rope_modules
+
+        mods = dict(_rope_modules(live.get(self.ref)))
+        left = [p for p in self.paths if p in mods and mods[p].__dict__["_buffers"]["inv_freq"].dtype != torch.float32]
+        return f"{len(left)} rotary inv_freq buffers are not fp32" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, p, "inv_freq"): "float32" for p in self.paths}

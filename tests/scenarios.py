@@ -738,3 +738,36 @@ def hostile_pool() -> Pool:
     }
     return pool
 
+
+
+# -- low-precision numerics (issue 11 corpus) ------------------------------------------------
+
+
+def fp16_weights_adamw_eps() -> dict:
+    """pytorch#8860: fp16 weights under stock AdamW, whose eps=1e-8 is 0 in fp16 (NaN at the first step)."""
+    model = tiny_llama(torch.float16, use_cache=False)
+    return {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-3)}
+
+
+def bf16_rope_long_context() -> dict:
+    """transformers#29496: ``model.to(bf16)`` rounded the RoPE frequencies of a 4096-position model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64, max_position_embeddings=4096, use_cache=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    train_step(model, opt, autocast_dtype=torch.bfloat16)
+    model.to(torch.bfloat16)  # casts the weights, the Adam state stays fp32 ... and inv_freq
+    return {"model": model, "opt": opt}
+
+
+FIELD_CASES += [
+    Scenario("fp16_weights_adamw_eps", fp16_weights_adamw_eps, _lm_step),
+    Scenario("bf16_rope_long_context", bf16_rope_long_context, _autocast_step),
+]
+SCENARIOS = FIELD_CASES + HEALTHY
+BY_NAME = {s.name: s for s in SCENARIOS}

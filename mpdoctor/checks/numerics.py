@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from ..changes import CastParamsTo
 from ..facts import Facts, ModelFacts
 from ..findings import Finding
+from ..fixes import Applicability, Fix
 from . import check
 from .hardware import FP16_OVERFLOW_MODEL_TYPES
+
+FP16_MAX = 65504.0
 
 #: Model types whose checkpoints were trained in bf16 and whose activations are known to pass 65504
 #: in fp16; one list shared with the hardware checks (sources there).
@@ -207,6 +211,149 @@ def _precision(p) -> str:
     return f"{ac}{scale}"
 
 
+# -- why a probed module went wrong, and what to do about it ------------------------------------------------
+
+#: Why a module's output or gradient went bad, by cause (the ``cause`` of a probe finding's evidence).
+PROBE_CAUSES = {
+    "weights-nonfinite": "its own weights already hold NaN/Inf: an earlier optimizer step wrote them",
+    "input-nonfinite": (
+        "its inputs were already non-finite: the values went bad in code between modules, or an additive "
+        "mask holds -inf (float32's finfo.min becomes -inf when cast to fp16)"
+    ),
+    "activation-overflow-fp16": "its finite inputs produced an activation past fp16's largest value, 65504",
+    "nonfinite-from-finite": "it produced NaN/Inf from finite inputs and weights (log/div of 0, softmax over -inf)",
+    "gradient-overflow-scaled": "the gradient, multiplied by the loss scale, passed fp16's 65504 on its way back",
+    "gradient-overflow-fp16": "the gradient passed fp16's 65504 on its way back, with no loss scaling to adjust",
+    "gradient-nonfinite": "the gradient went non-finite on its way back (an exploding gradient)",
+}
+
+
+def _model_of(facts: Facts, p) -> ModelFacts | None:
+    return next((m for m in facts.models if m.name == p.model), None)
+
+
+def _nonfinite_cause(p, m, phase: str) -> str:
+    if phase == "forward":
+        if m.param_nonfinite:
+            return "weights-nonfinite"
+        if m.in_nonfinite:
+            return "input-nonfinite"
+        dtypes = set(m.output_dtypes)
+        if (p.fp16_in_use or "float16" in dtypes) and "float16" in dtypes:
+            return "activation-overflow-fp16"
+        return "nonfinite-from-finite"
+    if p.loss_scale > 1.0 and "float16" in (set(m.grad_dtypes) | {p.autocast or ""}):
+        return "gradient-overflow-scaled"
+    if "float16" in set(m.grad_dtypes):
+        return "gradient-overflow-fp16"
+    return "gradient-nonfinite"
+
+
+def _device(facts: Facts, p) -> str:
+    return p.device if p.device in ("cuda", "cpu", "xpu", "mps") else "cuda"
+
+
+def _bf16_fixes(facts: Facts, p, where: str) -> list[Fix]:
+    """Compute in bf16: a cast of the model's fp16 weights in place when it holds them, else the autocast to use."""
+    hw = facts.hardware
+    if not hw.bf16_native:
+        return []
+    fixes = []
+    model = _model_of(facts, p)
+    half = [q for q in model.tensors.params if q.dtype == "float16"] if model is not None else []
+    if model is not None and half:
+        ids = frozenset(q.id for q in half)
+        holders = tuple(facts.subject(o.name).inner_ref for o in facts.optimizers if o.param_ids & ids and facts.subject(o.name))
+        fixes.append(
+            Fix(
+                f"Compute {p.model} in bf16: cast its {len(half)} fp16 parameters to bf16 (fp32's range, no overflow)",
+                f"{p.model}.to(torch.bfloat16)  # bf16 has fp32's exponent range: 65504 is no limit there\n"
+                "# optimizer state follows the cast; no GradScaler is needed in bf16",
+                changes=(CastParamsTo(model.inner_ref, ids, "bfloat16", holders, f"fp16 parameters of {p.model}"),),
+                recipe="bf16",
+                cost="same memory; 3 fewer mantissa bits than fp16",
+            )
+        )
+    else:
+        dev = _device(facts, p)
+        fixes.append(
+            Fix(
+                f"Autocast to bf16 instead of fp16 ({hw.label} has native bf16)",
+                f"with torch.autocast({dev!r}, dtype=torch.bfloat16):  # or TrainingArguments(bf16=True), "
+                "Accelerator(mixed_precision='bf16')\n"
+                f"    loss = {p.model}(**batch).loss\n# bf16 needs no GradScaler",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="bf16",
+                cost="same speed on bf16 hardware; 3 fewer mantissa bits than fp16",
+            )
+        )
+    return fixes
+
+
+def _fp32_module_fix(facts: Facts, p, path: str, class_name: str) -> Fix:
+    """Keep one module in fp32 with autocast off inside it, as ``_keep_in_fp32_modules`` does for whole classes."""
+    dev = _device(facts, p)
+    return Fix(
+        f"Keep {_where(p, path)} ({class_name}) in fp32 with autocast off inside it",
+        "import torch\n"
+        f"module = {p.model}.get_submodule({path!r})\n"
+        "module.float()\n"
+        "_forward = module.forward\n"
+        "def forward_fp32(*args, **kwargs):\n"
+        f"    with torch.autocast({dev!r}, enabled=False):  # fp32 inside: 65504 is no limit here\n"
+        "        args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]\n"
+        "        return _forward(*args, **kwargs)\n"
+        "module.forward = forward_fp32  # the modules after it must run under autocast (they get fp32 inputs)",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="fp32-module",
+        cost="this module's weights and activations at fp32 size and speed",
+    )
+
+
+def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
+    if cause in ("activation-overflow-fp16", "gradient-overflow-fp16"):
+        return [*_bf16_fixes(facts, p, _where(p, m.path)), _fp32_module_fix(facts, p, m.path, m.class_name)]
+    if cause == "gradient-overflow-scaled":
+        return [
+            Fix(
+                "Start the GradScaler lower (it also halves itself on every skipped step)",
+                "scaler = torch.amp.GradScaler(init_scale=2.0**10)  # default 2**16; it grows back when safe",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="lower-loss-scale",
+            ),
+            *_bf16_fixes(facts, p, _where(p, m.path)),
+        ]
+    if cause == "weights-nonfinite":
+        return [
+            Fix(
+                "Reload the last good checkpoint, then find what wrote NaN (fp16 eps, learning rate)",
+                f"{p.model}.load_state_dict(torch.load('last_good.pt'))  # then: mpdoctor.diagnose(model, optimizer)",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="reload-weights",
+            )
+        ]
+    if cause == "input-nonfinite":
+        return [
+            Fix(
+                "Build additive masks with the compute dtype's finfo.min, not float32's",
+                "mask = (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min  # dtype: the "
+                "activations' dtype",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="mask-in-compute-dtype",
+            )
+        ]
+    if cause == "gradient-nonfinite":
+        return [
+            Fix(
+                "Clip gradients and lower the learning rate",
+                f"torch.nn.utils.clip_grad_norm_({p.model}.parameters(), max_norm=1.0)  # before optimizer.step()",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="clip-gradients",
+            )
+        ]
+    return [_fp32_module_fix(facts, p, m.path, m.class_name)]
+
+
 @check("probe-nonfinite", "error")
 def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
     """The first module whose output or output gradient went NaN/Inf in a one-batch probe.
@@ -238,25 +385,29 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
             continue
         m, phase = hit
         where = _where(p, m.path)
+        cause = _nonfinite_cause(p, m, phase)
         if phase == "forward":
             if m.param_nonfinite:
-                cause = f"its own weights hold {m.param_nonfinite:,} NaN/Inf values"
+                because = f"its own weights hold {m.param_nonfinite:,} NaN/Inf values: an earlier optimizer step wrote them"
             elif m.in_nonfinite:
-                cause = "its inputs were already non-finite: the values went bad in code between modules"
+                because = PROBE_CAUSES["input-nonfinite"]
             else:
-                cause = f"its inputs were finite (abs max {_fmt(m.in_absmax)})"
+                because = f"its inputs were finite (abs max {_fmt(m.in_absmax)})"
+            if cause == "activation-overflow-fp16":
+                because += f" and its {m.class_name} output, computed in float16, passed fp16's largest value 65504"
             msg = (
                 f"{where} ({m.class_name}) is the first module whose output went non-finite "
-                f"({m.out_nonfinite:,} NaN/Inf values) under {_precision(p)}; {cause}."
+                f"({m.out_nonfinite:,} NaN/Inf activation values) under {_precision(p)}; {because}."
             )
             severity = "error"
         else:
             msg = (
                 f"The gradient at the output of {where} ({m.class_name}) is the first to go non-finite in backward "
-                f"({m.grad_nonfinite:,} NaN/Inf values) under {_precision(p)}"
+                f"({m.grad_nonfinite:,} NaN/Inf values, in {','.join(m.grad_dtypes) or 'n/a'}) under {_precision(p)}: "
+                f"{PROBE_CAUSES[cause]}"
             )
             if p.loss_scale > 1.0:
-                msg += ": the GradScaler will skip this step and halve its scale; if it keeps happening the scale collapses."
+                msg += "; the GradScaler will skip this step and halve its scale; if it keeps happening the scale collapses."
                 severity = "warning"
             else:
                 msg += "; the next optimizer step would write NaN into the weights."
@@ -279,7 +430,10 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
                 "autocast": p.autocast,
                 "loss_scale": p.loss_scale,
                 "loss": p.loss,
+                "cause": cause,
+                "why": PROBE_CAUSES[cause],
             },
+            _probe_fixes(facts, p, m, cause),
         )
 
 
@@ -316,14 +470,30 @@ def probe_overflow(facts: Facts) -> Iterator[Finding]:
         value = m.out_absmax if phase == "forward" else m.grad_absmax
         what = "output" if phase == "forward" else "output gradient"
         scaled = " (scaled by the loss scale)" if phase == "backward" and p.loss_scale != 1.0 else ""
+        cause = (
+            "activation-overflow-fp16"
+            if phase == "forward"
+            else "gradient-overflow-scaled" if p.loss_scale > 1.0 else "gradient-overflow-fp16"
+        )
+        kind = "activation" if phase == "forward" else "gradient"
         yield Finding(
             "probe-overflow",
             "warning" if p.fp16_in_use else "info",
             where,
             f"{where} ({m.class_name}) is the first module whose {what}{scaled} passed fp16's 65504 "
-            f"(abs max {_fmt(value)}, in {','.join(m.output_dtypes if phase == 'forward' else m.grad_dtypes)}) "
-            f"under {_precision(p)}; in fp16 it would be inf.",
-            {"module": m.path, "class": m.class_name, "phase": phase, "absmax": value, "fp16_headroom": m.fp16_headroom},
+            f"(abs max {_fmt(value)}, {value / FP16_MAX if value else 0:.3g}x fp16's largest value, "
+            f"in {','.join(m.output_dtypes if phase == 'forward' else m.grad_dtypes)}) "
+            f"under {_precision(p)}; in fp16 this {kind} would be inf and the loss NaN.",
+            {
+                "module": m.path,
+                "class": m.class_name,
+                "phase": phase,
+                "absmax": value,
+                "fp16_headroom": m.fp16_headroom,
+                "cause": cause,
+                "why": PROBE_CAUSES[cause],
+            },
+            _probe_fixes(facts, p, m, cause),
         )
 
 

@@ -97,6 +97,9 @@ class ModelFacts:
     float8_layers: tuple = ()
     #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.lowbit.ComponentFacts`), or None.
     component: object = None
+    #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
+    #: phase error in radians at the last position, positions)``; read by the transformers integration.
+    rope_buffers: tuple[tuple[str, str, str, float, int], ...] = ()
 
     @property
     def model_type(self) -> str | None:

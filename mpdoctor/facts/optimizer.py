@@ -34,6 +34,8 @@ class OptimizerFacts:
     tallies: tuple[TensorTally, ...]
     defaults: dict
     has_state: bool
+    #: ``eps`` of each param group (None where a group has none), in group order.
+    group_eps: tuple[float | None, ...] = ()
 
     @property
     def param_ids(self) -> frozenset[int]:
@@ -95,4 +97,10 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         tallies=tally.rows(),
         defaults=safe_defaults,
         has_state=bool(state),
+        group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
     )
+
+
+def _eps_of(group: dict) -> float | None:
+    eps = group.get("eps")
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None

@@ -45,8 +45,109 @@ def _keep_in_fp32(module: Any) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+#: Rounding of a half-precision buffer relative to its value (half an ulp), used when no fp32 reference exists.
+_HALF_REL = {"bfloat16": 2.0**-9, "float16": 2.0**-11}
+
+
+def _rope_modules(inner: Any) -> list[tuple[str, Any]]:
+    """``(path, module)`` of every rotary embedding holding an ``inv_freq`` buffer."""
+    import torch
+
+    out = []
+    try:
+        for path, mod in inner.named_modules():
+            if type(mod).__name__.endswith("RotaryEmbedding"):
+                buf = mod.__dict__.get("_buffers", {}).get("inv_freq")
+                if isinstance(buf, torch.Tensor) and buf.dtype.is_floating_point:
+                    out.append((path, mod))
+    except Exception:
+        return []
+    return out
+
+
+def rope_reference(mod: Any) -> Any:
+    """The fp32 ``inv_freq`` the module computed at construction, recomputed from its config (None if unknown).
+
+    transformers 4.4x-5.x rotary classes keep ``config`` and ``rope_type`` and compute their frequencies with
+    ``compute_default_rope_parameters`` or ``ROPE_INIT_FUNCTIONS[rope_type]``, which return ``(inv_freq, scaling)``.
+    """
+    import torch
+
+    config = raw_attr(mod, "config", None)
+    if config is None:
+        return None
+    rope_type = raw_attr(mod, "rope_type", "default")
+    try:
+        if rope_type == "default" and hasattr(type(mod), "compute_default_rope_parameters"):
+            fn = type(mod).compute_default_rope_parameters
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            fn = ROPE_INIT_FUNCTIONS[rope_type]
+        with torch.no_grad():
+            inv_freq = fn(config)[0]
+    except Exception:
+        return None
+    buf = mod.__dict__["_buffers"]["inv_freq"]
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.shape != buf.shape:
+        return None
+    return inv_freq.to(device=buf.device, dtype=torch.float32)
+
+
+def _rope_buffers(inner: Any) -> tuple[tuple[str, str, str, float, int], ...]:
+    """Half-precision ``inv_freq`` buffers and the phase error they cause at the model's last position."""
+    import math
+
+    import torch
+
+    from ..facts.tensors import dtype_name
+
+    out = []
+    for path, mod in _rope_modules(inner):
+        buf = mod.__dict__["_buffers"]["inv_freq"]
+        dt = dtype_name(buf.dtype)
+        if dt not in _HALF_REL or buf.device.type == "meta":
+            continue
+        positions = raw_attr(mod, "original_max_seq_len", None) or raw_attr(mod, "max_seq_len_cached", None) or 2048
+        positions = int(positions) if isinstance(positions, int) else 2048
+        ref = rope_reference(mod)
+        with torch.no_grad():
+            if ref is not None:
+                err = float((buf.float() - ref).abs().max()) * (positions - 1)
+            else:
+                err = float(buf.float().abs().max()) * _HALF_REL[dt] * (positions - 1)
+        out.append((path, type(mod).__name__, dt, min(err, math.pi), positions))
+    return tuple(out)
+
+
+def rope_fp32_changes(model: Any, paths: tuple[str, ...]) -> list:
+    """Steps restoring fp32 ``inv_freq`` (and ``original_inv_freq``) recomputed from the config, in place."""
+    import torch
+
+    from ..fixes import SetItem
+
+    steps = []
+    mods = dict(_rope_modules(model))
+    for path in paths:
+        mod = mods.get(path)
+        if mod is None:
+            continue
+        ref = rope_reference(mod)
+        bufs = mod.__dict__["_buffers"]
+        if ref is None:  # nothing exact to restore: at least stop computing from a half-precision table
+            ref = bufs["inv_freq"].float()
+        for name in ("inv_freq", "original_inv_freq"):
+            old = bufs.get(name)
+            if isinstance(old, torch.Tensor) and old.dtype != torch.float32:
+                step = SetItem(bufs, name, ref.clone(), "")
+                step.description = f"{path}.{name} = fp32 frequencies recomputed from the config (was {old.dtype})"
+                steps.append(step)
+    return steps
+
+
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     return {
+        "rope_buffers": _rope_buffers(inner) if is_a(inner, (PRETRAINED,)) else (),
         "configs": gather_configs(inner_path, inner, live),
         "is_pretrained": is_a(inner, (PRETRAINED,)),
         "keep_in_fp32": _keep_in_fp32(inner),

@@ -152,12 +152,13 @@ def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
 
 
 class _Record:
-    __slots__ = ("order", "calls", "done", "grad_order", "ins", "outs", "grads", "in_dt", "out_dt", "grad_dt")
+    __slots__ = ("order", "calls", "done", "bad_done", "grad_order", "ins", "outs", "grads", "in_dt", "out_dt", "grad_dt")
 
     def __init__(self, order: int) -> None:
         self.order = order
         self.calls = 0
         self.done: int | None = None
+        self.bad_done: int | None = None  # completion position of the first call whose output went bad (CPU)
         self.grad_order: int | None = None
         self.ins: list[int] = []
         self.outs: list[int] = []
@@ -222,9 +223,12 @@ class _Recorder:
             while self.stack and self.stack.pop() != i:
                 pass
             rec = self.records[i]
+            # Every call completes at its own position: a module called twice (a shared dropout) goes bad at
+            # the call that went bad, not at its first, harmless one.
+            position = self.done
+            self.done += 1
             if rec.done is None:
-                rec.done = self.done
-                self.done += 1
+                rec.done = position
         else:
             rec = self.records.get(i)
             if rec is None:
@@ -238,6 +242,8 @@ class _Recorder:
                 bad = bad or self.stats.bad(slot)
             if t.requires_grad and t.grad_fn is not None:
                 self.handles.append(t.register_hook(self._grad_hook(i)))
+        if bad and forward and rec.bad_done is None:
+            rec.bad_done = position
         if bad and rec.in_dt:
             self._inputs(rec, args, kwargs, eager=True)
         return None
@@ -549,7 +555,7 @@ def _finish(
                 grad_nonfinite=stats.nonfinite(rec.grads),
                 param_grad_nonfinite=stats.nonfinite(pgrads[i]),
                 param_nonfinite=_nonfinite_params(own_params) if stats.nonfinite(rec.outs) else 0,
-                done=rec.done,
+                done=rec.bad_done if rec.bad_done is not None else rec.done,
                 grad_order=rec.grad_order,
             )
         )

@@ -1,0 +1,88 @@
+"""Field cases from the peft and accelerate trackers: fp16 adapters under a loss scaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from setups import batch, tiny_llama
+from setups_dtypes import finite
+
+import mpdoctor
+
+
+def fp16_lora():
+    """LoRA on an fp16 base with the adapters left in fp16 (``autocast_adapter_dtype=False``)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama(torch.float16, use_cache=False)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return get_peft_model(base, config, autocast_adapter_dtype=False)
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_fp16_lora_adapters_under_a_grad_scaler_raise_at_unscale_and_fp32_adapters_train():
+    """oobabooga/textgen PR #5268 ("Attempting to unscale FP16 gradients" training LoRA on a V100,
+    fixed with huggingface/peft PR #1336, which later became ``autocast_adapter_dtype=True``).
+
+    https://github.com/oobabooga/textgen/pull/5268 -- https://github.com/huggingface/peft/pull/1706
+    """
+    model = fp16_lora()
+    opt = torch.optim.AdamW(trainable(model), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch()).loss
+    scaler.scale(loss).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        scaler.step(opt)
+    opt.zero_grad()
+
+    report = mpdoctor.diagnose(model, opt, scaler)
+    (finding,) = report.findings_for("fp16-trainable-params-with-scaler")
+    assert finding.severity == "error" and "8 trainable parameters" in finding.message
+    plan = [f for f in report.fixes if f.recipe == "fp32-master-weights"]
+    assert len(plan) == 1  # the same cast also cures the fp16 Adam eps
+    plan[0].apply()
+    assert all(p.dtype == torch.float32 for p in trainable(model))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(**batch()).loss
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert finite(loss.item()) and scaler.get_scale() == 65536.0  # no overflow: the step was taken
+    assert not mpdoctor.diagnose(model, opt, scaler).findings_for("fp16-trainable-params-with-scaler")
+
+
+def test_accelerate_clip_grad_norm_unscales_fp16_adapters_and_raises():
+    """huggingface/transformers#30559 (Idefics2 LoRA: ``accelerator.clip_grad_norm_`` -> ``unscale_gradients`` ->
+    "Attempting to unscale FP16 gradients"); huggingface/accelerate#3269 (an fp16 model under fp16 mixed precision).
+
+    GPU-only: on this CPU ``Accelerator(mixed_precision="fp16")`` runs without native AMP and creates no scaler.
+    The stand-in gives the Accelerator the two things a CUDA one holds (``native_amp`` and a ``GradScaler``) before
+    ``prepare``; the rest is accelerate's own code.
+
+    https://github.com/huggingface/transformers/issues/30559 -- https://github.com/huggingface/accelerate/issues/3269
+    """
+    from accelerate import Accelerator
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")  # what a CUDA Accelerator holds
+    model = fp16_lora()
+    model, opt = acc.prepare(model, torch.optim.AdamW(trainable(model), lr=1e-3))
+    acc.backward(model(**batch()).loss)
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+    opt.zero_grad()
+
+    report = mpdoctor.diagnose(model, opt, acc)
+    (finding,) = report.findings_for("fp16-trainable-params-with-scaler")
+    assert finding.severity == "error"
+    (fix,) = [f for f in report.fixes if f.recipe == "fp32-master-weights"]
+    fix.apply()
+    loss = model(**batch()).loss
+    acc.backward(loss)
+    acc.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    assert finite(loss.item())
