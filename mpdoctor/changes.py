@@ -485,6 +485,9 @@ class SetComputeDtype(SetAttrTo):
                 m = dataclasses.replace(m, configs=configs)
             models.append(m)
         return dataclasses.replace(facts, models=tuple(models))
+
+
+@dataclass(frozen=True)
 class SetGroupOption(ChangeSpec):
     """``group[key] = value`` in every param group of the optimizer ``ref`` and in its ``defaults``.
 
