@@ -33,7 +33,7 @@ from ..findings import Finding
 SECTIONS = ("What it detects", "Why it matters", "Severity", "Fix", "Source")
 
 #: Modules holding checks, imported in this order when the registry is first used.
-MODULES = ("scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "numerics")
+MODULES = ("scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "numerics", "deepspeed")
 
 
 @dataclass(frozen=True)

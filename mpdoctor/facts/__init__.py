@@ -118,6 +118,8 @@ class Facts:
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
     probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
+    #: mpdoctor.facts.deepspeed.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
+    deepspeed: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -262,6 +264,11 @@ def gather(
     except Exception as exc:
         precisions = ()
         errors.append(("precision", _summarise(exc)))
+    extras: dict = {}
+    try:
+        extras = integrations.extra_facts(subjects, live, hardware)
+    except Exception as exc:  # a library's own facts must not stop the report
+        errors.append(("integrations", _summarise(exc)))
     return Facts(
         subjects=tuple(plain),
         models=tuple(models),
@@ -271,4 +278,5 @@ def gather(
         runtime=gather_runtime(),
         hardware=hardware,
         errors=tuple(errors),
+        **extras,
     )

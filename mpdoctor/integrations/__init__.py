@@ -27,7 +27,7 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft")
+MODULES = ("torch", "transformers", "accelerate", "peft", "deepspeed")
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,9 @@ class Integration:
         ``obj -> dict`` of the precision-related fields of an arguments object of this library.
     effective : callable, optional
         ``obj -> AcceleratorView`` of what an accelerator object of this library will run.
+    facts : callable, optional
+        ``(subjects, live, hardware) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields (a tuple
+        of the library's own plain facts, such as ``{"deepspeed": (DeepSpeedFacts, ...)}``).
     """
 
     name: str
@@ -81,6 +84,7 @@ class Integration:
     model_facts: Callable[..., dict] | None = None
     requested: Callable[[Any], dict] | None = None
     effective: Callable[[Any], Any] | None = None
+    facts: Callable[..., dict] | None = None
 
     @property
     def active(self) -> bool:
@@ -178,4 +182,13 @@ def model_extras(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     for integ in active():
         if integ.model_facts is not None:
             out.update(integ.model_facts(outer, inner, inner_path, live))
+    return out
+
+
+def extra_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """Extra Facts fields contributed by every active integration (``Integration.facts``)."""
+    out: dict = {}
+    for integ in active():
+        if integ.facts is not None:
+            out.update(integ.facts(subjects, live, hardware))
     return out
