@@ -11,18 +11,23 @@ import copy
 import dataclasses
 import os
 
+import deepspeed
 import pytest
 import torch
+from deepspeed_support import (
+    SINGLE_RANK_ENV,
+    ensure_shm_op,
+    free_port,
+    tiny_llama,
+    token_dataset,
+    training_args,
+    zero_config,
+)
+from transformers import Trainer
 
-deepspeed = pytest.importorskip("deepspeed")
-
-from deepspeed_support import SINGLE_RANK_ENV, ensure_shm_op, free_port, tiny_llama, token_dataset, training_args, zero_config  # noqa: E402
-from transformers import Trainer  # noqa: E402
-
-import mpdoctor  # noqa: E402
-from mpdoctor.facts.deepspeed import DeepSpeedFacts  # noqa: E402
-from mpdoctor.integrations.deepspeed import engine_facts, loss_scaler_facts  # noqa: E402
-
+import mpdoctor
+from mpdoctor.facts.deepspeed import DeepSpeedFacts
+from mpdoctor.integrations.deepspeed import engine_facts, loss_scaler_facts
 
 
 @pytest.fixture(scope="module", autouse=True)
