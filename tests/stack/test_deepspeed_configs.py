@@ -26,6 +26,7 @@ from deepspeed_support import (
 from transformers import Trainer
 
 import mpdoctor
+from mpdoctor.crash.patterns import match_exception
 from mpdoctor.facts.deepspeed import DeepSpeedFacts
 from mpdoctor.integrations.deepspeed import engine_facts, loss_scaler_facts
 
@@ -77,8 +78,9 @@ def test_bf16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
     cfg = zero_config(2, bf16={"enabled": True})
     del cfg["fp16"]
     trainer = _trainer(training_args(cfg, tmp_path))
-    with pytest.raises(ValueError, match=r"mismatch TrainingArguments values:\n- ds bf16.enabled=True vs hf bf16\|bf16_full_eval=False"):
+    with pytest.raises(ValueError, match=r"mismatch TrainingArguments values:\n- ds bf16.enabled=True vs hf bf16\|bf16_full_eval=False") as raised:
         trainer.train()
+    assert match_exception(raised.value)[0].slug == "crash-deepspeed-config-mismatch"
 
     report = mpdoctor.diagnose(namespace={"trainer": trainer})
     (finding,) = _findings(report, "deepspeed-precision-mismatch")
@@ -157,8 +159,9 @@ def test_fp16_refused_on_this_cpu_is_named_before_train(tmp_path):
     fix = finding.fixes[0]
     assert fix.applicability.value == "display-only"
     assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in fix.code
-    with pytest.raises(ValueError, match="Type fp16 is not supported on your device."):
+    with pytest.raises(ValueError, match="Type fp16 is not supported on your device.") as raised:
         trainer.train()
+    assert match_exception(raised.value)[0].slug == "crash-deepspeed-precision-unsupported"
 
     os.environ.pop("ACCELERATE_MIXED_PRECISION", None)  # TrainingArguments wrote fp16 there
     args = training_args(zero_config(2), tmp_path, fp16=False, bf16=True)  # what fix.code does
@@ -190,10 +193,11 @@ def test_fp16_loss_scale_at_minimum_is_an_error():
                               dynamic_loss_args={"init_scale": 2**4, "scale_window": 1000, "min_scale": 1,
                                                  "delayed_shift": 2, "consecutive_hysteresis": False})
     seen = []
-    with pytest.raises(Exception, match="Current loss scale already at minimum - cannot decrease scale anymore"):
+    with pytest.raises(Exception, match="Current loss scale already at minimum - cannot decrease scale anymore") as raised:
         for _ in range(10):  # every step overflows: hysteresis, then halvings down to min_scale
             seen.append(DeepSpeedFacts("engine", "engine", fp16=True, device_bf16=True, **loss_scaler_facts(scaler)))
             scaler.update_scale(True)
+    assert match_exception(raised.value)[0].checks[0] == "deepspeed-loss-scale-collapsed"
     report = mpdoctor.checks.run_checks(dataclasses.replace(mpdoctor.diagnose().facts, deepspeed=(seen[-1],)))
     (finding,) = [f for f in report if f.check == "deepspeed-loss-scale-collapsed"]
     assert finding.severity == "error" and "bf16" in finding.fixes[0].code
