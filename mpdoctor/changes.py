@@ -478,22 +478,42 @@ class SetDeepSpeedPrecision(ChangeSpec):
     mismatch_lists: tuple[int, ...]
     fp16: bool
     bf16: bool
+    #: With ``args`` (and ``state``): the TrainingArguments' ``fp16`` / ``bf16`` / ``mixed_precision`` and the
+    #: ``AcceleratorState``'s mode change with the config (a precision switch, not only the config following).
+    args: int = 0
+    state: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
 
     def bind(self, live: Live) -> list[Change]:
         from .integrations.deepspeed import ConfigPrecision
 
         lists = [x for x in (live.get(r) for r in self.mismatch_lists if r in live) if isinstance(x, list)]
         values = {"fp16": self.fp16, "bf16": self.bf16}
-        return [ConfigPrecision(_deepspeed_configs(live, self.configs), lists, values,
-                                f"{self.setup}: DeepSpeed fp16.enabled={self.fp16}, bf16.enabled={self.bf16}")]
+        steps: list[Change] = [ConfigPrecision(_deepspeed_configs(live, self.configs), lists, values,
+                                               f"{self.setup}: DeepSpeed fp16.enabled={self.fp16}, bf16.enabled={self.bf16}")]
+        if self.args and self.args in live:
+            args = live.get(self.args)
+            for key, value in (("fp16", self.fp16), ("bf16", self.bf16), ("mixed_precision", self.mode)):
+                if _differs(args, key, value):
+                    steps.append(SetAttr(args, key, value, f"{self.setup} arguments.{key}"))
+        if self.state and self.state in live:
+            state = live.get(self.state)
+            if raw_attr(state, "_mixed_precision", None) != self.mode:
+                steps.append(SetAttr(state, "_mixed_precision", self.mode, f"{self.setup} accelerator mixed_precision"))
+        return steps
 
     def simulate(self, facts: Facts) -> Facts:
-        out = tuple(
-            dataclasses.replace(d, fp16=self.fp16, bf16=self.bf16, mismatches=())
-            if d.config_ref in self.configs else d
-            for d in facts.deepspeed
-        )
-        return dataclasses.replace(facts, deepspeed=out)
+        out = []
+        for d in facts.deepspeed:
+            if d.config_ref in self.configs:
+                d = dataclasses.replace(d, fp16=self.fp16, bf16=self.bf16, mismatches=())
+                if self.args:
+                    d = dataclasses.replace(d, args_fp16=self.fp16, args_bf16=self.bf16)
+            out.append(d)
+        return dataclasses.replace(facts, deepspeed=tuple(out))
 
     def verify(self, live: Live) -> str | None:
         for cfg in _deepspeed_configs(live, self.configs):
@@ -504,7 +524,10 @@ class SetDeepSpeedPrecision(ChangeSpec):
         return None
 
     def targets(self) -> dict[tuple, Any]:
-        return {(r, key): v for r in self.configs for key, v in (("fp16.enabled", self.fp16), ("bf16.enabled", self.bf16))}
+        out: dict[tuple, Any] = {(r, key): v for r in self.configs for key, v in (("fp16.enabled", self.fp16), ("bf16.enabled", self.bf16))}
+        if self.args:
+            out.update({(self.args, None, "fp16"): self.fp16, (self.args, None, "bf16"): self.bf16})
+        return out
 
 
 @dataclass(frozen=True)

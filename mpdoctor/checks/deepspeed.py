@@ -150,9 +150,11 @@ def deepspeed_precision_unsupported(facts: Facts) -> Iterator[Finding]:
     Severity
         Error: the engine cannot be created.
     Fix
-        Display only (the arguments, the accelerator and the config must change together, then the Trainer or
-        engine is rebuilt): the precision the device has (bf16 on a CPU, fp16 with its dynamic loss scale on a
-        V100/T4; fp32 where neither), as the code shows.
+        The precision the device has (bf16 on a CPU, fp16 with its dynamic loss scale on a V100/T4; fp32 where
+        neither). Before ``train()`` on the live machine, in place (unsafe: it changes the numerics): the
+        DeepSpeed config, the arguments' ``fp16`` / ``bf16`` / ``mixed_precision`` and the accelerator's mode
+        switch together. For an engine or a ``target=`` what-if, display only: the config and arguments to
+        rebuild with.
     Source
         DeepSpeed ``runtime/engine.py`` (``_do_sanity_check``), ``accelerator/cpu_accelerator.py``
         (``is_fp16_supported``: ``torch.ops.mkldnn._is_mkldnn_fp16_supported()``); NVIDIA compute capabilities.
@@ -164,23 +166,38 @@ def deepspeed_precision_unsupported(facts: Facts) -> Iterator[Finding]:
             continue
         use = "bf16" if d.device_bf16 else "fp16" if d.device_fp16 else "no"
         device = d.device or "this device"
+        label = use if use != "no" else "fp32"
+        fixes = []
+        if not d.is_engine and d.args_ref and facts.hardware.live:
+            # Before train(), on this machine: the config, the arguments and the accelerator switch together.
+            spec = SetDeepSpeedPrecision(d.name, d.config_refs, d.mismatches_refs, use == "fp16", use == "bf16",
+                                         d.args_ref, d.state_ref)
+            fixes.append(Fix(
+                f"Switch {d.name} to {label} (DeepSpeed config, arguments and accelerator)",
+                _config_code(d, use == "fp16", use == "bf16")
+                + f"\n{d.args_name}.fp16, {d.args_name}.bf16 = {use == 'fp16'}, {use == 'bf16'}"
+                + f"\n{d.args_name}.mixed_precision = {use!r}",
+                False,
+                changes=(spec,),
+                recipe=f"precision-{use}",
+                cost=f"numerics: {label} instead of {precision}",
+            ))
+        fixes.append(Fix(
+            f"Train {d.name} in {label} (what {device} supports)",
+            _precision_code(d, use),
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe=f"rebuild-{use}",
+        ))
         yield Finding(
             "deepspeed-precision-unsupported",
             "error",
             d.name,
             f"{d.name} runs DeepSpeed in {precision}, which DeepSpeed refuses on {device}: "
             f"deepspeed.initialize raises 'ValueError: Type {precision} is not supported on your device.'. "
-            f"Use {use if use != 'no' else 'fp32'} instead.",
+            f"Use {label} instead.",
             {"precision": precision, "device": device, "device_fp16": d.device_fp16, "device_bf16": d.device_bf16,
              "config": d.config_path},
-            [
-                Fix(
-                    f"Train {d.name} in {use if use != 'no' else 'fp32'} (what {device} supports)",
-                    _precision_code(d, use),
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe=f"precision-{use}",
-                )
-            ],
+            fixes,
         )
 
 

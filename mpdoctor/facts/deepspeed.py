@@ -61,6 +61,8 @@ class DeepSpeedFacts:
         Whether DeepSpeed accepts fp16 / bf16 on the live device or the ``target=`` profile.
     device : str or None
         That device's name.
+    args_ref, state_ref : int
+        Refs of the TrainingArguments and the ``AcceleratorState`` whose precision goes with the config.
     """
 
     name: str
@@ -90,6 +92,8 @@ class DeepSpeedFacts:
     device_fp16: bool | None = None
     device_bf16: bool | None = None
     device: str | None = None
+    args_ref: int = 0
+    state_ref: int = 0
 
     @property
     def is_engine(self) -> bool:

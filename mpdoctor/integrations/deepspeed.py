@@ -93,7 +93,7 @@ def active_plugin(state: Any) -> Any:
 
 
 def _config_facts(name: str, source: str, path: str, hf: Any, args: Any, args_name: str | None, live: Any,
-                  obj: Any, mp: str | None = None) -> DeepSpeedFacts | None:
+                  obj: Any, mp: str | None = None, state: Any = None) -> DeepSpeedFacts | None:
     cfg = raw_attr(hf, "config", None)
     if not isinstance(cfg, dict):
         return None
@@ -104,6 +104,9 @@ def _config_facts(name: str, source: str, path: str, hf: Any, args: Any, args_na
         args_fp16, args_bf16 = mp == "fp16", mp == "bf16"
     live.add(obj)
     live.add(cfg)
+    for part in (args, state):
+        if part is not None:
+            live.add(part)
     if isinstance(mismatches, list):
         live.add(mismatches)
     return DeepSpeedFacts(
@@ -124,6 +127,8 @@ def _config_facts(name: str, source: str, path: str, hf: Any, args: Any, args_na
         mismatches_ref=id(mismatches) if isinstance(mismatches, list) else 0,
         config_refs=(id(cfg),),
         mismatches_refs=(id(mismatches),) if isinstance(mismatches, list) else (),
+        args_ref=id(args) if args is not None else 0,
+        state_ref=id(state) if state is not None else 0,
     )
 
 
@@ -231,7 +236,8 @@ def gather(subjects: tuple, live: Any, hardware: Any) -> dict:
             path = f"{s.name}.args.hf_deepspeed_config"
         if hf is None:
             continue
-        facts = _config_facts(s.name, "trainer", path, hf, args, f"{s.name}.args", live, s.obj)
+        state = raw_attr(acc, "state", None) if acc is not None else None
+        facts = _config_facts(s.name, "trainer", path, hf, args, f"{s.name}.args", live, s.obj, state=state)
         if facts is None:
             continue
         extra = raw_attr(args, "hf_deepspeed_config", None) if args is not None else None
@@ -252,7 +258,7 @@ def gather(subjects: tuple, live: Any, hardware: Any) -> dict:
                 continue
             mp = raw_attr(state, "_mixed_precision", None)
             facts = _config_facts(s.name, "accelerator", f"{s.name}.state.deepspeed_plugin.hf_ds_config", hf, None,
-                                  None, live, s.obj, str(mp) if mp is not None else None)
+                                  None, live, s.obj, str(mp) if mp is not None else None, state=state)
         else:
             continue
         if facts is not None:

@@ -147,28 +147,35 @@ def test_fp16_and_bf16_both_enabled_is_fixed_before_the_trainer_exists(tmp_path)
     assert trainer.model_wrapped.bfloat16_enabled() and trainer.state.global_step == 1
 
 
-def test_fp16_refused_on_this_cpu_is_named_before_train(tmp_path):
+def test_fp16_refused_on_this_cpu_is_switched_to_bf16_before_train(tmp_path):
     """DeepSpeed refuses fp16 where its accelerator has none: on this CPU (no oneDNN fp16)
-    "ValueError: Type fp16 is not supported on your device." The fix is display-only (arguments and config
-    change together); following its code, the run trains in bf16."""
+    "ValueError: Type fp16 is not supported on your device." at train(), after the model is built. The fix
+    switches the config, the arguments and the accelerator to bf16 together, in place; undo restores them."""
     args = training_args(zero_config(2), tmp_path, fp16=True)
     trainer = _trainer(args)
-    report = mpdoctor.diagnose(namespace={"trainer": trainer})
-    (finding,) = _findings(report, "deepspeed-precision-unsupported")
-    assert finding.severity == "error" and "Type fp16 is not supported on your device" in finding.message
-    fix = finding.fixes[0]
-    assert fix.applicability.value == "display-only"
-    assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in fix.code
     with pytest.raises(ValueError, match="Type fp16 is not supported on your device.") as raised:
         trainer.train()
     assert match_exception(raised.value)[0].slug == "crash-deepspeed-precision-unsupported"
 
-    os.environ.pop("ACCELERATE_MIXED_PRECISION", None)  # TrainingArguments wrote fp16 there
-    args = training_args(zero_config(2), tmp_path, fp16=False, bf16=True)  # what fix.code does
-    trainer = _trainer(args)
+    report = mpdoctor.diagnose(namespace={"trainer": trainer})
+    (finding,) = _findings(report, "deepspeed-precision-unsupported")
+    assert finding.severity == "error" and "Type fp16 is not supported on your device" in finding.message
+    in_place, rebuild = finding.fixes
+    assert in_place.applicability.value == "unsafe" and rebuild.applicability.value == "display-only"
+    assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in rebuild.code
+
+    config = args.hf_deepspeed_config.config
+    before = (copy.deepcopy(config), args.fp16, args.bf16, args.mixed_precision, trainer.accelerator.mixed_precision)
+    in_place.apply()
+    assert (config["fp16"]["enabled"], config["bf16"]["enabled"], args.fp16, args.bf16) == (False, True, False, True)
+    assert trainer.accelerator.mixed_precision == "bf16"
+    in_place.undo()
+    assert (config, args.fp16, args.bf16, args.mixed_precision, trainer.accelerator.mixed_precision) == before
+
+    in_place.apply()
     _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": trainer}))
     trainer.train()
-    assert trainer.model_wrapped.bfloat16_enabled()
+    assert trainer.model_wrapped.bfloat16_enabled() and trainer.state.global_step == 1
 
 
 def test_bf16_deepspeed_on_a_v100_target_is_refused(tmp_path):
