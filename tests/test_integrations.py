@@ -22,7 +22,8 @@ TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
 
 def test_each_library_is_one_declaration_and_the_registry_names_them():
     names = [i.name for i in integrations.registry()]
-    assert names == ["torch", "transformers", "accelerate", "peft"]
+    assert names[:4] == ["torch", "transformers", "accelerate", "peft"]
+    assert "deepspeed" in names
     for integ in integrations.registry():
         assert integ.modules, integ.name
         for path, kind in integ.kinds:

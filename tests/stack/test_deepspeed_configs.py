@@ -33,21 +33,38 @@ from mpdoctor.integrations.deepspeed import engine_facts, loss_scaler_facts
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    """A one-rank process group for the module (DeepSpeed joins it); torn down and the env restored after."""
+    """A one-rank process group for the module (DeepSpeed joins it); everything process-wide it leaves
+    behind is undone after: the environment exactly (TrainingArguments(deepspeed=...) sets
+    ``ACCELERATE_USE_DEEPSPEED``), transformers' global DeepSpeed config, ZeRO-3's replacement of
+    ``torch.nn.functional.linear``, the group, DeepSpeed's comm."""
     ensure_shm_op()
-    saved = {k: os.environ.get(k) for k in (*SINGLE_RANK_ENV, "MASTER_PORT")}
+    saved_env = dict(os.environ)
     os.environ.update(SINGLE_RANK_ENV, MASTER_PORT=free_port())
     yield
     import deepspeed.comm.comm as ds_comm
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as zero3_init
+
+    unset_hf_deepspeed_config()
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide ("This will persist unless manually reset.")
+    torch.nn.functional.linear = getattr(zero3_init, "linear_bk", torch.nn.functional.linear)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     ds_comm.cdb = None  # DeepSpeed's own "initialised" flag: the next module starts afresh
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(saved_env)
+
+
+@pytest.fixture(autouse=True)
+def _no_deepspeed_env_leaks_between_tests():
+    """Each test starts with the module's environment (a test's TrainingArguments write into it)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _trainer(args):
