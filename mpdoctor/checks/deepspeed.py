@@ -49,6 +49,7 @@ def _align_fix(d: DeepSpeedFacts, fp16: bool, bf16: bool, title: str) -> Fix:
 def _args_code(d: DeepSpeedFacts, precision: str) -> str:
     args = d.args_name or "args"
     return (
+        "import dataclasses\n"
         f"# rebuild the arguments so they ask for what the DeepSpeed config enables\n"
         f"{args} = dataclasses.replace({args}, fp16={precision == 'fp16'}, bf16={precision == 'bf16'})\n"
         "# then rebuild the Trainer from them"
@@ -128,6 +129,7 @@ def _precision_code(d: DeepSpeedFacts, use: str) -> str:
     section = {"fp16": {"enabled": use == "fp16"}, "bf16": {"enabled": use == "bf16"}}
     lines = ["# the DeepSpeed config (file or dict): " + json.dumps(section)[1:-1]]
     if d.args_name or not d.is_engine:
+        lines.insert(0, "import dataclasses")
         lines.append(f"{args} = dataclasses.replace({args}, fp16={use == 'fp16'}, bf16={use == 'bf16'})")
         lines.append("# then rebuild the Trainer (or Accelerator) and the engine from them")
     else:

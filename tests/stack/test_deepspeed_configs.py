@@ -306,6 +306,9 @@ def test_precision_fix_undo_restores_config_and_mismatch_lines(tmp_path):
     fix.undo()
     assert (hf.config, hf.mismatches) == before
 
+    exec(fix.code, {"args": args})  # the code shown is pasteable and does the same
+    assert hf.mismatches == [] and hf.config["bf16"]["enabled"] is False
+
 
 # -- healthy recipes -----------------------------------------------------------------------------------
 
