@@ -43,9 +43,10 @@ def one_rank_group():
     yield
     import deepspeed.comm.comm as ds_comm
     from accelerate.state import AcceleratorState
+    from deepspeed.runtime.zero.partition_parameters import (
+        InsertPostInitMethodToModuleSubClasses as zero3_init,
+    )
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as zero3_init
 
     unset_hf_deepspeed_config()
     # ZeRO-3 replaces torch.nn.functional.linear process-wide ("This will persist unless manually reset.")
