@@ -566,3 +566,106 @@ class RecomputeRopeBuffers(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, p, "inv_freq"): "float32" for p in self.paths}
+
+
+def _deepspeed_configs(live: Live, refs: tuple[int, ...]) -> list[dict]:
+    return [c for c in (live.get(r) for r in refs if r in live) if isinstance(c, dict)]
+
+
+@dataclass(frozen=True)
+class SetDeepSpeedPrecision(ChangeSpec):
+    """Set ``fp16.enabled`` / ``bf16.enabled`` of a DeepSpeed config before ``train()``, in place.
+
+    ``configs`` are the config dicts that must agree (the arguments' and the accelerator's);
+    ``mismatch_lists`` the HF integration's ``mismatches`` lists, from which the lines about these
+    keys are dropped (``trainer_config_finalize`` raises on whatever is left).
+    """
+
+    setup: str
+    configs: tuple[int, ...]
+    mismatch_lists: tuple[int, ...]
+    fp16: bool
+    bf16: bool
+    #: With ``args`` (and ``state``): the TrainingArguments' ``fp16`` / ``bf16`` / ``mixed_precision`` and the
+    #: ``AcceleratorState``'s mode change with the config (a precision switch, not only the config following).
+    args: int = 0
+    state: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
+
+    def bind(self, live: Live) -> list[Change]:
+        from .integrations.deepspeed import ConfigPrecision
+
+        lists = [x for x in (live.get(r) for r in self.mismatch_lists if r in live) if isinstance(x, list)]
+        values = {"fp16": self.fp16, "bf16": self.bf16}
+        steps: list[Change] = [ConfigPrecision(_deepspeed_configs(live, self.configs), lists, values,
+                                               f"{self.setup}: DeepSpeed fp16.enabled={self.fp16}, bf16.enabled={self.bf16}")]
+        if self.args and self.args in live:
+            args = live.get(self.args)
+            for key, value in (("fp16", self.fp16), ("bf16", self.bf16), ("mixed_precision", self.mode)):
+                if _differs(args, key, value):
+                    steps.append(SetAttr(args, key, value, f"{self.setup} arguments.{key}"))
+        if self.state and self.state in live:
+            state = live.get(self.state)
+            if raw_attr(state, "_mixed_precision", None) != self.mode:
+                steps.append(SetAttr(state, "_mixed_precision", self.mode, f"{self.setup} accelerator mixed_precision"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        out = []
+        for d in facts.deepspeed:
+            if d.config_ref in self.configs:
+                d = dataclasses.replace(d, fp16=self.fp16, bf16=self.bf16, mismatches=())
+                if self.args:
+                    d = dataclasses.replace(d, args_fp16=self.fp16, args_bf16=self.bf16)
+            out.append(d)
+        return dataclasses.replace(facts, deepspeed=tuple(out))
+
+    def verify(self, live: Live) -> str | None:
+        for cfg in _deepspeed_configs(live, self.configs):
+            for key, want in (("fp16", self.fp16), ("bf16", self.bf16)):
+                section = cfg.get(key)
+                if not isinstance(section, dict) or section.get("enabled") is not want:
+                    return f"DeepSpeed {key}.enabled is not {want}"
+        return None
+
+    def targets(self) -> dict[tuple, Any]:
+        out: dict[tuple, Any] = {(r, key): v for r in self.configs for key, v in (("fp16.enabled", self.fp16), ("bf16.enabled", self.bf16))}
+        if self.args:
+            out.update({(self.args, None, "fp16"): self.fp16, (self.args, None, "bf16"): self.bf16})
+        return out
+
+
+@dataclass(frozen=True)
+class SetDeepSpeedConfigKey(ChangeSpec):
+    """Set a top-level key of DeepSpeed config dicts before ``train()`` (``communication_data_type``)."""
+
+    setup: str
+    configs: tuple[int, ...]
+    key: str
+    value: Any
+
+    def bind(self, live: Live) -> list[Change]:
+        from .integrations.deepspeed import ConfigKey
+
+        cfgs = [c for c in _deepspeed_configs(live, self.configs) if c.get(self.key) != self.value]
+        return [ConfigKey(cfgs, self.key, self.value, f"{self.setup}: DeepSpeed {self.key}={self.value!r}")] if cfgs else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        if self.key != "communication_data_type":
+            return facts
+        name = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(self.value, self.value)
+        out = tuple(
+            dataclasses.replace(d, communication_data_type=name) if d.config_ref in self.configs else d
+            for d in facts.deepspeed
+        )
+        return dataclasses.replace(facts, deepspeed=out)
+
+    def verify(self, live: Live) -> str | None:
+        bad = [c for c in _deepspeed_configs(live, self.configs) if c.get(self.key) != self.value]
+        return f"DeepSpeed {self.key} is not {self.value!r}" if bad else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(r, self.key): self.value for r in self.configs}

@@ -23,7 +23,7 @@ TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
 def test_each_library_is_one_declaration_and_the_registry_names_them():
     names = [i.name for i in integrations.registry()]
     assert names[:4] == ["torch", "transformers", "accelerate", "peft"]  # the training stack's follow (tests/stack)
-    assert len(names) == len(set(names))
+    assert len(names) == len(set(names)) and "deepspeed" in names
     for integ in integrations.registry():
         packages = tuple(integ.modules) + tuple(integ.any_modules)
         assert packages, integ.name

@@ -35,7 +35,7 @@ SECTIONS = ("What it detects", "Why it matters", "Severity", "Fix", "Source")
 #: Modules holding checks, imported in this order when the registry is first used.
 MODULES = (
     "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "numerics", "lightning", "distributed",
-    "diffusion", "lowbit", "trl", "lowprecision",
+    "diffusion", "lowbit", "trl", "lowprecision", "deepspeed",
 )
 
 

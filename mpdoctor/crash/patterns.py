@@ -179,7 +179,7 @@ PATTERNS: tuple[Pattern, ...] = (
         "crash-deepspeed-loss-scale",
         ("builtins.Exception",),
         r"Current loss scale already at minimum",
-        ("scaler-scale-collapsed", "nonfinite-values", "fp16-overflow-risk"),
+        ("deepspeed-loss-scale-collapsed", "scaler-scale-collapsed", "nonfinite-values", "fp16-overflow-risk"),
         "DeepSpeed's fp16 loss scaler kept overflowing until the scale hit its minimum: the values overflow "
         "fp16 whatever the scale, often a bf16-trained checkpoint run in fp16.",
         "Train in bf16 (or fp32) instead of fp16 where the hardware allows, or find the overflowing layer "
@@ -202,6 +202,25 @@ PATTERNS: tuple[Pattern, ...] = (
         ("precision-override",),
         "Both fp16 and bf16 were requested; a run computes in one half precision.",
         "Keep bf16=True on Ampere+ GPUs and fp16=True on older ones, not both.",
+    ),
+    _p(
+        "crash-deepspeed-config-mismatch",
+        ("builtins.ValueError",),
+        r"DeepSpeed config values that mismatch TrainingArguments values:(?s:.)*- ds (fp16|bf16)\.enabled=",
+        ("deepspeed-precision-mismatch",),
+        "The DeepSpeed config enables a precision the TrainingArguments do not ask for (or the reverse); the HF "
+        "integration refuses to start the engine.",
+        "Set the config's fp16/bf16 'enabled' to \"auto\" (or to what the arguments say) before trainer.train().",
+    ),
+    _p(
+        "crash-deepspeed-precision-unsupported",
+        ("builtins.ValueError",),
+        r"Type (fp16|bf16) is not supported on your device",
+        ("deepspeed-precision-unsupported",),
+        "DeepSpeed's accelerator refuses this precision on this device (fp16 on a CPU without oneDNN fp16, bf16 "
+        "below compute capability 8.0).",
+        "Train in the precision the device has (bf16 on a CPU or Ampere+, fp16 on a V100/T4), in the arguments "
+        "and the DeepSpeed config together.",
     ),
 )
 

@@ -135,6 +135,8 @@ class Facts:
     distributed: Any = None
     #: mpdoctor.facts.trl.TrlFacts, one per TRL trainer (SFT, DPO, GRPO ...): its config and reference model.
     trl: tuple = ()
+    #: mpdoctor.facts.deepspeed.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
+    deepspeed: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:
@@ -280,11 +282,11 @@ def gather(
     except Exception as exc:
         precisions = ()
         errors.append(("precision", _summarise(exc)))
+    extras: dict = {}
     try:
-        extra = integrations.setup_facts_of(subjects, hardware)
-    except Exception as exc:
-        extra = {}
-        errors.append(("setup", _summarise(exc)))
+        extras = integrations.extra_facts(subjects, live, hardware)
+    except Exception as exc:  # a library's own facts must not stop the report
+        errors.append(("integrations", _summarise(exc)))
     try:
         from .distributed import gather_distributed
 
@@ -302,5 +304,5 @@ def gather(
         runtime=gather_runtime(),
         hardware=hardware,
         errors=tuple(errors),
-        **extra,
+        **extras,
     )

@@ -27,7 +27,10 @@ from typing import Any
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
-MODULES = ("torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl")
+MODULES = (
+    "torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl",
+    "deepspeed",
+)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Integration:
         ``obj -> dict`` of the precision-related fields of an arguments object of this library.
     effective : callable, optional
         ``obj -> AcceleratorView`` of what an accelerator object of this library will run.
+    facts : callable, optional
+        ``(subjects, live, hardware) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields (a tuple
+        of the library's own plain facts, such as ``{"deepspeed": (DeepSpeedFacts, ...)}``).
     """
 
     name: str
@@ -83,9 +89,9 @@ class Integration:
     effective: Callable[[Any], Any] | None = None
     #: Active when any of these is imported too (a library published under several names: Lightning).
     any_modules: tuple[str, ...] = ()
-    #: ``(subjects, device profile) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields (setup facts
-    #: of a library with its own precision model, such as Lightning's plugins).
-    setup_facts: Callable[..., dict] | None = None
+    #: ``(subjects, live, device profile) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields, for a
+    #: library with facts of its own (Lightning's precision plugins, DeepSpeed's engines and configs).
+    facts: Callable[..., dict] | None = None
 
     @property
     def active(self) -> bool:
@@ -188,10 +194,10 @@ def model_extras(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     return out
 
 
-def setup_facts_of(subjects: tuple, hardware: Any) -> dict:
-    """Extra Facts fields from the active integrations that gather setup facts of their own."""
+def extra_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """Extra Facts fields contributed by every active integration (``Integration.facts``)."""
     out: dict = {}
     for integ in active():
-        if integ.setup_facts is not None:
-            out.update(integ.setup_facts(subjects, hardware))
+        if integ.facts is not None:
+            out.update(integ.facts(subjects, live, hardware))
     return out

@@ -120,5 +120,5 @@ INTEGRATION = Integration(
     optimizer_unwraps=tuple(Unwrap(o, "_optimizer", "._optimizer") for o in LIGHTNING_OPTIMIZERS),
     brings=tuple((t, ("lightning_module", "optimizers", "precision_plugin.scaler")) for t in TRAINERS)
     + tuple((f, ("_precision.scaler",)) for f in FABRICS),
-    setup_facts=_setup_facts,
+    facts=lambda subjects, live, hardware: _setup_facts(subjects, hardware),
 )

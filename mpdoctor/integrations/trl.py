@@ -60,5 +60,5 @@ INTEGRATION = Integration(
     name="trl",
     modules=("trl",),
     brings=((BASE_TRAINER, ("ref_model",)),),
-    setup_facts=_setup_facts,
+    facts=lambda subjects, live, hardware: _setup_facts(subjects, hardware),
 )
