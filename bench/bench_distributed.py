@@ -42,7 +42,23 @@ def model(world: int, ops_per_rank: int = 6, bytes_per_rank: int = 60, reference
             "ratio_exchange_to_step": round(time_s / step_s, 4)}  # fmt: skip
 
 
+def rows(quick: bool) -> list[dict]:
+    """The rows run_all.py tabulates (figure, mpdoctor, baseline, ratio, target, met, unit), details kept aside."""
+    out = []
+    for world in (2,) if quick else (2, 4):
+        m = measure(world)
+        out.append({"figure": f"cross-rank exchange bytes per rank ({world} gloo ranks, healthy)",
+                    "mpdoctor": m["bytes_per_rank_max"], "baseline": None, "ratio": None, "target": 1024,
+                    "met": m["bytes_per_rank_max"] <= 1024, "unit": "bytes", "bench": "distributed-exchange",
+                    "measured": m})  # fmt: skip
+    mod = model(1024)
+    out.append({"figure": "cross-rank exchange at 1,024 ranks (modelled) vs one 7B DDP step",
+                "mpdoctor": mod["exchange_s"], "baseline": mod["train_step_s"], "ratio": mod["ratio_exchange_to_step"],
+                "target": 0.1, "met": mod["ratio_exchange_to_step"] <= 0.1, "unit": "s", "bench": "distributed-exchange",
+                "modelled": mod})  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
-    for world in (2, 4):
-        print("RESULT " + json.dumps({"bench": "distributed-exchange", "measured": measure(world)}))
-    print("RESULT " + json.dumps({"bench": "distributed-exchange", "modelled": model(1024)}))
+    for row in rows("--quick" in sys.argv):
+        print("RESULT " + json.dumps(row))
