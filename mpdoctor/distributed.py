@@ -199,6 +199,28 @@ def diagnose_every_rank(*objects: Any, timeout: float = 60.0, **kwargs: Any) -> 
     return diagnose(*objects, distributed=True, timeout=timeout, **kwargs)
 
 
+def group_size() -> int:
+    """The size of the initialised default process group, 1 without one."""
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    except Exception:
+        return 1
+
+
+def diagnose_in_callback(*objects: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
+    """What a training callback's start-of-training diagnosis calls on every process.
+
+    In a process group of more than one rank, every rank must call it (it is the cross-rank
+    :func:`diagnose_every_rank`: the same findings on each rank); otherwise plain ``diagnose``.
+    """
+    if group_size() > 1:
+        return diagnose_every_rank(*objects, timeout=timeout, **kwargs)
+    from .diagnosis import diagnose
+
+    return diagnose(*objects, **kwargs)
+
 
 
 def reattach(facts: Facts, previous: DistributedFacts) -> Facts:

@@ -156,42 +156,49 @@ def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
 
 @check("launch-world-of-one", "error")
 def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
-    """A process launched as one of several trains alone.
+    """A process launched as one of several holds an Accelerator that trains alone.
 
     What it detects
-        The launcher set ``WORLD_SIZE`` > 1, but this process has no process group of
-        that size and its Accelerator says one process (``DistributedType.NO``).
+        The launcher started several processes (``WORLD_SIZE`` > 1 in the environment, or a
+        process group of more than one rank), but an Accelerator in this process says one
+        process (``num_processes == 1``, ``DistributedType.NO``).
     Why it matters
-        Each process trains its own copy of the model on its own data: N independent
-        trainings, no gradient averaging, N times the work, silently. ``notebook_launcher``
-        on a CPU without ``Accelerator(cpu=True)`` does exactly this.
+        ``prepare`` then wraps nothing in DDP: each process trains its own copy of the model
+        on its own data, no gradient is averaged, N times the work, silently. Reproduced with
+        accelerate 1.15: ``notebook_launcher(fn, num_processes=2)`` on a CPU without
+        ``Accelerator(cpu=True)`` prints "Launching training on 2 CUDAs.", each child even
+        holds a 2-rank process group (backend ``undefined``) yet its Accelerator is
+        ``DistributedType.NO``, and after one step the ranks' weights differ.
     Severity
         error: the run silently is not the distributed training that was launched.
     Fix
-        Create the Accelerator with ``cpu=True`` inside the launched function on a CPU
-        (or initialise the process group: ``torch.distributed.init_process_group``).
+        Create the Accelerator with ``cpu=True`` inside the launched function on a CPU (display
+        only: accelerate's shared state cannot be re-initialised inside a running worker).
     Source
-        accelerate ``launchers.py`` and ``state.py`` (``PartialState.__init__``), reproduced with accelerate 1.15.
+        accelerate ``launchers.py`` (``notebook_launcher``) and ``state.py``
+        (``PartialState.__init__``: no backend means ``DistributedType.NO``); tests/distributed/test_launcher.py.
     """
     dist = facts.distributed
-    if dist is None or not dist.env_world_size or dist.env_world_size < 2 or dist.world_size > 1:
+    if dist is None:
         return
+    launched = max(dist.env_world_size or 1, dist.world_size)
     accs = [a for a in dist.accelerators if a.num_processes == 1]
-    if not accs and not facts.models:
+    if launched < 2 or not accs:
         return
-    who = ", ".join(f"{a.name} ({a.distributed_type}, num_processes={a.num_processes})" for a in accs) or "torch.distributed (no process group)"
+    who = ", ".join(f"{a.name} ({a.distributed_type}, num_processes={a.num_processes})" for a in accs)
+    rank = dist.env_rank if dist.env_rank is not None else dist.rank
     code = (
         "def train():\n"
         "    accelerator = Accelerator(cpu=True, mixed_precision=\"bf16\")  # inside the launched function\n"
         "    ...\n"
-        f"notebook_launcher(train, num_processes={dist.env_world_size})"
+        f"notebook_launcher(train, num_processes={launched})"
     )
     yield Finding(
         "launch-world-of-one",
         "error",
-        accs[0].name if accs else "process group",
-        f"This process was launched as rank {dist.env_rank} of {dist.env_world_size}, but {who} sees a world of one: "
-        f"the {dist.env_world_size} processes train {dist.env_world_size} independent copies.",
+        accs[0].name,
+        f"This process was launched as rank {rank} of {launched}, but {who} sees a world of one: prepare() wraps "
+        f"nothing in DDP and the {launched} processes train {launched} independent copies.",
         {"env_world_size": dist.env_world_size, "env_rank": dist.env_rank, "world_size": dist.world_size,
          "accelerators": [a.name for a in accs]},  # fmt: skip
         [Fix("Create the Accelerator with cpu=True inside the launched function", code, False,
@@ -208,9 +215,11 @@ def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
         worker: accelerate's shared ``AcceleratorState`` is already filled, or CUDA is
         initialised.
     Why it matters
-        ``notebook_launcher`` refuses to start ("the `Accelerator` should only be initialized
-        inside your training function") and forked workers cannot re-initialise CUDA
-        ("Cannot re-initialize CUDA in forked subprocess"); the kernel must be restarted.
+        ``notebook_launcher`` refuses to start: "To launch a multi-device training from your
+        notebook, the `Accelerator` should only be initialized inside your training function.
+        Restart your notebook and make sure no cells initializes an `Accelerator`." (reproduced,
+        accelerate 1.15). On a GPU, forked workers cannot re-initialise CUDA ("Cannot re-initialize
+        CUDA in forked subprocess"; not reproducible on this CPU); the kernel must be restarted.
     Severity
         error: the launch will fail.
     Fix
@@ -218,7 +227,7 @@ def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
         without a restart, ``AcceleratorState._reset_state(True)`` clears accelerate's state
         (CUDA cannot be un-initialised: restart the kernel).
     Source
-        accelerate ``launchers.py`` (``notebook_launcher``).
+        accelerate ``launchers.py`` (``notebook_launcher``); tests/distributed/test_launcher.py.
     """
     dist = facts.distributed
     if dist is None or not dist.launcher_imported or dist.distributed or dist.env_world_size:

@@ -18,6 +18,10 @@
   the latest batch, once.
 - ``on_train_end``: removes its hooks.
 
+In a process group of more than one rank (DDP, FSDP, DeepSpeed under torchrun or accelerate),
+the start-of-training diagnosis is the cross-rank one (:func:`mpdoctor.distributed.diagnose_every_rank`,
+run on every rank, the same findings on each) and reports render on rank 0 only.
+
 This is the only mpdoctor module importing transformers.
 """
 
@@ -74,6 +78,9 @@ class MPDoctorCallback(TrainerCallback):
     verbose : bool
         Show the start-of-training report even when it finds nothing (default:
         only with errors or warnings, so a healthy run stays silent).
+    timeout : float
+        In a multi-rank job, seconds to wait for the other ranks' start-of-training
+        diagnosis (ranks that do not answer are named in the report).
 
     Attributes
     ----------
@@ -93,7 +100,9 @@ class MPDoctorCallback(TrainerCallback):
         scan: bool = False,
         ignore: tuple[str, ...] | list[str] = (),
         verbose: bool = False,
+        timeout: float = 60.0,
     ) -> None:
+        self.timeout = timeout
         self.stop_on_error = stop_on_error
         self.stop_on_nonfinite = stop_on_nonfinite
         self.probe = probe
@@ -113,11 +122,12 @@ class MPDoctorCallback(TrainerCallback):
     # -- events ------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
         """Diagnose; stop before the first step on errors when asked; start watching the model."""
-        from .. import diagnose
+        from ..distributed import diagnose_in_callback
 
         objects = [o for o in (model, optimizer, args) if o is not None]
         names = {id(model): "model", id(optimizer): "optimizer", id(args): "args"}
-        self.start_report = diagnose(*objects, names=names, scan=self.scan, ignore=self.ignore)
+        self.start_report = diagnose_in_callback(*objects, timeout=self.timeout, names=names, scan=self.scan,
+                                                 ignore=self.ignore)  # fmt: skip
         if self.verbose or not self.start_report.ok:
             self._show(self.start_report, "at the start of training")
         errors = self.start_report.counts()["error"]
@@ -192,6 +202,12 @@ class MPDoctorCallback(TrainerCallback):
                                 report)  # fmt: skip
 
     def _show(self, report: Any, when: str) -> None:
+        from ..distributed import is_rank_zero
+
+        if not is_rank_zero():
+            if when.startswith("at step"):  # a probe on another rank: say so, the report renders on rank 0 only
+                logger.warning("mpdoctor: non-zero rank probed a failing batch %s (see its probe_report)", when)
+            return
         shell = _ipython_shell()
         if shell is not None:
             from IPython.display import display

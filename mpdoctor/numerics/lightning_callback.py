@@ -12,7 +12,9 @@
   With ``stop_on_nonfinite=True`` it then raises :class:`MPDoctorAbort`.
 - ``on_fit_end``: removes its hooks.
 
-Reports render on global rank 0 only (``trainer.is_global_zero``). This is the only mpdoctor module
+In a process group of more than one rank the start diagnosis is the cross-rank one
+(:func:`mpdoctor.distributed.diagnose_every_rank`, run on every rank, the same findings on each).
+Reports render on global rank 0 only (``trainer.is_global_zero`` and ``is_rank_zero()``). This is the only mpdoctor module
 importing Lightning; ``import mpdoctor`` never imports it (``mpdoctor.MPDoctorLightningCallback`` is lazy).
 """
 
@@ -51,6 +53,8 @@ class MPDoctorLightningCallback(Callback):
         Check slugs to skip.
     verbose : bool
         Show the start report even when it finds nothing.
+    timeout : float
+        In a multi-rank job, seconds to wait for the other ranks' start diagnosis.
 
     Attributes
     ----------
@@ -67,7 +71,9 @@ class MPDoctorLightningCallback(Callback):
         probe: bool = True,
         ignore: tuple[str, ...] | list[str] = (),
         verbose: bool = False,
+        timeout: float = 60.0,
     ) -> None:
+        self.timeout = timeout
         self.stop_on_error = stop_on_error
         self.stop_on_nonfinite = stop_on_nonfinite
         self.probe = probe
@@ -83,9 +89,10 @@ class MPDoctorLightningCallback(Callback):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Diagnose the Trainer; stop before the first step on errors when asked."""
-        from .. import diagnose
+        from ..distributed import diagnose_in_callback
 
-        self.start_report = diagnose(trainer, names={id(trainer): "trainer"}, ignore=self.ignore)
+        self.start_report = diagnose_in_callback(trainer, timeout=self.timeout, names={id(trainer): "trainer"},
+                                                 ignore=self.ignore)  # fmt: skip
         if self.verbose or not self.start_report.ok:
             self._show(trainer, self.start_report, "at the start of fit")
         errors = self.start_report.counts()["error"]
@@ -144,7 +151,11 @@ class MPDoctorLightningCallback(Callback):
                                 report)  # fmt: skip
 
     def _show(self, trainer: Any, report: Any, when: str) -> None:
-        if not getattr(trainer, "is_global_zero", True):
+        from ..distributed import is_rank_zero
+
+        if not getattr(trainer, "is_global_zero", True) or not is_rank_zero():
+            if when.startswith("at step"):
+                logger.warning("mpdoctor: non-zero rank probed a failing batch %s (see its probe_report)", when)
             return
         shell = _ipython_shell()
         if shell is not None:

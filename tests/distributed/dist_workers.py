@@ -158,3 +158,54 @@ def accelerate_fsdp_plan(rank: int, world: int) -> dict:
     fixed = mpdoctor.diagnose(model, opt, acc, names=names)
     out["applied"] = [fx.title for fx in fixed.apply_safe_fixes()]
     return out
+
+
+def fsdp1_peft_adapters(rank: int, world: int, base_dtype: str) -> dict:
+    """A half-precision base with PEFT's fp32 LoRA adapters, wrapped by FSDP1 as a Trainer with ``fsdp=...`` would.
+
+    Field cases huggingface/peft#484 (fp16 base) and huggingface/trl#1723 (bf16 base): the real ValueError first,
+    then the diagnosis of the planned wrap (TrainingArguments ``fsdp="full_shard"``), the in-place cast, a wrap and a
+    training step that work.
+    """
+    import tempfile
+
+    from peft import LoraConfig, get_peft_model
+    from setups import tiny_llama
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision
+    from transformers import TrainingArguments
+
+    import mpdoctor
+
+    dtype = getattr(torch, base_dtype)
+
+    def build():
+        torch.manual_seed(0)
+        base = tiny_llama(use_cache=False).to(dtype)
+        return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    out = {}
+    try:
+        FSDP(build(), device_id=torch.device("cpu"), use_orig_params=True)
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    model = build()
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, fsdp="full_shard", ddp_backend="gloo",
+                             report_to=[])  # fmt: skip
+    names = {id(model): "model", id(args): "args"}
+    report = mpdoctor.diagnose(model, args, names=names)
+    out["report"] = _summary(report)
+    finding = report.findings_for("fsdp-mixed-dtype-unit")[0]
+    out["fix"] = [finding.fixes[0].title, finding.fixes[0].safe] if finding.fixes else None
+    finding.fixes[0].apply()
+    out["after"] = _summary(mpdoctor.diagnose(model, args, names=names))
+    fm = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+              mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32))  # fmt: skip
+    opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-3)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    loss = fm(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    out["loss_finite"] = bool(torch.isfinite(loss))
+    return out
