@@ -37,7 +37,8 @@ class CaseRow:
 
 
 def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    # A pipe escaped as ``\|`` inside a cell (an error message quoting ``fp16|fp16_full_eval``) is text.
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
 
 
 def case_rows(name: str, text: str) -> list[CaseRow]:

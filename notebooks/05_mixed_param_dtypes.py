@@ -214,7 +214,7 @@ print("losses:", [round(x, 4) for x in losses])
 # %%
 assert [f.subject for f in findings] == ["model"] and findings[0].severity == "error"
 assert not under_autocast.findings_for("mixed-param-dtypes")  # autocast makes the mix legal
-assert not [f for f in report.findings if f.subject.startswith("peft_model")], "a false alarm on PEFT's LoRA"
+assert not [f for f in report.findings if f.subject.startswith("peft_model") and f.severity != "info"], "a false alarm on PEFT's LoRA"
 assert not fix.safe and all(p.dtype == torch.bfloat16 for p in adapters)
 assert not report.refresh().findings_for("mixed-param-dtypes")
 assert all(math.isfinite(x) for x in losses)

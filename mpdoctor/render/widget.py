@@ -346,7 +346,10 @@ class ReportWidget:
         parts = [finding_body_html(view)]
         if view["fixes"]:
             snippets = "".join(
-                f"<div style='font-size:12px;color:{MUTED}'>{e(singular_counts(fx['title']))}:</div><pre style='{PRE}'>{e(fx['code'])}</pre>"
+                f"<div style='font-size:12px;color:{MUTED}'>{e(singular_counts(fx['title']))}:</div>"
+                + (f"<div style='font-size:12px;color:{MUTED}'>cost: {e(fx['cost'])}</div>" if fx.get("cost") else "")
+                + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['note'])}</div>" if fx.get("note") else "")
+                + f"<pre style='{PRE}'>{e(fx['code'])}</pre>"
                 for fx in view["fixes"]
             )
             parts.append(
@@ -360,6 +363,8 @@ class ReportWidget:
             parts.append(f"<div style='{FONT};margin-top:2px'>{pill('! note', COLORS['error'])} {e(note)}</div>")
         buttons: list[Any] = []
         for fix, fv in zip(finding.fixes, view["fixes"]):
+            if fv.get("applicability") == "display-only":
+                continue  # nothing to do in place: its code is in "the same fix as code"
             buttons.append(self._fix_button(finding, fix, fv, view))
             if _fix_key(finding, fix) in self._armed:
                 cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
@@ -386,6 +391,9 @@ class ReportWidget:
         else:
             description, kind = f"\u26a0 {short} (unsafe)", "unsafe"
             tooltip = f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
+        if fix_view.get("planned") is False and armed is None:
+            description = f"{description} (alternative)"
+            tooltip = f"{tooltip} Not in the planned treatment: {fix_view.get('note', '')}"
         button = w.Button(description=description, tooltip=tooltip, layout=_button_layout(w))
         _style(button, kind)
         button.on_click(lambda _b: self._on_fix(finding, fix, fix_view, view))
@@ -459,7 +467,8 @@ class ReportWidget:
         return reason
 
     def _on_fix(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> None:
-        if fix.applied or fix not in self.report.fixes:
+        offered = getattr(self.report, "all_fixes", None) or self.report.fixes
+        if fix.applied or all(fix is not x for x in offered):
             return  # a stale button from a report already replaced
         key = _finding_key(finding)
         armed = self._armed.get(_fix_key(finding, fix))
