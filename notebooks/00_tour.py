@@ -215,6 +215,43 @@ print(markdown)
 # t4 = %mpdoctor --target T4
 
 # %% [markdown]
+# ## When it crashes
+#
+# After `%load_ext mpdoctor`, a cell that raises a known mixed-precision error shows IPython's usual
+# traceback and then the diagnosis: the objects of the namespace and of the failing function's own frames,
+# with the finding that explains the exception first ("cause of RuntimeError: ...") and its fix button.
+# Any other error is shown exactly as IPython shows it; `%config MPDoctorMagics.on_error = False` turns this
+# off. Here an fp32 head sits after a bf16 layer, and the training step is a function:
+
+# %%
+net = torch.nn.Sequential(torch.nn.Linear(16, 16).to(torch.bfloat16), torch.nn.Linear(16, 2))
+
+
+def train_step():
+    return net(torch.randn(4, 16, dtype=torch.bfloat16)).float().sum()
+
+
+# %% tags=["raises-exception"]
+train_step()
+
+# %% [markdown]
+# The report under the traceback is what the hook showed. The same diagnosis through the API, the fix the
+# button applies, and the step that runs afterwards:
+
+# %%
+import sys  # noqa: E402
+
+from mpdoctor.crash import explain  # noqa: E402
+
+crash = explain(sys.last_value, namespace={"net": net})
+assert crash.cause is crash.findings[0] and crash.cause.check == "mixed-param-dtypes", crash.cause
+assert crash.exception.startswith("RuntimeError"), crash.exception
+crash.cause.fixes[0].apply()  # what the fix button runs
+train_step().backward()
+assert {p.dtype for p in net.parameters()} == {torch.bfloat16}
+print("the step runs now")
+
+# %% [markdown]
 # ## The lesson's claims, checked
 #
 # This cell makes the notebook fail in CI the day mpdoctor, PyTorch or transformers stops behaving as this
