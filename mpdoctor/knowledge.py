@@ -11,8 +11,27 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .facts.hardware import DeviceProfile
     from .facts.optimizer import OptimizerFacts
+
+# -- dtype names ----------------------------------------------------------------------------------------------
+
+#: Terse dtype names for compact renderings (as lovely-tensors prints them).
+SHORT_DTYPE = {
+    "float32": "f32",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "float64": "f64",
+    "float8_e4m3fn": "f8e4m3",
+    "float8_e5m2": "f8e5m2",
+    "int8": "i8",
+    "uint8": "u8",
+    "int32": "i32",
+    "int64": "i64",
+    "bool": "bool",
+    "complex64": "c64",
+    "complex128": "c128",
+}
+
 
 # -- model families -------------------------------------------------------------------------------------------
 
@@ -155,24 +174,18 @@ REQUIREMENTS: tuple[DtypeRequirement, ...] = (
 # -- devices --------------------------------------------------------------------------------------------------
 
 
-def device_profiles() -> dict[str, DeviceProfile]:
-    """What-if profiles for ``target=`` (names matched case-insensitively), from NVIDIA's capability tables."""
-    from .facts.hardware import DeviceProfile
-
-    def _gpu(name: str, cap: tuple[int, int], memory: float) -> DeviceProfile:
-        major = cap[0]
-        return DeviceProfile(name, "cuda", cap, major >= 8, major >= 7, major >= 8, False, None, memory)
-
-    return {
-        "cpu": DeviceProfile("cpu", "cpu", None, True, False, False, False, None, None),
-        "P100": _gpu("P100", (6, 0), 16),
-        "V100": _gpu("V100", (7, 0), 16),
-        "T4": _gpu("T4", (7, 5), 15),
-        "RTX2080": _gpu("RTX2080", (7, 5), 8),
-        "A10G": _gpu("A10G", (8, 6), 24),
-        "A100": _gpu("A100", (8, 0), 80),
-        "RTX3090": _gpu("RTX3090", (8, 6), 24),
-        "L4": _gpu("L4", (8, 9), 24),
-        "RTX4090": _gpu("RTX4090", (8, 9), 24),
-        "H100": _gpu("H100", (9, 0), 80),
-    }
+#: What-if device profiles for ``target=``: GPU name -> (CUDA compute capability, memory in GiB). bf16 and TF32
+#: tensor cores from sm_80 (Ampere), fp16 tensor cores from sm_70 (Volta), fp8 from sm_89 (NVIDIA's tables).
+#: ``mpdoctor.facts.hardware`` turns them into DeviceProfiles (names matched case-insensitively), with "cpu".
+GPU_PROFILES: dict[str, tuple[tuple[int, int], float]] = {
+    "P100": ((6, 0), 16),
+    "V100": ((7, 0), 16),
+    "T4": ((7, 5), 15),
+    "RTX2080": ((7, 5), 8),
+    "A10G": ((8, 6), 24),
+    "A100": ((8, 0), 80),
+    "RTX3090": ((8, 6), 24),
+    "L4": ((8, 9), 24),
+    "RTX4090": ((8, 9), 24),
+    "H100": ((9, 0), 80),
+}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..knowledge import GPU_PROFILES
 from .tensors import dtype_name
 
 
@@ -51,10 +52,17 @@ class DeviceProfile:
         return f"{self.name} ({cap}{'live' if self.live else 'what-if'})"
 
 
-from ..knowledge import device_profiles  # noqa: E402  (the table needs DeviceProfile above)
+def _gpu(name: str, cap: tuple[int, int], memory: float) -> DeviceProfile:
+    major = cap[0]
+    return DeviceProfile(name, "cuda", cap, major >= 8, major >= 7, major >= 8, False, None, memory)
 
-#: What-if profiles for ``target=``; names are matched case-insensitively.
-PROFILES: dict[str, DeviceProfile] = device_profiles()
+
+#: What-if profiles for ``target=`` (the table is :data:`mpdoctor.knowledge.GPU_PROFILES`); names are
+#: matched case-insensitively.
+PROFILES: dict[str, DeviceProfile] = {
+    "cpu": DeviceProfile("cpu", "cpu", None, True, False, False, False, None, None),
+    **{name: _gpu(name, cap, mem) for name, (cap, mem) in GPU_PROFILES.items()},
+}
 
 
 class UnknownTarget(ValueError):

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..introspect import class_path, class_paths
+from ..knowledge import SHORT_DTYPE  # noqa: F401  (re-exported: the facts' name for the table)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -22,23 +23,6 @@ def dtype_name(dtype: Any) -> str:
     text = str(dtype)
     return text[6:] if text.startswith("torch.") else text
 
-
-#: Terse dtype names for compact renderings (as lovely-tensors prints them).
-SHORT_DTYPE = {
-    "float32": "f32",
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "float64": "f64",
-    "float8_e4m3fn": "f8e4m3",
-    "float8_e5m2": "f8e5m2",
-    "int8": "i8",
-    "uint8": "u8",
-    "int32": "i32",
-    "int64": "i64",
-    "bool": "bool",
-    "complex64": "c64",
-    "complex128": "c128",
-}
 
 FLOATING = frozenset(
     {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}

@@ -29,36 +29,20 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ..crash.watch import LossWatcher
+from .callback_state import CallbackState, MPDoctorAbort, ipython_shell
 
 logger = logging.getLogger("mpdoctor")
 
 
-class MPDoctorAbort(RuntimeError):
-    """Raised by :class:`MPDoctorCallback` to stop training; ``.report`` holds the diagnosis."""
-
-    def __init__(self, message: str, report: Any) -> None:
-        super().__init__(message)
-        self.report = report
+_ipython_shell = ipython_shell
 
 
-def _ipython_shell() -> Any:
-    mod = sys.modules.get("IPython")
-    if mod is None:
-        return None
-    try:
-        return mod.get_ipython()
-    except Exception:
-        return None
-
-
-class MPDoctorCallback(TrainerCallback):
+class MPDoctorCallback(TrainerCallback, CallbackState):
     """Diagnose at the start of training and probe the batch where the loss first goes non-finite.
 
     Parameters
@@ -102,19 +86,7 @@ class MPDoctorCallback(TrainerCallback):
         verbose: bool = False,
         timeout: float = 60.0,
     ) -> None:
-        self.timeout = timeout
-        self.stop_on_error = stop_on_error
-        self.stop_on_nonfinite = stop_on_nonfinite
-        self.probe = probe
-        self.scan = scan
-        self.ignore = tuple(ignore)
-        self.verbose = verbose
-        self.start_report: Any = None
-        self.probe_report: Any = None
-        self.events: list[dict] = []
-        # The hooks, the capture of inputs and losses and the probe are shared with mpdoctor.watch.
-        self._watcher = LossWatcher()
-        self._fired = False
+        CallbackState.__init__(self, stop_on_error, stop_on_nonfinite, probe, scan, ignore, verbose, timeout)
 
     def _detach(self) -> None:
         self._watcher.close()

@@ -30,15 +30,15 @@ try:  # the unified package first; the standalone ``pytorch_lightning`` where on
 except ImportError:  # pragma: no cover - depends on the installed namespace
     from pytorch_lightning.callbacks import Callback
 
-from ..crash.watch import LossWatcher
-from .callback import MPDoctorAbort, _ipython_shell
+from .callback_state import CallbackState, MPDoctorAbort
+from .callback_state import ipython_shell as _ipython_shell
 
 logger = logging.getLogger("mpdoctor")
 
 __all__ = ["MPDoctorAbort", "MPDoctorLightningCallback"]
 
 
-class MPDoctorLightningCallback(Callback):
+class MPDoctorLightningCallback(Callback, CallbackState):
     """Diagnose at the start of ``fit`` and probe the batch where the loss first goes non-finite.
 
     Parameters
@@ -73,17 +73,7 @@ class MPDoctorLightningCallback(Callback):
         verbose: bool = False,
         timeout: float = 60.0,
     ) -> None:
-        self.timeout = timeout
-        self.stop_on_error = stop_on_error
-        self.stop_on_nonfinite = stop_on_nonfinite
-        self.probe = probe
-        self.ignore = tuple(ignore)
-        self.verbose = verbose
-        self.start_report: Any = None
-        self.probe_report: Any = None
-        self.events: list[dict] = []
-        self._watcher = LossWatcher()
-        self._fired = False
+        CallbackState.__init__(self, stop_on_error, stop_on_nonfinite, probe, False, ignore, verbose, timeout)
 
     # -- events ------------------------------------------------------------------------
 

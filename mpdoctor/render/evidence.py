@@ -12,21 +12,8 @@ import re
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-#: Terse dtype names (as lovely-tensors writes them); kept here so renderers need not import the facts' torch code.
-SHORT_DTYPE = {
-    "float32": "f32",
-    "float16": "f16",
-    "bfloat16": "bf16",
-    "float64": "f64",
-    "float8_e4m3fn": "f8e4m3",
-    "float8_e5m2": "f8e5m2",
-    "int8": "i8",
-    "uint8": "u8",
-    "int32": "i32",
-    "int64": "i64",
-    "bool": "bool",
-    "complex64": "c64",
-}
+from ..knowledge import SHORT_DTYPE  # noqa: F401  (renderers' import point; the table is torch-free)
+
 #: How people say a dtype in a sentence.
 SPOKEN_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}
 #: Largest finite values of the half-precision formats (the probe chart draws both).

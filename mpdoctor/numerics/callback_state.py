@@ -1,0 +1,76 @@
+"""What the transformers and Lightning callbacks share: their settings, their reports and the loss watcher.
+
+Neither library is imported here, so each callback module imports only its own library.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ..crash.watch import LossWatcher
+
+
+class MPDoctorAbort(RuntimeError):
+    """Raised by the callbacks to stop training; ``.report`` holds the diagnosis."""
+
+    def __init__(self, message: str, report: Any) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+def ipython_shell() -> Any:
+    """The running IPython shell, if the user's process has one (never imports IPython)."""
+    mod = sys.modules.get("IPython")
+    if mod is None:
+        return None
+    try:
+        return mod.get_ipython()
+    except Exception:
+        return None
+
+
+class CallbackState:
+    """Settings, reports and events of a training callback, and the :class:`LossWatcher` it shares with ``watch``.
+
+    Parameters
+    ----------
+    stop_on_error : bool
+        Stop training when the start-of-training diagnosis has an error.
+    stop_on_nonfinite : bool
+        Stop training at the first non-finite loss (after probing the batch).
+    probe : bool
+        Probe the batch where the loss first goes non-finite.
+    scan : bool
+        Also scan values in the start-of-training diagnosis.
+    ignore : sequence of str
+        Check slugs to skip.
+    verbose : bool
+        Log every diagnosis, not only those with findings.
+    timeout : float
+        Seconds a cross-rank diagnosis waits for every rank.
+    """
+
+    def __init__(
+        self,
+        stop_on_error: bool = False,
+        stop_on_nonfinite: bool = False,
+        probe: bool = True,
+        scan: bool = False,
+        ignore: tuple[str, ...] | list[str] = (),
+        verbose: bool = False,
+        timeout: float = 60.0,
+    ) -> None:
+        self.timeout = timeout
+        self.stop_on_error = stop_on_error
+        self.stop_on_nonfinite = stop_on_nonfinite
+        self.probe = probe
+        self.scan = scan
+        self.ignore = tuple(ignore)
+        self.verbose = verbose
+        self.start_report: Any = None
+        self.probe_report: Any = None
+        self.events: list[dict] = []
+        # The hooks, the capture of inputs and losses and the probe are shared with mpdoctor.watch.
+        self._watcher = LossWatcher()
+        self._fired = False
