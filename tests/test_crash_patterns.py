@@ -168,8 +168,13 @@ REAL_FAILURES = [
 
 @pytest.mark.parametrize(("raise_it", "slug", "cause"), REAL_FAILURES, ids=[f[0].__name__ for f in REAL_FAILURES])
 def test_a_real_mixed_precision_failure_is_explained_with_its_cause_first(raise_it, slug, cause):
-    if raise_it is training_args_bf16_without_gpu and torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: transformers accepts bf16 there")
+    if raise_it is training_args_bf16_without_gpu and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        # On a bf16 GPU transformers accepts the arguments: nothing to explain, and that is asserted, not skipped
+        # (the refusal itself is proven wherever the suite runs without such a GPU, as CI does).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raise_it()
+        return
     exc = raised(raise_it)
     pattern, _ = match_exception(exc)
     assert pattern.slug == slug
