@@ -9,7 +9,9 @@ runs properties and ``__getattr__``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 _TYPE_MRO = type.__dict__["__mro__"].__get__
@@ -109,3 +111,29 @@ def attr_of_known(obj: Any, name: str) -> Any:
         return getattr(obj, name, None)
     except Exception:
         return None
+
+
+# One walk of a module tree per gathering: tensors, bitsandbytes, torchao, FSDP and rotary-buffer facts all need
+# ``named_modules()``; on a 70B-shaped model each walk costs about as much as the whole tally, so they share it.
+_WALKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mpdoctor_module_walks", default=None)
+
+
+@contextlib.contextmanager
+def shared_module_walks() -> Iterator[None]:
+    """Within this block, :func:`named_modules` walks each module tree once."""
+    token = _WALKS.set({})
+    try:
+        yield
+    finally:
+        _WALKS.reset(token)
+
+
+def named_modules(module: Any) -> tuple[tuple[str, Any], ...]:
+    """``tuple(module.named_modules())``, shared by every reader inside :func:`shared_module_walks`."""
+    cache = _WALKS.get()
+    if cache is None:
+        return tuple(module.named_modules())
+    hit = cache.get(id(module))
+    if hit is None or hit[0] is not module:  # the module is held by the entry, so its id is not reused
+        hit = cache[id(module)] = (module, tuple(module.named_modules()))
+    return hit[1]

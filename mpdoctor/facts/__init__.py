@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import integrations
 from ..discover import Subject
-from ..introspect import class_path, raw_attr, type_name
+from ..introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..live import Live
 from .configs import ConfigFacts
 from .hardware import DeviceProfile, live_profile, profile_for
@@ -257,6 +257,11 @@ def gather(
     """
     subjects = tuple(subjects)
     live = Live() if live is None else live
+    with shared_module_walks():
+        return _gather(subjects, target, live)
+
+
+def _gather(subjects: tuple[Subject, ...], target: str | None, live: Live) -> Facts:
     errors: list[tuple[str, str]] = []
     models: list[ModelFacts] = []
     optimizers: list[OptimizerFacts] = []

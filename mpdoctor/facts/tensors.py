@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..introspect import class_path, class_paths
+from ..introspect import class_path, class_paths, named_modules
 from ..knowledge import SHORT_DTYPE  # noqa: F401  (re-exported: the facts' name for the table)
 
 
@@ -212,7 +212,7 @@ def gather_module_tensors(
     classes: list[tuple[str, str]] = []
     paths_of: dict[type, str] = {}
     per_class: dict[type, tuple[str | None, bool]] = {}
-    for mpath, mod in module.named_modules(remove_duplicate=True):
+    for mpath, mod in named_modules(module):
         mdict = mod.__dict__
         if mdict.get("gradient_checkpointing") is True:
             checkpointing = True
