@@ -103,7 +103,6 @@ def _replace_params(facts: Facts, ids: frozenset[int], dtype: str | None, grad_d
         if not hit:
             models.append(m)
             continue
-        names = {p.name: p for p in hit}
         params = tuple(
             p._replace(
                 dtype=p.dtype if grads_only else dtype,
@@ -113,14 +112,7 @@ def _replace_params(facts: Facts, ids: frozenset[int], dtype: str | None, grad_d
             else p
             for p in m.tensors.params
         )
-        modules = []
-        for md in m.tensors.modules:
-            new = tuple(
-                (n, dtype if (not grads_only and (f"{md.path}.{n}" if md.path else n) in names) else d, rg)
-                for n, d, rg in md.params
-            )
-            modules.append(md._replace(params=new))
-        tensors = dataclasses.replace(m.tensors, params=params, modules=tuple(modules))
+        tensors = dataclasses.replace(m.tensors, params=params)  # its modules derive from the params
         models.append(dataclasses.replace(m, tensors=tensors))
     optimizers = []
     for o in facts.optimizers:

@@ -240,7 +240,7 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         ``_cast_input_dtype``; transformers ``_keep_in_fp32_modules``.
     """
     for m in facts.models:
-        if len({d for md in m.tensors.modules for d in md.dtypes}) < 2:
+        if len(m.tensors.module_dtypes) < 2:
             continue  # one floating dtype in the whole model: nothing can meet another
         units = compute_units(m)
         dtype = compute_dtype(m, units)
@@ -344,9 +344,10 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
     seen: set[int] = set()
     holders: list[tuple[str, int, bool, list[tuple[int, str, str | None]]]] = []
     for m in facts.models:
-        rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
-        holders.append((m.name, m.ref, True, rows))
-        seen.update(p.id for p in m.tensors.params)
+        seen |= m.tensors.param_ids
+        if m.tensors.grads_differ:  # the aggregate spares a healthy model's per-parameter rows
+            rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
+            holders.append((m.name, m.ref, True, rows))
     for o in facts.optimizers:
         rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
         holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))

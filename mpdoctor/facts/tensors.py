@@ -54,6 +54,8 @@ class ParamInfo(NamedTuple):
     device: str
     numel: int
     module: str
+    #: Class path of the module holding it (under the name above).
+    module_class: str = ""
 
 
 class ModuleDtypes(NamedTuple):
@@ -89,19 +91,20 @@ class Tallier:
 
     def add(self, kind: str, tensor: torch.Tensor, trainable: bool) -> None:
         """Count one tensor (metadata only)."""
-        dtype = tensor.dtype
-        key = (kind, dtype_name(dtype), trainable)
+        self.add_many(kind, tensor.dtype, bool(trainable), tensor.device.type, 1, tensor.numel())
+
+    def add_many(self, kind: str, dtype: Any, trainable: bool, device: str, tensors: int, elements: int) -> None:
+        """Count ``tensors`` tensors of one dtype and device holding ``elements`` elements in all."""
+        key = (kind, _name_of(dtype), bool(trainable))
         row = self._rows.get(key)
         if row is None:
             row = self._rows[key] = _Tally()
-        numel = tensor.numel()
-        row.tensors += 1
-        row.elements += numel
-        row.bytes += numel * dtype.itemsize
-        device = tensor.device.type
+        row.tensors += tensors
+        row.elements += elements
+        row.bytes += elements * dtype.itemsize
         row.devices.add(device)
         if device == "meta":
-            row.meta += 1
+            row.meta += tensors
 
     def rows(self) -> tuple[TensorTally, ...]:
         """The tallies, sorted by kind then descending bytes."""
@@ -116,11 +119,15 @@ class Tallier:
 
 @dataclass(frozen=True)
 class ModuleTensors:
-    """Tensor facts of one model."""
+    """Tensor facts of one model.
+
+    ``params`` and ``modules`` are the source of truth (a simulated fix replaces
+    them); the aggregates checks read (dtype counts, ids, the dtypes present)
+    are computed from them once per instance, on first use.
+    """
 
     tallies: tuple[TensorTally, ...]
     params: tuple[ParamInfo, ...]
-    modules: tuple[ModuleDtypes, ...]
     gradient_checkpointing: bool
     devices: frozenset[str]
     #: ``(module path, forward origin)`` for modules running a forward assigned from another package
@@ -128,32 +135,89 @@ class ModuleTensors:
     patched_forwards: tuple[tuple[str, str], ...] = ()
     #: Paths of PEFT tuner layers (LoRA ``Linear`` ...): they cast their input to the adapter dtype.
     tuner_layers: tuple[str, ...] = ()
-    #: ``(path, class path)`` of every module, root first.
-    module_classes: tuple[tuple[str, str], ...] = ()
+    #: A parameter seen again under another name (tied weights): ``(position in params where it was met,
+    #: module path, module class path, its name in that module, param id)``.
+    tied: tuple[tuple[int, str, str, str, int], ...] = ()
 
-    @property
+    @functools.cached_property
+    def modules(self) -> tuple[ModuleDtypes, ...]:
+        """The floating parameters of each module that holds some directly, in ``named_modules()`` order.
+
+        Derived from ``params`` (and ``tied``), so a simulated cast of ``params`` is seen here too.
+        """
+        by_id = {p.id: p for p in self.params} if self.tied else {}
+        groups: dict[str, tuple[str, list[tuple[str, str, bool]]]] = {}
+        tied = iter(self.tied)
+        pending = next(tied, None)
+
+        def put(path: str, cls: str, short: str, dtype: str, trainable: bool) -> None:
+            if dtype not in FLOATING:
+                return
+            group = groups.get(path)
+            if group is None:
+                group = groups[path] = (cls, [])
+            group[1].append((short, dtype, trainable))
+
+        for i, p in enumerate(self.params):
+            while pending is not None and pending[0] == i:
+                _, path, cls, short, pid = pending
+                q = by_id.get(pid)
+                if q is not None:
+                    put(path, cls, short, q.dtype, q.requires_grad)
+                pending = next(tied, None)
+            short = p.name[len(p.module) + 1 :] if p.module else p.name
+            put(p.module, p.module_class, short, p.dtype, p.requires_grad)
+        while pending is not None:
+            _, path, cls, short, pid = pending
+            q = by_id.get(pid)
+            if q is not None:
+                put(path, cls, short, q.dtype, q.requires_grad)
+            pending = next(tied, None)
+        return tuple(ModuleDtypes(path, cls, tuple(rows)) for path, (cls, rows) in groups.items())
+
+    @functools.cached_property
     def param_ids(self) -> frozenset[int]:
         """Ids of every parameter, to match optimizers to models."""
-        return frozenset(p.id for p in self.params)
+        return frozenset([p.id for p in self.params])
+
+    @functools.cached_property
+    def _dtype_counts(self) -> dict[bool, dict[str, int]]:
+        counts: dict[bool, dict[str, int]] = {True: {}, False: {}}
+        for p in self.params:
+            c = counts[p.requires_grad]
+            c[p.dtype] = c.get(p.dtype, 0) + p.numel
+        return counts
 
     def param_dtype_counts(self, trainable: bool | None = None) -> dict[str, int]:
         """Element counts per parameter dtype, optionally only (non-)trainable ones."""
-        counts: dict[str, int] = {}
-        for p in self.params:
-            if trainable is None or p.requires_grad == trainable:
-                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel
-        return counts
+        by = self._dtype_counts
+        if trainable is not None:
+            return dict(by[bool(trainable)])
+        out = dict(by[True])
+        for d, n in by[False].items():
+            out[d] = out.get(d, 0) + n
+        return out
 
-    @property
+    @functools.cached_property
+    def param_dtypes(self) -> frozenset[str]:
+        """Every parameter dtype present."""
+        return frozenset(self._dtype_counts[True]) | frozenset(self._dtype_counts[False])
+
+    @functools.cached_property
+    def module_dtypes(self) -> frozenset[str]:
+        """The floating dtypes of all modules' direct parameters together (every parameter is some module's)."""
+        return self.param_dtypes & FLOATING
+
+    @functools.cached_property
+    def grads_differ(self) -> bool:
+        """True when some parameter's ``.grad`` has another dtype than the parameter."""
+        return any(p.grad_dtype is not None and p.grad_dtype != p.dtype for p in self.params)
+
+    @functools.cached_property
     def main_dtype(self) -> str | None:
         """The floating dtype holding most parameter elements."""
         counts = {d: n for d, n in self.param_dtype_counts().items() if d in FLOATING}
         return max(counts, key=counts.get) if counts else None
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    # Parameters are leaves, so reading .grad neither warns nor computes.
-    return p.grad if p.is_leaf else None
 
 
 #: Packages whose forward wrappers are not patches of the model's code (autocast, hooks, compile).
@@ -197,89 +261,137 @@ def _patched_forward(mod: torch.nn.Module) -> str | None:
     return origin
 
 
+#: ``torch.bfloat16 -> "bfloat16"``, filled on first sight of each dtype (dtypes are a handful of singletons).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _name_of(dtype: Any) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
+
+
+#: ``torch.device("cuda", 0) -> "cuda"``: ``device.type`` builds a new string on every read (as costly as the rest
+#: of a parameter's bookkeeping), so each device object's type is read once.
+_DEVICE_TYPES: dict[Any, str] = {}
+
+
+def _type_of(device: Any) -> str:
+    kind = _DEVICE_TYPES.get(device)
+    if kind is None:
+        if len(_DEVICE_TYPES) > 256:
+            _DEVICE_TYPES.clear()
+        kind = _DEVICE_TYPES[device] = device.type
+    return kind
+
+
 def gather_module_tensors(
     name: str, module: torch.nn.Module, casting_layers: frozenset[str] = frozenset()
 ) -> ModuleTensors:
-    """Walk ``module`` once and collect its tensor facts (metadata only)."""
-    tally = Tallier(name)
-    params: list[ParamInfo] = []
-    modules: list[ModuleDtypes] = []
+    """Walk ``module`` once and collect its tensor facts (metadata only).
+
+    The loop is the whole cost of a diagnosis of a big model, so it does per tensor only what
+    cannot be shared: tallies are keyed by ``(dtype, trainable, device)`` and summed per key at
+    the end, and whatever depends on a module's class alone is read once per class.
+    """
+    # (kind, dtype, trainable, device) -> [tensors, elements]
+    counts: dict[tuple[str, Any, bool, str], list[int]] = {}
+    params: list[tuple] = []
+    tied: list[tuple[int, str, str, str, int]] = []
     seen: set[int] = set()
     checkpointing = False
-    devices: set[str] = set()
     patched: list[tuple[str, str]] = []
     tuners: list[str] = []
-    classes: list[tuple[str, str]] = []
-    paths_of: dict[type, str] = {}
-    per_class: dict[type, tuple[str | None, bool]] = {}
+    per_class: dict[type, tuple[str, str | None, bool]] = {}
+    names = _DTYPE_NAMES
+    kinds = _DEVICE_TYPES
     for mpath, mod in named_modules(module):
         mdict = mod.__dict__
-        if mdict.get("gradient_checkpointing") is True:
+        if not checkpointing and mdict.get("gradient_checkpointing") is True:
             checkpointing = True
         cls = type(mod)
-        cpath = paths_of.get(cls)
-        if cpath is None:
-            cpath = paths_of[cls] = f"{cls.__module__}.{cls.__qualname__}"
-        classes.append((mpath, cpath))
-        # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
         known = per_class.get(cls)
         if known is None:
+            # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
             known = per_class[cls] = (
+                f"{cls.__module__}.{cls.__qualname__}",
                 _patched_forward(mod) if "forward" not in mdict else None,
                 bool(casting_layers) and any(c in casting_layers for c in class_paths(cls)),
             )
-        origin = _patched_forward(mod) if "forward" in mdict else known[0]
+        origin = _patched_forward(mod) if "forward" in mdict else known[1]
         if origin is not None:
             patched.append((mpath, origin))
-        if known[1]:
+        if known[2]:
             tuners.append(mpath)
-        direct: list[tuple[str, str, bool]] = []
-        for pname, p in mdict.get("_parameters", {}).items():
-            if p is None:
-                continue
-            full = f"{mpath}.{pname}" if mpath else pname
-            dname = dtype_name(p.dtype)
-            if dname in FLOATING:
-                direct.append((pname, dname, p.requires_grad))
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            trainable = bool(p.requires_grad)
-            tally.add("param", p, trainable)
-            grad = _grad_of(p)
-            if grad is not None:
-                tally.add("grad", grad, trainable)
-            dev = p.device.type
-            devices.add(dev)
-            params.append(
-                ParamInfo(
-                    full,
-                    id(p),
-                    dname,
-                    dtype_name(grad.dtype) if grad is not None else None,
-                    trainable,
-                    dev,
-                    p.numel(),
-                    mpath,
-                )
-            )
-        if direct:
-            modules.append(ModuleDtypes(mpath, cpath, tuple(direct)))
-        for _bname, b in mdict.get("_buffers", {}).items():
-            if b is None or id(b) in seen:
-                continue
-            seen.add(id(b))
-            tally.add("buffer", b, False)
+        own = mdict.get("_parameters")
+        if own:
+            prefix = f"{mpath}." if mpath else ""
+            for pname, p in own.items():
+                if p is None:
+                    continue
+                pid = id(p)
+                if pid in seen:
+                    tied.append((len(params), mpath, known[0], pname, pid))
+                    continue
+                seen.add(pid)
+                dt = p.dtype
+                dname = names.get(dt) or _name_of(dt)
+                trainable = p.requires_grad
+                numel = p.numel()
+                device = p.device
+                dev = kinds.get(device) or _type_of(device)
+                key = ("param", dt, trainable, dev)
+                row = counts.get(key)
+                if row is None:
+                    counts[key] = [1, numel]
+                else:
+                    row[0] += 1
+                    row[1] += numel
+                grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
+                gname = None
+                if grad is not None:
+                    gdt = grad.dtype
+                    gname = names.get(gdt) or _name_of(gdt)
+                    key = ("grad", gdt, trainable, _type_of(grad.device))
+                    row = counts.get(key)
+                    if row is None:
+                        counts[key] = [1, grad.numel()]
+                    else:
+                        row[0] += 1
+                        row[1] += grad.numel()
+                params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, known[0]))
+        bufs = mdict.get("_buffers")
+        if bufs:
+            for b in bufs.values():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                key = ("buffer", b.dtype, False, _type_of(b.device))
+                row = counts.get(key)
+                if row is None:
+                    counts[key] = [1, b.numel()]
+                else:
+                    row[0] += 1
+                    row[1] += b.numel()
+    make = ParamInfo._make
     return ModuleTensors(
-        tally.rows(),
-        tuple(params),
-        tuple(modules),
+        _rows(name, counts),
+        tuple(map(make, params)),
         checkpointing,
-        frozenset(devices),
+        frozenset(dev for (kind, _d, _t, dev) in counts if kind == "param"),
         patched_forwards=tuple(patched),
         tuner_layers=tuple(tuners),
-        module_classes=tuple(classes),
+        tied=tuple(tied),
     )
+
+
+def _rows(obj_name: str, counts: dict[tuple[str, Any, bool, str], list[int]]) -> tuple[TensorTally, ...]:
+    """Fold ``(kind, dtype, trainable, device) -> [tensors, elements]`` into sorted tally rows."""
+    tally = Tallier(obj_name)
+    for (kind, dt, trainable, dev), (n, numel) in counts.items():
+        tally.add_many(kind, dt, trainable, dev, n, numel)
+    return tally.rows()
 
 
 def tally_tensors(obj_name: str, kind: str, tensors: Iterable[tuple[torch.Tensor, bool]]) -> tuple[TensorTally, ...]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..facts.lowbit import LowBitLayer
 from ..facts.tensors import dtype_name
-from ..introspect import class_path, is_a, named_modules, raw_attr
+from ..introspect import class_path, is_a, modules_of, raw_attr
 from . import Integration
 
 LINEAR_4BIT = "bitsandbytes.nn.modules.Linear4bit"
@@ -67,8 +67,7 @@ def layer_facts(path: str, module: Any) -> LowBitLayer | None:
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     layers = []
     try:
-        modules = named_modules(outer)
-        for path, module in modules:
+        for path, module in modules_of(outer, (LINEAR_4BIT, LINEAR_8BIT)):
             facts = layer_facts(path, module)
             if facts is not None:
                 layers.append(facts)

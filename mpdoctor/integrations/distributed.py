@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..facts.distributed import AcceleratorProcesses, FsdpUnit, PlannedWrap
-from ..introspect import is_a, named_modules, own_dict, raw_attr
+from ..introspect import is_a, modules_of, own_dict, raw_attr
 from . import Integration
 
 FSDP1 = "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"
@@ -102,7 +102,7 @@ def fsdp_units(model: str, module: Any) -> tuple[FsdpUnit, ...]:
         return ()
     out: list[FsdpUnit] = []
     try:
-        for path, mod in named_modules(module):
+        for path, mod in modules_of(module, (FSDP1, *FSDP2)):
             try:
                 if is_a(mod, (FSDP1,)):
                     unit = _fsdp1_unit(model, path, mod)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lowbit import Float8Layer
-from ..introspect import is_a, named_modules, raw_attr
+from ..introspect import modules_of, raw_attr
 from . import Integration
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
@@ -43,9 +43,7 @@ def recipe_of(config: Any) -> str:
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     layers = []
     try:
-        for path, module in named_modules(outer):
-            if not is_a(module, (FLOAT8_LINEAR,)):
-                continue
+        for path, module in modules_of(outer, (FLOAT8_LINEAR,)):
             config = raw_attr(module, "config", None)
             layers.append(
                 Float8Layer(

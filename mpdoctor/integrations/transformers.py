@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.configs import gather_configs
-from ..introspect import is_a, named_modules, raw_attr
+from ..introspect import is_a, modules_where, raw_attr
 from ..redact import safe_value
 from . import Integration
 
@@ -55,11 +55,10 @@ def _rope_modules(inner: Any) -> list[tuple[str, Any]]:
 
     out = []
     try:
-        for path, mod in named_modules(inner):
-            if type(mod).__name__.endswith("RotaryEmbedding"):
-                buf = mod.__dict__.get("_buffers", {}).get("inv_freq")
-                if isinstance(buf, torch.Tensor) and buf.dtype.is_floating_point:
-                    out.append((path, mod))
+        for path, mod in modules_where(inner, lambda cls: cls.__name__.endswith("RotaryEmbedding")):
+            buf = mod.__dict__.get("_buffers", {}).get("inv_freq")
+            if isinstance(buf, torch.Tensor) and buf.dtype.is_floating_point:
+                out.append((path, mod))
     except Exception:
         return []
     return out

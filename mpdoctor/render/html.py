@@ -25,11 +25,10 @@ from .evidence import (
     SHORT_DTYPE,
     cause_label,
     format_number,
-    layer_rows,
-    layer_strips,
     plural,
     precision_word,
     probe_bars,
+    report_layer_strips,
     rst_to_plain,
     scan_summary,
     singular_counts,
@@ -318,7 +317,7 @@ def precision_html(data: dict) -> str:
 
 def layers_html(report: Any) -> str:
     """The per-layer dtype strip of every model with many layers, or a line saying why there is none."""
-    strips = layer_strips(layer_rows(report))
+    strips = report_layer_strips(report)
     if not strips:
         return f"<p style='{FONT};color:{MUTED}'>No model with 4 or more numbered layers among the inspected objects.</p>"
     parts = [f"<div style='{FONT}'>"]
@@ -388,7 +387,7 @@ def render_html(report: Any) -> str:
         parts.append(cause_html(label))
     parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
-    if layer_strips(layer_rows(report)):
+    if report_layer_strips(report):
         parts.append(section("dtypes per layer", layers_html(report)))
     if data.get("scan") or data.get("probe"):
         parts.append(section("numerics", numerics_html(data)))
