@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, List, Unicode
 
-from .facts.hardware import PROFILES
+from .knowledge import GPU_PROFILES
 
 try:
     from IPython.core.magic import no_var_expand
@@ -84,7 +84,7 @@ class MPDoctorMagics(Magics):
     @argument("--text", action="store_true", help="Print the text rendering instead of the widget.")
     @argument("--json", action="store_true", help="Print the report as JSON.")
     @argument("--markdown", action="store_true", help="Print the report as markdown (for bug reports).")
-    @argument("--target", metavar="GPU", default=None, help=f"Evaluate on a device profile (what-if): {', '.join(PROFILES)}.")
+    @argument("--target", metavar="GPU", default=None, help=f"Evaluate on a device profile (what-if): {', '.join(['cpu', *GPU_PROFILES])}.")
     @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")

@@ -10,6 +10,19 @@
 
 from __future__ import annotations
 
-from .cause import cause_label, explain
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .cause import cause_label, explain
 
 __all__ = ["cause_label", "explain"]
+
+
+def __getattr__(name: str) -> Any:
+    # The exception hook imports this package with every %load_ext; the diagnosis it explains with
+    # loads on the first exception.
+    if name in __all__:
+        from . import cause
+
+        return getattr(cause, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
