@@ -196,7 +196,9 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         class_path=f"{cls.__module__}.{cls.__qualname__}",
         inner_class=icls.__name__,
         training=bool(raw_attr(obj, "training", False)),
-        tensors=gather_module_tensors(subject.name, obj, integrations.casting_layers()),
+        tensors=gather_module_tensors(
+            subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers()
+        ),
         ref=id(obj),
         inner_ref=id(inner),
         owner=subject.owner,

@@ -56,6 +56,10 @@ class ParamInfo(NamedTuple):
     module: str
     #: Class path of the module holding it (under the name above).
     module_class: str = ""
+    #: For a quantized weight (a tensor subclass whose data is stored in another format than ``dtype``,
+    #: such as torchao's ``Int8Tensor``): ``(tensor class path, storage dtype)``; ``dtype`` is then the
+    #: dtype it dequantizes to. None for a plain parameter.
+    quantized: tuple[str, str] | None = None
 
 
 class ModuleDtypes(NamedTuple):
@@ -106,6 +110,21 @@ class Tallier:
         if device == "meta":
             row.meta += tensors
 
+    def add_stored(
+        self, kind: str, dtype: str, trainable: bool, device: str, tensors: int, elements: int, nbytes: int
+    ) -> None:
+        """Count tensors whose storage (``dtype`` by name, ``nbytes`` in all) is not ``elements * itemsize``."""
+        key = (kind, dtype, bool(trainable))
+        row = self._rows.get(key)
+        if row is None:
+            row = self._rows[key] = _Tally()
+        row.tensors += tensors
+        row.elements += elements
+        row.bytes += nbytes
+        row.devices.add(device)
+        if device == "meta":
+            row.meta += tensors
+
     def rows(self) -> tuple[TensorTally, ...]:
         """The tallies, sorted by kind then descending bytes."""
         out = [
@@ -144,6 +163,7 @@ class ModuleTensors:
         """The floating parameters of each module that holds some directly, in ``named_modules()`` order.
 
         Derived from ``params`` (and ``tied``), so a simulated cast of ``params`` is seen here too.
+        Quantized weights are left out: the layers holding them dequantize to the dtype of the input.
         """
         by_id = {p.id: p for p in self.params} if self.tied else {}
         groups: dict[str, tuple[str, list[tuple[str, str, bool]]]] = {}
@@ -165,6 +185,8 @@ class ModuleTensors:
                 if q is not None:
                     put(path, cls, short, q.dtype, q.requires_grad)
                 pending = next(tied, None)
+            if p.quantized is not None:
+                continue  # a quantized weight dequantizes to the activations' dtype itself (torchao's layers)
             short = p.name[len(p.module) + 1 :] if p.module else p.name
             put(p.module, p.module_class, short, p.dtype, p.requires_grad)
         while pending is not None:
@@ -286,17 +308,38 @@ def _type_of(device: Any) -> str:
     return kind
 
 
+_PARAMETER = torch.nn.Parameter
+
+
+def _storage(p: Any, readers: tuple) -> tuple[str, str, int] | None:
+    for read in readers:
+        try:
+            found = read(p)
+        except Exception:  # a reader must not stop the tally
+            found = None
+        if found is not None:
+            return found
+    return None
+
+
 def gather_module_tensors(
-    name: str, module: torch.nn.Module, casting_layers: frozenset[str] = frozenset()
+    name: str,
+    module: torch.nn.Module,
+    casting_layers: frozenset[str] = frozenset(),
+    storage_readers: tuple = (),
 ) -> ModuleTensors:
     """Walk ``module`` once and collect its tensor facts (metadata only).
 
     The loop is the whole cost of a diagnosis of a big model, so it does per tensor only what
     cannot be shared: tallies are keyed by ``(dtype, trainable, device)`` and summed per key at
-    the end, and whatever depends on a module's class alone is read once per class.
+    the end, and whatever depends on a module's class alone is read once per class. A parameter
+    that is not a plain ``nn.Parameter`` is shown to ``storage_readers`` (the integrations'
+    ``weight_storage``): a quantized weight is tallied in its storage dtype and bytes.
     """
     # (kind, dtype, trainable, device) -> [tensors, elements]
     counts: dict[tuple[str, Any, bool, str], list[int]] = {}
+    # (storage dtype name, trainable, device) -> [tensors, elements, bytes]: quantized weights
+    stored: dict[tuple[str, bool, str], list[int]] = {}
     params: list[tuple] = []
     tied: list[tuple[int, str, str, str, int]] = []
     seen: set[int] = set()
@@ -341,13 +384,23 @@ def gather_module_tensors(
                 numel = p.numel()
                 device = p.device
                 dev = kinds.get(device) or _type_of(device)
-                key = ("param", dt, trainable, dev)
-                row = counts.get(key)
-                if row is None:
-                    counts[key] = [1, numel]
-                else:
-                    row[0] += 1
-                    row[1] += numel
+                quantized = None
+                if storage_readers and type(p) is not _PARAMETER:
+                    found = _storage(p, storage_readers)
+                    if found is not None:
+                        quantized = found[:2]
+                        row = stored.setdefault((found[1], trainable, dev), [0, 0, 0])
+                        row[0] += 1
+                        row[1] += numel
+                        row[2] += found[2]
+                if quantized is None:
+                    key = ("param", dt, trainable, dev)
+                    row = counts.get(key)
+                    if row is None:
+                        counts[key] = [1, numel]
+                    else:
+                        row[0] += 1
+                        row[1] += numel
                 grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
                 gname = None
                 if grad is not None:
@@ -360,7 +413,7 @@ def gather_module_tensors(
                     else:
                         row[0] += 1
                         row[1] += grad.numel()
-                params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, known[0]))
+                params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, known[0], quantized))
         bufs = mdict.get("_buffers")
         if bufs:
             for b in bufs.values():
@@ -376,21 +429,26 @@ def gather_module_tensors(
                     row[1] += b.numel()
     make = ParamInfo._make
     return ModuleTensors(
-        _rows(name, counts),
+        _rows(name, counts, stored),
         tuple(map(make, params)),
         checkpointing,
-        frozenset(dev for (kind, _d, _t, dev) in counts if kind == "param"),
+        frozenset([dev for (kind, _d, _t, dev) in counts if kind == "param"] + [dev for (_d, _t, dev) in stored]),
         patched_forwards=tuple(patched),
         tuner_layers=tuple(tuners),
         tied=tuple(tied),
     )
 
 
-def _rows(obj_name: str, counts: dict[tuple[str, Any, bool, str], list[int]]) -> tuple[TensorTally, ...]:
-    """Fold ``(kind, dtype, trainable, device) -> [tensors, elements]`` into sorted tally rows."""
+def _rows(
+    obj_name: str, counts: dict[tuple[str, Any, bool, str], list[int]], stored: dict | None = None
+) -> tuple[TensorTally, ...]:
+    """Fold ``(kind, dtype, trainable, device) -> [tensors, elements]`` (and quantized weights'
+    ``(storage dtype, trainable, device) -> [tensors, elements, bytes]``) into sorted tally rows."""
     tally = Tallier(obj_name)
     for (kind, dt, trainable, dev), (n, numel) in counts.items():
         tally.add_many(kind, dt, trainable, dev, n, numel)
+    for (dname, trainable, dev), (n, numel, nbytes) in (stored or {}).items():
+        tally.add_stored("param", dname, trainable, dev, n, numel, nbytes)
     return tally.rows()
 
 

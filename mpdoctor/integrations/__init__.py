@@ -75,6 +75,11 @@ class Integration:
     facts : callable, optional
         ``(subjects, live, hardware) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields (a tuple
         of the library's own plain facts, such as ``{"deepspeed": (DeepSpeedFacts, ...)}``).
+    weight_storage : callable, optional
+        ``tensor -> (class path, storage dtype, storage bytes) or None`` for a parameter whose type is a
+        tensor subclass of this library that stores its data in another format than its ``dtype``
+        says (torchao's quantized weights dequantize to ``dtype`` but hold int8 / float8 data).
+        Called only for parameters that are not plain ``nn.Parameter`` objects.
     """
 
     name: str
@@ -92,6 +97,7 @@ class Integration:
     #: ``(subjects, live, device profile) -> dict`` of extra :class:`~mpdoctor.facts.Facts` fields, for a
     #: library with facts of its own (Lightning's precision plugins, DeepSpeed's engines and configs).
     facts: Callable[..., dict] | None = None
+    weight_storage: Callable[[Any], tuple[str, str, int] | None] | None = None
 
     @property
     def active(self) -> bool:
@@ -157,6 +163,11 @@ def brought_attrs(paths: tuple[str, ...]) -> tuple[str, ...]:
             if path in pathset:
                 out.extend(a for a in attrs if a not in out)
     return tuple(out)
+
+
+def weight_storage_readers() -> tuple[Callable[[Any], tuple[str, str, int] | None], ...]:
+    """The ``weight_storage`` readers of the active integrations."""
+    return tuple(integ.weight_storage for integ in active() if integ.weight_storage is not None)
 
 
 def casting_layers() -> frozenset[str]:

@@ -1,4 +1,12 @@
-"""torchao: float8 training layers (``convert_to_float8_training``) and their recipe.
+"""torchao: float8 training layers (``convert_to_float8_training``) and their recipe; quantized weights.
+
+Weights quantized by ``quantize_`` (``Int8Tensor``, ``Float8Tensor``,
+``AffineQuantizedTensor`` ...: subclasses of ``torchao.utils.TorchAOBaseTensor``)
+report the dtype they dequantize to; :func:`weight_storage` reads what they
+hold (their inner tensors, through ``__tensor_flatten__``, the protocol
+torch.compile uses), so the dtype tally shows int8 data where it is, and the
+layers holding them are not taken for compute modules of another dtype: they
+dequantize to the dtype of the input that reaches them.
 
 ``Float8Linear`` (``torchao.float8.float8_linear``) keeps its cast settings in
 ``module.config`` (a ``Float8LinearConfig``): the recipe is read from the
@@ -14,10 +22,12 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lowbit import Float8Layer
-from ..introspect import modules_of, raw_attr
+from ..facts.tensors import dtype_name
+from ..introspect import class_path, class_paths, modules_of, raw_attr
 from . import Integration
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
+BASE_TENSOR = "torchao.utils.TorchAOBaseTensor"
 
 
 def _name(value: Any) -> str:
@@ -60,8 +70,40 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     return {"float8_layers": tuple(layers)} if layers else {}
 
 
+def _leaves(t: Any, depth: int = 0) -> list:
+    """The plain tensors a torchao tensor subclass is made of (``__tensor_flatten__``, nested ones too)."""
+    if BASE_TENSOR not in class_paths(type(t)):
+        return [t]
+    if depth > 3:
+        return []
+    names, _ctx = type(t).__tensor_flatten__(t)  # torchao's own method on its own class
+    out = []
+    for n in names:
+        inner = getattr(t, n, None)
+        if inner is not None:
+            out.extend(_leaves(inner, depth + 1))
+    return out
+
+
+def weight_storage(p: Any) -> tuple[str, str, int] | None:
+    """``(class path, storage dtype, bytes)`` of a torchao quantized weight; None for anything else.
+
+    The storage dtype is the dtype of its largest inner tensor (``int8`` data beside fp32 scales);
+    the bytes count every inner tensor.
+    """
+    if BASE_TENSOR not in class_paths(type(p)):
+        return None
+    leaves = _leaves(p)
+    if not leaves:
+        return None
+    largest = max(leaves, key=lambda x: x.numel() * x.element_size())
+    nbytes = sum(x.numel() * x.element_size() for x in leaves)
+    return class_path(type(p)), dtype_name(largest.dtype), nbytes
+
+
 INTEGRATION = Integration(
     name="torchao",
     modules=("torchao",),
     model_facts=_model_facts,
+    weight_storage=weight_storage,
 )

@@ -168,3 +168,59 @@ def test_healthy_float8_on_h100_with_aligned_dims_draws_no_warning():
     float8_step(m)
     report = mpdoctor.diagnose(m, target="H100")
     assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
+
+
+# -- torchao quantized weights (quantize_) ------------------------------------------------------------
+
+
+def int8_weight_only(dtype_before: torch.dtype):
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8)).to(dtype_before)
+    quantize_(m, Int8WeightOnlyConfig())
+    return m
+
+
+def inner_bytes(w) -> int:
+    names, _ = type(w).__tensor_flatten__(w)
+    return sum(getattr(w, n).numel() * getattr(w, n).element_size() for n in names if getattr(w, n) is not None)
+
+
+def test_quantized_weights_cast_after_quantize_are_not_taken_for_mixed_dtypes():
+    """torchao's README quantizes a bf16 model; people also quantize first and call ``.to(torch.bfloat16)``
+    after. The ``Int8Tensor`` weights then keep reporting float32 (the dtype they dequantize to) beside
+    bf16 biases and norms, a layout that looks like fp32 weights meeting bf16 activations. It is not: the
+    quantized layers dequantize to their input's dtype, and the bf16 forward and a training step run.
+    mpdoctor 0.1 called it a mixed-param-dtypes error (a false alarm); the tally showed the int8 weights as
+    float32, four times their real size."""
+    m = int8_weight_only(torch.float32)
+    m.to(torch.bfloat16)
+    w = m[0].weight
+    assert w.dtype == torch.float32 and m[0].bias.dtype == torch.bfloat16, "quantized weights keep their dtype"
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert m(x).dtype == torch.bfloat16  # the forward runs: no mismatch reaches a matmul
+    report = mpdoctor.diagnose(m)
+    assert "mixed-param-dtypes" not in severities(report), report.findings
+    assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
+    # The tally shows what is stored: int8 data (with its scales), not 64x64 float32 values.
+    int8 = [t for t in report.facts.tallies if t.kind == "param" and t.dtype == "int8"]
+    assert len(int8) == 1 and int8[0].tensors == 2
+    assert int8[0].bytes == inner_bytes(m[0].weight) + inner_bytes(m[2].weight)
+    assert int8[0].bytes < (64 * 64 + 8 * 64) * 2  # smaller than even bf16 weights
+    (q,) = [p for p in report.facts.models[0].tensors.params if p.name == "0.weight"]
+    assert q.dtype == "float32" and q.quantized == ("torchao.quantization.Int8Tensor", "int8")
+    # A training step of the unquantized parameters (bias, norm) works.
+    trainable = [p for p in m.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-3)
+    m(x).float().pow(2).mean().backward()
+    opt.step()
+
+
+def test_healthy_int8_weight_only_on_a_bf16_model_draws_no_warning():
+    """torchao quantization README: ``model.to(torch.bfloat16)``, then ``quantize_(model, Int8WeightOnlyConfig())``."""
+    m = int8_weight_only(torch.bfloat16)
+    assert m(torch.randn(4, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    report = mpdoctor.diagnose(m)
+    assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
+    assert {t.dtype for t in report.facts.tallies if t.kind == "param"} == {"int8", "bfloat16"}
