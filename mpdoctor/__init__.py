@@ -16,6 +16,7 @@ of a library the user has not imported.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to
@@ -116,4 +117,8 @@ def __getattr__(name: str) -> Any:
         from .numerics.lightning_callback import MPDoctorLightningCallback
 
         return MPDoctorLightningCallback
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # A submodule read as an attribute (``mpdoctor.distributed.diagnose_every_rank``), as if the
+        # package had imported it.
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'mpdoctor' has no attribute {name!r}")

@@ -442,6 +442,9 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
         without any error.
     Severity
         Warning: updates smaller than half a bf16 ulp are lost, measured as a stalled loss; no crash.
+        Nothing for the optimizer of a Lightning ``bf16-true`` run: ``lightning-true-half-adam`` names the
+        cause there, since Lightning casts the module back to bf16 at every ``fit`` and an in-place cast
+        would not last.
     Fix
         Keep fp32 master weights: cast the trainable bf16 parameters (with their grads and Adam state) to
         fp32 in place, keeping the Parameter objects, and compute in bf16 with autocast
@@ -452,8 +455,11 @@ def pure_bf16_adamw(facts: Facts) -> Iterator[Finding]:
         "Revisiting BFloat16 Training" (Zamirai et al., 2020); optimi's low-precision training notes;
         adamw-bf16 README.
     """
+    # A Lightning true-half run converts the module back to its precision at every fit, so an in-place
+    # fp32 cast would not last: lightning-true-half-adam names the same cause with a fix that does.
+    lightning_owned = {n for p in facts.lightning if p.true_half for n in p.optimizer_names}
     for o in facts.optimizers:
-        if o.class_path not in _STOCK_ADAM:
+        if o.class_path not in _STOCK_ADAM or o.name in lightning_owned:
             continue
         pure = [
             p

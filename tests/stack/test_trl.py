@@ -1,6 +1,6 @@
-"""TRL: SFT / DPO trainers discovered through transformers' Trainer, TRL's config defaults, the reference model.
+"""TRL: SFT / DPO / GRPO / KTO trainers discovered through transformers' Trainer, TRL's config defaults, the reference model.
 
-Real ``SFTTrainer`` / ``DPOTrainer`` (trl 1.16) on a tiny Llama built from a config and a word-level tokenizer
+Real ``SFTTrainer`` / ``DPOTrainer`` / ``GRPOTrainer`` / ``KTOTrainer`` (trl 1.16) on a tiny Llama built from a config and a word-level tokenizer
 trained here on a few strings (nothing is downloaded); ``use_cpu=True``, ``max_steps=1``; no mocks.
 """
 
@@ -16,7 +16,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
 import mpdoctor
 from mpdoctor.discover import discover
@@ -262,3 +262,67 @@ def test_healthy_dpo_reference_in_policy_dtype(tokenizer, tmp_path):
     assert logs.logs[-1]["rewards/margins"] == 0.0
     report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
     assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def test_healthy_grpo_default_config(tokenizer, tmp_path):
+    """Healthy recipe (TRL's GRPO quickstart): ``GRPOTrainer(model, reward_funcs=..., args=GRPOConfig(...))``.
+
+    The default config asks for bf16 like every TRL config (bf16 autocast on this CPU); one step generates
+    two completions per prompt, scores them and trains; no error, no warning, and no reference model (GRPO's
+    default ``beta=0`` needs none)."""
+    args = GRPOConfig(**common(tmp_path), use_cpu=True, num_generations=2, max_completion_length=4, generation_batch_size=2)
+    assert args.bf16 is True and not args.fp16  # TRL's default, resolved in __post_init__
+
+    def length_reward(completions, **kw):
+        return [float(len(c)) for c in completions]
+
+    trainer = GRPOTrainer(
+        model=tiny_llama(tokenizer),
+        reward_funcs=length_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": ["the cat", "a dog"]}),
+        processing_class=tokenizer,
+    )
+    out = trainer.train()
+    assert math.isfinite(out.training_loss)
+    report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
+    (trl,) = report.facts.trl
+    assert (trl.trainer_class, trl.config_class, trl.ref_model_name) == ("GRPOTrainer", "GRPOConfig", None)
+    assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def kto(tokenizer, tmp_path, model, ref_model) -> KTOTrainer:
+    data = Dataset.from_dict({"prompt": ["the cat", "a dog"], "completion": [" sat on the mat", " hello world"], "label": [True, False]})
+    args = KTOConfig(**common(tmp_path), use_cpu=True, bf16=False, learning_rate=0.0)
+    return KTOTrainer(model=model, ref_model=ref_model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def test_healthy_kto_reference_in_policy_dtype(tokenizer, tmp_path):
+    """Healthy recipe (TRL's KTO docs): ``KTOTrainer`` with a reference copy in the policy's dtype."""
+    model = tiny_llama(tokenizer)
+    trainer = kto(tokenizer, tmp_path, model, copy.deepcopy(model))
+    assert math.isfinite(trainer.train().training_loss)
+    report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
+    (trl,) = report.facts.trl
+    assert (trl.trainer_class, trl.ref_model_name) == ("KTOTrainer", "trainer.ref_model")
+    assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def test_kto_reference_in_another_dtype_is_the_same_finding_as_dpo(tokenizer, tmp_path):
+    """The reference-dtype rule is TRL's, not DPO's: a bf16 reference beside an fp32 KTO policy draws
+    ``trl-ref-model-dtype``, and the in-place cast leaves a reference that scores like the policy (the
+    policy's and the reference's log-probabilities of the same batch agree exactly after it)."""
+    model = tiny_llama(tokenizer).to(torch.bfloat16).float()  # bf16-representable: the cast back is exact
+    trainer = kto(tokenizer, tmp_path, model, copy.deepcopy(model).to(torch.bfloat16))
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        gap = (model(ids).logits - trainer.ref_model(ids).logits.float()).abs().max().item()
+    assert gap > 0  # the reference scores the batch differently: its rewards are biased
+    report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
+    finding = next(f for f in report.findings if f.check == "trl-ref-model-dtype")
+    assert finding.severity == "warning"
+    finding.fixes[0].apply()
+    assert trainer.ref_model.model.embed_tokens.weight.dtype == torch.float32
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, trainer.ref_model(ids).logits)
+    assert math.isfinite(trainer.train().training_loss)
