@@ -97,35 +97,24 @@ def main() -> None:
     assert registered, "%load_ext mpdoctor did not register %mpdoctor"
     assert not heavy, f"%load_ext mpdoctor imported {heavy}"
     unit = "ms (median, fresh process)"
+
+    def row(figure: str, ours: str, base: str, limit: float, kind: str, digits: int = 4) -> dict:
+        return {
+            "figure": figure,
+            "mpdoctor": round(med[ours], 1),
+            "baseline": round(med[base], 2),
+            "ratio": round(med[ours] / med[base], digits),
+            "target": f"<= {limit:g} ms",
+            "met": med[ours] <= limit and not heavy,
+            "unit": f"{kind} {unit}",
+        }
+
     rows = [
-        {
-            "figure": "import mpdoctor on top of import torch, wall time (transformers not imported)",
-            "mpdoctor": round(med["import_ms"], 1),
-            "baseline": round(med["torch_ms"], 1),
-            "ratio": round(med["import_ms"] / med["torch_ms"], 4),
-            "target": "<= 25 ms",
-            "met": med["import_ms"] <= 25 and not heavy,
-            "unit": f"wall {unit}",
-        },
-        {
-            "figure": "%load_ext mpdoctor after import mpdoctor, CPU time",
-            "mpdoctor": round(med["load_ext_cpu_ms"], 1),
-            "baseline": round(med["torch_cpu_ms"], 1),
-            "ratio": round(med["load_ext_cpu_ms"] / med["torch_cpu_ms"], 4),
-            "target": "<= 25 ms",
-            "met": med["load_ext_cpu_ms"] <= 25 and not heavy,
-            "unit": f"CPU {unit}",
-        },
-        {
-            "figure": "first diagnose() of an nn.Linear, lazy imports included, vs a warm one",
-            "mpdoctor": round(med["first_diagnose_ms"], 1),
-            "baseline": round(med["warm_diagnose_ms"], 2),
-            "ratio": round(med["first_diagnose_ms"] / med["warm_diagnose_ms"], 1),
-            "target": "<= 100 ms",
-            "met": med["first_diagnose_ms"] <= 100,
-            "unit": f"wall {unit}",
-        },
-    ]
+        row("import mpdoctor on top of import torch, wall time (transformers not imported)", "import_ms", "torch_ms", 25, "wall"),
+        row("%load_ext mpdoctor after import mpdoctor, CPU time", "load_ext_cpu_ms", "torch_cpu_ms", 25, "CPU"),
+        row("first diagnose() of an nn.Linear, lazy imports included, vs a warm one", "first_diagnose_ms",
+            "warm_diagnose_ms", 100, "wall", digits=1),
+    ]  # fmt: skip
     for row in rows:
         print("RESULT " + json.dumps(row))
 

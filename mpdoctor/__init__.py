@@ -117,8 +117,12 @@ def __getattr__(name: str) -> Any:
         from .numerics.lightning_callback import MPDoctorLightningCallback
 
         return MPDoctorLightningCallback
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        # A submodule read as an attribute (``mpdoctor.distributed.diagnose_every_rank``), as if the
-        # package had imported it.
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module 'mpdoctor' has no attribute {name!r}")
+    return _submodule(__name__, name)
+
+
+def _submodule(package: str, name: str) -> Any:
+    """``package.name`` imported when it is a submodule read as an attribute (``mpdoctor.distributed`` after
+    a plain ``import mpdoctor``), as if the package had imported it; AttributeError otherwise."""
+    if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+        return importlib.import_module(f"{package}.{name}")
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")

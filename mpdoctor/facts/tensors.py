@@ -99,21 +99,13 @@ class Tallier:
 
     def add_many(self, kind: str, dtype: Any, trainable: bool, device: str, tensors: int, elements: int) -> None:
         """Count ``tensors`` tensors of one dtype and device holding ``elements`` elements in all."""
-        key = (kind, _name_of(dtype), bool(trainable))
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = _Tally()
-        row.tensors += tensors
-        row.elements += elements
-        row.bytes += elements * dtype.itemsize
-        row.devices.add(device)
-        if device == "meta":
-            row.meta += tensors
+        self.add_stored(kind, _name_of(dtype), trainable, device, tensors, elements, elements * dtype.itemsize)
 
     def add_stored(
         self, kind: str, dtype: str, trainable: bool, device: str, tensors: int, elements: int, nbytes: int
     ) -> None:
-        """Count tensors whose storage (``dtype`` by name, ``nbytes`` in all) is not ``elements * itemsize``."""
+        """Count tensors of one dtype (by name) holding ``nbytes`` in all: a quantized weight's storage is not
+        ``elements * itemsize`` of the dtype it reports."""
         key = (kind, dtype, bool(trainable))
         row = self._rows.get(key)
         if row is None:
@@ -166,35 +158,28 @@ class ModuleTensors:
         Quantized weights are left out: the layers holding them dequantize to the dtype of the input.
         """
         by_id = {p.id: p for p in self.params} if self.tied else {}
+        tied_at: dict[int, list[tuple[int, str, str, str, int]]] = {}
+        for entry in self.tied:
+            tied_at.setdefault(entry[0], []).append(entry)
         groups: dict[str, tuple[str, list[tuple[str, str, bool]]]] = {}
-        tied = iter(self.tied)
-        pending = next(tied, None)
 
         def put(path: str, cls: str, short: str, dtype: str, trainable: bool) -> None:
-            if dtype not in FLOATING:
-                return
-            group = groups.get(path)
-            if group is None:
-                group = groups[path] = (cls, [])
-            group[1].append((short, dtype, trainable))
+            if dtype in FLOATING:
+                groups.setdefault(path, (cls, []))[1].append((short, dtype, trainable))
 
-        for i, p in enumerate(self.params):
-            while pending is not None and pending[0] == i:
-                _, path, cls, short, pid = pending
+        def put_tied(position: int) -> None:  # the names met again before params[position]
+            for _, path, cls, short, pid in tied_at.get(position, ()):
                 q = by_id.get(pid)
                 if q is not None:
                     put(path, cls, short, q.dtype, q.requires_grad)
-                pending = next(tied, None)
+
+        for i, p in enumerate(self.params):
+            put_tied(i)
             if p.quantized is not None:
                 continue  # a quantized weight dequantizes to the activations' dtype itself (torchao's layers)
             short = p.name[len(p.module) + 1 :] if p.module else p.name
             put(p.module, p.module_class, short, p.dtype, p.requires_grad)
-        while pending is not None:
-            _, path, cls, short, pid = pending
-            q = by_id.get(pid)
-            if q is not None:
-                put(path, cls, short, q.dtype, q.requires_grad)
-            pending = next(tied, None)
+        put_tied(len(self.params))
         return tuple(ModuleDtypes(path, cls, tuple(rows)) for path, (cls, rows) in groups.items())
 
     @functools.cached_property

@@ -12,13 +12,11 @@
 Nothing is imported here, so ``import mpdoctor`` stays cheap.
 """
 
-import importlib
-import importlib.util
 from typing import Any
 
 
 def __getattr__(name: str) -> Any:
     # ``mpdoctor.numerics.callback.MPDoctorAbort`` after a plain ``import mpdoctor``: load the submodule.
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from .. import _submodule
+
+    return _submodule(__name__, name)
