@@ -133,8 +133,8 @@ def interleaved(fns: dict, rounds: int) -> dict[str, float]:
 
 
 def facts_of(model: torch.nn.Module):
-    from mpdoctor.discover import discover
-    from mpdoctor.facts import gather
+    from mpdoctor.discovery.subjects import discover
+    from mpdoctor.gathering import gather
 
     subjects = discover([model], names={id(model): "model"})
     return gather(subjects), subjects
@@ -166,7 +166,7 @@ def row(figure: str, mine: float, base: float, ratio: float, target: str, met: b
 
 
 def bench_model(quick: bool, rounds: int) -> list[dict]:
-    from mpdoctor.numerics.scan import scan_facts
+    from mpdoctor.gathering.values import scan_facts
 
     t0 = time.perf_counter()
     model = build_model(quick)
@@ -215,7 +215,7 @@ def bench_model(quick: bool, rounds: int) -> list[dict]:
 
 
 def bench_small(quick: bool, rounds: int) -> list[dict]:
-    from mpdoctor.numerics.scan import scan_facts, scan_tensors
+    from mpdoctor.gathering.values import scan_facts, scan_tensors
 
     count = 1_000 if quick else 10_000
     model = build_small(count)

@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to
     from .diagnosis import diagnose
-    from .envinfo import env_report
-    from .findings import Finding
-    from .fixes import Fix, FixFailed, FixNeedsConfirmation
-    from .report import Report
+    from .diagnosis.environment import env_report
+    from .diagnosis.report import Report
+    from .treatment.findings import Finding
+    from .treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
+
+from ._moved import install as _install_moved_paths
+
+_install_moved_paths()  # 0.2's module paths (mpdoctor.report, mpdoctor.fixes, ...) keep working, deprecated
 
 __version__ = "0.1.0"
 __all__ = [
@@ -45,14 +49,6 @@ __all__ = [
 ]
 
 
-def checks_reference() -> str:
-    """The checks reference in markdown, generated from the check docstrings."""
-    from .checks import load
-
-    registry = load()
-    return "\n".join(registry[slug].doc_markdown() for slug in sorted(registry))
-
-
 def load_ipython_extension(ipython: Any) -> None:
     """Register ``%mpdoctor`` and the crash diagnosis (called by ``%load_ext mpdoctor``).
 
@@ -60,7 +56,7 @@ def load_ipython_extension(ipython: Any) -> None:
     then the diagnosis; ``%config MPDoctorMagics.on_error = False`` turns that off.
     """
     from .crash.hook import install
-    from .magic import MPDoctorMagics
+    from .notebook.magic import MPDoctorMagics
 
     ipython.register_magics(MPDoctorMagics)
     magics = ipython.magics_manager.registry.get("MPDoctorMagics")
@@ -82,12 +78,13 @@ def unload_ipython_extension(ipython: Any) -> None:
 #: Public name -> the module defining it, imported on first access (PEP 562).
 _LAZY = {
     "diagnose": ".diagnosis",
-    "env_report": ".envinfo",
-    "Finding": ".findings",
-    "Fix": ".fixes",
-    "FixFailed": ".fixes",
-    "FixNeedsConfirmation": ".fixes",
-    "Report": ".report",
+    "env_report": ".diagnosis.environment",
+    "Finding": ".treatment.findings",
+    "Fix": ".treatment.fixes",
+    "FixFailed": ".treatment.fixes",
+    "FixNeedsConfirmation": ".treatment.fixes",
+    "Report": ".diagnosis.report",
+    "checks_reference": ".checks",
 }
 
 
@@ -121,7 +118,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _submodule(package: str, name: str) -> Any:
-    """``package.name`` imported when it is a submodule read as an attribute (``mpdoctor.distributed`` after
+    """``package.name`` imported when it is a submodule read as an attribute (``mpdoctor.numerics`` after
     a plain ``import mpdoctor``), as if the package had imported it; AttributeError otherwise."""
     if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
         return importlib.import_module(f"{package}.{name}")

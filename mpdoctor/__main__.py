@@ -1,57 +1,10 @@
-"""Command line: ``python -m mpdoctor demo | env | checks | run script.py [args...]``."""
+"""``python -m mpdoctor``: the command line (:mod:`mpdoctor.cli`)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m mpdoctor``."""
-    parser = argparse.ArgumentParser(prog="mpdoctor", description="Mixed-precision doctor for PyTorch / Hugging Face.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("demo", help="diagnose and fix a small broken training setup on the CPU")
-    sub.add_parser("env", help="print versions, device and precision support")
-    checks = sub.add_parser("checks", help="list the checks")
-    checks.add_argument("--markdown", action="store_true", help="print the full checks reference in markdown")
-    checks.add_argument("--update-readme", metavar="PATH", help="rewrite the checks reference section of a README")
-    run = sub.add_parser("run", help="run a script; explain a mixed-precision crash after its traceback")
-    run.add_argument("--scan", action="store_true", help="also scan tensor values (NaN/Inf, fp16 range) in the crash report")
-    run.add_argument("--probe-on-nan", action="store_true", help="probe the batch of the first non-finite loss")
-    run.add_argument("script", help="the Python script, run as __main__")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, passed untouched")
-    args = parser.parse_args(argv)
-    if args.command == "run":
-        from .crash.runner import run_script
-
-        return run_script(args.script, args.script_args, scan=args.scan, probe_on_nan=args.probe_on_nan)
-    if args.command is None:  # a bare `python -m mpdoctor` asks what it can do
-        parser.print_help()
-        return 0
-    if args.command == "demo":
-        from .demo import run_demo
-
-        return run_demo()
-    if args.command == "env":
-        from . import env_report
-
-        print(env_report())
-        return 0
-    from . import checks_reference
-    from .checks import load
-
-    if args.update_readme:
-        from .docs import update_readme
-
-        changed = update_readme(args.update_readme)
-        print(f"{args.update_readme}: checks reference {'updated' if changed else 'already up to date'}")
-    elif args.markdown:
-        print(checks_reference())
-    else:
-        for slug, chk in sorted(load().items()):
-            print(f"{slug:<36} {chk.severity:<8} {chk.summary}")
-    return 0
-
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .facts.optimizer import OptimizerFacts
+from typing import Any
 
 # -- dtype names ----------------------------------------------------------------------------------------------
 
@@ -78,11 +75,11 @@ LINEAR_4BIT_CLASSES = frozenset({"bitsandbytes.nn.modules.Linear4bit", "bitsandb
 
 # -- optimizers -----------------------------------------------------------------------------------------------
 
-def _always(_o: OptimizerFacts) -> bool:
+def _always(_o: Any) -> bool:
     return True
 
 
-def _kahan_requested(o: OptimizerFacts) -> bool:
+def _kahan_requested(o: Any) -> bool:
     return o.defaults.get("kahan_sum") is True
 
 
@@ -121,7 +118,7 @@ class DtypeRequirement:
     severity: str
     consequence: str
     cast_to: str | None
-    applies: Callable[[OptimizerFacts], bool] = _always
+    applies: Callable[[Any], bool] = _always
     grads_match_params: bool = False
     state_dtypes: frozenset[str] | None = None
     low_bit_from: int | None = None

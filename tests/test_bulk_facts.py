@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import mpdoctor
-from mpdoctor.changes import CastParamsTo
-from mpdoctor.facts.tensors import gather_module_tensors
-from mpdoctor.introspect import class_paths, modules_of, modules_where, shared_module_walks
+from mpdoctor.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
+from mpdoctor.readers.tensors import gather_module_tensors
 from mpdoctor.render.evidence import layer_rows, layer_strips
+from mpdoctor.treatment.changes import CastParamsTo
 
 
 class Expert(nn.Module):

@@ -8,7 +8,7 @@ from setups import batch, tiny_gemma3, tiny_llama, tiny_trainer, train_step
 from setups_precision import accelerate_snapshot, assert_same_snapshot, one_torch_thread, tensor_snapshot  # noqa: F401 (one_torch_thread: autouse)
 
 import mpdoctor
-from mpdoctor.checks.hardware import FP16_OVERFLOW_MODEL_TYPES
+from mpdoctor.knowledge import FP16_OVERFLOW_MODEL_TYPES
 
 # -- bf16-unsupported ---------------------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ from mpdoctor.checks.optimizer import (
     optimizer_state_dtype_mismatch,
     requirement_for,
 )
-from mpdoctor.fixes import Applicability, FixFailed
+from mpdoctor.treatment.fixes import Applicability, FixFailed
 
 
 def _adamwbf16_over_fp32():
@@ -57,7 +57,7 @@ def test_adamwbf16_cast_fix_undo_restores_bytes_dtypes_grads_and_identity():
 
 
 def test_adamwbf16_cast_fix_is_atomic_when_an_allocation_fails(monkeypatch):
-    import mpdoctor.fixes as fixes_module
+    import mpdoctor.edits.steps as fixes_module
 
     model, opt = _adamwbf16_over_fp32()
     before = tensor_snapshot(model, opt)

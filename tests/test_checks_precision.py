@@ -11,8 +11,8 @@ from setups_precision import ENV, accelerate_snapshot, compute_dtypes, one_torch
 
 import mpdoctor
 import mpdoctor.integrations.accelerate as precision_module
-from mpdoctor.fixes import FixFailed
-from mpdoctor.runtime_state import fp32_precisions, restore_fp32_precisions
+from mpdoctor.edits.torch_state import fp32_precisions, restore_fp32_precisions
+from mpdoctor.treatment.fixes import FixFailed
 
 
 def _trainer(env: str | None = None, prepared: bool = False, **kwargs):

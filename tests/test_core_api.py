@@ -13,7 +13,7 @@ import torch
 from setups import batch, tiny_gemma3, tiny_llama, tiny_lora, tiny_trainer, train_step
 
 import mpdoctor
-from mpdoctor.report import HISTOGRAM_COLUMNS
+from mpdoctor.diagnosis.report import HISTOGRAM_COLUMNS
 
 
 def test_importing_mpdoctor_imports_no_heavy_library():

@@ -8,9 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpdoctor import checks_reference
-from mpdoctor.checks import SECTIONS, load
-from mpdoctor.docs import readme_section
+from mpdoctor.checks import SECTIONS, checks_reference, load
+from mpdoctor.cli.docs import readme_section
 
 ROOT = Path(__file__).resolve().parent.parent
 

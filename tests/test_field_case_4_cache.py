@@ -19,7 +19,7 @@ from setups_dtypes import finite
 
 import mpdoctor
 from mpdoctor.checks.cache import _transformers_before, cache_in_training
-from mpdoctor.facts import gather
+from mpdoctor.gathering import gather
 
 
 def cache_bytes(cache) -> int:

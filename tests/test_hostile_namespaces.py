@@ -42,9 +42,9 @@ from setups import tiny_llama
 
 import mpdoctor
 import mpdoctor.diagnosis
-import mpdoctor.discover as discover_mod
-from mpdoctor.discover import CONTAINER_DEPTH, CONTAINER_WIDTH
-from mpdoctor.facts.tensors import Tallier
+import mpdoctor.discovery.subjects as discover_mod
+from mpdoctor.discovery.subjects import CONTAINER_DEPTH, CONTAINER_WIDTH
+from mpdoctor.readers.tensors import Tallier
 
 HOSTILE_EXAMPLES = 500
 MAGIC_EXAMPLES = 60

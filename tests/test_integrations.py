@@ -13,8 +13,8 @@ from setups import tiny_llama
 
 import mpdoctor
 from mpdoctor import integrations
-from mpdoctor.facts import gather
 from mpdoctor.facts.hardware import PROFILES
+from mpdoctor.gathering import gather
 from mpdoctor.render.data import precision_view
 
 TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
@@ -133,7 +133,7 @@ def test_fp16_on_a_live_t4_built_by_hand_computes_in_fp16_as_asked():
 def test_gathering_twice_gives_equal_plain_facts():
     """Facts are plain data: two gatherings of the same objects compare equal field by field."""
     model = tiny_llama(torch.bfloat16)
-    from mpdoctor.discover import discover
+    from mpdoctor.discovery.subjects import discover
 
     subjects = discover([model], names={id(model): "model"})
     one, two = gather(subjects), gather(subjects)

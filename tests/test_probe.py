@@ -9,7 +9,7 @@ import torch
 from setups import batch, tiny_llama
 
 import mpdoctor
-from mpdoctor.numerics.probe import PROBE_COLUMNS, ForwardCall
+from mpdoctor.numerics.probe_facts import PROBE_COLUMNS, ForwardCall
 
 HOOK_DICTS = (
     "_forward_hooks",

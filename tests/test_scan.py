@@ -13,7 +13,7 @@ from setups import tiny_gemma3, tiny_llama, training_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpdoctor
-from mpdoctor.numerics.scan import (
+from mpdoctor.gathering.values import (
     FP16_MAX,
     SMALL_ELEMENTS,
     TEMP_BUDGET,

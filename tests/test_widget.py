@@ -16,10 +16,11 @@ import torch
 from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
-from mpdoctor.findings import Finding
-from mpdoctor.fixes import UNDO_BUDGET_BYTES, Fix, SetAttr
+from mpdoctor.edits.steps import SetAttr
 from mpdoctor.render.html import e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
+from mpdoctor.treatment.findings import Finding
+from mpdoctor.treatment.fixes import UNDO_BUDGET_BYTES, Fix
 
 pytestmark = pytest.mark.colab
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
-from ..findings import Finding
+from ..treatment.findings import Finding
 
 SECTIONS = ("What it detects", "Why it matters", "Severity", "Fix", "Source")
 
@@ -160,3 +160,9 @@ def run_checks(facts, ignore: Iterable[str] = (), hidden: dict[str, int] | None 
             findings.append(internal_error(f"check {slug}", exc))
     findings.sort(key=lambda f: (f.rank, f.check, f.subject))
     return findings
+
+
+def checks_reference() -> str:
+    """The checks reference in markdown, generated from the check docstrings."""
+    registry = load()
+    return "\n".join(registry[slug].doc_markdown() for slug in sorted(registry))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import SetAttrTo
 from ..facts import Facts, ModelFacts
-from ..findings import Finding
-from ..fixes import Fix
 from ..knowledge import CACHE_CHANGES_LOGITS
+from ..treatment.changes import SetAttrTo
+from ..treatment.findings import Finding
+from ..treatment.fixes import Fix
 from . import check
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
-from ..changes import SetDeepSpeedConfigKey, SetDeepSpeedPrecision
 from ..facts import Facts
 from ..facts.deepspeed import DeepSpeedFacts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.changes import SetDeepSpeedConfigKey, SetDeepSpeedPrecision
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 

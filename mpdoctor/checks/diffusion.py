@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo
 from ..facts import Facts, ModelFacts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.changes import CastParamsTo
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 #: Component attributes of a pipeline that produce the conditioning the denoiser reads.

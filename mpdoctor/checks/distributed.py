@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo, torch_dtype
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.changes import CastParamsTo, torch_dtype
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 HALF = ("float16", "bfloat16")

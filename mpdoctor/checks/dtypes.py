@@ -9,11 +9,11 @@ from typing import NamedTuple
 
 import torch
 
-from ..changes import CastGradsToParams, CastParamsTo
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
-from ..findings import Finding, count
-from ..fixes import Fix
+from ..treatment.changes import CastGradsToParams, CastParamsTo
+from ..treatment.findings import Finding, count
+from ..treatment.fixes import Fix
 from . import check
 
 

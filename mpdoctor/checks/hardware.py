@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo, DType, SetAttrTo, SetComputeDtype
-from ..facts import Facts, ModelFacts, PrecisionFacts
+from ..facts import Facts, ModelFacts
 from ..facts.configs import ConfigFacts
-from ..findings import Finding, count
-from ..fixes import Fix
+from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
+from ..treatment.changes import CastParamsTo, DType, SetAttrTo, SetComputeDtype
+from ..treatment.findings import Finding, count
+from ..treatment.fixes import Fix
 from . import check
-from .precision import align_spec, declared_precision, native_amp_for
+from .precision import align_spec
 
 
 def fp16_overflow_type(m: ModelFacts) -> str | None:

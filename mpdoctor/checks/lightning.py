@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 from ..facts import Facts
 from ..facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 #: Stock torch optimizers whose moments follow the parameter dtype (``zeros_like(p)``).

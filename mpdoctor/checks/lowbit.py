@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 #: Compute capability from which GPUs have float8 tensor cores (Ada L4 / RTX 4090 sm_89, Hopper H100 sm_90).

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import RecomputeRopeBuffers, SetGroupOption
 from ..facts import Facts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..treatment.changes import RecomputeRopeBuffers, SetGroupOption
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
 from .optimizer import _cast_code, _cast_fix
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo
 from ..facts import Facts, ModelFacts
-from ..findings import Finding
-from ..fixes import Applicability, Fix
+from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
+from ..treatment.changes import CastParamsTo
+from ..treatment.findings import Finding
+from ..treatment.fixes import Applicability, Fix
 from . import check
-from .hardware import FP16_OVERFLOW_MODEL_TYPES
 
 FP16_MAX = 65504.0
 

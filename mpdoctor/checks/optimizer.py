@@ -7,12 +7,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..changes import CastGradsToParams, CastParamsTo, CastStateToParams
-from ..facts import Facts, OptimizerFacts
-from ..facts.optimizer import OptParam
-from ..findings import Finding, count
-from ..fixes import Applicability, Fix
+from ..facts import Facts
+from ..facts.optimizer import OptimizerFacts, OptParam
 from ..knowledge import REQUIREMENTS, DtypeRequirement
+from ..treatment.changes import CastGradsToParams, CastParamsTo, CastStateToParams
+from ..treatment.findings import Finding, count
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 _DTYPES = {
@@ -68,7 +68,7 @@ def _cast_fix(facts: Facts, o: OptimizerFacts, title: str, code: str, params: li
 
 
 def _cast_code(optimizer_name: str, cond: str, dtype: str, why: str) -> str:
-    """Pasteable Python doing what :class:`~mpdoctor.fixes.CastParams` does for one optimizer's parameters."""
+    """Pasteable Python doing what :class:`~mpdoctor.edits.steps.CastParams` does for one optimizer's parameters."""
     return (
         "import torch\n"
         f"for group in {optimizer_name}.param_groups:\n"

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import AlignPrecision, SetMatmulPrecision
-from ..facts import Facts, PrecisionFacts
-from ..facts.precision import computes_in, declared_precision, native_amp_for, setup_device
-from ..findings import Finding
-from ..fixes import Fix
+from ..facts import Facts
+from ..facts.precision import PrecisionFacts, computes_in, declared_precision, native_amp_for, setup_device
+from ..treatment.changes import AlignPrecision, SetMatmulPrecision
+from ..treatment.findings import Finding
+from ..treatment.fixes import Fix
 from . import check
 
 ENV_VAR = "ACCELERATE_MIXED_PRECISION"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo, SetAttrTo
-from ..facts import Facts, ScalerFacts
-from ..findings import Finding, count
-from ..fixes import Fix
+from ..facts import Facts
+from ..facts.scaler import ScalerFacts
+from ..treatment.changes import CastParamsTo, SetAttrTo
+from ..treatment.findings import Finding, count
+from ..treatment.fixes import Fix
 from . import check
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterator
 
-from ..changes import CastParamsTo
 from ..facts import Facts, ModelFacts
-from ..findings import Finding
-from ..fixes import Fix
+from ..treatment.changes import CastParamsTo
+from ..treatment.findings import Finding
+from ..treatment.fixes import Fix
 from . import check
 
 _FLOATS = ("float32", "bfloat16", "float16", "float64")

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .cause import cause_label, explain
+    from ..render.evidence import cause_label
+    from .cause import explain
 
 __all__ = ["cause_label", "explain"]
 

@@ -71,7 +71,7 @@ def explain(
         report, with ``report.cause`` (the explaining finding, first in
         ``report.findings``) and ``report.exception`` (a one-line summary).
     """
-    from .. import diagnose
+    from ..diagnosis import diagnose
     from .frames import frame_namespace, traceback_frames
     from .patterns import match_exception
 
@@ -106,8 +106,8 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list) -> A
     pattern takes its place: what the message means and the generic fix, with
     the dtypes of the tensors in the innermost frames as evidence.
     """
-    from ..findings import Finding
     from ..redact import redact
+    from ..treatment.findings import Finding
     from .frames import tensor_locals
 
     summary = exception_summary(exc)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import torch
-
-from .tensors import Tallier, TensorTally, dtype_name
+from .tensors import TensorTally
 
 
 class OptParam(NamedTuple):
@@ -43,64 +41,3 @@ class OptimizerFacts:
         return frozenset(p.id for p in self.params)
 
 
-_DEFAULT_KEYS = ("lr", "eps", "weight_decay", "kahan_sum", "foreach", "fused", "optim_bits", "betas")
-
-
-def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
-    """Read the parameters and state of ``inner`` (the optimizer inside any wrapper)."""
-    cls = type(inner)
-    tally = Tallier(name)
-    params: list[OptParam] = []
-    state = inner.__dict__.get("state", {})
-    groups = inner.__dict__.get("param_groups", [])
-    seen: set[int] = set()
-    for gi, group in enumerate(groups):
-        for p in group.get("params", ()):
-            if not isinstance(p, torch.Tensor) or id(p) in seen:
-                continue
-            seen.add(id(p))
-            grad = p.grad if p.is_leaf else None
-            st = state.get(p, {}) if isinstance(state, dict) else {}
-            sdt: list[tuple[str, str]] = []
-            for key, value in st.items() if isinstance(st, dict) else ():
-                if isinstance(value, torch.Tensor):
-                    tally.add("optimizer_state", value, True)
-                    if value.dtype.is_floating_point and value.shape == p.shape and value.numel() > 1:
-                        sdt.append((str(key), dtype_name(value.dtype)))
-            params.append(
-                OptParam(
-                    id(p),
-                    gi,
-                    dtype_name(p.dtype),
-                    dtype_name(grad.dtype) if grad is not None else None,
-                    p.numel(),
-                    tuple(sdt),
-                    bool(p.requires_grad),
-                )
-            )
-    defaults = inner.__dict__.get("defaults", {})
-    safe_defaults = {
-        k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
-        for k, v in (defaults.items() if isinstance(defaults, dict) else ())
-        if k in _DEFAULT_KEYS
-    }
-    wrapper = None
-    if outer is not inner:
-        wcls = type(outer)
-        wrapper = f"{wcls.__module__}.{wcls.__qualname__}"
-    return OptimizerFacts(
-        name=name,
-        class_path=f"{cls.__module__}.{cls.__qualname__}",
-        class_name=cls.__name__,
-        wrapper=wrapper,
-        params=tuple(params),
-        tallies=tally.rows(),
-        defaults=safe_defaults,
-        has_state=bool(state),
-        group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
-    )
-
-
-def _eps_of(group: dict) -> float | None:
-    eps = group.get("eps")
-    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None

@@ -6,7 +6,7 @@ an object brings along (a Trainer brings its model, optimizer, arguments,
 accelerator and scaler), which facts it adds to a model, and how it states
 precision (what the arguments request, what the accelerator will run).
 
-:mod:`mpdoctor.discover` and :mod:`mpdoctor.facts` iterate the registry and
+:mod:`mpdoctor.discovery` and :mod:`mpdoctor.gathering` iterate the registry and
 hold no library-specific branches. An integration is active only when its
 library is already imported by the user (``name in sys.modules``): a missing
 or unused library costs nothing, and mpdoctor never imports one first.

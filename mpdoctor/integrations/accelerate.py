@@ -18,8 +18,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..fixes import Change, SetAttr, SetEnv
-from ..introspect import own_dict, raw_attr
+from ..edits.steps import Change, SetAttr, SetEnv
+from ..live.introspect import own_dict, raw_attr
 from . import Integration, Unwrap
 
 ACCELERATOR = "accelerate.accelerator.Accelerator"

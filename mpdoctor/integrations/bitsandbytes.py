@@ -14,7 +14,7 @@ from typing import Any
 
 from ..facts.lowbit import LowBitLayer
 from ..facts.tensors import dtype_name
-from ..introspect import class_path, is_a, modules_of, raw_attr
+from ..live.introspect import class_path, is_a, modules_of, raw_attr
 from . import Integration
 
 LINEAR_4BIT = "bitsandbytes.nn.modules.Linear4bit"

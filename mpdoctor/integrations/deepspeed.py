@@ -1,7 +1,7 @@
 """DeepSpeed: the engine, and the DeepSpeed configs that TrainingArguments and accelerate hold.
 
 The one place mpdoctor reads DeepSpeed's (and the HF DeepSpeed integration's)
-semi-private state, always through :func:`~mpdoctor.introspect.raw_attr`, never
+semi-private state, always through :func:`~mpdoctor.live.introspect.raw_attr`, never
 by calling a method:
 
 - ``DeepSpeedEngine``: ``engine._config`` (``float16_config.enabled``,
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from ..edits.steps import Change
 from ..facts.deepspeed import DeepSpeedFacts
-from ..fixes import Change
-from ..introspect import is_a, raw_attr
+from ..live.introspect import is_a, raw_attr
 from . import Integration, Unwrap
 
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"

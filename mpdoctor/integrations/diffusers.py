@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lowbit import ComponentFacts
-from ..introspect import class_path, is_a, raw_attr
+from ..live.introspect import class_path, is_a, raw_attr
 from . import Integration
 
 PIPELINE = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"

@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..facts.distributed import AcceleratorProcesses, FsdpUnit, PlannedWrap
-from ..introspect import is_a, modules_of, own_dict, raw_attr
+from ..live.introspect import is_a, modules_of, own_dict, raw_attr
 from . import Integration
 
 FSDP1 = "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel"

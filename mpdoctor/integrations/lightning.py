@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lightning import LightningPrecisionFacts, lightning_effective, unify
-from ..introspect import attr_of_known, is_a, raw_attr, type_name
+from ..live.introspect import attr_of_known, is_a, raw_attr, type_name
 from . import Integration, Unwrap
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")

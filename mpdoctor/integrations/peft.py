@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..introspect import is_a
+from ..live.introspect import is_a
 from . import Integration, Unwrap
 
 _PEFT_MODELS = ("peft.peft_model.PeftModel", "peft.mixed_model.PeftMixedModel", "peft.tuners.tuners_utils.BaseTuner")

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..facts.lowbit import Float8Layer
 from ..facts.tensors import dtype_name
-from ..introspect import class_path, class_paths, modules_of, raw_attr
+from ..live.introspect import class_path, class_paths, modules_of, raw_attr
 from . import Integration
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"

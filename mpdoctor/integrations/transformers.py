@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.configs import gather_configs
-from ..introspect import is_a, modules_where, raw_attr
+from ..live.introspect import is_a, modules_where, raw_attr
+from ..readers.configs import gather_configs
 from ..redact import safe_value
 from . import Integration
 
@@ -123,7 +123,7 @@ def rope_fp32_changes(model: Any, paths: tuple[str, ...]) -> list:
     """Steps restoring fp32 ``inv_freq`` (and ``original_inv_freq``) recomputed from the config, in place."""
     import torch
 
-    from ..fixes import SetItem
+    from ..edits.steps import SetItem
 
     steps = []
     mods = dict(_rope_modules(model))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.trl import TrlFacts
-from ..introspect import is_a, raw_attr, type_name
+from ..live.introspect import is_a, raw_attr, type_name
 from . import Integration
 
 BASE_TRAINER = "trl.trainer.base_trainer._BaseTrainer"

@@ -1,7 +1,5 @@
 """Numerics: what the values say, not just the dtypes.
 
-- :mod:`.scan`: one read of every parameter, grad and optimizer-state tensor
-  for NaN/Inf counts, abs max and fp16/bf16 range (``diagnose(..., scan=True)``).
 - :mod:`.probe`: one forward + backward on a real batch with cheap hooks on
   every module, naming the first module that overflows or raises
   (``mpdoctor.probe``, ``%mpdoctor --probe batch``).
@@ -12,11 +10,13 @@
 Nothing is imported here, so ``import mpdoctor`` stays cheap.
 """
 
+import importlib
+import importlib.util
 from typing import Any
 
 
 def __getattr__(name: str) -> Any:
     # ``mpdoctor.numerics.callback.MPDoctorAbort`` after a plain ``import mpdoctor``: load the submodule.
-    from .. import _submodule
-
-    return _submodule(__name__, name)
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,7 +19,7 @@
 - ``on_train_end``: removes its hooks.
 
 In a process group of more than one rank (DDP, FSDP, DeepSpeed under torchrun or accelerate),
-the start-of-training diagnosis is the cross-rank one (:func:`mpdoctor.distributed.diagnose_every_rank`,
+the start-of-training diagnosis is the cross-rank one (:func:`mpdoctor.diagnosis.ranks.diagnose_every_rank`,
 run on every rank, the same findings on each) and reports render on rank 0 only.
 
 This is the only mpdoctor module importing transformers.
@@ -35,6 +35,7 @@ import torch
 from transformers import TrainerCallback
 
 from .callback_state import CallbackState, MPDoctorAbort, ipython_shell
+from .probe import probe_inputs
 
 logger = logging.getLogger("mpdoctor")
 
@@ -94,7 +95,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
     # -- events ------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
         """Diagnose; stop before the first step on errors when asked; start watching the model."""
-        from ..distributed import diagnose_in_callback
+        from ..diagnosis.ranks import diagnose_in_callback
 
         objects = [o for o in (model, optimizer, args) if o is not None]
         names = {id(model): "model", id(optimizer): "optimizer", id(args): "args"}
@@ -124,7 +125,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and not self._fired:
             from ..checks.scaler import COLLAPSE_FACTOR
-            from ..facts.scaler import gather_scaler
+            from ..readers.scaler import gather_scaler
 
             sc = gather_scaler("optimizer.scaler", scaler)
             if sc.enabled and sc.scale is not None and (sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR):
@@ -160,7 +161,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         report = None
         if self.probe and inputs is not None and isinstance(model, torch.nn.Module):
             try:
-                report = self._watcher.probe(model, inputs, name="model", scaler=getattr(optimizer, "scaler", None))
+                report = probe_inputs(self._watcher, model, inputs, name="model", scaler=getattr(optimizer, "scaler", None))
                 self.probe_report = report
                 self._show(report, f"at step {step} ({detail})")
             except Exception as exc:  # mpdoctor must never be what breaks the run
@@ -174,7 +175,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
                                 report)  # fmt: skip
 
     def _show(self, report: Any, when: str) -> None:
-        from ..distributed import is_rank_zero
+        from ..diagnosis.ranks import is_rank_zero
 
         if not is_rank_zero():
             if when.startswith("at step"):  # a probe on another rank: say so, the report renders on rank 0 only

@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..crash.watch import LossWatcher
+from ..runtime.losses import LossWatcher
 
 
 class MPDoctorAbort(RuntimeError):

@@ -13,7 +13,7 @@
 - ``on_fit_end``: removes its hooks.
 
 In a process group of more than one rank the start diagnosis is the cross-rank one
-(:func:`mpdoctor.distributed.diagnose_every_rank`, run on every rank, the same findings on each).
+(:func:`mpdoctor.diagnosis.ranks.diagnose_every_rank`, run on every rank, the same findings on each).
 Reports render on global rank 0 only (``trainer.is_global_zero`` and ``is_rank_zero()``). This is the only mpdoctor module
 importing Lightning; ``import mpdoctor`` never imports it (``mpdoctor.MPDoctorLightningCallback`` is lazy).
 """
@@ -24,6 +24,8 @@ import logging
 from typing import Any
 
 import torch
+
+from .probe import probe_inputs
 
 try:  # the unified package first; the standalone ``pytorch_lightning`` where only it is installed
     from lightning.pytorch.callbacks import Callback
@@ -79,7 +81,7 @@ class MPDoctorLightningCallback(Callback, CallbackState):
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         """Diagnose the Trainer; stop before the first step on errors when asked."""
-        from ..distributed import diagnose_in_callback
+        from ..diagnosis.ranks import diagnose_in_callback
 
         self.start_report = diagnose_in_callback(trainer, timeout=self.timeout, names={id(trainer): "trainer"},
                                                  ignore=self.ignore)  # fmt: skip
@@ -127,7 +129,7 @@ class MPDoctorLightningCallback(Callback, CallbackState):
         if self.probe and inputs is not None and isinstance(pl_module, torch.nn.Module):
             try:
                 scaler = getattr(trainer.precision_plugin, "scaler", None)
-                report = self._watcher.probe(pl_module, inputs, name="trainer.lightning_module", scaler=scaler)
+                report = probe_inputs(self._watcher, pl_module, inputs, name="trainer.lightning_module", scaler=scaler)
                 self.probe_report = report
                 self._show(trainer, report, f"at step {step} ({detail})")
             except Exception as exc:  # mpdoctor must never be what breaks the run
@@ -141,7 +143,7 @@ class MPDoctorLightningCallback(Callback, CallbackState):
                                 report)  # fmt: skip
 
     def _show(self, trainer: Any, report: Any, when: str) -> None:
-        from ..distributed import is_rank_zero
+        from ..diagnosis.ranks import is_rank_zero
 
         if not getattr(trainer, "is_global_zero", True) or not is_rank_zero():
             if when.startswith("at step"):

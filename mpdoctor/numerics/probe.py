@@ -6,7 +6,7 @@ current autocast, or ``autocast=``), records per module the dtypes and the
 abs max / non-finite count of inputs, outputs, output gradients and
 parameter gradients, and names the first module that goes non-finite,
 passes the fp16 range or raises (a dtype mismatch is attributed to the module
-running when it was raised). It returns a :class:`~mpdoctor.report.Report`
+running when it was raised). It returns a :class:`~mpdoctor.diagnosis.report.Report`
 whose ``probe_table`` is the per-module DataFrame.
 
 The hooks never synchronise an accelerator per tensor: statistics stay on the
@@ -28,8 +28,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..discover import is_a
 from ..facts.tensors import dtype_name
+from ..gathering.values import FP16_MAX, no_autocast
+from ..live.introspect import is_a
 from ..redact import redact_finding
 from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
     DTYPE_ERROR,
@@ -40,7 +41,6 @@ from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
     ProbeFacts,
     _past,
 )
-from .scan import FP16_MAX, no_autocast
 
 _TRAINER = ("transformers.trainer.Trainer",)
 _ACCELERATOR = ("accelerate.accelerator.Accelerator",)
@@ -377,7 +377,7 @@ def _autocast_for(model_device: torch.device, setup: Any, autocast: Any) -> tupl
 
 def _loss_scale(setup: Any, scaler: Any) -> float:
     """The current scale of the GradScaler the setup multiplies its loss by (read only)."""
-    from ..facts.scaler import gather_scaler
+    from ..readers.scaler import gather_scaler
 
     if scaler is None:
         if setup is not None and is_a(setup, _SCALER):
@@ -621,10 +621,11 @@ def probe(
         :class:`ProbeFacts`. ``report.refresh()`` probes the same batch again.
     """
     from ..checks import REGISTRY, load, run_checks
-    from ..discover import discover
-    from ..facts import Facts, gather
+    from ..diagnosis.report import Report
+    from ..discovery.subjects import discover
+    from ..facts import Facts
+    from ..gathering import gather
     from ..live import Live
-    from ..report import Report
 
     start = time.perf_counter()
     facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training)
@@ -655,3 +656,13 @@ def probe(
         for fx in f.fixes:
             fx.bind(live)
     return report
+
+
+def probe_inputs(watcher: Any, model: torch.nn.Module, inputs: tuple[tuple, dict], name: str = "model", scaler: Any = None) -> Any:
+    """Probe ``model`` on ``inputs`` a :class:`~mpdoctor.runtime.losses.LossWatcher` kept (one forward +
+    backward, everything restored); the watcher's hooks stand aside while the probe runs. The Report."""
+    watcher.probing = True
+    try:
+        return probe(model, ForwardCall.of(*inputs), name=name, scaler=scaler)
+    finally:
+        watcher.probing = False

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .scan import FP16_MAX
+from ..gathering.values import FP16_MAX
 
 #: Exception texts that mean two dtypes met where one was expected.
 DTYPE_ERROR = re.compile(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..findings import _jsonable
 from ..redact import redact
+from ..treatment.findings import _jsonable
 
 
 def humanize_bytes(n: float) -> str:

@@ -20,9 +20,9 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from ..knowledge import SHORT_DTYPE
 from .data import humanize_bytes, humanize_count, report_dict
 from .evidence import (
-    SHORT_DTYPE,
     cause_label,
     format_number,
     plural,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..knowledge import SHORT_DTYPE
 from .data import humanize_bytes, precision_view, report_dict
-from .evidence import SHORT_DTYPE, plural
+from .evidence import plural
 
 
 def _cell(value: Any) -> str:

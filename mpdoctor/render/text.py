@@ -5,8 +5,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+from ..knowledge import SHORT_DTYPE
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import SHORT_DTYPE, cause_label, precision_word, singular_counts, summarize_evidence
+from .evidence import cause_label, precision_word, singular_counts, summarize_evidence
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 

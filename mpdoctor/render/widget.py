@@ -281,7 +281,7 @@ class ReportWidget:
         return bundle
 
     def _ipython_display_(self) -> None:
-        from .frontend import display_widget
+        from .bundles import display_widget
 
         display_widget(self)
 

@@ -15,7 +15,7 @@ from setups import VOCAB, batch, tiny_llama, train_step
 from setups_dtypes import finite
 
 import mpdoctor
-from mpdoctor.numerics.probe import ForwardCall
+from mpdoctor.numerics.probe_facts import ForwardCall
 
 
 def rope_phase_error(rotary, positions: int) -> float:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.discover import discover
+from mpdoctor.discovery.subjects import discover
 from mpdoctor.facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts, lightning_effective
 
 

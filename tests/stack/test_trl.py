@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
 import mpdoctor
-from mpdoctor.discover import discover
+from mpdoctor.discovery.subjects import discover
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "hello world this is text"] * 2
 BF16_REFUSED = "Your setup doesn't support bf16/gpu"

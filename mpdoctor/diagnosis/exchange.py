@@ -28,8 +28,8 @@ import json
 import time
 from typing import Any
 
-from .facts import Facts
-from .facts.distributed import DistributedFacts, RankRow
+from ..facts import Facts
+from ..facts.distributed import DistributedFacts, RankRow
 
 #: Environment variables that legitimately differ between ranks.
 PER_RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE"})
@@ -99,7 +99,7 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
     c = counters if counters is not None else Counters()
     try:
         if store is None:
-            from .integrations.distributed import default_store
+            from ..integrations.distributed import default_store
 
             store = default_store()
         if store is None:
@@ -176,51 +176,6 @@ def _read_fp(store: Any, prefix: str, rank: int, c: Counters) -> dict | None:
         return json.loads(raw)
     except Exception:
         return None
-
-
-def is_rank_zero() -> bool:
-    """True outside a process group and on its rank 0: where a callback renders."""
-    try:
-        import torch.distributed as dist
-
-        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    except Exception:
-        return True
-
-
-def diagnose_every_rank(*objects: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
-    """What a training callback calls on every rank: the cross-rank diagnosis, the same Report on each.
-
-    Render it where :func:`is_rank_zero` is True. Outside a process group it is
-    ``diagnose(*objects, **kwargs)``.
-    """
-    from .diagnosis import diagnose
-
-    return diagnose(*objects, distributed=True, timeout=timeout, **kwargs)
-
-
-def group_size() -> int:
-    """The size of the initialised default process group, 1 without one."""
-    try:
-        import torch.distributed as dist
-
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    except Exception:
-        return 1
-
-
-def diagnose_in_callback(*objects: Any, timeout: float = 60.0, **kwargs: Any) -> Any:
-    """What a training callback's start-of-training diagnosis calls on every process.
-
-    In a process group of more than one rank, every rank must call it (it is the cross-rank
-    :func:`diagnose_every_rank`: the same findings on each rank); otherwise plain ``diagnose``.
-    """
-    if group_size() > 1:
-        return diagnose_every_rank(*objects, timeout=timeout, **kwargs)
-    from .diagnosis import diagnose
-
-    return diagnose(*objects, **kwargs)
-
 
 
 def reattach(facts: Facts, previous: DistributedFacts) -> Facts:

@@ -15,7 +15,6 @@ applied only on an explicit request.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterable, Sequence
 from enum import Enum
@@ -23,12 +22,12 @@ from typing import Any, Callable
 
 import torch
 
-from .redact import describe_exception
+from ..edits.steps import CastParams, Change, SetAttr
+from ..redact import describe_exception
 
 #: Fixes whose undo backup would exceed this many bytes ask for ``apply(confirm=True)``.
 UNDO_BUDGET_BYTES = 2 * 2**30
 
-_UNSET = object()
 
 
 class FixFailed(RuntimeError):
@@ -37,253 +36,6 @@ class FixFailed(RuntimeError):
 
 class FixNeedsConfirmation(RuntimeError):
     """A fix would keep a backup larger than the undo budget; apply it with ``confirm=True``."""
-
-
-def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Return a copy of ``tensor`` in ``dtype`` on its own device (the one place fixes allocate)."""
-    return tensor.to(dtype=dtype, copy=True)
-
-
-class Change:
-    """One reversible step of a fix."""
-
-    description = ""
-
-    def apply(self) -> None:
-        """Record the prior state, then make the change."""
-        raise NotImplementedError
-
-    def revert(self) -> None:
-        """Restore exactly the state recorded by :meth:`apply`."""
-        raise NotImplementedError
-
-
-class SetAttr(Change):
-    """Set ``obj.attr = value``; undo restores the previous value (or its absence)."""
-
-    def __init__(self, obj: Any, attr: str, value: Any, label: str) -> None:
-        self.obj, self.attr, self.value = obj, attr, value
-        self.description = f"{label} = {value!r}"
-        self._old: Any = _UNSET
-
-    def apply(self) -> None:
-        d = object.__getattribute__(self.obj, "__dict__") if hasattr(self.obj, "__dict__") else {}
-        self._old = d[self.attr] if self.attr in d else getattr(self.obj, self.attr, _UNSET)
-        self._had_own = self.attr in d
-        setattr(self.obj, self.attr, self.value)
-
-    def revert(self) -> None:
-        if self._old is _UNSET or not self._had_own:
-            try:
-                delattr(self.obj, self.attr)
-            except AttributeError:
-                pass
-            if self._old is not _UNSET and getattr(self.obj, self.attr, _UNSET) is not self._old:
-                setattr(self.obj, self.attr, self._old)
-        else:
-            setattr(self.obj, self.attr, self._old)
-
-
-class SetEnv(Change):
-    """Set (or, with None, remove) an environment variable."""
-
-    def __init__(self, name: str, value: str | None) -> None:
-        self.name, self.value = name, value
-        self.description = f"os.environ[{name!r}] = {value!r}" if value is not None else f"del os.environ[{name!r}]"
-        self._old: str | None = None
-
-    def apply(self) -> None:
-        self._old = os.environ.get(self.name)
-        if self.value is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.value
-
-    def revert(self) -> None:
-        if self._old is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self._old
-
-
-class CastParams(Change):
-    """Cast parameters (with their grads and optimizer state) to ``dtype``, keeping the Parameter objects.
-
-    The optimizers keep their references because the Parameters are the same
-    objects; only ``.data``, ``.grad`` and full-size floating state tensors are
-    replaced. The old tensors are kept for an exact undo.
-    """
-
-    def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        dtype: torch.dtype,
-        optimizers: Iterable[Any] = (),
-        label: str = "parameters",
-        state: bool = True,
-    ) -> None:
-        unique = {id(p): p for p in params}  # a tied weight listed twice is cast once
-        self.params = [p for p in unique.values() if p.dtype != dtype]
-        self.dtype = dtype
-        self.optimizers = list(optimizers)
-        self.cast_state = state
-        self.description = f"cast {len(self.params)} {label} to {str(dtype).replace('torch.', '')}"
-        self._backup: list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor | None, list]] = []
-
-    def _state_entries(self, p: torch.Tensor) -> list[tuple[dict, str, torch.Tensor]]:
-        out = []
-        if not self.cast_state:
-            return out
-        seen: set[int] = set()
-        for opt in self.optimizers:
-            st = opt.state.get(p) if hasattr(opt, "state") else None
-            # A wrapper and the optimizer inside it share one state dict: cast it once.
-            if not isinstance(st, dict) or id(st) in seen:
-                continue
-            seen.add(id(st))
-            for key, value in st.items():
-                if (
-                    isinstance(value, torch.Tensor)
-                    and value.dtype.is_floating_point
-                    and value.shape == p.shape
-                    and value.dtype == p.dtype
-                ):
-                    out.append((st, key, value))
-        return out
-
-    def apply(self) -> None:
-        # Phase 1: allocate every new tensor; a failure here changes nothing.
-        staged = []
-        for p in self.params:
-            new_data = cast_tensor(p.data, self.dtype)
-            new_grad = cast_tensor(p.grad, self.dtype) if p.grad is not None else None
-            new_state = [(st, key, old, cast_tensor(old, self.dtype)) for st, key, old in self._state_entries(p)]
-            staged.append((p, new_data, new_grad, new_state))
-        # Phase 2: swap references; nothing here allocates. Should a swap still fail (a state
-        # dict that refuses a key), the swaps already made are undone before the error leaves.
-        self._backup = []
-        try:
-            for p, new_data, new_grad, new_state in staged:
-                old_grad = p.grad
-                self._backup.append((p, p.data, old_grad, [(st, key, old) for st, key, old, _ in new_state]))
-                p.grad = None
-                p.data = new_data
-                p.grad = new_grad
-                for st, key, _old, new in new_state:
-                    st[key] = new
-        except BaseException:
-            self.revert()
-            raise
-
-    def revert(self) -> None:
-        failures: list[BaseException] = []
-        for p, old_data, old_grad, states in reversed(self._backup):
-            try:
-                p.grad = None
-                p.data = old_data
-                p.grad = old_grad
-            except Exception as exc:
-                failures.append(exc)
-            for st, key, old in states:
-                try:
-                    st[key] = old
-                except Exception as exc:
-                    failures.append(exc)
-        self._backup = []
-        if failures:
-            raise failures[0]
-
-    @property
-    def backup_bytes(self) -> int:
-        """Bytes the undo backup keeps alive (the replaced tensors)."""
-        return sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in self.params)
-
-
-class CastGrads(Change):
-    """Cast each parameter's ``.grad`` to the parameter's dtype, keeping the grad tensor objects.
-
-    ``grad.data`` is swapped rather than ``param.grad`` rebound: a grad whose
-    dtype differs from its parameter could not be assigned back through
-    ``param.grad`` on undo.
-    """
-
-    def __init__(self, params: Iterable[torch.nn.Parameter], label: str = "parameters") -> None:
-        self.params = list(params)
-        self.description = f"cast the grads of {len(self.params)} {label} to their parameter's dtype"
-        self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def apply(self) -> None:
-        # Allocate every new grad first: a failure here changes nothing.
-        staged = [
-            (p.grad, cast_tensor(p.grad.data, p.dtype))
-            for p in self.params
-            if p.grad is not None and p.grad.dtype != p.dtype
-        ]
-        self._backup = []
-        for grad, new in staged:
-            self._backup.append((grad, grad.data))
-            grad.data = new
-
-    def revert(self) -> None:
-        for grad, old in reversed(self._backup):
-            grad.data = old
-        self._backup = []
-
-
-class CastStateEntries(Change):
-    """Replace optimizer state tensors by copies in another dtype; undo puts the originals back."""
-
-    def __init__(self, entries: list[tuple[dict, Any, torch.dtype]], label: str) -> None:
-        self.entries = entries
-        self.description = f"cast {len(entries)} {label}"
-        self._backup: list[tuple[dict, Any, torch.Tensor]] = []
-
-    def apply(self) -> None:
-        staged = [(st, key, st[key], cast_tensor(st[key], dtype)) for st, key, dtype in self.entries]
-        self._backup = []
-        for st, key, old, new in staged:
-            self._backup.append((st, key, old))
-            st[key] = new
-
-    def revert(self) -> None:
-        for st, key, old in reversed(self._backup):
-            st[key] = old
-        self._backup = []
-
-
-class SetItem(Change):
-    """Set a key of a plain dict; undo restores the old value or its absence."""
-
-    def __init__(self, d: dict, key: Any, value: Any, label: str) -> None:
-        self.d, self.key, self.value = d, key, value
-        self.description = f"{label} = {value!r}"
-        self._had = False
-        self._old: Any = None
-
-    def apply(self) -> None:
-        self._had = self.key in self.d
-        self._old = self.d.get(self.key)
-        self.d[self.key] = self.value
-
-    def revert(self) -> None:
-        if self._had:
-            self.d[self.key] = self._old
-        else:
-            self.d.pop(self.key, None)
-
-
-class Call(Change):
-    """A change made by a function, undone by another (both given by the check)."""
-
-    def __init__(self, do: Callable[[], Any], undo: Callable[[Any], None], description: str) -> None:
-        self._do, self._undo, self.description = do, undo, description
-        self._token: Any = None
-
-    def apply(self) -> None:
-        self._token = self._do()
-
-    def revert(self) -> None:
-        self._undo(self._token)
 
 
 class Applicability(str, Enum):
@@ -320,7 +72,7 @@ class Fix:
         Estimated undo backup; above :data:`UNDO_BUDGET_BYTES` the title says
         so and ``apply`` needs ``confirm=True``.
     changes : tuple of ChangeSpec
-        What the fix does, as plain data (:mod:`mpdoctor.changes`).
+        What the fix does, as plain data (:mod:`mpdoctor.treatment.changes`).
     applicability : Applicability, optional
         Safe, unsafe or display-only.
     cost : str

@@ -16,7 +16,7 @@ def readme_section(text: str) -> str:
 
 def update_readme(path: str) -> bool:
     """Rewrite the checks reference between the markers; return True when the file changed."""
-    from . import checks_reference
+    from ..checks import checks_reference
 
     file = Path(path)
     text = file.read_text(encoding="utf-8")

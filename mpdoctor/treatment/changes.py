@@ -4,7 +4,7 @@ A check describes its fix as a tuple of :class:`ChangeSpec` values (refs,
 parameter ids, dtype names, attribute names): no live object is captured,
 so findings stay plain data. Each kind of spec knows three things:
 
-- ``bind(live)``: the executable :class:`~mpdoctor.fixes.Change` steps, computed
+- ``bind(live)``: the executable :class:`~mpdoctor.edits.steps.Change` steps, computed
   from the live objects at the moment the fix is applied;
 - ``simulate(facts)``: the Facts as they will be after the change, so the
   treatment planner can run the checks on the outcome of a plan before
@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .fixes import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetEnv, SetItem
-from .introspect import raw_attr
+from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetEnv, SetItem
+from ..live.introspect import raw_attr
 
 if TYPE_CHECKING:
-    from .facts import Facts
-    from .live import Live
+    from ..facts import Facts
+    from ..live import Live
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -366,7 +366,7 @@ class AlignPrecision(ChangeSpec):
     models: tuple[tuple[str, int], ...] = ()
 
     def _live_setup(self, live: Live) -> Any:
-        from .integrations.accelerate import LiveSetup
+        from ..integrations.accelerate import LiveSetup
 
         args = live.get(self.args) if self.args else None
         acc = live.get(self.accelerator) if self.accelerator else None
@@ -374,12 +374,12 @@ class AlignPrecision(ChangeSpec):
         return LiveSetup(args, self.args_name, acc, self.accelerator_name, models)
 
     def bind(self, live: Live) -> list[Change]:
-        from .integrations.accelerate import precision_changes
+        from ..integrations.accelerate import precision_changes
 
         return precision_changes(self._live_setup(live), self.precision, self.native, dict(self.flags))
 
     def simulate(self, facts: Facts) -> Facts:
-        from .facts.precision import computes_in
+        from ..facts.precision import computes_in
 
         out = []
         for p in facts.precisions:
@@ -424,8 +424,8 @@ class SetMatmulPrecision(ChangeSpec):
     value: str
 
     def bind(self, live: Live) -> list[Change]:
-        from .fixes import Call
-        from .runtime_state import fp32_precisions, restore_fp32_precisions
+        from ..edits.steps import Call
+        from ..edits.torch_state import fp32_precisions, restore_fp32_precisions
 
         def do() -> tuple[str, dict]:
             old = (torch.get_float32_matmul_precision(), fp32_precisions())
@@ -536,7 +536,7 @@ class RecomputeRopeBuffers(ChangeSpec):
     label: str = "rotary embeddings"
 
     def bind(self, live: Live) -> list[Change]:
-        from .integrations.transformers import rope_fp32_changes
+        from ..integrations.transformers import rope_fp32_changes
 
         return rope_fp32_changes(live.get(self.ref), self.paths)
 
@@ -550,7 +550,7 @@ class RecomputeRopeBuffers(ChangeSpec):
         return dataclasses.replace(facts, models=tuple(models))
 
     def verify(self, live: Live) -> str | None:
-        from .integrations.transformers import _rope_modules
+        from ..integrations.transformers import _rope_modules
 
         mods = dict(_rope_modules(live.get(self.ref)))
         left = [p for p in self.paths if p in mods and mods[p].__dict__["_buffers"]["inv_freq"].dtype != torch.float32]
@@ -588,7 +588,7 @@ class SetDeepSpeedPrecision(ChangeSpec):
         return "fp16" if self.fp16 else "bf16" if self.bf16 else "no"
 
     def bind(self, live: Live) -> list[Change]:
-        from .integrations.deepspeed import ConfigPrecision
+        from ..integrations.deepspeed import ConfigPrecision
 
         lists = [x for x in (live.get(r) for r in self.mismatch_lists if r in live) if isinstance(x, list)]
         values = {"fp16": self.fp16, "bf16": self.bf16}
@@ -640,7 +640,7 @@ class SetDeepSpeedConfigKey(ChangeSpec):
     value: Any
 
     def bind(self, live: Live) -> list[Change]:
-        from .integrations.deepspeed import ConfigKey
+        from ..integrations.deepspeed import ConfigKey
 
         cfgs = [c for c in _deepspeed_configs(live, self.configs) if c.get(self.key) != self.value]
         return [ConfigKey(cfgs, self.key, self.value, f"{self.setup}: DeepSpeed {self.key}={self.value!r}")] if cfgs else []

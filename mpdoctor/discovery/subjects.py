@@ -19,9 +19,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import integrations
-from .introspect import attr_of_known, class_path, class_paths, is_a, mro_paths, type_mro, type_name
-from .redact import redact
+from .. import integrations
+from ..live.introspect import attr_of_known, class_path, class_paths, is_a, mro_paths, type_mro, type_name
+from ..redact import redact
 
 __all__ = ["KINDS", "Subject", "class_path", "discover", "is_a", "kind_of", "mro_paths", "type_name"]
 

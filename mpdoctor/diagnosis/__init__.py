@@ -13,16 +13,17 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from .checks import internal_error, run_checks
-from .discover import Subject, discover
-from .facts import Facts, gather
-from .facts.hardware import DeviceProfile, profile_for
-from .facts.precision import RuntimeFacts
-from .findings import Finding
-from .live import Live
-from .redact import describe_exception, redact_finding
+from ..checks import internal_error, run_checks
+from ..discovery.subjects import Subject, discover
+from ..facts import Facts
+from ..facts.hardware import DeviceProfile, profile_for
+from ..facts.precision import RuntimeFacts
+from ..gathering import gather
+from ..live import Live
+from ..redact import describe_exception, redact_finding
+from ..treatment.findings import Finding
+from ..treatment.plan import plan as plan_treatment
 from .report import Report
-from .treatment import plan as plan_treatment
 
 
 def diagnose(
@@ -75,8 +76,8 @@ def diagnose(
         Never raises on user objects: a failure inside mpdoctor becomes an
         ``internal-error`` finding. An unknown ``target`` raises ValueError.
     """
-    if target is not None:
-        profile_for(target)  # a typo in target is the caller's error, not a finding
+    # The one place ``target`` is resolved: a typo is the caller's error, not a finding.
+    profile = profile_for(target) if target is not None else None
     start = time.perf_counter()
     try:
         subjects = discover(objects, namespace=namespace, hidden=hidden, names=names)
@@ -86,7 +87,8 @@ def diagnose(
     else:
         failure = None
     report = diagnose_subjects(
-        subjects, target=target, scan=scan, ignore=ignore, start=start, distributed=distributed, timeout=timeout
+        subjects, target=target, profile=profile, scan=scan, ignore=ignore, start=start, distributed=distributed,
+        timeout=timeout,
     )
     if failure is not None:
         report.findings.insert(0, redact_finding(failure))
@@ -102,21 +104,28 @@ def diagnose_subjects(
     distributed: bool = False,
     timeout: float = 60.0,
     ranks_from: Any = None,
+    profile: DeviceProfile | None = None,
 ) -> Report:
-    """Diagnose already-discovered subjects (what ``Report.refresh()`` calls)."""
+    """Diagnose already-discovered subjects (what ``Report.refresh()`` calls).
+
+    ``profile`` is the device profile ``target`` was resolved to by the entrance (:func:`diagnose`); ``target``
+    is then only the label the report shows. Given a ``target`` and no ``profile``, it is resolved here.
+    """
+    if profile is None and target is not None:
+        profile = profile_for(target)
     start = time.perf_counter() if start is None else start
     subjects = tuple(subjects)
     ignore = tuple(ignore)
     live = Live()
-    facts, failures = _gather(subjects, target, live)
+    facts, failures = _gather(subjects, profile, live)
     if scan:
         facts = _with_scan(facts, subjects)
     if distributed:
-        from .distributed import exchange
+        from .exchange import exchange
 
         facts = exchange(facts, timeout=timeout)
     elif ranks_from is not None:
-        from .distributed import reattach
+        from .exchange import reattach
 
         facts = reattach(facts, ranks_from)
     hidden: dict[str, int] = {}
@@ -143,9 +152,11 @@ def diagnose_subjects(
         hidden=hidden,
     )
     dist = getattr(facts, "distributed", None)
-    if dist is not None and dist.exchanged:
-        # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
-        report._rediagnose = lambda: diagnose_subjects(subjects, target=target, scan=scan, ignore=ignore, ranks_from=dist)
+    # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
+    ranks = dist if dist is not None and dist.exchanged else None
+    report._rediagnose = lambda: diagnose_subjects(
+        subjects, target=target, profile=profile, scan=scan, ignore=ignore, ranks_from=ranks
+    )
     for f in findings:
         for fx in f.fixes:
             fx.bind(live, report)
@@ -154,46 +165,43 @@ def diagnose_subjects(
     return report
 
 
-def _gather(subjects: tuple[Subject, ...], target: str | None, live: Live) -> tuple[Facts, list[Finding]]:
+def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: Live) -> tuple[Facts, list[Finding]]:
     """Gather facts; when that fails as a whole, drop the subjects that make it fail and gather the rest."""
     try:
-        return gather(subjects, target=target, live=live), []
+        return gather(subjects, profile, live), []
     except Exception:
         pass
     try:
-        gather((), target=target)
+        gather((), profile)
     except Exception as exc:  # the process-wide facts fail: no subject is to blame
-        return _empty_facts(subjects, target), [_failure("the runtime facts", exc)]
+        return _empty_facts(subjects, profile), [_failure("the runtime facts", exc)]
     kept: list[Subject] = []
     failures: list[Finding] = []
     for s in subjects:
         try:
-            gather((s,), target=target)
+            gather((s,), profile)
             kept.append(s)
         except Exception as exc:
             failures.append(_failure(s.name, exc))
     try:
-        full = gather(tuple(kept), target=target, live=live)
+        full = gather(tuple(kept), profile, live)
         # The dropped subjects stay listed as inspected: their internal-error findings name them.
         dropped = tuple(_plain(s) for s in subjects if s not in kept)
         return dataclasses.replace(full, subjects=full.subjects + dropped), failures
     except Exception as exc:
         failures.append(_failure("facts", exc))
-        return _empty_facts(subjects, target), failures
+        return _empty_facts(subjects, profile), failures
 
 
 def _plain(s: Subject):
-    from .facts import SubjectFacts
-    from .introspect import type_name
+    from ..facts import SubjectFacts
+    from ..live.introspect import type_name
 
     return SubjectFacts(s.kind, s.name, id(s.obj), id(s.inner), s.inner_path, s.owner, type_name(s.obj), "?")
 
 
-def _empty_facts(subjects: tuple[Subject, ...], target: str | None) -> Facts:
-    try:
-        hardware = profile_for(target) if target is not None else DeviceProfile("unknown", "cpu", None, False, False, False, True)
-    except Exception:
-        hardware = DeviceProfile("unknown", "cpu", None, False, False, False, True)
+def _empty_facts(subjects: tuple[Subject, ...], profile: DeviceProfile | None) -> Facts:
+    hardware = profile if profile is not None else DeviceProfile("unknown", "cpu", None, False, False, False, True)
     runtime = RuntimeFacts(autocast={}, matmul_tf32=False, cudnn_tf32=False, float32_matmul_precision="?", env={}, versions={})
     return Facts(
         subjects=tuple(_plain(s) for s in subjects),
@@ -223,7 +231,7 @@ def _failure(where: str, exc: BaseException) -> Finding:
 
 def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:
     try:
-        from .numerics.scan import scan_facts
+        from ..gathering.values import scan_facts
     except ModuleNotFoundError:
         return facts
     try:

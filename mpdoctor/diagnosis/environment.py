@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .facts.hardware import live_profile
-from .facts.precision import gather_runtime
+from ..gathering.precision import gather_runtime
+from ..readers.hardware import live_profile
 
 
 class EnvReport(dict):

@@ -80,7 +80,7 @@ def run_demo() -> int:
     except ImportError:
         print(f"mpdoctor demo: {INSTALL_HF}", file=sys.stderr)
         return 2
-    from . import diagnose
+    from ..diagnosis import diagnose
 
     ns = build_broken_setup()
     print(

@@ -12,12 +12,12 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from .findings import Finding
+from ..treatment.findings import Finding
 
 if TYPE_CHECKING:
     import pandas
 
-    from .facts import Facts
+    from ..facts import Facts
 
 HISTOGRAM_COLUMNS = ["object", "kind", "dtype", "tensors", "elements", "bytes", "trainable", "devices", "meta"]
 
@@ -146,7 +146,7 @@ class Report:
         """Per-module value scan (NaN/Inf counts, abs max, fp16/bf16 range), or None without ``scan=True``."""
         if not self.facts.scans:
             return None
-        from .numerics.scan import scan_table
+        from ..gathering.values import scan_table
 
         return scan_table(self)
 
@@ -154,7 +154,7 @@ class Report:
         """The value scan as plain rows per module (what renderers show); empty without a scan."""
         if not self.facts.scans:
             return []
-        from .numerics.scan import scan_rows
+        from ..gathering.values import scan_rows
 
         return scan_rows(self.facts)
 
@@ -179,11 +179,9 @@ class Report:
     # -- actions -----------------------------------------------------------------------
     def refresh(self) -> Report:
         """Diagnose the same live objects again (with the same target, scan and ignore list)."""
-        from .diagnosis import diagnose_subjects
-
-        if self._rediagnose is not None:
-            return self._rediagnose()
-        return diagnose_subjects(self._subjects, target=self.target, scan=self.scan, ignore=self.ignore)
+        if self._rediagnose is None:  # a report built by hand, not by diagnose(): nothing live to re-read
+            return self
+        return self._rediagnose()
 
     def apply_safe_fixes(self) -> list:
         """Apply every safe fix not yet applied; return the fixes applied.
@@ -191,7 +189,7 @@ class Report:
         A fix that fails is rolled back, keeps its ``error`` and is skipped;
         the others are still applied.
         """
-        from .fixes import FixFailed, FixNeedsConfirmation
+        from ..treatment.fixes import FixFailed, FixNeedsConfirmation
 
         applied = []
         for fix in self.fixes:
@@ -226,7 +224,7 @@ class Report:
 
     def to_dict(self) -> dict:
         """A JSON-serialisable dict of the whole report."""
-        from .render.data import report_dict
+        from ..render.data import report_dict
 
         return report_dict(self)
 
@@ -236,25 +234,25 @@ class Report:
 
     def to_markdown(self) -> str:
         """Markdown ready to paste into a bug report, with versions and device."""
-        from .render.markdown import render_markdown
+        from ..render.markdown import render_markdown
 
         return render_markdown(self)
 
     def to_text(self, width: int = 100) -> str:
         """The compact text rendering (what ``print(report)`` shows)."""
-        from .render.text import render_text
+        from ..render.text import render_text
 
         return render_text(self, width=width)
 
     def to_html(self) -> str:
         """The static HTML rendering (no buttons)."""
-        from .render.html import render_html
+        from ..render.html import render_html
 
         return render_html(self)
 
     def widget(self) -> Any:
         """The interactive ipywidgets report with fix buttons."""
-        from .render.widget import ReportWidget
+        from ..render.widget import ReportWidget
 
         return ReportWidget(self)
 
@@ -265,7 +263,7 @@ class Report:
     def __repr__(self) -> str:
         c = self.counts()
         names = ", ".join(s.name for s in self.subjects) or "nothing"
-        from .findings import count
+        from ..treatment.findings import count
 
         return f"<mpdoctor.Report: {count(c['error'], 'error')}, {count(c['warning'], 'warning')}, {c['info']} info on {names}>"
 
@@ -281,6 +279,6 @@ class Report:
         return bundle
 
     def _ipython_display_(self) -> None:
-        from .render.frontend import show
+        from ..render.frontend import show
 
         show(self)

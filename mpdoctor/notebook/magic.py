@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from traitlets import Bool, List, Unicode
 
-from .knowledge import GPU_PROFILES
+from ..knowledge import GPU_PROFILES
 
 try:
     from IPython.core.magic import no_var_expand
@@ -41,7 +41,7 @@ def _print_line(text: str) -> None:
 
 
 def _type_name(obj: Any) -> str:
-    from .discover import type_name
+    from ..live.introspect import type_name
 
     return type_name(obj)  # never runs user code: not obj.__class__, nor a metaclass's __getattribute__
 
@@ -52,7 +52,7 @@ def _a(noun: str) -> str:
 
 def _nothing_to_inspect(name: str, obj: Any) -> str:
     """Why a named object brought no subject: the user named the wrong thing, so say what to name."""
-    from .discover import is_a
+    from ..live.introspect import is_a
 
     cls_name = _type_name(obj)
     if is_a(obj, ("torch.Tensor",)):
@@ -133,9 +133,9 @@ class MPDoctorMagics(Magics):
         return value, True
 
     def _run(self, args):
-        from .diagnosis import diagnose
-        from .facts.hardware import UnknownTarget
-        from .redact import describe_exception
+        from ..diagnosis import diagnose
+        from ..facts.hardware import UnknownTarget
+        from ..redact import describe_exception
 
         ignore = self._ignore_list(args.ignore)
         if ignore is None:
@@ -192,7 +192,7 @@ class MPDoctorMagics(Magics):
 
     def _ignore_list(self, option: str) -> list[str] | None:
         """The configured and typed check slugs to skip; None (after one line per unknown slug) on a typo."""
-        from .checks import load
+        from ..checks import load
 
         known = sorted(load())
         wanted = [("MPDoctorMagics.ignore", s) for s in self.ignore]
@@ -215,7 +215,7 @@ class MPDoctorMagics(Magics):
             _print_line(f"--probe needs exactly one model; found {len(models)} (name it: %mpdoctor model --probe {batch_name})")
             return None
         try:
-            from .numerics.probe import probe
+            from ..numerics.probe import probe
         except ModuleNotFoundError:
             _print_line("--probe is not available in this installation")
             return None
@@ -223,7 +223,7 @@ class MPDoctorMagics(Magics):
         return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
 
     def _show(self, report: Any, args: Any) -> None:
-        from .render.frontend import show
+        from ..render.frontend import show
 
         if args.json:
             print(report.to_json())
@@ -241,7 +241,7 @@ class MPDoctorMagics(Magics):
 
 def _batch_types() -> tuple:
     """What ``--probe`` accepts: what a DataLoader yields (imported late: the probe's module is not cheap)."""
-    from .numerics.probe_facts import ForwardCall
+    from ..numerics.probe_facts import ForwardCall
 
     return (Mapping, torch.Tensor, tuple, list, ForwardCall)
 

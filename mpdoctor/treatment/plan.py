@@ -3,7 +3,7 @@
 Checks offer fixes one finding at a time; two of them can pull in opposite
 directions (cast a bf16 model's fp32 head to bf16; cast its bf16 weights to
 fp32 for stock AdamW). Because facts are plain data and every fix is a plan of
-:mod:`mpdoctor.changes` specs that can be simulated on them, the planner runs
+:mod:`mpdoctor.treatment.changes` specs that can be simulated on them, the planner runs
 the checks on the outcome of each candidate before anything is touched:
 
 1. Score the findings: (errors, warnings, infos).
@@ -28,7 +28,7 @@ from .findings import Finding
 from .fixes import Applicability, Fix
 
 if TYPE_CHECKING:
-    from .facts import Facts
+    from ..facts import Facts
 
 #: Bound on planning rounds (each round runs the checks once per fix on offer).
 MAX_ROUNDS = 12
