@@ -1,0 +1,1000 @@
+"""The loop, read: the GradScaler protocol mistakes of a hand-written AMP loop, found in its source.
+
+An AST analysis, never an execution. Each source (a notebook cell, a script) is walked in program order as
+an abstract run of the protocol ``scale(loss).backward()`` -> ``unscale_`` at most once per real step ->
+clipping -> ``scaler.step(opt)`` -> ``update()``: loop bodies are walked twice (the second pass sees what one
+iteration leaves for the next), an accumulation guard (``if (i + 1) % accum == 0:``) marks the calls that run
+once per real step, a call to a function defined in the code read (``train_step(batch)``) walks its body at
+the call. Sources are read in order with what earlier ones defined (a scaler created in one cell, the loop in
+the next).
+
+The analysis is calibrated against the correct recipes: what it cannot prove wrong it does not report. A
+scaled backward is "pending" only when every path made it (an ``if use_amp:`` branch and its plain ``else``
+leave nothing pending); an ``unscale_`` or ``step`` not yet followed by ``update()`` counts when any path
+made it (that is the path that raises). Findings name the cell and line (``In [7], line 12``) and carry, as a
+display-only fix, the user's own loop with the corrected lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..findings import Finding
+from .rules import RULES
+
+#: Call names that clip gradients in place (torch.nn.utils); accelerate's and Lightning's own clip unscale first.
+CLIP_FUNCS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
+_TORCH_PARTS = frozenset({"torch", "nn", "utils", "clip_grad"})
+#: Constructors whose result is a GradScaler.
+SCALER_CLASSES = frozenset({"GradScaler", "ShardedGradScaler"})
+#: torch.optim classes (and common third-party ones) whose instances are optimizers.
+OPTIMIZER_CLASSES = frozenset(
+    {
+        "SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "ASGD",
+        "LBFGS", "SparseAdam", "Adafactor", "Lion", "AdamW8bit", "Adam8bit", "PagedAdamW", "PagedAdamW8bit",
+        "AdamWBF16", "ZeroRedundancyOptimizer", "Muon",
+    }
+)  # fmt: skip
+_SCHEDULER_CALL = re.compile(r"LR$|_schedule|[Ss]cheduler|Plateau|WarmRestarts")
+_OPTIMIZER_NAME = re.compile(r"(?:^|_)(?:[oO]ptim|opt(?:$|_|[A-Z0-9]))")
+_SCHEDULER_NAME = re.compile(r"sched|lr_", re.IGNORECASE)
+#: Words in an ``if`` test that make it an accumulation guard (the branch runs once per real step).
+_GUARD_WORDS = re.compile(
+    r"accum|sync_gradients|grad_acc|update_freq|is_last|last_micro|should_step|do_step|step_now"
+)
+#: Cell magics whose body is Python run as is: their body is read too.
+_CODE_CELL_MAGICS = frozenset({"time", "capture", "timeit", "prun"})
+
+
+@dataclass(frozen=True)
+class Source:
+    """One unit of code read: a notebook cell or a script.
+
+    Attributes
+    ----------
+    label : str
+        How findings name it: ``"In [7]"`` or ``"train.py"``.
+    code : str
+        The Python source (IPython syntax already transformed away).
+    tree : ast.Module
+        Its parse tree.
+    line_offset : int
+        Added to the tree's line numbers to give the line the user sees (a ``%%time`` cell's body starts on 2).
+    """
+
+    label: str
+    code: str
+    tree: ast.Module
+    line_offset: int = 0
+
+    @property
+    def lines(self) -> list[str]:
+        return self.code.splitlines()
+
+    def where(self, lineno: int) -> str:
+        """``"In [7], line 12"``."""
+        return f"{self.label}, line {lineno + self.line_offset}"
+
+
+@lru_cache(maxsize=4096)
+def parse(code: str) -> ast.Module | None:
+    """The parse tree of ``code``, or None when it is not Python (cached: history is read again and again)."""
+    try:
+        return ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return None
+
+
+def source_of(label: str, code: str) -> Source | None:
+    """A :class:`Source` for ``code``, or None when it does not parse; a ``%%time`` cell yields its body."""
+    tree = parse(code)
+    if tree is None:
+        return None
+    body = _cell_magic_body(tree)
+    if body is not None:
+        inner = parse(body)
+        if inner is not None:
+            return Source(label, body, inner, line_offset=1)
+    return Source(label, code, tree)
+
+
+def _cell_magic_body(tree: ast.Module) -> str | None:
+    # IPython turns "%%time\n<body>" into get_ipython().run_cell_magic('time', '', '<body>').
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return None
+    call = tree.body[0].value
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "run_cell_magic"
+    ):
+        return None
+    if len(call.args) != 3:
+        return None
+    name, _, body = call.args
+    if isinstance(name, ast.Constant) and name.value in _CODE_CELL_MAGICS and isinstance(body, ast.Constant):
+        return body.value if isinstance(body.value, str) else None
+    return None
+
+
+# -- names ---------------------------------------------------------------------------------------------------
+
+
+def _dotted(node: ast.AST) -> str:
+    """``torch.nn.utils.clip_grad_norm_`` for an attribute chain, ``""`` for anything else."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return ""
+
+
+def _text(node: ast.AST) -> str:
+    """A receiver's source text (``scaler``, ``self.scaler``, ``scalers[0]``)."""
+    dotted = _dotted(node)
+    if dotted:
+        return dotted
+    try:
+        return ast.unparse(node)
+    except Exception:  # ast.unparse on a malformed tree
+        return ""
+
+
+@dataclass
+class Names:
+    """What the code read so far has bound: scalers, optimizers, schedulers, functions."""
+
+    #: scaler text -> False when created with a literal ``enabled=False`` (its mistakes are latent), else True.
+    scalers: dict[str, bool] = field(default_factory=dict)
+    optimizers: set[str] = field(default_factory=set)
+    schedulers: set[str] = field(default_factory=set)
+    #: function name -> (source, def node)
+    functions: dict[str, tuple[Source, ast.FunctionDef]] = field(default_factory=dict)
+    #: name bound to ``scaler.scale(loss)`` -> that scaler
+    scaled_aliases: dict[str, str] = field(default_factory=dict)
+
+    def learn(self, tree: ast.AST) -> None:
+        """Record the scalers, optimizers and schedulers ``tree`` creates or uses."""
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                        self._learn_binding(_text(t), node.value)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                receiver = _text(node.func.value)
+                if node.func.attr in ("unscale_", "step") and node.args and receiver in self.scalers:
+                    self.optimizers.add(_text(node.args[0]))
+                elif node.func.attr == "backward" and _scale_call(node.func.value):
+                    self.scalers.setdefault(_text(node.func.value.func.value), True)
+
+    def _learn_binding(self, name: str, value: ast.AST) -> None:
+        if not name:
+            return
+        if isinstance(value, ast.Attribute) and value.attr == "scaler":  # accelerator.scaler, trainer.scaler
+            self.scalers[name] = True
+        if not isinstance(value, ast.Call):
+            return
+        called = _dotted(value.func)
+        last = called.rsplit(".", 1)[-1]
+        if last in SCALER_CLASSES:
+            self.scalers[name] = not any(
+                kw.arg == "enabled" and isinstance(kw.value, ast.Constant) and kw.value.value is False
+                for kw in value.keywords
+            )
+        elif (
+            last in OPTIMIZER_CLASSES
+            or (last.endswith("Optimizer") and last != "Optimizer")
+            or called.endswith("optim.Optimizer")
+        ):
+            self.optimizers.add(name)
+        elif last and _SCHEDULER_CALL.search(last):
+            self.schedulers.add(name)
+
+    def bind_in_order(self, name: str, value: ast.AST) -> None:
+        """A binding met while walking: ``scaled = scaler.scale(loss)`` makes an alias, a rebinding drops it."""
+        if not name:
+            return
+        self._learn_binding(name, value)
+        if _scale_call(value) and _text(value.func.value) in self.scalers:
+            self.scaled_aliases[name] = _text(value.func.value)
+        else:
+            self.scaled_aliases.pop(name, None)
+
+    def is_optimizer(self, text: str) -> bool:
+        if text in self.optimizers:
+            return True
+        if text in self.schedulers or text in self.scalers:
+            return False
+        last = text.rsplit(".", 1)[-1]
+        return bool(_OPTIMIZER_NAME.search(last)) and not _SCHEDULER_NAME.search(last)
+
+    def is_scheduler(self, text: str) -> bool:
+        if text in self.schedulers:
+            return True
+        return bool(_SCHEDULER_NAME.search(text.rsplit(".", 1)[-1])) and text not in self.optimizers
+
+
+def _scale_call(node: ast.AST) -> bool:
+    """``<x>.scale(<loss>)``."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "scale"
+        and len(node.args) == 1
+    )
+
+
+def _is_clip(call: ast.Call) -> bool:
+    parts = _dotted(call.func).split(".")
+    return parts[-1] in CLIP_FUNCS and (len(parts) == 1 or any(p in _TORCH_PARTS for p in parts[:-1]))
+
+
+#: An ``if`` testing these already steps the scheduler only on real steps.
+_SKIP_TEST = re.compile(r"get_scale|skip|_scale\b|found_inf")
+
+
+def _unparse(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:  # a malformed tree
+        return ""
+
+
+def _is_accumulation_guard(test: ast.AST) -> bool:
+    """``(i + 1) % accum == 0``, ``step % k == 0``, ``accelerator.sync_gradients``, ``is_last_microbatch``..."""
+    for node in ast.walk(test):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
+            return True
+    return bool(_GUARD_WORDS.search(_unparse(test)))
+
+
+# -- the abstract run ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A line of a source."""
+
+    source: Source
+    node: ast.AST
+
+    @property
+    def line(self) -> int:
+        return self.node.lineno
+
+    @property
+    def where(self) -> str:
+        return self.source.where(self.node.lineno)
+
+    @property
+    def code(self) -> str:
+        lines = self.source.lines
+        first = lines[self.node.lineno - 1].strip() if 0 < self.node.lineno <= len(lines) else ""
+        return first
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    loc: Loc
+    guarded: bool
+    loop: int
+
+
+@dataclass
+class State:
+    """What the protocol has done so far on the path being walked."""
+
+    #: scaler -> its scaled backward, with no unscale_/step since (must: every path)
+    scaled: dict[str, Loc] = field(default_factory=dict)
+    #: scaler -> its scaled backward, with no update() since (must)
+    pending: dict[str, Loc] = field(default_factory=dict)
+    #: (scaler, optimizer) -> unscale_ with no update() since (may: any path)
+    unscaled: dict[tuple[str, str], Loc] = field(default_factory=dict)
+    #: (scaler, optimizer) -> scaler.step with no update() since (may)
+    stepped: dict[tuple[str, str], Loc] = field(default_factory=dict)
+    #: scaler -> its last step (may)
+    last_step: dict[str, StepRecord] = field(default_factory=dict)
+
+    def copy(self) -> State:
+        return State(
+            dict(self.scaled),
+            dict(self.pending),
+            dict(self.unscaled),
+            dict(self.stepped),
+            dict(self.last_step),
+        )
+
+    @staticmethod
+    def merge(states: Sequence[State | None]) -> State | None:
+        live = [s for s in states if s is not None]
+        if not live:
+            return None
+        out = live[0].copy()
+        for s in live[1:]:
+            out.scaled = {k: v for k, v in out.scaled.items() if k in s.scaled}
+            out.pending = {k: v for k, v in out.pending.items() if k in s.pending}
+            out.unscaled = {**s.unscaled, **out.unscaled}
+            out.stepped = {**s.stepped, **out.stepped}
+            for k, rec in s.last_step.items():
+                if k not in out.last_step or (rec.guarded and not out.last_step[k].guarded):
+                    out.last_step[k] = rec
+        return out
+
+
+@dataclass
+class RawFinding:
+    """A protocol mistake at a line, before it becomes a :class:`Finding`."""
+
+    slug: str
+    loc: Loc
+    scaler: str
+    optimizer: str = ""
+    related: dict[str, Loc] = field(default_factory=dict)
+    latent: bool = False  # the scaler is created with enabled=False: the mistake is harmless until enabled
+    detail: str = ""
+    scheduler: str = ""
+
+
+class _Stop(Exception):
+    """Internal: a path ended (return / break / raise)."""
+
+
+class LoopReader:
+    """Walks sources in order and collects protocol mistakes.
+
+    Parameters
+    ----------
+    names : Names, optional
+        What earlier code bound (created fresh when omitted).
+    """
+
+    MAX_INLINE_DEPTH = 4
+
+    def __init__(self, names: Names | None = None) -> None:
+        self.names = names or Names()
+        self.state = State()
+        self.found: dict[tuple[str, int, int], RawFinding] = {}
+        self._source: Source | None = None
+        self._guards = 0  # accumulation guards around the current statement, within the innermost loop
+        self._loop = 0  # id of the innermost loop
+        self._loops = 0
+        self._in_loop = False
+        self._inlining: list[str] = []
+        self._continues: list[list[State]] = []
+        self._returns: list[list[State]] = []
+        self._inlined: set[str] = set()
+        self._tests: list[str] = []  # the tests of the ifs around the current statement
+        self._order: dict[int, int] = {}  # id(source) -> position in reading order
+
+    # -- entry points ------------------------------------------------------------------------------------
+    def read(self, source: Source) -> None:
+        """Walk one source after the ones already read (its top level continues their run)."""
+        self.names.learn(source.tree)
+        self._order.setdefault(id(source), len(self._order))
+        self._source = source
+        state = self._block(source.tree.body, self.state)
+        self.state = state if state is not None else State()
+
+    def finish(self) -> list[RawFinding]:
+        """Walk the functions no code read has called (on their own), then return every mistake found."""
+        for name, (source, node) in list(self.names.functions.items()):
+            if name not in self._inlined:
+                self._standalone(source, node)
+        return sorted(self.found.values(), key=lambda f: (self._order.get(id(f.loc.source), -1), f.loc.line))
+
+    def _standalone(self, source: Source, node: ast.AST) -> None:
+        saved = (self._source, self.state, self._guards, self._in_loop, self._loop)
+        self._source, self._guards, self._in_loop = source, 0, False
+        self._returns.append([])
+        try:
+            self._block(node.body, State())
+        finally:
+            self._returns.pop()
+            self._source, self.state, self._guards, self._in_loop, self._loop = saved
+
+    # -- statements --------------------------------------------------------------------------------------
+    def _block(self, stmts: Iterable[ast.stmt], state: State | None) -> State | None:
+        for stmt in stmts:
+            if state is None:
+                return None
+            state = self._stmt(stmt, state)
+        return state
+
+    def _stmt(self, stmt: ast.stmt, state: State) -> State | None:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            self.names.functions[stmt.name] = (self._source, stmt)
+            self._inlined.discard(stmt.name)  # a redefinition is read again
+            return state
+        if isinstance(stmt, ast.ClassDef):
+            for item in stmt.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    self._standalone(self._source, item)
+            return state
+        if isinstance(stmt, ast.If):
+            return self._if(stmt, state)
+        if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+            return self._loop_stmt(stmt, state)
+        if isinstance(stmt, (ast.With, ast.AsyncWith)):
+            for item in stmt.items:
+                self._expr(item.context_expr, state)
+            return self._block(stmt.body, state)
+        if isinstance(stmt, ast.Try) or type(stmt).__name__ == "TryStar":
+            body = self._block(stmt.body, state.copy())
+            handlers = [self._block(h.body, state.copy()) for h in stmt.handlers]
+            out = State.merge([self._block(stmt.orelse, body) if body is not None else None, *handlers])
+            return self._block(stmt.finalbody, out) if out is not None else None
+        if type(stmt).__name__ == "Match":
+            return State.merge([self._block(case.body, state.copy()) for case in stmt.cases] + [state])
+        if isinstance(stmt, ast.Return):
+            if stmt.value is not None:
+                self._expr(stmt.value, state)
+            if self._returns:
+                self._returns[-1].append(state)
+            return None
+        if isinstance(stmt, ast.Continue):
+            if self._continues:
+                self._continues[-1].append(state)
+            return None
+        if isinstance(stmt, (ast.Break, ast.Raise)):
+            return None
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            if stmt.value is not None:
+                self._expr(stmt.value, state)
+            if isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                        self.names.bind_in_order(_text(t), stmt.value)
+            return state
+        if isinstance(stmt, ast.Expr):
+            self._expr(stmt.value, state)
+            return state
+        return state
+
+    def _if(self, stmt: ast.If, state: State) -> State | None:
+        self._expr(stmt.test, state)
+        guard = self._in_loop and _is_accumulation_guard(stmt.test)
+        self._guards += guard
+        self._tests.append(_unparse(stmt.test))
+        try:
+            body = self._block(stmt.body, state.copy())
+        finally:
+            self._guards -= guard
+            self._tests.pop()
+        other = self._block(stmt.orelse, state.copy()) if stmt.orelse else state
+        return State.merge([body, other])
+
+    def _loop_stmt(self, stmt: ast.stmt, state: State) -> State | None:
+        if isinstance(stmt, ast.While):
+            self._expr(stmt.test, state)
+        else:
+            self._expr(stmt.iter, state)
+        saved = (self._guards, self._loop, self._in_loop)
+        self._loops += 1
+        self._guards, self._loop, self._in_loop = 0, self._loops, True
+        try:
+            entry = state
+            for _ in range(2):  # the second pass starts from what one iteration leaves behind
+                self._continues.append([])
+                end = self._block(stmt.body, entry.copy())
+                entry_next = State.merge([end, *self._continues.pop()])
+                if entry_next is None:
+                    break
+                entry = entry_next
+        finally:
+            self._guards, self._loop, self._in_loop = saved
+        return self._block(stmt.orelse, entry) if stmt.orelse else entry
+
+    # -- expressions: the protocol's calls, in evaluation order --------------------------------------------
+    def _expr(self, node: ast.AST, state: State) -> None:
+        for call in _calls_in_order(node):
+            self._call(call, state)
+
+    def _call(self, call: ast.Call, state: State) -> None:
+        func = call.func
+        if isinstance(func, ast.Name) and func.id in self.names.functions:
+            self._inline(func.id, state)
+            return
+        if _is_clip(call):
+            self._clip(call, state)
+            return
+        if not isinstance(func, ast.Attribute):
+            return
+        receiver, attr = _text(func.value), func.attr
+        if attr == "backward":
+            scaler = self._scaled_by(func.value)
+            if scaler:
+                loc = self._loc(call)
+                state.scaled[scaler] = loc
+                state.pending[scaler] = loc
+            return
+        if receiver in self.names.scalers:
+            self._scaler_call(receiver, attr, call, state)
+        elif attr == "step" and not call.args and self.names.is_scheduler(receiver):
+            self._scheduler_step(receiver, call, state)
+        elif attr == "step" and self.names.is_optimizer(receiver):
+            self._optimizer_step(receiver, call, state)
+
+    def _scaled_by(self, node: ast.AST) -> str:
+        """The scaler that scaled the tensor ``node`` (``scaler.scale(loss)`` or a name bound to it), else ``""``."""
+        if _scale_call(node):
+            owner = _text(node.func.value)
+            return owner if owner in self.names.scalers else ""
+        if isinstance(node, ast.BinOp):  # (scaler.scale(loss) / accum).backward()
+            return self._scaled_by(node.left) or self._scaled_by(node.right)
+        return self.names.scaled_aliases.get(_text(node), "")
+
+    def _scaler_call(self, scaler: str, attr: str, call: ast.Call, state: State) -> None:
+        loc = self._loc(call)
+        opt = _text(call.args[0]) if call.args else ""
+        if attr == "unscale_":
+            key = (scaler, opt)
+            if key in state.unscaled:
+                self._report("amp-unscale-twice", loc, scaler, opt, first_unscale=state.unscaled[key])
+            state.unscaled[key] = loc
+            state.scaled.pop(scaler, None)
+        elif attr == "step":
+            key = (scaler, opt)
+            if key in state.stepped:
+                self._report("amp-update-missing", loc, scaler, opt, previous_step=state.stepped[key])
+            state.stepped[key] = loc
+            state.scaled.pop(scaler, None)
+            state.last_step[scaler] = StepRecord(loc, self._guards > 0, self._loop)
+        elif attr == "update":
+            last = state.last_step.get(scaler)
+            if (
+                last is not None
+                and last.guarded
+                and self._guards == 0
+                and last.loop == self._loop
+                and self._in_loop
+            ):
+                self._report(
+                    "amp-update-per-microbatch", loc, scaler, _opt_of(last.loc), guarded_step=last.loc
+                )
+            for table in (state.unscaled, state.stepped):
+                for key in [k for k in table if k[0] == scaler]:
+                    del table[key]
+            state.scaled.pop(scaler, None)
+            state.pending.pop(scaler, None)
+
+    def _clip(self, call: ast.Call, state: State) -> None:
+        if state.scaled:
+            scaler, backward = next(iter(state.scaled.items()))
+            opt = self._optimizer_for(scaler, state)
+            self._report("amp-clip-before-unscale", self._loc(call), scaler, opt, scaled_backward=backward)
+
+    def _optimizer_step(self, opt: str, call: ast.Call, state: State) -> None:
+        for scaler, backward in state.pending.items():
+            if any(k == (scaler, opt) for k in state.stepped):
+                continue
+            self._report("amp-step-bypasses-scaler", self._loc(call), scaler, opt, scaled_backward=backward)
+            return
+
+    def _scheduler_step(self, sched: str, call: ast.Call, state: State) -> None:
+        # PyTorch's own recipe does this: harmless unless steps are skipped, so info at most, and only for a
+        # schedule stepped in the loop that steps the scaler (an epoch-level schedule barely notices a skip).
+        if not self._in_loop or any(_SKIP_TEST.search(t) for t in self._tests):
+            return
+        for scaler, rec in state.last_step.items():
+            if rec.loop == self._loop:
+                opt = _opt_of(rec.loc)
+                self._report(
+                    "amp-scheduler-on-skipped-steps",
+                    self._loc(call),
+                    scaler,
+                    opt,
+                    scheduler=sched,
+                    scaler_step=rec.loc,
+                )
+                return
+
+    def _optimizer_for(self, scaler: str, state: State) -> str:
+        """The optimizer this scaler steps (seen so far, else the one optimizer known), for the corrected code."""
+        for s, opt in list(state.stepped) + list(state.unscaled):
+            if s == scaler and opt:
+                return opt
+        return ""
+
+    def _inline(self, name: str, state: State) -> None:
+        if name in self._inlining or len(self._inlining) >= self.MAX_INLINE_DEPTH:
+            return
+        source, node = self.names.functions[name]
+        self._inlined.add(name)
+        saved = self._source
+        self._source = source
+        self._inlining.append(name)
+        self._returns.append([])
+        self._continues.append([])  # a continue cannot cross a def; isolate the caller's loop
+        try:
+            end = self._block(node.body, state.copy())
+            out = State.merge([end, *self._returns[-1]])
+        finally:
+            self._continues.pop()
+            self._returns.pop()
+            self._inlining.pop()
+            self._source = saved
+        if out is not None:
+            state.scaled, state.pending, state.unscaled = out.scaled, out.pending, out.unscaled
+            state.stepped, state.last_step = out.stepped, out.last_step
+
+    # -- findings ------------------------------------------------------------------------------------------
+    def _loc(self, node: ast.AST) -> Loc:
+        return Loc(self._source, node)
+
+    def _report(
+        self, slug: str, loc: Loc, scaler: str, opt: str = "", scheduler: str = "", **related: Loc
+    ) -> None:
+        key = (slug, id(loc.source), loc.line)
+        if key in self.found:
+            return
+        latent = not self.names.scalers.get(scaler, True)
+        self.found[key] = RawFinding(slug, loc, scaler, opt, dict(related), latent, scheduler=scheduler)
+
+
+def _opt_of(loc: Loc) -> str:
+    node = loc.node
+    return _text(node.args[0]) if isinstance(node, ast.Call) and node.args else ""
+
+
+def _calls_in_order(node: ast.AST) -> list[ast.Call]:
+    """The calls in an expression in evaluation order (arguments before the call; no lambdas or comprehensions' bodies)."""
+    out: list[ast.Call] = []
+
+    def visit(n: ast.AST) -> None:
+        if isinstance(n, (ast.Lambda,)):
+            return
+        if isinstance(n, ast.Call):
+            visit(n.func)
+            for a in n.args:
+                visit(a)
+            for kw in n.keywords:
+                visit(kw.value)
+            out.append(n)
+            return
+        for child in ast.iter_child_nodes(n):
+            visit(child)
+
+    visit(node)
+    return out
+
+
+# -- corrected code ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Edit:
+    """A change to one source's lines: insert before / after a statement, replace a span, delete a statement."""
+
+    kind: str  # "before" | "after" | "replace" | "delete"
+    stmt: ast.stmt
+    text: str = ""
+    node: ast.AST | None = None  # for "replace": the expression replaced within its line
+
+
+def _statement_of(source: Source, node: ast.AST) -> ast.stmt | None:
+    """The innermost statement holding ``node``."""
+    best = None
+    for stmt in ast.walk(source.tree):
+        if (
+            isinstance(stmt, ast.stmt)
+            and stmt.lineno <= node.lineno
+            and (stmt.end_lineno or stmt.lineno) >= (node.end_lineno or node.lineno)
+        ):
+            for sub in ast.walk(stmt):
+                if sub is node:
+                    if best is None or (stmt.lineno, -(stmt.end_lineno or 0)) >= (
+                        best.lineno,
+                        -(best.end_lineno or 0),
+                    ):
+                        best = stmt
+                    break
+    return best
+
+
+def _indent(source: Source, stmt: ast.stmt) -> str:
+    line = source.lines[stmt.lineno - 1]
+    return line[: len(line) - len(line.lstrip())]
+
+
+def _window(source: Source, stmts: Sequence[ast.stmt]) -> tuple[int, int]:
+    """Lines (1-based, inclusive) of the innermost loop (else function, else top-level run) holding ``stmts``."""
+    lo = min(s.lineno for s in stmts)
+    hi = max(s.end_lineno or s.lineno for s in stmts)
+    best: ast.AST | None = None
+    for kinds in ((ast.For, ast.AsyncFor, ast.While), (ast.FunctionDef, ast.AsyncFunctionDef)):
+        for node in ast.walk(source.tree):
+            if isinstance(node, kinds) and node.lineno <= lo and (node.end_lineno or node.lineno) >= hi:
+                if best is None or node.lineno >= best.lineno:
+                    best = node
+        if best is not None:
+            start = min([best.lineno] + [d.lineno for d in getattr(best, "decorator_list", [])])
+            return start, best.end_lineno or best.lineno
+    tops = [s for s in source.tree.body if (s.end_lineno or s.lineno) >= lo and s.lineno <= hi]
+    return min(s.lineno for s in tops), max(s.end_lineno or s.lineno for s in tops)
+
+
+def apply_edits(source: Source, edits: Sequence[Edit]) -> str:
+    """The corrected lines: the window of ``source`` holding the edits, with the edits made, dedented."""
+    lines = source.lines
+    lo, hi = _window(source, [e.stmt for e in edits])
+    before: dict[int, list[str]] = {}
+    after: dict[int, list[str]] = {}
+    deleted: set[int] = set()
+    replaced: dict[int, str] = {}
+    for e in edits:
+        end = e.stmt.end_lineno or e.stmt.lineno
+        if e.kind == "before":
+            before.setdefault(e.stmt.lineno, []).extend(e.text.splitlines())
+        elif e.kind == "after":
+            after.setdefault(end, []).extend(e.text.splitlines())
+        elif e.kind == "delete":
+            deleted.update(range(e.stmt.lineno, end + 1))
+        elif e.kind == "replace" and e.node is not None and e.node.lineno == e.node.end_lineno:
+            line = replaced.get(e.node.lineno, lines[e.node.lineno - 1])
+            replaced[e.node.lineno] = line[: e.node.col_offset] + e.text + line[e.node.end_col_offset :]
+        elif e.kind == "replace":  # a whole statement replaced by new lines
+            deleted.update(range(e.stmt.lineno, end + 1))
+            before.setdefault(e.stmt.lineno, []).extend(e.text.splitlines())
+    out: list[str] = []
+    for n in range(lo, hi + 1):
+        out.extend(before.get(n, []))
+        if n not in deleted:
+            out.append(replaced.get(n, lines[n - 1]))
+        out.extend(after.get(n, []))
+    indents = [len(x) - len(x.lstrip()) for x in out if x.strip()]
+    cut = min(indents) if indents else 0
+    return "\n".join(x[cut:] if x.strip() else "" for x in out).rstrip() + "\n"
+
+
+def _template(slug: str, scaler: str, opt: str, sched: str = "") -> str:
+    """The rule's corrected code with the user's names (when their own lines cannot be rewritten)."""
+    code = RULES[slug].corrected
+    code = re.sub(r"\bscaler\b", scaler or "scaler", code)
+    code = re.sub(r"\boptimizer\b", opt or "optimizer", code)
+    code = re.sub(r"\bscheduler\b", sched or "scheduler", code)
+    return code + "\n"
+
+
+def corrected_code(raw: RawFinding, reader: LoopReader) -> str:
+    """The user's own loop with the corrected lines (the rule's template with their names when that fails)."""
+    try:
+        code = _corrected(raw, reader)
+    except Exception:  # a construct the rewriter does not know: the template still names their objects
+        code = None
+    return code or _template(raw.slug, raw.scaler, raw.optimizer, raw.scheduler)
+
+
+def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(source.tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == attr
+        and _text(n.func.value) == receiver
+    ]
+
+
+def _corrected(raw: RawFinding, reader: LoopReader) -> str | None:
+    source, node = raw.loc.source, raw.loc.node
+    stmt = _statement_of(source, node)
+    if stmt is None:
+        return None
+    s, opt = raw.scaler, raw.optimizer
+    indent = _indent(source, stmt)
+    if raw.slug == "amp-clip-before-unscale":
+        if not opt:
+            steps = [c for c in _find_calls(source, s, "step") if c.args and c.lineno > node.lineno]
+            opt = _text(steps[0].args[0]) if steps else ""
+            raw.optimizer = opt
+        if not opt:
+            return None
+        return apply_edits(
+            source,
+            [Edit("before", stmt, f"{indent}{s}.unscale_({opt})  # unscale first: clip the true gradients")],
+        )
+    if raw.slug == "amp-step-bypasses-scaler":
+        edits = [Edit("replace", stmt, f"{s}.step({opt})", node=node)]
+        updates = [c for c in _find_calls(source, s, "update") if c.lineno > node.lineno]
+        if not updates:
+            edits.append(Edit("after", stmt, f"{indent}{s}.update()"))
+        return apply_edits(source, edits)
+    if raw.slug == "amp-update-missing":
+        return apply_edits(source, [Edit("after", stmt, f"{indent}{s}.update()  # once per real step")])
+    if raw.slug == "amp-unscale-twice":
+        steps = [c for c in _find_calls(source, s, "step") if _text(c.args[0]) == opt] if opt else []
+        target = next((c for c in steps if c.lineno > node.lineno), steps[0] if steps else None)
+        if target is None:
+            return None
+        target_stmt = _statement_of(source, target)
+        if target_stmt is None or target_stmt.lineno <= stmt.lineno <= (target_stmt.end_lineno or 0):
+            return None
+        moved = [stmt]
+        parent = _parent_body(source, stmt)
+        if parent is not None:  # clipping right after the unscale moves with it
+            k = parent.index(stmt)
+            for nxt in parent[k + 1 :]:
+                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Call) and _is_clip(nxt.value):
+                    moved.append(nxt)
+                else:
+                    break
+        if any(m.lineno <= target_stmt.lineno <= (m.end_lineno or m.lineno) for m in moved):
+            return None
+        new_indent = _indent(source, target_stmt)
+        lines = [line for m in moved for line in _reindent(source, m, new_indent)]
+        lines[0] += "  # once per real step, after the last micro-batch"
+        return apply_edits(
+            source, [Edit("delete", m) for m in moved] + [Edit("before", target_stmt, "\n".join(lines))]
+        )
+    if raw.slug == "amp-update-per-microbatch":
+        guarded = raw.related.get("guarded_step")
+        if guarded is None or guarded.source is not source:
+            return None
+        target_stmt = _statement_of(source, guarded.node)
+        if target_stmt is None:
+            return None
+        return apply_edits(
+            source,
+            [
+                Edit("delete", stmt),
+                Edit(
+                    "after",
+                    target_stmt,
+                    f"{_indent(source, target_stmt)}{s}.update()  # once per real step, with the step",
+                ),
+            ],
+        )
+    if raw.slug == "amp-scheduler-on-skipped-steps":
+        step = raw.related.get("scaler_step")
+        if step is None or step.source is not source:
+            return None
+        step_stmt = _statement_of(source, step.node)
+        if step_stmt is None or _parent_body(source, step_stmt) is not _parent_body(source, stmt):
+            return None
+        sched = raw.scheduler or _text(node.func.value)
+        return apply_edits(
+            source,
+            [
+                Edit("before", step_stmt, f"{_indent(source, step_stmt)}scale_before = {s}.get_scale()"),
+                Edit(
+                    "replace",
+                    stmt,
+                    f"{indent}if {s}.get_scale() >= scale_before:  # the step was not skipped\n{indent}    {sched}.step()",
+                ),
+            ],
+        )
+    return None
+
+
+def _reindent(source: Source, stmt: ast.stmt, indent: str) -> list[str]:
+    """The lines of ``stmt`` moved to ``indent`` (its continuation lines keep their relative indent)."""
+    lines = source.lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]
+    cut = len(lines[0]) - len(lines[0].lstrip())
+    return [indent + line[cut:] if line[:cut].strip() == "" else indent + line.lstrip() for line in lines]
+
+
+def _stmt_text(source: Source, stmt: ast.stmt) -> str:
+    lines = source.lines[stmt.lineno - 1 : stmt.end_lineno or stmt.lineno]
+    return "\n".join(lines)
+
+
+def _parent_body(source: Source, stmt: ast.stmt) -> list | None:
+    for node in ast.walk(source.tree):
+        for name in ("body", "orelse", "finalbody"):
+            body = getattr(node, name, None)
+            if isinstance(body, list) and any(x is stmt for x in body):
+                return body
+    return None
+
+
+# -- findings ------------------------------------------------------------------------------------------------
+
+
+_WHAT = {
+    "amp-clip-before-unscale": "{code} clips {scaler}'s scaled gradients (scaled backward {scaled_backward}; no {scaler}.unscale_ before it)",
+    "amp-step-bypasses-scaler": "{code} steps on gradients {scaler} scaled ({scaled_backward}), bypassing {scaler}.step",
+    "amp-unscale-twice": "{code} runs again before {scaler}.update() (first {first_unscale})",
+    "amp-update-missing": "{code} runs again with no {scaler}.update() since its step {previous_step}",
+    "amp-update-per-microbatch": "{code} runs every micro-batch while {scaler}.step runs once per accumulated step "
+    "({guarded_step}); on a micro-batch without a step, update() asserts 'No inf checks were recorded prior to update.'",
+    "amp-scheduler-on-skipped-steps": "{code} steps the schedule after every {scaler}.step ({scaler_step}), also on "
+    "the steps the scaler skips; harmless while no step is skipped (an fp16 run skips its first few while the scale falls)",
+}
+
+
+def to_finding(raw: RawFinding, reader: LoopReader) -> Finding:
+    """The :class:`Finding` for a mistake: the rule's slug and severity, the cell and line, the corrected lines."""
+    from ..fixes import Applicability, Fix
+
+    rule = RULES[raw.slug]
+    severity = "info" if raw.slug == "amp-scheduler-on-skipped-steps" or raw.latent else rule.severity
+    where = raw.loc.where
+    code = raw.loc.code
+    related = {
+        k: ("on the previous iteration" if v.node is raw.loc.node else f"at {v.where}")
+        for k, v in raw.related.items()
+    }
+    what = _WHAT[raw.slug].format(code=f"`{code}`", scaler=raw.scaler or "the scaler", **related)
+    latent = (
+        f" ({raw.scaler} is created with enabled=False: harmless until it is enabled)" if raw.latent else ""
+    )
+    message = f"{where}: {what}{latent}; {rule.why}"
+    fixed = corrected_code(raw, reader)
+    evidence = {
+        "cell": raw.loc.source.label,
+        "line": raw.loc.line + raw.loc.source.line_offset,
+        "code": code,
+        "scaler": raw.scaler,
+        **({"optimizer": raw.optimizer} if raw.optimizer else {}),
+        **{k: v.where for k, v in raw.related.items()},
+    }
+    fix = Fix(
+        _FIX_TITLE[raw.slug].format(scaler=raw.scaler, opt=raw.optimizer or "optimizer", where=where),
+        fixed,
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe=raw.slug,
+        slug=raw.slug,
+    )
+    fix.finding_subject = where
+    return Finding(
+        check=raw.slug, severity=severity, subject=where, message=message, evidence=evidence, fixes=[fix]
+    )
+
+
+_FIX_TITLE = {
+    "amp-clip-before-unscale": "Call {scaler}.unscale_({opt}) before clipping ({where})",
+    "amp-step-bypasses-scaler": "Step through {scaler}.step({opt}) ({where})",
+    "amp-unscale-twice": "Unscale once per real step, after the last micro-batch ({where})",
+    "amp-update-missing": "Call {scaler}.update() after every {scaler}.step ({where})",
+    "amp-update-per-microbatch": "Call {scaler}.update() once per real step, beside {scaler}.step ({where})",
+    "amp-scheduler-on-skipped-steps": "Step the scheduler only when {scaler} did not skip the step ({where})",
+}
+
+
+def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[Finding]:
+    """The protocol mistakes in ``sources`` read in order (names bound by earlier ones are known to later ones).
+
+    Parameters
+    ----------
+    sources : iterable of Source
+        Cells in execution order, or one script.
+    names : Names, optional
+        Bindings known beforehand.
+
+    Returns
+    -------
+    list of Finding
+        One per mistake, each naming its cell and line, with the corrected lines as a display-only fix.
+        The same mistake in a cell run again is reported once, at its latest run.
+    """
+    reader = LoopReader(names)
+    for source in sources:
+        reader.read(source)
+    raws = reader.finish()
+    latest: dict[tuple[str, str], RawFinding] = {}
+    for raw in raws:  # a cell run again: report its latest run only
+        latest[
+            (
+                raw.slug,
+                raw.loc.code
+                + "|"
+                + _stmt_text(raw.loc.source, _statement_of(raw.loc.source, raw.loc.node) or raw.loc.node),
+            )
+        ] = raw
+    findings = [to_finding(raw, reader) for raw in latest.values()]
+    findings.sort(key=lambda f: (f.rank, f.evidence.get("cell", ""), f.evidence.get("line", 0)))
+    return findings
+
+
+def read_code(code: str, label: str = "<code>") -> list[Finding]:
+    """The protocol mistakes in one code string (never executed)."""
+    source = source_of(label, code)
+    return read_sources([source]) if source is not None else []
