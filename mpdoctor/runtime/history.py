@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..findings import Finding
-from .loop_ast import Source, read_sources, source_of
+from .loop_ast import Source, read_sources, relevant, source_of
 from .rules import RULES
 
 
@@ -28,7 +28,7 @@ def cell_sources(shell: Any) -> list[Source]:
     parsed, raw = _history(shell)
     sources = []
     for count, code in enumerate(parsed):
-        if not isinstance(code, str) or not code.strip():
+        if not isinstance(code, str) or not relevant(code):
             continue
         label = f"In [{count}]"
         source = source_of(label, code)

@@ -26,6 +26,8 @@ from functools import lru_cache
 from ..findings import Finding
 from .rules import RULES
 
+#: The methods the protocol is made of (any other attribute call is not looked at).
+_PROTOCOL_ATTRS = frozenset({"backward", "unscale_", "step", "update"})
 #: Call names that clip gradients in place (torch.nn.utils); accelerate's and Lightning's own clip unscale first.
 CLIP_FUNCS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grad_norm"})
 _TORCH_PARTS = frozenset({"torch", "nn", "utils", "clip_grad"})
@@ -87,6 +89,28 @@ def parse(code: str) -> ast.Module | None:
         return ast.parse(code)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return None
+
+
+#: A cell holding none of these cannot take part in the protocol: it is not parsed (most notebook cells).
+RELEVANT = (
+    "scale",
+    "step",
+    "clip_grad",
+    "backward",
+    "def ",
+    "class ",
+    "for ",
+    "while ",
+    "optim",
+    "Optim",
+    "sched",
+    "Scaler",
+)
+
+
+def relevant(code: str) -> bool:
+    """Whether ``code`` may create, use or call into the protocol (a text test, before parsing)."""
+    return any(token in code for token in RELEVANT)
 
 
 def source_of(label: str, code: str) -> Source | None:
@@ -248,12 +272,20 @@ def _unparse(node: ast.AST) -> str:
         return ""
 
 
+def _test_text(test: ast.AST) -> str:
+    """An ``if`` test's source text, kept on the node."""
+    text = getattr(test, "_mpdoctor_text", None)
+    if text is None:
+        text = test._mpdoctor_text = _unparse(test)
+    return text
+
+
 def _is_accumulation_guard(test: ast.AST) -> bool:
     """``(i + 1) % accum == 0``, ``step % k == 0``, ``accelerator.sync_gradients``, ``is_last_microbatch``..."""
     for node in ast.walk(test):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod):
             return True
-    return bool(_GUARD_WORDS.search(_unparse(test)))
+    return bool(_GUARD_WORDS.search(_test_text(test)))
 
 
 # -- the abstract run ----------------------------------------------------------------------------------------
@@ -429,7 +461,6 @@ class LoopReader:
     # -- entry points ------------------------------------------------------------------------------------
     def read(self, source: Source) -> None:
         """Walk one source after the ones already read (its top level continues their run)."""
-        self.names.learn(source.tree)
         self._order.setdefault(id(source), len(self._order))
         self._source = source
         state = self._block(source.tree.body, self.state)
@@ -520,7 +551,7 @@ class LoopReader:
         body_in = state.assuming(*flag) if flag else state.copy()
         else_in = state.assuming(flag[0], not flag[1]) if flag else state.copy()
         self._guards += guard
-        self._tests.append(_unparse(stmt.test))
+        self._tests.append(_test_text(stmt.test))
         try:
             body = self._block(stmt.body, body_in)
         finally:
@@ -568,7 +599,12 @@ class LoopReader:
             return
         if not isinstance(func, ast.Attribute):
             return
-        receiver, attr = _text(func.value), func.attr
+        attr = func.attr
+        if attr not in _PROTOCOL_ATTRS:
+            return
+        receiver = _text(func.value) if attr != "backward" else ""
+        if attr == "backward" and _scale_call(func.value):  # x.scale(loss).backward(): x is a scaler
+            self.names.scalers.setdefault(_text(func.value.func.value), True)
         if attr == "backward":
             scaler = self._scaled_by(func.value)
             if scaler:
@@ -595,6 +631,8 @@ class LoopReader:
     def _scaler_call(self, scaler: str, attr: str, call: ast.Call, state: State) -> None:
         loc = self._loc(call)
         opt = _text(call.args[0]) if call.args else ""
+        if opt and attr in ("unscale_", "step"):
+            self.names.optimizers.add(opt)
         if attr == "unscale_":
             key = (scaler, opt)
             if key in state.unscaled:
@@ -710,7 +748,13 @@ def _opt_of(loc: Loc) -> str:
 
 
 def _calls_in_order(node: ast.AST) -> list[ast.Call]:
-    """The calls in an expression in evaluation order (arguments before the call; no lambdas or comprehensions' bodies)."""
+    """The calls in an expression in evaluation order (arguments before the call; not inside lambdas).
+
+    Kept on the node: loop bodies are walked twice, and trees are cached across readings.
+    """
+    cached = getattr(node, "_mpdoctor_calls", None)
+    if cached is not None:
+        return cached
     out: list[ast.Call] = []
 
     def visit(n: ast.AST) -> None:
@@ -728,6 +772,10 @@ def _calls_in_order(node: ast.AST) -> list[ast.Call]:
             visit(child)
 
     visit(node)
+    try:
+        node._mpdoctor_calls = out
+    except AttributeError:  # a node type without a __dict__
+        pass
     return out
 
 
@@ -744,24 +792,29 @@ class Edit:
     node: ast.AST | None = None  # for "replace": the expression replaced within its line
 
 
+def _parents(source: Source) -> dict[int, ast.AST]:
+    """id(node) -> its parent, computed once per tree (kept on the cached tree)."""
+    tree = source.tree
+    parents = getattr(tree, "_mpdoctor_parents", None)
+    if parents is None:
+        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        tree._mpdoctor_parents = parents
+    return parents
+
+
+def _ancestors(source: Source, node: ast.AST) -> list[ast.AST]:
+    parents, out = _parents(source), []
+    while id(node) in parents:
+        node = parents[id(node)]
+        out.append(node)
+    return out
+
+
 def _statement_of(source: Source, node: ast.AST) -> ast.stmt | None:
     """The innermost statement holding ``node``."""
-    best = None
-    for stmt in ast.walk(source.tree):
-        if (
-            isinstance(stmt, ast.stmt)
-            and stmt.lineno <= node.lineno
-            and (stmt.end_lineno or stmt.lineno) >= (node.end_lineno or node.lineno)
-        ):
-            for sub in ast.walk(stmt):
-                if sub is node:
-                    if best is None or (stmt.lineno, -(stmt.end_lineno or 0)) >= (
-                        best.lineno,
-                        -(best.end_lineno or 0),
-                    ):
-                        best = stmt
-                    break
-    return best
+    if isinstance(node, ast.stmt):
+        return node
+    return next((a for a in _ancestors(source, node) if isinstance(a, ast.stmt)), None)
 
 
 def _indent(source: Source, stmt: ast.stmt) -> str:
@@ -773,12 +826,13 @@ def _window(source: Source, stmts: Sequence[ast.stmt]) -> tuple[int, int]:
     """Lines (1-based, inclusive) of the innermost loop (else function, else top-level run) holding ``stmts``."""
     lo = min(s.lineno for s in stmts)
     hi = max(s.end_lineno or s.lineno for s in stmts)
-    best: ast.AST | None = None
+    around = [
+        a
+        for a in _ancestors(source, stmts[0])
+        if isinstance(a, ast.stmt) and a.lineno <= lo and (a.end_lineno or a.lineno) >= hi
+    ]
     for kinds in ((ast.For, ast.AsyncFor, ast.While), (ast.FunctionDef, ast.AsyncFunctionDef)):
-        for node in ast.walk(source.tree):
-            if isinstance(node, kinds) and node.lineno <= lo and (node.end_lineno or node.lineno) >= hi:
-                if best is None or node.lineno >= best.lineno:
-                    best = node
+        best = next((a for a in around if isinstance(a, kinds)), None)
         if best is not None:
             start = min([best.lineno] + [d.lineno for d in getattr(best, "decorator_list", [])])
             return start, best.end_lineno or best.lineno
@@ -952,8 +1006,9 @@ def _stmt_text(source: Source, stmt: ast.stmt) -> str:
 
 
 def _parent_body(source: Source, stmt: ast.stmt) -> list | None:
-    for node in ast.walk(source.tree):
-        for name in ("body", "orelse", "finalbody"):
+    node = _parents(source).get(id(stmt))
+    if node is not None:
+        for name in ("body", "orelse", "finalbody", "handlers"):
             body = getattr(node, name, None)
             if isinstance(body, list) and any(x is stmt for x in body):
                 return body
@@ -1052,18 +1107,13 @@ def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[
     for source in sources:
         reader.read(source)
     raws = reader.finish()
-    latest: dict[tuple[str, str], RawFinding] = {}
+    latest: dict[tuple[str, int, str], RawFinding] = {}
     for raw in raws:  # a cell run again: report its latest run only
-        latest[
-            (
-                raw.slug,
-                raw.loc.code
-                + "|"
-                + _stmt_text(raw.loc.source, _statement_of(raw.loc.source, raw.loc.node) or raw.loc.node),
-            )
-        ] = raw
+        key = (raw.slug, raw.loc.line, raw.loc.source.code)
+        latest.pop(key, None)
+        latest[key] = raw
     findings = [to_finding(raw, reader) for raw in latest.values()]
-    findings.sort(key=lambda f: (f.rank, f.evidence.get("cell", ""), f.evidence.get("line", 0)))
+    findings.sort(key=lambda f: f.rank)  # stable: in reading order within a severity
     return findings
 
 
