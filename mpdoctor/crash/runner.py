@@ -47,6 +47,7 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
         sys.path[0] = script_dir
     else:
         sys.path.insert(0, script_dir)
+    _read_loop(path)
     watcher = _global_watcher() if probe_on_nan else None
     try:
         runpy.run_path(path, run_name="__main__")
@@ -100,6 +101,20 @@ def _explain(exc: BaseException, tb: TracebackType | None, scan: bool) -> None:
         from ..redact import describe_exception
 
         print(f"mpdoctor: could not diagnose this exception ({describe_exception(failure)})", file=sys.stderr)
+
+
+def _read_loop(path: str) -> None:
+    """Read the script for AMP loop mistakes before it runs (AST only); print what it finds to stderr."""
+    try:
+        from ..runtime.history import format_findings, read_script
+
+        text = format_findings(read_script(path), os.path.basename(path))
+    except Exception as failure:  # the script still runs; the reading is a bonus
+        from ..redact import describe_exception
+
+        text = f"mpdoctor: could not read {os.path.basename(path)} ({describe_exception(failure)})"
+    if text:
+        print(text + "\n", file=sys.stderr, flush=True)
 
 
 def _global_watcher() -> Any:

@@ -88,6 +88,7 @@ class MPDoctorMagics(Magics):
     @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
+    @argument("--no-history", action="store_true", help="Do not read the cells this kernel has run for AMP loop mistakes.")
     @line_magic
     @no_var_expand  # IPython would evaluate {expr} and $name in the line before the magic sees it
     def mpdoctor(self, line: str = ""):
@@ -169,6 +170,8 @@ class MPDoctorMagics(Magics):
                 report = self._probe(args.probe, report, target)
                 if report is None:
                     return None
+            if not args.no_history:
+                _add_history(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
         except UnknownTarget as exc:
             _print_line(str(exc))
@@ -193,8 +196,9 @@ class MPDoctorMagics(Magics):
     def _ignore_list(self, option: str) -> list[str] | None:
         """The configured and typed check slugs to skip; None (after one line per unknown slug) on a typo."""
         from ..checks import load
+        from ..runtime.history import known_slugs
 
-        known = sorted(load())
+        known = sorted(set(load()) | known_slugs())
         wanted = [("MPDoctorMagics.ignore", s) for s in self.ignore]
         wanted += [("--ignore", s.strip()) for s in option.split(",") if s.strip()]
         unknown = [(where, slug) for where, slug in wanted if slug not in known]
@@ -237,6 +241,17 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         report._skip_display_in = self.shell.execution_count
+
+
+def _add_history(shell: Any, report: Any, ignore: list[str]) -> None:
+    """Add what the cells this kernel ran say about the AMP loop (read, never run) to the report."""
+    from ..redact import describe_exception
+    from ..runtime.history import add_to_report, read_history
+
+    try:
+        add_to_report(report, read_history(shell), ignore)
+    except Exception as exc:  # the report of the objects stands without it
+        _print_line(f"could not read the cell history ({describe_exception(exc)})")
 
 
 def _batch_types() -> tuple:

@@ -1,0 +1,129 @@
+"""The code this kernel has run, and the script ``mpdoctor run`` is about to run, read for AMP loop mistakes.
+
+Cells come from IPython's history (``history_manager.input_hist_parsed``, the code IPython ran after
+transforming its own syntax away; ``user_ns['In']`` when there is no history manager), numbered by execution
+count. A cell that does not parse is transformed again from its raw text (``shell.transform_cell``), and
+skipped when it still does not parse. Nothing is executed. Works on IPython 7.34 (Colab) and 8/9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..treatment.findings import Finding
+from .loop_ast import Source, read_sources, relevant, source_of
+from .rules import RULES
+
+
+def cell_sources(shell: Any) -> list[Source]:
+    """The cells ``shell`` has run, in execution order, as parsed :class:`Source` s labelled ``In [n]``.
+
+    Parameters
+    ----------
+    shell : IPython.core.interactiveshell.InteractiveShell
+        The running shell.
+    """
+    parsed, raw = _history(shell)
+    sources = []
+    for count, code in enumerate(parsed):
+        if not isinstance(code, str) or not relevant(code):
+            continue
+        label = f"In [{count}]"
+        source = source_of(label, code)
+        if source is None and count < len(raw) and isinstance(raw[count], str):
+            source = _transformed(shell, label, raw[count])
+        if source is not None:
+            sources.append(source)
+    return sources
+
+
+def _history(shell: Any) -> tuple[list, list]:
+    manager = getattr(shell, "history_manager", None)
+    parsed = getattr(manager, "input_hist_parsed", None)
+    raw = getattr(manager, "input_hist_raw", None)
+    if not isinstance(parsed, list):
+        ns = getattr(shell, "user_ns", None)
+        parsed = ns.get("In") if isinstance(ns, dict) else None
+        parsed = parsed if isinstance(parsed, list) else []
+    return parsed, raw if isinstance(raw, list) else []
+
+
+def _transformed(shell: Any, label: str, raw: str) -> Source | None:
+    # The parsed history already holds transformed code; this covers a history that holds raw text.
+    try:
+        transform = getattr(shell, "transform_cell", None)
+        if transform is None:
+            from IPython.core.inputtransformer2 import TransformerManager
+
+            transform = TransformerManager().transform_cell
+        return source_of(label, transform(raw))
+    except Exception:  # a cell IPython itself cannot transform is skipped, like one that does not parse
+        return None
+
+
+def read_history(shell: Any, ignore: Iterable[str] = ()) -> list[Finding]:
+    """The AMP loop mistakes in the cells ``shell`` has run (never executed).
+
+    Parameters
+    ----------
+    shell : InteractiveShell
+        The running shell.
+    ignore : iterable of str
+        Rule slugs to leave out.
+
+    Returns
+    -------
+    list of Finding
+        Each names its cell and line (``In [7], line 12``) and offers the corrected lines as a display-only fix.
+    """
+    skip = set(ignore)
+    return [f for f in read_sources(cell_sources(shell)) if f.check not in skip]
+
+
+def read_script(path: str | Path, ignore: Iterable[str] = ()) -> list[Finding]:
+    """The AMP loop mistakes in a script file (never executed); findings name ``train.py, line 12``."""
+    path = Path(path)
+    try:
+        code = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return []
+    source = source_of(path.name, code)
+    skip = set(ignore)
+    return [f for f in read_sources([source]) if f.check not in skip] if source is not None else []
+
+
+def add_to_report(report: Any, findings: list[Finding], ignore: Iterable[str] = ()) -> Any:
+    """Add loop findings to a :class:`~mpdoctor.report.Report` (ignored slugs counted in ``report.hidden``)."""
+    skip = set(ignore)
+    for f in findings:
+        if f.check in skip:
+            report.hidden[f.check] = report.hidden.get(f.check, 0) + 1
+            continue
+        for fx in f.fixes:
+            fx.bind(getattr(report, "live", None), report)
+        report.findings.append(f)
+    report.findings.sort(key=lambda f: f.rank)  # stable: the diagnosis keeps its order within a severity
+    return report
+
+
+def format_findings(findings: list[Finding], label: str) -> str:
+    """Plain text for a terminal: what ``mpdoctor run`` prints before running the script."""
+    if not findings:
+        return ""
+    counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
+    head = ", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items() if n)
+    lines = [f"mpdoctor read {label}: {head} in the AMP loop"]
+    for f in findings:
+        lines.append(f"{f.severity.upper():<7} {f.check}  {f.subject}")
+        lines.append(f"        {f.message}")
+        for fx in f.fixes:
+            lines.append(f"        fix ({fx.applicability.value}): {fx.title}")
+            lines += [f"            {line}" for line in fx.code.rstrip().splitlines()]
+    return "\n".join(lines)
+
+
+def known_slugs() -> frozenset[str]:
+    """The rule slugs the loop reader can report (``--ignore`` accepts them)."""
+    return frozenset(RULES)
