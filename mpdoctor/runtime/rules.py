@@ -62,10 +62,11 @@ RULES: dict[str, ProtocolRule] = {
         ),
         ProtocolRule(
             "amp-update-per-microbatch",
-            "warning",
+            "error",
             "scaler.update() called per micro-batch",
-            "update() between micro-batches of one accumulated step halves or grows the scale mid-step, so "
-            "micro-batches are summed at different scales.",
+            "update() after a micro-batch with no scaler.step() raises 'No inf checks were recorded prior to "
+            "update.' (an AssertionError); where it does not (a step per micro-batch), micro-batches are summed at "
+            "different scales.",
             "if (i + 1) % accum == 0:\n    scaler.step(optimizer)\n    scaler.update()\n    optimizer.zero_grad()",
         ),
         ProtocolRule(
