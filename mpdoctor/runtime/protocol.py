@@ -27,12 +27,13 @@ import re
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..findings import Finding
+from ..findings import SEVERITY_RANK, Finding
+from .history import ScaleRecord
 from .rules import RULES
 
 #: Frames of these packages are library code; the user's line is the first frame outside them.
@@ -75,36 +76,6 @@ class Where:
         return f"{name}:{self.lineno}"
 
 
-@dataclass(frozen=True)
-class ScaleRecord:
-    """One real optimizer step of one GradScaler (one ``update()``).
-
-    Attributes
-    ----------
-    scaler : str
-        The name the scaler is known by.
-    step : int
-        1-based count of this scaler's ``update()`` calls while watched.
-    scale : float
-        The loss scale the step ran with (before ``update()`` adjusted it).
-    skipped : bool
-        True when the gradients held inf/NaN and ``scaler.step`` skipped the optimizer step.
-    loss : float or None
-        The sum of the losses passed to ``scaler.scale`` since the previous ``update()`` (the step's loss
-        when the micro-batch losses are divided by the accumulation count, as the recipes do).
-    """
-
-    scaler: str
-    step: int
-    scale: float
-    skipped: bool
-    loss: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-serialisable dict."""
-        return asdict(self)
-
-
 _IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-")
 
 
@@ -143,6 +114,26 @@ def user_line(depth: int = 2) -> Where | None:
             code = frame.f_code
             text = linecache.getline(code.co_filename, frame.f_lineno).strip()
             return Where(code.co_filename, frame.f_lineno, text, cell_number(code.co_filename))
+        frame = frame.f_back
+    return None
+
+
+def name_in_user_frames(obj: Any) -> str | None:
+    """The variable the user's code holds ``obj`` by, in the nearest user frame (locals, then globals)."""
+    try:
+        frame = sys._getframe(1)
+    except ValueError:
+        return None
+    while frame is not None:
+        g = frame.f_globals
+        name = dict.get(g, "__name__") if type(g) is dict else None
+        if not (type(name) is str and name.split(".", 1)[0] in _LIBRARY_PREFIXES):
+            for scope in (frame.f_locals, g):
+                if type(scope) is dict:
+                    for key, value in dict.items(scope):
+                        if value is obj and type(key) is str and not key.startswith("_"):
+                            return key
+            return None
         frame = frame.f_back
     return None
 
@@ -304,7 +295,13 @@ class ProtocolObserver:
 
     # -- naming ------------------------------------------------------------------------
     def _name(self, obj: Any, default: str) -> str:
-        return self.names.get(id(obj), default)
+        name = self.names.get(id(obj))
+        if name is None:
+            name = name_in_user_frames(obj)
+            if name is None:
+                return default
+            self.names[id(obj)] = name  # a name found once is kept: the object may be out of frame later
+        return name
 
     def _track(self, scaler: Any) -> _ScalerTrack:
         track = self._tracks.get(id(scaler))
@@ -426,15 +423,18 @@ class ProtocolObserver:
         mine = _param_ids(optimizer)
         for clip in track.clips:
             if clip.params & mine and id(optimizer) not in clip.unscaled:
-                scale = _scale_value(scaler)
+                scale = _scale_value(scaler) or 1.0
                 norm = _float(clip.total_norm)
-                at = f" = {clip.max_norm * scale:g}" if clip.max_norm is not None and scale else ""
+                real = f" (a real gradient norm of {norm / scale:.3g})" if norm is not None and math.isfinite(norm) else ""
+                shown = f"{norm:.4g}" if norm is not None else "?"
+                limit = f"{clip.max_norm / scale:.3g}" if clip.max_norm is not None else "max_norm / scale"
                 self._report("amp-clip-before-unscale", track.name, clip.where,
                              f"clip_grad_norm_ ran on {self._name(optimizer, 'optimizer')}'s gradients while they "
-                             f"were still multiplied by the loss scale ({scale:g}): it clipped at max_norm x scale{at}, "
-                             "so the clipping asked for never happened. Call scaler.unscale_(optimizer) before "
-                             "clipping.", {"scale": scale, "max_norm": clip.max_norm,
-                                           "scaled_total_norm": norm, "line": where.label if where else None})  # fmt: skip
+                             f"were still multiplied by the loss scale ({scale:g}): the scaled norm {shown}{real} was compared "
+                             f"with max_norm, so in real units the threshold is max_norm / scale = {limit}: steps are "
+                             "clipped far below max_norm. Call scaler.unscale_(optimizer) before clipping.",
+                             {"scale": scale, "max_norm": clip.max_norm, "scaled_total_norm": norm,
+                              "step_line": where.label if where else None})  # fmt: skip
         track.clips = [c for c in track.clips if not (c.params & mine)]
 
     def on_optimizer_step(self, optimizer: Any, where: Where | None) -> None:
@@ -722,3 +722,20 @@ def _optimizer_pre_hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
 def installed() -> bool:
     """True while the protocol wrappers are installed (some observer is attached)."""
     return bool(_DISPATCH.saved or _DISPATCH.handles)
+
+
+def protocol_report(observer: ProtocolObserver, base: Any = None) -> Any:
+    """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
+    protocol findings, with ``report.scale_history``. Without ``base``, a diagnosis of nothing."""
+    from ..report import Report
+
+    if base is None:
+        from ..diagnosis import diagnose
+
+        base = diagnose()
+    findings = sorted([*base.findings, *observer.findings], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
+    plan = [*base.fixes, *(fx for f in observer.findings for fx in f.fixes)]
+    report = Report(findings, base.facts, target=base.target, scan=base.scan, ignore=base.ignore,
+                    subjects=base._subjects, live=base.live, plan=plan, hidden=base.hidden)  # fmt: skip
+    report.scale_history = list(observer.scale_history)
+    return report

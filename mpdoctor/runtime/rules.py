@@ -28,8 +28,9 @@ RULES: dict[str, ProtocolRule] = {
             "amp-clip-before-unscale",
             "error",
             "Gradients clipped while still scaled",
-            "clip_grad_norm_ on scaled gradients clips at max_norm x scale: the clip never bites (or, with a "
-            "tiny scale, always bites), so the clipping the run asked for is not the one it gets.",
+            "clip_grad_norm_ on scaled gradients compares the scaled norm with max_norm: in real units the threshold "
+            "is max_norm / scale (1/65536 of it at the default scale), so every step is shrunk far below the clipping "
+            "the run asked for and training crawls.",
             "scaler.scale(loss).backward()\nscaler.unscale_(optimizer)\n"
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\nscaler.step(optimizer)\nscaler.update()",
         ),
