@@ -624,3 +624,14 @@ def test_lightning_manual_optimization_draws_nothing_and_keeps_the_scale_history
     cb, module = lightning_fit(clip=False)
     assert cb.protocol.findings == [] and len(cb.scale_history) == 4
     assert cb.report.scale_history == cb.scale_history and not protocol_module.installed()
+
+
+def test_measuring_the_norm_with_an_infinite_max_norm_is_not_clipping():
+    # transformers' Trainer logs grad_norm through clip_grad_norm_(params, inf): nothing is clipped.
+    model, opt, scaler = make()
+    with mpdoctor.watch(model, opt, scaler) as w:
+        scaler.scale(loss_fn(model)).backward()
+        clip_grad_norm_(model.parameters(), float("inf"))
+        scaler.step(opt)
+        scaler.update()
+    no_findings(w)

@@ -360,6 +360,9 @@ class ProtocolObserver:
                          {"optimizer": opt, "stage": stage})  # fmt: skip
 
     def on_clip(self, params: list, max_norm: Any, total_norm: Any, where: Where | None) -> None:
+        limit = _float(max_norm)
+        if limit is not None and not math.isfinite(limit):
+            return  # clip_grad_norm_(params, inf) only measures the norm (the Trainer logs grad_norm so)
         ids = None
         for track in self._tracks.values():
             scaler = track.ref()
