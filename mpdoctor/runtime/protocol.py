@@ -53,6 +53,14 @@ UNSETTLED_SKIP_SHARE = 0.25
 OVERFLOW_STEPS_NAMED = 8
 
 
+#: Passed by the wrappers instead of a :class:`Where`: the user's line is looked up only if a finding needs it.
+HERE: Any = object()
+
+
+def _resolve(where: Any) -> Where | None:
+    return user_line(3) if where is HERE else where
+
+
 @dataclass(frozen=True)
 class Where:
     """A line of the user's code: file, line number, the source text and the notebook cell if any."""
@@ -168,6 +176,9 @@ class _ScalerTrack:
     overflow_named: int = 0
     unsettled_reported: bool = False
     bypassed: bool = False  # optimizer.step() was called past this scaler since the last update()
+    history: list = field(default_factory=list)  # this scaler's ScaleRecords
+    opt_params: dict = field(default_factory=dict)  # id(optimizer) -> its param ids, cached at its first step
+    union_cache: tuple = (frozenset(), frozenset())  # (unscaled optimizer ids, their param ids)
 
 
 def _stage(scaler: Any, optimizer: Any) -> str:
@@ -255,7 +266,6 @@ class ProtocolObserver:
         self._reported: set = set()
         self._sched_steps = 0
         self._sched_on_skipped = 0
-        self._sched_where: Where | None = None
         self._sched_reported = False
         self._last_skipped: dict[int, bool] = {}  # id(optimizer) -> its last scaler.step was skipped
         self._param_names: dict[int, str] | None = None
@@ -323,7 +333,8 @@ class ProtocolObserver:
         return self._param_names
 
     # -- findings ----------------------------------------------------------------------
-    def _report(self, slug: str, subject: str, where: Where | None, message: str, evidence: dict) -> Finding | None:
+    def _report(self, slug: str, subject: str, where: Any, message: str, evidence: dict) -> Finding | None:
+        where = _resolve(where)
         key = (slug, where.filename if where else None, where.lineno if where else None)
         if key in self._reported:
             return None
@@ -370,7 +381,16 @@ class ProtocolObserver:
                 continue
             if ids is None:
                 ids = frozenset(id(p) for p in params)
-            track.clips.append(_ClipEvent(ids, _unscaled_ids(scaler), where, _float(max_norm), total_norm))
+            unscaled = _unscaled_ids(scaler)
+            # The recipe's case, cheaply: every clipped parameter belongs to an optimizer already unscaled.
+            if unscaled and all(o in track.opt_params for o in unscaled):
+                if track.union_cache[0] != unscaled:
+                    track.union_cache = (unscaled, frozenset().union(*(track.opt_params[o] for o in unscaled)))
+                if ids <= track.union_cache[1]:
+                    continue
+            if where is HERE:
+                where = user_line(2)
+            track.clips.append(_ClipEvent(ids, unscaled, where, limit, total_norm))
 
     def on_step(self, scaler: Any, optimizer: Any, where: Where | None) -> None:
         track = self._track(scaler)
@@ -397,6 +417,8 @@ class ProtocolObserver:
         track = self._track(scaler)
         track.steps += 1
         track.stepped.add(id(optimizer))
+        if id(optimizer) not in track.opt_params:
+            track.opt_params[id(optimizer)] = _param_ids(optimizer)
         states = scaler.__dict__.get("_per_optimizer_states")
         st = dict.get(states, id(optimizer)) if isinstance(states, dict) else None
         found = st.get("found_inf_per_device", {}) if isinstance(st, dict) else {}
@@ -423,7 +445,7 @@ class ProtocolObserver:
     def _check_clips(self, track: _ScalerTrack, scaler: Any, optimizer: Any, where: Where | None) -> None:
         if not track.clips:
             return
-        mine = _param_ids(optimizer)
+        mine = track.opt_params.get(id(optimizer)) or _param_ids(optimizer)
         for clip in track.clips:
             if clip.params & mine and id(optimizer) not in clip.unscaled:
                 scale = _scale_value(scaler) or 1.0
@@ -437,7 +459,7 @@ class ProtocolObserver:
                              f"with max_norm, so in real units the threshold is max_norm / scale = {limit}: steps are "
                              "clipped far below max_norm. Call scaler.unscale_(optimizer) before clipping.",
                              {"scale": scale, "max_norm": clip.max_norm, "scaled_total_norm": norm,
-                              "step_line": where.label if where else None})  # fmt: skip
+                              "step_line": getattr(_resolve(where), "label", None)})  # fmt: skip
         track.clips = [c for c in track.clips if not (c.params & mine)]
 
     def on_optimizer_step(self, optimizer: Any, where: Where | None) -> None:
@@ -479,7 +501,9 @@ class ProtocolObserver:
         if not track.stepped:
             return
         loss = None
-        if track.losses:
+        if len(track.losses) == 1:
+            loss = float(track.losses[0])
+        elif track.losses:
             loss = float(torch.stack([x.float().reshape(()) for x in track.losses]).sum().item())
         track.updates += 1
         skipped = track.skipped
@@ -488,16 +512,18 @@ class ProtocolObserver:
                 track.leading_skips += 1
             else:
                 track.settled = True
-        self.scale_history.append(ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss))
+        record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss)
+        self.scale_history.append(record)
+        track.history.append(record)
         track.scaled, track.skipped, track.losses, track.clips = False, False, [], []
         track.stepped = set()
-        self._check_unsettled(track)
+        if skipped:  # the skip share only rises with a skipped step
+            self._check_unsettled(track)
 
     def _check_unsettled(self, track: _ScalerTrack) -> None:
         if track.unsettled_reported:
             return
-        mine = [r for r in self.scale_history if r.scaler == track.name][track.leading_skips:]
-        window = mine[-UNSETTLED_WINDOW:]
+        window = track.history[track.leading_skips :][-UNSETTLED_WINDOW:]
         if len(window) < UNSETTLED_MIN_UPDATES:
             return
         skips = sum(r.skipped for r in window)
@@ -520,7 +546,6 @@ class ProtocolObserver:
             return
         self._last_skipped[id(opt)] = False  # one count per skipped step
         self._sched_on_skipped += 1
-        self._sched_where = where
         if self._sched_reported or self._sched_on_skipped < max(2, math.ceil(SCHEDULER_SKIP_SHARE * self._sched_steps)):
             return
         self._sched_reported = True
@@ -652,7 +677,7 @@ def _wrap_scale(original: Callable) -> Callable:
 def _wrap_unscale(original: Callable) -> Callable:
     def unscale_(self: Any, optimizer: Any) -> Any:
         if _DISPATCH.observers and _enabled(self):
-            _DISPATCH.emit("on_unscale", self, optimizer, user_line())
+            _DISPATCH.emit("on_unscale", self, optimizer, HERE)
         return original(self, optimizer)
 
     unscale_.__wrapped__ = original
@@ -663,7 +688,7 @@ def _wrap_step(original: Callable) -> Callable:
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         if not (_DISPATCH.observers and _enabled(self)):
             return original(self, optimizer, *args, **kwargs)
-        _DISPATCH.emit("on_step", self, optimizer, user_line())
+        _DISPATCH.emit("on_step", self, optimizer, HERE)
         _DISPATCH.in_scaler_step.append(id(optimizer))
         try:
             result = original(self, optimizer, *args, **kwargs)
@@ -680,7 +705,7 @@ def _wrap_update(original: Callable) -> Callable:
     def update(self: Any, new_scale: Any = None) -> Any:
         if not (_DISPATCH.observers and _enabled(self)):
             return original(self, new_scale)
-        _DISPATCH.emit("on_update", self, user_line())
+        _DISPATCH.emit("on_update", self, HERE)
         try:
             scale = _scale_value(self)
         except Exception:
@@ -697,7 +722,7 @@ def _wrap_clip(original: Callable) -> Callable:
     def _clip_grads_with_norm_(parameters: Any, max_norm: Any, total_norm: Any, foreach: Any = None) -> Any:
         if _DISPATCH.observers:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            _DISPATCH.emit("on_clip", params, max_norm, total_norm, user_line())
+            _DISPATCH.emit("on_clip", params, max_norm, total_norm, HERE)
             parameters = params
         return original(parameters, max_norm, total_norm, foreach)
 
@@ -708,7 +733,7 @@ def _wrap_clip(original: Callable) -> Callable:
 def _wrap_scheduler(original: Callable) -> Callable:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _DISPATCH.observers:
-            _DISPATCH.emit("on_scheduler_step", self, user_line())
+            _DISPATCH.emit("on_scheduler_step", self, HERE)
         return original(self, *args, **kwargs)
 
     step.__wrapped__ = original
@@ -718,7 +743,7 @@ def _wrap_scheduler(original: Callable) -> Callable:
 def _optimizer_pre_hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
     if id(optimizer) in _DISPATCH.in_scaler_step or not _DISPATCH.observers:
         return None
-    _DISPATCH.emit("on_optimizer_step", optimizer, user_line())
+    _DISPATCH.emit("on_optimizer_step", optimizer, HERE)
     return None
 
 
