@@ -394,7 +394,7 @@ def test_the_watch_leaves_nothing_behind_also_when_the_loop_raises():
         with mpdoctor.watch(model, opt, scaler):
             assert protocol_module.installed() and originals()["step"] is not before["step"]
             scaler.scale(loss_fn(model)).backward()
-            1 / 0
+            raise ZeroDivisionError("the loop fails mid-step")
     after = originals()
     assert all(after[k] is before[k] for k in before)
     assert dict(optimizer_module._global_optimizer_pre_hooks) == pre_hooks and not protocol_module.installed()

@@ -118,7 +118,7 @@ def user_line(depth: int = 2) -> Where | None:
         g = frame.f_globals
         name = dict.get(g, "__name__") if type(g) is dict else None
         name = name if type(name) is str else ""
-        if not name.split(".", 1)[0] in _LIBRARY_PREFIXES:
+        if name.split(".", 1)[0] not in _LIBRARY_PREFIXES:
             code = frame.f_code
             text = linecache.getline(code.co_filename, frame.f_lineno).strip()
             return Where(code.co_filename, frame.f_lineno, text, cell_number(code.co_filename))
