@@ -609,6 +609,8 @@ class _Dispatch:
         self.saved: list[tuple[Any, str, Any]] = []
         self.handles: list[Any] = []
         self.in_scaler_step: list[int] = []  # ids of optimizers inside scaler.step (re-entrant)
+        self.cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # (owner, name) -> (original, its wrapper)
+        self.targets: Any = None  # (what to wrap, the global hook registrar), resolved at the first install
 
     def add(self, observer: ProtocolObserver) -> None:
         if not self.observers:
@@ -629,27 +631,31 @@ class _Dispatch:
                 print(f"mpdoctor: protocol observer failed in {method}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def install(self) -> None:
-        from torch.amp.grad_scaler import GradScaler
-        from torch.nn.utils import clip_grad
-        from torch.optim.lr_scheduler import LRScheduler
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
         try:
-            self._patch(GradScaler, "scale", _wrap_scale(vars(GradScaler)["scale"]))
-            self._patch(GradScaler, "unscale_", _wrap_unscale(vars(GradScaler)["unscale_"]))
-            self._patch(GradScaler, "step", _wrap_step(vars(GradScaler)["step"]))
-            self._patch(GradScaler, "update", _wrap_update(vars(GradScaler)["update"]))
-            if "_clip_grads_with_norm_" in vars(clip_grad):
-                self._patch(clip_grad, "_clip_grads_with_norm_", _wrap_clip(vars(clip_grad)["_clip_grads_with_norm_"]))
-            self._patch(LRScheduler, "step", _wrap_scheduler(vars(LRScheduler)["step"]))
-            self.handles.append(register_optimizer_step_pre_hook(_optimizer_pre_hook))
+            if self.targets is None:
+                self.targets = _targets()
+            for owner, name, wrapper in self._wrappers():
+                self.saved.append((owner, name, vars(owner)[name]))
+                setattr(owner, name, wrapper)
+            self.handles.append(self.targets[1](_optimizer_pre_hook))
         except BaseException:
             self.uninstall()
             raise
 
-    def _patch(self, owner: Any, name: str, wrapper: Any) -> None:
-        self.saved.append((owner, name, vars(owner)[name]))
-        setattr(owner, name, wrapper)
+    def _wrappers(self) -> list[tuple[Any, str, Any]]:
+        """(owner, attribute, wrapper), built once per original (a notebook attaches at every cell)."""
+        out = []
+        for owner, name, wrap in self.targets[0]:
+            original = vars(owner).get(name)
+            if original is None:
+                continue
+            key = (id(owner), name)
+            cached = self.cache.get(key)
+            if cached is None or cached[0] is not original:
+                cached = (original, wrap(original))
+                self.cache[key] = cached
+            out.append((owner, name, cached[1]))
+        return out
 
     def uninstall(self) -> None:
         for handle in self.handles:
@@ -662,6 +668,18 @@ class _Dispatch:
 
 
 _DISPATCH = _Dispatch()
+
+
+def _targets() -> tuple[list, Callable]:
+    from torch.amp.grad_scaler import GradScaler
+    from torch.nn.utils import clip_grad
+    from torch.optim.lr_scheduler import LRScheduler
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    wanted = [(GradScaler, "scale", _wrap_scale), (GradScaler, "unscale_", _wrap_unscale),
+              (GradScaler, "step", _wrap_step), (GradScaler, "update", _wrap_update),
+              (clip_grad, "_clip_grads_with_norm_", _wrap_clip), (LRScheduler, "step", _wrap_scheduler)]  # fmt: skip
+    return wanted, register_optimizer_step_pre_hook
 
 
 def _wrap_scale(original: Callable) -> Callable:
