@@ -170,6 +170,7 @@ class MPDoctorMagics(Magics):
                 if report is None:
                     return None
             hidden = {} if args.probe else _hidden_counts(report, ignore)
+            _attach_scale_history(self.shell, report)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -237,6 +238,15 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         report._skip_display_in = self.shell.execution_count
+
+
+def _attach_scale_history(shell: Any, report: Any) -> None:
+    """The scale, skips and loss per step the session's protocol observer kept (cells run after %load_ext)."""
+    from .runtime import session
+
+    observer = session.observer(shell)
+    if observer is not None and observer.scale_history:
+        report.scale_history = list(observer.scale_history)
 
 
 def _batch_types() -> tuple:

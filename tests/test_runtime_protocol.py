@@ -635,3 +635,28 @@ def test_measuring_the_norm_with_an_infinite_max_norm_is_not_clipping():
         scaler.step(opt)
         scaler.update()
     no_findings(w)
+
+
+def test_mpdoctor_in_a_notebook_shows_the_scale_history_of_the_cells_run_since_load_ext(shell, capsys):
+    shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                   "scaler = torch.amp.GradScaler('cpu', init_scale=2.0**20)", store_history=True)  # fmt: skip
+    for _ in range(2):  # two cells, one session history
+        shell.run_cell("for _ in range(3):\n    opt.zero_grad()\n    with torch.autocast('cpu', dtype=torch.float16):\n"
+                       "        loss = m(torch.randn(8, 4) * 30).pow(2).mean()\n    scaler.scale(loss).backward()\n"
+                       "    scaler.step(opt)\n    scaler.update()", store_history=True)  # fmt: skip
+    report = shell.run_line_magic("mpdoctor", "m opt scaler --text")
+    history = report.scale_history
+    assert [r.step for r in history] == [1, 2, 3, 4, 5, 6] and any(r.skipped for r in history)
+    assert "loss scale and loss over steps" in capsys.readouterr().out
+
+
+def test_cells_compiled_under_ipykernel_names_map_to_their_execution_count(shell):
+    fmap = getattr(shell.compile, "_filename_map", None)
+    if fmap is None:  # IPython 7.34 names cells <ipython-input-N-...>, read from the name itself
+        assert cell_number("/tmp/ipykernel_1/123.py") is None and cell_number("<ipython-input-12-ab>") == 12
+    else:
+        fmap["/tmp/ipykernel_1/123.py"] = 12
+        try:
+            assert cell_number("/tmp/ipykernel_1/123.py") == 12
+        finally:
+            del fmap["/tmp/ipykernel_1/123.py"]
