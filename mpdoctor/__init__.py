@@ -62,13 +62,18 @@ def load_ipython_extension(ipython: Any) -> None:
     magics = ipython.magics_manager.registry.get("MPDoctorMagics")
     if not install(ipython, enabled=lambda: bool(getattr(magics, "on_error", True))):
         print("mpdoctor: another custom exception handler is set; crashes will not be diagnosed automatically")
+    from .runtime import session
+
+    session.install(ipython)  # the GradScaler protocol, watched cell by cell
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Remove ``%mpdoctor`` and the crash diagnosis (called by ``%unload_ext mpdoctor``)."""
     from .crash.hook import uninstall
+    from .runtime import session
 
     uninstall(ipython)
+    session.uninstall(ipython)
     magics = ipython.magics_manager.magics.get("line", {})
     magics.pop("mpdoctor", None)
     registry = ipython.magics_manager.registry

@@ -8,7 +8,7 @@ from ..facts import Facts
 from ..facts.scaler import ScalerFacts
 from ..treatment.changes import CastParamsTo, SetAttrTo
 from ..treatment.findings import Finding, count
-from ..treatment.fixes import Fix
+from ..treatment.fixes import Applicability, Fix
 from . import check
 
 
@@ -212,3 +212,53 @@ def scaler_scale_collapsed(facts: Facts) -> Iterator[Finding]:
                 "gradients are being skipped, so the model has stopped learning.",
                 {"scale": sc.scale, "init_scale": sc.init_scale, "growth_tracker": sc.growth_tracker},
             )
+
+
+@check("scaler-not-restored-on-resume", "warning")
+def scaler_not_restored_on_resume(facts: Facts) -> Iterator[Finding]:
+    """A resumed run whose GradScaler state was not restored.
+
+    What it detects
+        An enabled ``GradScaler`` at a fresh constructor's state (scale 2^16, growth tracker 0, nothing
+        loaded) beside an optimizer whose state says it has already taken N > 0 steps (its
+        ``load_state_dict`` ran, the scaler's did not).
+    Why it matters
+        The scale restarts at 65536 instead of the value the run had settled at: every step whose scaled
+        gradients overflow is skipped while the scale halves back down, so the first steps after resume
+        train nothing (measured: 7 skipped steps when the run had settled at 512), and the growth
+        counter restarts.
+    Severity
+        Warning: measurable harm (skipped steps after resume), no crash. A scaler restored to exactly
+        2^16 with a tracker of 0 is indistinguishable from a fresh one and harmless.
+    Fix
+        Nothing to do in place (the saved scale is in the checkpoint): load it with
+        ``scaler.load_state_dict(checkpoint["scaler"])`` and save ``scaler.state_dict()`` with the
+        checkpoint.
+    Source
+        PyTorch AMP examples, "Saving/Resuming"; torch.amp.GradScaler.state_dict docs.
+    """
+    resumed = [o for o in facts.optimizers if o.state_steps > 0]
+    if not resumed:
+        return
+    for sc in facts.scalers:
+        if not sc.enabled or not sc.fresh:
+            continue
+        opt = max(resumed, key=lambda o: o.state_steps)
+        yield Finding(
+            "scaler-not-restored-on-resume",
+            "warning",
+            sc.name,
+            f"{opt.name} has taken {opt.state_steps:,} steps (its state was restored) but {sc.name} is fresh "
+            f"(scale {sc.scale if sc.scale is not None else sc.init_scale:g}, growth tracker 0): the scaler's state "
+            "was not restored, so the first steps after resume are skipped while the scale falls back.",
+            {"optimizer": opt.name, "optimizer_steps": opt.state_steps, "scale": sc.scale, "init_scale": sc.init_scale},
+            [
+                Fix(
+                    f"Restore {sc.name}'s state from the checkpoint",
+                    f"{sc.name}.load_state_dict(checkpoint['scaler'])\n"
+                    f"# and when saving: checkpoint['scaler'] = {sc.name}.state_dict()",
+                    applicability=Applicability.DISPLAY_ONLY,
+                    recipe="restore-scaler-state",
+                )
+            ],
+        )

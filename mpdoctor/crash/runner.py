@@ -49,6 +49,7 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
         sys.path.insert(0, script_dir)
     _read_loop(path)
     watcher = _global_watcher() if probe_on_nan else None
+    protocol = _protocol_observer()
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -60,6 +61,8 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
             _explain(exc, tb, scan)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
+        if protocol is not None:
+            protocol.close()
         if watcher is not None:
             watcher.close()
         sys.argv = saved_argv
@@ -115,6 +118,17 @@ def _read_loop(path: str) -> None:
         text = f"mpdoctor: could not read {os.path.basename(path)} ({describe_exception(failure)})"
     if text:
         print(text + "\n", file=sys.stderr, flush=True)
+
+
+def _protocol_observer() -> Any:
+    """The GradScaler protocol observer for the script's run (mpdoctor.runtime.protocol); None if unavailable."""
+    try:
+        from ..runtime.protocol import ProtocolObserver
+
+        return ProtocolObserver().attach()
+    except Exception as exc:  # the script runs whatever happens here
+        print(f"mpdoctor run: the loop watcher is off ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
 
 
 def _global_watcher() -> Any:

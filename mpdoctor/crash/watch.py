@@ -120,6 +120,22 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
             self._handles.append(optimizer.register_step_pre_hook(self._before_step))
         else:
             self._diagnose()
+        # The GradScaler protocol (mpdoctor.runtime.protocol): every scaler and optimizer, until close().
+        from ..runtime.protocol import ProtocolObserver
+
+        self.protocol = ProtocolObserver(self._names(), models=[model]).attach()
+
+    @property
+    def report(self) -> Any:
+        """The run's report: the diagnosis before the first step, the protocol findings, ``scale_history``."""
+        from ..runtime.protocol import protocol_report
+
+        return protocol_report(self.protocol, self.start_report)
+
+    @property
+    def scale_history(self) -> list:
+        """Per GradScaler and real step: the scale, whether the step was skipped, the loss."""
+        return list(self.protocol.scale_history)
 
     def _names(self) -> dict[int, str]:
         return {id(self.model): "model", id(self.optimizer): "optimizer", id(self.scaler): "scaler"}
@@ -176,6 +192,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
 
     def close(self) -> None:
         """Remove every hook this watch added."""
+        self.protocol.close()
         self._watcher.close()
         for handle in self._handles:
             handle.remove()

@@ -42,6 +42,9 @@ class Report:
         ``watch``): the finding that caused it, first in ``findings``.
     exception : str or None
         One-line summary of that exception (``"RuntimeError: mat1 and mat2 ..."``).
+    scale_history : list of mpdoctor.facts.scale_history.ScaleRecord
+        Per GradScaler and real step, while watched (``watch``, the callbacks, a notebook after
+        ``%load_ext``): the scale, whether the step was skipped, the loss. Empty otherwise.
     """
 
     def __init__(
@@ -78,6 +81,8 @@ class Report:
         # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
         self.cause: Finding | None = None
         self.exception: str | None = None
+        # Set by the runtime observers (mpdoctor.runtime): the scale, skips and loss per watched step.
+        self.scale_history: list = []
 
     # -- queries -----------------------------------------------------------------------
     @property

@@ -34,6 +34,8 @@ class OptimizerFacts:
     has_state: bool
     #: ``eps`` of each param group (None where a group has none), in group order.
     group_eps: tuple[float | None, ...] = ()
+    #: The largest per-parameter ``step`` in the optimizer state: how many steps it has taken (0 when fresh).
+    state_steps: int = 0
 
     @property
     def param_ids(self) -> frozenset[int]:

@@ -24,3 +24,25 @@ class ScalerFacts:
     backoff_factor: float
     growth_interval: int
     owners: tuple[str, ...] = ()
+    #: ``_init_growth_tracker``: where the tracker starts (a restored scaler's saved tracker until its first scale()).
+    init_growth_tracker: int = 0
+
+    @property
+    def fresh(self) -> bool:
+        """At a default constructor's state (scale 2**16, growth tracker 0): nothing restored, nothing run."""
+        tracker = self.growth_tracker if self.growth_tracker is not None else self.init_growth_tracker
+        return looks_fresh(self.scale, self.init_scale, tracker)
+
+
+#: What ``GradScaler()`` starts at when no ``init_scale`` is given.
+DEFAULT_INIT_SCALE = 2.0**16
+
+
+def looks_fresh(scale: float | None, init_scale: float | None, growth_tracker: int | float | None) -> bool:
+    """Whether a scaler is at a default constructor's state: never scaled, or scale == init_scale == 2**16,
+    growth tracker 0 (a restored scaler carries the saved scale and tracker instead)."""
+    return (
+        init_scale == DEFAULT_INIT_SCALE
+        and (scale is None or scale == init_scale)
+        and (growth_tracker is None or int(growth_tracker) == 0)
+    )

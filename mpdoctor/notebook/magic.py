@@ -173,6 +173,7 @@ class MPDoctorMagics(Magics):
             if not args.no_history:
                 _add_history(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
+            _attach_scale_history(self.shell, report)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -252,6 +253,15 @@ def _add_history(shell: Any, report: Any, ignore: list[str]) -> None:
         add_to_report(report, read_history(shell), ignore)
     except Exception as exc:  # the report of the objects stands without it
         _print_line(f"could not read the cell history ({describe_exception(exc)})")
+
+
+def _attach_scale_history(shell: Any, report: Any) -> None:
+    """The scale, skips and loss per step the session's protocol observer kept (cells run after %load_ext)."""
+    from ..runtime import session
+
+    observer = session.observer(shell)
+    if observer is not None and observer.scale_history:
+        report.scale_history = list(observer.scale_history)
 
 
 def _batch_types() -> tuple:

@@ -91,6 +91,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
 
     def _detach(self) -> None:
         self._watcher.close()
+        self._close_protocol()
 
     # -- events ------------------------------------------------------------------------
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):
@@ -112,6 +113,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         self._detach()
         if isinstance(model, torch.nn.Module):
             self._watcher.attach(model)
+        self._attach_protocol(names, [model])
         return control
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any):

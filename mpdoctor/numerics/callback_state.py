@@ -74,3 +74,28 @@ class CallbackState:
         # The hooks, the capture of inputs and losses and the probe are shared with mpdoctor.watch.
         self._watcher = LossWatcher()
         self._fired = False
+        #: The GradScaler protocol observer while training runs (mpdoctor.runtime.protocol).
+        self.protocol: Any = None
+
+    def _attach_protocol(self, names: dict[int, str], models: list) -> None:
+        """Follow the GradScaler protocol (and keep the scale history) until :meth:`_close_protocol`."""
+        from ..runtime.protocol import ProtocolObserver
+
+        self._close_protocol()
+        self.protocol = ProtocolObserver(names, models=models).attach()
+
+    def _close_protocol(self) -> None:
+        if self.protocol is not None and self.protocol.attached:
+            self.protocol.close()
+
+    @property
+    def scale_history(self) -> list:
+        """Per GradScaler and real step: the scale, whether the step was skipped, the loss."""
+        return list(self.protocol.scale_history) if self.protocol is not None else []
+
+    @property
+    def report(self) -> Any:
+        """The run's report: the start diagnosis, the protocol findings and ``scale_history``."""
+        from ..runtime.protocol import ProtocolObserver, protocol_report
+
+        return protocol_report(self.protocol or ProtocolObserver(), self.start_report)

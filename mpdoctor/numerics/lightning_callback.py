@@ -99,6 +99,9 @@ class MPDoctorLightningCallback(Callback, CallbackState):
         self._watcher.close()
         if isinstance(pl_module, torch.nn.Module):
             self._watcher.attach(pl_module)
+        # Manual optimization leaves the AMP loop to the user's training_step: follow the scaler protocol.
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._attach_protocol({id(scaler): "trainer.precision_plugin.scaler"}, [pl_module])
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """Record the loss about to be back-propagated (a reference, no sync)."""
@@ -115,10 +118,12 @@ class MPDoctorLightningCallback(Callback, CallbackState):
     def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
         """Remove the hooks."""
         self._watcher.close()
+        self._close_protocol()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """Remove the hooks when fit stops on an exception (ours included)."""
         self._watcher.close()
+        self._close_protocol()
 
     # -- internals ---------------------------------------------------------------------
 

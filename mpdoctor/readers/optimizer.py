@@ -21,6 +21,7 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
     state = inner.__dict__.get("state", {})
     groups = inner.__dict__.get("param_groups", [])
     seen: set[int] = set()
+    steps = 0
     for gi, group in enumerate(groups):
         for p in group.get("params", ()):
             if not isinstance(p, torch.Tensor) or id(p) in seen:
@@ -29,6 +30,7 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
             grad = p.grad if p.is_leaf else None
             st = state.get(p, {}) if isinstance(state, dict) else {}
             sdt: list[tuple[str, str]] = []
+            steps = max(steps, _step_count(st.get("step") if isinstance(st, dict) else None))
             for key, value in st.items() if isinstance(st, dict) else ():
                 if isinstance(value, torch.Tensor):
                     tally.add("optimizer_state", value, True)
@@ -65,7 +67,15 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         defaults=safe_defaults,
         has_state=bool(state),
         group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
+        state_steps=steps,
     )
+
+
+def _step_count(step: Any) -> int:
+    # Adam-family optimizers keep a 0-d ``step`` tensor (4 bytes read); others an int, or nothing.
+    if isinstance(step, torch.Tensor) and step.numel() == 1:
+        step = step.item()
+    return int(step) if isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0 else 0
 
 
 def _eps_of(group: dict) -> float | None:

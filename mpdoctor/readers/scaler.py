@@ -34,4 +34,5 @@ def gather_scaler(name: str, scaler: Any, owners: tuple[str, ...] = ()) -> Scale
         backoff_factor=float(raw_attr(scaler, "_backoff_factor", 0.5) or 0.0),
         growth_interval=int(raw_attr(scaler, "_growth_interval", 2000) or 0),
         owners=owners,
+        init_growth_tracker=int(_scalar(raw_attr(scaler, "_init_growth_tracker", 0)) or 0),
     )

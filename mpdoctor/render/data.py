@@ -140,6 +140,8 @@ def report_dict(report: Any) -> dict:
         "scalers": scaler_view(report),
         "scan": scan_view(report),
         "probe": probe_view(report),
+        # Per GradScaler and watched step (mpdoctor.facts.scale_history.ScaleRecord): scale, skipped, loss.
+        "scale_history": [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in getattr(report, "scale_history", None) or ()],
         "runtime": {
             "autocast": rt.autocast,
             "matmul_tf32": rt.matmul_tf32,

@@ -34,7 +34,7 @@ from .evidence import (
     singular_counts,
     summarize_evidence,
 )
-from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg
+from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg, scale_history_svg, scale_series
 
 #: Severity hues: badge backgrounds under white text (contrast >= 6.2) and borders.
 COLORS = {"error": "#b71c1c", "warning": "#9a4a00", "info": "#0d47a1"}
@@ -368,6 +368,21 @@ def numerics_html(data: dict) -> str:
     return "".join(parts)
 
 
+def scale_history_html(data: dict) -> str:
+    """Each watched GradScaler's scale over steps (skips marked) beside the loss; empty when nothing was watched."""
+    series = scale_series(data.get("scale_history") or [])
+    if not series:
+        return ""
+    parts = [f"<div style='{FONT};margin-top:6px'>"]
+    for name, rows in series.items():
+        skipped = sum(1 for r in rows if r.get("skipped"))
+        note = f"{plural(len(rows), 'step')}, {skipped} skipped"
+        parts.append(f"<div style='margin:4px 0 2px'>{code(name)} {muted(e(note))}</div>")
+        parts.append(scale_history_svg(rows, name))
+    parts.append("</div>")
+    return "".join(parts)
+
+
 def section(title: str, body: str) -> str:
     """A titled block of the static rendering."""
     return f"<div style='margin-top:8px'><div style='font-weight:bold;margin-bottom:2px'>{e(title)}</div>{body}</div>"
@@ -394,6 +409,8 @@ def render_html(report: Any) -> str:
     parts.append(section("precision: requested vs effective", precision_html(data)))
     parts.append(section("caches", caches_html(data["caches"])))
     parts.append(section("scalers", scalers_html(data["scalers"])))
+    if data.get("scale_history"):
+        parts.append(section("loss scale and loss over steps", scale_history_html(data)))
     parts.append("</div>")
     return "".join(parts)
 

@@ -164,3 +164,91 @@ def probe_chart_svg(bars: list[ProbeBar]) -> str:
         x = xpos(10.0**p)
         parts.append(f"<text x='{x:.1f}' y='{axis_y + 13}' text-anchor='middle' style='{TEXT};font-size:10px'>1e{p}</text>")
     return _svg(width, height, "".join(parts), "largest activation per module")
+
+
+#: Points drawn per series; longer histories are thinned, skipped steps always kept.
+SCALE_POINTS = 400
+SKIP_MARK = "#c62828"
+
+
+def _thin(rows: list[dict]) -> list[dict]:
+    if len(rows) <= SCALE_POINTS:
+        return rows
+    every = math.ceil(len(rows) / SCALE_POINTS)
+    return [r for i, r in enumerate(rows) if i % every == 0 or r.get("skipped") or i == len(rows) - 1]
+
+
+def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
+    """One GradScaler over its steps: the loss scale on a log2 axis with skipped steps marked, beside the loss.
+
+    ``rows`` are ``ScaleRecord.to_dict()`` rows of one scaler (step, scale, skipped, loss), in step order.
+    """
+    rows = _thin([r for r in rows if isinstance(r.get("scale"), (int, float)) and r["scale"] > 0])
+    if not rows:
+        return ""
+    pw, ph, left, top, gap = 250, 110, 44, 22, 60
+    width, height = left + pw + gap + left + pw + 10, top + ph + 34
+    s0, s1 = rows[0]["step"], max(rows[-1]["step"], rows[0]["step"] + 1)
+
+    def x(step: float, origin: float) -> float:
+        return origin + pw * (step - s0) / (s1 - s0)
+
+    exps = [math.log2(r["scale"]) for r in rows]
+    e_lo, e_hi = math.floor(min(exps)), math.ceil(max(exps))
+    e_hi = e_hi if e_hi > e_lo else e_lo + 1
+
+    def ys(scale: float) -> float:
+        return top + ph * (1 - (math.log2(scale) - e_lo) / (e_hi - e_lo))
+
+    skips = sum(1 for r in rows if r.get("skipped"))
+    parts = [
+        f"<text x='0' y='12' style='{TEXT}'>{_e(scaler)}: loss scale (log2 axis), "
+        f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan></text>",
+        f"<line x1='{left}' y1='{top + ph}' x2='{left + pw}' y2='{top + ph}' style='{RULE}'/>",
+        f"<line x1='{left}' y1='{top}' x2='{left}' y2='{top + ph}' style='{RULE}'/>",
+    ]
+    for ex in sorted({e_lo, e_hi, (e_lo + e_hi) // 2}):
+        parts.append(f"<text x='{left - 4}' y='{ys(2.0**ex) + 4:.1f}' text-anchor='end' style='{TEXT};font-size:10px'>2^{ex}</text>")
+    path = " ".join(f"{'M' if i == 0 else 'L'}{x(r['step'], left):.1f},{ys(r['scale']):.1f}" for i, r in enumerate(rows))
+    parts.append(f"<path d='{path}' fill='none' stroke='#1976d2' stroke-width='1.5'/>")
+    for r in rows:
+        if r.get("skipped"):
+            cx, cy = x(r["step"], left), ys(r["scale"])
+            parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' fill='{SKIP_MARK}' style='font-size:10px'>"
+                         f"\u2715<title>step {_e(r['step'])}: skipped at scale {_e(format_number(r['scale']))}</title></text>")  # fmt: skip
+    for origin in (left,):
+        parts.append(f"<text x='{origin}' y='{top + ph + 14}' style='{TEXT};font-size:10px'>step {_e(s0)}</text>")
+        parts.append(f"<text x='{origin + pw}' y='{top + ph + 14}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(rows[-1]['step'])}</text>")
+    losses = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
+    lx = left + pw + gap + left
+    parts.append(f"<text x='{lx - left}' y='12' style='{TEXT}'>loss</text>")
+    parts.append(f"<line x1='{lx}' y1='{top + ph}' x2='{lx + pw}' y2='{top + ph}' style='{RULE}'/>")
+    parts.append(f"<line x1='{lx}' y1='{top}' x2='{lx}' y2='{top + ph}' style='{RULE}'/>")
+    if losses:
+        l_lo, l_hi = min(v for _, v in losses), max(v for _, v in losses)
+        l_hi = l_hi if l_hi > l_lo else l_lo + 1.0
+
+        def yl(v: float) -> float:
+            return top + ph * (1 - (v - l_lo) / (l_hi - l_lo))
+
+        for v in (l_lo, l_hi):
+            parts.append(f"<text x='{lx - 4}' y='{yl(v) + 4:.1f}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(format_number(v))}</text>")
+        path = " ".join(f"{'M' if i == 0 else 'L'}{x(s, lx):.1f},{yl(v):.1f}" for i, (s, v) in enumerate(losses))
+        parts.append(f"<path d='{path}' fill='none' stroke='#00897b' stroke-width='1.5'/>")
+        for r in rows:
+            if r.get("skipped"):
+                cx = x(r["step"], lx)
+                parts.append(f"<line x1='{cx:.1f}' y1='{top}' x2='{cx:.1f}' y2='{top + ph}' stroke='{SKIP_MARK}' stroke-opacity='0.35'/>")
+    else:
+        parts.append(f"<text x='{lx + 6}' y='{top + ph / 2:.0f}' style='{TEXT};font-size:10px'>no finite loss recorded</text>")
+    parts.append(f"<text x='{lx}' y='{top + ph + 14}' style='{TEXT};font-size:10px'>step {_e(s0)}</text>")
+    parts.append(f"<text x='{lx + pw}' y='{top + ph + 14}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(rows[-1]['step'])}</text>")
+    return _svg(width, height, "".join(parts), f"loss scale and loss over steps of {scaler}")
+
+
+def scale_series(history: list[dict]) -> dict[str, list[dict]]:
+    """History rows grouped by scaler name, each in step order."""
+    series: dict[str, list[dict]] = {}
+    for r in history:
+        series.setdefault(str(r.get("scaler", "scaler")), []).append(r)
+    return {k: sorted(v, key=lambda r: r.get("step", 0)) for k, v in series.items()}

@@ -99,7 +99,54 @@ def render_text(report: Any, width: int = 100) -> str:
                 f" | growth tracker {tracker}"
             )
     lines += _scan_lines(data["scan"])
+    lines += scale_history_lines(data.get("scale_history") or [])
     return "\n".join(lines)
+
+
+_BARS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"
+#: Characters of a sparkline: longer histories are bucketed (a bucket with a skip shows the skip).
+SPARK_WIDTH = 60
+
+
+def sparkline(values: list[float]) -> str:
+    """``values`` as block characters between their min and max (a flat series is a flat line)."""
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = hi - lo
+    return "".join(_BARS[0 if span == 0 else min(7, int((v - lo) / span * 7 + 0.5))] for v in values)
+
+
+def scale_history_lines(history: list[dict]) -> list[str]:
+    """Per watched GradScaler: the log2 scale and the loss as sparklines, skipped steps marked ``x``."""
+    import math
+
+    series: dict[str, list[dict]] = {}
+    for r in history:
+        series.setdefault(str(r.get("scaler", "scaler")), []).append(r)
+    if not series:
+        return []
+    lines = ["", "loss scale and loss over steps"]
+    for name, rows in series.items():
+        rows = sorted(rows, key=lambda r: r.get("step", 0))
+        size = max(1, math.ceil(len(rows) / SPARK_WIDTH))
+        buckets = [rows[i : i + size] for i in range(0, len(rows), size)]
+        scales = [math.log2(max(min(r["scale"] for r in b), 1e-30)) for b in buckets]
+        marks = "".join("x" if any(r.get("skipped") for r in b) else " " for b in buckets)
+        losses = [[r["loss"] for r in b if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])] for b in buckets]
+        loss_line = "".join(sparkline([sum(x) / len(x) if x else float("nan") for x in losses if x])) if any(losses) else ""
+        skipped = sum(1 for r in rows if r.get("skipped"))
+        first, last = rows[0], rows[-1]
+        lines.append(
+            f"  {name}: {len(rows)} steps ({rows[0].get('step')}..{last.get('step')}), {skipped} skipped;"
+            f" scale {first['scale']:g} -> {last['scale']:g}"
+        )
+        lines.append(f"    scale (log2) {sparkline(scales)}")
+        lines.append(f"    skipped      {marks.rstrip() or '(none)'}")
+        if loss_line:
+            finite = [v for x in losses for v in x]
+            lines.append(f"    loss         {loss_line}  ({finite[0]:.4g} -> {finite[-1]:.4g})")
+    return lines
 
 
 #: Scan rows shown in text: the ones with something wrong, at most this many.

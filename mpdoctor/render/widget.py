@@ -44,6 +44,7 @@ from .html import (
     numerics_html,
     pill,
     precision_html,
+    scale_history_html,
     scalers_html,
     subjects_html,
     verdict_html,
@@ -335,7 +336,7 @@ class ReportWidget:
         self.layers_panel.value = layers_html(self.report)
         self.numerics_panel.value = numerics_html(data)
         self.caches_panel.value = caches_html(data["caches"])
-        self.scaler_panel.value = scalers_html(data["scalers"])
+        self.scaler_panel.value = scalers_html(data["scalers"]) + scale_history_html(data)
         self.precision_panel.value = precision_html(data)
         self.issue_text.value = self.report.to_markdown()
         if self._clipboard is not None:

@@ -28,8 +28,9 @@ RULES: dict[str, ProtocolRule] = {
             "amp-clip-before-unscale",
             "error",
             "Gradients clipped while still scaled",
-            "clip_grad_norm_ on scaled gradients clips at max_norm x scale: the clip never bites (or, with a "
-            "tiny scale, always bites), so the clipping the run asked for is not the one it gets.",
+            "clip_grad_norm_ on scaled gradients compares the scaled norm with max_norm: in real units the threshold "
+            "is max_norm / scale (1/65536 of it at the default scale), so every step is shrunk far below the clipping "
+            "the run asked for and training crawls.",
             "scaler.scale(loss).backward()\nscaler.unscale_(optimizer)\n"
             "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\nscaler.step(optimizer)\nscaler.update()",
         ),
@@ -62,10 +63,11 @@ RULES: dict[str, ProtocolRule] = {
         ),
         ProtocolRule(
             "amp-update-per-microbatch",
-            "warning",
+            "error",
             "scaler.update() called per micro-batch",
-            "update() between micro-batches of one accumulated step halves or grows the scale mid-step, so "
-            "micro-batches are summed at different scales.",
+            "update() after a micro-batch with no scaler.step() raises 'No inf checks were recorded prior to "
+            "update.' (an AssertionError); where it does not (a step per micro-batch), micro-batches are summed at "
+            "different scales.",
             "if (i + 1) % accum == 0:\n    scaler.step(optimizer)\n    scaler.update()\n    optimizer.zero_grad()",
         ),
         ProtocolRule(
