@@ -35,6 +35,9 @@ def shell():
     from IPython.core.interactiveshell import InteractiveShell
 
     ip = InteractiveShell.instance()
+    before = set(ip.user_ns)
     ip.run_cell("%load_ext mpdoctor", store_history=False)
     yield ip
     ip.run_cell("%unload_ext mpdoctor", store_history=False)
+    for name in set(ip.user_ns) - before:  # the shell is shared by the suite: leave no variable behind
+        ip.user_ns.pop(name, None)

@@ -102,12 +102,19 @@ def test_a_failure_inside_the_hook_leaves_the_traceback_intact_and_is_one_line(i
     assert installed(ip)  # IPython did not unregister it
 
 
-def test_successful_cells_run_no_mpdoctor_code(ip, capsys):
-    # The handler is reached only through IPython's `except custom_exceptions`; no per-cell callback exists.
+def test_successful_cells_run_no_crash_code_and_leave_nothing_in_torch(ip, capsys):
+    # The crash handler is reached only through IPython's `except custom_exceptions`. The only per-cell
+    # callbacks are the GradScaler protocol watcher's (mpdoctor.runtime.session): it attaches for the cell
+    # and detaches after it, so between cells nothing of mpdoctor's is installed in torch.
+    from mpdoctor.runtime import protocol
+
     callbacks = {event: list(cbs) for event, cbs in ip.events.callbacks.items()}
-    assert not any("mpdoctor" in getattr(cb, "__module__", "") for cbs in callbacks.values() for cb in cbs)
+    modules = {getattr(cb, "__module__", "") or "" for cbs in callbacks.values() for cb in cbs}
+    ours = {m for m in modules if m.startswith("mpdoctor")}
+    assert ours == {"mpdoctor.runtime.session"}
     result, out = run(ip, capsys, "x_ok = 1 + 1")
     assert result.success and out == ""
+    assert not protocol.installed()
     ip.user_ns.pop("x_ok", None)
 
 

@@ -435,9 +435,12 @@ def shell():
     from IPython.core.interactiveshell import InteractiveShell
 
     sh = InteractiveShell.instance()
+    before = set(sh.user_ns)
     sh.run_line_magic("load_ext", "mpdoctor")
     yield sh
     sh.run_line_magic("unload_ext", "mpdoctor")
+    for name in set(sh.user_ns) - before:  # the shell is shared by the suite: leave no variable behind
+        sh.user_ns.pop(name, None)
 
 
 def test_a_notebook_cell_clipping_scaled_gradients_is_named_by_cell_and_line(shell, capsys):
