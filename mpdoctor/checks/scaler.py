@@ -248,9 +248,10 @@ def scaler_not_restored_on_resume(facts: Facts) -> Iterator[Finding]:
             "scaler-not-restored-on-resume",
             "warning",
             sc.name,
-            f"{opt.name} has taken {opt.state_steps:,} steps (its state was restored) but {sc.name} is fresh "
-            f"(scale {sc.scale if sc.scale is not None else sc.init_scale:g}, growth tracker 0): the scaler's state "
-            "was not restored, so the first steps after resume are skipped while the scale falls back.",
+            f"{opt.name} has already taken {opt.state_steps:,} steps but {sc.name} is at a fresh constructor's state "
+            f"(scale {sc.scale if sc.scale is not None else sc.init_scale:g}, growth tracker 0): if the run resumed from a "
+            "checkpoint, the scaler's state was not restored, and the first steps after resume are skipped while the "
+            "scale falls back to where it was.",
             {"optimizer": opt.name, "optimizer_steps": opt.state_steps, "scale": sc.scale, "init_scale": sc.init_scale},
             [
                 Fix(

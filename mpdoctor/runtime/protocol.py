@@ -407,7 +407,7 @@ class ProtocolObserver:
             steps = _optimizer_steps(optimizer)
             if steps > 0:
                 self._report("scaler-not-restored-on-resume", track.name, where,
-                             f"{opt} has taken {steps} steps (its state was restored) but {track.name} is fresh "
+                             f"{opt} has already taken {steps} steps but {track.name} is fresh "
                              f"(scale {_scale_value(scaler) or scaler.__dict__.get('_init_scale')}, growth tracker 0): "
                              "the scaler's state was not restored, so the first steps after resume are skipped "
                              "while the scale falls back to where it was.",
