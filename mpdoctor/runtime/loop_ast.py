@@ -43,6 +43,7 @@ OPTIMIZER_CLASSES = frozenset(
 )  # fmt: skip
 _SCHEDULER_CALL = re.compile(r"LR$|_schedule|[Ss]cheduler|Plateau|WarmRestarts")
 _OPTIMIZER_NAME = re.compile(r"(?:^|_)(?:[oO]ptim|opt(?:$|_|[A-Z0-9]))")
+_SCALER_NAME = re.compile(r"scaler$", re.IGNORECASE)
 _SCHEDULER_NAME = re.compile(r"sched|lr_", re.IGNORECASE)
 #: Words in an ``if`` test that make it an accumulation guard (the branch runs once per real step).
 _GUARD_WORDS = re.compile(
@@ -227,10 +228,19 @@ class Names:
         if not name:
             return
         self._learn_binding(name, value)
-        if _scale_call(value) and _text(value.func.value) in self.scalers:
+        if _scale_call(value) and self.is_scaler(_text(value.func.value)):
             self.scaled_aliases[name] = _text(value.func.value)
         else:
             self.scaled_aliases.pop(name, None)
+
+    def is_scaler(self, text: str) -> bool:
+        """A GradScaler: created or used as one, or named like one (``scaler``, ``self.grad_scaler``)."""
+        if text in self.scalers:
+            return True
+        if _SCALER_NAME.search(text.rsplit(".", 1)[-1]):
+            self.scalers[text] = True
+            return True
+        return False
 
     def is_optimizer(self, text: str) -> bool:
         if text in self.optimizers:
@@ -612,7 +622,7 @@ class LoopReader:
                 state.scaled[scaler] = fact
                 state.pending[scaler] = fact
             return
-        if receiver in self.names.scalers:
+        if attr != "backward" and self.names.is_scaler(receiver):
             self._scaler_call(receiver, attr, call, state)
         elif attr == "step" and not call.args and self.names.is_scheduler(receiver):
             self._scheduler_step(receiver, call, state)
@@ -623,7 +633,7 @@ class LoopReader:
         """The scaler that scaled the tensor ``node`` (``scaler.scale(loss)`` or a name bound to it), else ``""``."""
         if _scale_call(node):
             owner = _text(node.func.value)
-            return owner if owner in self.names.scalers else ""
+            return owner if self.names.is_scaler(owner) else ""
         if isinstance(node, ast.BinOp):  # (scaler.scale(loss) / accum).backward()
             return self._scaled_by(node.left) or self._scaled_by(node.right)
         return self.names.scaled_aliases.get(_text(node), "")
@@ -793,13 +803,18 @@ class Edit:
 
 
 def _parents(source: Source) -> dict[int, ast.AST]:
-    """id(node) -> its parent, computed once per tree (kept on the cached tree)."""
-    tree = source.tree
-    parents = getattr(tree, "_mpdoctor_parents", None)
-    if parents is None:
-        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        tree._mpdoctor_parents = parents
-    return parents
+    """id(node) -> its parent, computed once per cached tree."""
+    return _parent_map(source.code)
+
+
+@lru_cache(maxsize=256)
+def _parent_map(code: str) -> dict[int, ast.AST]:
+    # Kept beside the parse cache, not on the tree: a tree holding its own parent map is a reference cycle,
+    # and freeing thousands of cyclic trees costs the garbage collector more than the reading itself.
+    tree = parse(code)
+    if tree is None:
+        return {}
+    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
 def _ancestors(source: Source, node: ast.AST) -> list[ast.AST]:
