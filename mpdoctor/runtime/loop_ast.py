@@ -185,21 +185,6 @@ class Names:
     #: name bound to ``scaler.scale(loss)`` -> that scaler
     scaled_aliases: dict[str, str] = field(default_factory=dict)
 
-    def learn(self, tree: ast.AST) -> None:
-        """Record the scalers, optimizers and schedulers ``tree`` creates or uses."""
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
-                        self._learn_binding(_text(t), node.value)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                receiver = _text(node.func.value)
-                if node.func.attr in ("unscale_", "step") and node.args and receiver in self.scalers:
-                    self.optimizers.add(_text(node.args[0]))
-                elif node.func.attr == "backward" and _scale_call(node.func.value):
-                    self.scalers.setdefault(_text(node.func.value.func.value), True)
-
     def _learn_binding(self, name: str, value: ast.AST) -> None:
         if not name:
             return
