@@ -9,6 +9,7 @@ optimization) draw no error and no warning.
 
 from __future__ import annotations
 
+import inspect
 import math
 import subprocess
 import sys
@@ -686,3 +687,23 @@ def test_a_while_loop_and_a_scaled_loss_bound_to_a_name():
         )
         == []
     )
+
+
+def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
+    from mpdoctor.runtime.loop_ast import read_sources, source_of
+
+    deep = source_of("In [1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
+    assert deep is not None  # it parses
+    clip = source_of("In [2]", SETUP + CLIP_SCALED)
+    limit = sys.getrecursionlimit()
+    depth = len(inspect.stack())
+    sys.setrecursionlimit(
+        depth + 120
+    )  # the deep cell overflows the walk's recursion, as a huge expression would
+    try:
+        found = read_sources([deep, clip])
+    finally:
+        sys.setrecursionlimit(limit)
+    line = next(i for i, t in enumerate(clip.lines, 1) if "clip_grad_norm_" in t)
+    # The deep cell's scaler.step was not taken into account (else the loop's step would be a second one).
+    assert [(f.check, f.subject) for f in found] == [("amp-clip-before-unscale", f"In [2], line {line}")]

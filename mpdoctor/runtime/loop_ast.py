@@ -461,11 +461,25 @@ class LoopReader:
         state = self._block(source.tree.body, self.state)
         self.state = state if state is not None else State()
 
+    def reset_walk(self) -> None:
+        """Forget the walk's context after a source could not be walked (the findings so far stay)."""
+        self._guards, self._in_loop, self._inlining = 0, False, []
+        self._continues, self._returns, self._tests = [], [], []
+
     def finish(self) -> list[RawFinding]:
         """Walk the functions no code read has called (on their own), then return every mistake found."""
         for name, (source, node) in list(self.names.functions.items()):
             if name not in self._inlined:
-                self._standalone(source, node)
+                try:
+                    self._standalone(source, node)
+                except (
+                    RecursionError,
+                    MemoryError,
+                    ValueError,
+                    TypeError,
+                    AttributeError,
+                ):  # skipped, like a cell
+                    self.reset_walk()
         return sorted(self.found.values(), key=lambda f: (self._order.get(id(f.loc.source), -1), f.loc.line))
 
     def _standalone(self, source: Source, node: ast.AST) -> None:
@@ -1105,7 +1119,18 @@ def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[
     """
     reader = LoopReader(names)
     for source in sources:
-        reader.read(source)
+        saved = reader.state.copy()
+        try:
+            reader.read(source)
+        except (
+            RecursionError,
+            MemoryError,
+            ValueError,
+            TypeError,
+            AttributeError,
+        ):  # a pathological cell is skipped
+            reader.state = saved
+            reader.reset_walk()
     raws = reader.finish()
     latest: dict[tuple[str, int, str], RawFinding] = {}
     for raw in raws:  # a cell run again: report its latest run only
