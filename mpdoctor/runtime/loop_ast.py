@@ -756,6 +756,19 @@ def _opt_of(loc: Loc) -> str:
     return _text(node.args[0]) if isinstance(node, ast.Call) and node.args else ""
 
 
+#: Nodes with no call inside (leaves, operators, contexts) and lambdas (their body runs later, if ever).
+_NO_CALLS = (
+    ast.Name,
+    ast.Constant,
+    ast.expr_context,
+    ast.operator,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.Lambda,
+)
+
+
 def _calls_in_order(node: ast.AST) -> list[ast.Call]:
     """The calls in an expression in evaluation order (arguments before the call; not inside lambdas).
 
@@ -767,7 +780,7 @@ def _calls_in_order(node: ast.AST) -> list[ast.Call]:
     out: list[ast.Call] = []
 
     def visit(n: ast.AST) -> None:
-        if isinstance(n, (ast.Lambda,)):
+        if isinstance(n, _NO_CALLS):
             return
         if isinstance(n, ast.Call):
             visit(n.func)
