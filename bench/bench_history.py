@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import json
 import statistics
 import time
@@ -55,9 +56,11 @@ def fill_history(shell, cells: list[str]) -> None:
         shell.execution_count += 1
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int, before=None) -> float:
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()  # not timed: emptying the caches frees the previous trees
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -82,9 +85,10 @@ def main() -> None:
         "the bench history holds mistakes to find"
     )
 
-    def cold() -> None:
+    def empty_caches() -> None:
         loop_ast.parse.cache_clear()
-        read_history(shell)
+        loop_ast._parent_map.cache_clear()
+        gc.collect()
 
     def parse_only() -> None:
         for code in cells:
@@ -93,11 +97,9 @@ def main() -> None:
             except SyntaxError:
                 pass
 
-    cold_s, warm_s, parse_s = (
-        timed(cold, repeats),
-        timed(lambda: read_history(shell), repeats),
-        timed(parse_only, repeats),
-    )
+    cold_s = timed(lambda: read_history(shell), repeats, before=empty_caches)
+    warm_s = timed(lambda: read_history(shell), repeats, before=gc.collect)
+    parse_s = timed(parse_only, repeats, before=gc.collect)
     print(
         f"200 cells: read_history cold {cold_s * 1e3:.1f} ms, warm {warm_s * 1e3:.1f} ms; ast.parse alone {parse_s * 1e3:.1f} ms"
     )

@@ -37,6 +37,7 @@ def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
         "diagnose() on a Llama-3-70B-shaped meta model",
         "-tensor mixture-of-experts meta model",
         "report widget of the",
+        "read 200 cells of history for AMP loop mistakes",
     ):
         assert expected in figures
     assert all(isinstance(r["mpdoctor"], (int, float)) for r in rows)

@@ -9,6 +9,7 @@ optimization) draw no error and no warning.
 
 from __future__ import annotations
 
+import inspect
 import math
 import subprocess
 import sys
@@ -608,3 +609,101 @@ def read_script_for_fix(tmp_path) -> str:
     path.write_text(SCRIPT)
     (finding,) = read_script(path)
     return finding.fixes[0].code
+
+
+# -- names: which objects are scalers, optimizers, schedulers ----------------------------------------------
+
+
+def test_two_scalers_and_two_optimizers_each_checked_on_its_own():
+    code = """
+    scaler_g = torch.amp.GradScaler("cuda")
+    scaler_d = torch.amp.GradScaler("cuda")
+    for real in loader:
+        scaler_d.scale(d_loss(real)).backward()
+        scaler_d.unscale_(opt_d)
+        torch.nn.utils.clip_grad_norm_(disc.parameters(), 1.0)
+        scaler_d.step(opt_d)
+        scaler_d.update()
+        scaler_g.scale(g_loss(real)).backward()
+        torch.nn.utils.clip_grad_norm_(gen.parameters(), 1.0)
+        scaler_g.step(opt_g)
+        scaler_g.update()
+    """
+    (finding,) = read_code(textwrap.dedent(code), "gan.py")
+    assert finding.check == "amp-clip-before-unscale" and finding.subject == "gan.py, line 11"
+    assert finding.evidence["scaler"] == "scaler_g" and "scaler_g.unscale_(opt_g)" in finding.fixes[0].code
+
+
+def test_accelerators_scaler_and_a_trainer_class_attribute_are_scalers():
+    code = """
+    scaler = accelerator.scaler
+    for batch in loader:
+        scaler.scale(model(batch).loss).backward()
+        optimizer.step()
+    """
+    assert [f.check for f in read_code(textwrap.dedent(code))] == ["amp-step-bypasses-scaler"]
+    code = """
+    class Trainer:
+        def __init__(self, model):
+            self.model = model
+            self.optimizer = torch.optim.AdamW(model.parameters())
+            self.scaler = torch.amp.GradScaler("cuda")
+
+        def train_step(self, batch):
+            self.optimizer.zero_grad()
+            self.scaler.scale(self.model(batch)).backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+    """
+    (finding,) = read_code(textwrap.dedent(code), "trainer.py")
+    assert finding.check == "amp-clip-before-unscale" and finding.subject == "trainer.py, line 11"
+    assert finding.fixes[0].code.startswith("def train_step(self, batch):")
+    assert "\n    self.scaler.unscale_(self.optimizer)" in finding.fixes[0].code
+
+
+def test_a_while_loop_and_a_scaled_loss_bound_to_a_name():
+    code = """
+    step = 0
+    while step < 100:
+        scaled = scaler.scale(loss_fn(model(x), y))
+        scaled.backward()
+        clip_grad_value_(model.parameters(), 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+        step += 1
+    """
+    (finding,) = read_code(textwrap.dedent(code))
+    assert finding.check == "amp-clip-before-unscale" and finding.evidence["line"] == 6
+    # A loss rebound to a plain tensor is not scaled any more.
+    plain = code.replace(
+        "        scaled.backward()\n", "        scaled = loss_fn(model(x), y)\n        scaled.backward()\n"
+    )
+    assert (
+        read_code(
+            textwrap.dedent(plain)
+            .replace("scaler.step(optimizer)", "optimizer.step()")
+            .replace("        scaler.update()\n", "")
+        )
+        == []
+    )
+
+
+def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
+    from mpdoctor.runtime.loop_ast import read_sources, source_of
+
+    deep = source_of("In [1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
+    assert deep is not None  # it parses
+    clip = source_of("In [2]", SETUP + CLIP_SCALED)
+    limit = sys.getrecursionlimit()
+    depth = len(inspect.stack())
+    sys.setrecursionlimit(
+        depth + 120
+    )  # the deep cell overflows the walk's recursion, as a huge expression would
+    try:
+        found = read_sources([deep, clip])
+    finally:
+        sys.setrecursionlimit(limit)
+    line = next(i for i, t in enumerate(clip.lines, 1) if "clip_grad_norm_" in t)
+    # The deep cell's scaler.step was not taken into account (else the loop's step would be a second one).
+    assert [(f.check, f.subject) for f in found] == [("amp-clip-before-unscale", f"In [2], line {line}")]

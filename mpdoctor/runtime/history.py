@@ -8,7 +8,9 @@ skipped when it still does not parse. Nothing is executed. Works on IPython 7.34
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import gc
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +81,20 @@ def read_history(shell: Any, ignore: Iterable[str] = ()) -> list[Finding]:
         Each names its cell and line (``In [7], line 12``) and offers the corrected lines as a display-only fix.
     """
     skip = set(ignore)
-    return [f for f in read_sources(cell_sources(shell)) if f.check not in skip]
+    with gc_paused():
+        return [f for f in read_sources(cell_sources(shell)) if f.check not in skip]
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No garbage collection while reading: the parse trees are young, many and acyclic (re-enabled after)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def read_script(path: str | Path, ignore: Iterable[str] = ()) -> list[Finding]:

@@ -43,6 +43,7 @@ OPTIMIZER_CLASSES = frozenset(
 )  # fmt: skip
 _SCHEDULER_CALL = re.compile(r"LR$|_schedule|[Ss]cheduler|Plateau|WarmRestarts")
 _OPTIMIZER_NAME = re.compile(r"(?:^|_)(?:[oO]ptim|opt(?:$|_|[A-Z0-9]))")
+_SCALER_NAME = re.compile(r"scaler$", re.IGNORECASE)
 _SCHEDULER_NAME = re.compile(r"sched|lr_", re.IGNORECASE)
 #: Words in an ``if`` test that make it an accumulation guard (the branch runs once per real step).
 _GUARD_WORDS = re.compile(
@@ -184,21 +185,6 @@ class Names:
     #: name bound to ``scaler.scale(loss)`` -> that scaler
     scaled_aliases: dict[str, str] = field(default_factory=dict)
 
-    def learn(self, tree: ast.AST) -> None:
-        """Record the scalers, optimizers and schedulers ``tree`` creates or uses."""
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
-                        self._learn_binding(_text(t), node.value)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                receiver = _text(node.func.value)
-                if node.func.attr in ("unscale_", "step") and node.args and receiver in self.scalers:
-                    self.optimizers.add(_text(node.args[0]))
-                elif node.func.attr == "backward" and _scale_call(node.func.value):
-                    self.scalers.setdefault(_text(node.func.value.func.value), True)
-
     def _learn_binding(self, name: str, value: ast.AST) -> None:
         if not name:
             return
@@ -227,10 +213,19 @@ class Names:
         if not name:
             return
         self._learn_binding(name, value)
-        if _scale_call(value) and _text(value.func.value) in self.scalers:
+        if _scale_call(value) and self.is_scaler(_text(value.func.value)):
             self.scaled_aliases[name] = _text(value.func.value)
         else:
             self.scaled_aliases.pop(name, None)
+
+    def is_scaler(self, text: str) -> bool:
+        """A GradScaler: created or used as one, or named like one (``scaler``, ``self.grad_scaler``)."""
+        if text in self.scalers:
+            return True
+        if _SCALER_NAME.search(text.rsplit(".", 1)[-1]):
+            self.scalers[text] = True
+            return True
+        return False
 
     def is_optimizer(self, text: str) -> bool:
         if text in self.optimizers:
@@ -466,11 +461,25 @@ class LoopReader:
         state = self._block(source.tree.body, self.state)
         self.state = state if state is not None else State()
 
+    def reset_walk(self) -> None:
+        """Forget the walk's context after a source could not be walked (the findings so far stay)."""
+        self._guards, self._in_loop, self._inlining = 0, False, []
+        self._continues, self._returns, self._tests = [], [], []
+
     def finish(self) -> list[RawFinding]:
         """Walk the functions no code read has called (on their own), then return every mistake found."""
         for name, (source, node) in list(self.names.functions.items()):
             if name not in self._inlined:
-                self._standalone(source, node)
+                try:
+                    self._standalone(source, node)
+                except (
+                    RecursionError,
+                    MemoryError,
+                    ValueError,
+                    TypeError,
+                    AttributeError,
+                ):  # skipped, like a cell
+                    self.reset_walk()
         return sorted(self.found.values(), key=lambda f: (self._order.get(id(f.loc.source), -1), f.loc.line))
 
     def _standalone(self, source: Source, node: ast.AST) -> None:
@@ -612,7 +621,7 @@ class LoopReader:
                 state.scaled[scaler] = fact
                 state.pending[scaler] = fact
             return
-        if receiver in self.names.scalers:
+        if attr != "backward" and self.names.is_scaler(receiver):
             self._scaler_call(receiver, attr, call, state)
         elif attr == "step" and not call.args and self.names.is_scheduler(receiver):
             self._scheduler_step(receiver, call, state)
@@ -623,7 +632,7 @@ class LoopReader:
         """The scaler that scaled the tensor ``node`` (``scaler.scale(loss)`` or a name bound to it), else ``""``."""
         if _scale_call(node):
             owner = _text(node.func.value)
-            return owner if owner in self.names.scalers else ""
+            return owner if self.names.is_scaler(owner) else ""
         if isinstance(node, ast.BinOp):  # (scaler.scale(loss) / accum).backward()
             return self._scaled_by(node.left) or self._scaled_by(node.right)
         return self.names.scaled_aliases.get(_text(node), "")
@@ -747,6 +756,19 @@ def _opt_of(loc: Loc) -> str:
     return _text(node.args[0]) if isinstance(node, ast.Call) and node.args else ""
 
 
+#: Nodes with no call inside (leaves, operators, contexts) and lambdas (their body runs later, if ever).
+_NO_CALLS = (
+    ast.Name,
+    ast.Constant,
+    ast.expr_context,
+    ast.operator,
+    ast.cmpop,
+    ast.boolop,
+    ast.unaryop,
+    ast.Lambda,
+)
+
+
 def _calls_in_order(node: ast.AST) -> list[ast.Call]:
     """The calls in an expression in evaluation order (arguments before the call; not inside lambdas).
 
@@ -758,7 +780,7 @@ def _calls_in_order(node: ast.AST) -> list[ast.Call]:
     out: list[ast.Call] = []
 
     def visit(n: ast.AST) -> None:
-        if isinstance(n, (ast.Lambda,)):
+        if isinstance(n, _NO_CALLS):
             return
         if isinstance(n, ast.Call):
             visit(n.func)
@@ -793,13 +815,18 @@ class Edit:
 
 
 def _parents(source: Source) -> dict[int, ast.AST]:
-    """id(node) -> its parent, computed once per tree (kept on the cached tree)."""
-    tree = source.tree
-    parents = getattr(tree, "_mpdoctor_parents", None)
-    if parents is None:
-        parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-        tree._mpdoctor_parents = parents
-    return parents
+    """id(node) -> its parent, computed once per cached tree."""
+    return _parent_map(source.code)
+
+
+@lru_cache(maxsize=256)
+def _parent_map(code: str) -> dict[int, ast.AST]:
+    # Kept beside the parse cache, not on the tree: a tree holding its own parent map is a reference cycle,
+    # and freeing thousands of cyclic trees costs the garbage collector more than the reading itself.
+    tree = parse(code)
+    if tree is None:
+        return {}
+    return {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
 def _ancestors(source: Source, node: ast.AST) -> list[ast.AST]:
@@ -1105,7 +1132,18 @@ def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[
     """
     reader = LoopReader(names)
     for source in sources:
-        reader.read(source)
+        saved = reader.state.copy()
+        try:
+            reader.read(source)
+        except (
+            RecursionError,
+            MemoryError,
+            ValueError,
+            TypeError,
+            AttributeError,
+        ):  # a pathological cell is skipped
+            reader.state = saved
+            reader.reset_walk()
     raws = reader.finish()
     latest: dict[tuple[str, int, str], RawFinding] = {}
     for raw in raws:  # a cell run again: report its latest run only
