@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to
     from .diagnosis import diagnose
+    from .emulation.compare import compare
     from .envinfo import env_report
     from .findings import Finding
     from .fixes import Fix, FixFailed, FixNeedsConfirmation
@@ -36,6 +37,7 @@ __all__ = [
     "MPDoctorLightningCallback",
     "Report",
     "checks_reference",
+    "compare",
     "diagnose",
     "env_report",
     "load_ipython_extension",
@@ -81,6 +83,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 #: Public name -> the module defining it, imported on first access (PEP 562).
 _LAZY = {
+    "compare": ".emulation.compare",
     "diagnose": ".diagnosis",
     "env_report": ".envinfo",
     "Finding": ".findings",

@@ -149,7 +149,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
     cell = f"padding:2px 8px;border:1px solid {BORDER};text-align:right;color:#111;white-space:nowrap"
     rows = [
         "<table style='border-collapse:collapse;margin:4px 0'>",
-        f"<tr><th style='text-align:left;padding:2px 8px'>layer</th>"
+        "<tr><th style='text-align:left;padding:2px 8px'>layer</th>"
         + "".join(f"<th style='padding:2px 8px' title='{e(data.get('summaries', {}).get(p, ''))}'>{e(p)}</th>" for p in precisions)
         + "</tr>",
     ]
@@ -215,3 +215,30 @@ def comparison_widget(data: dict) -> Any:
     box = widgets.VBox([selector, view])
     box.add_class("mpdoctor-widget")
     return box
+
+
+def show_comparison(comparison: Any) -> None:
+    """Display a Comparison: the widget where a widget frontend exists (with the static heatmap for exports),
+    else text and HTML. A comparison the magic already showed in this cell is not shown twice."""
+    from IPython import get_ipython
+    from IPython.display import display
+
+    from .frontend import FALLBACK_STYLE, widget_frontend
+
+    shell = get_ipython()
+    count = getattr(shell, "execution_count", None)
+    skip = getattr(comparison, "_skip_display_in", None)
+    if skip is not None and skip == count:
+        comparison._skip_display_in = None
+        return
+    data = comparison.to_dict()
+    static = {"text/plain": comparison_text(data), "text/html": comparison_html(data)}
+    if widget_frontend():
+        try:
+            widget = comparison_widget(data)
+        except Exception:
+            pass  # the static heatmap always shows
+        else:
+            display(widget)
+            static["text/html"] = f"{FALLBACK_STYLE}<div class='mpdoctor-fallback'>{static['text/html']}</div>"
+    display(static, raw=True)
