@@ -77,7 +77,9 @@ class _LayerStats:
 
 
 def _power(exact: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
-    return torch.stack([exact.double().square().sum(), (got.double() - exact.double()).square().sum()])
+    """[signal power, noise power] of ``got`` against ``exact``: two fused norms, no squared temporaries."""
+    norms = torch.stack([torch.linalg.vector_norm(exact), torch.linalg.vector_norm(got - exact)]).double()
+    return norms.square()
 
 
 class _EmulatedLinear(torch.autograd.Function):
@@ -92,7 +94,9 @@ class _EmulatedLinear(torch.autograd.Function):
         x2 = x.reshape(-1, k).to(torch.float32)
         w = weight.to(torch.float32)
         qx = prec.quantize(x2, 1)
-        qw = prec.quantize(w, 1)
+        qw = prec.quantize(w, 1, count=False)
+        # Scales that ignore the contraction dim give the backward matmuls the very same operands: keep them.
+        ctx.reuse = None if prec.along_contraction else (qx.values, qw.values)
         y = qx.values @ qw.values.t()
         exact = x2 @ w.t()
         if bias is not None:
@@ -115,14 +119,16 @@ class _EmulatedLinear(torch.autograd.Function):
         qg = prec.quantize(g2, 1, grad=True)
         stats.grad.append(torch.stack([qg.nonzero, qg.underflow]))
         gx = gw = gb = None
+        reuse = ctx.reuse
+        ctx.reuse = None
         if ctx.needs_input_grad[0]:
-            qw = prec.quantize(w, 0)  # contracted over the output features now
-            gx = prec.round_output(qg.values @ qw.values).to(x.dtype).reshape(x.shape)
+            qw = prec.quantize(w, 0, count=False).values if reuse is None else reuse[1]  # contracted over the output features
+            gx = prec.round_output(qg.values @ qw).to(x.dtype).reshape(x.shape)
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
-            qg0 = prec.quantize(g2, 0, grad=True) if prec.along_contraction else qg  # contracted over tokens
-            qx0 = prec.quantize(x2, 0)
-            gw32 = prec.round_output(qg0.values.t() @ qx0.values)
+            qg0 = prec.quantize(g2, 0, grad=True, count=False) if prec.along_contraction else qg  # contracted over tokens
+            qx0 = prec.quantize(x2, 0, count=False).values if reuse is None else reuse[0]
+            gw32 = prec.round_output(qg0.values.t() @ qx0)
             stats.wgrad.append(_power(g2.t() @ x2, gw32))
             gw = gw32.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -61,7 +61,10 @@ class Quantized:
     saturated: torch.Tensor
 
 
-def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor) -> Quantized:
+def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor | None) -> Quantized:
+    if over is None:  # counts not wanted (weights): skip four passes over the tensor
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        return Quantized(q, zero, zero, zero)
     nz = x != 0
     return Quantized(
         values=q,
@@ -79,10 +82,10 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype).to(torch.float32)
 
 
-def quantize_cast(x: torch.Tensor, dtype: torch.dtype) -> Quantized:
+def quantize_cast(x: torch.Tensor, dtype: torch.dtype, count: bool = True) -> Quantized:
     """Round to bf16 or fp16 as autocast does (no scale); past the format's max counts as saturated."""
     q = round_to(x, dtype)
-    return _counts(x, q, x.abs() > torch.finfo(dtype).max)
+    return _counts(x, q, x.abs() > torch.finfo(dtype).max if count else None)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -109,44 +112,50 @@ def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor
     return (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3) -> Quantized:
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
     """``x * scale`` saturated to the format's max, cast to ``dtype``, divided by ``scale`` again."""
     fmax = _fp8_max(dtype)
     scaled = x * scale
     bits = scaled.clamp(-fmax, fmax).to(dtype)
-    return _counts(x, bits.to(torch.float32) / scale, scaled.abs() > fmax)
+    return _counts(x, bits.to(torch.float32) / scale, scaled.abs() > fmax if count else None)
 
 
-def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3) -> Quantized:
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
     """Tensorwise dynamic float8 (scale = fmax / amax): torchao's ``hp_tensor_to_float8_dynamic``."""
-    return quantize_fp8(x, tensorwise_scale(x, dtype), dtype)
+    return quantize_fp8(x, tensorwise_scale(x, dtype), dtype, count)
 
 
-def quantize_rowwise(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3) -> Quantized:
+def quantize_rowwise(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
     """One float8 scale per slice along ``dim`` (the contraction dim), rounded down to a power of two."""
     amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float64)
     scale = (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
     scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return quantize_fp8(x, scale, dtype)
+    return quantize_fp8(x, scale, dtype, count)
 
 
 # -- block formats ----------------------------------------------------------------------
 
 
-def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, tuple[int, ...], int]:
-    """``x`` with ``dim`` moved last, zero-padded to whole blocks, as ``(rows, nblocks, block)``."""
-    moved = x.movedim(dim, -1)
-    shape = tuple(moved.shape)
-    k = shape[-1]
-    pad = (-k) % block
-    flat = moved.reshape(-1, k)
+def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int, int]:
+    """A 2-D ``x`` as blocks of ``block`` along ``dim`` (zero-padded to whole blocks), without a transpose.
+
+    ``dim=1``: shape ``(rows, nblocks, block)``, reduce over axis 2; ``dim=0``: ``(nblocks, block, cols)``,
+    reduce over axis 1. Returns the view, the axis to reduce over and the padding added.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"block formats quantize 2-D operands, not shape {tuple(x.shape)}")
+    dim = dim % 2
+    pad = (-x.shape[dim]) % block
     if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.reshape(flat.shape[0], -1, block), shape, k
+        x = torch.nn.functional.pad(x, (0, pad) if dim == 1 else (0, 0, 0, pad))
+    if dim == 1:
+        return x.reshape(x.shape[0], -1, block), 2, pad
+    return x.reshape(-1, block, x.shape[1]), 1, pad
 
 
-def _unblock(q: torch.Tensor, shape: tuple[int, ...], k: int, dim: int) -> torch.Tensor:
-    return q.reshape(q.shape[0], -1)[:, :k].reshape(shape).movedim(-1, dim)
+def _unblock(q: torch.Tensor, dim: int, pad: int, shape: torch.Size) -> torch.Tensor:
+    q = q.reshape(q.shape[0], -1) if dim % 2 == 1 else q.reshape(-1, q.shape[-1])
+    return q[:, : shape[1]] if dim % 2 == 1 else q[: shape[0]]
 
 
 def mx_scale_bits(amax: torch.Tensor) -> torch.Tensor:
@@ -158,19 +167,21 @@ def mx_scale_bits(amax: torch.Tensor) -> torch.Tensor:
     return torch.clamp(exponent - E4M3_MAX_POW2, min=-127, max=128) + 127
 
 
-def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32) -> Quantized:
+def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32, count: bool = True) -> Quantized:
     """MX block float8: blocks of ``block`` along ``dim``, e8m0 power-of-two scales, saturated elements."""
-    b, shape, k = _blocks(x.to(torch.float32), dim, block)
-    amax = b.abs().amax(dim=-1, keepdim=True)
+    x = x.to(torch.float32)
+    b, axis, pad = _blocks(x, dim, block)
+    amax = b.abs().amax(dim=axis, keepdim=True)
     biased = mx_scale_bits(amax)
     scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
     fmax = _fp8_max(dtype)
     scaled = b / scale
+    over = scaled.abs() > fmax if count else None
     bits = scaled.clamp(-fmax, fmax).to(dtype)
-    dequant_scale = torch.exp2((biased - 127).to(torch.float32))  # torchao's get_fp_scale
+    # torchao's get_fp_scale: 2^(biased - 127), NaN for the e8m0 NaN encoding (a block holding NaN or inf).
+    dequant_scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - 127).to(torch.float32)))
     q = bits.to(torch.float32) * dequant_scale
-    q = torch.where(torch.isnan(amax), torch.full_like(q, float("nan")), q)
-    return _counts(x, _unblock(q, shape, k, dim), _unblock(scaled.abs() > fmax, shape, k, dim))
+    return _counts(x, _unblock(q, dim, pad, x.shape), None if over is None else _unblock(over, dim, pad, x.shape))
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -178,21 +189,24 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return x.abs().max().to(torch.float32) / (E4M3_MAX * E2M1_MAX)
 
 
-def quantize_nvfp4(x: torch.Tensor, dim: int, block: int = 16, tensor_scale: torch.Tensor | None = None) -> Quantized:
+def quantize_nvfp4(
+    x: torch.Tensor, dim: int, block: int = 16, tensor_scale: torch.Tensor | None = None, count: bool = True
+) -> Quantized:
     """NVFP4: blocks of 16 along ``dim``, e4m3 block scales under a per-tensor float32 scale, e2m1 elements."""
     x = x.to(torch.float32)
     if tensor_scale is None:
         tensor_scale = nvfp4_tensor_scale(x)
     # An all-zero tensor would divide by zero; its blocks quantize to zero whatever the scale.
     tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
-    b, shape, k = _blocks(x, dim, block)
-    amax = b.abs().amax(dim=-1)
+    b, axis, pad = _blocks(x, dim, block)
+    amax = b.abs().amax(dim=axis, keepdim=True)
     block_scale = (amax / E2M1_MAX) / tensor_scale
     block_scale_fp8 = block_scale.clamp(min=_E4M3_TINY, max=E4M3_MAX).to(E4M3).to(torch.float32)
     reciprocal = (1.0 / tensor_scale) / block_scale_fp8
-    scaled = b * reciprocal.unsqueeze(-1)
-    q = round_e2m1(scaled) * (tensor_scale * block_scale_fp8).unsqueeze(-1)
-    return _counts(x, _unblock(q, shape, k, dim), _unblock(scaled.abs() > E2M1_MAX, shape, k, dim))
+    scaled = b * reciprocal
+    q = round_e2m1(scaled) * (tensor_scale * block_scale_fp8)
+    over = _unblock(scaled.abs() > E2M1_MAX, dim, pad, x.shape) if count else None
+    return _counts(x, _unblock(q, dim, pad, x.shape), over)
 
 
 # -- precisions -------------------------------------------------------------------------
@@ -236,22 +250,25 @@ class Precision:
             return E2M1_MAX
         return float(torch.finfo(self.element).max) if self.element is not None else float("inf")
 
-    def quantize(self, x: torch.Tensor, dim: int, grad: bool = False) -> Quantized:
-        """Quantize ``x`` (float32) as an operand contracted over ``dim``; ``grad`` for output gradients."""
+    def quantize(self, x: torch.Tensor, dim: int, grad: bool = False, count: bool = True) -> Quantized:
+        """Quantize ``x`` (float32) as an operand contracted over ``dim``; ``grad`` for output gradients.
+
+        ``count=False`` skips the underflow and saturation counts (they come back as zeros).
+        """
         dtype = self.grad_element if grad else self.element
         if self.kind == "reference" or dtype is None:
             zero = torch.zeros((), dtype=torch.int64, device=x.device)
             return Quantized(x, zero, zero, zero)
         if self.kind == "cast":
-            return quantize_cast(x, dtype)
+            return quantize_cast(x, dtype, count)
         if self.kind == "tensorwise":
-            return quantize_tensorwise(x, dtype)
+            return quantize_tensorwise(x, dtype, count)
         if self.kind == "rowwise":
-            return quantize_rowwise(x, dim, dtype)
+            return quantize_rowwise(x, dim, dtype, count)
         if self.kind == "mx":
-            return quantize_mx(x, dim, dtype, self.block)
+            return quantize_mx(x, dim, dtype, self.block, count)
         if self.kind == "nvfp4":
-            return quantize_nvfp4(x, dim, self.block)
+            return quantize_nvfp4(x, dim, self.block, count=count)
         raise ValueError(f"unknown precision kind {self.kind!r}")
 
     def round_output(self, y: torch.Tensor) -> torch.Tensor:
