@@ -37,6 +37,8 @@ def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
         "diagnose() on a Llama-3-70B-shaped meta model",
         "-tensor mixture-of-experts meta model",
         "report widget of the",
+        "compare() of 5 precisions vs one plain fp32 fwd+bwd",
+        "compare() peak extra memory",
     ):
         assert expected in figures
     assert all(isinstance(r["mpdoctor"], (int, float)) for r in rows)
