@@ -271,3 +271,15 @@ def test_magic_compare_option_shows_the_table_and_returns_the_comparison(shell, 
     assert out.startswith("mpdoctor: --compare bad: the model rejected the batch") and "Traceback" not in out
     shell.run_cell("%mpdoctor net --compare nothing_here")
     assert "no such variable: nothing_here" in capsys.readouterr().out
+
+
+def test_a_healthy_model_draws_no_warning():
+    """No false alarms: a plain tiny Llama under every precision gets no error and no warning."""
+    c = compare(tiny_llama(use_cache=False), batch(size=4, length=16), precisions=ALL)
+    assert c.error is None
+    assert not [f for f in c.findings if f.severity in ("error", "warning")], [f.message for f in c.findings]
+    assert c.recommend("bf16").keep == ()
+    # Its 8-wide k/v projections fit no fp8 GEMM, its 16-wide layers no MX block of 32: the only reasons to keep.
+    assert {"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"} <= set(c.recommend("fp8").keep)
+    assert all(why == f"dims {why.split()[1]} not multiples of 16" for why in c.recommend("fp8").reasons.values())
+    assert all(why.startswith("dims") and "not multiples of 32" in why for why in c.recommend("mxfp8").reasons.values())
