@@ -283,3 +283,22 @@ def test_a_healthy_model_draws_no_warning():
     assert {"model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj"} <= set(c.recommend("fp8").keep)
     assert all(why == f"dims {why.split()[1]} not multiples of 16" for why in c.recommend("fp8").reasons.values())
     assert all(why.startswith("dims") and "not multiples of 32" in why for why in c.recommend("mxfp8").reasons.values())
+
+
+@pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_the_bf16_and_fp16_emulation_errs_as_much_as_real_cpu_autocast(name, dtype):
+    """The emulated Linear and torch's own autocast Linear are the same distance from fp32 (within 1.5 dB)."""
+    from mpdoctor.emulation.compare import _Emulation, _linears
+
+    layer, x = plain_layer(), gaussian()
+    exact = layer(x)
+    with torch.autocast("cpu", dtype=dtype):
+        real = layer(x).float()
+    with _Emulation(_linears(layer), formats.precision(name)):
+        emulated = layer(x)
+
+    def sqnr(y):
+        return 20 * math.log10(exact.norm() / (y - exact).norm())
+
+    assert abs(sqnr(real) - sqnr(emulated)) < 1.5, (sqnr(real), sqnr(emulated))
+    assert (real == emulated).float().mean() > 0.9  # most elements bit-identical
