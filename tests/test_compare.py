@@ -302,3 +302,13 @@ def test_the_bf16_and_fp16_emulation_errs_as_much_as_real_cpu_autocast(name, dty
 
     assert abs(sqnr(real) - sqnr(emulated)) < 1.5, (sqnr(real), sqnr(emulated))
     assert (real == emulated).float().mean() > 0.9  # most elements bit-identical
+
+
+def test_batch_norm_running_statistics_are_the_same_before_every_run_and_after_compare():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 32))
+    before = [b.clone() for b in model.buffers()]
+    c = compare(model, gaussian(16, 32) + 3.0, precisions=("fp32", "bf16"))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.buffers()))
+    # The emulated fp32 run saw the very statistics the reference saw: the same loss.
+    assert c.losses["fp32"] == pytest.approx(compare(model, gaussian(16, 32) + 3.0, precisions=()).losses["fp32"])

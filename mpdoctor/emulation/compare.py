@@ -575,10 +575,14 @@ def compare(
         runs = [ref, *precs]
         for i, prec in enumerate(runs):
             snapshot.clear_grads()
+            # Every run from the same RNG state and running statistics: the same dropout masks, the same batch norm.
             torch.set_rng_state(rng)
-            for b, saved in snapshot.running:
+            if snapshot.cuda_rng is not None:
+                torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+            if i > 0:
                 with torch.no_grad():
-                    b.copy_(saved)
+                    for b, saved in snapshot.running:
+                        b.copy_(saved)
             # The reference in the model's own dtype needs no emulation: the unmodified model.
             plain = i == 0 and prec.kind == "reference" and dtype == "float32"
             mode = None if plain else _Emulation(weights, prec)
