@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to
     from .diagnosis import diagnose
     from .diagnosis.environment import env_report
     from .diagnosis.report import Report
+    from .emulation.compare import compare
     from .treatment.findings import Finding
     from .treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
 
@@ -40,6 +41,7 @@ __all__ = [
     "MPDoctorLightningCallback",
     "Report",
     "checks_reference",
+    "compare",
     "diagnose",
     "env_report",
     "load_ipython_extension",
@@ -82,6 +84,7 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 #: Public name -> the module defining it, imported on first access (PEP 562).
 _LAZY = {
+    "compare": ".emulation.compare",
     "diagnose": ".diagnosis",
     "env_report": ".diagnosis.environment",
     "Finding": ".treatment.findings",

@@ -38,6 +38,8 @@ def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
         "-tensor mixture-of-experts meta model",
         "report widget of the",
         "read 200 cells of history for AMP loop mistakes",
+        "compare() of 5 precisions vs one plain fp32 fwd+bwd",
+        "compare() peak extra memory",
     ):
         assert expected in figures
     assert all(isinstance(r["mpdoctor"], (int, float)) for r in rows)

@@ -89,6 +89,12 @@ class MPDoctorMagics(Magics):
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
     @argument("--no-history", action="store_true", help="Do not read the cells this kernel has run for AMP loop mistakes.")
+    @argument(
+        "--compare",
+        metavar="BATCH_NAME",
+        default=None,
+        help="What bf16, fp16, fp8, MXFP8 and NVFP4 would do to each Linear of the named model on this batch (mpdoctor.compare).",
+    )
     @line_magic
     @no_var_expand  # IPython would evaluate {expr} and $name in the line before the magic sees it
     def mpdoctor(self, line: str = ""):
@@ -138,6 +144,8 @@ class MPDoctorMagics(Magics):
         from ..facts.hardware import UnknownTarget
         from ..redact import describe_exception
 
+        if args.compare:
+            return self._compare(args)
         ignore = self._ignore_list(args.ignore)
         if ignore is None:
             return None
@@ -226,6 +234,46 @@ class MPDoctorMagics(Magics):
             return None
         others = [s.obj for s in report.subjects if s.kind in ("trainer", "accelerator")]
         return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
+
+    def _compare(self, args):
+        """``%mpdoctor model --compare batch``: run mpdoctor.compare, show its heatmap, return the Comparison."""
+        from ..redact import describe_exception
+
+        batch_name = args.compare
+        names = [n for raw in args.names for n in raw.split(",") if n]
+        if len(names) != 1:
+            _print_line(f"--compare needs exactly one model: %mpdoctor model --compare {batch_name}")
+            return None
+        batch, ok = self._lookup(self.shell.user_ns, batch_name)
+        model, model_ok = self._lookup(self.shell.user_ns, names[0])
+        if not ok or not model_ok:
+            _print_line(f"no such variable: {batch_name if not ok else names[0]}")
+            return None
+        if not isinstance(model, torch.nn.Module):
+            _print_line(f"--compare: {names[0]} is {_a(_type_name(model))}, not a torch.nn.Module")
+            return None
+        if not issubclass(type(batch), _batch_types()):
+            _print_line(f"--compare {batch_name}: {batch_name} is {_a(_type_name(batch))}, not a batch; give {_BATCH_HINT}")
+            return None
+        try:
+            from ..emulation.compare import compare
+
+            comparison = compare(model, batch, name=names[0])
+        except Exception as exc:  # never a traceback in the user's notebook
+            _print_line(f"internal error: {describe_exception(exc)}")
+            return None
+        if comparison.error:
+            _print_line(f"--compare {batch_name}: {comparison.error}")
+            return None
+        try:
+            if args.text:
+                print(comparison.to_text())
+            else:
+                comparison._ipython_display_()
+        except Exception as exc:
+            _print_line(f"could not display the comparison ({describe_exception(exc)}); it is returned: c = %mpdoctor ...")
+        comparison._skip_display_in = self.shell.execution_count
+        return comparison
 
     def _show(self, report: Any, args: Any) -> None:
         from ..render.frontend import show

@@ -1,0 +1,108 @@
+"""``mpdoctor.compare`` with five precisions next to one plain fp32 forward + backward of the same model.
+
+Model: a 4-layer Llama, hidden 256, built from a config (no download), fp32 on
+the CPU; batch: 4 sequences of 128 tokens with labels (as ``bench_probe.py``).
+
+Timed, interleaved so that the machine's noise hits both alike, best of N:
+
+- plain: ``model(**batch).loss.backward()`` with the grads cleared first;
+- compare: ``mpdoctor.compare(model, batch)``: the reference run plus bf16, fp16,
+  fp8 (tensorwise), MXFP8 and NVFP4, each a forward and a backward with every
+  Linear emulated (both operands of its three matmuls quantized, plus the
+  float32 matmuls its per-layer SQNR is measured against), the Comparison built.
+
+Six forward + backward passes set a floor of 6x; the target is <= 18x.
+
+Extra memory: peak RSS during a call minus RSS before it (Linux ``VmHWM`` reset
+through ``/proc/self/clear_refs``, as ``bench_scan.py``; a 1 ms sampling thread
+elsewhere), for the plain step and for compare, quoted against the size of the
+model's fp32 weights. ``--quick``: 2 layers, batch 2x32, 2 rounds (seconds; only checks the script
+works). Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import pathlib
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_probe import build, plain_step  # noqa: E402
+from bench_scan import peak_extra  # noqa: E402
+
+MiB = 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    import mpdoctor
+
+    torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
+    rounds = 2 if args.quick else 5
+    shape = dict(layers=2, seq=32, batch=2) if args.quick else dict(layers=4, seq=128, batch=4)
+    model, batch = build(**shape)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+
+    def run_compare() -> None:
+        mpdoctor.compare(model, batch)
+
+    # Warm-up: allocator, first-use imports.
+    plain_step(model, batch)
+    run_compare()
+    best = {"plain": float("inf"), "compare": float("inf")}
+    for _ in range(rounds):
+        for key, fn in (("plain", lambda: plain_step(model, batch)), ("compare", run_compare)):
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    mem_plain = peak_extra(lambda: plain_step(model, batch))
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    mem_compare = peak_extra(run_compare)
+    ratio = best["compare"] / best["plain"]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    c = mpdoctor.compare(model, batch)
+    print(f"{shape['layers']}-layer Llama (hidden 256, {n_linear} Linear), batch {shape['batch']}x{shape['seq']}, "
+          f"fp32 CPU, 1 thread, best of {rounds}")  # fmt: skip
+    print(f"  plain forward+backward                    {best['plain'] * 1000:9.1f} ms   peak extra {mem_plain / MiB:7.1f} MiB")
+    print(f"  mpdoctor.compare ({', '.join(c.precisions)})  {best['compare'] * 1000:9.1f} ms   peak extra {mem_compare / MiB:7.1f} MiB")
+    print(f"  ratio {ratio:.2f}x one plain step (floor 6x for six runs, target <= 18x)")
+    print(f"  model weights {weights / MiB:.1f} MiB; compare's peak extra is {mem_compare / weights:.2f}x that "
+          "(a plain step after warm-up reuses freed memory, so its peak extra reads near zero)")  # fmt: skip
+    print(f"  losses: {', '.join(f'{k} {v:.4f}' for k, v in c.losses.items())}")
+    rows = [
+        {
+            "figure": f"compare() of 5 precisions vs one plain fp32 fwd+bwd ({shape['layers']}-layer Llama h256, {n_linear} Linear)",
+            "mpdoctor": round(best["compare"] * 1000, 1),
+            "baseline": round(best["plain"] * 1000, 1),
+            "ratio": round(ratio, 2),
+            "target": "6 <= ratio <= 18",
+            "met": ratio <= 18.0,
+            "unit": "ms (best)",
+        },
+        {
+            "figure": "compare() peak extra memory (peak RSS over the start) vs the model's fp32 weights",
+            "mpdoctor": round(mem_compare / MiB, 1),
+            "baseline": round(weights / MiB, 1),
+            "ratio": round(mem_compare / weights, 2),
+            "target": "reported",
+            "met": True,
+            "unit": "MiB",
+        },
+    ]
+    for r in rows:
+        print("RESULT " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

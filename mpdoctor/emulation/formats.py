@@ -1,0 +1,308 @@
+"""Number formats as quantizers: what bf16, fp16, fp8, MXFP8 and NVFP4 do to a tensor, on any device.
+
+Each quantizer takes a float32 tensor and the dimension a matmul contracts over
+and returns a :class:`Quantized`: the dequantized values (float32, what the
+matmul really multiplies) and three counts, as 0-d tensors so that nothing
+synchronises an accelerator: the nonzero elements, those of them that quantize
+to zero (underflow) and those whose scaled magnitude passes the format's largest
+finite value (saturation: clamped for e4m3 and e2m1, inf for fp16 and e5m2).
+
+The semantics follow the reference implementations, bit for bit where torchao
+has one (``tests/stack/test_compare_oracles.py`` checks them on the CPU):
+
+- ``bf16`` / ``fp16``: round to nearest even, as autocast's casts do; fp16
+  overflows to inf past 65504.
+- ``fp8`` tensorwise (torchao's default float8 training recipe):
+  ``scale = 448 / amax`` (float64 division, then float32; amax clamped at
+  1e-12), ``x * scale`` saturated to +-448 and cast to e4m3; gradients in e5m2
+  with ``57344 / amax``. Dequantized as ``fp8 / scale``.
+- ``fp8-rowwise`` (torchao's ``rowwise`` recipe): one scale per row along the
+  contraction dimension, rounded down to a power of two; e4m3 everywhere.
+- ``mxfp8`` (OCP MX v1.0, torchao's ``to_mx`` with ``FLOOR`` scales): blocks of
+  32 along the contraction dimension, a shared e8m0 scale
+  ``2^(floor(log2(block amax)) - 8)``, e4m3 elements, saturated; gradients too.
+- ``nvfp4``: blocks of 16, an e4m3 block scale ``block amax / 6`` divided by a
+  per-tensor float32 scale ``amax / (448 * 6)``, e2m1 elements (0, 0.5, 1,
+  1.5, 2, 3, 4, 6) rounded to nearest even and saturated at 6. Gradients are
+  rounded to nearest too (NVIDIA's recipe rounds them stochastically and
+  applies a Hadamard transform first: neither is emulated).
+
+A contraction dimension that is not a multiple of the block size is padded with
+zeros for the emulation (zeros change no block maximum); real kernels refuse
+such shapes, which ``recommend`` reports separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+E4M3_MAX = 448.0
+E5M2_MAX = 57344.0
+E2M1_MAX = 6.0
+#: The largest power of two e4m3 holds (2^8 = 256): MX scales put a block's amax at 2^8.
+E4M3_MAX_POW2 = 8
+#: torchao's floor on amax before ``448 / amax`` (float8_utils.EPS).
+AMAX_EPS = 1e-12
+_F32_MIN_NORMAL = torch.finfo(torch.float32).tiny
+_E4M3_TINY = torch.finfo(E4M3).tiny
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """A quantized tensor, dequantized to float32, and what the quantization lost (0-d int64 counts)."""
+
+    values: torch.Tensor
+    nonzero: torch.Tensor
+    underflow: torch.Tensor
+    saturated: torch.Tensor
+
+
+def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor | None) -> Quantized:
+    if over is None:  # counts not wanted (weights): skip four passes over the tensor
+        zero = torch.zeros((), dtype=torch.int64, device=x.device)
+        return Quantized(q, zero, zero, zero)
+    nz = x != 0
+    return Quantized(
+        values=q,
+        nonzero=nz.sum(),
+        underflow=(nz & (q == 0)).sum(),
+        saturated=over.sum(),
+    )
+
+
+# -- elementwise formats ---------------------------------------------------------------
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` (nearest even) and read back as float32."""
+    return x.to(dtype).to(torch.float32)
+
+
+def quantize_cast(x: torch.Tensor, dtype: torch.dtype, count: bool = True) -> Quantized:
+    """Round to bf16 or fp16 as autocast does (no scale); past the format's max counts as saturated."""
+    q = round_to(x, dtype)
+    return _counts(x, q, x.abs() > torch.finfo(dtype).max if count else None)
+
+
+def round_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (already scaled) rounded to fp4 e2m1, nearest even, saturated at +-6 (float32 out).
+
+    The e2m1 grid is 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2);
+    ``torch.round`` rounds halves to even, which is the format's tie rule on each step.
+    """
+    a = x.abs().clamp(max=E2M1_MAX)
+    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+    return torch.copysign(q, x)
+
+
+# -- scaled fp8 -------------------------------------------------------------------------
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return E4M3_MAX if dtype == E4M3 else E5M2_MAX
+
+
+def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
+    """torchao's tensorwise scale: ``fmax / max(amax, 1e-12)`` in float64, then float32 (0-d)."""
+    amax = x.abs().max().to(torch.float64)
+    return (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
+    """``x * scale`` saturated to the format's max, cast to ``dtype``, divided by ``scale`` again."""
+    fmax = _fp8_max(dtype)
+    scaled = x * scale
+    bits = scaled.clamp(-fmax, fmax).to(dtype)
+    return _counts(x, bits.to(torch.float32) / scale, scaled.abs() > fmax if count else None)
+
+
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
+    """Tensorwise dynamic float8 (scale = fmax / amax): torchao's ``hp_tensor_to_float8_dynamic``."""
+    return quantize_fp8(x, tensorwise_scale(x, dtype), dtype, count)
+
+
+def quantize_rowwise(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
+    """One float8 scale per slice along ``dim`` (the contraction dim), rounded down to a power of two."""
+    amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float64)
+    scale = (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
+    scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return quantize_fp8(x, scale, dtype, count)
+
+
+# -- block formats ----------------------------------------------------------------------
+
+
+def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int, int]:
+    """A 2-D ``x`` as blocks of ``block`` along ``dim`` (zero-padded to whole blocks), without a transpose.
+
+    ``dim=1``: shape ``(rows, nblocks, block)``, reduce over axis 2; ``dim=0``: ``(nblocks, block, cols)``,
+    reduce over axis 1. Returns the view, the axis to reduce over and the padding added.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"block formats quantize 2-D operands, not shape {tuple(x.shape)}")
+    dim = dim % 2
+    pad = (-x.shape[dim]) % block
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad) if dim == 1 else (0, 0, 0, pad))
+    if dim == 1:
+        return x.reshape(x.shape[0], -1, block), 2, pad
+    return x.reshape(-1, block, x.shape[1]), 1, pad
+
+
+def _unblock(q: torch.Tensor, dim: int, pad: int, shape: torch.Size) -> torch.Tensor:
+    q = q.reshape(q.shape[0], -1) if dim % 2 == 1 else q.reshape(-1, q.shape[-1])
+    return q[:, : shape[1]] if dim % 2 == 1 else q[: shape[0]]
+
+
+def mx_scale_bits(amax: torch.Tensor) -> torch.Tensor:
+    """The biased e8m0 exponent of each block: ``floor(log2(amax)) - 8 + 127``, clamped, as int32.
+
+    Read from amax's float32 exponent bits, as torchao's ``to_mx`` does (``FLOOR`` mode).
+    """
+    exponent = ((amax.contiguous().view(torch.int32) >> 23) & 0xFF) - 127
+    return torch.clamp(exponent - E4M3_MAX_POW2, min=-127, max=128) + 127
+
+
+def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32, count: bool = True) -> Quantized:
+    """MX block float8: blocks of ``block`` along ``dim``, e8m0 power-of-two scales, saturated elements."""
+    x = x.to(torch.float32)
+    b, axis, pad = _blocks(x, dim, block)
+    amax = b.abs().amax(dim=axis, keepdim=True)
+    biased = mx_scale_bits(amax)
+    scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
+    fmax = _fp8_max(dtype)
+    scaled = b / scale
+    over = scaled.abs() > fmax if count else None
+    bits = scaled.clamp(-fmax, fmax).to(dtype)
+    # torchao's get_fp_scale: 2^(biased - 127), NaN for the e8m0 NaN encoding (a block holding NaN or inf).
+    dequant_scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - 127).to(torch.float32)))
+    q = bits.to(torch.float32) * dequant_scale
+    return _counts(x, _unblock(q, dim, pad, x.shape), None if over is None else _unblock(over, dim, pad, x.shape))
+
+
+def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
+    """The per-tensor float32 scale of two-level NVFP4: ``amax / (448 * 6)`` (torchao ``per_tensor_amax_to_scale``)."""
+    return x.abs().max().to(torch.float32) / (E4M3_MAX * E2M1_MAX)
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, dim: int, block: int = 16, tensor_scale: torch.Tensor | None = None, count: bool = True
+) -> Quantized:
+    """NVFP4: blocks of 16 along ``dim``, e4m3 block scales under a per-tensor float32 scale, e2m1 elements."""
+    x = x.to(torch.float32)
+    if tensor_scale is None:
+        tensor_scale = nvfp4_tensor_scale(x)
+    # An all-zero tensor would divide by zero; its blocks quantize to zero whatever the scale.
+    tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
+    b, axis, pad = _blocks(x, dim, block)
+    amax = b.abs().amax(dim=axis, keepdim=True)
+    block_scale = (amax / E2M1_MAX) / tensor_scale
+    block_scale_fp8 = block_scale.clamp(min=_E4M3_TINY, max=E4M3_MAX).to(E4M3).to(torch.float32)
+    reciprocal = (1.0 / tensor_scale) / block_scale_fp8
+    scaled = b * reciprocal
+    q = round_e2m1(scaled) * (tensor_scale * block_scale_fp8)
+    over = _unblock(scaled.abs() > E2M1_MAX, dim, pad, x.shape) if count else None
+    return _counts(x, _unblock(q, dim, pad, x.shape), over)
+
+
+# -- precisions -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How one precision quantizes the three operands of a Linear's three matmuls.
+
+    Attributes
+    ----------
+    name : str
+        The name ``compare`` takes (``"bf16"``, ``"fp8"``, ...).
+    kind : str
+        ``"cast"`` (bf16/fp16, no scale), ``"tensorwise"``, ``"rowwise"``, ``"mx"`` or ``"nvfp4"``.
+    element : torch.dtype or None
+        Element dtype of activations and weights (``None``: no quantization, the reference).
+    grad_element : torch.dtype or None
+        Element dtype of output gradients.
+    block : int
+        Block size along the contraction dimension (0: none).
+    rounds_output : bool
+        Whether each matmul's output is rounded to the format (autocast's bf16/fp16 matmuls return
+        bf16/fp16; float8 and block-format matmuls return the high-precision dtype).
+    summary : str
+        One line for reports.
+    """
+
+    name: str
+    kind: str
+    element: torch.dtype | None
+    grad_element: torch.dtype | None
+    block: int
+    rounds_output: bool
+    summary: str
+
+    @property
+    def max_value(self) -> float:
+        """The element format's largest finite value (for saturation)."""
+        if self.kind == "nvfp4":
+            return E2M1_MAX
+        return float(torch.finfo(self.element).max) if self.element is not None else float("inf")
+
+    def quantize(self, x: torch.Tensor, dim: int, grad: bool = False, count: bool = True) -> Quantized:
+        """Quantize ``x`` (float32) as an operand contracted over ``dim``; ``grad`` for output gradients.
+
+        ``count=False`` skips the underflow and saturation counts (they come back as zeros).
+        """
+        dtype = self.grad_element if grad else self.element
+        if self.kind == "reference" or dtype is None:
+            zero = torch.zeros((), dtype=torch.int64, device=x.device)
+            return Quantized(x, zero, zero, zero)
+        if self.kind == "cast":
+            return quantize_cast(x, dtype, count)
+        if self.kind == "tensorwise":
+            return quantize_tensorwise(x, dtype, count)
+        if self.kind == "rowwise":
+            return quantize_rowwise(x, dim, dtype, count)
+        if self.kind == "mx":
+            return quantize_mx(x, dim, dtype, self.block, count)
+        if self.kind == "nvfp4":
+            return quantize_nvfp4(x, dim, self.block, count=count)
+        raise ValueError(f"unknown precision kind {self.kind!r}")
+
+    def round_output(self, y: torch.Tensor) -> torch.Tensor:
+        """A matmul's float32 output as the precision returns it."""
+        return round_to(y, self.element) if self.rounds_output and self.element is not None else y
+
+    @property
+    def along_contraction(self) -> bool:
+        """True when the scales depend on the contraction dim (each matmul quantizes its operands anew)."""
+        return self.kind in ("rowwise", "mx", "nvfp4")
+
+
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", "reference", None, None, 0, False, "float32 matmuls (the reference)"),
+        Precision("bf16", "cast", torch.bfloat16, torch.bfloat16, 0, True, "autocast bf16: operands and outputs rounded to bfloat16"),
+        Precision("fp16", "cast", torch.float16, torch.float16, 0, True, "autocast fp16: operands and outputs rounded to float16, no loss scaling"),
+        Precision("fp8", "tensorwise", E4M3, E5M2, 0, False, "float8 tensorwise (torchao default): e4m3 scale 448/amax, e5m2 gradients"),
+        Precision("fp8-rowwise", "rowwise", E4M3, E4M3, 0, False, "float8 rowwise (torchao rowwise): e4m3 power-of-two scale per row"),
+        Precision("mxfp8", "mx", E4M3, E4M3, 32, False, "MXFP8: 32-element blocks, e8m0 scales, e4m3 elements and gradients"),
+        Precision("nvfp4", "nvfp4", E4M3, E4M3, 16, False, "NVFP4: 16-element blocks, e4m3 block scales, per-tensor fp32 scale, e2m1"),
+    )
+}
+#: Spellings accepted for the precisions' names.
+ALIASES = {
+    "float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+    "fp8-tensorwise": "fp8", "float8": "fp8", "rowwise": "fp8-rowwise", "mx": "mxfp8", "fp4": "nvfp4",
+}  # fmt: skip
+
+
+def precision(name: str) -> Precision:
+    """The :class:`Precision` called ``name`` (aliases accepted); ValueError naming the known ones otherwise."""
+    key = ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}: choose from {', '.join(PRECISIONS)}")
+    return PRECISIONS[key]

@@ -1,0 +1,244 @@
+"""Renderers of ``mpdoctor.compare``: a text table, a static HTML heatmap and an ipywidgets view.
+
+They read the plain dict of :meth:`mpdoctor.emulation.compare.Comparison.to_dict`
+(never torch). The heatmap has one row per Linear layer and one column per
+precision; each cell is coloured by the layer's SQNR under that precision (red
+at 0 dB, green from 50 dB up) and marked ``▼`` with the share when more of its
+nonzero inputs or output gradients underflow to zero than the precision's limit.
+The widget adds a selector for the metric shown (output SQNR, weight-gradient
+SQNR, activation underflow, gradient underflow, saturation). Core ipywidgets
+only (7.7.1 on Colab and 8).
+"""
+
+from __future__ import annotations
+
+import html as _html
+import math
+from typing import Any
+
+from .html import BG, BORDER, FG, FONT, MUTED
+
+#: Metrics the heatmap can show: key -> (title, unit, higher is better).
+METRICS = {
+    "out_sqnr_db": ("output SQNR", "dB", True),
+    "wgrad_sqnr_db": ("weight-gradient SQNR", "dB", True),
+    "act_underflow_pct": ("activations underflowing to zero", "%", False),
+    "grad_underflow_pct": ("output gradients underflowing to zero", "%", False),
+    "act_saturation_pct": ("activations saturating", "%", False),
+}
+#: SQNR at which the colour scale is fully green.
+GOOD_DB = 50.0
+
+
+def e(value: Any) -> str:
+    """HTML-escape a user string."""
+    return _html.escape(str(value), quote=True)
+
+
+def _fmt(value: Any, unit: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float) and math.isinf(value):
+        return "exact" if value > 0 else "-inf"
+    if unit == "dB":
+        return f"{value:.1f}"
+    if value == 0:
+        return "0"
+    return f"{value:.2g}" if value < 1 else f"{value:.1f}"
+
+
+def _grid(data: dict) -> tuple[list[str], list[str], dict[tuple[str, str], dict]]:
+    layers = [row[0] for row in data.get("layers", [])]
+    precisions = list(data.get("precisions", []))
+    cells = {(r["module"], r["precision"]): r for r in data.get("rows", [])}
+    return layers, precisions, cells
+
+
+def _underflow_mark(row: dict, limit: float) -> str:
+    share = max(row.get("act_underflow_pct", 0.0) or 0.0, row.get("grad_underflow_pct", 0.0) or 0.0)
+    return f"▼{share:.0f}%" if share > limit else ""
+
+
+def _limits(data: dict) -> dict:
+    return dict(data.get("thresholds", {}).get("underflow_pct", {}))
+
+
+def _loss_line(data: dict) -> str:
+    losses = data.get("losses", {})
+    if not losses:
+        return ""
+    ref = data.get("reference", "fp32")
+    parts = []
+    for name, value in losses.items():
+        shown = f"{value:.4g}" if isinstance(value, float) and math.isfinite(value) else str(value)
+        parts.append(f"{name}{' (reference)' if name == ref else ''} {shown}")
+    return "loss: " + ", ".join(parts)
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
+    """A text table: one line per layer, one column per precision (``metric``, ``▼`` marking underflow)."""
+    title, unit, _ = METRICS[metric]
+    head = f"mpdoctor.compare: {data.get('model', 'model')} ({data.get('dtype', '?')}, {data.get('device', '?')}), reference {data.get('reference', 'fp32')}"
+    if data.get("error"):
+        return f"{head}\n  nothing compared: {data['error']}"
+    layers, precisions, cells = _grid(data)
+    limits = _limits(data)
+    header = ["layer", *precisions]
+    body = []
+    for layer in layers:
+        line = [layer]
+        for p in precisions:
+            row = cells.get((layer, p))
+            if row is None:
+                line.append("-")
+                continue
+            mark = _underflow_mark(row, limits.get(p, 1.0))
+            line.append(_fmt(row.get(metric), unit) + (f" {mark}" if mark else ""))
+        body.append(line)
+    widths = [max(len(str(r[i])) for r in [header, *body]) for i in range(len(header))]
+    lines = [head, f"  {title} per Linear ({unit}); ▼ = share of nonzero inputs or gradients underflowing to zero"]
+    lines.append("  " + "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
+    lines.append("  " + "  ".join("-" * w for w in widths))
+    for r in body:
+        lines.append("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    loss = _loss_line(data)
+    if loss:
+        lines.append("  " + loss)
+    for p, msg in data.get("errors", {}).items():
+        lines.append(f"  {p}: the run raised {msg}")
+    for f in data.get("findings", []):
+        lines.append(f"  [{f['severity']}] {f['check']}: {f['message']}")
+    if not data.get("backward", True):
+        lines.append("  note: nothing required grad; forward only")
+    return "\n".join(lines)
+
+
+# -- html ---------------------------------------------------------------------------------------
+
+
+def _colour(value: Any, unit: str, higher_better: bool, limit: float = 1.0) -> str:
+    """A background colour from red (bad) to green (good); grey when unknown."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "hsl(0,0%,80%)"
+    if unit == "dB":
+        good = 1.0 if math.isinf(value) and value > 0 else max(0.0, min(1.0, value / GOOD_DB))
+    else:
+        good = 1.0 - max(0.0, min(1.0, value / max(limit * 10, 1e-9)))
+    if not higher_better and unit == "dB":
+        good = 1.0 - good
+    return f"hsl({good * 120:.0f},65%,80%)"
+
+
+def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
+    """A static HTML heatmap: layers x precisions, coloured by ``metric``, underflow marked ``▼``."""
+    title, unit, higher = METRICS[metric]
+    style = f"{FONT};color:{FG};background:{BG}"
+    head = (
+        f"<div class='mpdoctor-compare' style='{style}'>"
+        f"<div style='font-weight:600;margin:4px 0'>mpdoctor.compare: {e(data.get('model', 'model'))} "
+        f"<span style='font-weight:400;color:{MUTED}'>({e(data.get('dtype', '?'))} on {e(data.get('device', '?'))}, "
+        f"reference {e(data.get('reference', 'fp32'))})</span></div>"
+    )
+    if data.get("error"):
+        return head + f"<div>nothing compared: {e(data['error'])}</div></div>"
+    layers, precisions, cells = _grid(data)
+    limits = _limits(data)
+    cell = f"padding:2px 8px;border:1px solid {BORDER};text-align:right;color:#111;white-space:nowrap"
+    rows = [
+        "<table style='border-collapse:collapse;margin:4px 0'>",
+        "<tr><th style='text-align:left;padding:2px 8px'>layer</th>"
+        + "".join(f"<th style='padding:2px 8px' title='{e(data.get('summaries', {}).get(p, ''))}'>{e(p)}</th>" for p in precisions)
+        + "</tr>",
+    ]
+    for layer in layers:
+        tds = []
+        for p in precisions:
+            row = cells.get((layer, p))
+            if row is None:
+                tds.append(f"<td style='{cell};background:hsl(0,0%,80%)'>-</td>")
+                continue
+            value = row.get(metric)
+            mark = _underflow_mark(row, limits.get(p, 1.0))
+            tip = (
+                f"{p} at {layer}: output {_fmt(row.get('out_sqnr_db'), 'dB')} dB, weight grad "
+                f"{_fmt(row.get('wgrad_sqnr_db'), 'dB')} dB, activations underflowing {_fmt(row.get('act_underflow_pct'), '%')}%, "
+                f"saturating {_fmt(row.get('act_saturation_pct'), '%')}%, output gradients underflowing "
+                f"{_fmt(row.get('grad_underflow_pct'), '%')}%"
+            )
+            border = ";outline:2px solid #b3261e;outline-offset:-2px" if mark else ""
+            marker = f" <b style='color:#b3261e'>{e(mark)}</b>" if mark else ""
+            bg = _colour(value, unit, higher, limits.get(p, 1.0))
+            tds.append(f"<td style='{cell};background:{bg}{border}' title='{e(tip)}'>{e(_fmt(value, unit))}{marker}</td>")
+        rows.append(f"<tr><td style='padding:2px 8px;font-family:monospace'>{e(layer)}</td>{''.join(tds)}</tr>")
+    losses = data.get("losses", {})
+    if losses:
+        ref = data.get("reference", "fp32")
+        tds = "".join(
+            f"<td style='padding:2px 8px;text-align:right'>{e(_fmt(losses.get(p), 'loss') if not isinstance(losses.get(p), float) else f'{losses[p]:.4g}')}</td>"
+            for p in precisions
+        )
+        ref_loss = losses.get(ref)
+        ref_text = f"{ref_loss:.4g}" if isinstance(ref_loss, float) else "-"
+        rows.append(f"<tr style='border-top:2px solid {BORDER}'><td style='padding:2px 8px'>loss (reference {e(ref)} {e(ref_text)})</td>{tds}</tr>")
+    rows.append("</table>")
+    legend = (
+        f"<div style='color:{MUTED}'>{e(title)} ({e(unit)}) per Linear, measured on the inputs each layer sees in that run; "
+        f"colour from red (0 dB) to green ({GOOD_DB:g} dB and up); <b style='color:#b3261e'>▼</b> = share of nonzero inputs "
+        f"or output gradients that underflow to zero, above the precision's limit. Emulated at: {e(data.get('reached', ''))}.</div>"
+    )
+    notes = "".join(f"<div>{e(p)}: the run raised {e(msg)}</div>" for p, msg in data.get("errors", {}).items())
+    findings = "".join(
+        f"<div style='margin-top:4px'><b>{e(f['severity'])}</b> <code>{e(f['check'])}</code>: {e(f['message'])}</div>"
+        for f in data.get("findings", [])
+    )
+    return head + "".join(rows) + legend + notes + findings + "</div>"
+
+
+# -- widget -------------------------------------------------------------------------------------
+
+
+def comparison_widget(data: dict) -> Any:
+    """An ipywidgets view: a metric selector above the heatmap (core widgets only)."""
+    import ipywidgets as widgets
+
+    options = [(f"{title} ({unit})", key) for key, (title, unit, _) in METRICS.items()]
+    selector = widgets.Dropdown(options=options, value="out_sqnr_db", description="show")
+    view = widgets.HTML(value=comparison_html(data, "out_sqnr_db"))
+
+    def on_change(change: dict) -> None:
+        view.value = comparison_html(data, change["new"])
+
+    selector.observe(on_change, names="value")
+    box = widgets.VBox([selector, view])
+    box.add_class("mpdoctor-widget")
+    return box
+
+
+def show_comparison(comparison: Any) -> None:
+    """Display a Comparison: the widget where a widget frontend exists (with the static heatmap for exports),
+    else text and HTML. A comparison the magic already showed in this cell is not shown twice."""
+    from IPython import get_ipython
+    from IPython.display import display
+
+    from .bundles import FALLBACK_STYLE, widget_frontend
+
+    shell = get_ipython()
+    count = getattr(shell, "execution_count", None)
+    skip = getattr(comparison, "_skip_display_in", None)
+    if skip is not None and skip == count:
+        comparison._skip_display_in = None
+        return
+    data = comparison.to_dict()
+    static = {"text/plain": comparison_text(data), "text/html": comparison_html(data)}
+    if widget_frontend():
+        try:
+            widget = comparison_widget(data)
+        except Exception:
+            pass  # the static heatmap always shows
+        else:
+            display(widget)
+            static["text/html"] = f"{FALLBACK_STYLE}<div class='mpdoctor-fallback'>{static['text/html']}</div>"
+    display(static, raw=True)
