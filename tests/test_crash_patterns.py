@@ -211,8 +211,9 @@ def test_the_cuda_bf16_unscale_and_deepspeed_messages_match_their_verbatim_sourc
 
 def test_the_cause_note_names_the_dtypes_in_the_failing_frames():
     report = explain(raised(bf16_linear_fed_fp32))
-    assert "input float32[2, 4]" in report.cause.message
-    assert "self.weight bfloat16[4, 4]" in report.cause.message
+    # The two tensors of the failing op: the activation (the op's local name: it has none in the user's code)
+    # and the parameter, named by its module path in the user's function.
+    assert "input (fp32, [2, 4]) met layer.weight (bf16, parameter of layer (Linear))" in report.cause.message
     assert "autocast" in report.cause.message
 
 

@@ -26,6 +26,7 @@ TO_EXPECTED = "to-expected"  # the tensor of the "found" dtype takes the "expect
 MASK = "mask"  # an attention mask becomes bool (or the query's dtype, when additive)
 FP8_UPCAST = "fp8-upcast"  # the float8 tensor is upcast (dequantized) to the other operand's dtype
 INDEX_LONG = "index-long"  # an index / class-target tensor goes back to int64
+AMP_STATE = "amp-state"  # a loss-scaling state tensor goes back to fp32 (scales) or int32 (growth tracker)
 
 #: Kinds of family.
 DTYPE = "dtype"  # two tensors of different dtypes met in one op: a cast fixes it
@@ -356,7 +357,7 @@ FAMILIES: tuple[Family, ...] = (
         exception_types=_RT,
         messages=(r"masked_scatter_?: expected self and source to have same dtypes",),
         examples=(
-            _raised("masked_scatter: expected self and source to have same dtypes but gotFloat and BFloat16",
+            _raised("masked_scatter: expected self and source to have same dtypes but gotBFloat16 and Float",
                     "torch 2.13 CPU: Tensor.masked_scatter_"),
         ),  # fmt: skip
         versions="torch 2.1-2.13",
@@ -485,8 +486,8 @@ FAMILIES: tuple[Family, ...] = (
         "cast that caught the scaler's tensors).",
         fix="Keep the scale and found_inf tensors in fp32 and the growth tracker in int32; restore a scaler with "
         "scaler.load_state_dict(state), not by casting its tensors.",
-        cast=TO_EXPECTED,
-        code="{src} = {src}.float()  # the AMP kernels take fp32 scales (growth_tracker: .int())",
+        cast=AMP_STATE,
+        code="{src} = {src}.to({dtype})  # the AMP kernels take fp32 scales and an int32 growth tracker",
     ),
     Family(
         slug="crash-unscale-fp16",

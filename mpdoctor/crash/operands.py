@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .catalogue import FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
+from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
 from .frames import FrameView, _locals, _qualname, _TYPE_MRO, class_path
 
 #: Frames read for operands, innermost first (the op's frame and its callers).
@@ -321,6 +321,31 @@ def _user_name(c: _Candidate, frames: list[FrameView], namespace: Mapping[str, A
     for name, value in (dict.items(namespace) if type(namespace) is dict else ()):
         if value is c.tensor and type(name) is str and not name.startswith("_"):
             return name
+    return _same_storage_name(c, frames)
+
+
+def _same_storage_name(c: _Candidate, frames: list[FrameView]) -> str | None:
+    """A user local viewing the same memory, dtype and size (a library reshaped or re-wrapped the tensor)."""
+    torch = _torch()
+    try:
+        ptr = torch.Tensor.data_ptr(c.tensor)
+    except Exception:
+        return None
+    for view in reversed(frames):
+        if not view.user:
+            continue
+        try:
+            items = _locals(view.frame)
+        except Exception:
+            continue
+        for name, value in items:
+            if type(value) is torch.Tensor and type(name) is str and not name.startswith("_"):
+                try:
+                    if (torch.Tensor.data_ptr(value) == ptr and _dtype_name(torch, value) == c.dtype
+                            and torch.Tensor.numel(value) == torch.Tensor.numel(c.tensor)):  # fmt: skip
+                        return name
+                except Exception:
+                    continue
     return None
 
 
@@ -391,10 +416,15 @@ def _receiver(view: FrameView | None) -> str | None:
     return m.group(1).rsplit(".", 1)[-1] if m else None
 
 
+def python_path(path: str) -> str:
+    """``model.layers.0.mlp`` -> ``model.layers[0].mlp``: a module path as Python that reaches it."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
+
+
 def _cast_code(cast: Operand, dtype: str, template: str, keep: Operand | None) -> str:
     target = f"torch.{dtype}"
     if cast.parameter:
-        owner = cast.owner.split(" (")[0]
+        owner = python_path(cast.owner.split(" (")[0])
         return f"{owner}.to({target})  # or cast the other operand, or use torch.autocast"
     name = cast.name if re.fullmatch(r"[A-Za-z_][\w.]*", cast.name) else "x"
     dst = keep.name if keep is not None and re.fullmatch(r"[A-Za-z_][\w.]*", keep.name) else "destination"
@@ -432,13 +462,20 @@ def failing_operands(frames: list[FrameView], message: str, cast_rule: str, temp
     cast = keep = None
     dtype = ""
     if cast_rule == INDEX_LONG:
-        wrong = [d for d in dtypes if d not in ("int64",)]
-        pool = [c for c in cands if (not wrong or c.dtype in wrong) and c.dtype != "int64"]
-        pool = [c for c in pool if _INDEX_NAME.search(c.name)] or pool
+        pool = [c for c in cands if c.dtype not in ("int64", "bool", "uint8")]
+        if not pool:
+            return None
+        cast = min(pool, key=lambda c: (0 if _INDEX_NAME.search(c.name) else 1, 0 if c.dtype in dtypes else 1,
+                                        0 if c.in_line else 1, c.depth))  # fmt: skip
+        dtype = "int64"
+    elif cast_rule == AMP_STATE:
+        wants_int = "int tensor" in message
+        pool = [c for c in cands if (c.dtype in ("int64", "int16", "int8", "uint8") if wants_int
+                                     else c.dtype in _FLOATING and c.dtype != "float32")]  # fmt: skip
         if not pool:
             return None
         cast = min(pool, key=lambda c: (0 if c.in_line else 1, c.depth))
-        dtype = "int64"
+        dtype = "int32" if wants_int else "float32"
     elif cast_rule == MASK:
         masks = [c for c in cands if _MASK_NAME.search(c.name)]
         floating = [d for d in dtypes if d in _FLOATING]
