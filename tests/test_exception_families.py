@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from mpdoctor.crash import explain
-from mpdoctor.crash.catalogue import DTYPE, FAMILIES, PROTOCOL, REFUSAL, catalogue_markdown, family
+from mpdoctor.crash.catalogue import DTYPE, FAMILIES, PROTOCOL, catalogue_markdown, family
 from mpdoctor.crash.patterns import PATTERNS, match_exception
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
-from .frames import FrameView, _locals, _qualname, _TYPE_MRO, class_path
+from .frames import _TYPE_MRO, FrameView, _locals, _qualname, class_path
 
 #: Frames read for operands, innermost first (the op's frame and its callers).
 OPERAND_FRAMES = 6
@@ -118,6 +118,8 @@ class Operand:
         shape = ", ".join(str(d) for d in self.shape)
         if self.parameter:
             return f"{self.name} ({spoken(self.dtype)}, parameter of {self.owner})"
+        if not self.shape:  # an expression written on the user's line: no tensor to measure
+            return f"{self.name} ({spoken(self.dtype)})"
         return f"{self.name} ({spoken(self.dtype)}, [{shape}])"
 
 
@@ -489,7 +491,7 @@ def failing_operands(frames: list[FrameView], message: str, cast_rule: str, temp
     else:
         pair = _pair(cands, dtypes)
         if pair is None:
-            return None
+            return _written_expression(frames, cands, dtypes, where) if cast_rule == TO_DESTINATION else None
         a, b = pair
         if cast_rule == TO_PARAMETER:
             if a.parameter and not b.parameter:
@@ -524,6 +526,25 @@ def failing_operands(frames: list[FrameView], message: str, cast_rule: str, temp
         dtype = keep_op.dtype
     code = _cast_code(cast_op, dtype, template, keep_op)
     return Operands(cast_op, keep_op, dtype, where, code)
+
+
+def _written_expression(frames: list[FrameView], cands: list[_Candidate], dtypes: list[str],
+                        where: str) -> Operands | None:  # fmt: skip
+    """``dst[idx] = <expression>`` on the user's line, when the values written are a temporary, not a local."""
+    view = next((f for f in reversed(frames) if f.user), None)
+    if view is None or len(dtypes) < 2:
+        return None
+    line = linecache.getline(view.filename, view.lineno).strip()
+    m = re.fullmatch(r"([A-Za-z_][\w.]*)\s*\[(.+)\]\s*=\s*(.+?)\s*(?:#.*)?", line)
+    if m is None:
+        return None
+    dst_name, index, expression = m.groups()
+    dst = next((c for c in cands if c.name == dst_name.rsplit(".", 1)[-1] and c.dtype == dtypes[0]), None)
+    shape = dst.shape if dst is not None else ()
+    keep = Operand(dst_name, dtypes[0], shape)
+    cast = Operand(expression, dtypes[1], ())
+    code = f"{dst_name}[{index}] = ({expression}).to({dst_name}.dtype)"
+    return Operands(cast, keep, dtypes[0], where, code)
 
 
 # -- protocol errors: the user's loop line ------------------------------------------------------------------

@@ -73,8 +73,6 @@ def _from_family(f: Family) -> Pattern:
                    f.rule, f.code)  # fmt: skip
 
 
-_DTYPE_CHECKS = ("mixed-param-dtypes", "probe-dtype-error", "load-dtype-mismatch", "grad-dtype-mismatch")
-
 #: The catalogue's families (``docs/exception-families.md``) first, then the other known failures.
 PATTERNS: tuple[Pattern, ...] = tuple(_from_family(f) for f in FAMILIES) + (
     _p(
