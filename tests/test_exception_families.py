@@ -536,3 +536,50 @@ def check_in_notebook(ip, capsys, slug: str, raise_it) -> None:
     else:
         assert "Refused:" in diagnosis or "At In [" in diagnosis
     capsys.readouterr()
+
+
+# -- mpdoctor run: the same explanations after a script's traceback ------------------------------------------
+
+SCRIPT = """
+import sys
+import torch
+
+model = torch.nn.Linear(4, 4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+for micro_batch in torch.randn(2, 2, 4):
+    scaler.scale(model(micro_batch).sum()).backward()
+    if sys.argv[1] == "protocol":
+        scaler.unscale_(optimizer)
+    else:
+        buffer = torch.zeros(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            values = model(micro_batch)[:, 0]
+        buffer[torch.tensor([0, 1])] = values
+"""
+
+
+@pytest.mark.parametrize("which", ["protocol", "dtype"])
+def test_mpdoctor_run_explains_a_scripts_family_error_with_the_script_line(tmp_path, which):
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    # A relative path, as typed: the report redacts long token-like paths such as pytest's temporary directories.
+    done = subprocess.run([sys.executable, "-m", "mpdoctor", "run", "train.py", which], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1
+    err = "".join(done.stderr.split())  # the report's line wrapping (which may split a path at a hyphen) undone
+
+    def said(text: str) -> bool:
+        return "".join(text.split()) in err
+
+    if which == "protocol":
+        assert err.index("RuntimeError:unscale_()hasalreadybeencalled") < err.index("ERRORamp-unscale-twice")
+        assert said("Broken at train.py:11: `scaler.unscale_(optimizer)`")
+        assert said(family("amp-unscale-twice").rule)
+    else:
+        assert err.index("RuntimeError:Indexputrequires") < err.index("crash-index-put-dtype")
+        assert said("values (bf16, [2]) met buffer (fp32, [2])")
+        assert said("values = values.to(buffer.dtype)")

@@ -157,8 +157,8 @@ FAMILIES: tuple[Family, ...] = (
             _raised("dot : expected both vectors to have same dtype, but found Float and BFloat16",
                     "torch 2.13 CPU: torch.dot"),
             _raised("both inputs should have same dtype", "torch 2.13 CPU: torch.tensordot"),
-            _source("expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16",
-                    "torch CUDA aten/src/ATen/native/cuda/Blas.cpp (reported from torch 2.0 to 2.9)"),
+            _report("expected mat1 and mat2 to have the same dtype, but got: float != c10::BFloat16",
+                    "torch on CUDA, quoted in public code and reports found by code search (Linear on a GPU)"),
         ),  # fmt: skip
         versions="torch 2.1-2.13 (CPU and CUDA word it differently; both matched)",
         cause="A matrix multiply (Linear, matmul, bmm, addmm) met two dtypes: usually a half-precision weight fed "
@@ -196,8 +196,8 @@ FAMILIES: tuple[Family, ...] = (
             _raised("Input type (float) and bias type (c10::BFloat16) should be the same",
                     "torch 2.13 CPU: nn.Conv2d / F.conv2d"),
             _raised("Input type (float) and bias type (c10::Half) should be the same", "torch 2.13 CPU: nn.Conv1d"),
-            _source("Input type (torch.cuda.FloatTensor) and weight type (torch.cuda.HalfTensor) should be the same",
-                    "torch CUDA aten/src/ATen/native/Convolution.cpp (torch 1.x-2.x reports)"),
+            _report("Input type (torch.cuda.FloatTensor) and weight type (torch.cuda.HalfTensor) should be the same",
+                    "torch on CUDA, quoted in many public reports found by code search (a .half() conv fed fp32)"),
         ),  # fmt: skip
         versions="torch 1.x-2.13 (older and CUDA builds name legacy tensor types: torch.cuda.HalfTensor)",
         cause="A convolution's input and its weight or bias have different dtypes (a half-precision conv fed fp32, "
@@ -705,7 +705,10 @@ def catalogue_markdown() -> str:
         "Provenance of each message: **raised** = a test (`tests/test_exception_families.py`) raises exactly this "
         "error from real objects on a CPU with torch 2.13 / torchao 0.18; **source** = the text is quoted from the "
         "library's source (it is raised only on a GPU path); its test matches the pattern on that quoted text and "
-        "says so; **report** = the text is quoted from a public report of an older version.",
+        "says so; **report** = the text is quoted from a public report (a GPU or an older version).",
+        "",
+        "Versions: the upper bound (2.13, torchao 0.18) is where each raised message was raised here; earlier bounds "
+        "are those of the reports and sources quoted, as far as found, not a bisection.",
         "",
         "| slug | ops | kind | versions |",
         "|---|---|---|---|",

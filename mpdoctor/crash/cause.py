@@ -132,7 +132,7 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
             evidence["tensors in the failing frames"] = [redact(t) for t in tensors]
         seen = f" In the failing frames: {'; '.join(tensors[:4])}." if tensors else ""
         if detail is not None:
-            if "operands" in detail.evidence:  # the two tensors named replace the list of every tensor seen
+            if "operands" in detail.evidence or "rule" in detail.evidence:  # named tensors / the rule say it all
                 evidence.pop("tensors in the failing frames", None)
             evidence.update(detail.evidence)
             seen = f" {detail.sentence}" if detail.sentence else seen
