@@ -466,6 +466,39 @@ def test_the_parameter_is_named_by_its_module_path_and_the_input_by_its_local_na
     assert report.cause.evidence["cast"] == "hidden_states = hidden_states.to(torch.bfloat16)"
 
 
+class Watched(torch.nn.Linear):
+    """A user module that records every attribute read once armed (after the crash)."""
+
+    armed = False
+    reads: list = []
+
+    def __getattribute__(self, name):
+        if type(self).armed:
+            type(self).reads.append(name)
+        return super().__getattribute__(name)
+
+
+def test_naming_the_tensors_reads_no_attribute_of_the_users_modules():
+    def crash():
+        model = torch.nn.Sequential(Watched(4, 4)).to(torch.bfloat16)
+        hidden_states = torch.randn(2, 4)
+        model(hidden_states)
+
+    exc = raised(crash)
+    Watched.armed = True
+    try:
+        from mpdoctor.crash.cause import family_detail
+        from mpdoctor.crash.frames import traceback_frames
+
+        detail = family_detail(match_exception(exc)[0], exc, traceback_frames(exc.__traceback__), None)
+    finally:
+        Watched.armed = False
+    assert detail.evidence["operands"] == (
+        "In Linear.forward: hidden_states (fp32, [2, 4]) met model.0.weight (bf16, parameter of model.0 (Watched))."
+    )
+    assert Watched.reads == []
+
+
 def test_a_protocol_error_names_the_scaler_and_optimizer_by_the_users_names():
     report = explain(raised(scaler_unscale_per_micro_batch))
     assert "scaler16.unscale_(optimizer)" in report.cause.fixes[0].code

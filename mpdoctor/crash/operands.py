@@ -204,10 +204,9 @@ def _is_module(torch: Any, value: Any) -> bool:
 
 
 def _direct_parameters(value: Any) -> list[tuple[str, Any]]:
-    try:
-        params = object.__getattribute__(value, "_parameters")
-    except Exception:
-        return []
+    from ..introspect import own_dict
+
+    params = own_dict(value).get("_parameters")
     return [(k, v) for k, v in dict.items(params) if v is not None] if type(params) is dict else []
 
 
@@ -284,23 +283,44 @@ def _roots(frames: list[FrameView], namespace: Mapping[str, Any] | None, torch: 
     return roots[:MAX_ROOTS]
 
 
+def _tree(root: Any) -> Any:
+    """``(path, module)`` of ``root``'s tree in ``named_modules()`` order, read from the instances' ``__dict__``."""
+    from ..introspect import own_dict
+
+    stack: list[tuple[str, Any]] = [("", root)]
+    seen: set[int] = set()
+    while stack:
+        path, module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        yield path, module
+        children = own_dict(module).get("_modules")
+        if type(children) is dict:
+            items = [(k, v) for k, v in dict.items(children) if v is not None and type(k) is str]
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(items))
+
+
 def _walk(roots: list[tuple[str, Any]], torch: Any, what: str, target: Any) -> str | None:
     """The dotted path of ``target`` (a module or a parameter) under the root that holds it highest up."""
+    from ..introspect import own_dict
+
     best: tuple[int, int, int, str] | None = None
-    method = torch.nn.Module.named_modules if what == "module" else torch.nn.Module.named_parameters
     for order, (root_name, root) in enumerate(roots):
-        try:
-            for i, (path, sub) in enumerate(method(root, remove_duplicate=False)):
-                if i > MAX_MODULES:
-                    break
-                if sub is target:
-                    # The deepest path wins (the outermost model), then a plain name, then the first root.
-                    candidate = (-(path.count(".") + (1 if path else 0)), root_name.count("."), order,
-                                 f"{root_name}.{path}" if path else root_name)  # fmt: skip
-                    best = candidate if best is None or candidate < best else best
-                    break
-        except Exception:
-            continue
+        for i, (path, sub) in enumerate(_tree(root)):
+            if i > MAX_MODULES:
+                break
+            found = path if sub is target else None
+            if what == "parameter":
+                params = own_dict(sub).get("_parameters")
+                name = next((k for k, v in dict.items(params) if v is target), None) if type(params) is dict else None
+                found = (f"{path}.{name}" if path else name) if name is not None else None
+            if found is not None:
+                # The deepest path wins (the outermost model), then a plain root name, then the first root.
+                candidate = (-(found.count(".") + (1 if found else 0)), root_name.count("."), order,
+                             f"{root_name}.{found}" if found else root_name)  # fmt: skip
+                best = candidate if best is None or candidate < best else best
+                break
     return best[3] if best is not None else None
 
 
