@@ -526,6 +526,7 @@ FAMILIES: tuple[Family, ...] = (
         code="if (i + 1) % accumulation_steps == 0:\n    {scaler}.unscale_({optimizer})\n"
         "    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n    {scaler}.step({optimizer})\n"
         "    {scaler}.update()\n    {optimizer}.zero_grad()",
+        checks=("amp-unscale-twice",),  # the runtime watcher's finding of the same rule, when it saw the loop
     ),
     Family(
         slug="amp-update-missing",
@@ -542,6 +543,7 @@ FAMILIES: tuple[Family, ...] = (
         fix="Call scaler.update() once per real step, after all scaler.step calls of that step.",
         rule="step(optimizer) once per optimizer per real step, then update() once",
         code="{scaler}.step({optimizer})\n{scaler}.update()  # once per real step, after every scaler.step",
+        checks=("amp-update-missing",),  # the runtime watcher's finding of the same rule, when it saw the loop
     ),
     Family(
         slug="amp-unscale-after-step",
@@ -700,7 +702,8 @@ def catalogue_markdown() -> str:
         "(`%load_ext mpdoctor`, `mpdoctor run`, `mpdoctor.watch`) explains: the message, where it was seen, what it "
         "means, and the cast or rule that fixes it. The hook names the two tensors of the failing op from the "
         "failing frames (module path and parameter, or the local name) and writes the cast with those names; for "
-        "GradScaler's protocol errors it states the rule and the loop line.",
+        "GradScaler's protocol errors it states the rule and the loop line. The protocol families reuse the slugs of "
+        "the runtime watcher's rules (`amp-unscale-twice`, `amp-update-missing`) where one exists.",
         "",
         "Provenance of each message: **raised** = a test (`tests/test_exception_families.py`) raises exactly this "
         "error from real objects on a CPU with torch 2.13 / torchao 0.18; **source** = the text is quoted from the "
