@@ -116,6 +116,9 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
     rank = {slug: i for i, slug in enumerate(pattern.checks)}
     candidates = [f for f in report.findings if f.check in rank]
     detail = family_detail(pattern, exc, frames, namespace)
+    if detail is not None:  # user names and source lines reach the report: redacted like every user string
+        detail.evidence = {k: redact(v) if type(v) is str else v for k, v in detail.evidence.items()}
+        detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
     if candidates:
         cause = min(candidates, key=lambda f: (rank[f.check], f.rank))
         if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
