@@ -94,11 +94,12 @@ def explain(
         scan=pattern.scan if scan is None else scan,
         ignore=ignore,
     )
-    mark_cause(report, pattern, link, frames)
+    mark_cause(report, pattern, link, frames, namespace=merged)
     return report
 
 
-def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list) -> Any:
+def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
+               namespace: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """Put the finding that explains ``exc`` first and set ``report.cause`` / ``report.exception``.
 
     When no finding of the pattern's checks is in the report (the objects are
@@ -114,8 +115,14 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list) -> A
     report.exception = summary
     rank = {slug: i for i, slug in enumerate(pattern.checks)}
     candidates = [f for f in report.findings if f.check in rank]
+    detail = family_detail(pattern, exc, frames, namespace)
+    if detail is not None:  # user names and source lines reach the report: redacted like every user string
+        detail.evidence = {k: redact(v) if type(v) is str else v for k, v in detail.evidence.items()}
+        detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
     if candidates:
         cause = min(candidates, key=lambda f: (rank[f.check], f.rank))
+        if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
+            cause.evidence.update(detail.evidence)
     else:
         try:
             tensors = tensor_locals(frames)
@@ -127,6 +134,12 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list) -> A
         if tensors:
             evidence["tensors in the failing frames"] = [redact(t) for t in tensors]
         seen = f" In the failing frames: {'; '.join(tensors[:4])}." if tensors else ""
+        if detail is not None:
+            if "operands" in detail.evidence or "rule" in detail.evidence:  # named tensors / the rule say it all
+                evidence.pop("tensors in the failing frames", None)
+            evidence.update(detail.evidence)
+            seen = f" {detail.sentence}" if detail.sentence else seen
+            subject = detail.subject or subject
         cause = Finding(
             check=pattern.slug,
             severity="error",
@@ -134,6 +147,100 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list) -> A
             message=redact(f"{pattern.meaning}{seen} Fix: {pattern.fix}"),
             evidence=evidence,
         )
+        if detail is not None and detail.code:
+            cause.fixes.append(detail.fix())
     report.findings[:] = [cause] + [f for f in report.findings if f is not cause]
     report.cause = cause
     return report
+
+
+class FamilyDetail:
+    """What the failing frames add to a catalogue family's cause: the tensors, the cast, the rule, the line.
+
+    Attributes
+    ----------
+    sentence : str
+        Added to the cause's message (``In Linear.forward: x (fp32, [2, 4]) met model.0.weight (bf16, ...).``).
+    code : str
+        The fix as code, with the user's names.
+    title : str
+        The fix's title.
+    subject : str
+        What the cause is about (the loop line of a protocol error).
+    evidence : dict
+        Plain facts for the finding (``operands``, ``cast``, ``rule``, ``loop line``).
+    """
+
+    def __init__(self, sentence: str, code: str, title: str, subject: str, evidence: dict) -> None:
+        self.sentence, self.code, self.title, self.subject, self.evidence = sentence, code, title, subject, evidence
+
+    def fix(self) -> Any:
+        """A display-only fix holding the code."""
+        from ..treatment.fixes import Applicability, Fix
+
+        return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe="crash-cast")
+
+
+def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail | None:
+    """The tensors, cast, rule and loop line of a catalogue family's exception; None for other patterns."""
+    from .patterns import exception_message
+
+    kind = getattr(pattern, "kind", "")
+    if not kind:
+        return None
+    try:
+        message = exception_message(exc) or ""
+        if kind == "protocol":
+            return _protocol_detail(pattern, frames, namespace)
+        if kind == "refusal":
+            return _refusal_detail(pattern, frames, namespace)
+        return _dtype_detail(pattern, message, frames, namespace)
+    except Exception:  # the detail is a bonus: the pattern's meaning and fix stand without it
+        return None
+
+
+def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail | None:
+    from .operands import failing_operands, spoken
+
+    ops = failing_operands(frames, message, pattern.cast, pattern.code or "{src} = {src}.to({dtype})", namespace)
+    if ops is None:
+        return None
+    evidence: dict[str, Any] = {"operands": ops.sentence(), "cast": ops.code}
+    title = f"Cast {ops.cast.name} to {spoken(ops.dtype)}"
+    if ops.cast.parameter:
+        title = f"Cast {ops.cast.owner.split(' (')[0]} to {spoken(ops.dtype)}"
+    return FamilyDetail(ops.sentence(), ops.code, title, "", evidence)
+
+
+def _protocol_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail:
+    from .operands import loop_line
+
+    line = loop_line(frames, namespace)
+    names = {"scaler": line.scaler if line else "scaler", "optimizer": line.optimizer if line else "optimizer"}
+    code = pattern.code.format(src="x", dst="destination", dtype="torch.float32", **names) if pattern.code else ""
+    evidence: dict[str, Any] = {"rule": pattern.rule}
+    sentence = f"The rule: {pattern.rule}."
+    subject = ""
+    if line is not None:
+        evidence["loop line"] = f"{line.label}: {line.source}"
+        sentence += f" Broken at {line.label}: `{line.source}`."
+        subject = line.label
+    return FamilyDetail(sentence, code, "Follow the GradScaler protocol", subject, evidence)
+
+
+def _refusal_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail:
+    from .operands import loop_line, refusal_subject
+
+    refused = refusal_subject(frames, namespace)
+    line = loop_line(frames, namespace)
+    evidence: dict[str, Any] = {}
+    parts = []
+    if refused:
+        evidence["refused"] = refused
+        parts.append(f"Refused: {refused}.")
+    if line is not None:
+        evidence["line"] = f"{line.label}: {line.source}"
+        parts.append(f"At {line.label}: `{line.source}`.")
+    return FamilyDetail(" ".join(parts), pattern.code, "Keep these layers out of the low-precision recipe"
+                        if pattern.slug.endswith("block-size") else "Use a precision this device runs", "",
+                        evidence)  # fmt: skip

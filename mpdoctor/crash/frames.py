@@ -22,7 +22,7 @@ MAX_FRAMES = 50
 LIBRARY_PACKAGES = frozenset(
     {
         "torch", "transformers", "accelerate", "peft", "trl", "diffusers", "lightning", "pytorch_lightning",
-        "deepspeed", "bitsandbytes", "adamw_bf16", "IPython", "ipykernel", "traitlets", "tornado", "asyncio",
+        "deepspeed", "bitsandbytes", "torchao", "adamw_bf16", "IPython", "ipykernel", "traitlets", "tornado", "asyncio",
         "runpy", "importlib", "contextlib", "functools", "threading", "concurrent", "mpdoctor", "pytest",
         "_pytest", "pluggy", "unittest",
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .catalogue import FAMILIES, Family
 from .frames import class_path
 
 #: How many links of ``__cause__`` / ``__context__`` are followed to find a known exception.
@@ -38,6 +39,14 @@ class Pattern:
         The generic fix, for when no finding names the objects.
     scan : bool
         Diagnose with a value scan (the failure is about values, not dtypes).
+    kind : str
+        ``"dtype"``, ``"protocol"``, ``"refusal"`` (the catalogue's families) or ``""``.
+    cast : str
+        How the fixing cast is chosen (:mod:`mpdoctor.crash.catalogue`), for dtype families.
+    rule : str
+        The GradScaler rule broken, for protocol families.
+    code : str
+        The fix as a code template (``{src}``, ``{dst}``, ``{dtype}``, ``{scaler}``, ``{optimizer}``).
     """
 
     slug: str
@@ -47,6 +56,10 @@ class Pattern:
     meaning: str
     fix: str
     scan: bool = False
+    kind: str = ""
+    cast: str = ""
+    rule: str = ""
+    code: str = ""
 
 
 def _p(slug: str, types: tuple[str, ...], regex: str, checks: tuple[str, ...], meaning: str, fix: str,
@@ -54,59 +67,14 @@ def _p(slug: str, types: tuple[str, ...], regex: str, checks: tuple[str, ...], m
     return Pattern(slug, types, re.compile(regex), checks, meaning, fix, scan)
 
 
-_DTYPE_CHECKS = ("mixed-param-dtypes", "probe-dtype-error", "load-dtype-mismatch", "grad-dtype-mismatch")
-_DTYPE_FIX = (
-    "Give both operands one dtype: cast the module to the input's dtype (or the input to the module's), "
-    "or run the forward under torch.autocast so mixed dtypes are cast per operation."
-)
+def _from_family(f: Family) -> Pattern:
+    regex = "|".join(f"(?:{m})" for m in f.messages)
+    return Pattern(f.slug, f.exception_types, re.compile(regex), f.checks, f.cause, f.fix, f.scan, f.kind, f.cast,
+                   f.rule, f.code)  # fmt: skip
 
-PATTERNS: tuple[Pattern, ...] = (
-    _p(
-        "crash-matmul-dtype",
-        ("builtins.RuntimeError",),
-        r"mat1 and mat2 must have the same dtype|expected m1 and m2 to have the same dtype"
-        r"|self and mat2 must have the same dtype|expected mat1 and mat2 to have the same dtype"
-        r"|expected scalar type \w+ but found \w+",
-        _DTYPE_CHECKS,
-        "A matrix multiply (Linear, matmul, bmm, addmm) met two dtypes: usually a half-precision weight fed "
-        "fp32 activations, or an fp32 adapter or head on a bf16/fp16 model, without autocast.",
-        _DTYPE_FIX,
-    ),
-    _p(
-        "crash-conv-dtype",
-        ("builtins.RuntimeError",),
-        r"Input type \(.+?\) and (?:weight|bias) type \(.+?\) should be the same",
-        _DTYPE_CHECKS,
-        "A convolution's input and its weight or bias have different dtypes (a half-precision conv fed fp32, "
-        "or the reverse) without autocast.",
-        _DTYPE_FIX,
-    ),
-    _p(
-        "crash-norm-dtype",
-        ("builtins.RuntimeError",),
-        r"mixed dtype \(\w+\): expect parameter to have scalar type of \w+",
-        _DTYPE_CHECKS,
-        "A normalisation layer's parameters and its input have different dtypes (a half-precision LayerNorm "
-        "fed fp32, or norms kept in fp32 on purpose but fed half outside autocast).",
-        _DTYPE_FIX,
-    ),
-    _p(
-        "crash-rnn-dtype",
-        ("builtins.ValueError",),
-        r"RNN input dtype \(.+?\) does not match weight dtype",
-        _DTYPE_CHECKS,
-        "A recurrent layer's weights and its input have different dtypes.",
-        _DTYPE_FIX,
-    ),
-    _p(
-        "crash-attention-dtype",
-        ("builtins.RuntimeError",),
-        r"Expected query, key, and value to have the same dtype",
-        _DTYPE_CHECKS,
-        "scaled_dot_product_attention got query, key and value in different dtypes: one projection runs in "
-        "another precision than the others.",
-        _DTYPE_FIX,
-    ),
+
+#: The catalogue's families (``docs/exception-families.md``) first, then the other known failures.
+PATTERNS: tuple[Pattern, ...] = tuple(_from_family(f) for f in FAMILIES) + (
     _p(
         "crash-grad-dtype",
         ("builtins.RuntimeError",),
@@ -115,25 +83,6 @@ PATTERNS: tuple[Pattern, ...] = (
         "A gradient was assigned in another dtype than its parameter (code that casts .grad to fp32 or bf16 "
         "after backward, or a parameter cast without its grad).",
         "Keep each .grad in its parameter's dtype: cast parameters together with their grads.",
-    ),
-    _p(
-        "crash-unscale-fp16",
-        ("builtins.ValueError",),
-        r"Attempting to unscale FP16 gradients",
-        ("fp16-trainable-params-with-scaler",),
-        "A GradScaler was asked to unscale gradients of fp16 parameters. Loss scaling needs fp32 master "
-        "weights: fp16 belongs in autocast, not in the trainable parameters.",
-        "Cast the trainable parameters (with their grads and optimizer state) to fp32 and keep fp16 in "
-        "torch.autocast; or drop the scaler if the run is meant to be pure half precision.",
-    ),
-    _p(
-        "crash-scaler-bf16",
-        ("builtins.RuntimeError", "torch.AcceleratorError"),
-        r"_amp_foreach_non_finite_check_and_unscale\w* ?\"? not implemented for 'BFloat16'",
-        ("scaler-with-bf16",),
-        "A GradScaler unscaled bf16 gradients; this CUDA kernel has no bf16 version, and bf16 needs no loss "
-        "scaling at all.",
-        "Disable the scaler for bf16 (GradScaler(enabled=False), or set enabled on the live one).",
     ),
     _p(
         "crash-bf16-only-optimizer",

@@ -1,0 +1,213 @@
+"""Field cases of the mixed-precision exception families: each real report rebuilt on this CPU.
+
+Each test raises the reported error from real objects first, then reads mpdoctor's diagnosis of it (the
+family, the two tensors named with their dtypes, the cast or the rule with the loop line), then applies that
+cast (or the corrected loop) and runs a forward and a training step that work: finite loss and parameters
+that changed. Rows: ``docs/field-cases/exceptions.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from mpdoctor.crash import explain
+
+
+def raised(fn, *args) -> BaseException:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - whatever torch raises is what the report describes
+        return exc
+    raise AssertionError(f"{fn.__name__} raised nothing")
+
+
+def trains(model: torch.nn.Module, loss_of) -> bool:
+    """One SGD step: the loss is finite and every trainable parameter changed."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    loss = loss_of()
+    loss.backward()
+    opt.step()
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    return bool(torch.isfinite(loss)) and all(not torch.equal(a, b) for a, b in zip(before, after))
+
+
+# -- continue-revolution/sd-webui-animatediff#168: index_put, fp16 values into an fp32 buffer -------------------
+
+
+class Router(torch.nn.Module):
+    """Scores written by index into a buffer made in fp32, from a projection that autocast runs in fp16."""
+
+    def __init__(self, cast_values: bool = False) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 1)
+        self.cast_values = cast_values
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        scores = torch.zeros(x.shape[0])
+        if self.cast_values:  # the cast mpdoctor gives
+            scores[rows] = (self.proj(x[rows]).squeeze(-1)).to(scores.dtype)
+        else:
+            scores[rows] = self.proj(x[rows]).squeeze(-1)
+        return scores
+
+
+def test_index_put_of_autocast_fp16_values_into_an_fp32_buffer():
+    x, rows = torch.randn(4, 4), torch.tensor([0, 2])
+
+    def forward(model):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return model(x, rows)
+
+    exc = raised(forward, Router())
+    assert str(exc).startswith("Index put requires the source and destination dtypes match, got Float for the "
+                               "destination and Half for the source.")  # fmt: skip
+    cause = explain(exc).cause
+    assert cause.check == "crash-index-put-dtype"
+    assert cause.evidence["operands"] == (
+        "In Router.forward: self.proj(x[rows]).squeeze(-1) (fp16) met scores (fp32, [4])."
+    )
+    assert cause.evidence["cast"] == "scores[rows] = (self.proj(x[rows]).squeeze(-1)).to(scores.dtype)"
+    fixed = Router(cast_values=True)
+    assert trains(fixed, lambda: forward(fixed).square().sum())
+
+
+# -- Comfy-Org/ComfyUI#4474, logtd/ComfyUI-LTXTricks#25: fp8 storage meets fp32 / bf16 math --------------------
+
+
+class Guided(torch.nn.Module):
+    """A guide tensor kept in float8 storage (``--fp8_e4m3fn-unet``) added outside the layer that upcasts."""
+
+    def __init__(self, upcast: bool = False) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("guide", torch.randn(4).to(torch.float8_e4m3fn))
+        self.upcast = upcast
+
+    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+        guide = self.guide
+        hidden = self.proj(latent)
+        if self.upcast:  # the cast mpdoctor gives
+            guide = guide.to(torch.float32)
+        return hidden + guide
+
+
+def test_fp8_stored_tensor_promoted_with_fp32_activations():
+    latent = torch.randn(2, 4)
+    exc = raised(Guided(), latent)
+    assert str(exc) == "Promotion for Float8 Types is not supported, attempted to promote Float and Float8_e4m3fn"
+    cause = explain(exc).cause
+    assert cause.check == "crash-fp8-promotion"
+    assert cause.evidence["operands"] == "In Guided.forward: guide (float8_e4m3fn, [4]) met hidden (fp32, [2, 4])."
+    assert cause.evidence["cast"].startswith("guide = guide.to(torch.float32)")
+    fixed = Guided(upcast=True)
+    assert trains(fixed, lambda: fixed(latent).square().sum())
+
+
+# -- seal-rg/recurrent-pretraining#23: the tokenizer's int64 attention_mask passed to SDPA ---------------------
+
+
+class TinyAttention(torch.nn.Module):
+    def __init__(self, bool_mask: bool = False) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 12)
+        self.bool_mask = bool_mask
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(hidden).chunk(3, dim=-1)
+        if self.bool_mask:  # the cast mpdoctor gives
+            attention_mask = attention_mask.bool()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+
+
+def test_sdpa_with_the_tokenizers_int64_attention_mask():
+    hidden = torch.randn(1, 3, 4)
+    attention_mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])  # 1 = attend, as tokenizers return it
+    exc = raised(TinyAttention(), hidden, attention_mask)
+    assert str(exc).startswith("Expected attn_mask dtype to be bool or float or to match query dtype, but got "
+                               "attn_mask.dtype: long int and  query.dtype: float instead.")  # fmt: skip
+    cause = explain(exc).cause
+    assert cause.check == "crash-attention-mask-dtype"
+    assert cause.evidence["operands"].startswith("In TinyAttention.forward: attention_mask (int64, [3, 3]) met q (fp32")
+    assert cause.evidence["cast"].startswith("attention_mask = attention_mask.bool()")
+    fixed = TinyAttention(bool_mask=True)
+    assert trains(fixed, lambda: fixed(hidden, attention_mask).square().sum())
+
+
+# -- flairNLP/flair PR #3651: scatter_add of a mask cast to float32 into bf16 embeddings ------------------------
+
+
+class Pooler(torch.nn.Module):
+    """Token embeddings pooled per sentence with scatter_add; the token weights were made with ``mask.float()``."""
+
+    def __init__(self, cast_weights: bool = False) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4).to(torch.bfloat16)
+        self.cast_weights = cast_weights
+
+    def forward(self, ids: torch.Tensor, sentence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(ids)
+        counts = torch.zeros(2, dtype=tokens.dtype)
+        weights = mask.float()
+        if self.cast_weights:  # the cast mpdoctor gives
+            weights = weights.to(counts.dtype)
+        counts.scatter_add_(0, sentence, weights)
+        return tokens.sum(-1) / counts[sentence]
+
+
+def test_scatter_add_of_a_float32_mask_into_bf16_counts():
+    ids, sentence, mask = torch.tensor([1, 2, 3, 4]), torch.tensor([0, 0, 1, 1]), torch.tensor([1, 1, 1, 0])
+    exc = raised(Pooler(), ids, sentence, mask)
+    assert str(exc) == "scatter(): Expected self.dtype to be equal to src.dtype"
+    cause = explain(exc).cause
+    assert cause.check == "crash-scatter-dtype"
+    assert cause.evidence["operands"] == "In Pooler.forward: weights (fp32, [4]) met counts (bf16, [2])."
+    assert cause.evidence["cast"] == "weights = weights.to(counts.dtype)"
+    fixed = Pooler(cast_weights=True)
+    assert trains(fixed, lambda: fixed(ids, sentence, mask).float().square().sum())
+
+
+# -- microsoft/Swin-Transformer#311: AMP + gradient accumulation, unscale_ on every micro-batch -----------------
+
+
+def accumulate(model, optimizer, scaler, batches, accumulation_steps, unscale_every_micro_batch):
+    for i, batch in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(batch).square().mean() / accumulation_steps
+        scaler.scale(loss).backward()
+        if unscale_every_micro_batch:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if (i + 1) % accumulation_steps == 0:
+            if not unscale_every_micro_batch:  # the corrected loop mpdoctor gives
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return loss
+
+
+def test_unscale_on_every_micro_batch_under_gradient_accumulation():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    batches = torch.randn(4, 2, 4)
+    exc = raised(accumulate, model, optimizer, scaler, batches, 2, True)
+    assert str(exc) == "unscale_() has already been called on this optimizer since the last update()."
+    cause = explain(exc).cause
+    assert cause.check == "amp-unscale-twice"
+    assert re.fullmatch(r".*test_exception_cases\.py:\d+: scaler\.unscale_\(optimizer\)", cause.evidence["loop line"])
+    assert "unscale_(optimizer) at most once per real step" in cause.evidence["rule"]
+    assert "if (i + 1) % accumulation_steps == 0:\n    scaler.unscale_(optimizer)" in cause.fixes[0].code
+    model, optimizer, scaler = torch.nn.Linear(4, 4), None, torch.amp.GradScaler("cpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    loss = accumulate(model, optimizer, scaler, batches, 2, False)
+    assert torch.isfinite(loss) and not torch.equal(before, model.weight)
