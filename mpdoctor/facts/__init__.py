@@ -100,6 +100,12 @@ class ModelFacts:
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
     #: phase error in radians at the last position, positions)``; read by the transformers integration.
     rope_buffers: tuple[tuple[str, str, str, float, int], ...] = ()
+    #: Normalisation layers' epsilons as ``(module path, class name, attribute, eps, kernel)``; kernel is
+    #: ``"fused"`` (torch's own norm kernels add eps in fp32), ``"upcast"`` (its forward casts to fp32 first)
+    #: or ``"dtype"`` (it computes, eps included, in its input's dtype).
+    norm_eps: tuple[tuple[str, str, str, float, str], ...] = ()
+    #: The config fields that set those epsilons, as ``(config ref, attribute, eps)``.
+    config_eps: tuple[tuple[int, str, float], ...] = ()
 
     @property
     def model_type(self) -> str | None:
@@ -203,7 +209,59 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         inner_ref=id(inner),
         owner=subject.owner,
         **fields,
+        **_norm_epsilons(inner, live),
     )
+
+
+#: Config fields holding a normalisation epsilon (transformers' names).
+_CONFIG_EPS = ("layer_norm_eps", "rms_norm_eps", "norm_eps", "layer_norm_epsilon", "norm_epsilon")
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+_KERNELS: dict[type, str] = {}
+
+
+def _norm_kernel(cls: type) -> str:
+    """Where a norm class adds its eps: torch's fused kernels and forwards that upcast do it in fp32."""
+    if cls not in _KERNELS:
+        kernel = "dtype"
+        if cls.__module__.startswith("torch.nn.modules."):
+            kernel = "fused"
+        else:
+            import inspect
+
+            try:  # read the source, never run it
+                src = inspect.getsource(cls.forward)
+                kernel = "upcast" if ("float32" in src or ".float()" in src) else "dtype"
+            except (OSError, TypeError):
+                kernel = "dtype"
+        _KERNELS[cls] = kernel
+    return _KERNELS[cls]
+
+
+def _norm_epsilons(inner: Any, live: Live) -> dict:
+    """The ``norm_eps`` and ``config_eps`` fields: every norm module's eps and the config fields setting it."""
+    from ..introspect import modules_where
+
+    try:
+        norms = modules_where(inner, lambda cls: "norm" in cls.__name__.lower())
+    except Exception:
+        return {}
+    found = []
+    for path, mod in norms:
+        for attr in _EPS_ATTRS:
+            value = raw_attr(mod, attr, None)
+            if type(value) is float:
+                found.append((path, type(mod).__name__, attr, value, _norm_kernel(type(mod))))
+                break
+    configs = []
+    config = raw_attr(inner, "config", None)
+    for cfg in (config, *(raw_attr(config, k, None) for k in ("text_config", "vision_config", "audio_config"))):
+        if cfg is None:
+            continue
+        for attr in _CONFIG_EPS:
+            value = raw_attr(cfg, attr, None)
+            if type(value) is float:
+                configs.append((live.add(cfg), attr, value))
+    return {"norm_eps": tuple(found), "config_eps": tuple(configs)}
 
 
 def _precision_setups(subjects: tuple[Subject, ...], hw: DeviceProfile) -> list[PrecisionFacts]:
