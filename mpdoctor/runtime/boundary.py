@@ -224,16 +224,16 @@ def batch_findings(p: Any) -> Iterator[Finding]:
         return
     e = p.error
     raised = f"{e.exception}: {e.message}" if e is not None and e.is_dtype_error and e.phase == "forward" else None
+    if raised is None:
+        return  # the forward ran: the model converts these inputs itself (CLIP, ViT cast pixel_values)
     reached = [b for b in bad if b.layer is not None]
-    if raised is None and not reached:
-        return  # the model converts these inputs itself before any layer sees them: harmless
     bad = reached or bad
     where, msg = _message(p.model, bad, raised, p.autocast)
     dtype = bad[0].target
     kind = "mapping" if getattr(p, "batch_kind", "") == "mapping" else "tensor"
     yield Finding(
         SLUG,
-        "error" if raised or reached else "warning",
+        "error",
         where,
         msg,
         {

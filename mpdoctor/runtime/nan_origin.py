@@ -51,6 +51,9 @@ _SQRT = frozenset({"sqrt", "sqrt_", "rsqrt", "rsqrt_"})
 _DIV = frozenset({"div", "div_", "__truediv__", "__rtruediv__", "__itruediv__", "true_divide", "reciprocal",
                   "rsqrt", "rsqrt_", "__floordiv__", "floor_divide", "remainder", "fmod"})  # fmt: skip
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+#: Where torch functions take their eps positionally, and their defaults when not given.
+_EPS_POSITION = {"normalize": 3, "layer_norm": 4, "group_norm": 4, "rms_norm": 3}
+_EPS_DEFAULT = {"normalize": 1e-12}
 
 
 @dataclass(frozen=True)
@@ -169,12 +172,25 @@ class OpWatch(TorchFunctionMode):
                         detail["eps"] = eps
                         path, module = self.modules[j]
                     break
+        elif self._eps_vanishes(name, args, kwargs, dtype, detail):
+            cause = "eps-underflow"  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
         elif not out_nan:
             cause = "overflow"
         else:
             cause = "nonfinite-op"
         self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail)
         raise _Found
+
+    @staticmethod
+    def _eps_vanishes(name: str, args: tuple, kwargs: dict, dtype: torch.dtype, detail: dict) -> bool:
+        position = _EPS_POSITION.get(name)
+        eps = kwargs.get("eps", args[position] if position is not None and len(args) > position else None)
+        if eps is None and name in _EPS_DEFAULT:
+            eps = _EPS_DEFAULT[name]
+        if type(eps) is float and rounds_to_zero(eps, dtype):
+            detail["eps"] = eps
+            return True
+        return False
 
     @staticmethod
     def _zero_denominator(name: str, args: tuple) -> bool:
