@@ -53,7 +53,7 @@ class BatchInput:
     model_dtype : str or None
         The dtype most of the model's floating parameters are in.
     nonfinite : int
-        NaN/Inf values in it (counted only when the probe saw a non-finite value).
+        NaN values in it (counted only when the probe saw a non-finite value; a -inf mask is legitimate).
     """
 
     key: str
@@ -159,7 +159,7 @@ class BoundaryTrace:
         """The same records with the NaN/Inf count of each input (read when the probe saw a non-finite value)."""
         import dataclasses
 
-        counts = {k: int(t.numel() - torch.isfinite(t.detach()).sum()) for k, t in self.inputs}
+        counts = {k: int(torch.isnan(t.detach()).sum()) for k, t in self.inputs}  # -inf masks are legitimate
         return tuple(dataclasses.replace(b, nonfinite=counts.get(b.key, 0)) for b in found)
 
 
