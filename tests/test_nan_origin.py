@@ -41,19 +41,25 @@ class Net(nn.Module):
         return self.head(self.norm(self.fc(x) * self.scale))
 
 
-def _train_step(model: nn.Module, x: torch.Tensor, loss_of=lambda out: out.float().pow(2).mean()) -> tuple[float, bool]:
+def _train_step(
+    model: nn.Module, x: torch.Tensor, loss_of=lambda out: out.float().pow(2).mean()
+) -> tuple[float, bool]:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     loss = loss_of(model(x))
     loss.backward()
     opt.step()
-    return float(loss.detach()), any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    return float(loss.detach()), any(
+        not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())
+    )
 
 
 def _zero_row_net() -> Net:
     torch.manual_seed(0)
     net = Net(HandLayerNorm(8)).half()
-    with torch.no_grad():  # the first two rows of fc's output are all zero: zero variance, as padding rows are
+    with (
+        torch.no_grad()
+    ):  # the first two rows of fc's output are all zero: zero variance, as padding rows are
         net.fc.weight[:] = 0.1
     return net
 
@@ -72,7 +78,11 @@ def test_eps_1e12_in_fp16_is_named_as_eps_underflow_in_the_norm_and_the_eps_fix_
 
     report = mpdoctor.probe(net, x, name="net", loss_fn=lambda out: out.float().pow(2).mean())
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "eps-underflow" and f.evidence["module"] == "norm" and f.evidence["op"] == "div"
+    assert (
+        f.evidence["cause"] == "eps-underflow"
+        and f.evidence["module"] == "norm"
+        and f.evidence["op"] == "div"
+    )
     assert f.evidence["eps"] == 1e-12 and "0 in float16" in f.message
     static = next(g for g in report.findings if g.check == "norm-eps-underflow")
     assert static.severity == "error" and static.evidence["kernel"] == ["dtype"]
@@ -132,7 +142,9 @@ def test_log_of_zero_in_a_loss_is_named_and_the_clamp_trains():
     f = _nonfinite(report)
     assert f.evidence["cause"] == "log-nonpositive" and f.evidence["op"] == "log"
     assert "clamp" in f.fixes[0].code
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # fp16 weights: a step smaller than 2's ulp would vanish
+    opt = torch.optim.SGD(
+        model.parameters(), lr=0.5
+    )  # fp16 weights: a step smaller than 2's ulp would vanish
     before = model.fc.weight.detach().clone()
     loss = model(x, y, clamp=True)  # the fix's clamp
     loss.backward()
@@ -215,13 +227,19 @@ def test_f_normalize_default_eps_vanishes_in_fp16_and_is_named():
     x = torch.randn(2, 4, dtype=torch.float16)
     assert torch.isnan(model(x)).all()  # the real harm: 0 / max(0, 1e-12 -> 0)
     f = _nonfinite(mpdoctor.probe(model, x, loss_fn=lambda out: out.float().sum()))
-    assert f.evidence["cause"] == "eps-underflow" and f.evidence["op"] == "normalize" and f.evidence["eps"] == 1e-12
+    assert (
+        f.evidence["cause"] == "eps-underflow"
+        and f.evidence["op"] == "normalize"
+        and f.evidence["eps"] == 1e-12
+    )
 
 
 def test_no_eps_finding_in_bf16_nor_an_error_for_torch_kernels_that_add_eps_in_fp32():
     torch.manual_seed(0)
     bf16 = Net(HandLayerNorm(8)).to(torch.bfloat16)
-    assert not [f for f in mpdoctor.diagnose(bf16).findings if f.check == "norm-eps-underflow"]  # 1e-12 is normal in bf16
+    assert not [
+        f for f in mpdoctor.diagnose(bf16).findings if f.check == "norm-eps-underflow"
+    ]  # 1e-12 is normal in bf16
     fused = Net(nn.LayerNorm(8, eps=1e-12)).half()
     x = torch.zeros(2, 8, dtype=torch.float16)
     with torch.no_grad():
@@ -235,7 +253,9 @@ def test_no_eps_finding_in_bf16_nor_an_error_for_torch_kernels_that_add_eps_in_f
 def test_a_healthy_probe_replays_nothing_and_reports_no_origin():
     torch.manual_seed(0)
     net = Net(HandLayerNorm(8, eps=1e-5)).half()
-    report = mpdoctor.probe(net, torch.randn(4, 8, dtype=torch.float16), loss_fn=lambda out: out.float().mean())
+    report = mpdoctor.probe(
+        net, torch.randn(4, 8, dtype=torch.float16), loss_fn=lambda out: out.float().mean()
+    )
     assert report.facts.probes[0].origin is None
     assert not [f for f in report.findings if f.severity in ("error", "warning")]
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())

@@ -33,7 +33,9 @@ def _whisper() -> T.WhisperForConditionalGeneration:
 
 
 def _features() -> T.BatchFeature:
-    return T.BatchFeature({"input_features": torch.randn(2, 8, 32), "labels": torch.tensor([[1, 2, 3], [1, 2, 3]])})
+    return T.BatchFeature(
+        {"input_features": torch.randn(2, 8, 32), "labels": torch.tensor([[1, 2, 3], [1, 2, 3]])}
+    )
 
 
 def _llama() -> T.LlamaForCausalLM:
@@ -45,7 +47,9 @@ def _llama() -> T.LlamaForCausalLM:
 
 def test_fp32_input_features_into_a_bf16_whisper_are_named_and_fixed_by_an_undoable_pre_hook():
     model, batch = _whisper(), _features()
-    with pytest.raises(RuntimeError, match=r"Input type \(float\) and bias type \(c10::BFloat16\) should be the same"):
+    with pytest.raises(
+        RuntimeError, match=r"Input type \(float\) and bias type \(c10::BFloat16\) should be the same"
+    ):
         model(**batch)
 
     report = mpdoctor.probe(model, batch)
@@ -55,7 +59,9 @@ def test_fp32_input_features_into_a_bf16_whisper_are_named_and_fixed_by_an_undoa
     assert finding.evidence["layer"] == "model.encoder.conv1" and finding.evidence["layer_class"] == "Conv1d"
     assert "v.to(model.dtype) if v.is_floating_point() else v" in finding.evidence["keep"]
     assert not [f for f in report.findings if f.check == "probe-dtype-error"]  # one finding, the specific one
-    assert not model._forward_pre_hooks and not model.model.encoder.conv1._forward_pre_hooks  # probe left nothing
+    assert (
+        not model._forward_pre_hooks and not model.model.encoder.conv1._forward_pre_hooks
+    )  # probe left nothing
 
     fix = finding.fixes[0]
     fix.apply()
@@ -63,7 +69,9 @@ def test_fp32_input_features_into_a_bf16_whisper_are_named_and_fixed_by_an_undoa
     assert len(model._forward_pre_hooks) == 1
     loss, moved = _step(model, batch, torch.optim.AdamW(model.parameters(), lr=1e-3))
     assert torch.isfinite(torch.tensor(loss)) and moved
-    assert batch["input_features"].dtype == torch.float32 and batch["labels"].dtype == torch.int64  # batch untouched
+    assert (
+        batch["input_features"].dtype == torch.float32 and batch["labels"].dtype == torch.int64
+    )  # batch untouched
     fix.undo()
     assert not model._forward_pre_hooks
     with pytest.raises(RuntimeError, match="should be the same"):
@@ -90,12 +98,17 @@ def test_fp32_inputs_embeds_into_a_bf16_llama_inside_watch_names_the_input_at_th
     model = _llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = {"inputs_embeds": torch.randn(2, 5, 32), "labels": torch.randint(0, 100, (2, 5))}
-    with pytest.raises(RuntimeError, match=r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16"):
+    with pytest.raises(
+        RuntimeError, match=r"expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16"
+    ):
         with mpdoctor.watch(model, opt) as w:
             model(**batch)
     cause = w.crash_report.cause
     assert cause.check == "batch-dtype-mismatch"
-    assert cause.evidence["inputs"] == {"inputs_embeds": "float32"} and cause.evidence["layer_dtype"] == "bfloat16"
+    assert (
+        cause.evidence["inputs"] == {"inputs_embeds": "float32"}
+        and cause.evidence["layer_dtype"] == "bfloat16"
+    )
     assert cause.evidence["layer"].startswith("model.layers.0.")
     assert not model._forward_pre_hooks and not model._forward_hooks  # the watch left nothing
     fix = cause.fixes[0]
@@ -122,7 +135,9 @@ def test_no_alarm_with_a_matching_batch_under_autocast_or_when_the_model_casts_i
     assert not [f for f in report.findings if f.check == "batch-dtype-mismatch"]
     clip = T.CLIPVisionModel(T.CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1,
                                                 num_attention_heads=2, intermediate_size=64)).to(torch.bfloat16)  # fmt: skip
-    report = mpdoctor.probe(clip, {"pixel_values": torch.randn(2, 3, 32, 32)})  # CLIP casts pixel_values itself
+    report = mpdoctor.probe(
+        clip, {"pixel_values": torch.randn(2, 3, 32, 32)}
+    )  # CLIP casts pixel_values itself
     assert report.facts.probes[0].error is None
     assert not [f for f in report.findings if f.check == "batch-dtype-mismatch"]
 
@@ -139,4 +154,8 @@ def test_a_plain_tensor_batch_is_named_input_and_the_hook_never_casts_ids_or_boo
     assert finding.evidence["inputs"] == {"input": "float32"} and finding.evidence["layer"] == "0"
     hook = cast_inputs_hook(torch.bfloat16)
     args, kwargs = hook(net, (x,), {"ids": torch.tensor([1, 2]), "mask": torch.tensor([True, False])})
-    assert args[0].dtype == torch.bfloat16 and kwargs["ids"].dtype == torch.int64 and kwargs["mask"].dtype == torch.bool
+    assert (
+        args[0].dtype == torch.bfloat16
+        and kwargs["ids"].dtype == torch.int64
+        and kwargs["mask"].dtype == torch.bool
+    )

@@ -552,7 +552,7 @@ def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tupl
         model.train(training)
         torch.set_rng_state(snapshot.cpu_rng)
         ctx, _, _ = _autocast_for(device, setup, autocast)
-        return nan_origin.locate(model, lambda: _call(model, batch), modules, ctx)
+        return nan_origin.locate(model, lambda: _call(model, batch), modules, ctx, first.path)
     except Exception:  # the origin is a bonus; the probe's findings stand without it
         return None
     finally:

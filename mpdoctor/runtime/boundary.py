@@ -176,7 +176,9 @@ def keep_line(model: str, keys: list[str], batch_kind: str) -> str:
     return f"{name} = {name}.to({model}.dtype)  # before {model}({name})"
 
 
-def _fixes(model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str) -> list[Fix]:
+def _fixes(
+    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str
+) -> list[Fix]:
     line = keep_line(model, keys, batch_kind)
     fixes = [
         Fix(
@@ -205,7 +207,11 @@ def _fixes(model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: s
 def _message(model: str, bad: list[BatchInput], raised: str | None, autocast: str | None) -> tuple[str, str]:
     first = bad[0]
     where = f"{model}.{first.layer}" if first.layer else model
-    layer = f"{where} ({first.layer_class}, weights {first.layer_dtype})" if first.layer else f"{model} ({first.model_dtype})"
+    layer = (
+        f"{where} ({first.layer_class}, weights {first.layer_dtype})"
+        if first.layer
+        else f"{model} ({first.model_dtype})"
+    )
     names = ", ".join(f"`{b.key}` ({b.dtype})" for b in bad)
     msg = (f"The batch's {names} enter{'s' if len(bad) == 1 else ''} {layer} with nothing autocasting: the layer "
            f"computes in {first.target}, the input is {first.dtype}.")  # fmt: skip
@@ -223,7 +229,9 @@ def batch_findings(p: Any) -> Iterator[Finding]:
     if not bad:
         return
     e = p.error
-    raised = f"{e.exception}: {e.message}" if e is not None and e.is_dtype_error and e.phase == "forward" else None
+    raised = (
+        f"{e.exception}: {e.message}" if e is not None and e.is_dtype_error and e.phase == "forward" else None
+    )
     if raised is None:
         return  # the forward ran: the model converts these inputs itself (CLIP, ViT cast pixel_values)
     reached = [b for b in bad if b.layer is not None]
@@ -246,7 +254,9 @@ def batch_findings(p: Any) -> Iterator[Finding]:
             "exception": raised,
             "keep": keep_line(p.model, [b.key for b in bad], kind),
         },
-        _fixes(p.model, getattr(p, "model_ref", 0), getattr(p, "batch_ref", 0), [b.key for b in bad], dtype, kind),
+        _fixes(
+            p.model, getattr(p, "model_ref", 0), getattr(p, "batch_ref", 0), [b.key for b in bad], dtype, kind
+        ),
     )
 
 
@@ -284,7 +294,9 @@ def _batches(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
                 continue
 
 
-def crash_finding(pattern: str, frames: list, namespace: Mapping[str, Any], objects: tuple, live: Any) -> Finding | None:
+def crash_finding(
+    pattern: str, frames: list, namespace: Mapping[str, Any], objects: tuple, live: Any
+) -> Finding | None:
     """The ``batch-dtype-mismatch`` finding for a dtype error raised by a layer fed a batch entry of another dtype.
 
     ``frames`` are the traceback's frames (library frames included: the innermost ``self`` is the layer
@@ -329,7 +341,9 @@ def crash_finding(pattern: str, frames: list, namespace: Mapping[str, Any], obje
     model_ref = live.add(model)
     batch_ref = live.add(batch) if kind == "mapping" else 0
     where, msg = _message(model_name, bad, None, None)
-    msg = msg.replace(" The forward ran only because it converts it; a GPU kernel or another layer may not.", "")
+    msg = msg.replace(
+        " The forward ran only because it converts it; a GPU kernel or another layer may not.", ""
+    )
     fixes = _fixes(model_name, model_ref, batch_ref, keys, layer_dtype, kind)
     for fx in fixes:
         fx.bind(live)

@@ -86,7 +86,14 @@ class NanOrigin:
     @property
     def why(self) -> str:
         """The cause in words."""
-        values = {"dtype": self.dtype, "max": math.inf, "min": math.nan, "eps": 0.0, "key": "?", **self.detail}
+        values = {
+            "dtype": self.dtype,
+            "max": math.inf,
+            "min": math.nan,
+            "eps": 0.0,
+            "key": "?",
+            **self.detail,
+        }
         try:
             return CAUSES[self.cause].format(**values)
         except (KeyError, ValueError):
@@ -127,9 +134,11 @@ def rounds_to_zero(value: float, dtype: torch.dtype) -> bool:
 class OpWatch(TorchFunctionMode):
     """Stop at the first op whose output holds NaN its inputs did not, or inf from inputs without inf/NaN."""
 
-    def __init__(self, stack: list[int], modules: list[tuple[str, torch.nn.Module]]) -> None:
+    def __init__(
+        self, stack: list[int], modules: list[tuple[str, torch.nn.Module]], within: frozenset[int] | None = None
+    ) -> None:
         super().__init__()
-        self.stack, self.modules = stack, modules
+        self.stack, self.modules, self.within = stack, modules, within
         self.found: NanOrigin | None = None
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -147,6 +156,8 @@ class OpWatch(TorchFunctionMode):
         out_nan = any(bool(torch.isnan(t).any()) for t in outs)
         if in_nan or (in_inf and not out_nan):
             return  # carried, not born here
+        if self.within is not None and (self.stack[-1] if self.stack else 0) not in self.within:
+            return  # born in a module whose output stayed finite: discarded there (T5's log of bucket 0)
         name = getattr(func, "__name__", "") or str(func)
         dtype = outs[0].dtype
         i = self.stack[-1] if self.stack else 0
@@ -208,10 +219,13 @@ def locate(
     call: Any,
     modules: list[tuple[str, torch.nn.Module]],
     ctx: Any,
+    first_bad: str | None = None,
 ) -> NanOrigin | None:
     """Replay ``call()`` (the probe's forward) under :class:`OpWatch`; the first producing op, or None.
 
     The caller restores modes, RNG and running statistics afterwards (the probe takes a snapshot).
+    ``first_bad`` is the path of the first module whose output the probe saw non-finite: only ops running in
+    it or in its ancestors count (a -inf made and discarded inside a module with a finite output is no origin).
     Module hooks keep the running stack for attribution and are removed even when the forward raises.
     """
     stack: list[int] = []
@@ -229,7 +243,13 @@ def locate(
         for _, m in modules:
             handles.append(m.register_forward_pre_hook(enter))
             handles.append(m.register_forward_hook(leave, always_call=True))
-        watch = OpWatch(stack, modules)
+        within = None
+        if first_bad is not None:
+            within = frozenset(
+                i for i, (path, _) in enumerate(modules)
+                if path == "" or first_bad == path or first_bad.startswith(path + ".")
+            )  # fmt: skip
+        watch = OpWatch(stack, modules, within)
         try:
             with torch.no_grad(), ctx, watch:
                 call()
