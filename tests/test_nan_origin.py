@@ -79,7 +79,7 @@ def test_eps_1e12_in_fp16_is_named_as_eps_underflow_in_the_norm_and_the_eps_fix_
     report = mpdoctor.probe(net, x, name="net", loss_fn=lambda out: out.float().pow(2).mean())
     f = _nonfinite(report)
     assert (
-        f.evidence["cause"] == "eps-underflow"
+        f.evidence["origin"] == "eps-underflow"
         and f.evidence["module"] == "norm"
         and f.evidence["op"] == "div"
     )
@@ -104,7 +104,8 @@ def test_an_fp16_overflow_is_born_in_the_op_past_65504_and_the_bf16_cast_trains(
 
     report = mpdoctor.probe(net, x, name="net", loss_fn=lambda out: out.float().pow(2).mean())
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "overflow" and f.evidence["op"] == "mul" and f.evidence["module"] == ""
+    assert f.evidence["origin"] == "overflow" and f.evidence["op"] == "mul" and f.evidence["module"] == ""
+    assert f.evidence["cause"] == "activation-overflow-fp16" and "its inputs were finite" in f.message
     assert f.evidence["first_shows_in"] == "norm"  # it first shows in the Identity after; born in the parent
     assert f.evidence["max"] == 65504.0
     fix = next(fx for fx in f.fixes if fx.recipe == "bf16")
@@ -140,7 +141,7 @@ def test_log_of_zero_in_a_loss_is_named_and_the_clamp_trains():
 
     report = mpdoctor.probe(model, ForwardCall(x, y), name="model", loss_fn=lambda out: out.float())
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "log-nonpositive" and f.evidence["op"] == "log"
+    assert f.evidence["origin"] == "log-nonpositive" and f.evidence["op"] == "log"
     assert "clamp" in f.fixes[0].code
     opt = torch.optim.SGD(
         model.parameters(), lr=0.5
@@ -172,7 +173,7 @@ def test_inf_minus_inf_on_a_fully_masked_row_is_named_and_a_finite_mask_trains()
 
     report = mpdoctor.probe(model, ForwardCall(x, mask), name="model")
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "inf-minus-inf" and f.evidence["op"] == "softmax"
+    assert f.evidence["origin"] == "inf-minus-inf" and f.evidence["op"] == "softmax"
     assert "finfo" in f.fixes[0].code
     finite = mask.clamp_min(torch.finfo(torch.float32).min)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -200,14 +201,14 @@ def test_nan_already_in_the_batch_or_in_the_weights_is_named_as_such():
 
     report = mpdoctor.probe(ByKey(), batch, name="model")
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "nan-in-batch" and f.evidence["key"] == "x"
+    assert f.evidence["origin"] == "nan-in-batch" and f.evidence["key"] == "x"
     assert "isfinite" in f.fixes[0].code
 
     with torch.no_grad():
         net.head.weight[0, 0] = math.nan
     report = mpdoctor.probe(net, torch.randn(2, 8), name="net")
     f = _nonfinite(report)
-    assert f.evidence["cause"] == "nan-in-weights" and f.evidence["module"] == "head"
+    assert f.evidence["origin"] == "nan-in-weights" and f.evidence["module"] == "head"
     assert f.fixes[0].recipe == "reload-weights"
 
 
@@ -228,7 +229,7 @@ def test_f_normalize_default_eps_vanishes_in_fp16_and_is_named():
     assert torch.isnan(model(x)).all()  # the real harm: 0 / max(0, 1e-12 -> 0)
     f = _nonfinite(mpdoctor.probe(model, x, loss_fn=lambda out: out.float().sum()))
     assert (
-        f.evidence["cause"] == "eps-underflow"
+        f.evidence["origin"] == "eps-underflow"
         and f.evidence["op"] == "normalize"
         and f.evidence["eps"] == 1e-12
     )

@@ -613,16 +613,32 @@ def _origin_fixes(facts: Facts, p, o, shown) -> list[Fix]:
     return [Fix(code[0], code[1], applicability=Applicability.DISPLAY_ONLY, recipe=o.cause)]
 
 
+#: Origin causes that mean what an older probe cause meant: the evidence keeps the older name for those.
+_ORIGIN_AS_PROBE_CAUSE = {"nan-in-weights": "weights-nonfinite", "inf-minus-inf": "input-nonfinite"}
+
+
 def _origin_finding(facts: Facts, p, first) -> Finding:
     o = p.origin
+    cause = _ORIGIN_AS_PROBE_CAUSE.get(o.cause, o.cause)
+    if o.cause == "overflow" and o.dtype == "float16":
+        cause = "activation-overflow-fp16"
     where = _where(p, o.module) if o.cause != "nan-in-batch" else p.model
     op = f" in `{o.op}`" if o.op else ""
     shown = "" if first.path == o.module else f"; it first shows in {_where(p, first.path)} ({first.class_name})"
     if o.cause == "nan-in-batch":
         msg = f"The batch fed to {p.model} already holds NaN/Inf ({o.detail.get('key', '?')}){shown}: check the data."
     else:
-        msg = (f"The first non-finite value is produced in {where} ({o.class_name}){op}, computing in {o.dtype} "
-               f"under {_precision(p)}: {o.why}{shown}.")  # fmt: skip
+        lead = (f"{where} ({o.class_name}) is the first module whose output went non-finite "
+                f"({first.out_nonfinite:,} NaN/Inf activation values); it is produced there"
+                if first.path == o.module else f"The first non-finite value is produced in {where} ({o.class_name})")  # fmt: skip
+        msg = f"{lead}{op}, computing in {o.dtype} under {_precision(p)}: {o.why}"
+        if o.cause == "overflow":
+            msg += f"; its inputs were finite (abs max {_fmt(o.detail.get('input_absmax'))})"
+            if o.dtype == "float16":
+                msg += f" and its {o.class_name} output, computed in float16, passed fp16's largest value 65504"
+        msg += f"{shown}."
+        if o.cause == "inf-minus-inf":
+            msg += f" Where the inf came from: {PROBE_CAUSES['input-nonfinite']}."
     from types import SimpleNamespace
 
     at = SimpleNamespace(path=o.module, class_name=o.class_name)
@@ -636,12 +652,19 @@ def _origin_finding(facts: Facts, p, first) -> Finding:
             "class": o.class_name,
             "op": o.op,
             "phase": "forward",
-            "cause": o.cause,
+            "cause": cause,
+            "origin": o.cause,
             "why": o.why,
             "dtype": o.dtype,
             "first_shows_in": first.path,
             "output_nonfinite": first.out_nonfinite,
+            "grad_nonfinite": first.grad_nonfinite,
+            "input_nonfinite": first.in_nonfinite,
+            "weight_nonfinite": first.param_nonfinite,
+            "input_dtypes": list(first.input_dtypes),
+            "output_dtypes": list(first.output_dtypes),
             "autocast": p.autocast,
+            "loss_scale": p.loss_scale,
             "loss": p.loss,
             **{k: v for k, v in o.detail.items() if isinstance(v, (int, float, str))},
         },

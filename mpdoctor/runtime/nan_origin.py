@@ -51,6 +51,10 @@ _SQRT = frozenset({"sqrt", "sqrt_", "rsqrt", "rsqrt_"})
 _DIV = frozenset({"div", "div_", "__truediv__", "__rtruediv__", "__itruediv__", "true_divide", "reciprocal",
                   "rsqrt", "rsqrt_", "__floordiv__", "floor_divide", "remainder", "fmod"})  # fmt: skip
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+#: Ops summing products: NaN from finite inputs there is an overflow to inf met by an opposite inf.
+_ACCUMULATING = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d",
+                           "conv3d", "conv_transpose1d", "conv_transpose2d", "sum", "mean", "mul", "exp", "pow",
+                           "scaled_dot_product_attention", "__matmul__", "softmax", "var"})  # fmt: skip
 #: Where torch functions take their eps positionally, and their defaults when not given.
 _EPS_POSITION = {"normalize": 3, "layer_norm": 4, "group_norm": 4, "rms_norm": 3}
 _EPS_DEFAULT = {"normalize": 1e-12}
@@ -135,7 +139,10 @@ class OpWatch(TorchFunctionMode):
     """Stop at the first op whose output holds NaN its inputs did not, or inf from inputs without inf/NaN."""
 
     def __init__(
-        self, stack: list[int], modules: list[tuple[str, torch.nn.Module]], within: frozenset[int] | None = None
+        self,
+        stack: list[int],
+        modules: list[tuple[str, torch.nn.Module]],
+        within: frozenset[int] | None = None,
     ) -> None:
         super().__init__()
         self.stack, self.modules, self.within = stack, modules, within
@@ -185,8 +192,8 @@ class OpWatch(TorchFunctionMode):
                     break
         elif self._eps_vanishes(name, args, kwargs, dtype, detail):
             cause = "eps-underflow"  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
-        elif not out_nan:
-            cause = "overflow"
+        elif not out_nan or name in _ACCUMULATING:
+            cause = "overflow"  # a NaN from finite inputs in a sum of products is inf - inf inside it
         else:
             cause = "nonfinite-op"
         self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail)
