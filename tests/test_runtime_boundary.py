@@ -159,3 +159,32 @@ def test_a_plain_tensor_batch_is_named_input_and_the_hook_never_casts_ids_or_boo
         and kwargs["ids"].dtype == torch.int64
         and kwargs["mask"].dtype == torch.bool
     )
+
+
+def test_a_model_mixing_dtypes_is_not_blamed_on_the_batch_at_the_crash():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    x = torch.randn(2, 4)  # fp32, as the first layer wants: the bf16 second layer is the fault
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        with mpdoctor.watch(model) as w:
+            model(x)
+    assert w.crash_report.cause.check != "batch-dtype-mismatch"
+    assert w.crash_report.findings_for("mixed-param-dtypes")
+
+
+def test_the_ipython_crash_hook_names_the_batch_entry(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("%load_ext mpdoctor", store_history=False)
+    try:
+        shell.user_ns["model"] = torch.nn.Sequential(torch.nn.Conv1d(8, 4, 3)).to(torch.bfloat16)
+        shell.user_ns["batch"] = {"input_features": torch.randn(2, 8, 16)}
+        result = shell.run_cell("model(batch['input_features'])", store_history=False)
+        out = capsys.readouterr()
+        text = out.out + out.err
+        assert type(result.error_in_exec).__name__ == "RuntimeError"
+        assert "batch-dtype-mismatch" in text and "`input_features` (float32)" in text and "model.0" in text
+    finally:
+        shell.run_cell("%unload_ext mpdoctor", store_history=False)
+        shell.user_ns.pop("model", None)
+        shell.user_ns.pop("batch", None)

@@ -321,11 +321,14 @@ def crash_finding(
         return None
     model_name = next((k for k, v in namespace.items() if v is model and k.isidentifier()), "model")
     held_ids = {id(t) for t in held}
+    # Without the very tensor in the failing frame, blame the batch only when the whole model is in one dtype:
+    # a model mixing dtypes (an fp32 layer feeding a bf16 one) is mixed-param-dtypes, not the batch.
+    uniform = len({p.dtype for p in model.parameters() if p.is_floating_point()}) == 1
     found: list[tuple[str, str, Any, list[str]]] = []  # (kind, name, batch, keys)
     for name, batch in _batches(namespace):
         entries = list(named_inputs(batch))
         keys = [k for k, t in entries if id(t) in held_ids]
-        if not keys:
+        if not keys and uniform:
             keys = [k for k, t in entries if dtype_name(t.dtype) != layer_dtype]
         if keys:
             kind = "mapping" if isinstance(batch, Mapping) else "tensor"
