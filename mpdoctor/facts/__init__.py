@@ -228,8 +228,9 @@ def _norm_kernel(cls: type) -> str:
         else:
             import inspect
 
-            try:  # read the source, never run it
-                src = inspect.getsource(cls.forward)
+            forward = next((c.__dict__["forward"] for c in cls.__mro__ if "forward" in c.__dict__), None)
+            try:  # read the source, never run it (the function is found in the class dicts, not by getattr)
+                src = inspect.getsource(forward)
                 kernel = "upcast" if ("float32" in src or ".float()" in src) else "dtype"
             except (OSError, TypeError):
                 kernel = "dtype"
