@@ -260,3 +260,37 @@ def test_a_healthy_probe_replays_nothing_and_reports_no_origin():
     assert report.facts.probes[0].origin is None
     assert not [f for f in report.findings if f.severity in ("error", "warning")]
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in net.modules())
+
+
+def test_the_eps_fix_sets_the_config_field_too_and_undo_restores_both():
+    from transformers import BertConfig
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = BertConfig(hidden_size=8, layer_norm_eps=1e-12)
+            self.fc = nn.Linear(8, 8)
+            self.norm = HandLayerNorm(8, eps=self.config.layer_norm_eps)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.fc(x))
+
+    model = Encoder().half()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.zero_()
+    x = torch.randn(2, 8, dtype=torch.float16)
+    assert torch.isnan(model(x)).all()  # zero-variance rows, eps 0 in fp16
+    report = mpdoctor.diagnose(model)
+    (finding,) = report.findings_for("norm-eps-underflow")
+    assert finding.evidence["config"] == {"layer_norm_eps": 1e-12} and finding.severity == "error"
+    (fix,) = finding.fixes
+    fix.apply(confirm=True)
+    assert model.norm.eps == 1e-5 and model.config.layer_norm_eps == 1e-5
+    assert not mpdoctor.diagnose(model).findings_for("norm-eps-underflow")
+    with torch.no_grad():
+        model.fc.bias.copy_(torch.linspace(-1, 1, 8))  # a trainable signal; the zero-variance rows stay possible
+    loss, moved = _train_step(model, x)
+    assert math.isfinite(loss) and moved
+    fix.undo()
+    assert model.norm.eps == 1e-12 and model.config.layer_norm_eps == 1e-12
