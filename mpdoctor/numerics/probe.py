@@ -551,6 +551,8 @@ def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tupl
     try:
         model.train(training)
         torch.set_rng_state(snapshot.cpu_rng)
+        if snapshot.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(snapshot.cuda_rng)
         ctx, _, _ = _autocast_for(device, setup, autocast)
         return nan_origin.locate(model, lambda: _call(model, batch), modules, ctx, first.path)
     except Exception:  # the origin is a bonus; the probe's findings stand without it
