@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
-from ..treatment.changes import CastParamsTo
+from ..treatment.changes import CastParamsTo, SetNormEps
 from ..treatment.findings import Finding
 from ..treatment.fixes import Applicability, Fix
 from . import check
@@ -384,6 +384,9 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
         if hit is None:
             continue
         m, phase = hit
+        if phase == "forward" and getattr(p, "origin", None) is not None:
+            yield _origin_finding(facts, p, m)
+            continue
         where = _where(p, m.path)
         cause = _nonfinite_cause(p, m, phase)
         if phase == "forward":
@@ -520,9 +523,11 @@ def probe_dtype_error(facts: Facts) -> Iterator[Finding]:
     Source
         mpdoctor FIELD-CASES #5 (Unsloth #1260, #212).
     """
+    from .batch_inputs import batch_explains
+
     for p in facts.probes:
         e = p.error
-        if e is None or not e.is_dtype_error:
+        if e is None or not e.is_dtype_error or batch_explains(p):  # batch-dtype-mismatch names the input
             continue
         where = _where(p, e.module) if e.module is not None else p.model
         held = ""
@@ -576,4 +581,223 @@ def probe_failed(facts: Facts) -> Iterator[Finding]:
             where,
             f"The probe's {e.phase} raised in {where}: {e.exception}: {e.message}",
             {"module": e.module, "class": e.class_name, "phase": e.phase, "exception": e.exception, "message": e.message},
+        )
+
+
+# -- where a NaN is born, and the batch at the model's boundary -----------------------------------------------
+
+
+def _origin_fixes(facts: Facts, p, o, shown) -> list[Fix]:
+    """The fix that matches the cause of a NaN's birth (:mod:`mpdoctor.runtime.nan_origin`)."""
+    if o.cause == "overflow":
+        return _probe_fixes(facts, p, shown, "activation-overflow-fp16")
+    if o.cause == "nan-in-weights":
+        return _probe_fixes(facts, p, shown, "weights-nonfinite")
+    if o.cause == "inf-minus-inf":
+        return _probe_fixes(facts, p, shown, "input-nonfinite")
+    if o.cause == "eps-underflow":
+        fixes = list(_eps_fixes(facts, p.model, {o.module}))
+        return fixes + [_fp32_module_fix(facts, p, o.module, o.class_name)]
+    code = {
+        "nan-in-batch": ("Check the data: the batch already holds NaN/Inf",
+                         f"for k, v in batch.items():  # {o.detail.get('key', '')}\n"
+                         "    assert not v.is_floating_point() or torch.isfinite(v).all(), k"),
+        "log-nonpositive": ("Clamp before the log", "torch.log(x.clamp_min(torch.finfo(x.dtype).tiny))"),
+        "sqrt-negative": ("Clamp before the square root", "torch.sqrt(x.clamp_min(0))"),
+        "zero-division": ("Keep the denominator away from zero",
+                          "y = a / (b + eps)  # eps representable in the compute dtype: 1e-5 for fp16, "
+                          "or b.clamp_min(torch.finfo(b.dtype).tiny)"),
+    }.get(o.cause)
+    if code is None:
+        return [_fp32_module_fix(facts, p, o.module, o.class_name)]
+    return [Fix(code[0], code[1], applicability=Applicability.DISPLAY_ONLY, recipe=o.cause)]
+
+
+#: Origin causes that mean what an older probe cause meant: the evidence keeps the older name for those.
+_ORIGIN_AS_PROBE_CAUSE = {"nan-in-weights": "weights-nonfinite", "inf-minus-inf": "input-nonfinite"}
+
+
+def _origin_finding(facts: Facts, p, first) -> Finding:
+    o = p.origin
+    cause = _ORIGIN_AS_PROBE_CAUSE.get(o.cause, o.cause)
+    if o.cause == "overflow" and o.dtype == "float16":
+        cause = "activation-overflow-fp16"
+    where = _where(p, o.module) if o.cause != "nan-in-batch" else p.model
+    op = f" in `{o.op}`" if o.op else ""
+    shown = "" if first.path == o.module else f"; it first shows in {_where(p, first.path)} ({first.class_name})"
+    if o.cause == "nan-in-batch":
+        msg = f"The batch fed to {p.model} already holds NaN/Inf ({o.detail.get('key', '?')}){shown}: check the data."
+    else:
+        lead = (f"{where} ({o.class_name}) is the first module whose output went non-finite "
+                f"({first.out_nonfinite:,} NaN/Inf activation values); it is produced there"
+                if first.path == o.module else f"The first non-finite value is produced in {where} ({o.class_name})")  # fmt: skip
+        msg = f"{lead}{op}, computing in {o.dtype} under {_precision(p)}: {o.why}"
+        if o.cause == "overflow":
+            msg += f"; its inputs were finite (abs max {_fmt(o.detail.get('input_absmax'))})"
+            if o.dtype == "float16":
+                msg += f" and its {o.class_name} output, computed in float16, passed fp16's largest value 65504"
+        msg += f"{shown}."
+        if o.cause == "inf-minus-inf":
+            msg += f" Where the inf came from: {PROBE_CAUSES['input-nonfinite']}."
+    from types import SimpleNamespace
+
+    at = SimpleNamespace(path=o.module, class_name=o.class_name)
+    return Finding(
+        "probe-nonfinite",
+        "error",
+        where,
+        msg,
+        {
+            "module": o.module,
+            "class": o.class_name,
+            "op": o.op,
+            "phase": "forward",
+            "cause": cause,
+            "origin": o.cause,
+            "why": o.why,
+            "dtype": o.dtype,
+            "first_shows_in": first.path,
+            "output_nonfinite": first.out_nonfinite,
+            "grad_nonfinite": first.grad_nonfinite,
+            "input_nonfinite": first.in_nonfinite,
+            "weight_nonfinite": first.param_nonfinite,
+            "input_dtypes": list(first.input_dtypes),
+            "output_dtypes": list(first.output_dtypes),
+            "autocast": p.autocast,
+            "loss_scale": p.loss_scale,
+            "loss": p.loss,
+            **{k: v for k, v in o.detail.items() if isinstance(v, (int, float, str))},
+        },
+        _origin_fixes(facts, p, o, at),
+    )
+
+
+@check("batch-dtype-mismatch", "error")
+def batch_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+    """A floating batch input in another dtype than the layer that receives it, with nothing autocasting.
+
+    What it detects
+        During a probe (``mpdoctor.probe``, ``watch()``) or at a crash: a floating entry of the batch (a
+        tensor, a dict / ``BatchFeature`` / ``BatchEncoding`` entry such as ``pixel_values``,
+        ``input_features``, ``inputs_embeds`` or a float attention mask) whose dtype differs from the weights
+        of the first layer that receives it, while no autocast is active. Names the input by its key and the
+        layer by its path.
+    Why it matters
+        Image processors and feature extractors return fp32; a model loaded in bf16/fp16 without autocast
+        then raises ``Input type (float) and bias type (c10::BFloat16) should be the same`` or ``mat1 and mat2
+        must have the same dtype`` at its first convolution or projection, on every step.
+    Severity
+        Error when the input reached a layer with weights of another dtype or the forward raised a dtype
+        error; nothing when the model converts the input itself before any layer sees it.
+    Fix
+        In place: a forward pre-hook on the model casting floating inputs (never integer ids or bool masks)
+        to the compute dtype, removed by undo; or cast the dict batch's entries in place. The line to keep:
+        ``batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}``.
+    Source
+        transformers #25220 / diffusers reports of "Input type (float) and bias type (c10::Half)"; mpdoctor
+        field cases (runtime-batch-nan).
+    """
+    from .batch_inputs import batch_findings
+
+    for p in facts.probes:
+        yield from batch_findings(p)
+
+
+#: Compute dtypes an eps is judged in, by the name a ModelFacts reason uses.
+_EPS_SAFE = 1e-5
+
+
+def _eps_dtypes(facts: Facts, m: ModelFacts) -> list[str]:
+    """The half dtypes ``m`` computes its norms in: fp16 setups, autocast or weights; bf16 weights."""
+    out = ["float16"] if _fp16_reasons(facts, m) else []
+    counts = m.tensors.param_dtype_counts()
+    total = sum(counts.values())
+    if total and counts.get("bfloat16", 0) * 2 >= total:
+        out.append("bfloat16")
+    return out
+
+
+def _vanishes(eps: float, dtype: str) -> bool:
+    import torch
+
+    return eps > 0 and float(torch.tensor(eps, dtype=getattr(torch, dtype))) == 0.0
+
+
+def _eps_fixes(facts: Facts, model_name: str, paths: set[str] | None = None) -> Iterator[Fix]:
+    m = next((x for x in facts.models if x.name == model_name), None)
+    if m is None:
+        return
+    mods = tuple((path, attr) for path, _, attr, eps, _ in m.norm_eps if (paths is None or path in paths) and eps < _EPS_SAFE
+                 and any(_vanishes(eps, d) for d in ("float16",)))  # fmt: skip
+    if not mods:
+        return
+    cfgs = tuple((ref, attr) for ref, attr, eps in m.config_eps if _vanishes(eps, "float16"))
+    cfg_line = "".join(f"\n{model_name}.config.{attr} = {_EPS_SAFE:g}  # new layers built from the config too"
+                       for _, attr in cfgs)  # fmt: skip
+    yield Fix(
+        f"Set the eps of {len(mods)} normalisation layer{'s' if len(mods) != 1 else ''} to {_EPS_SAFE:g} "
+        "(representable in fp16)",
+        f"for module in {model_name}.modules():\n"
+        f"    if getattr(module, {mods[0][1]!r}, None) is not None and module.{mods[0][1]} < {_EPS_SAFE:g}:\n"
+        f"        module.{mods[0][1]} = {_EPS_SAFE:g}  # 1e-12 is 0 in fp16: 0/0 on a zero-variance row" + cfg_line,
+        changes=(SetNormEps(m.inner_ref, mods, _EPS_SAFE, cfgs, model_name),),
+        recipe="representable-eps",
+        cost="a slightly different normalisation for near-constant rows",
+    )
+
+
+@check("norm-eps-underflow", "error")
+def norm_eps_underflow(facts: Facts) -> Iterator[Finding]:
+    """A normalisation eps that is 0 in the dtype the layer computes in (1e-12 in fp16).
+
+    What it detects
+        LayerNorm / RMSNorm / GroupNorm modules (``eps``, ``variance_epsilon``) and config fields
+        (``layer_norm_eps``, ``rms_norm_eps``, ``norm_eps``) whose eps rounds to zero in the model's compute
+        dtype: fp16 (fp16 weights, an fp16 autocast or fp16 mixed precision) flushes everything below
+        about 3e-8 to 0; bf16 keeps fp32's range, so 1e-12 stays a normal number there.
+    Why it matters
+        A norm written as ``x / sqrt(var + eps)`` or ``x * rsqrt(var + eps)`` that computes in its input's
+        dtype divides by zero on any row of zero variance (padding, a constant or all-zero row): NaN,
+        then a NaN loss. torch's own LayerNorm / GroupNorm / RMSNorm kernels and norms that upcast to fp32
+        add eps in fp32, so there the eps is merely meaningless.
+    Severity
+        Error when the layer computes in the half dtype itself (its forward neither is torch's kernel nor
+        casts to fp32); info when torch's kernel or an fp32 upcast adds the eps (harmless here).
+    Fix
+        Set the eps to a representable value (1e-5) on the modules and the config, in place (undo restores
+        the old values); or keep the norm in fp32.
+    Source
+        BERT's ``layer_norm_eps=1e-12`` in fp16 (transformers discussions); mpdoctor field cases
+        (runtime-batch-nan).
+    """
+    for m in facts.models:
+        dtypes = _eps_dtypes(facts, m)
+        if not dtypes:
+            continue
+        hits = [(e, d) for e in m.norm_eps for d in dtypes if _vanishes(e[3], d)]
+        if not hits:
+            continue
+        own = [e for e, _ in hits if e[4] == "dtype"]
+        severity = "error" if own else "info"
+        shown = own or [e for e, _ in hits]
+        dtype = hits[0][1]
+        classes = sorted({e[1] for e in shown})
+        eps = sorted({e[3] for e in shown})
+        how = ("computes in its input's dtype, so a zero-variance row (padding, a constant row) gives 0/0 = NaN"
+               if own else "is torch's kernel or upcasts to fp32, which adds eps in fp32: harmless here")  # fmt: skip
+        yield Finding(
+            "norm-eps-underflow",
+            severity,
+            f"{m.name}.{shown[0][0]}" if shown[0][0] else m.name,
+            f"{len(shown)} normalisation layer{'s' if len(shown) != 1 else ''} of {m.name} ({', '.join(classes)}) "
+            f"use{'s' if len(shown) == 1 else ''} eps {', '.join(f'{e:g}' for e in eps)}, which is 0 in {dtype}; "
+            f"the layer {how}.",
+            {
+                "modules": [e[0] for e in shown][:20],
+                "eps": eps,
+                "dtype": dtype,
+                "kernel": sorted({e[4] for e in shown}),
+                "config": {attr: v for _, attr, v in m.config_eps},
+            },
+            list(_eps_fixes(facts, m.name, {e[0] for e in shown})) if own else [],
         )

@@ -95,7 +95,21 @@ def explain(
         ignore=ignore,
     )
     mark_cause(report, pattern, link, frames, namespace=merged)
+    _batch_cause(report, pattern.slug, frames, merged, objects)
     return report
+
+
+def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> None:
+    """A dtype error raised by a layer fed a batch entry of another dtype: name the entry and the layer first."""
+    try:
+        from ..runtime.boundary import crash_finding
+
+        finding = crash_finding(slug, frames, namespace, objects, report.live)
+    except Exception:  # the pattern's cause stands without it
+        return
+    if finding is not None:
+        report.findings[:] = [finding] + list(report.findings)
+        report.cause = finding
 
 
 def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,

@@ -261,3 +261,34 @@ class Call(Change):
 
     def revert(self) -> None:
         self._undo(self._token)
+
+
+class ForwardPreHook(Change):
+    """Register a forward pre-hook on a module; undo removes exactly that hook (its handle is recorded).
+
+    ``marker`` names the hook's purpose: when a hook with the same marker is already registered on the
+    module, applying does nothing (a second application never stacks a second hook).
+    """
+
+    def __init__(self, module: torch.nn.Module, hook: Callable[..., Any], marker: str, label: str) -> None:
+        self.module, self.hook, self.marker = module, hook, marker
+        self.description = label
+        self._handle: Any = None
+
+    @staticmethod
+    def registered(module: torch.nn.Module, marker: str) -> bool:
+        """True when a hook carrying ``marker`` is registered on ``module``."""
+        hooks = getattr(module, "_forward_pre_hooks", {})
+        return any(getattr(h, "_mpdoctor_marker", None) == marker for h in list(hooks.values()))
+
+    def apply(self) -> None:
+        self._handle = None
+        if self.registered(self.module, self.marker):
+            return
+        self.hook._mpdoctor_marker = self.marker  # type: ignore[attr-defined]
+        self._handle = self.module.register_forward_pre_hook(self.hook, with_kwargs=True)
+
+    def revert(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

@@ -93,6 +93,12 @@ class ModelFacts:
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
     #: phase error in radians at the last position, positions)``; read by the transformers integration.
     rope_buffers: tuple[tuple[str, str, str, float, int], ...] = ()
+    #: Normalisation layers' epsilons as ``(module path, class name, attribute, eps, kernel)``; kernel is
+    #: ``"fused"`` (torch's own norm kernels add eps in fp32), ``"upcast"`` (its forward casts to fp32 first)
+    #: or ``"dtype"`` (it computes, eps included, in its input's dtype).
+    norm_eps: tuple[tuple[str, str, str, float, str], ...] = ()
+    #: The config fields that set those epsilons, as ``(config ref, attribute, eps)``.
+    config_eps: tuple[tuple[int, str, float], ...] = ()
 
     @property
     def model_type(self) -> str | None:

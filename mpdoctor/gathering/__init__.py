@@ -21,6 +21,7 @@ from ..facts.scaler import ScalerFacts
 from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..readers.hardware import live_profile
+from ..readers.norms import norm_epsilons
 from ..readers.optimizer import gather_optimizer
 from ..readers.scaler import gather_scaler
 from ..readers.tensors import gather_module_tensors
@@ -71,6 +72,7 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         inner_ref=id(inner),
         owner=subject.owner,
         **fields,
+        **norm_epsilons(inner, live),
     )
 
 

@@ -21,6 +21,7 @@ scaler never touched, even when the forward raises.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -182,6 +183,7 @@ class _Recorder:
         self.grad_seen = 0
         self.last_grad: int | None = None
         self.handles: list[Any] = []
+        self.trace: Any = None  # runtime.boundary.BoundaryTrace: where each batch tensor enters
 
     def attach(self) -> None:
         for _, m in self.modules:
@@ -208,8 +210,11 @@ class _Recorder:
         if rec is None:
             rec = self.records[i] = _Record(len(self.records))
         rec.calls += 1
+        pending = self.trace.pending if self.trace is not None else None
         for t in _tensors((args, kwargs)):
             rec.in_dt[dtype_name(t.dtype)] = None
+            if pending and id(t) in pending:
+                self.trace.receive(i, t)
         # Accelerator inputs are measured now (queued, no sync); CPU inputs only if the output goes bad.
         if rec.in_dt:
             self._inputs(rec, args, kwargs, eager=False)
@@ -450,7 +455,11 @@ def run_probe(
     modules = list(model.named_modules())
     recorder = _Recorder(modules)
     snapshot = _Snapshot(model, batch)
+    batch_kind = "mapping" if isinstance(batch, Mapping) else "tensor"
     batch = _to_device(batch, device)
+    from ..runtime.boundary import BoundaryTrace
+
+    recorder.trace = BoundaryTrace(batch, modules)
     loss_value: float | None = None
     error: ProbeError | None = None
     ran_backward = False
@@ -500,6 +509,12 @@ def run_probe(
     with no_autocast():
         records = _finish(recorder, modules, snapshot.params, new_grads)
     fp16_weights = any(p.dtype == torch.float16 for p in snapshot.params)
+    boundary = recorder.trace.facts(model)
+    origin = None
+    if any(m.out_nonfinite for m in records):
+        boundary = recorder.trace.count_nonfinite(boundary)
+        origin = _nan_origin(model, batch, modules, records, boundary, snapshot, device, setup, autocast, training)
+    recorder.trace = None
     return ProbeFacts(
         model=name,
         modules=records,
@@ -513,7 +528,37 @@ def run_probe(
         error=error,
         fp16_weights=fp16_weights,
         seconds=time.perf_counter() - start,
+        boundary=boundary,
+        origin=origin,
+        batch_kind=batch_kind,
+        model_ref=id(model),
     )
+
+
+def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tuple, boundary: tuple, snapshot: _Snapshot,
+                device: torch.device, setup: Any, autocast: Any, training: bool) -> Any:  # fmt: skip
+    """Where the first non-finite value of the forward was produced (:mod:`mpdoctor.runtime.nan_origin`)."""
+    from ..runtime import nan_origin
+
+    first = min((m for m in records if m.out_nonfinite and m.done is not None), key=lambda m: m.done, default=None)
+    weights = next((m for m in records if m.param_nonfinite), None)
+    known = nan_origin.from_facts({b.key: b.nonfinite for b in boundary},
+                                  (weights.path, weights.class_name) if weights is not None else None)  # fmt: skip
+    if known is not None or first is None:
+        return known
+    # Replay the same forward (same autocast, same dropout masks) with an op watch; restore all it touches.
+    again = _Snapshot(model, batch)
+    try:
+        model.train(training)
+        torch.set_rng_state(snapshot.cpu_rng)
+        if snapshot.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+        ctx, _, _ = _autocast_for(device, setup, autocast)
+        return nan_origin.locate(model, lambda: _call(model, batch), modules, ctx, first.path)
+    except Exception:  # the origin is a bonus; the probe's findings stand without it
+        return None
+    finally:
+        again.restore()
 
 
 def _finish(
@@ -633,9 +678,12 @@ def probe(
     subjects = discover(objects, names={id(model): name})
     live = Live()
     facts = gather(subjects, live=live)
+    live.add(model)
+    if isinstance(batch, Mapping):  # the user's dict / BatchFeature: a fix may cast its entries in place
+        facts_probe = dataclasses.replace(facts_probe, batch_ref=live.add(batch))
     facts = Facts(**{**facts.__dict__, "probes": (facts_probe,)})
     load()
-    ignore = () if checks else tuple(s for s in REGISTRY if not s.startswith("probe-"))
+    ignore = () if checks else tuple(s for s in REGISTRY if not s.startswith("probe-") and s != "batch-dtype-mismatch")
     # Probe findings quote exceptions raised by user code: redact them like diagnose() does.
     findings = [redact_finding(f) for f in run_checks(facts, ignore=ignore)]
 

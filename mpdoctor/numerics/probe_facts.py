@@ -158,6 +158,15 @@ class ProbeFacts:
     error: ProbeError | None
     fp16_weights: bool
     seconds: float
+    #: mpdoctor.runtime.boundary.BatchInput per floating batch tensor: its key, dtype and receiving layer.
+    boundary: tuple = ()
+    #: mpdoctor.runtime.nan_origin.NanOrigin: where the first non-finite value was produced, and why.
+    origin: Any = None
+    #: ``"mapping"`` for a dict / BatchFeature batch, else ``"tensor"``; refs of the batch (0 when not a
+    #: dict the user holds) and the model in the report's live table.
+    batch_kind: str = "tensor"
+    batch_ref: int = 0
+    model_ref: int = 0
 
     @property
     def fp16_in_use(self) -> bool:

@@ -661,3 +661,153 @@ class SetDeepSpeedConfigKey(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(r, self.key): self.value for r in self.configs}
+
+
+# -- the batch at the model's boundary, and normalisation epsilons ---------------------------------------
+
+#: Marker of the input-casting pre-hook (one per model: applying twice never stacks two).
+CAST_INPUTS_MARKER = "mpdoctor-cast-floating-inputs"
+
+
+def cast_floating(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
+    """``value`` with every floating tensor in ``dtype``; integer ids and bool masks are left as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if depth < 3 and isinstance(value, dict):
+        return {k: cast_floating(v, dtype, depth + 1) for k, v in value.items()}
+    if depth < 3 and type(value) in (tuple, list):
+        return type(value)(cast_floating(v, dtype, depth + 1) for v in value)
+    return value
+
+
+def cast_inputs_hook(dtype: torch.dtype) -> Any:
+    """A forward pre-hook (``with_kwargs=True``) casting floating inputs to ``dtype``."""
+
+    def cast_floating_inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    return cast_floating_inputs
+
+
+def _batch_fixed(facts: Facts, keys: frozenset[str] | None, dtype: str) -> Facts:
+    """Facts whose probes saw the batch inputs ``keys`` (None: all) in ``dtype`` and no dtype error from them."""
+    probes = []
+    for p in facts.probes:
+        inputs = tuple(getattr(p, "boundary", ()) or ())
+        if not inputs:
+            probes.append(p)
+            continue
+        fixed = tuple(
+            dataclasses.replace(b, dtype=dtype) if (keys is None or b.key in keys) and b.floating else b for b in inputs
+        )
+        error = p.error
+        if error is not None and error.is_dtype_error and any(b.mismatched(p.autocast) for b in inputs):
+            error = None  # the batch's dtype was what raised
+        probes.append(dataclasses.replace(p, boundary=fixed, error=error))
+    return dataclasses.replace(facts, probes=tuple(probes))
+
+
+@dataclass(frozen=True)
+class CastInputsHook(ChangeSpec):
+    """A forward pre-hook on the model ``ref`` casting its floating inputs to ``dtype``; undo removes it.
+
+    Integer ids and bool masks pass unchanged. One hook per model: a second application does nothing.
+    """
+
+    ref: int
+    dtype: str
+    label: str = "model"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import ForwardPreHook
+
+        model = live.get(self.ref)
+        if ForwardPreHook.registered(model, CAST_INPUTS_MARKER):
+            return []
+        hook = cast_inputs_hook(torch_dtype(self.dtype))
+        return [ForwardPreHook(model, hook, CAST_INPUTS_MARKER, f"{self.label}: cast floating inputs to {self.dtype}")]
+
+    def simulate(self, facts: Facts) -> Facts:
+        return _batch_fixed(facts, None, self.dtype)
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import ForwardPreHook
+
+        return None if ForwardPreHook.registered(live.get(self.ref), CAST_INPUTS_MARKER) else "the hook is not registered"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "input-dtype"): self.dtype}
+
+
+@dataclass(frozen=True)
+class CastBatchItems(ChangeSpec):
+    """Cast the floating entries ``keys`` of a dict batch (``dict``, ``BatchFeature``, ``BatchEncoding``) in place."""
+
+    ref: int
+    keys: tuple[str, ...]
+    dtype: str
+    label: str = "batch"
+
+    def bind(self, live: Live) -> list[Change]:
+        batch, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        steps: list[Change] = []
+        for key in self.keys:
+            value = batch.get(key)
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+                steps.append(SetItem(batch, key, value.to(dtype), f"{self.label}[{key!r}]"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        return _batch_fixed(facts, frozenset(self.keys), self.dtype)
+
+    def verify(self, live: Live) -> str | None:
+        batch, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        left = [k for k in self.keys if isinstance(batch.get(k), torch.Tensor) and batch.get(k).dtype != dtype]
+        return f"{', '.join(left)} still not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, key): self.dtype for key in self.keys}
+
+
+@dataclass(frozen=True)
+class SetNormEps(ChangeSpec):
+    """Set the epsilon of normalisation modules (and of the config that names it) to ``value``, in place.
+
+    ``modules`` are ``(submodule path, attribute)`` pairs of the model ``ref``; ``configs`` are
+    ``(config ref, attribute)`` pairs. Undo restores every old value exactly.
+    """
+
+    ref: int
+    modules: tuple[tuple[str, str], ...]
+    value: float
+    configs: tuple[tuple[int, str], ...] = ()
+    label: str = "model"
+
+    def _targets(self, live: Live) -> list[tuple[Any, str, str]]:
+        model = live.get(self.ref)
+        out = [(model.get_submodule(path) if path else model, attr, f"{self.label}.{path}.{attr}".replace("..", "."))
+               for path, attr in self.modules]  # fmt: skip
+        out += [(live.get(ref), attr, f"config.{attr}") for ref, attr in self.configs if ref in live]
+        return out
+
+    def bind(self, live: Live) -> list[Change]:
+        return [SetAttr(obj, attr, self.value, label) for obj, attr, label in self._targets(live)
+                if _differs(obj, attr, self.value)]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        paths = {p for p, _ in self.modules}
+        models = []
+        for m in facts.models:
+            if m.inner_ref == self.ref or m.ref == self.ref:
+                eps = tuple(e[:3] + (self.value,) + e[4:] if e[0] in paths else e for e in m.norm_eps)
+                cfg = tuple((r, a, self.value) if (r, a) in self.configs else (r, a, v) for r, a, v in m.config_eps)
+                m = dataclasses.replace(m, norm_eps=eps, config_eps=cfg)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        left = [label for obj, attr, label in self._targets(live) if _differs(obj, attr, self.value)]
+        return f"{', '.join(left)} still differ" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, attr): self.value for path, attr in self.modules}

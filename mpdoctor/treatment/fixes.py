@@ -29,7 +29,6 @@ from ..redact import describe_exception
 UNDO_BUDGET_BYTES = 2 * 2**30
 
 
-
 class FixFailed(RuntimeError):
     """A fix could not be applied; everything it touched is as it was before."""
 

@@ -1,0 +1,113 @@
+"""What the probe's boundary trace says about the batch: the ``batch-dtype-mismatch`` finding, its fixes and the line to keep (pure functions of the probe's facts; the trace itself is :mod:`mpdoctor.runtime.boundary`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ..facts.batch import BatchInput
+from ..treatment.changes import CastBatchItems, CastInputsHook
+from ..treatment.findings import Finding
+from ..treatment.fixes import Fix
+
+#: The check slug of a batch entry whose dtype the receiving layer does not compute in.
+SLUG = "batch-dtype-mismatch"
+
+
+def keep_line(model: str, keys: list[str], batch_kind: str) -> str:
+    """The line of code that keeps the batch in the model's dtype."""
+    if batch_kind == "mapping":
+        return (f"batch = {{k: v.to({model}.dtype) if v.is_floating_point() else v for k, v in batch.items()}}"
+                "  # ids and bool masks keep their dtype")  # fmt: skip
+    key = keys[0] if keys else "x"
+    name = key if key.isidentifier() else "x"
+    return f"{name} = {name}.to({model}.dtype)  # before {model}({name})"
+
+
+def mismatch_fixes(
+    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str
+) -> list[Fix]:
+    line = keep_line(model, keys, batch_kind)
+    fixes = [
+        Fix(
+            f"Cast {model}'s floating inputs to {dtype} at its forward (a pre-hook; ids and bool masks untouched)",
+            f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)",
+            True,
+            changes=(CastInputsHook(model_ref, dtype, model),),
+            recipe="cast-inputs-hook",
+            cost="one cast per floating input per step",
+        )
+    ]
+    if batch_ref:
+        fixes.append(
+            Fix(
+                f"Cast batch[{', '.join(repr(k) for k in keys)}] to {dtype} in place",
+                line,
+                True,
+                changes=(CastBatchItems(batch_ref, tuple(keys), dtype),),
+                recipe="cast-batch",
+                cost="this batch only: the next one from the loader needs the line of code",
+            )
+        )
+    return fixes
+
+
+def mismatch_message(model: str, bad: list[BatchInput], raised: str | None, autocast: str | None) -> tuple[str, str]:
+    first = bad[0]
+    where = f"{model}.{first.layer}" if first.layer else model
+    layer = (
+        f"{where} ({first.layer_class}, weights {first.layer_dtype})"
+        if first.layer
+        else f"{model} ({first.model_dtype})"
+    )
+    names = ", ".join(f"`{b.key}` ({b.dtype})" for b in bad)
+    msg = (f"The batch's {names} enter{'s' if len(bad) == 1 else ''} {layer} with nothing autocasting: the layer "
+           f"computes in {first.target}, the input is {first.dtype}.")  # fmt: skip
+    if raised:
+        msg += f" That is what raised: {raised}"
+    else:
+        msg += " The forward ran only because it converts it; a GPU kernel or another layer may not."
+    return where, msg
+
+
+def batch_findings(p: Any) -> Iterator[Finding]:
+    """The ``batch-dtype-mismatch`` finding of one probe (:class:`~mpdoctor.numerics.probe_facts.ProbeFacts`)."""
+    inputs = tuple(getattr(p, "boundary", ()) or ())
+    bad = [b for b in inputs if b.mismatched(p.autocast)]
+    if not bad:
+        return
+    e = p.error
+    raised = (
+        f"{e.exception}: {e.message}" if e is not None and e.is_dtype_error and e.phase == "forward" else None
+    )
+    if raised is None:
+        return  # the forward ran: the model converts these inputs itself (CLIP, ViT cast pixel_values)
+    reached = [b for b in bad if b.layer is not None]
+    bad = reached or bad
+    where, msg = mismatch_message(p.model, bad, raised, p.autocast)
+    dtype = bad[0].target
+    kind = "mapping" if getattr(p, "batch_kind", "") == "mapping" else "tensor"
+    yield Finding(
+        SLUG,
+        "error",
+        where,
+        msg,
+        {
+            "inputs": {b.key: b.dtype for b in bad},
+            "layer": bad[0].layer,
+            "layer_class": bad[0].layer_class,
+            "layer_dtype": bad[0].layer_dtype,
+            "model_dtype": bad[0].model_dtype,
+            "autocast": p.autocast,
+            "exception": raised,
+            "keep": keep_line(p.model, [b.key for b in bad], kind),
+        },
+        mismatch_fixes(
+            p.model, getattr(p, "model_ref", 0), getattr(p, "batch_ref", 0), [b.key for b in bad], dtype, kind
+        ),
+    )
+
+
+def batch_explains(p: Any) -> bool:
+    """True when the probe's dtype error is explained by a batch input in the wrong dtype."""
+    return any(f.severity == "error" for f in batch_findings(p))

@@ -1,0 +1,280 @@
+"""Where a NaN is born: the op and module that produced the first non-finite value, and why.
+
+The probe's hooks see modules; a NaN often shows first in a module that only received it (the code between
+modules produced it, or a parent's own arithmetic). When the probe's forward saw a non-finite value,
+:func:`locate` runs the same forward once more (no grad, the probe's autocast and RNG state, every state the
+forward touches restored) under a :class:`torch.overrides.TorchFunctionMode` that looks at each op's output and
+stops at the first op whose output holds a NaN its inputs did not (or an inf from finite inputs). The mode and
+the module hooks that say which module was running are active only during that replay, and only when a
+non-finite value was already seen: a healthy probe pays nothing.
+
+Causes, each with the fix that matches it:
+
+- ``overflow``: finite inputs, an output past the dtype's largest value -> bf16 / an fp32 module, or rescale;
+- ``eps-underflow``: a division by zero in a module whose eps is 0 in the compute dtype (1e-12 in fp16)
+  -> a representable eps, or the norm in fp32;
+- ``zero-division``: x/0 or 0/0 with no eps to blame -> add an eps or clamp the denominator;
+- ``log-nonpositive`` / ``sqrt-negative``: log or sqrt of values <= 0 / < 0 -> clamp first;
+- ``inf-minus-inf``: inf - inf, 0 * inf on inputs holding inf (a -inf mask row) -> finite masks;
+- ``nan-in-batch`` / ``nan-in-weights``: the NaN was already there -> check the data / reload the weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..facts.tensors import dtype_name
+
+#: Why a non-finite value was produced, by cause.
+CAUSES = {
+    "overflow": "finite inputs produced a value past the largest number of {dtype} ({max:.4g})",
+    "eps-underflow": (
+        "a division by zero: its eps {eps:g} is 0 in {dtype}, so a row of zero variance (padding, a constant "
+        "row) gives 0/0 or x/0"
+    ),
+    "zero-division": "a division by zero (x/0 or 0/0) from finite inputs",
+    "log-nonpositive": "log of a value <= 0 (smallest input {min:.4g}): -inf at 0, NaN below",
+    "sqrt-negative": "square root of a negative value (smallest input {min:.4g})",
+    "inf-minus-inf": "inf - inf (or 0 * inf) on inputs that already held inf, e.g. a fully masked row",
+    "nan-in-batch": "the batch itself holds NaN/Inf ({key})",
+    "nan-in-weights": "its own weights already hold NaN/Inf: an earlier optimizer step wrote them",
+    "nonfinite-op": "the op produced NaN/Inf from finite inputs",
+}
+
+_LOG = frozenset({"log", "log2", "log10", "log_", "xlogy", "log_softmax"})
+_SQRT = frozenset({"sqrt", "sqrt_", "rsqrt", "rsqrt_"})
+_DIV = frozenset({"div", "div_", "__truediv__", "__rtruediv__", "__itruediv__", "true_divide", "reciprocal",
+                  "rsqrt", "rsqrt_", "__floordiv__", "floor_divide", "remainder", "fmod"})  # fmt: skip
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+#: Ops summing products: NaN from finite inputs there is an overflow to inf met by an opposite inf.
+_ACCUMULATING = frozenset({"linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "conv1d", "conv2d",
+                           "conv3d", "conv_transpose1d", "conv_transpose2d", "sum", "mean", "mul", "exp", "pow",
+                           "scaled_dot_product_attention", "__matmul__", "softmax", "var"})  # fmt: skip
+#: Where torch functions take their eps positionally, and their defaults when not given.
+_EPS_POSITION = {"normalize": 3, "layer_norm": 4, "group_norm": 4, "rms_norm": 3}
+_EPS_DEFAULT = {"normalize": 1e-12}
+
+
+@dataclass(frozen=True)
+class NanOrigin:
+    """Where and why the first non-finite value was produced (plain data, in ``ProbeFacts.origin``).
+
+    Attributes
+    ----------
+    module : str
+        Path of the innermost module running when the op ran ("" for the model itself).
+    class_name : str
+    op : str
+        The torch function or tensor method (``log``, ``__truediv__``, ``linear``); "" when found without replay.
+    cause : str
+        A key of :data:`CAUSES`.
+    dtype : str
+        The op's output dtype.
+    detail : dict
+        Numbers behind the cause: ``max`` (the dtype's largest value), ``min`` (smallest input), ``eps``,
+        ``key`` (a batch entry).
+    """
+
+    module: str
+    class_name: str
+    op: str
+    cause: str
+    dtype: str
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def why(self) -> str:
+        """The cause in words."""
+        values = {
+            "dtype": self.dtype,
+            "max": math.inf,
+            "min": math.nan,
+            "eps": 0.0,
+            "key": "?",
+            **self.detail,
+        }
+        try:
+            return CAUSES[self.cause].format(**values)
+        except (KeyError, ValueError):
+            return CAUSES.get(self.cause, self.cause)
+
+
+class _Found(Exception):
+    """Raised inside the replay at the first producing op, to stop the forward there."""
+
+
+def _floats(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() and value.numel() and value.device.type != "meta" else []
+    if depth < 2 and isinstance(value, (tuple, list)):
+        return [t for v in value for t in _floats(v, depth + 1)]
+    if depth < 2 and isinstance(value, dict):
+        return [t for v in value.values() for t in _floats(v, depth + 1)]
+    return []
+
+
+def eps_of(module: torch.nn.Module | None) -> float | None:
+    """A module's own float epsilon attribute, read without running its code."""
+    if module is None:
+        return None
+    d = getattr(module, "__dict__", {})
+    for attr in _EPS_ATTRS:
+        value = d.get(attr)
+        if type(value) is float:
+            return value
+    return None
+
+
+def rounds_to_zero(value: float, dtype: torch.dtype) -> bool:
+    """True when ``value`` (> 0) becomes 0 in ``dtype``."""
+    return value > 0 and float(torch.tensor(value, dtype=dtype)) == 0.0
+
+
+class OpWatch(TorchFunctionMode):
+    """Stop at the first op whose output holds NaN its inputs did not, or inf from inputs without inf/NaN."""
+
+    def __init__(
+        self,
+        stack: list[int],
+        modules: list[tuple[str, torch.nn.Module]],
+        within: frozenset[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.stack, self.modules, self.within = stack, modules, within
+        self.found: NanOrigin | None = None
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            outs = _floats(out)
+            if outs and not all(bool(torch.isfinite(t).all()) for t in outs):
+                self._judge(func, args, kwargs or {}, outs)
+        return out
+
+    def _judge(self, func: Any, args: tuple, kwargs: dict, outs: list[torch.Tensor]) -> None:
+        ins = _floats((args, kwargs))
+        in_nan = any(bool(torch.isnan(t).any()) for t in ins)
+        in_inf = any(bool(torch.isinf(t).any()) for t in ins)
+        out_nan = any(bool(torch.isnan(t).any()) for t in outs)
+        if in_nan or (in_inf and not out_nan):
+            return  # carried, not born here
+        if self.within is not None and (self.stack[-1] if self.stack else 0) not in self.within:
+            return  # born in a module whose output stayed finite: discarded there (T5's log of bucket 0)
+        name = getattr(func, "__name__", "") or str(func)
+        dtype = outs[0].dtype
+        i = self.stack[-1] if self.stack else 0
+        path, module = self.modules[i]
+        detail: dict[str, Any] = {"max": float(torch.finfo(dtype).max)}
+        finite_ins = [t for t in ins if t.numel()]
+        if finite_ins:
+            detail["min"] = min(float(t.detach().min()) for t in finite_ins)
+            detail["input_absmax"] = max(float(t.detach().abs().max()) for t in finite_ins)
+        if in_inf:
+            cause = "inf-minus-inf"
+        elif name in _LOG and detail.get("min", 0.0) <= 0:
+            cause = "log-nonpositive"
+        elif name in ("sqrt", "sqrt_") and detail.get("min", 0.0) < 0:
+            cause = "sqrt-negative"
+        elif name in _DIV and self._zero_denominator(name, args):
+            cause = "zero-division"
+            for j in reversed(self.stack):  # the norm whose eps vanished, innermost first
+                eps = eps_of(self.modules[j][1])
+                if eps is not None:
+                    if rounds_to_zero(eps, dtype):
+                        cause = "eps-underflow"
+                        detail["eps"] = eps
+                        path, module = self.modules[j]
+                    break
+        elif self._eps_vanishes(name, args, kwargs, dtype, detail):
+            cause = "eps-underflow"  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
+        elif not out_nan or name in _ACCUMULATING:
+            cause = "overflow"  # a NaN from finite inputs in a sum of products is inf - inf inside it
+        else:
+            cause = "nonfinite-op"
+        self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail)
+        raise _Found
+
+    @staticmethod
+    def _eps_vanishes(name: str, args: tuple, kwargs: dict, dtype: torch.dtype, detail: dict) -> bool:
+        position = _EPS_POSITION.get(name)
+        eps = kwargs.get("eps", args[position] if position is not None and len(args) > position else None)
+        if eps is None and name in _EPS_DEFAULT:
+            eps = _EPS_DEFAULT[name]
+        if type(eps) is float and rounds_to_zero(eps, dtype):
+            detail["eps"] = eps
+            return True
+        return False
+
+    @staticmethod
+    def _zero_denominator(name: str, args: tuple) -> bool:
+        if name in ("reciprocal", "rsqrt", "rsqrt_", "__rtruediv__"):
+            den = args[0] if name != "__rtruediv__" else args[0]
+        else:
+            den = args[1] if len(args) > 1 else None
+        if isinstance(den, torch.Tensor):
+            return bool((den == 0).any())
+        return den == 0
+
+
+def locate(
+    model: torch.nn.Module,
+    call: Any,
+    modules: list[tuple[str, torch.nn.Module]],
+    ctx: Any,
+    first_bad: str | None = None,
+) -> NanOrigin | None:
+    """Replay ``call()`` (the probe's forward) under :class:`OpWatch`; the first producing op, or None.
+
+    The caller restores modes, RNG and running statistics afterwards (the probe takes a snapshot).
+    ``first_bad`` is the path of the first module whose output the probe saw non-finite: only ops running in
+    it or in its ancestors count (a -inf made and discarded inside a module with a finite output is no origin).
+    Module hooks keep the running stack for attribution and are removed even when the forward raises.
+    """
+    stack: list[int] = []
+    index = {id(m): i for i, (_, m) in enumerate(modules)}
+    handles = []
+
+    def enter(module: torch.nn.Module, args: tuple) -> None:
+        stack.append(index.get(id(module), 0))
+
+    def leave(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if stack:
+            stack.pop()
+
+    try:
+        for _, m in modules:
+            handles.append(m.register_forward_pre_hook(enter))
+            handles.append(m.register_forward_hook(leave, always_call=True))
+        within = None
+        if first_bad is not None:
+            within = frozenset(
+                i for i, (path, _) in enumerate(modules)
+                if path == "" or first_bad == path or first_bad.startswith(path + ".")
+            )  # fmt: skip
+        watch = OpWatch(stack, modules, within)
+        try:
+            with torch.no_grad(), ctx, watch:
+                call()
+        except _Found:
+            pass
+        except Exception:  # the replay is a bonus: the probe already reported what raised
+            return watch.found
+        return watch.found
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def from_facts(batch_nonfinite: dict[str, int], weights_module: tuple[str, str] | None) -> NanOrigin | None:
+    """The origin when the NaN was already there: in the batch (by key) or in a module's weights."""
+    bad = [k for k, n in batch_nonfinite.items() if n]
+    if bad:
+        return NanOrigin("", "", "", "nan-in-batch", "", {"key": ", ".join(bad)})
+    if weights_module is not None:
+        return NanOrigin(weights_module[0], weights_module[1], "", "nan-in-weights", "")
+    return None
