@@ -61,6 +61,16 @@ class Float8Layer:
     recipe: str
     emulate: bool = False
     pad_inner_dim: bool = False
+    #: The weight's own dtype (what it stores: the high-precision master copy) and the float8 formats its
+    #: matmuls compute in (``cast_config_*.target_dtype``): e4m3 inputs and weights, e5m2 output gradients.
+    weight_dtype: str = "float32"
+    input_dtype: str = "float8_e4m3fn"
+    grad_dtype: str = "float8_e5m2"
+
+    @property
+    def computes_in(self) -> str:
+        """What the matmuls compute in, in words (fp32 accumulation, as ``torch._scaled_mm`` does)."""
+        return f"{self.input_dtype} x {self.input_dtype} forward, {self.grad_dtype} output grads, fp32 accumulation"
 
 
 @dataclass(frozen=True)
@@ -78,3 +88,92 @@ class ComponentFacts:
     def flag(self, key: str, default: object = None) -> object:
         """The value of one flag."""
         return dict(self.flags).get(key, default)
+
+
+#: Dtypes no matmul computes in directly (only scaled-mm kernels read them): a parameter in one is storage.
+STORAGE_DTYPES = frozenset(
+    {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"}
+)
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """A module whose own weights are stored in float8 (or float4): what it stores and what it computes in.
+
+    Attributes
+    ----------
+    path : str
+        The module's dotted path inside the model.
+    class_path : str
+        The module's class.
+    storage_dtype : str
+        The float8 dtype its weights are held in (``float8_e4m3fn`` ...).
+    params : tuple of str
+        The names of its parameters in that dtype.
+    trainable : bool
+        Some of them require grad.
+    upcast : str
+        What casts them up before the math: ``"diffusers layerwise casting"``, ``"its own forward (cls)"``,
+        ``"a forward pre-hook"``, ``"a patched forward (origin)"``; empty when nothing does (a stock torch
+        layer whose forward feeds the float8 weight to the math as it is).
+    compute_dtype : str or None
+        The dtype the weights are cast to when the upcast says it (diffusers' ``compute_dtype``); None
+        when it follows the input's dtype or is unknown.
+    scaled : bool
+        A per-tensor scale is kept beside the weight (a ``scale_weight`` / ``weight_scale`` buffer or
+        parameter, as ComfyUI's and other scaled-fp8 checkpoints carry).
+    emits_storage : bool
+        A stock layer that returns rows of its weight as they are (``nn.Embedding``): its output is float8.
+    """
+
+    path: str
+    class_path: str
+    storage_dtype: str
+    params: tuple[str, ...]
+    trainable: bool
+    upcast: str
+    compute_dtype: str | None = None
+    scaled: bool = False
+    emits_storage: bool = False
+
+    @property
+    def computes_in(self) -> str:
+        """What the layer's math runs in, in words."""
+        if self.upcast:
+            return self.compute_dtype or "the input's dtype (upcast before the math)"
+        return self.storage_dtype
+
+
+@dataclass(frozen=True)
+class BlockLayer:
+    """A layer whose weight is a block-scaled low-precision tensor (torchao ``MXTensor`` / ``NVFP4Tensor``).
+
+    ``block_size`` is the number of elements sharing one scale along the contraction dimension (32 for MX,
+    16 for NVFP4); ``elem_dtype`` the element format, ``scale_dtype`` the scale's; ``in_features`` and
+    ``out_features`` the logical weight shape.
+    """
+
+    path: str
+    tensor_class: str
+    fmt: str
+    elem_dtype: str
+    scale_dtype: str
+    block_size: int
+    in_features: int
+    out_features: int
+    dequantizes_to: str
+
+
+@dataclass(frozen=True)
+class Fp8Request:
+    """One place a run asks for fp8, and what it says (for "is fp8 actually on?").
+
+    ``source`` is ``"environment"`` (``ACCELERATE_MIXED_PRECISION``), ``"accelerator"`` (its
+    ``mixed_precision``), or ``"trl"`` (a TRL config's fp8 option); ``backend`` the fp8 backend named
+    (``AO``, ``TE``, ``MSAMP`` or None); ``name`` the object it was read from.
+    """
+
+    source: str
+    name: str
+    backend: str | None = None
+    detail: str = ""

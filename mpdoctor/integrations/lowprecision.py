@@ -1,0 +1,97 @@
+"""float8 weight storage: modules that hold their weights in float8 and what casts them up for the math.
+
+A common memory-saving recipe stores each Linear's weight as ``float8_e4m3fn`` and casts it to bf16 inside
+the forward: diffusers' ``enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
+compute_dtype=torch.bfloat16)`` (a ``LayerwiseCastingHook`` in the module's ``_diffusers_hook`` registry),
+ComfyUI-style layer classes whose own ``forward`` casts the weight (``comfy.ops.manual_cast``), or a forward
+pre-hook. Such a module *stores* float8 and *computes* in the compute dtype: it is not a float8 compute
+module. A stock torch layer (``nn.Linear`` / ``nn.Conv*`` with torch's own forward, no hook) holding a float8
+weight feeds it to the matmul as it is, which raises on every device; a stock ``nn.Embedding`` returns
+float8 rows, which then meet the next layer's math.
+
+No library is needed (float8 dtypes are torch's): the integration is always active, and costs one look at
+each module's own parameter dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..facts.lowbit import STORAGE_DTYPES, StoredLayer
+from ..facts.tensors import dtype_name
+from ..introspect import class_path, named_modules, raw_attr
+from . import Integration
+
+_STORAGE = frozenset(getattr(torch, n) for n in STORAGE_DTYPES if hasattr(torch, n))
+#: Stock layers that return rows of their weight uncast (their output is in the storage dtype).
+_EMITTING = frozenset({torch.nn.Embedding, torch.nn.EmbeddingBag})
+#: Names of per-tensor scales that scaled-fp8 checkpoints keep beside the weight.
+_SCALE_NAMES = ("scale_weight", "weight_scale", "scale", "weight_scale_inv")
+
+
+def _torch_forward(cls: type) -> bool:
+    """True when the class's forward is torch's own (``torch.nn.modules...``)."""
+    owner = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
+    return owner is not None and owner.__module__.startswith("torch.nn.")
+
+
+def _upcast(mod: Any) -> tuple[str, str | None]:
+    """``(what upcasts the weights, compute dtype or None)``; ``("", None)`` when nothing does."""
+    registry = mod.__dict__.get("_diffusers_hook")
+    if registry is not None:
+        hooks = raw_attr(registry, "hooks", None)
+        hook = hooks.get("layerwise_casting") if isinstance(hooks, dict) else None
+        if hook is not None:
+            compute = raw_attr(hook, "compute_dtype", None)
+            return "diffusers layerwise casting", dtype_name(compute) if compute is not None else None
+    own = mod.__dict__.get("forward")
+    if own is not None:
+        fn = getattr(own, "__func__", own)
+        return f"a patched forward ({getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')})", None
+    cls = type(mod)
+    if not _torch_forward(cls):
+        return f"its own forward ({class_path(cls)})", None
+    if mod.__dict__.get("_forward_pre_hooks") or torch.nn.modules.module._global_forward_pre_hooks:
+        return "a forward pre-hook", None
+    return "", None
+
+
+def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
+    """The modules of ``model`` holding float8 / float4 parameters of their own, in module order."""
+    out = []
+    for path, mod in named_modules(model):
+        params = mod.__dict__.get("_parameters")
+        if not params:
+            continue
+        names = [n for n, p in params.items() if p is not None and p.dtype in _STORAGE]
+        if not names:
+            continue
+        upcast, compute = _upcast(mod)
+        tensors = {**mod.__dict__.get("_buffers", {}), **params}
+        out.append(
+            StoredLayer(
+                path=path,
+                class_path=class_path(type(mod)),
+                storage_dtype=dtype_name(params[names[0]].dtype),
+                params=tuple(names),
+                trainable=any(params[n].requires_grad for n in names),
+                upcast=upcast,
+                compute_dtype=compute,
+                scaled=any(tensors.get(s) is not None for s in _SCALE_NAMES),
+                emits_storage=not upcast and type(mod) in _EMITTING,
+            )
+        )
+    return tuple(out)
+
+
+def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    try:
+        layers = stored_layers(outer)
+    except Exception:  # a hostile module tree must not stop the report
+        return {}
+    return {"stored_layers": layers} if layers else {}
+
+
+INTEGRATION = Integration(name="lowprecision", modules=(), model_facts=_model_facts)
