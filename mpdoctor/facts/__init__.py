@@ -98,8 +98,8 @@ class ModelFacts:
     #: Modules whose own weights are stored in float8 / float4 and what upcasts them
     #: (:class:`~mpdoctor.facts.lowbit.StoredLayer`), from the low-precision integration.
     stored_layers: tuple = ()
-    #: Block-scaled (MX / NVFP4) weight layers (:class:`~mpdoctor.facts.lowbit.BlockLayer`), from torchao.
-    block_layers: tuple = ()
+    #: Layers whose weight is a torchao quantized tensor (:class:`~mpdoctor.facts.lowbit.QuantizedWeight`).
+    quantized_weights: tuple = ()
     #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.lowbit.ComponentFacts`), or None.
     component: object = None
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,

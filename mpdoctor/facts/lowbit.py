@@ -135,6 +135,11 @@ class StoredLayer:
     compute_dtype: str | None = None
     scaled: bool = False
     emits_storage: bool = False
+    #: Elements of those weights, and how many sit at the format's largest finite value (e4m3: +-448, where
+    #: an unscaled cast saturates) or are inf / NaN (e5m2 overflows to inf past 57344).
+    elements: int = 0
+    saturated: int = 0
+    nonfinite: int = 0
 
     @property
     def computes_in(self) -> str:
@@ -145,23 +150,22 @@ class StoredLayer:
 
 
 @dataclass(frozen=True)
-class BlockLayer:
-    """A layer whose weight is a block-scaled low-precision tensor (torchao ``MXTensor`` / ``NVFP4Tensor``).
+class QuantizedWeight:
+    """A layer whose weight is a torchao quantized tensor (``Float8Tensor``, ``MXTensor``, ``NVFP4Tensor`` ...).
 
-    ``block_size`` is the number of elements sharing one scale along the contraction dimension (32 for MX,
-    16 for NVFP4); ``elem_dtype`` the element format, ``scale_dtype`` the scale's; ``in_features`` and
-    ``out_features`` the logical weight shape.
+    ``storage_dtype`` is the dtype of its element data (``float8_e4m3fn``, ``uint8`` for packed fp4);
+    ``block_size`` the number of elements sharing one scale (32 for MX, 16 for NVFP4, 0 when per row or per
+    tensor); ``nonfinite`` the NaN / inf elements in its float8 data (an all-zero row quantized with a zero
+    scale is 0/0 = NaN); ``dequantizes_to`` the dtype it reports.
     """
 
     path: str
     tensor_class: str
-    fmt: str
-    elem_dtype: str
-    scale_dtype: str
-    block_size: int
-    in_features: int
-    out_features: int
+    storage_dtype: str
     dequantizes_to: str
+    block_size: int = 0
+    elements: int = 0
+    nonfinite: int = 0
 
 
 @dataclass(frozen=True)

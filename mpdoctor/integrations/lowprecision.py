@@ -58,6 +58,21 @@ def _upcast(mod: Any) -> tuple[str, str | None]:
     return "", None
 
 
+#: Bit patterns (sign dropped) of each float8 format's largest finite value and of its inf / NaN codes.
+_MAX_BITS = {"float8_e4m3fn": 0x7E, "float8_e5m2": 0x7B, "float8_e4m3fnuz": 0x7F, "float8_e5m2fnuz": 0x7F}
+_NONFINITE_BITS = {"float8_e4m3fn": (0x7F,), "float8_e5m2": (0x7C, 0x7D, 0x7E, 0x7F)}
+
+
+def _extremes(p: Any, dtype: str) -> tuple[int, int]:
+    """``(elements at the largest finite value, inf / NaN elements)`` of one float8 tensor, read as bytes."""
+    if p.device.type == "meta" or dtype not in _MAX_BITS or not p.numel():
+        return 0, 0
+    bits = p.detach().view(torch.uint8) & 0x7F
+    saturated = int((bits == _MAX_BITS[dtype]).sum())
+    nonfinite = sum(int((bits == code).sum()) for code in _NONFINITE_BITS.get(dtype, ()))
+    return saturated, nonfinite
+
+
 def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
     """The modules of ``model`` holding float8 / float4 parameters of their own, in module order."""
     out = []
@@ -69,18 +84,23 @@ def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
         if not names:
             continue
         upcast, compute = _upcast(mod)
+        dtype = dtype_name(params[names[0]].dtype)
+        extremes = [_extremes(params[n], dtype) for n in names]
         tensors = {**mod.__dict__.get("_buffers", {}), **params}
         out.append(
             StoredLayer(
                 path=path,
                 class_path=class_path(type(mod)),
-                storage_dtype=dtype_name(params[names[0]].dtype),
+                storage_dtype=dtype,
                 params=tuple(names),
                 trainable=any(params[n].requires_grad for n in names),
                 upcast=upcast,
                 compute_dtype=compute,
                 scaled=any(tensors.get(s) is not None for s in _SCALE_NAMES),
                 emits_storage=not upcast and type(mod) in _EMITTING,
+                elements=sum(params[n].numel() for n in names),
+                saturated=sum(e[0] for e in extremes),
+                nonfinite=sum(e[1] for e in extremes),
             )
         )
     return tuple(out)
