@@ -189,6 +189,55 @@ def fp8_storage_not_upcast(facts: Facts) -> Iterator[Finding]:
         )
 
 
+@check("fp8-storage-trainable", "error")
+def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
+    """float8-stored parameters left trainable: their gradients and the optimizer step run in float8.
+
+    What it detects
+        Parameters held in a float8 dtype with ``requires_grad=True`` (``enable_layerwise_casting`` casts every
+        parameter of the layers it covers, biases and norms included; a manual ``.to(float8)`` keeps the flag).
+    Why it matters
+        No optimizer computes in float8: ``AdamW.step()`` raises "mul_cpu_reduced_float not implemented for
+        'Float8_e4m3fn'" (measured here; other kernels raise the same way on GPUs), and DDP's start-up broadcast
+        raises "cat_cuda not implemented for 'Float8_e4m3fn'". Even where an update ran, float8 has 3 mantissa
+        bits: almost every update would round away. Layerwise casting is a storage recipe for frozen weights.
+    Severity
+        Error: the first optimizer step (or the DDP wrap) raises.
+    Fix
+        Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
+        bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
+        bf16. Display only: which parameters to train is the user's choice.
+    Source
+        huggingface/finetrainers #312 and PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
+        ("cat_cuda" not implemented for 'Float8_e4m3fn').
+    """
+    for m in facts.models:
+        bad = [x for x in m.stored_layers if x.trainable]
+        if not bad:
+            continue
+        shown = ", ".join(f"{x.path} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        yield Finding(
+            "fp8-storage-trainable",
+            "error",
+            m.name,
+            f"{len(bad)} layers of {m.name} hold trainable float8 parameters: {shown}. No optimizer computes in "
+            "float8: the first step raises (\"not implemented for 'Float8_e4m3fn'\"). Freeze them and train adapters "
+            "or layers kept in bf16.",
+            {"layers": [(x.path, x.params, x.storage_dtype) for x in bad]},
+            [
+                Fix(
+                    f"Freeze the float8-stored parameters of {m.name}",
+                    f"for p in {m.name}.parameters():\n"
+                    "    if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
+                    "        p.requires_grad_(False)  # storage only: train adapters or bf16 layers\n"
+                    "# rebuild the optimizer from the parameters that still require grad",
+                    applicability=Applicability.DISPLAY_ONLY,
+                    recipe="freeze-fp8-storage",
+                )
+            ],
+        )
+
+
 @check("fp8-storage-saturated", "warning")
 def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
     """float8-stored weights clipped at the format's largest value, or overflowed to inf, by an unscaled cast.
