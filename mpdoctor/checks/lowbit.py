@@ -208,7 +208,7 @@ def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
         bf16. Display only: which parameters to train is the user's choice.
     Source
-        huggingface/finetrainers #312 and PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
+        huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
         ("cat_cuda" not implemented for 'Float8_e4m3fn').
     """
     for m in facts.models:
@@ -258,8 +258,8 @@ def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
         ``(w * scale).to(float8)`` and divide by the scale in the forward), or keep that layer in bf16.
         Display only: the clipped values cannot be recovered from the float8 bytes.
     Source
-        PyTorch float8 dtypes (``torch.finfo(torch.float8_e4m3fn).max == 448``); pytorch/ao #4713 (scale rules of
-        float8 casts); NVIDIA TransformerEngine fp8 primer (e4m3 vs e5m2 ranges).
+        pytorch/pytorch #150756 and PR #160488 (e4m3 casts saturate at 448); NVIDIA/Model-Optimizer #1633 (NaN
+        bytes from unclamped e4m3 casts); ``torch.finfo(torch.float8_e4m3fn).max == 448``.
     """
     for m in facts.models:
         hit = [x for x in m.stored_layers if (x.saturated and not x.scaled) or x.nonfinite]

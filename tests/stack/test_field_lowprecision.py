@@ -104,7 +104,7 @@ def test_an_fp8_embedding_returns_float8_rows_and_the_next_layer_raises():
 
 
 def test_fp8_layerwise_casting_on_trainable_layers_makes_the_optimizer_step_raise():
-    """huggingface/finetrainers#312 / PR #316: training with float8 layerwise casting; kohya-ss/sd-scripts#1711:
+    """huggingface/finetrainers PR #316: training with float8 layerwise casting ("fake fp8 training"); kohya-ss/sd-scripts#1711:
     "cat_cuda" not implemented for 'Float8_e4m3fn'. ``apply_layerwise_casting`` stores every parameter of the
     covered layers in float8, biases included, and leaves them trainable: measured here, AdamW's step raises."""
     m = mlp(32, 64, 16)
@@ -144,7 +144,7 @@ def wide_layer(dtype: torch.dtype, peak: float) -> tuple[UpcastLinear, torch.Ten
 
 
 def test_an_unscaled_e4m3_cast_saturates_at_448():
-    """pytorch/pytorch#150756 (and #154028): values past 448 cast to float8_e4m3fn become 448. Measured: a weight
+    """pytorch/pytorch#150756 (and PR #160488): values past 448 cast to float8_e4m3fn become 448. Measured: a weight
     spanning +-2000 loses every element past 448, silently; the layer computes with wrong weights (output error
     below). The advice (a per-tensor scale) keeps the error within e4m3's rounding."""
     layer, hp = wide_layer(torch.float8_e4m3fn, 2000.0)
@@ -169,8 +169,8 @@ def test_an_unscaled_e4m3_cast_saturates_at_448():
 
 def test_an_unscaled_e5m2_cast_overflows_to_inf_and_nan_bytes_are_an_error():
     """e5m2 keeps inf: ``.to(torch.float8_e5m2)`` past 57344 gives inf (measured), and the forward gives NaN / inf.
-    NVIDIA/Model-Optimizer#1633: fp8 checkpoints exported with NaN bytes (0x7F) from unclamped casts: read from
-    the bytes, an error."""
+    NVIDIA/Model-Optimizer#1633: NVFP4 exports wrote e4m3 block scales with NaN bytes (0x7F) from unclamped casts;
+    stood in for here by NaN bytes in an e4m3-stored weight: read from the bytes, an error."""
     layer, hp = wide_layer(torch.float8_e5m2, 1e5)
     assert torch.isinf(layer.weight.float()).any()  # the overflow
     out = layer(torch.randn(4, 64))
