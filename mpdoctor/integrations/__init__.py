@@ -29,7 +29,7 @@ KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scale
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (
     "torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl",
-    "deepspeed", "lowprecision",
+    "deepspeed",
 )
 
 

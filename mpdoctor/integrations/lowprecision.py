@@ -9,8 +9,8 @@ module. A stock torch layer (``nn.Linear`` / ``nn.Conv*`` with torch's own forwa
 weight feeds it to the matmul as it is, which raises on every device; a stock ``nn.Embedding`` returns
 float8 rows, which then meet the next layer's math.
 
-No library is needed (float8 dtypes are torch's): the integration is always active, and costs one look at
-each module's own parameter dict.
+No library is needed (float8 dtypes are torch's): the torch integration reads these facts
+(:func:`model_facts`), at the cost of one look at each module's own parameter dict.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import torch
 from ..facts.lowbit import STORAGE_DTYPES, StoredLayer
 from ..facts.tensors import dtype_name
 from ..introspect import class_path, named_modules, raw_attr
-from . import Integration
 
 _STORAGE = frozenset(getattr(torch, n) for n in STORAGE_DTYPES if hasattr(torch, n))
 #: Stock layers that return rows of their weight uncast (their output is in the storage dtype).
@@ -106,12 +105,11 @@ def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
     return tuple(out)
 
 
-def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+def model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    """``{"stored_layers": ...}`` for a model holding float8 / float4 weights (see :func:`stored_layers`)."""
     try:
         layers = stored_layers(outer)
     except Exception:  # a hostile module tree must not stop the report
         return {}
     return {"stored_layers": layers} if layers else {}
 
-
-INTEGRATION = Integration(name="lowprecision", modules=(), model_facts=_model_facts)
