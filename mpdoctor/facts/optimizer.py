@@ -36,6 +36,9 @@ class OptimizerFacts:
     has_state: bool
     #: ``eps`` of each param group (None where a group has none), in group order.
     group_eps: tuple[float | None, ...] = ()
+    #: ``(elements read, elements whose step of size lr rounds away in bf16)`` over the trainable bf16
+    #: parameters of a stock torch Adam / AdamW (:func:`mpdoctor.facts.lowbit.bf16_update_loss`); None otherwise.
+    bf16_update_loss: tuple[int, int] | None = None
 
     @property
     def param_ids(self) -> frozenset[int]:
@@ -98,7 +101,22 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         defaults=safe_defaults,
         has_state=bool(state),
         group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
+        bf16_update_loss=_bf16_update_loss(cls, groups, params),
     )
+
+
+def _bf16_update_loss(cls: type, groups: list, params: list[OptParam]) -> tuple[int, int] | None:
+    # Only where pure-bf16-adamw can apply: stock torch Adam / AdamW with trainable bf16 parameters.
+    if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in ("Adam", "AdamW"):
+        return None
+    if not any(p.dtype == "bfloat16" and p.requires_grad for p in params):
+        return None
+    from .lowbit import bf16_update_loss
+
+    try:
+        return bf16_update_loss(groups)
+    except Exception:  # a value read must never stop the gathering
+        return None
 
 
 def _eps_of(group: dict) -> float | None:
