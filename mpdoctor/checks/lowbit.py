@@ -160,7 +160,7 @@ def fp8_storage_not_upcast(facts: Facts) -> Iterator[Finding]:
         bad = [x for x in m.stored_layers if not x.upcast]
         if not bad:
             continue
-        shown = ", ".join(f"{x.path} ({x.class_path.rsplit('.', 1)[-1]}: {x.storage_dtype})" for x in bad[:4])
+        shown = ", ".join(f"{x.path or m.name} ({x.class_path.rsplit('.', 1)[-1]}: {x.storage_dtype})" for x in bad[:4])
         shown += ", ..." if len(bad) > 4 else ""
         emitting = [x.path for x in bad if x.emits_storage]
         yield Finding(
@@ -215,7 +215,7 @@ def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
         bad = [x for x in m.stored_layers if x.trainable]
         if not bad:
             continue
-        shown = ", ".join(f"{x.path} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        shown = ", ".join(f"{x.path or m.name} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
         yield Finding(
             "fp8-storage-trainable",
             "error",
@@ -268,7 +268,7 @@ def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
             continue
         nonfinite = sum(x.nonfinite for x in hit)
         severity = "error" if nonfinite else "warning"
-        shown = ", ".join(f"{x.path} ({x.storage_dtype}: {x.saturated} at max, {x.nonfinite} inf/NaN)" for x in hit[:4])
+        shown = ", ".join(f"{x.path or m.name} ({x.storage_dtype}: {x.saturated} at max, {x.nonfinite} inf/NaN)" for x in hit[:4])
         yield Finding(
             "fp8-storage-saturated",
             severity,

@@ -168,21 +168,6 @@ class QuantizedWeight:
     nonfinite: int = 0
 
 
-@dataclass(frozen=True)
-class Fp8Request:
-    """One place a run asks for fp8, and what it says (for "is fp8 actually on?").
-
-    ``source`` is ``"environment"`` (``ACCELERATE_MIXED_PRECISION``), ``"accelerator"`` (its
-    ``mixed_precision``), or ``"trl"`` (a TRL config's fp8 option); ``backend`` the fp8 backend named
-    (``AO``, ``TE``, ``MSAMP`` or None); ``name`` the object it was read from.
-    """
-
-    source: str
-    name: str
-    backend: str | None = None
-    detail: str = ""
-
-
 #: Elements of one tensor read to estimate the share of lost bf16 updates (a strided view: no copy of the tensor).
 UPDATE_SAMPLE = 65536
 

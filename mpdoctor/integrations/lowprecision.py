@@ -84,7 +84,7 @@ def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
             continue
         upcast, compute = _upcast(mod)
         dtype = dtype_name(params[names[0]].dtype)
-        extremes = [_extremes(params[n], dtype) for n in names]
+        extremes = [_extremes(params[n], dtype_name(params[n].dtype)) for n in names]
         tensors = {**mod.__dict__.get("_buffers", {}), **params}
         out.append(
             StoredLayer(
