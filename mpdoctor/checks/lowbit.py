@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from ..facts import Facts
 from ..findings import Finding
 from ..fixes import Applicability, Fix
+from ..knowledge import FP8_GEMM_CAPABILITY, MX_GEMM_CAPABILITY
 from . import check
 
 #: Compute capability from which GPUs have float8 tensor cores (Ada L4 / RTX 4090 sm_89, Hopper H100 sm_90).
-FLOAT8_CAPABILITY = (8, 9)
+FLOAT8_CAPABILITY = FP8_GEMM_CAPABILITY
 #: ``torch._scaled_mm`` requires both dimensions of each operand divisible by 16.
 FLOAT8_ALIGN = 16
 
@@ -440,6 +441,61 @@ def quantized_weights_nonfinite(facts: Facts) -> Iterator[Finding]:
                     "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="float8-requantize",
+                )
+            ],
+        )
+
+
+@check("block-format-unsupported-device", "error")
+def block_format_unsupported_device(facts: Facts) -> Iterator[Finding]:
+    """MXFP8 / NVFP4 layers that quantize their activations, on a device without block-scaled GEMMs.
+
+    What it detects
+        Layers whose weight is a torchao block-scaled tensor (``MXTensor``, 32-element blocks; ``NVFP4Tensor``,
+        16) set to quantize the activations too (``MXDynamicActivationMXWeightConfig`` ...), when the live device
+        or the ``target=`` profile is a CPU or a GPU below compute capability 10.0 (anything before Blackwell
+        B200). Weight-only formats dequantize and run anywhere: they draw nothing.
+    Why it matters
+        The matmul is a block-scaled GEMM that only sm_100 kernels run: on this CPU the first forward raises
+        ("Invalid scaling configuration", measured), torchao refuses NVFP4 dynamic mode below sm_100 ("NVFP4
+        DYNAMIC mode is only supported on sm100+ machines", measured at ``quantize_``), and TransformerEngine
+        refuses MXFP8 on other architectures ("MXFP8 (for all gemm layouts) is not supported on 12.0+
+        architectures yet").
+    Severity
+        Error: the first forward raises.
+    Fix
+        A weight-only config on that device (``NVFP4WeightOnlyConfig()``), float8 on sm_89+
+        (``Float8DynamicActivationFloat8WeightConfig``), or a B200. Display only: quantization happens at build
+        time.
+    Source
+        NVIDIA/TransformerEngine #2304; torchao ``mx_formats`` (MX GEMMs need sm_100).
+    """
+    hw = facts.hardware
+    if hw.kind == "cuda" and hw.capability is not None and tuple(hw.capability) >= MX_GEMM_CAPABILITY:
+        return
+    if hw.kind not in ("cuda", "cpu"):
+        return
+    for m in facts.models:
+        bad = [q for q in m.quantized_weights if q.dynamic_activation and q.block_size in (16, 32)]
+        if not bad:
+            continue
+        cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else hw.kind
+        kinds = sorted({q.tensor_class.rsplit(".", 1)[-1] for q in bad})
+        yield Finding(
+            "block-format-unsupported-device",
+            "error",
+            m.name,
+            f"{len(bad)} layers of {m.name} ({', '.join(kinds)}) quantize their activations to a block format, whose "
+            f"matmul only sm_100 kernels run; {hw.label} ({cap}) has none: the first forward raises. Use a weight-only "
+            "config here, float8 on sm_89+, or a B200.",
+            {"device": hw.label, "layers": [(q.path, q.tensor_class, q.block_size) for q in bad]},
+            [
+                Fix(
+                    f"Quantize {m.name} weight-only on this device",
+                    "from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig\n"
+                    f"quantize_({m.name}_hp, NVFP4WeightOnlyConfig())  # dequantizes in the forward: runs anywhere",
+                    applicability=Applicability.DISPLAY_ONLY,
+                    recipe="block-format-weight-only",
                 )
             ],
         )

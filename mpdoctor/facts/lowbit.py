@@ -166,6 +166,9 @@ class QuantizedWeight:
     block_size: int = 0
     elements: int = 0
     nonfinite: int = 0
+    #: The activations are quantized too (``act_quant_kwargs``): the matmul is a block-scaled GEMM, which needs
+    #: MX kernels (sm_100); weight-only formats dequantize and run anywhere.
+    dynamic_activation: bool = False
 
 
 #: Elements of one tensor read to estimate the share of lost bf16 updates (a strided view: no copy of the tensor).

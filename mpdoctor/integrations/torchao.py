@@ -117,6 +117,7 @@ def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
                 block_size=block if isinstance(block, int) else 0,
                 elements=int(w.numel()),
                 nonfinite=sum(_nonfinite(x) for x in leaves),
+                dynamic_activation=raw_attr(w, "act_quant_kwargs", None) is not None,
             )
         )
     return tuple(out)

@@ -334,3 +334,35 @@ def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path,
     os.environ.pop("ACCELERATE_MIXED_PRECISION")
     args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[])
     assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=target))
+
+
+# -- block formats on devices without block-scaled GEMMs ------------------------------------------------------
+
+
+def test_mxfp8_activations_and_weights_on_a_device_without_mx_gemms():
+    """NVIDIA/TransformerEngine#2304: "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet".
+    torchao's ``MXDynamicActivationMXWeightConfig`` quantizes the activations too, so the matmul is a
+    block-scaled GEMM only sm_100 runs: measured here, the CPU forward raises; an H100 is judged by its profile.
+    The advice (weight-only NVFP4, which dequantizes in the forward) runs."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    m = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(m, MXDynamicActivationMXWeightConfig())
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        m(x)
+    for target in (None, "H100"):
+        f = finding(mpdoctor.diagnose(m, names={id(m): "model"}, target=target), "block-format-unsupported-device")
+        assert f.severity == "error" and "MXTensor" in f.message
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m, target="B200"))
+    assert "NVFP4WeightOnlyConfig" in finding(mpdoctor.diagnose(m), "block-format-unsupported-device").fixes[0].code
+    # The advice: weight-only on this device.
+    nv = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(nv, NVFP4WeightOnlyConfig())
+    assert torch.isfinite(nv(x)).all()
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(nv))
+    head = torch.nn.Sequential(nv, torch.nn.Linear(32, 4).to(torch.bfloat16))
+    for p in nv.parameters():
+        p.requires_grad_(False)
+    trains(head, x)
