@@ -19,6 +19,7 @@ from ..introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..live import Live
 from .configs import ConfigFacts
 from .hardware import DeviceProfile, live_profile, profile_for
+from .lowbit import STORAGE_DTYPES
 from .optimizer import OptimizerFacts, gather_optimizer
 from .precision import PrecisionFacts, RuntimeFacts, gather_precision, gather_runtime
 from .scaler import ScalerFacts, gather_scaler
@@ -194,6 +195,11 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
     cls, icls = type(obj), type(inner)
     fields = {"configs": (), "forward_wrapped": False, "is_peft": False, "is_pretrained": False, "keep_in_fp32": ()}
     fields.update(integrations.model_extras(obj, inner, subject.inner_path, live))
+    tensors = gather_module_tensors(subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers())
+    if tensors.param_dtypes & STORAGE_DTYPES:  # float8 storage: what upcasts it (read for these models only)
+        from ..integrations.lowprecision import model_facts as stored_facts
+
+        fields.update(stored_facts(obj, tensors))
     return ModelFacts(
         name=subject.name,
         config_path=subject.inner_path,
@@ -201,9 +207,7 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         class_path=f"{cls.__module__}.{cls.__qualname__}",
         inner_class=icls.__name__,
         training=bool(raw_attr(obj, "training", False)),
-        tensors=gather_module_tensors(
-            subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers()
-        ),
+        tensors=tensors,
         ref=id(obj),
         inner_ref=id(inner),
         owner=subject.owner,

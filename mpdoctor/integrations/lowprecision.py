@@ -9,8 +9,8 @@ module. A stock torch layer (``nn.Linear`` / ``nn.Conv*`` with torch's own forwa
 weight feeds it to the matmul as it is, which raises on every device; a stock ``nn.Embedding`` returns
 float8 rows, which then meet the next layer's math.
 
-No library is needed (float8 dtypes are torch's): the torch integration reads these facts
-(:func:`model_facts`), at the cost of one look at each module's own parameter dict.
+No library is needed (float8 dtypes are torch's). The gathering asks :func:`model_facts` only for models whose
+tensor tally holds float8 parameters, and only their modules are read: other models cost one set intersection.
 """
 
 from __future__ import annotations
@@ -72,10 +72,23 @@ def _extremes(p: Any, dtype: str) -> tuple[int, int]:
     return saturated, nonfinite
 
 
-def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
-    """The modules of ``model`` holding float8 / float4 parameters of their own, in module order."""
+def stored_layers(model: Any, paths: tuple[str, ...] | None = None) -> tuple[StoredLayer, ...]:
+    """The modules of ``model`` holding float8 / float4 parameters of their own, in module order.
+
+    ``paths`` (the module paths the tensor tally saw float8 parameters in) limits the reads to those modules;
+    None walks the whole tree.
+    """
     out = []
-    for path, mod in named_modules(model):
+    if paths is None:
+        walk = named_modules(model)
+    else:
+        walk = []
+        for path in paths:
+            try:
+                walk.append((path, model.get_submodule(path)))
+            except Exception:  # a path the tally read through a wrapper: skipped, not guessed
+                continue
+    for path, mod in walk:
         params = mod.__dict__.get("_parameters")
         if not params:
             continue
@@ -105,10 +118,14 @@ def stored_layers(model: Any) -> tuple[StoredLayer, ...]:
     return tuple(out)
 
 
-def model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
-    """``{"stored_layers": ...}`` for a model holding float8 / float4 weights (see :func:`stored_layers`)."""
+def model_facts(model: Any, tensors: Any) -> dict:
+    """``{"stored_layers": ...}`` for a model whose tensor tally (:class:`~mpdoctor.facts.tensors.ModuleTensors`)
+    holds float8 / float4 parameters; nothing is read for any other model."""
+    paths = tuple(dict.fromkeys(p.module for p in tensors.params if p.dtype in STORAGE_DTYPES))
+    if not paths:
+        return {}
     try:
-        layers = stored_layers(outer)
+        layers = stored_layers(model, paths)
     except Exception:  # a hostile module tree must not stop the report
         return {}
     return {"stored_layers": layers} if layers else {}

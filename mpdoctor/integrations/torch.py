@@ -7,7 +7,7 @@ Always active (mpdoctor itself imports torch). The tensor facts every model gets
 
 from __future__ import annotations
 
-from . import Integration, Unwrap, lowprecision
+from . import Integration, Unwrap
 
 MODULE = "torch.nn.modules.module.Module"
 OPTIMIZER = "torch.optim.optimizer.Optimizer"
@@ -22,6 +22,4 @@ INTEGRATION = Integration(
         Unwrap("torch.nn.parallel.data_parallel.DataParallel", "module", ".module"),
         Unwrap("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),
     ),
-    # float8 weight storage and what upcasts it (torch's own dtypes: no other library needed)
-    model_facts=lowprecision.model_facts,
 )
