@@ -185,4 +185,10 @@ GPU_PROFILES: dict[str, tuple[tuple[int, int], float]] = {
     "L4": ((8, 9), 24),
     "RTX4090": ((8, 9), 24),
     "H100": ((9, 0), 80),
+    "B200": ((10, 0), 192),
 }
+
+#: Compute capability from which GPUs run float8 GEMMs (``torch._scaled_mm``, TransformerEngine): Ada sm_89, Hopper.
+FP8_GEMM_CAPABILITY = (8, 9)
+#: Compute capability from which GPUs run block-scaled MXFP8 / NVFP4 GEMMs (Blackwell data-center sm_100).
+MX_GEMM_CAPABILITY = (10, 0)

@@ -88,6 +88,11 @@ class ModelFacts:
     low_bit_layers: tuple = ()
     #: torchao float8 training layers (:class:`~mpdoctor.facts.lowbit.Float8Layer`), from the torchao integration.
     float8_layers: tuple = ()
+    #: Modules whose own weights are stored in float8 / float4 and what upcasts them
+    #: (:class:`~mpdoctor.facts.lowbit.StoredLayer`), from the low-precision integration.
+    stored_layers: tuple = ()
+    #: Layers whose weight is a torchao quantized tensor (:class:`~mpdoctor.facts.lowbit.QuantizedWeight`).
+    quantized_weights: tuple = ()
     #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.lowbit.ComponentFacts`), or None.
     component: object = None
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,

@@ -36,6 +36,9 @@ class OptimizerFacts:
     group_eps: tuple[float | None, ...] = ()
     #: The largest per-parameter ``step`` in the optimizer state: how many steps it has taken (0 when fresh).
     state_steps: int = 0
+    #: ``(elements read, elements whose step of size lr rounds away in bf16)`` over the trainable bf16
+    #: parameters of a stock torch Adam / AdamW (:func:`mpdoctor.facts.lowbit.bf16_update_loss`); None otherwise.
+    bf16_update_loss: tuple[int, int] | None = None
 
     @property
     def param_ids(self) -> frozenset[int]:

@@ -22,6 +22,9 @@ def dtype_name(dtype: Any) -> str:
 FLOATING = frozenset(
     {"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 )
+#: Floating dtypes no matmul computes in directly: a parameter held in one is storage that something upcasts
+#: (judged by ``fp8-storage-not-upcast``), never a module's compute dtype.
+STORAGE_ONLY = frozenset({"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"})
 
 
 class TensorTally(NamedTuple):
@@ -117,8 +120,8 @@ class ModuleTensors:
 
         for i, p in enumerate(self.params):
             put_tied(i)
-            if p.quantized is not None:
-                continue  # a quantized weight dequantizes to the activations' dtype itself (torchao's layers)
+            if p.quantized is not None or p.dtype in STORAGE_ONLY:
+                continue  # quantized / float8-stored weights are upcast to the activations' dtype before the math
             short = p.name[len(p.module) + 1 :] if p.module else p.name
             put(p.module, p.module_class, short, p.dtype, p.requires_grad)
         put_tied(len(self.params))
@@ -166,4 +169,6 @@ class ModuleTensors:
     def main_dtype(self) -> str | None:
         """The floating dtype holding most parameter elements."""
         counts = {d: n for d, n in self.param_dtype_counts().items() if d in FLOATING}
-        return max(counts, key=counts.get) if counts else None
+        # float8 storage is upcast before the math: the compute-capable dtype is the main one when there is one.
+        computing = {d: n for d, n in counts.items() if d not in STORAGE_ONLY} or counts
+        return max(computing, key=computing.get) if computing else None

@@ -15,6 +15,7 @@ from .. import integrations
 from ..discovery.subjects import Subject
 from ..facts import Facts, ModelFacts, SubjectFacts
 from ..facts.hardware import DeviceProfile
+from ..facts.lowbit import STORAGE_DTYPES
 from ..facts.optimizer import OptimizerFacts
 from ..facts.precision import PrecisionFacts
 from ..facts.scaler import ScalerFacts
@@ -58,6 +59,11 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
     cls, icls = type(obj), type(inner)
     fields = {"configs": (), "forward_wrapped": False, "is_peft": False, "is_pretrained": False, "keep_in_fp32": ()}
     fields.update(integrations.model_extras(obj, inner, subject.inner_path, live))
+    tensors = gather_module_tensors(subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers())
+    if tensors.param_dtypes & STORAGE_DTYPES:  # float8 storage: what upcasts it (read for these models only)
+        from ..integrations.lowprecision import model_facts as stored_facts
+
+        fields.update(stored_facts(obj, tensors))
     return ModelFacts(
         name=subject.name,
         config_path=subject.inner_path,
@@ -65,9 +71,7 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
         class_path=f"{cls.__module__}.{cls.__qualname__}",
         inner_class=icls.__name__,
         training=bool(raw_attr(obj, "training", False)),
-        tensors=gather_module_tensors(
-            subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers()
-        ),
+        tensors=tensors,
         ref=id(obj),
         inner_ref=id(inner),
         owner=subject.owner,

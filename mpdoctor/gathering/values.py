@@ -831,10 +831,10 @@ def scan_tensors(
     """
     start = time.perf_counter()
     entries = entries if isinstance(entries, list) else list(entries)
+    entries, skipped = _stored_views(entries)
     with no_autocast():
         stats, chunk, peak = tensor_stats([e[3] for e in entries], underflow, chunk_elements, progress)
     rows: list[TensorScan] = []
-    skipped: list[tuple[str, str]] = []
     new = tuple.__new__  # a row built as a tuple: TensorScan(...) parsing 14 arguments is 1.5x slower
     head = (object,)
     for (module, tkind, name, _), s in zip(entries, stats):
@@ -843,6 +843,36 @@ def scan_tensors(
         else:
             rows.append(new(TensorScan, head + (name, module, tkind) + s))
     return ScanFacts(object, kind, tuple(rows), tuple(skipped), underflow, time.perf_counter() - start, chunk, peak)
+
+
+#: Packed sub-byte formats torch can hold but has no kernel to read (not even a copy to another dtype).
+_UNREADABLE = frozenset(getattr(torch, n) for n in ("float4_e2m1fn_x2",) if hasattr(torch, n))
+
+
+def _stored_views(entries: list) -> tuple[list, list[tuple[str, str]]]:
+    """Entries whose values can be read, and ``(name, why not)`` for the others.
+
+    A tensor subclass that stores another format than its ``dtype`` (torchao's ``Float8Tensor``, ``MXTensor``)
+    has no reductions of its own: its largest inner tensor (the stored elements, through ``__tensor_flatten__``,
+    no copy) is read instead, so NaN / inf in the stored data are counted (absmax is of the stored, scaled
+    elements). Packed float4 cannot be read at all and is said so.
+    """
+    out: list = []
+    skipped: list[tuple[str, str]] = []
+    for entry in entries:
+        t = entry[3]
+        if type(t).__module__.startswith("torchao.") and hasattr(type(t), "__tensor_flatten__"):
+            try:
+                names, _ = type(t).__tensor_flatten__(t)
+                inner = [getattr(t, n) for n in names if isinstance(getattr(t, n, None), torch.Tensor)]
+                t = max(inner, key=lambda x: x.numel() * x.element_size())
+            except Exception:  # another torchao version's layout: scanned as it is (and skipped with the reason)
+                pass
+        if t.dtype in _UNREADABLE:
+            skipped.append((entry[2], f"packed {str(t.dtype)[6:]}: torch has no kernel to read its values"))
+            continue
+        out.append(entry if t is entry[3] else (entry[0], entry[1], entry[2], t))
+    return out, skipped
 
 
 def scan_objects(

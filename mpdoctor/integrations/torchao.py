@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.lowbit import Float8Layer
+import torch
+
+from ..facts.lowbit import Float8Layer, QuantizedWeight
 from ..facts.tensors import dtype_name
-from ..live.introspect import class_path, class_paths, modules_of, raw_attr
+from ..live.introspect import class_path, class_paths, modules_of, named_modules, raw_attr
 from . import Integration
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
@@ -63,11 +65,62 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
                     recipe=recipe_of(config),
                     emulate=bool(raw_attr(config, "emulate", False)),
                     pad_inner_dim=bool(raw_attr(config, "pad_inner_dim", False)),
+                    weight_dtype=dtype_name(raw_attr(raw_attr(module, "weight", None), "dtype", "float32")),
+                    input_dtype=dtype_name(raw_attr(raw_attr(config, "cast_config_input", None), "target_dtype", None) or torch.float8_e4m3fn),
+                    grad_dtype=dtype_name(
+                        raw_attr(raw_attr(config, "cast_config_grad_output", None), "target_dtype", None) or torch.float8_e5m2
+                    ),
                 )
             )
     except Exception:
         return {}
-    return {"float8_layers": tuple(layers)} if layers else {}
+    out: dict = {"float8_layers": tuple(layers)} if layers else {}
+    try:
+        quantized = quantized_weights(outer)
+    except Exception:  # a tensor subclass of another torchao version must not stop the report
+        quantized = ()
+    if quantized:
+        out["quantized_weights"] = quantized
+    return out
+
+
+#: float8 NaN / inf codes with the sign bit dropped (``float8_e4m3fn`` has NaN only; e5m2 has inf and NaN).
+_NONFINITE_CODES = {torch.float8_e4m3fn: (0x7F,), torch.float8_e5m2: (0x7C, 0x7D, 0x7E, 0x7F)}
+
+
+def _nonfinite(t: Any) -> int:
+    codes = _NONFINITE_CODES.get(t.dtype)
+    if codes is None or t.device.type == "meta" or not t.numel():
+        return 0
+    bits = t.detach().view(torch.uint8) & 0x7F
+    return sum(int((bits == c).sum()) for c in codes)
+
+
+def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
+    """The layers of ``model`` whose ``weight`` is a torchao quantized tensor, with NaN counts of their data."""
+    out = []
+    for path, mod in named_modules(model):
+        w = mod.__dict__.get("_parameters", {}).get("weight")
+        if w is None or BASE_TENSOR not in class_paths(type(w)):
+            continue
+        leaves = _leaves(w)
+        if not leaves:
+            continue
+        data = max(leaves, key=lambda x: x.numel() * x.element_size())
+        block = raw_attr(w, "block_size", 0)
+        out.append(
+            QuantizedWeight(
+                path=path,
+                tensor_class=class_path(type(w)),
+                storage_dtype=dtype_name(data.dtype),
+                dequantizes_to=dtype_name(w.dtype),
+                block_size=block if isinstance(block, int) else 0,
+                elements=int(w.numel()),
+                nonfinite=sum(_nonfinite(x) for x in leaves),
+                dynamic_activation=raw_attr(w, "act_quant_kwargs", None) is not None,
+            )
+        )
+    return tuple(out)
 
 
 def _leaves(t: Any, depth: int = 0) -> list:

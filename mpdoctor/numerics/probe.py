@@ -49,6 +49,36 @@ _SCALER = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradS
 
 # -- statistics ------------------------------------------------------------------------
 
+#: Dtypes reductions (``aminmax``, ``isfinite``) are implemented for on every device; others are upcast to fp32.
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _finite_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` in a dtype ``aminmax`` / ``isfinite`` can read, or None when its values cannot be read.
+
+    float8 tensors (every variant) have no CPU reductions: they are upcast to fp32 (a copy of that one
+    tensor). A tensor subclass that stores another format (torchao's ``Float8Tensor`` has no ``aten.abs``)
+    is read through its own ``dequantize()``. Packed float4 (``float4_e2m1fn_x2``) cannot even be copied
+    to another dtype: None.
+    """
+    d = t.detach()
+    if type(d) is not torch.Tensor:  # a subclass (torchao, DTensor ...): its dispatch may lack reductions
+        deq = getattr(d, "dequantize", None)
+        if callable(deq):
+            try:
+                d = deq()
+            except Exception:
+                return None
+        if type(d) is not torch.Tensor and not d.is_floating_point():
+            return None
+    if d.dtype in _REDUCIBLE or not d.is_floating_point():
+        return d
+    try:
+        return d.float()
+    except Exception:  # float4_e2m1fn_x2: no copy kernel
+        return None
+
+
 
 class _Stats:
     """Abs max and non-finite counts of many tensors, read out in one go.
@@ -80,7 +110,10 @@ class _Stats:
             hit = seen.get(id(t))
             if hit is not None and hit[0] is t and hit[1] == t._version:
                 return hit[2]
-        d = t.detach()
+        d = _finite_view(t)
+        if d is None or d.numel() == 0:  # unreadable (packed float4) or empty: recorded as finite zeros
+            self.slots.append([0.0, 0.0, 0])
+            return len(self.slots) - 1
         mn, mx = torch.aminmax(d)
         if d.device.type in self.EAGER:
             lo, hi = mn.item(), mx.item()
@@ -612,7 +645,9 @@ def _nonfinite_params(params: list[torch.Tensor]) -> int:
     total = 0
     for p in params:
         if p.is_floating_point() and p.numel() and p.device.type != "meta":
-            total += p.numel() - int(torch.count_nonzero(torch.isfinite(p.detach())))
+            d = _finite_view(p)
+            if d is not None:
+                total += d.numel() - int(torch.count_nonzero(torch.isfinite(d)))
     return total
 
 

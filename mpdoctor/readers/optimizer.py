@@ -68,6 +68,7 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         has_state=bool(state),
         group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
         state_steps=steps,
+        bf16_update_loss=_bf16_update_loss(cls, groups, params),
     )
 
 
@@ -81,3 +82,17 @@ def _step_count(step: Any) -> int:
 def _eps_of(group: dict) -> float | None:
     eps = group.get("eps")
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
+
+
+def _bf16_update_loss(cls: type, groups: list, params: list[OptParam]) -> tuple[int, int] | None:
+    # Only where pure-bf16-adamw can apply: stock torch Adam / AdamW with trainable bf16 parameters.
+    if cls.__module__.split(".")[:2] != ["torch", "optim"] or cls.__name__ not in ("Adam", "AdamW"):
+        return None
+    if not any(p.dtype == "bfloat16" and p.requires_grad for p in params):
+        return None
+    from ..facts.lowbit import bf16_update_loss
+
+    try:
+        return bf16_update_loss(groups)
+    except Exception:  # a value read must never stop the gathering
+        return None

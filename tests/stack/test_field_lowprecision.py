@@ -1,0 +1,368 @@
+"""Field cases of low-precision setups (fp8 storage, fp8 recipes, quantized float8 weights), reproduced on this CPU.
+
+Each test shows the real error or the measured harm first, then mpdoctor's finding, then the advice taken and a
+step that trains. GPU-only rules (float8 GEMMs need compute capability 8.9+) are judged against ``target=``
+profiles, and the tests say so. Measured here (torch 2.13 CPU): ``.to(torch.float8_e4m3fn)`` saturates at 448
+(inf too), ``.to(torch.float8_e5m2)`` overflows to inf past 57344.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import AORecipeKwargs  # noqa: E402
+from diffusers.hooks import apply_layerwise_casting  # noqa: E402
+from torchao.float8 import convert_to_float8_training  # noqa: E402
+
+import mpdoctor  # noqa: E402
+
+
+def severities(report) -> dict[str, str]:
+    return {f.check: f.severity for f in report.findings}
+
+
+def finding(report, slug: str):
+    return next(f for f in report.findings if f.check == slug)
+
+
+def mlp(*dims: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(dims, dims[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def trains(model, x, opt=None) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = opt or torch.optim.AdamW(params, lr=1e-2)
+    before = [p.detach().clone() for p in params]
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, params)), "no parameter moved"
+
+
+# -- fp8 storage nothing upcasts ----------------------------------------------------------------------------
+
+
+def fp8_stored_mlp() -> torch.nn.Sequential:
+    """Weights cast to float8_e4m3fn to save memory, biases in bf16, stock ``nn.Linear`` layers."""
+    m = mlp(32, 64, 16).to(torch.bfloat16)
+    for layer in (m[0], m[2]):
+        layer.weight.requires_grad_(False)
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    return m
+
+
+def test_fp8_weights_in_stock_linear_layers_raise_and_the_advice_upcasts_per_layer():
+    """kijai/ComfyUI-ControlNeXt-SVD#7: "mat1 and mat2 must have the same dtype, but got Half and
+    Float8_e4m3fn"; lodestone-rock/ComfyUI_FluxMod#27: "self and mat2 must have the same dtype, but got BFloat16
+    and Float8_e4m3fn". float8-stored weights reached a stock Linear that nothing casts up."""
+    m = fp8_stored_mlp()
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        m(x)
+    report = mpdoctor.diagnose(m, names={id(m): "model"})
+    f = finding(report, "fp8-storage-not-upcast")
+    assert f.severity == "error" and "0 (Linear: float8_e4m3fn), 2 (Linear: float8_e4m3fn)" in f.message
+    assert "enable_layerwise_casting" in f.fixes[0].code
+    assert "mixed-param-dtypes" not in severities(report)  # storage, not a second compute dtype
+    # The advice, taken: store in float8, compute in bf16, per layer.
+    apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    for p in m.parameters():
+        p.requires_grad_(False)  # the casting hook stores biases in float8 too: a frozen body
+    model = torch.nn.Sequential(m, torch.nn.Linear(16, 4).to(torch.bfloat16))
+    trains(model, x)
+    report = mpdoctor.diagnose(model, names={id(model): "model"})
+    assert not [f for f in report.findings if f.severity in ("error", "warning")]
+
+
+def test_an_fp8_embedding_returns_float8_rows_and_the_next_layer_raises():
+    """kijai/ComfyUI-WanVideoWrapper#1374: "self and mat2 must have the same dtype, but got BFloat16 and
+    Float8_e4m3fn": the float8 tensor reached the math outside the layer that stores it. A stock
+    ``nn.Embedding`` holding float8 weights returns float8 rows; the Linear after it raises."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    m[0].weight.requires_grad_(False)
+    m[0].weight.data = m[0].weight.data.to(torch.float8_e4m3fn)
+    ids = torch.tensor([[1, 2, 3]])
+    assert m[0](ids).dtype == torch.float8_e4m3fn  # the storage leaves the layer as it is
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        m(ids)
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-not-upcast")
+    assert f.severity == "error" and f.evidence["emits_float8"] == ["0"] and "one layer later" in f.message
+    apply_layerwise_casting(m[0], storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    trains(m, ids)
+    assert "fp8-storage-not-upcast" not in severities(mpdoctor.diagnose(m))
+
+
+def test_fp8_layerwise_casting_on_trainable_layers_makes_the_optimizer_step_raise():
+    """huggingface/finetrainers PR #316: training with float8 layerwise casting ("fake fp8 training"); kohya-ss/sd-scripts#1711:
+    "cat_cuda" not implemented for 'Float8_e4m3fn'. ``apply_layerwise_casting`` stores every parameter of the
+    covered layers in float8, biases included, and leaves them trainable: measured here, AdamW's step raises."""
+    m = mlp(32, 64, 16)
+    apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(x).float().pow(2).mean().backward()
+    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
+        opt.step()
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-trainable")
+    assert f.severity == "error" and "0 (weight, bias), 2 (weight, bias)" in f.message
+    # The advice: freeze the float8 storage, train a bf16 part.
+    for p in m.parameters():
+        if p.dtype == torch.float8_e4m3fn:
+            p.requires_grad_(False)
+    model = torch.nn.Sequential(m, torch.nn.Linear(16, 4).to(torch.bfloat16))
+    trains(model, x)
+    assert not [f for f in mpdoctor.diagnose(model).findings if f.severity in ("error", "warning")]
+
+
+# -- saturation and overflow of unscaled casts ---------------------------------------------------------------
+
+
+class UpcastLinear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def wide_layer(dtype: torch.dtype, peak: float) -> tuple[UpcastLinear, torch.Tensor]:
+    torch.manual_seed(0)
+    layer = UpcastLinear(64, 32)
+    with torch.no_grad():
+        layer.weight.mul_(peak / layer.weight.abs().max())
+    hp = layer.weight.detach().clone()
+    layer.weight = torch.nn.Parameter(hp.to(dtype), requires_grad=False)
+    return layer, hp
+
+
+def test_an_unscaled_e4m3_cast_saturates_at_448():
+    """pytorch/pytorch#150756 (and PR #160488): values past 448 cast to float8_e4m3fn become 448. Measured: a weight
+    spanning +-2000 loses every element past 448, silently; the layer computes with wrong weights (output error
+    below). The advice (a per-tensor scale) keeps the error within e4m3's rounding."""
+    layer, hp = wide_layer(torch.float8_e4m3fn, 2000.0)
+    stored = layer.weight.float()
+    clipped = int((hp.abs() > 464).sum())
+    assert clipped > 0 and stored.abs().max() == 448 and int((stored.abs() == 448).sum()) >= clipped  # the harm
+    x = torch.randn(8, 64)
+    err = (layer(x) - torch.nn.functional.linear(x, hp, layer.bias)).norm() / torch.nn.functional.linear(x, hp, layer.bias).norm()
+    assert err > 0.05
+    m = torch.nn.Sequential(layer)
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-saturated")
+    assert f.severity == "warning" and f.evidence["layers"][0][3] >= clipped
+    # The advice: scale = 448 / amax before the cast, and back after the upcast.
+    scale = 448.0 / hp.abs().max()
+    layer.weight = torch.nn.Parameter((hp * scale).to(torch.float8_e4m3fn), requires_grad=False)
+    layer.register_buffer("scale_weight", scale.reciprocal())
+    scaled_err = (torch.nn.functional.linear(x, layer.weight.float() * layer.scale_weight, layer.bias) - torch.nn.functional.linear(x, hp, layer.bias)).norm()
+    assert scaled_err / torch.nn.functional.linear(x, hp, layer.bias).norm() < 0.05 < err
+    assert "fp8-storage-saturated" not in severities(mpdoctor.diagnose(m))
+    trains(m, x)
+
+
+def test_an_unscaled_e5m2_cast_overflows_to_inf_and_nan_bytes_are_an_error():
+    """e5m2 keeps inf: ``.to(torch.float8_e5m2)`` past 57344 gives inf (measured), and the forward gives NaN / inf.
+    NVIDIA/Model-Optimizer#1633: NVFP4 exports wrote e4m3 block scales with NaN bytes (0x7F) from unclamped casts;
+    stood in for here by NaN bytes in an e4m3-stored weight: read from the bytes, an error."""
+    layer, hp = wide_layer(torch.float8_e5m2, 1e5)
+    assert torch.isinf(layer.weight.float()).any()  # the overflow
+    out = layer(torch.randn(4, 64))
+    assert not torch.isfinite(out).all()  # the harm
+    m = torch.nn.Sequential(layer)
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-saturated")
+    assert f.severity == "error" and f.evidence["layers"][0][4] > 0
+    # NaN bytes in an e4m3 checkpoint, as the exporter wrote them.
+    layer, _ = wide_layer(torch.float8_e4m3fn, 100.0)
+    layer.weight.data.view(torch.uint8)[0, :4] = 0x7F
+    assert torch.isnan(layer.weight.float()).sum() == 4
+    f = finding(mpdoctor.diagnose(torch.nn.Sequential(layer)), "fp8-storage-saturated")
+    assert f.severity == "error"
+    # The advice: re-cast from the high-precision weights with a scale.
+    scale = 448.0 / hp.abs().max()
+    layer = UpcastLinear(64, 32)
+    layer.weight = torch.nn.Parameter((hp * scale).to(torch.float8_e4m3fn), requires_grad=False)
+    layer.register_buffer("scale_weight", scale.reciprocal())
+    m = torch.nn.Sequential(layer)
+    assert "fp8-storage-saturated" not in severities(mpdoctor.diagnose(m))
+    trains(m, torch.randn(4, 64))
+
+
+# -- quantized float8 weights with NaN ------------------------------------------------------------------------
+
+
+def test_an_all_zero_row_quantized_to_float8_is_nan():
+    """pytorch/ao#4713 (and PR #4762): "Float8Tensor zero inputs quantize to NaN": the row scale amax / 448 is 0
+    and 0 / 0 is NaN. Reproduced with ``quantize_(model, Float8WeightOnlyConfig())`` (per-row) on a Linear with
+    one pruned (all-zero) row: every output of that row is NaN. The probe now reads Float8Tensor weights (it
+    raised ``aten.abs`` not implemented before)."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    def build(zero_row: bool) -> torch.nn.Sequential:
+        m = mlp(32, 64, 16).to(torch.bfloat16)
+        if zero_row:
+            with torch.no_grad():
+                m[0].weight[3].zero_()
+        quantize_(m, Float8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)
+                  and bool((mod.weight.abs().amax(dim=1) > 0).all()) if not zero_row else isinstance(mod, torch.nn.Linear))
+        return m
+
+    m = build(True)
+    x = torch.randn(4, 32, dtype=torch.bfloat16)
+    assert torch.isnan(m[0](x)).any() and torch.isnan(m(x)).any()  # the harm
+    report = mpdoctor.diagnose(m, names={id(m): "model"})
+    f = finding(report, "quantized-weights-nonfinite")
+    assert f.severity == "error" and f.evidence["layers"][0][3] == 32  # one row of 32 elements
+    probe = mpdoctor.probe(m, x, loss_fn=lambda out: out.float().pow(2).mean())
+    assert finding(probe, "probe-nonfinite").severity == "error"
+    assert "0" in finding(probe, "probe-nonfinite").message
+    # The advice: quantize again, leaving layers with all-zero rows out.
+    torch.manual_seed(0)
+    m = mlp(32, 64, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        m[0].weight[3].zero_()
+    quantize_(m, Float8WeightOnlyConfig(),
+              filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and bool((mod.weight.abs().amax(dim=1) > 0).all()))
+    assert torch.isfinite(m(x)).all()
+    assert "quantized-weights-nonfinite" not in severities(mpdoctor.diagnose(m))
+    trains(m, x)
+
+
+# -- is fp8 actually on? -----------------------------------------------------------------------------------
+
+
+def prepare_fp8(model: torch.nn.Module):
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()], cpu=True)
+    prepared = acc.prepare(model)
+    opt = acc.prepare(torch.optim.AdamW(prepared.parameters(), lr=1e-2))
+    return acc, prepared, opt
+
+
+def test_accelerate_fp8_on_a_model_its_filter_converts_nothing():
+    """huggingface/accelerate PR #4147: accelerate's AO path skips the first and last Linear "for stability".
+    On a two-Linear model that is every layer: ``Accelerator(mixed_precision="fp8")`` says fp8 and the run is
+    bf16 autocast (measured: no Float8Linear after prepare)."""
+    acc, model, opt = prepare_fp8(mlp(32, 64, 16))
+    assert acc.mixed_precision == "fp8" and not [x for x in model.modules() if type(x).__name__ == "Float8Linear"]
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    f = finding(report, "fp8-requested-not-on")
+    assert f.severity == "warning" and "no float8 layer" in f.message
+    # The advice: convert the layers yourself before prepare(), then build the optimizer from the converted model.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    m = mlp(32, 64, 16)
+    convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    acc, model, opt = prepare_fp8(m)
+    assert len([x for x in model.modules() if type(x).__name__ == "Float8Linear"]) == 2
+    x = torch.randn(16, 32)
+    loss = model(x).float().pow(2).mean()
+    acc.backward(loss)
+    opt.step()
+    assert torch.isfinite(loss)
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    assert "fp8-requested-not-on" not in severities(report)
+
+
+def test_accelerate_fp8_converts_no_layer_whose_dims_are_not_multiples_of_16():
+    """huggingface/accelerate PR #1188: "Only convert linear layers with weights multiple of 16". A model whose
+    hidden size is 40 keeps every inner Linear in high precision under fp8 (measured), silently."""
+    acc, model, opt = prepare_fp8(mlp(32, 40, 40, 40, 16))
+    assert not [x for x in model.modules() if type(x).__name__ == "Float8Linear"]
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    assert severities(report)["fp8-requested-not-on"] == "warning"
+
+
+def test_accelerate_fp8_ao_swaps_weights_after_the_optimizer_was_built():
+    """Measured on accelerate 1.15 + torchao 0.18 (no public report found): ``acc.prepare(model, optimizer)``
+    with the AO backend swaps Linear for Float8Linear *after* the optimizer was built; the new layers get new
+    weight parameters the optimizer does not hold, so those weights never train (their grads are computed and
+    dropped). mpdoctor's ``optimizer-params-not-in-model`` is right here, not a false alarm; re-creating the
+    optimizer from the prepared model (or preparing the model first) makes every weight train."""
+    m = mlp(32, 64, 64, 64, 16)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()], cpu=True)
+    model, popt = acc.prepare(m, opt)
+    held = {id(p) for g in popt.optimizer.param_groups for p in g["params"]}
+    orphans = [n for n, p in model.named_parameters() if id(p) not in held]
+    assert orphans == ["2.weight", "4.weight"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    acc.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    popt.step()
+    assert [n for n, p in model.named_parameters() if torch.equal(before[n], p)] == orphans  # the harm
+    report = mpdoctor.diagnose(model, popt, acc, names={id(model): "model", id(popt): "optimizer", id(acc): "accelerator"})
+    assert severities(report)["optimizer-params-not-in-model"] == "error"
+    # The advice: build the optimizer from the live (converted) model.
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    acc.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    assert "optimizer-params-not-in-model" not in severities(report)
+
+
+# -- fp8 on GPUs without float8 GEMMs ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "RTX3090",  # NVIDIA/TransformerEngine#1159: "Device compute capability 8.9 or higher required for FP8 execution."
+        "A100",  # kvcache-ai/ktransformers#934: "fp8e4nv data type is not supported on CUDA arch < 89"
+        "T4",
+    ],
+)
+def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path, target):
+    """GPU-only: the refusal happens at the first fp8 step on that GPU (this CPU runs fp8 casts in software), so
+    the request is judged against the target's profile. bf16 is the advice, and draws nothing there."""
+    from transformers import TrainingArguments
+
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"
+    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[])
+    f = finding(mpdoctor.diagnose(args, names={id(args): "args"}, target=target), "fp8-requested-unsupported-device")
+    assert f.severity == "error" and "8.9" in f.message
+    for ok in ("L4", "H100"):
+        assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=ok))
+    # The advice: a half precision that GPU has (bf16 on Ampere; the T4 gets its own bf16-unsupported advice).
+    os.environ.pop("ACCELERATE_MIXED_PRECISION")
+    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[])
+    assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=target))
+
+
+# -- block formats on devices without block-scaled GEMMs ------------------------------------------------------
+
+
+def test_mxfp8_activations_and_weights_on_a_device_without_mx_gemms():
+    """NVIDIA/TransformerEngine#2304: "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet".
+    torchao's ``MXDynamicActivationMXWeightConfig`` quantizes the activations too, so the matmul is a
+    block-scaled GEMM only sm_100 runs: measured here, the CPU forward raises; an H100 is judged by its profile.
+    The advice (weight-only NVFP4, which dequantizes in the forward) runs."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+
+    m = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(m, MXDynamicActivationMXWeightConfig())
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        m(x)
+    for target in (None, "H100"):
+        f = finding(mpdoctor.diagnose(m, names={id(m): "model"}, target=target), "block-format-unsupported-device")
+        assert f.severity == "error" and "MXTensor" in f.message
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m, target="B200"))
+    assert "NVFP4WeightOnlyConfig" in finding(mpdoctor.diagnose(m), "block-format-unsupported-device").fixes[0].code
+    # The advice: weight-only on this device.
+    nv = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(nv, NVFP4WeightOnlyConfig())
+    assert torch.isfinite(nv(x)).all()
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(nv))
+    head = torch.nn.Sequential(nv, torch.nn.Linear(32, 4).to(torch.bfloat16))
+    for p in nv.parameters():
+        p.requires_grad_(False)
+    trains(head, x)
