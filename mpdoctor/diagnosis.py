@@ -23,6 +23,7 @@ from .live import Live
 from .redact import describe_exception, redact_finding
 from .report import Report
 from .treatment import plan as plan_treatment
+from .treatment import plan_safe
 
 
 def diagnose(
@@ -129,6 +130,14 @@ def diagnose_subjects(
     except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
         treatment = [fx for f in findings for fx in f.fixes]
         failures.append(_failure("the treatment plan", exc))
+    try:
+        safe_treatment = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), treatment)
+    except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
+        safe_treatment = [fx for fx in treatment if fx.safe]
+        failures.append(_failure("the safe-fixes plan", exc))
+    for fx in safe_treatment:
+        if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
+            fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
     findings = [redact_finding(f) for f in failures + findings]
     report = Report(
         findings,
@@ -149,8 +158,9 @@ def diagnose_subjects(
     for f in findings:
         for fx in f.fixes:
             fx.bind(live, report)
-    for fx in treatment:
+    for fx in treatment + safe_treatment:
         fx.bind(live, report)
+    report._safe_plan = safe_treatment
     return report
 
 

@@ -73,6 +73,8 @@ class Report:
         self._subjects = tuple(subjects)
         self.live = live
         self._plan = plan
+        #: The best plan of safe fixes only (set by diagnose; None: the safe fixes of the plan).
+        self._safe_plan: list | None = None
         #: Findings hidden by ``ignore``, per check slug.
         self.hidden: dict[str, int] = dict(hidden or {})
         # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
@@ -112,6 +114,18 @@ class Report:
         if self._plan is not None:
             return list(self._plan)
         return self.all_fixes
+
+    @property
+    def safe_fixes(self) -> list:
+        """The safe treatment: what :meth:`apply_safe_fixes` applies, in order.
+
+        Planned with the same simulator as :attr:`fixes` on safe fixes alone, so it can hold a safe fix that
+        :attr:`fixes` leaves as an alternative because it prefers an unsafe one (disabling a bf16 run's
+        scaler while the plan casts to fp32 master weights).
+        """
+        if self._safe_plan is not None:
+            return list(self._safe_plan)
+        return [fx for fx in self.fixes if fx.safe]
 
     @property
     def all_fixes(self) -> list:
@@ -186,7 +200,7 @@ class Report:
         return diagnose_subjects(self._subjects, target=self.target, scan=self.scan, ignore=self.ignore)
 
     def apply_safe_fixes(self) -> list:
-        """Apply every safe fix not yet applied; return the fixes applied.
+        """Apply the best plan of safe fixes (:attr:`safe_fixes`) not yet applied; return the fixes applied.
 
         A fix that fails is rolled back, keeps its ``error`` and is skipped;
         the others are still applied.
@@ -194,8 +208,8 @@ class Report:
         from .fixes import FixFailed, FixNeedsConfirmation
 
         applied = []
-        for fix in self.fixes:
-            if fix.safe and not fix.applied:
+        for fix in self.safe_fixes:
+            if not fix.applied:
                 try:
                     fix.apply()
                     applied.append(fix)

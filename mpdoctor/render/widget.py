@@ -306,7 +306,7 @@ class ReportWidget:
     def _render(self) -> None:
         data = report_dict(self.report)
         self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}</div>"
-        pending_safe = [fx for fx in self.report.fixes if fx.safe and not fx.applied]
+        pending_safe = [fx for fx in self.report.safe_fixes if not fx.applied]
         self.apply_all_button.description = f"Apply all safe fixes ({len(pending_safe)})"
         self.apply_all_button.disabled = not pending_safe
         # Nothing to apply: no button at all rather than a disabled "(0)".
@@ -529,12 +529,14 @@ class ReportWidget:
         }
         done = self.report.apply_safe_fixes()
         for fx in done:
+            if id(fx) not in owners:  # a safe fix planned on a simulated state: the re-diagnosis shows it
+                continue
             finding, view, fv = owners[id(fx)]
             self._notes.pop(_finding_key(finding), None)
             self.applied.append(AppliedFix(fx, view, fv, _finding_key(finding)))
         skipped = 0
-        for fx in self.report.fixes:
-            if fx.safe and not fx.applied and fx.error:
+        for fx in self.report.safe_fixes:
+            if not fx.applied and fx.error and id(fx) in owners:
                 finding = owners[id(fx)][0]
                 hint = " Click its button to confirm." if fx.needs_confirmation else ""
                 self._notes[_finding_key(finding)] = f"Not applied: {fx.error}.{hint}"
