@@ -9,12 +9,13 @@ others are still diagnosed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .checks import internal_error, run_checks
-from .discover import Subject, discover
+from .discover import Subject, discover, kind_of, nothing_to_inspect
 from .facts import Facts, gather
 from .facts.hardware import DeviceProfile, profile_for
 from .facts.precision import RuntimeFacts
@@ -50,7 +51,9 @@ def diagnose(
         accelerator and scaler along.
     namespace : dict, optional
         A namespace such as IPython's ``user_ns``; everything relevant in it
-        is inspected and named by its variable name.
+        is inspected and named by its variable name. With no objects and no
+        namespace, the caller's globals and locals are inspected (as
+        ``%mpdoctor`` inspects the notebook's namespace).
     target : str, optional
         A device profile (``"T4"``, ``"V100"``, ``"A100"``, ...) to evaluate
         as a what-if instead of the live machine.
@@ -79,6 +82,8 @@ def diagnose(
     if target is not None:
         profile_for(target)  # a typo in target is the caller's error, not a finding
     start = time.perf_counter()
+    if not objects and namespace is None:
+        namespace = _callers_namespace()
     try:
         subjects = discover(objects, namespace=namespace, hidden=hidden, names=names)
     except Exception as exc:  # discovery is defensive; this is the last line
@@ -91,7 +96,33 @@ def diagnose(
     )
     if failure is not None:
         report.findings.insert(0, redact_finding(failure))
+    report.notes = _not_inspected(objects, names)
     return report
+
+
+def _callers_namespace() -> dict[str, Any] | None:
+    """The globals and locals of the code that called ``diagnose()`` (locals win), or None when that is
+    mpdoctor itself (an internal call with nothing to inspect inspects nothing)."""
+    try:
+        frame = sys._getframe(2)  # 0: this function, 1: diagnose(), 2: its caller
+        if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0]:
+            return None
+        return {**frame.f_globals, **frame.f_locals}
+    except Exception:  # no frame introspection (another interpreter): nothing to inspect
+        return None
+
+
+def _not_inspected(objects: tuple, names: Mapping[int, str] | None) -> list[str]:
+    """One sentence per object given that is nothing mpdoctor inspects (``diagnose(42)``)."""
+    out = []
+    for i, obj in enumerate(objects, 1):
+        try:
+            if kind_of(obj) is None:
+                name = (names or {}).get(id(obj)) or f"argument {i}"
+                out.append(nothing_to_inspect(name, obj))
+        except Exception:  # never raise on a user object
+            continue
+    return out
 
 
 def diagnose_subjects(

@@ -133,6 +133,7 @@ def report_dict(report: Any) -> dict:
         "target": report.target,
         "device": hardware_view(report),
         "subjects": subjects_view(report),
+        "notes": list(getattr(report, "notes", ()) or ()),
         "findings": [dict(f.to_dict(), why=REGISTRY[f.check].why if f.check in REGISTRY else "") for f in report.findings],
         "histogram": [_jsonable(r._asdict()) for r in report.facts.tallies],
         "precision": precision_view(report),

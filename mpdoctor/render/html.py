@@ -112,10 +112,11 @@ def verdict_html(data: dict) -> str:
 def subjects_html(data: dict) -> str:
     """What was inspected: names and classes."""
     subjects = data["subjects"]
+    notes = "".join(f"<div style='color:{MUTED}'>note: {e(n)}</div>" for n in data.get("notes", ()))
     if not subjects:
-        return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>"
+        return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>{notes}"
     items = ", ".join(f"{code(s['name'])} {muted(e(s['class']), 13)}" for s in subjects)
-    return f"<div>inspected: {items}</div>"
+    return f"<div>inspected: {items}</div>{notes}"
 
 
 def evidence_html(evidence: dict) -> str:

@@ -26,6 +26,7 @@ def render_markdown(report: Any) -> str:
         "",
         "Inspected: " + (", ".join(f"`{s['name']}` ({s['class']})" for s in data["subjects"]) or "nothing"),
         "",
+        *[f"Note: {n}\n" for n in data["notes"]],
     ]
     if data["findings"]:
         lines += ["| severity | check | subject | message |", "|---|---|---|---|"]

@@ -38,6 +38,8 @@ def render_text(report: Any, width: int = 100) -> str:
         or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
     )
     lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+    for note in data["notes"]:  # what the caller gave that is nothing to inspect
+        lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
         lines.append("")
