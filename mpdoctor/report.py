@@ -80,6 +80,8 @@ class Report:
         # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
         self.cause: Finding | None = None
         self.exception: str | None = None
+        #: The name of the inspected object whose method raised that exception (``"scaler16"``), when found.
+        self.raised_by: str | None = None
         #: What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).
         self.notes: list[str] = []
 

@@ -387,4 +387,11 @@ def cause_label(report: Any) -> str | None:
     findings = getattr(report, "findings", None)
     if cause is None or not findings or findings[0] is not cause:
         return None
-    return f"cause of {getattr(report, 'exception', None) or 'the exception'}"
+    raised_by = getattr(report, "raised_by", None)
+    by = f" (raised by {raised_by})" if raised_by else ""
+    return f"cause of {getattr(report, 'exception', None) or 'the exception'}{by}"
+
+
+def also_found_label(count: int) -> str:
+    """The heading the findings after an exception's cause are folded under."""
+    return f"also found ({count})"

@@ -23,6 +23,7 @@ from typing import Any
 from .data import humanize_bytes, humanize_count, report_dict
 from .evidence import (
     SHORT_DTYPE,
+    also_found_label,
     cause_label,
     format_number,
     plural,
@@ -379,14 +380,26 @@ def cause_html(label: str) -> str:
     return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;margin:6px 0 0'>{pill('cause', COLORS['error'])} {e(label)}</div>"
 
 
+def also_found_html(findings: list[dict]) -> str:
+    """The findings beside an exception's cause, folded: the cause is what to read first."""
+    body = "".join(finding_html(f) for f in findings)
+    return (
+        f"<details class='mpdoctor-also-found' style='margin-top:4px'><summary style='{SUMMARY}'>"
+        f"{e(also_found_label(len(findings)))}</summary>{body}</details>"
+    )
+
+
 def render_html(report: Any) -> str:
     """Render a report as a self-contained HTML fragment."""
     data = report_dict(report)
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
     label = cause_label(report)
-    if label:  # the finding that explains an exception comes first, under this heading
-        parts.append(cause_html(label))
-    parts += [finding_html(f) for f in data["findings"]]
+    if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
+        parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]
+    else:
+        if label:  # the finding that explains an exception comes first, under this heading
+            parts.append(cause_html(label))
+        parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
     if report_layer_strips(report):
         parts.append(section("dtypes per layer", layers_html(report)))

@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import SHORT_DTYPE, cause_label, precision_word, singular_counts, summarize_evidence
+from .evidence import SHORT_DTYPE, also_found_label, cause_label, precision_word, singular_counts, summarize_evidence
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -46,7 +46,9 @@ def render_text(report: Any, width: int = 100) -> str:
     label = cause_label(report)
     if label:  # the finding that explains an exception comes first, under this heading
         lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
-    for f in data["findings"]:
+    for i, f in enumerate(data["findings"]):
+        if label and i == 1:  # the cause first; the other findings under their own heading
+            lines += ["", also_found_label(len(data["findings"]) - 1)]
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
         if f["evidence"]:  # long lists summarised (the full lists are in report.to_dict())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .data import report_dict
-from .evidence import cause_label, fix_label, plural, singular_counts
+from .evidence import also_found_label, cause_label, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
@@ -325,7 +325,12 @@ class ReportWidget:
         label = cause_label(self.report)
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
-        cards += [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        finding_cards = [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        if label and len(finding_cards) > 1:  # the cause first; the other findings folded under it
+            also = self._w.Accordion(children=(self._w.VBox(finding_cards[1:]),), selected_index=None)
+            also.set_title(0, also_found_label(len(finding_cards) - 1))
+            finding_cards = [finding_cards[0], also]
+        cards += finding_cards
         cards += [self._applied_card(a, a.key in open_keys) for a in self.applied]
         old = self.findings_box.children
         self.findings_box.children = tuple(cards)
