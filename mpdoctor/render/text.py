@@ -6,7 +6,14 @@ import textwrap
 from typing import Any
 
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import SHORT_DTYPE, also_found_label, cause_label, precision_word, singular_counts, summarize_evidence
+from .evidence import (
+    SHORT_DTYPE,
+    also_found_label,
+    cause_label,
+    precision_word,
+    singular_counts,
+    summarize_evidence,
+)
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
