@@ -13,8 +13,8 @@ sections, as ruff documents its rules::
     Source
         ...
 
-The README's checks reference is generated from these docstrings
-(``python -m mpdoctor checks --markdown``), so code and docs cannot drift.
+The checks reference (``docs/checks.md``) is generated from these docstrings
+(``python -m mpdoctor checks --update-docs``), so code and docs cannot drift.
 A check that raises becomes an ``internal-error`` finding; the others still run.
 """
 
