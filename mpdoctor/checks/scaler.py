@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from ..changes import CastParamsTo, SetAttrTo
 from ..facts import Facts, ScalerFacts
-from ..findings import Finding, count
+from ..findings import Finding, count, size_delta
 from ..fixes import Fix
 from . import check
 
@@ -168,7 +168,7 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
                     changes=(spec,),
                     backup_bytes=spec.backup_bytes(facts),
                     recipe="fp32-master-weights",
-                    cost=f"+{sum(p.numel for p in fp16) * 2 / 2**20:.1f} MiB of weights (fp32 master copies)",
+                    cost=f"{size_delta(sum(p.numel for p in fp16) * 2)} of weights (fp32 master copies)",
                 )
             ],
         )

@@ -100,6 +100,9 @@ class ModelFacts:
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
     #: phase error in radians at the last position, positions)``; read by the transformers integration.
     rope_buffers: tuple[tuple[str, str, str, float, int], ...] = ()
+    #: ``config._name_or_path`` of a transformers model: the checkpoint it was loaded from, empty for a model
+    #: built from a config (advice says ``from_pretrained`` only when there is something to load).
+    loaded_from: str = ""
 
     @property
     def model_type(self) -> str | None:

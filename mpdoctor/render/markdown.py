@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import humanize_bytes, precision_view, report_dict
-from .evidence import SHORT_DTYPE, plural
+from .evidence import dtype_word, plural
 
 
 def _cell(value: Any) -> str:
@@ -39,7 +39,7 @@ def render_markdown(report: Any) -> str:
         lines += ["| object | kind | dtype | tensors | bytes | trainable |", "|---|---|---|---|---|---|"]
         for r in data["histogram"]:
             lines.append(
-                f"| `{_cell(r['object'])}` | {r['kind']} | {SHORT_DTYPE.get(r['dtype'], r['dtype'])} | {r['tensors']} "
+                f"| `{_cell(r['object'])}` | {r['kind']} | {dtype_word(r['dtype'])} | {r['tensors']} "
                 f"| {humanize_bytes(r['bytes'])} | {r['trainable']} |"
             )
         lines.append("")

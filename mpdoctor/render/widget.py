@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .data import report_dict
-from .evidence import also_found_label, cause_label, fix_label, plural, singular_counts
+from .evidence import also_found_label, cause_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
@@ -351,7 +351,8 @@ class ReportWidget:
         parts = [finding_body_html(view)]
         if view["fixes"]:
             snippets = "".join(
-                f"<div style='font-size:12px;color:{MUTED}'>{e(singular_counts(fx['title']))}:</div>"
+                f"<div style='font-size:12px;color:{MUTED}'>fix ({e(fix_kind(fx, view['fixes']))}): "
+                f"{e(singular_counts(fx['title']))}:</div>"
                 + (f"<div style='font-size:12px;color:{MUTED}'>cost: {e(fx['cost'])}</div>" if fx.get("cost") else "")
                 + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['note'])}</div>" if fx.get("note") else "")
                 + f"<pre style='{PRE}'>{e(fx['code'])}</pre>"
