@@ -190,3 +190,14 @@ def test_after_apply_safe_fixes_no_error_or_warning_still_has_a_safe_fix(s):
         if fx.safe
     ]
     assert not left, (s, left, [(f.check, f.message) for f in before.findings])
+
+
+def test_the_widgets_apply_all_safe_fixes_button_applies_the_safe_plan():
+    model = tiny_llama(torch.bfloat16, use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    widget = mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}).widget()
+    assert widget.apply_all_button.description == "Apply all safe fixes (1)"
+    widget.apply_all_button.click()
+    assert not scaler.is_enabled() and model.lm_head.weight.dtype == torch.bfloat16
+    assert widget.apply_all_button.layout.display == "none"  # nothing safe left to apply
