@@ -1,21 +1,31 @@
-# Two commands from a fresh clone: `make demo` and `make test`. Each creates .venv and installs what it needs.
+# Two commands from a fresh clone: `make demo` and `make test`. Each creates .venv and installs what it needs
+# (the demo only mpdoctor[demo]; the tests everything else on top).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 COLAB_VENV := .venv-colab
+DEMO_STAMP := $(VENV)/.mpdoctor-demo-installed
 STAMP := $(VENV)/.mpdoctor-installed
 COLAB_STAMP := $(COLAB_VENV)/.mpdoctor-installed
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-main test-colab lab bench bench-quick env lint checks-doc browser-deps clean
 
-# pip without -q: a first install fetches ~1 GB (torch, JupyterLab, Playwright) and would otherwise be minutes of silence.
-$(STAMP): pyproject.toml constraints.txt Makefile
+# `make demo` installs what the demo needs and nothing more: mpdoctor with its `demo` extra (the `hf` extra and
+# adamw-bf16) over the pinned CPU torch. pip without -q: even that first install fetches torch, and would
+# otherwise be minutes of silence.
+$(DEMO_STAMP): pyproject.toml constraints.txt Makefile
 	@echo "== creating $(VENV) with $(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "== upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade pip
-	@echo "== installing mpdoctor with its test and browser extras into $(VENV) (torch CPU, transformers, JupyterLab, ...)"
+	@echo "== installing mpdoctor with its demo extra into $(VENV) (torch CPU, transformers, accelerate, peft, adamw-bf16)"
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[demo]"
+	touch $@
+
+# `make test` adds the rest to the same venv: the test tools, JupyterLab and Playwright, the training stack, DeepSpeed.
+$(STAMP): $(DEMO_STAMP) pyproject.toml constraints.txt Makefile
+	@echo "== installing mpdoctor with its test, browser and stack extras into $(VENV) (pytest, JupyterLab, Playwright, Lightning, ...)"
 	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[test,browser,stack]"
 	@echo "== installing DeepSpeed (an sdist: pure Python with DS_BUILD_OPS=0, its CPU op is built on first use)"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install --progress-bar off --no-build-isolation --no-deps -c constraints.txt deepspeed
@@ -31,7 +41,7 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	$(COLAB_VENV)/bin/python -m pip install --progress-bar off -c constraints-colab.txt -e ".[test]"
 	touch $@
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m mpdoctor demo
 
 test: test-main test-colab
@@ -66,8 +76,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check mpdoctor tests bench notebooks
 	$(BIN)/lint-imports
 
-checks-doc: $(STAMP)
-	$(BIN)/python -m mpdoctor checks --markdown
+# Regenerate docs/checks.md from the check docstrings (a test fails when it is stale).
+checks-doc: $(DEMO_STAMP)
+	$(BIN)/python -m mpdoctor checks --update-docs
 
 # Debian's Chromium for the real-browser test (browsers cannot be downloaded by Playwright here).
 browser-deps:
@@ -75,4 +86,4 @@ browser-deps:
 	else apt-get update -q && apt-get install -y -q chromium; fi
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache build dist *.egg-info

@@ -28,10 +28,10 @@ if TYPE_CHECKING:  # what the lazy names below resolve to
     from .treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
 
 from ._moved import install as _install_moved_paths
+from ._version import __version__  # noqa: F401  (re-exported)
 
 _install_moved_paths()  # 0.2's module paths (mpdoctor.report, mpdoctor.fixes, ...) keep working, deprecated
 
-__version__ = "0.1.0"
 __all__ = [
     "Finding",
     "Fix",
@@ -96,8 +96,28 @@ _LAZY = {
 }
 
 
+#: Public name -> (the library it needs, the extra that installs it), for names whose module imports it.
+_NEEDS = {
+    "MPDoctorCallback": ("transformers", "hf"),
+    "MPDoctorLightningCallback": ("Lightning", "lightning"),
+}
+
+
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # Tab completion and dir() show the public API only, not this module's imports and helpers.
+    return sorted({*__all__, "__version__"})
+
+
+def _missing_library(name: str, error: ImportError) -> type:
+    """A stand-in for ``name`` when its library is not installed: introspection (help, dir, ``import *``)
+    still works, and using it raises an ImportError that says which extra to install."""
+    library, extra = _NEEDS[name]
+    why = f"mpdoctor.{name} needs {library}, which is not installed ({error}): pip install \"mpdoctor[{extra}]\""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise ImportError(why)
+
+    return type(name, (), {"__init__": __init__, "__doc__": f"Unavailable: {why}.", "__module__": __name__})
 
 
 def __getattr__(name: str) -> Any:
@@ -114,14 +134,12 @@ def __getattr__(name: str) -> Any:
         from .crash.watch import watch
 
         return watch
-    if name == "MPDoctorCallback":
-        from .numerics.callback import MPDoctorCallback
-
-        return MPDoctorCallback
-    if name == "MPDoctorLightningCallback":
-        from .numerics.lightning_callback import MPDoctorLightningCallback
-
-        return MPDoctorLightningCallback
+    if name in _NEEDS:
+        module = ".numerics.callback" if name == "MPDoctorCallback" else ".numerics.lightning_callback"
+        try:
+            return getattr(importlib.import_module(module, __name__), name)
+        except ImportError as exc:  # the library is absent (or broken): a stand-in that says what to install
+            return _missing_library(name, exc)
     return _submodule(__name__, name)
 
 

@@ -19,6 +19,7 @@ pip collects is printed as it happens, past pytest's output capture.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -105,3 +106,28 @@ def test_a_fresh_venv_installed_from_binder_requirements_runs_the_tour(tmp_path,
     assert Path(kernel["mpdoctor"]).is_relative_to(os.path.realpath(venv)), f"mpdoctor came from {kernel['mpdoctor']}"
     check_lessons(executed)
     print(f"00_tour.ipynb in the Binder venv: {seconds:.1f} s")
+
+
+def test_binder_requirements_install_every_library_a_notebook_imports():
+    """Binder runs every lesson, the stack one included: each top-level module a notebook imports is either the
+    standard library, mpdoctor's own dependencies (with the hf extra), or a line of binder/requirements.txt."""
+    import ast
+
+    import tomllib
+
+    provided = {"mpdoctor", "torch", "pandas", "IPython", "ipywidgets", "tqdm"}  # mpdoctor and its dependencies
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    lines = requirement_lines()
+    if ".[hf]" in lines:
+        provided |= {re.split(r"[<>=\[ ]", req)[0] for req in extras["hf"]}
+    provided |= {re.split(r"[<>=\[ ]", line)[0].replace("-", "_") for line in lines if not line.startswith(("-", "."))}
+    imported: dict[str, set[str]] = {}
+    for source in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py")):
+        for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                imported.setdefault(name.split(".")[0], set()).add(source.stem)
+    missing = {m: sorted(nbs) for m, nbs in imported.items() if m not in provided and m not in sys.stdlib_module_names}
+    assert not missing, f"binder/requirements.txt installs nothing for {missing}"
+    assert "bitsandbytes" in imported and "07_qlora_compute_dtype" in imported["bitsandbytes"]

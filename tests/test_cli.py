@@ -54,3 +54,45 @@ def test_demo_without_transformers_says_to_install_the_hf_extra(tmp_path):
         "mpdoctor demo: the demo builds a tiny Llama with transformers, which is not installed: "
         'pip install "mpdoctor[hf]" (from a clone: pip install -e ".[hf]")'
     )
+
+
+def test_version_prints_the_package_version():
+    import mpdoctor
+
+    out = _mpdoctor("--version")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"mpdoctor {mpdoctor.__version__}"
+
+
+def test_run_usage_shows_that_the_scripts_arguments_are_optional():
+    out = _mpdoctor("run", "--help")
+    assert out.returncode == 0, out.stderr
+    usage = out.stdout.split("\n\n")[0]
+    assert usage.endswith("script [args ...]"), usage
+    missing = _mpdoctor("run")
+    assert missing.returncode == 2 and "script [args ...]" in missing.stderr
+
+
+def test_no_restructuredtext_markup_in_cli_text_or_json_output():
+    import mpdoctor
+
+    listing = _mpdoctor("checks")
+    assert listing.returncode == 0 and "``" not in listing.stdout and ":func:" not in listing.stdout
+    import torch
+
+    model = torch.nn.Linear(4, 4).half()
+    opt = torch.optim.AdamW(model.parameters(), eps=1e-8)
+    report = mpdoctor.diagnose(model, opt, torch.amp.GradScaler("cpu"))
+    assert report.findings and any(f["why"] for f in report.to_dict()["findings"])
+    for output in (report.to_text(), report.to_json()):
+        assert "``" not in output and ":class:`" not in output and ":func:`" not in output
+
+
+def test_the_checks_reference_is_generated_into_docs_checks_md(tmp_path):
+    page = tmp_path / "docs" / "checks.md"
+    out = _mpdoctor("checks", "--update-docs", str(page))
+    assert out.returncode == 0, out.stderr
+    assert "updated" in out.stdout
+    again = _mpdoctor("checks", "--update-docs", str(page))
+    assert "already up to date" in again.stdout
+    assert "### `scaler-with-bf16` (error)" in page.read_text(encoding="utf-8")

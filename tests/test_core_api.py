@@ -210,3 +210,91 @@ def test_a_training_step_still_works_after_diagnosing():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mpdoctor.diagnose(model, opt)
     assert torch.isfinite(torch.tensor(train_step(model, opt, batch())))
+
+
+# -- a first hour without friction: introspection, optional libraries, diagnose() with no arguments -------------
+
+_BLOCK_OPTIONAL = '''
+import importlib.abc, sys
+class Absent(importlib.abc.MetaPathFinder):
+    """Simulates an environment without these libraries: importing them raises ImportError."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric", "transformers"):
+            raise ImportError(f"No module named {name!r}")
+        return None
+sys.meta_path.insert(0, Absent())
+'''
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root, env=env)
+
+
+def test_help_dir_star_import_and_getattr_work_without_lightning_or_transformers():
+    code = _BLOCK_OPTIONAL + '''
+import pydoc, mpdoctor
+pydoc.render_doc(mpdoctor)  # help(mpdoctor) without a pager
+ns = {}
+exec("from mpdoctor import *", ns)
+assert set(mpdoctor.__all__) <= set(ns), set(mpdoctor.__all__) - set(ns)
+for name in dir(mpdoctor):
+    getattr(mpdoctor, name, None)
+for name, extra in (("MPDoctorCallback", "hf"), ("MPDoctorLightningCallback", "lightning")):
+    try:
+        getattr(mpdoctor, name)()
+    except ImportError as exc:
+        assert f'pip install "mpdoctor[{extra}]"' in str(exc), str(exc)
+        print("said:", exc)
+    else:
+        raise AssertionError(name + " built without its library")
+assert "transformers" not in sys.modules and "lightning" not in sys.modules
+print("ok")
+'''
+    proc = _run_python(code)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("said:") == 2
+
+
+def test_tab_completion_shows_only_public_names():
+    names = dir(mpdoctor)
+    assert set(mpdoctor.__all__) <= set(names)
+    private = [n for n in names if n.startswith("_") and n != "__version__"]
+    assert not private, private
+    assert not {"importlib", "annotations", "Any", "TYPE_CHECKING"} & set(names)
+
+
+def test_the_callbacks_are_the_real_classes_when_their_libraries_are_installed():
+    from transformers import TrainerCallback
+
+    assert issubclass(mpdoctor.MPDoctorCallback, TrainerCallback)
+
+
+def test_diagnose_without_arguments_in_a_script_inspects_the_callers_globals_and_locals():
+    code = '''
+import torch, mpdoctor
+model = torch.nn.Linear(4, 4)
+def train():
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    return mpdoctor.diagnose()
+print(sorted(s.name for s in mpdoctor.diagnose().subjects))
+print(sorted(s.name for s in train().subjects))
+'''
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    module_level, in_function = proc.stdout.strip().splitlines()[-2:]
+    assert module_level == "['model']"
+    assert in_function == "['model', 'opt', 'scaler']"
+
+
+def test_diagnose_of_something_it_does_not_inspect_says_what_it_was_given():
+    report = mpdoctor.diagnose(42)
+    assert not report.subjects
+    (note,) = report.notes
+    assert note.startswith("argument 1 is an int: nothing to inspect")
+    assert note in report.to_text(width=1000) and note in report.to_dict()["notes"]
+    assert "argument 1 is an int" in report.to_html() and note in report.to_markdown()
+    tensor_note = mpdoctor.diagnose(torch.zeros(2, dtype=torch.float16), names=None).notes[0]
+    assert "is a tensor (float16)" in tensor_note

@@ -1,4 +1,5 @@
-"""The README stays true to the code, and `python -m mpdoctor demo` diagnoses and fixes its setup."""
+"""The README and docs/ stay true to the code, the package is what people meet on an index page, and
+`python -m mpdoctor demo` diagnoses and fixes its setup."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 from mpdoctor.checks import SECTIONS, checks_reference, load
-from mpdoctor.cli.docs import readme_section
+from mpdoctor.cli.docs import reference_section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,10 +24,10 @@ def test_every_check_documents_what_why_fix_and_source():
         assert chk.severity in ("error", "warning", "info")
 
 
-def test_readme_checks_reference_is_generated_from_the_docstrings():
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert readme_section(text) == checks_reference().strip(), (
-        "README checks reference is stale: run `python -m mpdoctor checks --update-readme README.md`"
+def test_the_checks_reference_in_docs_is_generated_from_the_docstrings():
+    text = (ROOT / "docs" / "checks.md").read_text(encoding="utf-8")
+    assert reference_section(text) == checks_reference().strip(), (
+        "docs/checks.md is stale: run `python -m mpdoctor checks --update-docs`"
     )
 
 
@@ -86,12 +87,58 @@ def test_pyproject_declares_an_spdx_license_and_a_setuptools_that_reads_it():
     assert "setuptools>=77" in project["build-system"]["requires"]
 
 
-def test_the_readme_links_only_inside_the_repository():
+REPO = "https://github.com/mpdoctor/mpdoctor"
+RAW = "https://raw.githubusercontent.com/mpdoctor/mpdoctor/main/"
+
+
+def _repo_path(url: str) -> str | None:
+    """The repository path a link or image URL points at, or None when it points outside the repository."""
+    for prefix in (f"{REPO}/blob/main/", f"{REPO}/tree/main/", RAW):
+        if url.startswith(prefix):
+            return url[len(prefix):].split("#")[0]
+    return None
+
+
+def test_the_readme_links_and_images_are_absolute_and_point_at_files_of_the_repository():
+    """The README is the package's long description: on an index page a relative link or image is broken."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    targets = re.findall(r"\]\(([^)\s]+)\)", text)
-    assert targets and [t for t in targets if "://" in t] == []
+    targets = re.findall(r"\]\(([^)\s]+)\)", text) + re.findall(r"<img[^>]*src=\"([^\"]+)\"", text)
+    assert targets
     for target in targets:
-        assert (ROOT / target.split("#")[0]).exists(), target
+        assert "://" in target, f"relative link or image (broken on an index page): {target}"
+        path = _repo_path(target)
+        assert path is not None and (ROOT / path).exists(), target
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(images) == 1 and images[0].startswith(RAW)  # one picture
+
+
+def test_the_readme_is_short_and_keeps_what_a_newcomer_needs():
+    raw = (ROOT / "README.md").read_bytes()
+    assert len(raw) <= 30 * 1024, f"README is {len(raw)} bytes"
+    text = raw.decode("utf-8")
+    for must in ("## Who it is for", "## Install", "## Start in 60 seconds", "## Two commands from a clone",
+                 "## When it crashes", "## Documentation", "make demo", "make test"):
+        assert must in text, must
+    assert "local mirror" not in text and "checks-reference:start" not in text
+    for page in ("checks", "guarantees", "benchmarks", "stack", "distributed", "field-cases"):
+        assert f"{REPO}/blob/main/docs/{page}.md" in text, page
+    # the first make demo, measured on a fresh clone: a time and a venv size
+    assert re.search(r"first `make demo` took \d+ min \d+ s and left a [\d.]+ [MG]B `\.venv`", text)
+
+
+def test_the_moved_sections_live_in_docs():
+    guarantees = (ROOT / "docs" / "guarantees.md").read_text(encoding="utf-8")
+    assert "never raises on user objects" in guarantees and "tests/test_treatment.py" in guarantees
+    bench = (ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert "| figure | mpdoctor | baseline | ratio | target |" in bench
+    assert not re.search(r"\bwas\b", bench), "figures only: no 'was' history"
+    assert "DeepSpeed" in (ROOT / "docs" / "stack.md").read_text(encoding="utf-8")
+    assert "distributed=True" in (ROOT / "docs" / "distributed.md").read_text(encoding="utf-8")
+    for page in ("stack", "distributed", "guarantees", "benchmarks"):
+        text = (ROOT / "docs" / f"{page}.md").read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" not in target:
+                assert (ROOT / "docs" / target.split("#")[0]).exists(), (page, target)
 
 
 def test_the_readme_install_section_names_extras_that_exist():
@@ -102,3 +149,61 @@ def test_the_readme_install_section_names_extras_that_exist():
     install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
     assert {e for e in extras if f"`{e}`" in install or f"[{e}]" in install} == set(extras)  # each one explained
     assert set(re.findall(r"\[(\w+)\]", install)) <= set(extras)  # and none that does not exist
+
+
+# -- packaging as people meet it -------------------------------------------------------------------------
+
+
+def test_the_package_ships_a_license_urls_classifiers_and_type_hints():
+    import tomllib
+
+    license_text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    meta = project["project"]
+    assert meta["license"] == "Apache-2.0" and meta["license-files"] == ["LICENSE"]
+    assert {"Source", "Documentation"} <= set(meta["urls"])
+    assert all(url.startswith(REPO) for url in meta["urls"].values())
+    assert "Typing :: Typed" in meta["classifiers"]
+    assert (ROOT / "mpdoctor" / "py.typed").exists()
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["mpdoctor"]
+    ignored = (ROOT / ".gitignore").read_text(encoding="utf-8").split()
+    assert "dist/" in ignored and "build/" in ignored
+
+
+def test_the_built_wheel_holds_py_typed_the_license_and_a_long_description_without_relative_links(tmp_path):
+    import zipfile
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = tmp_path.glob("mpdoctor-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert "mpdoctor/py.typed" in names
+        assert any(n.endswith("licenses/LICENSE") for n in names)
+        metadata = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode("utf-8")
+    description = metadata.split("\n\n", 1)[1]
+    links = re.findall(r"\]\(([^)\s]+)\)", description)
+    assert links and all("://" in link for link in links), [link for link in links if "://" not in link]
+    assert "Project-URL: Source, https://github.com/mpdoctor/mpdoctor" in metadata
+
+
+def test_make_demo_installs_what_the_demo_needs_and_nothing_more():
+    import tomllib
+
+    out = subprocess.run(["make", "-n", "-B", "demo"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    installs = [line for line in out.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert installs == ['.venv/bin/python -m pip install --progress-bar off -c constraints.txt -e ".[demo]"'], installs
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    demo = " ".join(extras["demo"]).lower()
+    assert set(extras["hf"]) <= set(extras["demo"]) and "adamw-bf16" in demo
+    for heavy in ("jupyterlab", "playwright", "lightning", "diffusers", "deepspeed", "bitsandbytes", "pytest"):
+        assert heavy not in demo
+    # make test installs the rest, and every install of every target is pinned by the constraints
+    full = subprocess.run(["make", "-n", "-B", "test"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=True)
+    pip_lines = [line for line in full.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert any('".[test,browser,stack]"' in line for line in pip_lines) and any("deepspeed" in line for line in pip_lines)
+    assert all("-c constraints" in line for line in pip_lines), pip_lines

@@ -147,3 +147,57 @@ def test_applying_safe_fixes_never_increases_the_error_count(s):
         [(f.check, f.message) for f in before.findings],
         [(f.check, f.message) for f in after.findings],
     )
+
+
+def test_apply_all_safe_fixes_disables_a_bf16_runs_scaler_even_when_the_plan_prefers_an_unsafe_cast():
+    """bf16 model + stock AdamW + GradScaler: the plan casts to fp32 master weights (unsafe), which also
+    resolves the scaler warning, so disabling the scaler is an alternative there; the safe plan still does it."""
+    model = tiny_llama(torch.bfloat16, use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    report = mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler})
+    assert {"pure-bf16-adamw", "scaler-with-bf16"} <= {f.check for f in report.findings}
+    assert [fx.recipe for fx in report.fixes if fx.changes] == ["fp32-master-weights"]  # unsafe, preferred
+    disable = report.findings_for("scaler-with-bf16")[0].fixes[0]
+    assert disable.safe and not disable.planned
+    assert report.safe_fixes == [disable]
+    assert "Apply all safe fixes applies it" in disable.note
+    assert report.widget().apply_all_button.description == "Apply all safe fixes (1)"
+    assert report.apply_safe_fixes() == [disable]
+    assert not scaler.is_enabled()
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16  # nothing unsafe was applied
+    after = report.refresh()
+    assert not after.findings_for("scaler-with-bf16")
+    assert not after.safe_fixes
+    before = [p.detach().clone() for p in model.parameters()]
+    assert math.isfinite(train_step(model, opt, batch(), scaler=scaler))
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@settings(max_examples=25, deadline=None, derandomize=bool(os.environ.get("CI")), suppress_health_check=list(HealthCheck))
+@given(setups)
+def test_after_apply_safe_fixes_no_error_or_warning_still_has_a_safe_fix(s):
+    reset_accelerate()
+    ns = _build(s)
+    before = mpdoctor.diagnose(namespace=ns)
+    before.apply_safe_fixes()
+    after = before.refresh()
+    left = [
+        (f.check, fx.title)
+        for f in after.findings
+        if f.severity in ("error", "warning")
+        for fx in f.fixes
+        if fx.safe
+    ]
+    assert not left, (s, left, [(f.check, f.message) for f in before.findings])
+
+
+def test_the_widgets_apply_all_safe_fixes_button_applies_the_safe_plan():
+    model = tiny_llama(torch.bfloat16, use_cache=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    widget = mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}).widget()
+    assert widget.apply_all_button.description == "Apply all safe fixes (1)"
+    widget.apply_all_button.click()
+    assert not scaler.is_enabled() and model.lm_head.weight.dtype == torch.bfloat16
+    assert widget.apply_all_button.layout.display == "none"  # nothing safe left to apply

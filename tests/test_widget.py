@@ -338,7 +338,7 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
         "buffers",
         "optimizer state",
         "bf16",
-        "f32",
+        "fp32",  # the same word as the layer strip's legend
         "i64",
         "trainable",
         "frozen",

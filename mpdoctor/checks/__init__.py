@@ -13,8 +13,8 @@ sections, as ruff documents its rules::
     Source
         ...
 
-The README's checks reference is generated from these docstrings
-(``python -m mpdoctor checks --markdown``), so code and docs cannot drift.
+The checks reference (``docs/checks.md``) is generated from these docstrings
+(``python -m mpdoctor checks --update-docs``), so code and docs cannot drift.
 A check that raises becomes an ``internal-error`` finding; the others still run.
 """
 
@@ -56,11 +56,17 @@ class Check:
 
     def doc_markdown(self) -> str:
         """One reference paragraph in markdown."""
-        parts = [f"### `{self.slug}` ({self.severity})", "", self.summary, ""]
+        parts = [f"### `{self.slug}` ({self.severity})", "", _markdown(self.summary), ""]
         for title in SECTIONS:
             if self.sections.get(title):
-                parts.append(f"- **{title}:** {self.sections[title]}")
+                parts.append(f"- **{title}:** {_markdown(self.sections[title])}")
         return "\n".join(parts) + "\n"
+
+
+def _markdown(text: str) -> str:
+    """Docstring reStructuredText as markdown: ````x```` and ``:func:`x``` -> ``x`` in single backticks."""
+    text = re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", text)
+    return re.sub(r"``(.+?)``", r"`\1`", text)
 
 
 REGISTRY: dict[str, Check] = {}

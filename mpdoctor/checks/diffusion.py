@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..treatment.changes import CastParamsTo
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, size_delta
 from ..treatment.fixes import Applicability, Fix
 from . import check
 
@@ -22,7 +22,7 @@ def _fp16_ids(m: ModelFacts) -> frozenset[int]:
 def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
     ids = _fp16_ids(m)
     spec = CastParamsTo(m.ref, ids, "float32", (), "fp16 VAE parameters")
-    mib = sum(p.numel for p in m.tensors.params if p.id in ids) * 2 / 2**20
+    extra = sum(p.numel for p in m.tensors.params if p.id in ids) * 2
     return [
         Fix(
             f"Upcast {m.name} to fp32 (the VAE decodes in fp32; the denoiser stays fp16)",
@@ -31,7 +31,7 @@ def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
             changes=(spec,),
             backup_bytes=spec.backup_bytes(facts),
             recipe="vae-fp32",
-            cost=f"+{mib:.1f} MiB of VAE weights",
+            cost=f"{size_delta(extra)} of VAE weights",
         ),
         Fix(
             f"Keep {m.name} in fp16 and let the pipeline upcast it to decode (force_upcast=True)",

@@ -12,7 +12,7 @@ import torch
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
 from ..treatment.changes import CastGradsToParams, CastParamsTo
-from ..treatment.findings import Finding, count
+from ..treatment.findings import Finding, count, size_delta
 from ..treatment.fixes import Fix
 from . import check
 
@@ -157,6 +157,11 @@ def _describe(units: list[Unit], limit: int = 3) -> str:
     return ", ".join(parts) + more
 
 
+def _hold(units: list) -> str:
+    """The verb after :func:`_describe`: one module holds, several hold."""
+    return "holds" if len(units) == 1 else "hold"
+
+
 def _optimizer_refs(facts: Facts, m: ModelFacts) -> tuple[int, ...]:
     return tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m))
 
@@ -190,7 +195,7 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
         changes=(spec,),
         backup_bytes=spec.backup_bytes(facts),
         recipe="cast-minority",
-        cost=f"{'+' if delta >= 0 else '-'}{abs(delta) / 2**20:.1f} MiB of weights",
+        cost=f"{size_delta(delta)} of weights",
     )
 
 
@@ -257,14 +262,14 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
             severity = "warning"
             origins = sorted({u.patched for u in offenders if u.patched})
             msg = (
-                f"{_describe(offenders)} of {m.name} hold weights other than its {dtype} compute dtype and are read "
+                f"{_describe(offenders)} of {m.name} {_hold(offenders)} weights other than its {dtype} compute dtype and are read "
                 f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
                 "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
             )
         elif any(u.role != "norm" for u in offenders):
             severity = "error"
             msg = (
-                f"{m.name} computes in {dtype} but {_describe([u for u in offenders if u.role != 'norm'])} hold other "
+                f"{m.name} computes in {dtype} but {_describe([u for u in offenders if u.role != 'norm'])} {_hold([u for u in offenders if u.role != 'norm'])} other "
                 "dtypes and nothing autocasts: the first matmul that meets both raises "
                 "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
                 "diagnose inside it)."
@@ -272,7 +277,7 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         else:
             severity = "warning"
             msg = (
-                f"{m.name} computes in {dtype} but the norms {_describe(offenders)} hold wider weights and nothing "
+                f"{m.name} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
                 f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
                 f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
             )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..facts import Facts
+from ..facts import Facts, ModelFacts
 from ..treatment.changes import RecomputeRopeBuffers, SetGroupOption
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, count
 from ..treatment.fixes import Applicability, Fix
 from . import check
 from .optimizer import _cast_code, _cast_fix
@@ -133,26 +133,22 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
             "        module.original_inv_freq = inv_freq.clone()"
         )
         recompute = Fix(
-            f"Recompute the rotary frequencies of {m.name} in fp32 ({len(paths)} modules)",
+            f"Recompute the rotary frequencies of {m.name} in fp32 ({count(len(paths), 'module')})",
             "import transformers\n" + code,
             safe=True,
             changes=(spec,),
             recipe="fp32-rope-buffers",
             cost="a few hundred bytes per module",
         )
-        load = Fix(
-            "Load in the target dtype instead of casting after loading",
-            "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # keeps inv_freq fp32",
-            applicability=Applicability.DISPLAY_ONLY,
-            recipe="load-in-dtype",
-        )
+        load = _build_in_dtype_fix(m, dtype)
         # Harmless at this context length (info): advice only, nothing to change in place.
         fixes = [recompute, load] if severity == "warning" else [load]
         yield Finding(
             "half-precision-rope-buffers",
             severity,
             where,
-            f"{len(paths)} rotary embeddings of {m.name} ({cls}) hold inv_freq in {dtype} (model.to({dtype}) casts "
+            f"{count(len(paths), 'rotary embedding')} of {m.name} ({cls}) {'holds' if len(paths) == 1 else 'hold'} "
+            f"inv_freq in {dtype} (model.to({dtype}) casts "
             f"buffers): position * inv_freq is off by {err:.2g} rad at position {positions - 1}"
             + (
                 ", so long-context positions are encoded wrongly."
@@ -162,3 +158,22 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
             {"modules": list(paths), "class": cls, "dtype": dtype, "phase_error_rad": err, "positions": positions},
             fixes,
         )
+
+
+def _build_in_dtype_fix(m: ModelFacts, dtype: str) -> Fix:
+    """Create the model in ``dtype`` rather than casting it after: ``from_pretrained`` for a model loaded from a
+    checkpoint, ``from_config`` for one built from a config (both keep ``inv_freq`` in fp32)."""
+    if m.loaded_from:
+        return Fix(
+            "Load in the target dtype instead of casting after loading",
+            f"{m.name} = {m.inner_class}.from_pretrained({m.loaded_from!r}, dtype=torch.{dtype})  # keeps inv_freq fp32",
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="load-in-dtype",
+        )
+    return Fix(
+        "Build in the target dtype instead of casting after building",
+        f"{m.name} = AutoModelForCausalLM.from_config({m.name}.config, dtype=torch.{dtype})  # keeps inv_freq fp32\n"
+        "# (the Auto class of your model: AutoModel, AutoModelForSequenceClassification, ...)",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="load-in-dtype",
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 from ..facts import Facts, ModelFacts
 from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
@@ -351,7 +352,28 @@ def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
                 recipe="clip-gradients",
             )
         ]
+    if not _half_in_use(p, m):  # a pure fp32 run: keeping the module in fp32 is what it already does
+        return [
+            Fix(
+                f"Find what overflows fp32 in {_where(p, m.path)} ({m.class_name}), then clip gradients",
+                f"print({p.model}.get_submodule({m.path!r}))  # fp32 overflows past 3.4e38: check the scale of its "
+                f"inputs and weights\ntorch.nn.utils.clip_grad_norm_({p.model}.parameters(), max_norm=1.0)  # before "
+                "optimizer.step()",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="fp32-overflow",
+            )
+        ]
     return [_fp32_module_fix(facts, p, m.path, m.class_name)]
+
+
+def _half_in_use(p: Any, m: Any) -> bool:
+    """True when the probed forward computed in a half precision (autocast, half weights or half activations)."""
+    half = ("float16", "bfloat16")
+    return (
+        p.autocast in half
+        or p.fp16_in_use
+        or any(d in half for d in (*m.input_dtypes, *m.output_dtypes, *getattr(m, "grad_dtypes", ())))
+    )
 
 
 @check("probe-nonfinite", "error")

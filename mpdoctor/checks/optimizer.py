@@ -7,11 +7,11 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from ..facts import Facts
-from ..facts.optimizer import OptimizerFacts, OptParam
+from ..facts import Facts, OptimizerFacts
+from ..facts.optimizer import OptParam
 from ..knowledge import REQUIREMENTS, DtypeRequirement
 from ..treatment.changes import CastGradsToParams, CastParamsTo, CastStateToParams
-from ..treatment.findings import Finding, count
+from ..treatment.findings import Finding, count, size_delta
 from ..treatment.fixes import Applicability, Fix
 from . import check
 
@@ -49,8 +49,7 @@ def _holders(facts: Facts, ids: frozenset[int]) -> tuple[int, ...]:
 
 def _memory_delta(params: Iterable[OptParam], dtype: str) -> str:
     delta = sum(p.numel * (_BYTES[dtype] - _BYTES.get(p.dtype, 4)) for p in params)
-    sign = "+" if delta >= 0 else "-"
-    return f"{sign}{abs(delta) / 2**20:.1f} MiB of weights"
+    return f"{size_delta(delta)} of weights"
 
 
 _BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..facts import Facts
-from ..facts.scaler import ScalerFacts
+from ..facts import Facts, ScalerFacts
 from ..treatment.changes import CastParamsTo, SetAttrTo
-from ..treatment.findings import Finding, count
+from ..treatment.findings import Finding, count, size_delta
 from ..treatment.fixes import Applicability, Fix
 from . import check
 
@@ -169,7 +168,7 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
                     changes=(spec,),
                     backup_bytes=spec.backup_bytes(facts),
                     recipe="fp32-master-weights",
-                    cost=f"+{sum(p.numel for p in fp16) * 2 / 2**20:.1f} MiB of weights (fp32 master copies)",
+                    cost=f"{size_delta(sum(p.numel for p in fp16) * 2)} of weights (fp32 master copies)",
                 )
             ],
         )

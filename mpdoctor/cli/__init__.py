@@ -1,20 +1,31 @@
-"""The command line: ``python -m mpdoctor demo | env | checks | run script.py [args...]``."""
+"""The command line: ``python -m mpdoctor demo | env | checks | run script.py [args ...]`` and ``--version``."""
 
 from __future__ import annotations
 
 import argparse
 
+#: Where the generated checks reference lives (``python -m mpdoctor checks --update-docs``).
+DOCS_CHECKS = "docs/checks.md"
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m mpdoctor``."""
+    from .._version import __version__
+
     parser = argparse.ArgumentParser(prog="mpdoctor", description="Mixed-precision doctor for PyTorch / Hugging Face.")
+    parser.add_argument("--version", action="version", version=f"mpdoctor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="diagnose and fix a small broken training setup on the CPU")
     sub.add_parser("env", help="print versions, device and precision support")
     checks = sub.add_parser("checks", help="list the checks")
     checks.add_argument("--markdown", action="store_true", help="print the full checks reference in markdown")
-    checks.add_argument("--update-readme", metavar="PATH", help="rewrite the checks reference section of a README")
-    run = sub.add_parser("run", help="run a script; explain a mixed-precision crash after its traceback")
+    checks.add_argument("--update-docs", metavar="PATH", nargs="?", const=DOCS_CHECKS,
+                        help=f"rewrite the generated checks reference (default: {DOCS_CHECKS})")
+    # The reference moved from the README to docs/checks.md; the old option rewrites it there.
+    checks.add_argument("--update-readme", metavar="PATH", help=argparse.SUPPRESS)
+    # argparse prints a REMAINDER argument as a bare "...", which reads as required: the usage says it is not.
+    run = sub.add_parser("run", help="run a script; explain a mixed-precision crash after its traceback",
+                         usage="mpdoctor run [-h] [--scan] [--probe-on-nan] script [args ...]")
     run.add_argument("--scan", action="store_true", help="also scan tensor values (NaN/Inf, fp16 range) in the crash report")
     run.add_argument("--probe-on-nan", action="store_true", help="probe the batch of the first non-finite loss")
     run.add_argument("script", help="the Python script, run as __main__")
@@ -38,15 +49,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from ..checks import checks_reference, load
 
-    if args.update_readme:
-        from .docs import update_readme
+    if args.update_docs or args.update_readme:
+        from .docs import update_checks_reference
 
-        changed = update_readme(args.update_readme)
-        print(f"{args.update_readme}: checks reference {'updated' if changed else 'already up to date'}")
+        path = args.update_docs or DOCS_CHECKS
+        changed = update_checks_reference(path)
+        print(f"{path}: checks reference {'updated' if changed else 'already up to date'}")
     elif args.markdown:
         print(checks_reference())
     else:
+        from ..render.evidence import rst_to_plain
+
         for slug, chk in sorted(load().items()):
-            print(f"{slug:<36} {chk.severity:<8} {chk.summary}")
+            print(f"{slug:<36} {chk.severity:<8} {rst_to_plain(chk.summary)}")
     return 0
 

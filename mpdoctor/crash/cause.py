@@ -112,6 +112,57 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         report.cause = finding
 
 
+def _raiser(report: Any, frames: list) -> tuple[str, str, str] | None:
+    """(name, kind, where) of the innermost inspected object whose method is on the failing stack, or None."""
+    from .frames import raising_objects
+
+    try:
+        raisers = raising_objects(frames)
+    except Exception:  # the cause is still marked, without naming the raiser
+        return None
+    by_id: dict[int, Any] = {}
+    for s in report.subjects:
+        by_id.setdefault(id(s.obj), s)
+        by_id.setdefault(id(getattr(s, "inner", s.obj)), s)
+    for r in raisers:
+        s = by_id.get(id(r.obj))
+        if s is not None:
+            return s.name, s.kind, r.where
+    return None
+
+
+def _mentions(text: str, name: str) -> bool:
+    import re
+
+    return re.search(rf"(?<![\w.]){re.escape(name)}(?![\w])", text) is not None
+
+
+def _concerns(finding: Any, raiser: tuple[str, str, str] | None) -> bool:
+    """True when the finding is about the object that raised (its subject, or named in its evidence)."""
+    if raiser is None:
+        return False
+    name = raiser[0]
+    if finding.subject == name:
+        return True
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    return any(v == name or (isinstance(v, (list, tuple)) and name in v) for v in evidence.values())
+
+
+def _name_the_raiser(cause: Any, raiser: tuple[str, str, str], report: Any) -> None:
+    """Make the cause name the object that raised: its evidence says so, and a message written at rest about
+    another object of the same kind (``scaler`` of two enabled GradScalers) names the one that raised."""
+    import re
+
+    name, kind, where = raiser
+    if isinstance(cause.evidence, dict):
+        cause.evidence = {"raised_by": f"{name} ({where})", **cause.evidence}
+    if _mentions(cause.message, name):
+        return
+    others = [s.name for s in report.subjects if s.kind == kind and s.name != name and _mentions(cause.message, s.name)]
+    if len(others) == 1:
+        cause.message = re.sub(rf"(?<![\w.]){re.escape(others[0])}(?![\w])", name, cause.message)
+
+
 def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
                namespace: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
     """Put the finding that explains ``exc`` first and set ``report.cause`` / ``report.exception``.
@@ -127,6 +178,8 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
 
     summary = exception_summary(exc)
     report.exception = summary
+    raiser = _raiser(report, frames)
+    report.raised_by = raiser[0] if raiser else None
     rank = {slug: i for i, slug in enumerate(pattern.checks)}
     candidates = [f for f in report.findings if f.check in rank]
     detail = family_detail(pattern, exc, frames, namespace)
@@ -134,7 +187,10 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
         detail.evidence = {k: redact(v) if type(v) is str else v for k, v in detail.evidence.items()}
         detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
     if candidates:
-        cause = min(candidates, key=lambda f: (rank[f.check], f.rank))
+        # The finding about the object that raised first: of two GradScalers, the one whose unscale_ failed.
+        cause = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
+        if raiser:
+            _name_the_raiser(cause, raiser, report)
         if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
             cause.evidence.update(detail.evidence)
     else:

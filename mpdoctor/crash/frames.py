@@ -182,3 +182,41 @@ def _tensor_text(t: Any) -> str:
     dtype = str(t.dtype).replace("torch.", "")
     shape = ", ".join(str(d) for d in t.shape)
     return f"{dtype}[{shape}]"
+
+
+@dataclass(frozen=True)
+class Raiser:
+    """An object whose method is on the failing stack: ``self`` of a frame (``scaler16`` in ``GradScaler.unscale_``).
+
+    Attributes
+    ----------
+    obj : Any
+        The object (``self`` of the frame).
+    where : str
+        The frame's qualified function name (``GradScaler.unscale_``).
+    """
+
+    obj: Any
+    where: str
+
+
+def raising_objects(frames: list[FrameView]) -> list[Raiser]:
+    """The ``self`` of every frame, innermost first, each object once: the objects that raised.
+
+    Library frames count too: the frame that raised is usually the library method called on the user's
+    object (``scaler16.unscale_(opt)`` raises inside ``GradScaler.unscale_``, whose ``self`` is ``scaler16``).
+    ``self`` is read from the frame's locals, never through the object.
+    """
+    out: list[Raiser] = []
+    seen: set[int] = set()
+    for view in reversed(frames):
+        try:
+            items = _locals(view.frame)
+        except Exception:
+            continue
+        value = next((v for k, v in items if k == "self"), None)
+        if value is None or id(value) in seen:
+            continue
+        seen.add(id(value))
+        out.append(Raiser(value, _qualname(view)))
+    return out

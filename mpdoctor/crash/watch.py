@@ -39,6 +39,25 @@ def show(report: Any, when: str) -> None:
         print(f"mpdoctor {when}:\n{report.to_text()}", file=sys.stderr)
 
 
+def count_nonfinite_loss(report: Any, loss: float, where: str) -> Any:
+    """Make a non-finite loss an error of ``report``: a probe that found every module finite (the NaN came
+    from the loss computation, outside the model) must not read "0 errors" beside ``loss = nan``."""
+    from ..treatment.findings import Finding
+
+    if report is None or report.counts()["error"]:
+        return report
+    report.findings.insert(0, Finding(
+        "nonfinite-loss",
+        "error",
+        where,
+        f"The loss is {loss} at {where}; the probe of its batch found every module's outputs and gradients "
+        "finite, so the NaN/Inf comes from the loss computation itself (a log or division of 0, labels out "
+        "of range, a reduction over an empty batch). The next optimizer step would write NaN into the weights.",
+        {"loss": str(loss)},
+    ))  # fmt: skip
+    return report
+
+
 class NonFiniteLoss(RuntimeError):
     """Raised by :class:`watch` with ``stop_on_nonfinite=True``; ``.report`` is the probe of the batch."""
 
@@ -164,7 +183,9 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         self.events.append({"step": self._steps, "event": "nonfinite-loss", "detail": detail})
         if self.probe and inputs is not None and isinstance(self.model, torch.nn.Module):
             try:
-                self.probe_report = probe_inputs(self._watcher, self.model, inputs, scaler=self.scaler)
+                self.probe_report = count_nonfinite_loss(
+                    probe_inputs(self._watcher, self.model, inputs, scaler=self.scaler), value, f"optimizer step {self._steps}"
+                )
                 show(self.probe_report, f"at optimizer step {self._steps} ({detail})")
             except Exception as exc:  # mpdoctor must never be what breaks the loop
                 print(f"mpdoctor: the probe at step {self._steps} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -254,7 +275,9 @@ class GlobalLossWatcher:
         self._fired = True
         try:
             model, margs, mkwargs = target
-            self.report = probe_inputs(self._watcher, model, (margs, mkwargs), name=type(model).__name__)
+            value = loss.detach().float().item()
+            report = probe_inputs(self._watcher, model, (margs, mkwargs), name=type(model).__name__)
+            self.report = count_nonfinite_loss(report, value, "the first non-finite loss")
             show(self.report, f"at the first non-finite loss ({loss.detach().float().item()})")
         except Exception as exc:  # never what breaks the script
             print(f"mpdoctor: the probe failed: {type(exc).__name__}: {exc}", file=sys.stderr)

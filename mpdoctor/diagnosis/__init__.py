@@ -9,12 +9,13 @@ others are still diagnosed.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..checks import internal_error, run_checks
-from ..discovery.subjects import Subject, discover
+from ..discovery.subjects import Subject, discover, kind_of, nothing_to_inspect
 from ..facts import Facts
 from ..facts.hardware import DeviceProfile, profile_for
 from ..facts.precision import RuntimeFacts
@@ -23,6 +24,7 @@ from ..live import Live
 from ..redact import describe_exception, redact_finding
 from ..treatment.findings import Finding
 from ..treatment.plan import plan as plan_treatment
+from ..treatment.plan import plan_safe
 from .report import Report
 
 
@@ -50,7 +52,9 @@ def diagnose(
         accelerator and scaler along.
     namespace : dict, optional
         A namespace such as IPython's ``user_ns``; everything relevant in it
-        is inspected and named by its variable name.
+        is inspected and named by its variable name. With no objects and no
+        namespace, the caller's globals and locals are inspected (as
+        ``%mpdoctor`` inspects the notebook's namespace).
     target : str, optional
         A device profile (``"T4"``, ``"V100"``, ``"A100"``, ...) to evaluate
         as a what-if instead of the live machine.
@@ -79,6 +83,8 @@ def diagnose(
     # The one place ``target`` is resolved: a typo is the caller's error, not a finding.
     profile = profile_for(target) if target is not None else None
     start = time.perf_counter()
+    if not objects and namespace is None:
+        namespace = _callers_namespace()
     try:
         subjects = discover(objects, namespace=namespace, hidden=hidden, names=names)
     except Exception as exc:  # discovery is defensive; this is the last line
@@ -92,7 +98,33 @@ def diagnose(
     )
     if failure is not None:
         report.findings.insert(0, redact_finding(failure))
+    report.notes = _not_inspected(objects, names)
     return report
+
+
+def _callers_namespace() -> dict[str, Any] | None:
+    """The globals and locals of the code that called ``diagnose()`` (locals win), or None when that is
+    mpdoctor itself (an internal call with nothing to inspect inspects nothing)."""
+    try:
+        frame = sys._getframe(2)  # 0: this function, 1: diagnose(), 2: its caller
+        if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0]:
+            return None
+        return {**frame.f_globals, **frame.f_locals}
+    except Exception:  # no frame introspection (another interpreter): nothing to inspect
+        return None
+
+
+def _not_inspected(objects: tuple, names: Mapping[int, str] | None) -> list[str]:
+    """One sentence per object given that is nothing mpdoctor inspects (``diagnose(42)``)."""
+    out = []
+    for i, obj in enumerate(objects, 1):
+        try:
+            if kind_of(obj) is None:
+                name = (names or {}).get(id(obj)) or f"argument {i}"
+                out.append(nothing_to_inspect(name, obj))
+        except Exception:  # never raise on a user object
+            continue
+    return out
 
 
 def diagnose_subjects(
@@ -138,6 +170,14 @@ def diagnose_subjects(
     except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
         treatment = [fx for f in findings for fx in f.fixes]
         failures.append(_failure("the treatment plan", exc))
+    try:
+        safe_treatment = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), treatment)
+    except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
+        safe_treatment = [fx for fx in treatment if fx.safe]
+        failures.append(_failure("the safe-fixes plan", exc))
+    for fx in safe_treatment:
+        if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
+            fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
     findings = [redact_finding(f) for f in failures + findings]
     report = Report(
         findings,
@@ -160,8 +200,9 @@ def diagnose_subjects(
     for f in findings:
         for fx in f.fixes:
             fx.bind(live, report)
-    for fx in treatment:
+    for fx in treatment + safe_treatment:
         fx.bind(live, report)
+    report._safe_plan = safe_treatment
     return report
 
 

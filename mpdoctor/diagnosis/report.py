@@ -76,6 +76,8 @@ class Report:
         self._subjects = tuple(subjects)
         self.live = live
         self._plan = plan
+        #: The best plan of safe fixes only (set by diagnose; None: the safe fixes of the plan).
+        self._safe_plan: list | None = None
         #: Findings hidden by ``ignore``, per check slug.
         self.hidden: dict[str, int] = dict(hidden or {})
         # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
@@ -83,6 +85,10 @@ class Report:
         self.exception: str | None = None
         # Set by the runtime observers (mpdoctor.runtime): the scale, skips and loss per watched step.
         self.scale_history: list = []
+        #: The name of the inspected object whose method raised that exception (``"scaler16"``), when found.
+        self.raised_by: str | None = None
+        #: What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).
+        self.notes: list[str] = []
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -117,6 +123,18 @@ class Report:
         if self._plan is not None:
             return list(self._plan)
         return self.all_fixes
+
+    @property
+    def safe_fixes(self) -> list:
+        """The safe treatment: what :meth:`apply_safe_fixes` applies, in order.
+
+        Planned with the same simulator as :attr:`fixes` on safe fixes alone, so it can hold a safe fix that
+        :attr:`fixes` leaves as an alternative because it prefers an unsafe one (disabling a bf16 run's
+        scaler while the plan casts to fp32 master weights).
+        """
+        if self._safe_plan is not None:
+            return list(self._safe_plan)
+        return [fx for fx in self.fixes if fx.safe]
 
     @property
     def all_fixes(self) -> list:
@@ -189,7 +207,7 @@ class Report:
         return self._rediagnose()
 
     def apply_safe_fixes(self) -> list:
-        """Apply every safe fix not yet applied; return the fixes applied.
+        """Apply the best plan of safe fixes (:attr:`safe_fixes`) not yet applied; return the fixes applied.
 
         A fix that fails is rolled back, keeps its ``error`` and is skipped;
         the others are still applied.
@@ -197,8 +215,8 @@ class Report:
         from ..treatment.fixes import FixFailed, FixNeedsConfirmation
 
         applied = []
-        for fix in self.fixes:
-            if fix.safe and not fix.applied:
+        for fix in self.safe_fixes:
+            if not fix.applied:
                 try:
                     fix.apply()
                     applied.append(fix)

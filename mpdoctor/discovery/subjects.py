@@ -322,6 +322,28 @@ def discover(
     return subjects
 
 
+#: What mpdoctor inspects, for the sentence that says an object was not one of them.
+INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
+# transformers 5 renamed PretrainedConfig to PreTrainedConfig.
+_CONFIG_CLASSES = (
+    "transformers.configuration_utils.PreTrainedConfig",
+    "transformers.configuration_utils.PretrainedConfig",
+)
+
+
+def nothing_to_inspect(name: str, obj: Any) -> str:
+    """Why an object given by name brought no subject, and what to give instead (read without running its code)."""
+    cls_name = type_name(obj)
+    article = "an" if cls_name[:1].lower() in "aeiou" else "a"
+    if is_a(obj, ("torch.Tensor",)):
+        dtype = obj.dtype if class_path(type(obj)) in ("torch.Tensor", "torch.nn.parameter.Parameter") else None
+        shown = f" ({str(dtype).replace('torch.', '')})" if dtype is not None else ""
+        return f"{name} is a tensor{shown}: nothing to inspect on its own; name the model or optimizer that holds it"
+    if is_a(obj, _CONFIG_CLASSES) or cls_name.endswith("Config"):
+        return f"{name} is {article} {cls_name}: a config is read through the model built from it; name the model"
+    return f"{name} is {article} {cls_name}: nothing to inspect (mpdoctor inspects {INSPECTED})"
+
+
 def _module_paths(module: Any) -> dict[int, str]:
     """``id(submodule) -> dotted path`` of every submodule of ``module`` (the root excluded)."""
     try:

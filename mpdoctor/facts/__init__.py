@@ -104,6 +104,9 @@ class ModelFacts:
     norm_eps: tuple[tuple[str, str, str, float, str], ...] = ()
     #: The config fields that set those epsilons, as ``(config ref, attribute, eps)``.
     config_eps: tuple[tuple[int, str, float], ...] = ()
+    #: ``config._name_or_path`` of a transformers model: the checkpoint it was loaded from, empty for a model
+    #: built from a config (advice says ``from_pretrained`` only when there is something to load).
+    loaded_from: str = ""
 
     @property
     def model_type(self) -> str | None:

@@ -8,8 +8,10 @@ precision (what the arguments request, what the accelerator will run).
 
 :mod:`mpdoctor.discovery` and :mod:`mpdoctor.gathering` iterate the registry and
 hold no library-specific branches. An integration is active only when its
-library is already imported by the user (``name in sys.modules``): a missing
-or unused library costs nothing, and mpdoctor never imports one first.
+library is already imported by the user (``name in sys.modules``), or, for its
+facts, when an inspected object holds something of its kind before the library
+is imported (``Integration.wakes_on``: ``TrainingArguments(deepspeed=cfg)``):
+a missing or unused library costs nothing, and mpdoctor never imports one first.
 
 Adding a library is one new module here plus its tests: declare an
 ``INTEGRATION`` and list the module in :data:`MODULES`.
@@ -98,6 +100,10 @@ class Integration:
     #: library with facts of its own (Lightning's precision plugins, DeepSpeed's engines and configs).
     facts: Callable[..., dict] | None = None
     weight_storage: Callable[[Any], tuple[str, str, int] | None] | None = None
+    #: ``subjects -> bool``: True when an object of this library's kind is among the subjects although
+    #: the library is not imported yet (``TrainingArguments(deepspeed=cfg)`` holds a DeepSpeed config before
+    #: anything imports deepspeed). Reads the subjects' own fields; never imports the library.
+    wakes_on: Callable[[tuple], bool] | None = None
 
     @property
     def active(self) -> bool:
@@ -105,6 +111,17 @@ class Integration:
         if self.any_modules and not any(m in sys.modules for m in self.any_modules):
             return False
         return all(m in sys.modules for m in self.modules)
+
+    def active_for(self, subjects: tuple) -> bool:
+        """True when the library is imported, or an object of its kind is among ``subjects``."""
+        if self.active:
+            return True
+        if self.wakes_on is None:
+            return False
+        try:
+            return bool(self.wakes_on(subjects))
+        except Exception:  # a subject that cannot be read wakes nothing
+            return False
 
 
 _REGISTRY: list[Integration] = []
@@ -206,9 +223,10 @@ def model_extras(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
 
 
 def extra_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
-    """Extra Facts fields contributed by every active integration (``Integration.facts``)."""
+    """Extra Facts fields contributed by every integration active for ``subjects`` (``Integration.facts``):
+    its library is imported, or one of the subjects holds an object of its kind (``Integration.wakes_on``)."""
     out: dict = {}
-    for integ in active():
-        if integ.facts is not None:
+    for integ in registry():
+        if integ.facts is not None and integ.active_for(subjects):
             out.update(integ.facts(subjects, live, hardware))
     return out

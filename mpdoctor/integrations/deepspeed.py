@@ -367,10 +367,27 @@ def device_support(hardware: Any) -> tuple[bool | None, bool | None]:
     return None, None
 
 
+def holds_a_config(subjects: tuple) -> bool:
+    """True when arguments, a Trainer's arguments or an accelerator among ``subjects`` hold a DeepSpeed config:
+    ``TrainingArguments(deepspeed=cfg)`` builds one without importing deepspeed, and its precision can
+    already contradict the arguments."""
+    for s in subjects:
+        if s.kind == "training_args" and raw_attr(s.obj, "hf_deepspeed_config", None) is not None:
+            return True
+        if s.kind == "trainer":
+            args = raw_attr(s.obj, "args", None)
+            if args is not None and raw_attr(args, "hf_deepspeed_config", None) is not None:
+                return True
+        if s.kind == "accelerator" and active_plugin(raw_attr(s.obj, "state", None)) is not None:
+            return True
+    return False
+
+
 INTEGRATION = Integration(
     name="deepspeed",
     modules=("deepspeed",),
     kinds=((ENGINE, "model"),),
     model_unwraps=(Unwrap(ENGINE, "module", ".module"),),
     facts=gather,
+    wakes_on=holds_a_config,
 )

@@ -144,11 +144,18 @@ def rope_fp32_changes(model: Any, paths: tuple[str, ...]) -> list:
     return steps
 
 
+def _loaded_from(model: Any) -> str:
+    """``config._name_or_path``: what ``from_pretrained`` loaded, ``""`` for a model built from a config."""
+    name = raw_attr(raw_attr(model, "config", None), "_name_or_path", "")
+    return name if type(name) is str else ""
+
+
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     return {
         "rope_buffers": _rope_buffers(inner) if is_a(inner, (PRETRAINED,)) else (),
         "configs": gather_configs(inner_path, inner, live),
         "is_pretrained": is_a(inner, (PRETRAINED,)),
+        "loaded_from": _loaded_from(inner) if is_a(inner, (PRETRAINED,)) else "",
         "keep_in_fp32": _keep_in_fp32(inner),
         "supports_sdpa": raw_attr(inner, "_supports_sdpa", True) is not False if is_a(inner, (PRETRAINED,)) else None,
     }

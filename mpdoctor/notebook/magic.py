@@ -28,12 +28,6 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 _BATCH_HINT = "a dict of keyword arguments for forward, a tensor, or a tuple/list of positional arguments"
-_INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
-# transformers 5 renamed PretrainedConfig to PreTrainedConfig.
-_CONFIG_CLASSES = (
-    "transformers.configuration_utils.PreTrainedConfig",
-    "transformers.configuration_utils.PretrainedConfig",
-)
 
 
 def _print_line(text: str) -> None:
@@ -52,16 +46,9 @@ def _a(noun: str) -> str:
 
 def _nothing_to_inspect(name: str, obj: Any) -> str:
     """Why a named object brought no subject: the user named the wrong thing, so say what to name."""
-    from ..live.introspect import is_a
+    from ..discovery.subjects import nothing_to_inspect
 
-    cls_name = _type_name(obj)
-    if is_a(obj, ("torch.Tensor",)):
-        dtype = obj.dtype if type(obj) in (torch.Tensor, torch.nn.Parameter) else None
-        shown = f" ({str(dtype).replace('torch.', '')})" if dtype is not None else ""
-        return f"{name} is a tensor{shown}: nothing to inspect on its own; name the model or optimizer that holds it"
-    if is_a(obj, _CONFIG_CLASSES) or cls_name.endswith("Config"):
-        return f"{name} is {_a(cls_name)}: a config is read through the model built from it; name the model"
-    return f"{name} is {_a(cls_name)}: nothing to inspect (mpdoctor inspects {_INSPECTED})"
+    return nothing_to_inspect(name, obj)
 
 
 def _close_matches(slug: str, known: list[str]) -> str:

@@ -6,6 +6,7 @@ from typing import Any
 
 from ..redact import redact
 from ..treatment.findings import _jsonable
+from .evidence import rst_to_plain
 
 
 def humanize_bytes(n: float) -> str:
@@ -133,7 +134,9 @@ def report_dict(report: Any) -> dict:
         "target": report.target,
         "device": hardware_view(report),
         "subjects": subjects_view(report),
-        "findings": [dict(f.to_dict(), why=REGISTRY[f.check].why if f.check in REGISTRY else "") for f in report.findings],
+        "notes": list(getattr(report, "notes", ()) or ()),
+        "findings": [dict(f.to_dict(), why=rst_to_plain(REGISTRY[f.check].why) if f.check in REGISTRY else "")
+                     for f in report.findings],
         "histogram": [_jsonable(r._asdict()) for r in report.facts.tallies],
         "precision": precision_view(report),
         "caches": cache_view(report),

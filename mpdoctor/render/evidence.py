@@ -177,7 +177,8 @@ def summarize_evidence(evidence: dict) -> list[EvidenceItem]:
 
     ``modules`` and ``roles`` (module path -> dtypes / role) become one
     ``modules`` item in words; any other list or dict longer than
-    :data:`EVIDENCE_INLINE_ITEMS` is counted; floats are rounded.
+    :data:`EVIDENCE_INLINE_ITEMS` is counted; floats are rounded; empty
+    lists, dicts and strings are left out.
     """
     items: list[EvidenceItem] = []
     modules = evidence.get("modules")
@@ -185,6 +186,8 @@ def summarize_evidence(evidence: dict) -> list[EvidenceItem]:
     for key, value in evidence.items():
         if key == "roles" and isinstance(modules, dict):
             continue  # folded into the modules summary
+        if isinstance(value, (list, tuple, dict, str)) and not value:
+            continue  # an empty field says nothing to a reader (``patched_forwards=[]``); to_dict() keeps it
         if key == "modules" and isinstance(value, dict) and value:
             full = "\n".join(
                 f"{path}: {_plain(d)}" + (f" ({roles[path]})" if roles and path in roles else "")
@@ -387,4 +390,26 @@ def cause_label(report: Any) -> str | None:
     findings = getattr(report, "findings", None)
     if cause is None or not findings or findings[0] is not cause:
         return None
-    return f"cause of {getattr(report, 'exception', None) or 'the exception'}"
+    raised_by = getattr(report, "raised_by", None)
+    by = f" (raised by {raised_by})" if raised_by else ""
+    return f"cause of {getattr(report, 'exception', None) or 'the exception'}{by}"
+
+
+def also_found_label(count: int) -> str:
+    """The heading the findings after an exception's cause are folded under."""
+    return f"also found ({count})"
+
+
+def fix_kind(fx: dict, siblings: list[dict]) -> str:
+    """How every renderer labels a fix (text, static HTML, widget): its applicability (``safe``, ``unsafe``,
+    ``display-only``), prefixed ``alternative, `` when the plan holds another fix of the finding instead.
+
+    A display-only fix is never planned (nothing changes in place); it is an alternative only beside a fix
+    that is planned, else it is the advice itself.
+    """
+    kind = fx.get("applicability") or ("safe" if fx.get("safe") else "unsafe")
+    if fx.get("planned", True):
+        return kind
+    if kind == "display-only" and not any(s.get("planned") and s is not fx for s in siblings):
+        return kind
+    return f"alternative, {kind}"

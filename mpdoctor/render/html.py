@@ -20,10 +20,12 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from ..knowledge import SHORT_DTYPE
 from .data import humanize_bytes, humanize_count, report_dict
 from .evidence import (
+    also_found_label,
     cause_label,
+    dtype_word,
+    fix_kind,
     format_number,
     plural,
     precision_word,
@@ -112,18 +114,20 @@ def verdict_html(data: dict) -> str:
 def subjects_html(data: dict) -> str:
     """What was inspected: names and classes."""
     subjects = data["subjects"]
+    notes = "".join(f"<div style='color:{MUTED}'>note: {e(n)}</div>" for n in data.get("notes", ()))
     if not subjects:
-        return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>"
+        return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>{notes}"
     items = ", ".join(f"{code(s['name'])} {muted(e(s['class']), 13)}" for s in subjects)
-    return f"<div>inspected: {items}</div>"
+    return f"<div>inspected: {items}</div>{notes}"
 
 
 def evidence_html(evidence: dict) -> str:
     """The facts a finding rests on: short values inline, long lists summarised with the full list folded."""
-    if not evidence:
+    items = summarize_evidence(evidence) if evidence else []
+    if not items:
         return ""
     inline, folded = [], []
-    for item in summarize_evidence(evidence):
+    for item in items:
         inline.append(f"<span style='white-space:nowrap'>{e(item.key)}&nbsp;=</span> {code(item.summary)}")
         if item.full is not None:
             folded.append(
@@ -150,9 +154,10 @@ def finding_body_html(f: dict) -> str:
     )
 
 
-def fix_html(fx: dict) -> str:
-    """A fix in the static rendering: its safety, title, state and the code that does the same."""
-    safety = "safe fix" if fx["safe"] else pill("unsafe fix", COLORS["error"])
+def fix_html(fx: dict, siblings: list[dict] | None = None) -> str:
+    """A fix in the static rendering: its kind (as the text and the widget label it), title, state and code."""
+    kind = f"fix ({fix_kind(fx, siblings if siblings is not None else [fx])})"
+    safety = pill(kind, COLORS["error"]) if "unsafe" in kind else e(kind)
     state = f" {pill('applied', OK_COLOR)}" if fx["applied"] else ""
     failed = f" {pill('failed', COLORS['error'])} {e(fx['error'])}" if fx.get("error") else ""
     return f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}<pre style='{PRE}'>{e(fx['code'])}</pre></li>"
@@ -160,7 +165,7 @@ def fix_html(fx: dict) -> str:
 
 def finding_html(f: dict) -> str:
     """One finding with its fixes listed (no buttons: the widget adds its own)."""
-    fixes = "".join(fix_html(fx) for fx in f["fixes"])
+    fixes = "".join(fix_html(fx, f["fixes"]) for fx in f["fixes"])
     fixes_block = f"<ul style='margin:2px 0;padding-left:20px'>{fixes}</ul>" if fixes else ""
     return (
         f"<div style='border:1px solid {BORDER};border-left:4px solid {COLORS[f['severity']]};border-radius:3px;"
@@ -192,7 +197,7 @@ def histogram_html(hist: list[dict]) -> str:
         for r in rows:
             pct = max(1.0, 100.0 * r["bytes"] / biggest) if r["bytes"] else 0.0
             color = DTYPE_COLORS.get(r["dtype"], "#757575")
-            dtype = SHORT_DTYPE.get(r["dtype"], r["dtype"])
+            dtype = dtype_word(r["dtype"])  # the same word as the layer strip's legend
             kind = KIND_LABELS.get(r["kind"], r["kind"])
             state = "trainable" if r["trainable"] else "frozen"
             meta = f", {r['meta']} on meta" if r.get("meta") else ""
@@ -393,14 +398,26 @@ def cause_html(label: str) -> str:
     return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;margin:6px 0 0'>{pill('cause', COLORS['error'])} {e(label)}</div>"
 
 
+def also_found_html(findings: list[dict]) -> str:
+    """The findings beside an exception's cause, folded: the cause is what to read first."""
+    body = "".join(finding_html(f) for f in findings)
+    return (
+        f"<details class='mpdoctor-also-found' style='margin-top:4px'><summary style='{SUMMARY}'>"
+        f"{e(also_found_label(len(findings)))}</summary>{body}</details>"
+    )
+
+
 def render_html(report: Any) -> str:
     """Render a report as a self-contained HTML fragment."""
     data = report_dict(report)
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
     label = cause_label(report)
-    if label:  # the finding that explains an exception comes first, under this heading
-        parts.append(cause_html(label))
-    parts += [finding_html(f) for f in data["findings"]]
+    if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
+        parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]
+    else:
+        if label:  # the finding that explains an exception comes first, under this heading
+            parts.append(cause_html(label))
+        parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
     if report_layer_strips(report):
         parts.append(section("dtypes per layer", layers_html(report)))

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..knowledge import SHORT_DTYPE
 from .data import humanize_bytes, precision_view, report_dict
-from .evidence import plural
+from .evidence import dtype_word, plural
 
 
 def _cell(value: Any) -> str:
@@ -27,6 +26,7 @@ def render_markdown(report: Any) -> str:
         "",
         "Inspected: " + (", ".join(f"`{s['name']}` ({s['class']})" for s in data["subjects"]) or "nothing"),
         "",
+        *[f"Note: {n}\n" for n in data["notes"]],
     ]
     if data["findings"]:
         lines += ["| severity | check | subject | message |", "|---|---|---|---|"]
@@ -39,7 +39,7 @@ def render_markdown(report: Any) -> str:
         lines += ["| object | kind | dtype | tensors | bytes | trainable |", "|---|---|---|---|---|---|"]
         for r in data["histogram"]:
             lines.append(
-                f"| `{_cell(r['object'])}` | {r['kind']} | {SHORT_DTYPE.get(r['dtype'], r['dtype'])} | {r['tensors']} "
+                f"| `{_cell(r['object'])}` | {r['kind']} | {dtype_word(r['dtype'])} | {r['tensors']} "
                 f"| {humanize_bytes(r['bytes'])} | {r['trainable']} |"
             )
         lines.append("")

@@ -5,9 +5,16 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ..knowledge import SHORT_DTYPE
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import cause_label, precision_word, singular_counts, summarize_evidence
+from .evidence import (
+    also_found_label,
+    cause_label,
+    dtype_word,
+    fix_kind,
+    precision_word,
+    singular_counts,
+    summarize_evidence,
+)
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -39,21 +46,26 @@ def render_text(report: Any, width: int = 100) -> str:
         or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
     )
     lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+    for note in data["notes"]:  # what the caller gave that is nothing to inspect
+        lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
         lines.append("")
     label = cause_label(report)
     if label:  # the finding that explains an exception comes first, under this heading
         lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
-    for f in data["findings"]:
+    for i, f in enumerate(data["findings"]):
+        if label and i == 1:  # the cause first; the other findings under their own heading
+            lines += ["", also_found_label(len(data["findings"]) - 1)]
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
-        if f["evidence"]:  # long lists summarised (the full lists are in report.to_dict())
-            facts = "; ".join(f"{item.key}={item.summary}" for item in summarize_evidence(f["evidence"]))
+        items = summarize_evidence(f["evidence"]) if f["evidence"] else []
+        if items:  # long lists summarised (the full lists are in report.to_dict())
+            facts = "; ".join(f"{item.key}={item.summary}" for item in items)
             lines += textwrap.wrap(f"evidence: {facts}", **wrap)
         for fx in f["fixes"]:
             state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
-            kind = fx["applicability"] if fx["planned"] else f"alternative, {fx['applicability']}"
+            kind = fix_kind(fx, f["fixes"])
             lines.append(f"        fix ({kind}): {singular_counts(fx['title'])}{state}")
             if fx["cost"]:
                 lines.append(f"            cost: {fx['cost']}")
@@ -69,7 +81,7 @@ def render_text(report: Any, width: int = 100) -> str:
         name_w = max(len(r["object"]) for r in hist)
         for r in hist:
             lines.append(
-                f"  {r['object']:<{name_w}}  {r['kind']:<15} {SHORT_DTYPE.get(r['dtype'], r['dtype']):<6}"
+                f"  {r['object']:<{name_w}}  {r['kind']:<15} {dtype_word(r['dtype']):<6}"
                 f" {r['tensors']:>4} tensor{'s' if r['tensors'] != 1 else ' '} {humanize_count(r['elements']):>6} elems"
                 f" {humanize_bytes(r['bytes']):>10}"
                 f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"

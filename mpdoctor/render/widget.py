@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .data import report_dict
-from .evidence import cause_label, fix_label, plural, singular_counts
+from .evidence import also_found_label, cause_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
@@ -307,7 +307,7 @@ class ReportWidget:
     def _render(self) -> None:
         data = report_dict(self.report)
         self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}</div>"
-        pending_safe = [fx for fx in self.report.fixes if fx.safe and not fx.applied]
+        pending_safe = [fx for fx in self.report.safe_fixes if not fx.applied]
         self.apply_all_button.description = f"Apply all safe fixes ({len(pending_safe)})"
         self.apply_all_button.disabled = not pending_safe
         # Nothing to apply: no button at all rather than a disabled "(0)".
@@ -326,7 +326,12 @@ class ReportWidget:
         label = cause_label(self.report)
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
-        cards += [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        finding_cards = [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        if label and len(finding_cards) > 1:  # the cause first; the other findings folded under it
+            also = self._w.Accordion(children=(self._w.VBox(finding_cards[1:]),), selected_index=None)
+            also.set_title(0, also_found_label(len(finding_cards) - 1))
+            finding_cards = [finding_cards[0], also]
+        cards += finding_cards
         cards += [self._applied_card(a, a.key in open_keys) for a in self.applied]
         old = self.findings_box.children
         self.findings_box.children = tuple(cards)
@@ -347,7 +352,8 @@ class ReportWidget:
         parts = [finding_body_html(view)]
         if view["fixes"]:
             snippets = "".join(
-                f"<div style='font-size:12px;color:{MUTED}'>{e(singular_counts(fx['title']))}:</div>"
+                f"<div style='font-size:12px;color:{MUTED}'>fix ({e(fix_kind(fx, view['fixes']))}): "
+                f"{e(singular_counts(fx['title']))}:</div>"
                 + (f"<div style='font-size:12px;color:{MUTED}'>cost: {e(fx['cost'])}</div>" if fx.get("cost") else "")
                 + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['note'])}</div>" if fx.get("note") else "")
                 + f"<pre style='{PRE}'>{e(fx['code'])}</pre>"
@@ -530,12 +536,14 @@ class ReportWidget:
         }
         done = self.report.apply_safe_fixes()
         for fx in done:
+            if id(fx) not in owners:  # a safe fix planned on a simulated state: the re-diagnosis shows it
+                continue
             finding, view, fv = owners[id(fx)]
             self._notes.pop(_finding_key(finding), None)
             self.applied.append(AppliedFix(fx, view, fv, _finding_key(finding)))
         skipped = 0
-        for fx in self.report.fixes:
-            if fx.safe and not fx.applied and fx.error:
+        for fx in self.report.safe_fixes:
+            if not fx.applied and fx.error and id(fx) in owners:
                 finding = owners[id(fx)][0]
                 hint = " Click its button to confirm." if fx.needs_confirmation else ""
                 self._notes[_finding_key(finding)] = f"Not applied: {fx.error}.{hint}"

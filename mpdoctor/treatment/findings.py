@@ -63,6 +63,17 @@ def count(n: int, noun: str, plural: str | None = None) -> str:
     return f"{n:,} {noun if n == 1 else (plural or noun + 's')}"
 
 
+def size_delta(nbytes: float) -> str:
+    """A signed memory figure in the unit that shows it: ``+24.0 KiB``, ``-1.5 MiB``, ``+512 B`` (never ``+0.0 MiB``)."""
+    sign = "-" if nbytes < 0 else "+"
+    n = abs(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n:.1f} GiB"
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}

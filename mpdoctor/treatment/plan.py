@@ -84,31 +84,7 @@ def plan(facts: Facts, findings: list[Finding], run: Callable[[Facts], list[Find
     list of Fix
         The plan: apply in this order.
     """
-    chosen: list[Fix] = []
-    unsimulated: dict[tuple, str] = {}
-    state, current = facts, list(findings)
-    for _round in range(MAX_ROUNDS):
-        base = score(current)
-        best: tuple | None = None
-        for order, fx in enumerate(_candidates(current)):
-            if fx.key in unsimulated:
-                continue
-            try:
-                after_facts = _simulate(state, fx)
-                after = run(after_facts)
-            except Exception as exc:  # judged unplannable; it stays on offer as an alternative
-                unsimulated[fx.key] = f"not planned: its outcome could not be simulated ({type(exc).__name__})"
-                continue
-            s = score(after)
-            if s >= base:
-                continue
-            rank = (s, 0 if fx.safe else 1, order)
-            if best is None or rank < best[0]:
-                best = (rank, fx, after_facts, after)
-        if best is None:
-            break
-        _rank, fx, state, current = best
-        chosen.append(fx)
+    chosen, unsimulated, current = _greedy(facts, findings, run, admit=lambda fx: True)
     remaining = {_key(f) for f in current}
     planned_keys = {fx.key: fx for fx in chosen}
     plan_out = list(chosen)
@@ -137,6 +113,71 @@ def plan(facts: Facts, findings: list[Finding], run: Callable[[Facts], list[Find
                 else:
                     fx.note = unsimulated.get(fx.key, "alternative: not planned, it would not make the setup healthier")
     return plan_out
+
+
+def _greedy(
+    facts: Facts, findings: list[Finding], run: Callable[[Facts], list[Finding]], admit: Callable[[Fix], bool]
+) -> tuple[list[Fix], dict[tuple, str], list[Finding]]:
+    """Rounds of "simulate every admitted fix, keep the one that helps most": the chosen fixes, the fixes whose
+    outcome could not be simulated (with why), and the findings of the final simulated state."""
+    chosen: list[Fix] = []
+    unsimulated: dict[tuple, str] = {}
+    state, current = facts, list(findings)
+    for _round in range(MAX_ROUNDS):
+        base = score(current)
+        best: tuple | None = None
+        for order, fx in enumerate(_candidates(current)):
+            if fx.key in unsimulated or not admit(fx):
+                continue
+            try:
+                after_facts = _simulate(state, fx)
+                after = run(after_facts)
+            except Exception as exc:  # judged unplannable; it stays on offer as an alternative
+                unsimulated[fx.key] = f"not planned: its outcome could not be simulated ({type(exc).__name__})"
+                continue
+            s = score(after)
+            if s >= base:
+                continue
+            rank = (s, 0 if fx.safe else 1, order)
+            if best is None or rank < best[0]:
+                best = (rank, fx, after_facts, after)
+        if best is None:
+            break
+        _rank, fx, state, current = best
+        chosen.append(fx)
+    return chosen, unsimulated, current
+
+
+def plan_safe(
+    facts: Facts, findings: list[Finding], run: Callable[[Facts], list[Finding]], full_plan: Sequence[Fix]
+) -> list[Fix]:
+    """The best plan that uses safe fixes only: what "Apply all safe fixes" applies, in order.
+
+    It is planned with the same simulator as :func:`plan`, on safe fixes alone, so a safe fix that the
+    full plan leaves as an alternative (disable the scaler, when the full plan prefers an unsafe fp32
+    cast that also resolves it) is still applied. When the full plan is safe throughout it is also the
+    best safe plan (each round's best fix was safe), and it is returned as is.
+
+    Parameters
+    ----------
+    facts, findings, run
+        As for :func:`plan` (the findings' fixes are not annotated again).
+    full_plan
+        What :func:`plan` returned.
+
+    Returns
+    -------
+    list of Fix
+        Safe fixes, in the order to apply them; a fix that is in ``findings`` is that same object.
+    """
+    if all(fx.safe for fx in full_plan):
+        return list(full_plan)
+    chosen, _unsimulated, _current = _greedy(facts, findings, run, admit=lambda fx: fx.safe)
+    offered = {fx.key: fx for f in findings for fx in f.fixes}
+    out = [offered.get(fx.key, fx) for fx in chosen]
+    # Fixes built by hand with a live plan are planned as offered (see plan()).
+    out += [fx for fx in full_plan if fx.safe and not fx.changes and all(fx is not x for x in out)]
+    return out
 
 
 def _owns(findings: list[Finding], fx: Fix) -> Finding | None:

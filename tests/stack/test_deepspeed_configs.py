@@ -329,3 +329,62 @@ def test_healthy_zero_bf16_recipe_draws_no_error_or_warning(tmp_path, stage):
     (facts,) = report.facts.deepspeed
     assert (facts.source, facts.bf16, facts.fp16, facts.zero_stage) == ("engine", True, False, stage)
     assert facts.master_dtype == "float32" and facts.master_partitions >= 1 and facts.module_dtype == "bfloat16"
+
+
+_WAKES_ON_THE_OBJECT = r'''
+import os, sys, tempfile
+sys.path.insert(0, "tests")
+from deepspeed_support import SINGLE_RANK_ENV, free_port, tiny_llama, token_dataset, training_args, zero_config
+os.environ.update(SINGLE_RANK_ENV, MASTER_PORT=free_port())
+import mpdoctor
+
+cfg = zero_config(2, fp16={"enabled": True})  # a shipped json that enables fp16, while the arguments ask bf16
+del cfg["bf16"]
+args = training_args(cfg, tempfile.mkdtemp(), bf16=True, learning_rate=1e-2)
+assert "deepspeed" not in sys.modules, "the arguments alone import no deepspeed"
+report = mpdoctor.diagnose(namespace={"args": args})
+assert "deepspeed" not in sys.modules, "mpdoctor imported deepspeed"
+(finding,) = [f for f in report.findings if f.check == "deepspeed-precision-mismatch"]
+print("found:", finding.severity, finding.subject)
+
+from transformers import Trainer
+try:  # the real failure: accelerate refuses the fp16 config beside bf16 arguments
+    Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+except ValueError as exc:
+    print("real error:", str(exc).splitlines()[0])
+else:
+    raise AssertionError("the mismatched arguments built a Trainer")
+from accelerate.state import AcceleratorState
+AcceleratorState._reset_state(reset_partial_state=True)  # the refused Trainer left it half set up
+
+for fix in report.fixes:
+    if fix.applicability.value != "display-only":
+        fix.apply()
+assert args.hf_deepspeed_config.config["fp16"]["enabled"] is False
+trainer = Trainer(model=tiny_llama(), args=args, train_dataset=token_dataset())
+before = [p.detach().clone() for p in trainer.model.parameters()]
+import math, torch
+out = trainer.train()
+assert trainer.state.global_step == 1 and trainer.model_wrapped.bfloat16_enabled()
+assert math.isfinite(out.training_loss)
+after = [p.detach() for p in trainer.model.parameters()]
+assert any(not torch.equal(a.to(b.dtype), b) for a, b in zip(before, after)), "no parameter changed"
+print("trained:", trainer.state.global_step)
+'''
+
+
+def test_a_deepspeed_config_in_training_arguments_is_checked_before_deepspeed_is_imported():
+    """The DeepSpeed integration wakes on the object (``TrainingArguments(deepspeed=cfg)`` holds the config),
+    not only on ``import deepspeed``: in a fresh process where nothing imported deepspeed, the fp16 config
+    beside bf16 arguments is still caught."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", ""))
+    proc = subprocess.run([sys.executable, "-c", _WAKES_ON_THE_OBJECT], capture_output=True, text=True,
+                          timeout=600, cwd=root, env=env)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-2000:] + proc.stderr[-4000:]
+    assert "found: error args" in out
+    assert "real error:" in out and "trained: 1" in out
