@@ -43,3 +43,14 @@ def run_step(step: Callable[[], Any], params: Iterable[torch.Tensor]) -> Any:
     loss = step()
     assert_step_trains(loss, before, params)
     return loss
+
+
+def trained_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any) -> float:
+    """``setups.train_step(model, optimizer, **kwargs)`` that must train: finite loss, the optimizer's parameters moved."""
+    from setups import train_step
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = snapshot(params)
+    loss = train_step(model, optimizer, **kwargs)
+    assert_step_trains(loss, before, params)
+    return loss

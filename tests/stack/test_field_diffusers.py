@@ -11,12 +11,13 @@ import warnings
 import pytest
 import torch
 
-diffusers = pytest.importorskip("diffusers")  # tests/stack runs in the main venv only, where diffusers is pinned
-from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTextModel  # noqa: E402
+# Plain imports: tests/stack runs in the main venv only, where diffusers is pinned; a missing one must fail.
+import diffusers
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from peft import LoraConfig
+from transformers import CLIPTextConfig, CLIPTextModel
 
-import mpdoctor  # noqa: E402
+import mpdoctor
 
 diffusers.utils.logging.set_verbosity_error()
 
