@@ -6,7 +6,8 @@ leave the parameters as they were: ``assert_step_trains`` fails on each.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Iterable
+from typing import Any, Callable
 
 import torch
 

@@ -15,11 +15,11 @@ import bitsandbytes as bnb  # a plain import: tests/stack runs where the stack i
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from steps import run_step
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import mpdoctor
-from steps import run_step
 
 
 def severities(report) -> dict[str, str]:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
-import torch
-
 # Plain imports: tests/stack runs in the main venv only, where diffusers is pinned; a missing one must fail.
 import diffusers
+import pytest
+import torch
 from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
 from peft import LoraConfig
 from transformers import CLIPTextConfig, CLIPTextModel
