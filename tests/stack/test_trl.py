@@ -14,14 +14,14 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from setups_precision import compute_dtypes
+from steps import assert_step_trains, snapshot
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
 import mpdoctor
 from mpdoctor.discover import discover
-from setups_precision import compute_dtypes
-from steps import assert_step_trains, snapshot
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "hello world this is text"] * 2
 BF16_REFUSED = "Your setup doesn't support bf16/gpu"
