@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
-from setups import VOCAB, batch, tiny_llama, train_step
+from setups import VOCAB, batch, tiny_llama
 from setups_dtypes import finite
 from steps import trained_step
 
@@ -165,7 +165,7 @@ def test_t5_in_fp16_overflows_in_its_feed_forward_and_the_probe_names_wo_and_tre
     bf16.apply()
     assert finite(t5(**inputs).loss.item())
     opt = torch.optim.AdamW(t5.parameters(), lr=1e-4)
-    assert finite(train_step(t5, opt, inputs=inputs))
+    assert finite(trained_step(t5, opt, inputs=inputs))
 
 
 def test_gemma2_in_fp16_is_an_error_before_it_runs_and_the_probe_finds_where_it_overflows():
@@ -197,7 +197,7 @@ def test_gemma2_in_fp16_is_an_error_before_it_runs_and_the_probe_finds_where_it_
     assert finding.subject == "model.model.layers.0.mlp.down_proj" and finding.evidence["cause"] == "activation-overflow-fp16"
     finding.fixes[0].apply()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert finite(train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
+    assert finite(trained_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
 
 
 def test_an_additive_mask_built_with_float32_min_becomes_minus_inf_in_fp16_and_a_padded_row_goes_nan():
@@ -252,7 +252,7 @@ def test_flash_attention_2_on_fp32_weights_is_named_before_the_gpu_refuses_it():
     (fix,) = [f for f in report.fixes if f.slug == "flash-attention-fp32"]
     fix.apply()
     assert model.config._attn_implementation != "flash_attention_2"
-    assert finite(train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    assert finite(trained_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
 
 
 def test_bf16_arguments_meant_for_a_v100_are_an_error_before_transformers_refuses_them():
@@ -307,4 +307,4 @@ def test_an_fp32_lm_head_on_a_bf16_model_works_under_autocast_and_breaks_generat
     assert model.base_model.model.lm_head.weight.dtype == torch.bfloat16
     model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    assert finite(train_step(model, opt))
+    assert finite(trained_step(model, opt))
