@@ -158,8 +158,9 @@ def _moe_rows(mpdoctor, quick: bool, repeat: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-stack", action="store_true", help="import only what the models need (for comparison)")
     args = parser.parse_args()
-    active, absent = import_stack()
+    active, absent = ([], []) if args.no_stack else import_stack()
     import mpdoctor
 
     print(f"stack imported (integrations active): {', '.join(active) or 'none'}; not installed: {', '.join(absent) or 'none'}")

@@ -126,6 +126,7 @@ def test_bf16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
     does not pass --bf16, and train() raises "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False"."""
     cfg = zero_config(2, bf16={"enabled": True})
     del cfg["fp16"]
+    original_cfg = copy.deepcopy(cfg)
     trainer = _trainer(training_args(cfg, tmp_path))
     with pytest.raises(ValueError, match=r"mismatch TrainingArguments values:\n- ds bf16.enabled=True vs hf bf16\|bf16_full_eval=False") as raised:
         trainer.train()
@@ -136,19 +137,21 @@ def test_bf16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
     assert finding.severity == "error" and "bf16" in finding.message
     assert finding.fixes[0].safe and finding.fixes[1].applicability.value == "display-only"
     assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in finding.fixes[1].code
-    # The display-only fix, executed on a fresh twin (same config, same arguments), then "rebuild the Trainer".
-    twin = _trainer(training_args(copy.deepcopy(cfg), tmp_path))
-    ns = _run_display_only(finding.fixes[1].code, {"trainer": twin})
-    rebuilt = _trainer(ns["trainer"].args)
-    assert not _findings(mpdoctor.diagnose(namespace={"trainer": rebuilt}), "deepspeed-precision-mismatch")
-    _trains(rebuilt)
-    assert rebuilt.model_wrapped.bfloat16_enabled()
+    display_only = finding.fixes[1]
 
     finding.fixes[0].apply()
     assert trainer.args.hf_deepspeed_config.mismatches == []
     trainer.train()
     assert trainer.state.global_step == 1
     assert not _findings(mpdoctor.diagnose(namespace={"trainer": trainer}), "deepspeed-precision-mismatch")
+    # The display-only fix, executed on a fresh twin (same config, same arguments), then "rebuild the Trainer".
+    # (After the in-place case: building TrainingArguments writes process-wide state, the environment included.)
+    twin = _trainer(training_args(copy.deepcopy(original_cfg), tmp_path))
+    ns = _run_display_only(display_only.code, {"trainer": twin})
+    rebuilt = _trainer(ns["trainer"].args)
+    assert not _findings(mpdoctor.diagnose(namespace={"trainer": rebuilt}), "deepspeed-precision-mismatch")
+    _trains(rebuilt)
+    assert rebuilt.model_wrapped.bfloat16_enabled()
 
 
 def test_fp16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
@@ -219,17 +222,6 @@ def test_fp16_refused_on_this_cpu_is_switched_to_bf16_before_train(tmp_path):
     in_place, rebuild = finding.fixes
     assert in_place.applicability.value == "unsafe" and rebuild.applicability.value == "display-only"
     assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in rebuild.code
-    # The display-only fix, executed on a fresh twin: its config keys into the config, its Python as written,
-    # then the Trainer rebuilt from the new arguments.
-    twin_cfg = zero_config(2)
-    fragment = _config_fragments(rebuild.code)
-    assert fragment == {"fp16": {"enabled": False}, "bf16": {"enabled": True}}
-    twin_cfg.update(fragment)
-    ns = _run_display_only(rebuild.code, {"trainer": _trainer(training_args(twin_cfg, tmp_path, fp16=True))})
-    rebuilt = _trainer(ns["trainer"].args)
-    _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": rebuilt}))
-    _trains(rebuilt)
-    assert rebuilt.model_wrapped.bfloat16_enabled()
 
     config = args.hf_deepspeed_config.config
     before = (copy.deepcopy(config), args.fp16, args.bf16, args.mixed_precision, trainer.accelerator.mixed_precision)
@@ -243,6 +235,19 @@ def test_fp16_refused_on_this_cpu_is_switched_to_bf16_before_train(tmp_path):
     _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": trainer}))
     trainer.train()
     assert trainer.model_wrapped.bfloat16_enabled() and trainer.state.global_step == 1
+    # (After the in-place case: building TrainingArguments writes process-wide state, the environment included.)
+    # The display-only fix, executed on a fresh twin: its config keys into the config, its Python as written,
+    # then the Trainer rebuilt from the new arguments.
+    twin_cfg = zero_config(2)
+    fragment = _config_fragments(rebuild.code)
+    assert fragment == {"fp16": {"enabled": False}, "bf16": {"enabled": True}}
+    twin = _trainer(training_args(twin_cfg, tmp_path, fp16=True))  # the user's setup, as it was built
+    twin_cfg.update(fragment)  # the user's config dict, edited as the comment says
+    ns = _run_display_only(rebuild.code, {"trainer": twin})
+    rebuilt = _trainer(ns["trainer"].args)
+    _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": rebuilt}))
+    _trains(rebuilt)
+    assert rebuilt.model_wrapped.bfloat16_enabled()
 
 
 def test_bf16_deepspeed_on_a_v100_target_is_refused(tmp_path):
