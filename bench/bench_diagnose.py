@@ -13,6 +13,11 @@ anything):
 - discovery over a namespace of 100,000 plain objects, against a bare loop
   reading ``type()`` of each value. Target: well under a second.
 
+Every library of the stack that is installed is imported first (transformers, accelerate, peft, lightning,
+diffusers, bitsandbytes, torchao, trl, deepspeed): mpdoctor's integration for a library is active only when
+that library is imported, so this is the cost with every integration looking. The rows name the libraries
+that were imported (``stack_active``) and those that were not installed (``stack_absent``).
+
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
 """
 
@@ -24,6 +29,25 @@ import time
 
 import torch
 from torch import nn
+
+STACK = ("transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl", "deepspeed")
+
+
+def import_stack() -> tuple[list[str], list[str]]:
+    """Import every installed library of the stack; ``(imported, absent)``."""
+    import contextlib
+    import importlib
+    import io
+
+    imported, absent = [], []
+    for name in STACK:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                importlib.import_module(name)  # their import-time banners are not bench output
+            imported.append(name)
+        except Exception:  # not installed (or broken): its integration stays inactive, and the row says so
+            absent.append(name)
+    return imported, absent
 
 
 def _best_interleaved(fns: list, repeat: int) -> list[float]:
@@ -134,9 +158,12 @@ def _moe_rows(mpdoctor, quick: bool, repeat: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--no-stack", action="store_true", help="import only what the models need (for comparison)")
     args = parser.parse_args()
+    active, absent = ([], []) if args.no_stack else import_stack()
     import mpdoctor
 
+    print(f"stack imported (integrations active): {', '.join(active) or 'none'}; not installed: {', '.join(absent) or 'none'}")
     repeat = 5 if args.quick else 15
     few = max(3, repeat // 3)
     rows = [_llama_row(mpdoctor, args.quick, repeat), *_moe_rows(mpdoctor, args.quick, few)]
@@ -159,7 +186,7 @@ def main() -> None:
         print(f"{r['figure']}: mpdoctor {r['mpdoctor']} {r['unit']}, baseline {r['baseline']}, ratio {r['ratio']} "
               f"(target {r['target']}: {'met' if r['met'] else 'NOT met'})")
     for r in rows:
-        print("RESULT " + json.dumps(r))
+        print("RESULT " + json.dumps({**r, "stack_active": active, "stack_absent": absent}))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Model: a 4-layer Llama, hidden 256, built from a config (no download), fp32
 on the CPU; batch: 4 sequences of 128 tokens with labels. Three timings,
-interleaved so that the machine's noise hits them alike (median of N):
+interleaved so that the machine's noise hits them alike (the best, i.e. minimum, of N):
 
 - plain: ``model(**batch).loss.backward()`` with the grads cleared first;
 - probe: ``mpdoctor.probe(model, batch)`` (hooks on every module, forward and
@@ -88,7 +88,7 @@ def main() -> None:
                 start = time.perf_counter()
                 fn()
                 timings[key].append(time.perf_counter() - start)
-    med = {k: min(v) * 1000 for k, v in timings.items()}
+    med = {k: min(v) * 1000 for k, v in timings.items()}  # the best of N: the run least disturbed by the shared machine
     probe_over = med["probe"] - med["plain"]
     hooks_over = med["hooks"] - med["plain"]
     duo_over = med["duo"] - med["plain"]

@@ -1,4 +1,9 @@
-"""Shared fixtures: a clean precision environment and accelerate state around every test."""
+"""Shared fixtures: a clean precision environment and accelerate state around every test; the skip guard.
+
+With ``MPDOCTOR_NO_SKIPS=1`` in the environment (``make test`` sets it for the main venv, where the whole stack
+is installed) a skipped test, and a module skipped at collection (``pytest.importorskip`` at module level), is
+reported as a failure: a run that silently left part of the suite out cannot pass.
+"""
 
 from __future__ import annotations
 
@@ -41,3 +46,29 @@ def shell():
     ip.run_cell("%unload_ext mpdoctor", store_history=False)
     for name in set(ip.user_ns) - before:  # the shell is shared by the suite: leave no variable behind
         ip.user_ns.pop(name, None)
+
+
+def _no_skips() -> bool:
+    return os.environ.get("MPDOCTOR_NO_SKIPS") == "1"
+
+
+def _skip_as_failure(report, what: str) -> None:
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"{what} was skipped, and MPDOCTOR_NO_SKIPS=1 makes a skip a failure: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if _no_skips() and report.skipped and not hasattr(report, "wasxfail"):
+        _skip_as_failure(report, item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    report = outcome.get_result()
+    if _no_skips() and report.skipped:
+        _skip_as_failure(report, collector.nodeid)

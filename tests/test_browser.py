@@ -8,7 +8,7 @@ then runs a new cell and reads in its output that the live scaler changed.
 The first test does this in JupyterLab 4 with this virtualenv's kernel
 (ipywidgets 8, IPython 9). The second does it in classic Notebook 6.5 from the
 Colab-pinned virtualenv (ipywidgets 7.7.1, IPython 7.34), the widget frontend
-Colab's descends from; it is skipped when that virtualenv is not built.
+Colab's descends from; it fails when that virtualenv is not built (``make test`` builds it before this suite).
 """
 
 from __future__ import annotations

@@ -138,7 +138,9 @@ def test_requirement_registry_matches_class_paths_including_simpletuners_vendore
 def _facts_as(model, opt, class_path: str, defaults: dict | None = None, params=None):
     """Real facts of ``(model, opt)`` with the optimizer's class path (and defaults / params) replaced.
 
-    optimi and bitsandbytes are not installed here: the registry logic is tested on facts built by hand.
+    optimi is not installed, and bitsandbytes only in the main venv (this file also runs in the Colab venv):
+    the registry logic is tested here on facts built by hand. The real ``bnb.optim.AdamW8bit`` (its real error,
+    its uint8 / fp32 state) is tested in ``tests/stack/test_field_bnb_torchao.py``.
     """
     facts = mpdoctor.diagnose(namespace={"model": model, "opt": opt}).facts
     (o,) = facts.optimizers

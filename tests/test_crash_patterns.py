@@ -95,7 +95,13 @@ def bf16_optimizer_on_fp32():
 
 
 class HybridCache:
-    """The shape of transformers < 4.51's cache: a ``.dtype`` attribute and no ``.float()``."""
+    """The shape of transformers < 4.51's cache: a ``.dtype`` attribute and no ``.float()``.
+
+    A stand-in, not a mock of an installed class: the transformers pinned in both venvs (5.23) has no
+    ``HybridCache`` (``transformers.cache_utils`` holds ``Cache``, ``DynamicCache``, ``StaticCache``,
+    ``QuantizedCache``, ``EncoderDecoderCache``, ...), and none of those classes defines ``dtype``, so no
+    installed class reaches accelerate's ``.float()`` call: the crash exists only with transformers < 4.51.
+    """
 
     dtype = torch.bfloat16
 

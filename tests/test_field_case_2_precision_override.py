@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from setups import tiny_llama, tiny_trainer
 from setups_precision import ENV, compute_dtypes, one_torch_thread  # noqa: F401 (one_torch_thread: autouse)
+from steps import assert_step_trains, snapshot
 
 import mpdoctor
 
@@ -65,16 +67,29 @@ def test_fp16_true_on_a_cpu_is_silently_fp32_until_the_fix_enables_fp16_autocast
     assert not report.refresh().findings_for("precision-override")
 
 
-def test_hardware_side_bf16_arguments_on_a_t4_are_an_error_and_the_fix_switches_to_fp16_amp():
+@pytest.mark.parametrize("target", ["T4", "V100"])
+def test_hardware_side_bf16_arguments_on_a_t4_are_an_error_and_the_fix_switches_to_fp16_amp(target):
+    """The fixed setup computes as the target GPU will: fp16 autocast (the hooked Linear computes in fp16) with a
+    GradScaler shared by accelerator and optimizer, fp32 weights; and neither the target nor this machine's own
+    diagnosis finds anything left to say about its precision."""
     trainer = tiny_trainer(tiny_llama(use_cache=False), bf16=True)
-    report = mpdoctor.diagnose(namespace={"trainer": trainer}, target="T4")
+    report = mpdoctor.diagnose(namespace={"trainer": trainer}, target=target)
     (finding,) = report.findings_for("bf16-unsupported")
     assert finding.severity == "error" and "doesn't support bf16/gpu" in finding.message
     finding.fixes[0].apply()
     assert not report.refresh().findings_for("bf16-unsupported")
     assert (trainer.args.bf16, trainer.args.fp16) == (False, True)
-    _dtypes, loss = _train(trainer)
-    assert torch.isfinite(torch.tensor(loss))
+    assert trainer.accelerator.mixed_precision == "fp16" and trainer.accelerator.native_amp
+    params = list(trainer.model.parameters())
+    before = snapshot(params)
+    dtypes, loss = _train(trainer)
+    assert dtypes == {torch.float16}  # fp16 AMP, what the target computes in
+    assert trainer.optimizer.scaler is trainer.accelerator.scaler and trainer.accelerator.scaler.is_enabled()
+    assert {p.dtype for p in params} == {torch.float32}  # fp32 master weights
+    assert_step_trains(loss, before, params)
+    for where in ({"target": target}, {}):  # the target and this CPU agree: no precision finding left
+        found = mpdoctor.diagnose(namespace={"trainer": trainer}, **where).findings
+        assert not [f for f in found if f.check in ("bf16-unsupported", "precision-override")], found
 
 
 def test_a_clean_bf16_trainer_on_the_cpu_is_healthy_and_computes_bf16():

@@ -61,9 +61,12 @@ def _fp32_master_fix(
             specs.append(spec)
             backup += spec.backup_bytes(facts)
     if setup is not None:
-        # accelerate's rule on the device these objects live on: on a CPU, fp16 args run as fp32.
+        # accelerate's rule on the GPU the finding is about (the live one or the target= profile): there fp16
+        # arguments autocast with a GradScaler, so the fixed setup computes here as it will there.
+        # A target= what-if is about the run on that GPU, even where this machine's arguments say use_cpu.
+        what_if = not facts.hardware.live and facts.hardware.kind == "cuda"
         live_gpu = facts.hardware.live and facts.hardware.kind == "cuda"
-        device = "cpu" if setup.args.get("use_cpu") else (setup.device or ("cuda" if live_gpu else "cpu"))
+        device = "cuda" if what_if else "cpu" if setup.args.get("use_cpu") else (setup.device or ("cuda" if live_gpu else "cpu"))
         specs.append(align_spec(facts, setup, target, native_amp_for(target, device), {"bf16": False, "fp16": target == "fp16"}))
     return Fix(title, code, False, changes=tuple(specs), backup_bytes=backup, recipe=f"fp32-master-{target}")
 
@@ -88,9 +91,10 @@ def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
     Fix
         Switch to fp16 AMP with fp32 master weights: cast the bf16 parameters (with grads and optimizer
         state) to fp32 in place, set ``args.bf16=False, args.fp16=True`` and bring the accelerator to fp16
-        (on a live GPU: autocast and a GradScaler; for a ``target=`` what-if the objects stay on this
-        machine, where accelerate runs fp16 arguments as fp32, so the rest is in ``fix.code``: rebuild the
-        Trainer on the target GPU). For model types known to overflow fp16 the fix chooses fp32 instead
+        as accelerate sets it up on that GPU: fp16 autocast and a GradScaler. For a ``target=`` what-if the
+        objects stay on this machine and get the same (fp16 autocast on its device, a GradScaler), so the next
+        step here computes in the dtypes the target will; ``fix.code`` also says to rebuild the Trainer on the
+        target GPU. For model types known to overflow fp16 the fix chooses fp32 instead
         (``fp16=False``). Unsafe: it doubles the memory of the cast weights and changes the precision.
     Source
         transformers ``TrainingArguments.__post_init__``; ms-swift issue #3896; Unsloth ``FORCE_FLOAT32``;

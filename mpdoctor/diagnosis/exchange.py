@@ -7,14 +7,16 @@ key-value store (no transport of its own, no collective that could hang):
    per model, FSDP units' dtypes and policy, precision setups, scalers, autocast,
    the precision environment, device capability, library versions) and its
    16-hex-digit digest;
-2. ``compare_set`` on one key makes the first rank's digest the reference; a rank
-   whose digest differs adds itself to a counter and publishes its fingerprint;
-   every rank then adds one to the arrival counter;
+2. ``compare_set`` on one key makes the first rank's ``rank:digest`` the reference
+   (that rank publishes its fingerprint); a rank whose digest differs publishes
+   its fingerprint too. Each rank sets its digest key (how an absent rank is named)
+   and adds to the arrival counter: 1 when it agrees, ``1 + _ODD`` when it does
+   not, so one counter carries both arrivals and disagreements;
 3. each rank waits (polling, bounded by ``timeout``) until all ranks arrived. When
-   nobody disagreed the exchange is over: per rank one ``compare_set``, two
-   ``add``\\ s and a few polls, whatever the model size or the world size. Only on
-   disagreement do ranks read every digest and the fingerprints of one rank per
-   distinct digest.
+   nobody disagreed the exchange is over: per rank one ``compare_set``, one ``set``,
+   one ``add`` and its polls (the reference rank one ``set`` more), whatever the
+   model size or the world size. Only on disagreement do ranks read every digest
+   and the fingerprints of one rank per distinct digest.
 
 A rank that does not arrive within ``timeout`` is named in ``DistributedFacts.absent``
 and the check ``rank-did-not-answer`` reports it; the call returns either way.
@@ -34,6 +36,7 @@ from ..facts.distributed import DistributedFacts, RankRow
 #: Environment variables that legitimately differ between ranks.
 PER_RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE"})
 _POLL = 0.02
+_ODD = 1 << 20  # a disagreeing rank adds 1 + _ODD to the arrival counter: arrivals below, disagreements above
 _rounds = 0
 
 
@@ -72,6 +75,7 @@ class Counters:
     def __init__(self) -> None:
         self.ops = 0
         self.bytes = 0
+        self.polls = 0  # of ``ops``: reads of the arrival counter while waiting
 
     def count(self, payload: bytes | str | None = None) -> None:
         self.ops += 1
@@ -82,7 +86,8 @@ def _wait_count(store: Any, key: str, want: int, deadline: float, c: Counters) -
     while True:
         have = int(store.add(key, 0))
         c.count()
-        if have >= want or time.monotonic() >= deadline:
+        c.polls += 1
+        if have % _ODD >= want or time.monotonic() >= deadline:
             return have
         time.sleep(_POLL)
 
@@ -109,29 +114,28 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
         me, world = dist.rank, dist.world_size
         fp = fingerprint(facts)
         mine = digest(fp)
-        first = store.compare_set(prefix + "first", "", mine)
-        c.count(mine)
-        first = first.decode() if isinstance(first, bytes) else str(first)
+        claim = f"{me}:{mine}"
+        got = store.compare_set(prefix + "first", "", claim)
+        c.count(claim)
+        got = got.decode() if isinstance(got, bytes) else str(got)
+        ref_rank_text, _, first = got.partition(":")
+        ref_rank = int(ref_rank_text)
         odd = first != mine
-        if odd or first == mine and _claimed_first(store, prefix, me, c):
+        if odd or ref_rank == me:
             payload = json.dumps(fp, sort_keys=True, default=str)
             store.set(prefix + f"fp/{me}", payload)
             c.count(payload)
-        if odd:
-            store.add(prefix + "odd", 1)
-            c.count()
         store.set(prefix + f"d/{me}", mine)
         c.count(mine)
-        store.add(prefix + "arrived", 1)
+        store.add(prefix + "arrived", 1 + _ODD if odd else 1)
         c.count()
         deadline = time.monotonic() + timeout
-        arrived = _wait_count(store, prefix + "arrived", world, deadline, c)
+        counter = _wait_count(store, prefix + "arrived", world, deadline, c)
+        arrived, disagree = counter % _ODD, counter // _ODD > 0
         absent: tuple[int, ...] = ()
         if arrived < world:
             absent = tuple(r for r in range(world) if not store.check([prefix + f"d/{r}"]))
             c.ops += world
-        disagree = int(store.add(prefix + "odd", 0)) > 0
-        c.count()
         rows: list[RankRow] = []
         if disagree or absent:
             present = [r for r in range(world) if r not in absent]
@@ -139,9 +143,6 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
             c.ops += 1
             digests = {r: (v.decode() if isinstance(v, bytes) else str(v)) for r, v in zip(present, values)}
             c.bytes += sum(len(v) for v in digests.values())
-            ref_rank = store.get(prefix + "first_rank")
-            c.count()
-            ref_rank = int(ref_rank.decode() if isinstance(ref_rank, bytes) else ref_rank)
             shown: dict[str, dict | None] = {}
             for r in present:
                 d = digests[r]
@@ -151,18 +152,11 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
         else:
             rows = [RankRow(r, mine, fp if r == me else None) for r in range(world)]
         new = dataclasses.replace(dist, exchanged=True, ranks=tuple(rows), absent=absent, timeout=timeout,
-                                  extra={**dist.extra, "exchange_ops": c.ops, "exchange_bytes": c.bytes})  # fmt: skip
+                                  extra={**dist.extra, "exchange_ops": c.ops, "exchange_bytes": c.bytes,
+                                         "exchange_polls": c.polls})  # fmt: skip
     except Exception as exc:  # the exchange must never be what breaks a run
         new = dataclasses.replace(dist, exchanged=False, timeout=timeout, exchange_error=f"{type(exc).__name__}: {exc}"[:300])
     return dataclasses.replace(facts, distributed=new)
-
-
-def _claimed_first(store: Any, prefix: str, me: int, c: Counters) -> bool:
-    """The first rank whose digest is the reference publishes its fingerprint (one compare_set decides who)."""
-    got = store.compare_set(prefix + "first_rank", "", str(me))
-    c.count(str(me))
-    got = got.decode() if isinstance(got, bytes) else str(got)
-    return got == str(me)
 
 
 def _read_fp(store: Any, prefix: str, rank: int, c: Counters) -> dict | None:

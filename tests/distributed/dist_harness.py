@@ -62,3 +62,39 @@ def run_ranks(fn, world: int = 2, timeout: float = 120.0, init: bool = True) -> 
         if p.is_alive():
             p.kill()
     return out
+
+
+def run_processes(worker: str, world: int = 2, timeout: float = 120.0) -> dict[int, tuple[int | None, str]]:
+    """Run ``dist_workers.<worker>(rank, world)`` in ``world`` plain subprocesses; ``{rank: (returncode, output)}``.
+
+    For failures that kill the process (a C++ ``abort`` inside gloo): a spawned child could not report them, a
+    subprocess's exit status and captured stderr can. ``faulthandler`` prints the Python stack of the abort.
+    A rank still running at ``timeout`` is killed and reported with returncode ``None``.
+    """
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import faulthandler, sys; faulthandler.enable(); sys.path[:0] = sys.argv[1:3]; import torch.distributed as dist;"
+            " dist.init_process_group('gloo'); import dist_workers;"
+            f" dist_workers.{worker}(dist.get_rank(), dist.get_world_size())")  # fmt: skip
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank),
+               "LOCAL_RANK": str(rank), "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", code, here, os.path.dirname(here)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    import time
+
+    deadline = time.monotonic() + timeout
+    out: dict[int, tuple[int | None, str]] = {}
+    for rank, p in enumerate(procs):
+        try:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            out[rank] = (p.returncode, text)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+            out[rank] = (None, text)
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import torch
+from steps import snapshot, step_trains
 
 
 def tiny(seed: int = 0) -> torch.nn.Module:
@@ -20,6 +21,7 @@ def _summary(report) -> dict:
         "table": [{k: r[k] for k in ("rank", "agrees", "answered")} for r in report.ranks],
         "ops": report.facts.distributed.extra.get("exchange_ops"),
         "bytes": report.facts.distributed.extra.get("exchange_bytes"),
+        "polls": report.facts.distributed.extra.get("exchange_polls"),
     }
 
 
@@ -38,10 +40,11 @@ def odd_rank_dtype(rank: int, world: int) -> dict:
     after = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names={id(model): "model", id(opt): "opt"})
     out["after"] = _summary(after)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
+    before = snapshot(model.parameters())
     loss = ddp(torch.randn(4, 8)).float().pow(2).mean()
     loss.backward()
     opt.step()
-    out["loss_finite"] = bool(torch.isfinite(loss))
+    out["step"] = step_trains(loss, before, model.parameters())
     return out
 
 
@@ -51,6 +54,35 @@ def identical(rank: int, world: int) -> dict:
     model = tiny()
     report = mpdoctor.diagnose(model, distributed=True, timeout=30, names={id(model): "model"})
     return _summary(report)
+
+
+def exchange_cost(rank: int, world: int) -> dict:
+    """The healthy exchange alone, started together after a barrier: its counters, its seconds, the store's RTT.
+
+    For ``bench/bench_distributed.py``: the facts are gathered first (that cost is the diagnosis's, not the
+    exchange's), the round-trip time is 50 ``add`` calls on a key of this rank's own.
+    """
+    import torch.distributed as dist
+
+    import mpdoctor
+    from mpdoctor.diagnosis.exchange import exchange
+    from mpdoctor.integrations.distributed import default_store
+
+    model = tiny()
+    facts = mpdoctor.diagnose(model, names={id(model): "model"}).facts
+    store = default_store()
+    start = time.perf_counter()
+    for _ in range(50):
+        store.add(f"bench/rtt/{rank}", 0)
+    rtt = (time.perf_counter() - start) / 50
+    dist.barrier()
+    start = time.perf_counter()
+    done = exchange(facts, timeout=60)
+    seconds = time.perf_counter() - start
+    extra = done.distributed.extra
+    return {"ops": extra["exchange_ops"], "bytes": extra["exchange_bytes"], "polls": extra["exchange_polls"],
+            "seconds": seconds, "rtt_s": rtt, "agree": all(r.digest == done.distributed.ranks[0].digest
+                                                           for r in done.distributed.ranks)}  # fmt: skip
 
 
 def absent_rank(rank: int, world: int) -> dict:
@@ -73,6 +105,21 @@ def ddp_fp16_vs_bf16(rank: int, world: int) -> dict:
     torch.nn.parallel.DistributedDataParallel(model)
     drift = max((p.detach().float() - o).abs().max().item() for p, o in zip(model.parameters(), original))
     return {"drift": drift, "dtype": str(next(model.parameters()).dtype)}
+
+
+def ddp_fp32_vs_bf16(rank: int, world: int) -> None:
+    """The real failure, no diagnosis: bf16 weights on the last rank, fp32 on the others, then DDP and one step.
+
+    Run by ``run_processes``: the bf16 rank aborts inside gloo, which no Python ``except`` can catch.
+    """
+    model = tiny()
+    if rank == world - 1:
+        model.to(torch.bfloat16)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    print(f"rank {rank}: DDP constructed", flush=True)
+    loss = ddp(torch.randn(4, 8, dtype=next(model.parameters()).dtype)).float().pow(2).mean()
+    loss.backward()
+    print(f"rank {rank}: backward done", flush=True)
 
 
 def fsdp2_mixed_unit(rank: int, world: int) -> dict:

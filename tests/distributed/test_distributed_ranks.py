@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dist_workers as w
 import pytest
-from dist_harness import run_ranks
+from dist_harness import run_processes, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -26,6 +26,25 @@ def test_ddp_ranks_with_different_dtypes_corrupt_weights_silently():
     assert out[1]["drift"] > 0.0  # rank 1's bf16 weights now hold rank 0's fp16 bytes
 
 
+def test_ddp_with_fp32_and_bf16_ranks_aborts_the_bf16_rank():
+    """The real failure without mpdoctor: fp32 weights on rank 0, bf16 on rank 1, each in its own process.
+
+    DDP's start-up broadcast sends rank 0's 360 fp32 bytes into rank 1's 180-byte bf16 buffer: gloo aborts rank 1
+    inside the constructor (a C++ abort, no Python exception), and rank 0, which got through the constructor,
+    fails at its first backward all-reduce because its peer is gone.
+    """
+    out = run_processes("ddp_fp32_vs_bf16", world=2, timeout=150)
+    code1, text1 = out[1]
+    assert code1 is not None and code1 != 0, text1  # the process died (SIGABRT), it did not hang
+    assert "gloo::EnforceNotMet" in text1 and "Received data size doesn't match expected size" in text1, text1
+    assert "360 vs 180" in text1  # the 90 parameters in fp32 (360 bytes) sent into their 180-byte bf16 buffer
+    assert "_sync_module_states" in text1 and "DDP constructed" not in text1  # aborted inside the constructor
+    code0, text0 = out[0]
+    assert code0 is not None and code0 != 0, text0
+    assert "rank 0: DDP constructed" in text0 and "Connection reset by peer" in text0, text0
+    assert "backward done" not in text0
+
+
 def test_odd_rank_dtype_is_named_on_every_rank_and_fixed_in_place_before_ddp():
     out = _ok(run_ranks(w.odd_rank_dtype, world=2, timeout=150), 2)
     for rank in (0, 1):
@@ -35,7 +54,7 @@ def test_odd_rank_dtype_is_named_on_every_rank_and_fixed_in_place_before_ddp():
         assert [r["agrees"] for r in before["table"]] == [True, False]
         assert out[rank]["frame_has_ranks"]
         assert "ranks-disagree" not in out[rank]["after"]["slugs"]
-        assert out[rank]["loss_finite"]
+        assert out[rank]["step"]["loss_finite"] and out[rank]["step"]["moved"] > 0  # DDP trains after the fix
     assert out[1]["applied"] and out[0]["applied"] == []
 
 
@@ -76,4 +95,5 @@ def test_four_ranks_one_odd():
     out = _ok(run_ranks(w.odd_rank_dtype, world=4, timeout=240), 4)
     for rank in range(4):
         assert out[rank]["before"]["ranks_of"]["ranks-disagree"] == [3]
-        assert out[rank]["after"]["slugs"] == [] or "ranks-disagree" not in out[rank]["after"]["slugs"]
+        assert "ranks-disagree" not in out[rank]["after"]["slugs"]
+        assert out[rank]["step"]["loss_finite"] and out[rank]["step"]["moved"] > 0

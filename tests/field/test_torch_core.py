@@ -10,6 +10,7 @@ import pytest
 import torch
 from setups import batch, tiny_llama, train_step
 from setups_dtypes import finite
+from steps import trained_step
 
 import mpdoctor
 
@@ -30,7 +31,7 @@ def test_adam_eps_1e8_rounds_to_zero_in_fp16_and_writes_nan_into_unused_embeddin
     https://github.com/pytorch/pytorch/issues/8860 -- https://github.com/afiaka87/glide-finetune/issues/5
     """
     model, opt = fp16_llama_and_adamw()
-    assert finite(train_step(model, opt))  # the loss of this step is fine ...
+    assert finite(trained_step(model, opt))  # the loss of this step is fine ...
     assert nan_rows(model) > 0  # ... but every embedding row the batch did not use is now NaN (0/0)
     assert not finite(train_step(model, opt))  # and the next forward is NaN
 
@@ -45,7 +46,7 @@ def test_adam_eps_1e8_rounds_to_zero_in_fp16_and_writes_nan_into_unused_embeddin
     assert all(p.dtype == torch.float32 for p in model.parameters())
     scaler = torch.amp.GradScaler("cpu")
     for _ in range(2):
-        assert finite(train_step(model, opt, scaler=scaler, autocast_dtype=torch.float16))
+        assert finite(trained_step(model, opt, scaler=scaler, autocast_dtype=torch.float16))
     assert nan_rows(model) == 0
     assert not mpdoctor.diagnose(model, opt).findings_for("adam-eps-underflow")
 
@@ -59,7 +60,7 @@ def test_raising_eps_is_the_alternative_that_keeps_fp16_weights_and_undo_restore
     raise_eps.apply()
     assert [g["eps"] for g in opt.param_groups] == [1e-4] and opt.defaults["eps"] == 1e-4
     for _ in range(2):
-        assert finite(train_step(model, opt))
+        assert finite(trained_step(model, opt))
     assert nan_rows(model) == 0 and model.model.embed_tokens.weight.dtype == torch.float16
     raise_eps.undo()
     assert opt.param_groups[0]["eps"] == 1e-8 and opt.defaults["eps"] == 1e-8
@@ -95,7 +96,7 @@ def test_casting_the_model_to_half_after_the_optimizer_stepped_breaks_the_next_s
     ]
     for fix in report.fixes:  # the plan, in order
         fix.apply()
-    assert finite(train_step(model, opt, scaler=torch.amp.GradScaler("cpu"), autocast_dtype=torch.float16))
+    assert finite(trained_step(model, opt, scaler=torch.amp.GradScaler("cpu"), autocast_dtype=torch.float16))
     assert nan_rows(model) == 0
 
 
@@ -134,7 +135,7 @@ def test_a_loss_scale_driven_to_nothing_by_an_fp16_overflow_is_named_and_the_pro
     assert "dtype=torch.bfloat16" in finding.fixes[0].code
 
     # Following it: bf16 autocast, no scaler (bf16 has fp32's range).
-    assert finite(train_step(model, opt, autocast_dtype=torch.bfloat16))
+    assert finite(trained_step(model, opt, autocast_dtype=torch.bfloat16))
     assert not torch.equal(model.lm_head.weight, before)
 
 
@@ -163,6 +164,8 @@ def test_fp16_weights_that_overflow_get_a_bf16_cast_as_data_from_the_probe():
     assert finite(model(**batch()).loss.item())
     bf16.undo()
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+    bf16.apply()  # fixed in place again: a training step in bf16 trains
+    trained_step(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
 
 
 def test_pure_bf16_adamw_at_a_common_lr_leaves_weights_near_one_exactly_unchanged():

@@ -11,20 +11,27 @@ from __future__ import annotations
 import math
 
 import torch
-from setups import VOCAB, batch, tiny_llama, train_step
+from setups import VOCAB, batch, tiny_llama
 from setups_dtypes import finite
+from steps import trained_step
 
 import mpdoctor
 from mpdoctor.numerics.probe_facts import ForwardCall
 
 
-def rope_phase_error(rotary, positions: int) -> float:
-    """Largest cos/sin table error (radians of phase) at ``positions`` against the fp32 frequencies."""
-    from mpdoctor.integrations.transformers import rope_reference
+def rope_phase_error(rotary, positions: int, reference: torch.Tensor) -> float:
+    """Largest cos/sin table error (radians of phase) at ``positions`` against ``reference`` frequencies.
 
-    ref = rope_reference(rotary)
+    The reference is independent of mpdoctor: the ``inv_freq`` of a fresh fp32 model built from the same config
+    (checked against RoPE's closed form ``1 / theta ** (2i / d)`` where the test builds it).
+    """
     pos = torch.arange(positions, dtype=torch.float32)
-    return float((pos[:, None] * (rotary.inv_freq.float() - ref)[None]).abs().max())
+    return float((pos[:, None] * (rotary.inv_freq.float() - reference.float())[None]).abs().max())
+
+
+def closed_form_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    """RoPE's frequencies as the paper defines them, in float64: ``theta ** (-2i / dim)`` for ``i < dim / 2``."""
+    return 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
 
 
 def long_context_llama():
@@ -45,10 +52,13 @@ def test_model_to_bf16_rounds_the_rope_frequencies_and_the_fix_recomputes_them_i
 
     https://github.com/huggingface/transformers/issues/29496 -- https://github.com/huggingface/transformers/pull/29285
     """
+    fresh = long_context_llama().model.rotary_emb.inv_freq  # the fp32 frequencies, before any cast
+    assert fresh.dtype == torch.float32
+    assert torch.allclose(fresh.double(), closed_form_inv_freq(10000.0, 32), rtol=1e-6, atol=0)  # head_dim 32
     model = long_context_llama().to(torch.bfloat16)
     rotary = model.model.rotary_emb
     assert rotary.inv_freq.dtype == torch.bfloat16  # model.to(dtype) casts buffers too
-    measured = rope_phase_error(rotary, 4096)
+    measured = rope_phase_error(rotary, 4096, fresh)
     assert measured > 0.5  # radians of phase at the last position: positions there are encoded wrongly
 
     report = mpdoctor.diagnose(model)
@@ -58,9 +68,9 @@ def test_model_to_bf16_rounds_the_rope_frequencies_and_the_fix_recomputes_them_i
     assert fix.safe and fix.recipe == "fp32-rope-buffers"
     old = rotary.inv_freq
     fix.apply()
-    assert rotary.inv_freq.dtype == torch.float32 and rope_phase_error(rotary, 4096) == 0.0
+    assert rotary.inv_freq.dtype == torch.float32 and rope_phase_error(rotary, 4096, fresh) == 0.0
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    assert finite(train_step(model, opt, autocast_dtype=torch.bfloat16))
+    assert finite(trained_step(model, opt, autocast_dtype=torch.bfloat16))
     fix.undo()
     assert rotary.inv_freq is old
 
@@ -93,13 +103,28 @@ def test_gpt_neox_half_rope_error_is_measured_and_reported_at_its_size():
         )  # fmt: skip
         return GPTNeoXForCausalLM(config).half()
 
+    torch.manual_seed(0)
+    fresh = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=1, num_attention_heads=1, intermediate_size=32,
+        max_position_embeddings=2048, rotary_pct=0.25, use_cache=False,
+    )).gpt_neox.rotary_emb.inv_freq  # fmt: skip
+    assert torch.allclose(fresh.double(), closed_form_inv_freq(10000.0, 64), rtol=1e-6, atol=0)  # 256 * 0.25
     short = neox(2048)
-    measured = rope_phase_error(short.gpt_neox.rotary_emb, 2048)
+    measured = rope_phase_error(short.gpt_neox.rotary_emb, 2048, fresh)
     assert 0.2 < measured < 0.5
     (finding,) = mpdoctor.diagnose(short).findings_for("half-precision-rope-buffers")
     assert finding.severity == "info" and finding.evidence["class"] == "GPTNeoXRotaryEmbedding"
-    (finding,) = mpdoctor.diagnose(neox(8192)).findings_for("half-precision-rope-buffers")
+    long = neox(8192)
+    report = mpdoctor.diagnose(long)
+    (finding,) = report.findings_for("half-precision-rope-buffers")
     assert finding.severity == "warning"
+    # Fixed in place: the frequencies recomputed in fp32, equal to a fresh fp32 model's; then an fp16 step trains.
+    (fix,) = [f for f in report.fixes if f.slug == "half-precision-rope-buffers"]
+    fix.apply()
+    rotary = long.gpt_neox.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and rope_phase_error(rotary, 8192, fresh) == 0.0
+    assert not mpdoctor.diagnose(long).findings_for("half-precision-rope-buffers")
+    trained_step(long, torch.optim.SGD(long.parameters(), lr=1e-3))
 
 
 def test_t5_in_fp16_overflows_in_its_feed_forward_and_the_probe_names_wo_and_treats_it_with_bf16():
@@ -140,7 +165,7 @@ def test_t5_in_fp16_overflows_in_its_feed_forward_and_the_probe_names_wo_and_tre
     bf16.apply()
     assert finite(t5(**inputs).loss.item())
     opt = torch.optim.AdamW(t5.parameters(), lr=1e-4)
-    assert finite(train_step(t5, opt, inputs=inputs))
+    assert finite(trained_step(t5, opt, inputs=inputs))
 
 
 def test_gemma2_in_fp16_is_an_error_before_it_runs_and_the_probe_finds_where_it_overflows():
@@ -172,7 +197,7 @@ def test_gemma2_in_fp16_is_an_error_before_it_runs_and_the_probe_finds_where_it_
     assert finding.subject == "model.model.layers.0.mlp.down_proj" and finding.evidence["cause"] == "activation-overflow-fp16"
     finding.fixes[0].apply()
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert finite(train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
+    assert finite(trained_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4)))
 
 
 def test_an_additive_mask_built_with_float32_min_becomes_minus_inf_in_fp16_and_a_padded_row_goes_nan():
@@ -227,7 +252,7 @@ def test_flash_attention_2_on_fp32_weights_is_named_before_the_gpu_refuses_it():
     (fix,) = [f for f in report.fixes if f.slug == "flash-attention-fp32"]
     fix.apply()
     assert model.config._attn_implementation != "flash_attention_2"
-    assert finite(train_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    assert finite(trained_step(model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
 
 
 def test_bf16_arguments_meant_for_a_v100_are_an_error_before_transformers_refuses_them():
@@ -282,4 +307,4 @@ def test_an_fp32_lm_head_on_a_bf16_model_works_under_autocast_and_breaks_generat
     assert model.base_model.model.lm_head.weight.dtype == torch.bfloat16
     model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    assert finite(train_step(model, opt))
+    assert finite(trained_step(model, opt))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import math
 import os
 
 import deepspeed
@@ -87,6 +89,35 @@ def _apply_planned(report):
             fix.apply()
 
 
+def _trains(trainer) -> None:
+    """``trainer.train()`` must train: one step, a finite loss, the model's parameters moved."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = [p.detach().float().clone() for p in params]
+    loss = trainer.train().training_loss
+    assert trainer.state.global_step == 1 and math.isfinite(loss), loss
+    assert any(not torch.equal(b, p.detach().float()) for b, p in zip(before, params)), "no parameter moved"
+
+
+def _config_fragments(code: str) -> dict:
+    """The DeepSpeed config keys a display-only fix shows as JSON comment lines (``# ...: "key": value``)."""
+    out: dict = {}
+    for line in code.splitlines():
+        text = line.lstrip("#").strip()
+        for candidate in (text, text.split(": ", 1)[-1]):  # with or without a label before the keys
+            try:
+                out.update(json.loads("{" + candidate + "}"))
+                break
+            except ValueError:
+                continue
+    return out
+
+
+def _run_display_only(code: str, namespace: dict) -> dict:
+    """Execute a display-only fix's Python lines as written (its comments are the config part)."""
+    exec(code, namespace)  # noqa: S102 - the report's own snippet, with the user's names bound
+    return namespace
+
+
 # -- field cases ---------------------------------------------------------------------------------------
 
 
@@ -95,6 +126,7 @@ def test_bf16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
     does not pass --bf16, and train() raises "ds bf16.enabled=True vs hf bf16|bf16_full_eval=False"."""
     cfg = zero_config(2, bf16={"enabled": True})
     del cfg["fp16"]
+    original_cfg = copy.deepcopy(cfg)
     trainer = _trainer(training_args(cfg, tmp_path))
     with pytest.raises(ValueError, match=r"mismatch TrainingArguments values:\n- ds bf16.enabled=True vs hf bf16\|bf16_full_eval=False") as raised:
         trainer.train()
@@ -105,12 +137,21 @@ def test_bf16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
     assert finding.severity == "error" and "bf16" in finding.message
     assert finding.fixes[0].safe and finding.fixes[1].applicability.value == "display-only"
     assert "dataclasses.replace(trainer.args, fp16=False, bf16=True)" in finding.fixes[1].code
+    display_only = finding.fixes[1]
 
     finding.fixes[0].apply()
     assert trainer.args.hf_deepspeed_config.mismatches == []
     trainer.train()
     assert trainer.state.global_step == 1
     assert not _findings(mpdoctor.diagnose(namespace={"trainer": trainer}), "deepspeed-precision-mismatch")
+    # The display-only fix, executed on a fresh twin (same config, same arguments), then "rebuild the Trainer".
+    # (After the in-place case: building TrainingArguments writes process-wide state, the environment included.)
+    twin = _trainer(training_args(copy.deepcopy(original_cfg), tmp_path))
+    ns = _run_display_only(display_only.code, {"trainer": twin})
+    rebuilt = _trainer(ns["trainer"].args)
+    assert not _findings(mpdoctor.diagnose(namespace={"trainer": rebuilt}), "deepspeed-precision-mismatch")
+    _trains(rebuilt)
+    assert rebuilt.model_wrapped.bfloat16_enabled()
 
 
 def test_fp16_config_while_arguments_ask_fp32_is_fixed_before_train(tmp_path):
@@ -194,6 +235,19 @@ def test_fp16_refused_on_this_cpu_is_switched_to_bf16_before_train(tmp_path):
     _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": trainer}))
     trainer.train()
     assert trainer.model_wrapped.bfloat16_enabled() and trainer.state.global_step == 1
+    # (After the in-place case: building TrainingArguments writes process-wide state, the environment included.)
+    # The display-only fix, executed on a fresh twin: its config keys into the config, its Python as written,
+    # then the Trainer rebuilt from the new arguments.
+    twin_cfg = zero_config(2)
+    fragment = _config_fragments(rebuild.code)
+    assert fragment == {"fp16": {"enabled": False}, "bf16": {"enabled": True}}
+    twin = _trainer(training_args(twin_cfg, tmp_path, fp16=True))  # the user's setup, as it was built
+    twin_cfg.update(fragment)  # the user's config dict, edited as the comment says
+    ns = _run_display_only(rebuild.code, {"trainer": twin})
+    rebuilt = _trainer(ns["trainer"].args)
+    _no_error_or_warning(mpdoctor.diagnose(namespace={"trainer": rebuilt}))
+    _trains(rebuilt)
+    assert rebuilt.model_wrapped.bfloat16_enabled()
 
 
 def test_bf16_deepspeed_on_a_v100_target_is_refused(tmp_path):
@@ -270,11 +324,16 @@ def test_fp16_reduction_of_bf16_gradients_skips_steps():
     (finding,) = _findings(report, "deepspeed-low-precision-reduction")
     assert finding.severity == "warning" and "65504" in finding.message
     assert finding.fixes[0].applicability.value == "display-only"
-    assert '"communication_data_type": "fp32"' in finding.fixes[0].code
-
-    fixed = _engine("fp32")  # what the fix's code says: the config, then a new engine
+    # The display-only fix, executed on a fresh twin: its config key into the same config, a new engine.
+    fragment = _config_fragments(finding.fixes[0].code)
+    assert fragment == {"communication_data_type": "fp32"}
+    fixed = _engine(fragment["communication_data_type"])
+    before = [p.detach().float().clone() for p in fixed.module.parameters()]
     _large_gradient_step(fixed)
     assert fixed.skipped_steps == 0
+    assert any(not torch.equal(b, p.detach().float()) for b, p in zip(before, fixed.module.parameters()))
+    assert all(torch.isfinite(p).all() for p in fixed.module.parameters())
+    assert not _findings(mpdoctor.diagnose(namespace={"engine": fixed}), "deepspeed-low-precision-reduction")
     _no_error_or_warning(mpdoctor.diagnose(namespace={"engine": fixed}))
 
 

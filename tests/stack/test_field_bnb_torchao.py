@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 import warnings
 
+import bitsandbytes as bnb  # a plain import: tests/stack runs where the stack is pinned, a missing one must fail
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+from steps import run_step
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-bnb = pytest.importorskip("bitsandbytes")
-from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training  # noqa: E402
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-import mpdoctor  # noqa: E402
+import mpdoctor
 
 
 def severities(report) -> dict[str, str]:
@@ -45,13 +45,16 @@ class Captured(logging.Handler):
 
 
 def lora_step(model, ids, opt=None) -> None:
+    """One LoRA step that must train: finite loss, adapters moved (``steps.run_step``)."""
     opt = opt or torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    after = [p for p in model.parameters() if p.requires_grad]
-    assert torch.isfinite(loss) and any(not torch.equal(a, b.detach()) for a, b in zip(before, after))
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    run_step(step, model.parameters())
 
 
 def test_qlora_fp32_compute_dtype_on_half_model_is_found_and_fixed_in_place(tmp_path):
@@ -125,11 +128,16 @@ def float8_model(width_out: int = 20):
 
 
 def float8_step(m) -> None:
+    """One float8 training step that must train: finite loss, parameters moved."""
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    loss = m(torch.randn(16, 32)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    assert torch.isfinite(loss)
+
+    def step():
+        loss = m(torch.randn(16, 32)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    run_step(step, m.parameters())
 
 
 def test_float8_layer_with_dims_not_divisible_by_16_is_an_error_on_h100():
@@ -140,14 +148,14 @@ def test_float8_layer_with_dims_not_divisible_by_16_is_an_error_on_h100():
     float8_step(m)  # the CPU does not enforce the alignment
     facts = mpdoctor.diagnose(m, target="H100").facts.models[0].float8_layers
     assert [(x.path, x.in_features, x.out_features, x.recipe) for x in facts] == [("0", 32, 48, "rowwise"), ("2", 48, 20, "rowwise")]
-    report = mpdoctor.diagnose(m, target="H100")
+    report = mpdoctor.diagnose(m, target="H100", names={id(m): "model"})
     finding = next(f for f in report.findings if f.check == "float8-unaligned-dims")
     assert finding.severity == "error" and "2 (48->20)" in finding.message
-    assert "module_filter_fn" in finding.fixes[0].code
-    # The advice, taken: convert only the aligned layers.
+    # The display-only fix, executed as written on a fresh twin (the same model before its conversion).
     torch.manual_seed(0)
     fixed = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 20))
-    convert_to_float8_training(fixed, module_filter_fn=lambda mod, fqn: mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    exec(finding.fixes[0].code, {"model": fixed})  # noqa: S102 - the report's own snippet, the user's name `model`
+    assert [type(mod).__name__ for mod in fixed] == ["Float8Linear", "ReLU", "Linear"]  # only the aligned layer
     assert "float8-unaligned-dims" not in severities(mpdoctor.diagnose(fixed, target="H100"))
     float8_step(fixed)
 
@@ -213,8 +221,14 @@ def test_quantized_weights_cast_after_quantize_are_not_taken_for_mixed_dtypes():
     # A training step of the unquantized parameters (bias, norm) works.
     trainable = [p for p in m.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-3)
-    m(x).float().pow(2).mean().backward()
-    opt.step()
+
+    def step():
+        loss = m(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    run_step(step, trainable)
 
 
 def test_healthy_int8_weight_only_on_a_bf16_model_draws_no_warning():
@@ -224,3 +238,58 @@ def test_healthy_int8_weight_only_on_a_bf16_model_draws_no_warning():
     report = mpdoctor.diagnose(m)
     assert not [f for f in report.findings if f.severity in ("error", "warning")], report.findings
     assert {t.dtype for t in report.facts.tallies if t.kind == "param"} == {"int8", "bfloat16"}
+
+
+# -- bitsandbytes 8-bit optimizers, the real ones ---------------------------------------------------------
+
+
+def test_real_adamw8bit_over_bf16_params_with_fp32_grads_raises_then_the_grad_cast_fix_trains():
+    """The 8-bit optimizer rule on a real ``bnb.optim.AdamW8bit``: bf16 parameters whose gradients were cast to
+    fp32 (what a hand-written fp32 gradient clipping or accumulation leaves) make the real step raise here;
+    the report names it and its fix casts the gradients back, after which the 8-bit step trains."""
+    from setups import batch, tiny_llama
+
+    def build():
+        model = tiny_llama(torch.bfloat16, use_cache=False)
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+        model(**batch()).loss.backward()
+        for p in model.parameters():
+            p.grad.data = p.grad.data.float()
+        return model, opt
+
+    model, opt = build()
+    with pytest.raises(RuntimeError, match="gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'"):
+        opt.step()
+    model, opt = build()
+    report = mpdoctor.diagnose(model, opt, names={id(model): "model", id(opt): "opt"})
+    (finding,) = [f for f in report.findings_for("optimizer-dtype-requirement") if "gradients" in f.message]
+    assert finding.severity == "error" and "bitsandbytes 8-bit optimizer" in finding.message
+    finding.fixes[0].apply()
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    before = [p.detach().float().clone() for p in model.parameters()]
+    opt.step()
+    assert sum(not torch.equal(b, p.detach().float()) for b, p in zip(before, model.parameters())) > 0
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not report.refresh().findings_for("optimizer-dtype-requirement")
+
+
+def test_real_adamw8bit_state_is_read_from_the_optimizer():
+    """``bnb.optim.AdamW8bit`` keeps uint8 state for a parameter of >= ``min_8bit_size`` elements: no finding.
+    Raising ``min_8bit_size`` above the layer's 8,192 weights makes bitsandbytes keep fp32 state there: the 8-bit
+    saving is not in effect, an info."""
+    torch.manual_seed(0)
+    for min_8bit_size, expected in ((4096, []), (100_000, ["info"])):
+        model = torch.nn.Linear(128, 64)
+        opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=min_8bit_size)
+
+        def step(model=model, opt=opt):
+            loss = model(torch.randn(2, 128)).pow(2).sum()
+            loss.backward()
+            opt.step()
+            return loss
+
+        run_step(step, model.parameters())
+        state = opt.state[model.weight]
+        assert state["state1"].dtype == (torch.uint8 if min_8bit_size == 4096 else torch.float32)
+        found = mpdoctor.diagnose(model, opt, names={id(model): "model", id(opt): "opt"}).findings_for("optimizer-dtype-requirement")
+        assert [f.severity for f in found] == expected

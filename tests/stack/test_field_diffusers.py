@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import warnings
 
+# Plain imports: tests/stack runs in the main venv only, where diffusers is pinned; a missing one must fail.
+import diffusers
 import pytest
 import torch
+from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+from peft import LoraConfig
+from steps import run_step
+from transformers import CLIPTextConfig, CLIPTextModel
 
-diffusers = pytest.importorskip("diffusers")  # tests/stack runs in the main venv only, where diffusers is pinned
-from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from transformers import CLIPTextConfig, CLIPTextModel  # noqa: E402
-
-import mpdoctor  # noqa: E402
+import mpdoctor
 
 diffusers.utils.logging.set_verbosity_error()
 
@@ -81,7 +82,8 @@ def lora_unet() -> UNet2DConditionModel:
     return unet
 
 
-def unet_step(unet, opt, scaler) -> None:
+def unet_step(unet, opt, scaler) -> torch.Tensor:
+    """One fp16-autocast step under a GradScaler; returns the loss."""
     x = torch.randn(1, 4, 8, 8, dtype=unet.dtype)
     emb = torch.randn(1, 4, 16, dtype=unet.dtype)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -91,6 +93,7 @@ def unet_step(unet, opt, scaler) -> None:
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
+    return loss.detach()
 
 
 # -- field cases --------------------------------------------------------------------------------------
@@ -120,9 +123,7 @@ def test_sdxl_lora_fp16_params_under_scaler_raises_then_fp32_trainable_params_tr
 
     assert {p.dtype for p in unet.parameters() if p.requires_grad} == {torch.float32}
     assert {p.dtype for p in unet.parameters() if not p.requires_grad} == {torch.float16}
-    before = [p.detach().clone() for p in params]
-    unet_step(unet, opt, scaler)
-    assert any(not torch.equal(a, b.detach()) for a, b in zip(before, params))
+    run_step(lambda: unet_step(unet, opt, scaler), params)  # finite loss, LoRA parameters moved
     assert "fp16-trainable-params-with-scaler" not in severities(report.refresh())
 
 
@@ -139,7 +140,7 @@ def test_dreambooth_full_unet_in_fp16_under_scaler_raises_then_trains_with_fp32_
     assert severities(report)["fp16-trainable-params-with-scaler"] == "error"
     next(f for f in report.fixes if f.recipe == "fp32-master-weights").apply()
     assert {p.dtype for p in unet.parameters()} == {torch.float32}
-    unet_step(unet, opt, scaler)
+    run_step(lambda: unet_step(unet, opt, scaler), unet.parameters())  # finite loss, parameters moved
     assert all(torch.isfinite(p).all() for p in unet.parameters())
 
 

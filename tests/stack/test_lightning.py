@@ -49,6 +49,25 @@ def trainer(precision: str, **kw) -> L.Trainer:
     )  # fmt: skip
 
 
+AS_BEFORE = "max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False"
+
+
+def run_fix_code(code: str) -> L.Trainer:
+    """Execute a display-only fix's snippet as written, its ``...`` ("other arguments as before") filled in."""
+    assert code.count("...") == 1 and "other arguments as before" in code, code
+    namespace = {"L": L}
+    exec(code.replace("...", AS_BEFORE), namespace)  # noqa: S102 - the report's own snippet
+    return namespace["trainer"]
+
+
+def fit_trains(t: L.Trainer, m: Tiny, data) -> None:
+    """``t.fit(m, data)`` must train: finite loss, the weights moved."""
+    before = [p.detach().float().clone() for p in m.parameters()]
+    t.fit(m, data)
+    assert m.losses and all(torch.isfinite(torch.tensor(m.losses))), m.losses
+    assert any(not torch.equal(b, p.detach().float()) for b, p in zip(before, m.parameters())), "no parameter moved"
+
+
 def slugs(report, *severities):
     return {f.check for f in report.findings if f.severity in severities}
 
@@ -85,7 +104,10 @@ def test_16_mixed_on_cpu_is_replaced_and_lightning_forgets_the_request():
     asked = LightningPrecisionFacts("trainer", "trainer", "16-mixed", lightning_effective("16-mixed", "cpu"), "MixedPrecision", device="cpu")
     (finding,) = lightning_precision_replaced(mpdoctor.diagnose(t).facts.__class__(**{**report.facts.__dict__, "lightning": (asked,)}))
     assert finding.severity == "warning" and CPU_FALLBACK_WARNING in finding.message
-    assert "precision='bf16-mixed'" in finding.fixes[0].code
+    fixed_t = run_fix_code(finding.fixes[0].code)  # the display-only fix, executed
+    assert fixed_t.precision == "bf16-mixed" and fixed_t._accelerator_connector._precision_flag == "bf16-mixed"
+    fit_trains(fixed_t, Tiny(), loader())
+    assert not slugs(mpdoctor.diagnose(fixed_t), "error", "warning", "info") & {"lightning-precision-replaced"}
 
 
 def test_field_16_true_adam_eps_underflow_nan():
@@ -102,10 +124,9 @@ def test_field_16_true_adam_eps_underflow_nan():
     report = mpdoctor.diagnose(t, names={id(t): "trainer"})
     finding = next(f for f in report.findings if f.check == "lightning-true-half-adam")
     assert finding.severity == "error"
-    code = finding.fixes[0].code
-    assert "precision='bf16-mixed'" in code and finding.fixes[0].applicability.value == "display-only"
-    fixed_t, fixed_m = trainer("bf16-mixed"), Tiny()
-    fixed_t.fit(fixed_m, loader(scale=1e-3))
+    assert finding.fixes[0].applicability.value == "display-only"
+    fixed_t, fixed_m = run_fix_code(finding.fixes[0].code), Tiny()  # the display-only fix, executed on a fresh twin
+    fit_trains(fixed_t, fixed_m, loader(scale=1e-3))
     assert torch.isfinite(fixed_m.layer.weight).all() and fixed_m.layer.weight.dtype == torch.float32
     assert not slugs(mpdoctor.diagnose(fixed_t), "error", "warning")
 
@@ -183,10 +204,10 @@ def test_callback_diagnoses_at_fit_start_and_probes_a_nonfinite_loss():
 
 
 def test_import_mpdoctor_does_not_import_the_callback():
+    import subprocess
     import sys
 
-    assert "mpdoctor.numerics.lightning_callback" in sys.modules or True
-    import subprocess
+    # In a fresh interpreter: this test process imported the callback already (the tests above use it).
 
     out = subprocess.run(
         [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.numerics.lightning_callback' in sys.modules)"],

@@ -14,6 +14,8 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
+from setups_precision import compute_dtypes
+from steps import assert_step_trains, snapshot
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
@@ -164,9 +166,10 @@ def test_field_default_sft_config_on_a_t4_is_refused(tokenizer, tmp_path):
     TRL's configs ask for bf16 by default. The real refusal is reproduced here: on this machine, which has no
     GPU with bf16, an ``SFTConfig`` without ``use_cpu`` raises transformers' error (the test it fails is
     ``not is_torch_bf16_gpu_available()``, true on a T4 as on this CPU). The T4 itself is GPU-only: the
-    what-if ``target="T4"`` on a CPU-built SFTTrainer names it (``bf16-unsupported``), and its fix sets the
-    config's own fields. The fixed config (``bf16=False, fp16=True``) builds and trains a step here (fp16 on
-    a CPU runs fp32, no scaler) and the T4 what-if is then clean of it.
+    what-if ``target="T4"`` on a CPU-built SFTTrainer names it (``bf16-unsupported``). The report's fix is
+    applied to that trainer in place: the config's own fields (``bf16=False, fp16=True``) and its accelerator
+    brought to what a T4 runs (fp16 autocast, a GradScaler); the next step computes in fp16 here, trains
+    (finite loss, parameters moved), and the T4 what-if is then clean of it.
     """
     with pytest.raises(ValueError, match=BF16_REFUSED):
         SFTConfig(**common(tmp_path))
@@ -178,11 +181,17 @@ def test_field_default_sft_config_on_a_t4_is_refused(tokenizer, tmp_path):
     assert "trainer.args.bf16, trainer.args.fp16 = False, True" in code
     for field in ("bf16", "fp16", "mixed_precision"):
         assert f"trainer.args.{field}" not in code or hasattr(trainer.args, field)
-    fixed = sft(tokenizer, tmp_path, args={"bf16": False, "fp16": True})
-    fixed.train()
-    assert all(torch.isfinite(p).all() for p in fixed.model.parameters())
+    finding.fixes[0].apply()
+    assert (trainer.args.bf16, trainer.args.fp16) == (False, True)
+    assert trainer.accelerator.mixed_precision == "fp16" and trainer.accelerator.native_amp
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = snapshot(params)
+    with compute_dtypes(trainer.model) as seen:  # the first Linear's output dtype at every forward
+        loss = trainer.train().training_loss
+    assert set(seen) == {torch.float16}  # fp16 autocast, as on the T4
+    assert_step_trains(loss, before, params)
     assert "bf16-unsupported" not in slugs(
-        mpdoctor.diagnose(fixed, names={id(fixed): "trainer"}, target="T4"), "error", "warning"
+        mpdoctor.diagnose(trainer, names={id(trainer): "trainer"}, target="T4"), "error", "warning"
     )
 
 
