@@ -109,7 +109,9 @@ def test_the_readme_links_and_images_are_absolute_and_point_at_files_of_the_repo
         path = _repo_path(target)
         assert path is not None and (ROOT / path).exists(), target
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
-    assert len(images) == 1 and images[0].startswith(RAW)  # one picture
+    # The report's picture at the top, and the compare() heatmap in its own section.
+    assert [i.rsplit("/", 1)[-1] for i in images] == ["widget-light.png", "compare-heatmap.png"]
+    assert all(i.startswith(RAW) for i in images)
 
 
 def test_the_readme_is_short_and_keeps_what_a_newcomer_needs():

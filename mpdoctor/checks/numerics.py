@@ -313,6 +313,8 @@ def _fp32_module_fix(facts: Facts, p, path: str, class_name: str) -> Fix:
 
 def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
     if cause in ("activation-overflow-fp16", "gradient-overflow-fp16"):
+        if not _half_in_use(p, m):  # fp32 itself overflowed: bf16 or an fp32 module changes nothing
+            return [_fp32_overflow_fix(p, m)]
         return [*_bf16_fixes(facts, p, _where(p, m.path)), _fp32_module_fix(facts, p, m.path, m.class_name)]
     if cause == "gradient-overflow-scaled":
         return [
@@ -353,17 +355,20 @@ def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
             )
         ]
     if not _half_in_use(p, m):  # a pure fp32 run: keeping the module in fp32 is what it already does
-        return [
-            Fix(
-                f"Find what overflows fp32 in {_where(p, m.path)} ({m.class_name}), then clip gradients",
-                f"print({p.model}.get_submodule({m.path!r}))  # fp32 overflows past 3.4e38: check the scale of its "
-                f"inputs and weights\ntorch.nn.utils.clip_grad_norm_({p.model}.parameters(), max_norm=1.0)  # before "
-                "optimizer.step()",
-                applicability=Applicability.DISPLAY_ONLY,
-                recipe="fp32-overflow",
-            )
-        ]
+        return [_fp32_overflow_fix(p, m)]
     return [_fp32_module_fix(facts, p, m.path, m.class_name)]
+
+
+def _fp32_overflow_fix(p: Any, m: Any) -> Fix:
+    """What to do when fp32 itself overflows: no lower precision is in play, so no bf16 / fp16 advice."""
+    return Fix(
+        f"Find what overflows fp32 in {_where(p, m.path)} ({m.class_name}), then clip gradients",
+        f"print({p.model}.get_submodule({m.path!r}))  # fp32 overflows past 3.4e38: check the scale of its "
+        f"inputs and weights\ntorch.nn.utils.clip_grad_norm_({p.model}.parameters(), max_norm=1.0)  # before "
+        "optimizer.step()",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="fp32-overflow",
+    )
 
 
 def _half_in_use(p: Any, m: Any) -> bool:
@@ -663,7 +668,8 @@ def _origin_finding(facts: Facts, p, first) -> Finding:
             msg += f" Where the inf came from: {PROBE_CAUSES['input-nonfinite']}."
     from types import SimpleNamespace
 
-    at = SimpleNamespace(path=o.module, class_name=o.class_name)
+    # The op computed in o.dtype: that is what the fix judges (a half precision in play, or fp32 itself).
+    at = SimpleNamespace(path=o.module, class_name=o.class_name, input_dtypes=(o.dtype,), output_dtypes=(o.dtype,))
     return Finding(
         "probe-nonfinite",
         "error",

@@ -33,7 +33,11 @@ DTYPE = "dtype"  # two tensors of different dtypes met in one op: a cast fixes i
 PROTOCOL = "protocol"  # the GradScaler's call order was broken: a rule and the loop line
 REFUSAL = "refusal"  # a library refused a shape or a device: a config fixes it
 
-_DTYPE_CHECKS = ("mixed-param-dtypes", "probe-dtype-error", "load-dtype-mismatch", "grad-dtype-mismatch")
+#: Findings that can explain a dtype mismatch between two tensors: mixed weights, a batch entry in another
+#: dtype than the layer receiving it, a probe, a load, grads.
+_DTYPE_CHECKS = (
+    "mixed-param-dtypes", "batch-dtype-mismatch", "probe-dtype-error", "load-dtype-mismatch", "grad-dtype-mismatch",
+)
 _AUTOCAST = "or run the forward under torch.autocast, which casts per operation"
 
 

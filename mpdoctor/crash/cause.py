@@ -108,6 +108,10 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
     except Exception:  # the pattern's cause stands without it
         return
     if finding is not None:
+        previous = getattr(report, "cause", None)
+        if previous is not None and isinstance(previous.evidence, dict):
+            # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
+            finding.evidence = {**previous.evidence, **finding.evidence}
         report.findings[:] = [finding] + list(report.findings)
         report.cause = finding
 

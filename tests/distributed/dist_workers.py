@@ -79,7 +79,11 @@ def exchange_cost(rank: int, world: int) -> dict:
     start = time.perf_counter()
     done = exchange(facts, timeout=60)
     seconds = time.perf_counter() - start
+    # Rank 0 hosts the store: no rank may leave (and take the store down) while another still reads it.
+    dist.barrier()
     extra = done.distributed.extra
+    if "exchange_ops" not in extra:  # the exchange failed and said why: show that, not a KeyError
+        raise RuntimeError(f"rank {rank}: the exchange failed: {done.distributed.exchange_error}")
     return {"ops": extra["exchange_ops"], "bytes": extra["exchange_bytes"], "polls": extra["exchange_polls"],
             "seconds": seconds, "rtt_s": rtt, "agree": all(r.digest == done.distributed.ranks[0].digest
                                                            for r in done.distributed.ranks)}  # fmt: skip
