@@ -43,67 +43,6 @@ def grad_norm(params) -> float:
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
 
 
-def lightning_manual(clip_where: str):
-    """The manual-optimization example of Lightning's docs (clip in training_step) or clipping after Lightning
-    unscales (``on_before_optimizer_step``), under Lightning's 16-mixed plugin with a real CPU GradScaler."""
-    import lightning as L
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    applied: list[float] = []
-
-    class SimpleModel(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
-            self.net = mlp()
-
-        def training_step(self, batch, batch_idx):
-            opt = self.optimizers()
-            loss = F.mse_loss(self.net(batch[0]), batch[1])
-            opt.zero_grad()
-            self.manual_backward(loss)
-            if clip_where == "training_step":
-                self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")  # the doc's line
-            opt.step()
-            applied.append(grad_norm(self.parameters()))  # the gradients opt.step() applied (unscaled by then)
-            return loss
-
-        def on_before_optimizer_step(self, optimizer):
-            if clip_where == "hook":  # Lightning has unscaled the gradients by now
-                self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    cb = mpdoctor.MPDoctorLightningCallback()
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-    trainer = L.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, callbacks=[cb],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    module = SimpleModel()
-    before = [p.detach().clone() for p in module.parameters()]
-    trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X * 10, Y * 10), batch_size=8))
-    moved = any(not torch.equal(a, b) for a, b in zip(before, module.parameters()))
-    return cb, applied, moved
-
-
-def test_lightning_manual_optimization_doc_example_clips_scaled_gradients():
-    """Lightning-AI/pytorch-lightning#18089 (the manual-optimization docs clip in ``training_step``, before the
-    16-mixed plugin unscales); same root cause as #9694 and TorchSSL/TorchSSL PR #59.
-
-    https://github.com/Lightning-AI/pytorch-lightning/issues/18089
-    """
-    cb, applied, _ = lightning_manual("training_step")
-    # Harm, measured: the steps applied gradients of norm 0.5 / 1024, not 0.5 (clipped in scaled units).
-    assert all(n == pytest.approx(0.5 / 1024, rel=1e-2) for n in applied)
-    f = only(cb, "amp-clip-before-unscale")
-    assert f.evidence["code"].startswith("self.clip_gradients(opt, gradient_clip_val=0.5")
-    assert f.subject == "trainer.precision_plugin.scaler" and "max_norm / scale = 0.000488" in f.message
-    # Advice: clip where Lightning has unscaled (on_before_optimizer_step): norm 0.5, nothing found, it trains.
-    cb, applied, moved = lightning_manual("hook")
-    assert all(n == pytest.approx(0.5, rel=1e-2) for n in applied) and moved
-    assert cb.protocol.findings == []
-
-
 def test_optimizer_step_past_the_grad_scaler_applies_updates_1024_times_too_large():
     """nerfstudio-project/nerfacc#307 (``grad_scaler.scale(loss).backward(); optimizer.step()``: "the gradients
     are now 1024x larger than they should be"); same mistake fixed in IAHispano/Applio PR #860.
