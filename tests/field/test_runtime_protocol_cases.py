@@ -13,34 +13,10 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
+from amp_loops import X, Y, fp16_loss, grad_norm, mlp, only
 from torch.nn.utils import clip_grad_norm_
 
 import mpdoctor
-
-X = torch.randn(32, 8, generator=torch.Generator().manual_seed(1))
-Y = torch.randn(32, 1, generator=torch.Generator().manual_seed(2))
-
-
-def mlp(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-
-
-def fp16_loss(model, x=X, y=Y) -> torch.Tensor:
-    with torch.autocast("cpu", dtype=torch.float16):
-        out = model(x)
-    return F.mse_loss(out.float(), y)
-
-
-def only(w, slug):
-    found = [f for f in w.protocol.findings if f.check == slug]
-    assert len(found) == 1, w.protocol.findings
-    return found[0]
-
-
-def grad_norm(params) -> float:
-    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
 
 
 def test_optimizer_step_past_the_grad_scaler_applies_updates_1024_times_too_large():
