@@ -19,6 +19,7 @@ walked with ``torch.nn.Module``'s own methods; no user code runs.
 from __future__ import annotations
 
 import linecache
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -589,7 +590,9 @@ def cell_label(filename: str, lineno: int) -> str:
             number = mapping[filename]
     if number is not None:
         return f"In [{number}], line {lineno}"
-    return f"{filename}:{lineno}"
+    # The script's name, as the user calls it (``train.py:42``): a full path says where the clone lives, not
+    # where the loop is, and a long path can look like a token to the redactor.
+    return f"{os.path.basename(filename) or filename}:{lineno}"
 
 
 @dataclass(frozen=True)
