@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_crash_patterns import scaler_with_fp16_params
 
 from mpdoctor.crash import explain
 from mpdoctor.crash.catalogue import DTYPE, FAMILIES, PROTOCOL, catalogue_markdown, family
@@ -252,14 +253,6 @@ def amp_growth_tracker():
     torch._amp_update_scale_(scale, growth_tracker, found_inf, 2.0, 0.5, 2000)
 
 
-def scaler_fp16_params():
-    model = torch.nn.Linear(4, 4).half()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(model(torch.randn(2, 4).half()).float().sum()).backward()
-    scaler.step(optimizer)
-
-
 def scaler_unscale_per_micro_batch():
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -332,7 +325,7 @@ RAISERS = {
     "crash-index-dtype": [index_labels_cast_with_batch, index_ids_cast_with_batch, index_gather],
     "crash-fp8-promotion": [fp8_promotion_storage, fp8_promotion_two_formats],
     "crash-amp-state-dtype": [amp_inv_scale, amp_found_inf, amp_current_scale, amp_growth_tracker],
-    "crash-unscale-fp16": [scaler_fp16_params],
+    "crash-unscale-fp16": [scaler_with_fp16_params],  # the crash-pattern suite's raiser of the same error
     "amp-unscale-twice": [scaler_unscale_per_micro_batch],
     "amp-update-missing": [scaler_step_without_update],
     "amp-unscale-after-step": [scaler_unscale_after_step],
