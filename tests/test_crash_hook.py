@@ -102,10 +102,12 @@ def test_a_failure_inside_the_hook_leaves_the_traceback_intact_and_is_one_line(i
     assert installed(ip)  # IPython did not unregister it
 
 
-def test_successful_cells_run_no_crash_code_and_leave_nothing_in_torch(ip, capsys):
+def test_successful_cells_run_no_crash_code_and_leave_only_the_resident_scale_wrapper_in_torch(ip, capsys):
     # The crash handler is reached only through IPython's `except custom_exceptions`. The only per-cell
-    # callbacks are the GradScaler protocol watcher's (mpdoctor.runtime.session): it attaches for the cell
-    # and detaches after it, so between cells nothing of mpdoctor's is installed in torch.
+    # callbacks are the GradScaler protocol watcher's (mpdoctor.runtime.session): between cells the one thing
+    # of mpdoctor's in torch is GradScaler.scale's resident wrapper, a pass-through until %unload_ext.
+    from torch.amp.grad_scaler import GradScaler
+
     from mpdoctor.runtime import protocol
 
     callbacks = {event: list(cbs) for event, cbs in ip.events.callbacks.items()}
@@ -114,7 +116,10 @@ def test_successful_cells_run_no_crash_code_and_leave_nothing_in_torch(ip, capsy
     assert ours == {"mpdoctor.runtime.session"}
     result, out = run(ip, capsys, "x_ok = 1 + 1")
     assert result.success and out == ""
-    assert not protocol.installed()
+    assert not protocol.installed() and protocol.resident()
+    assert GradScaler.scale.__wrapped__ is protocol._DISPATCH.resident[1]
+    for name in ("unscale_", "step", "update"):
+        assert not hasattr(vars(GradScaler)[name], "__wrapped__")
     ip.user_ns.pop("x_ok", None)
 
 

@@ -100,3 +100,48 @@ def test_a_healthy_loop_is_silent(capsys):
             optimizer.zero_grad()
     assert w.start_report.ok and w.probe_report is None and w.events == []
     assert shown(capsys) == ""
+
+
+def test_an_accelerate_prepared_optimizer_is_watched_through_the_optimizer_it_wraps(capsys):
+    # AcceleratedOptimizer subclasses torch.optim.Optimizer without its hook tables: registering a step
+    # pre-hook on it raises AttributeError ('_optimizer_step_pre_hooks'); watch hooks the wrapped optimizer.
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Regressor()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(AttributeError, match="_optimizer_step_pre_hooks"):
+        optimizer.register_step_pre_hook(lambda *a: None)
+    with torch.no_grad():
+        model.body[0].weight.fill_(1e38)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteLoss):
+        with mpdoctor.watch(model, optimizer, stop_on_nonfinite=True) as w:
+            accelerator.backward(model(torch.full((2, 4), 1e10), torch.zeros(2, 1))["loss"])
+            optimizer.step()
+    assert w.start_report is not None and w.events[0]["event"] == "nonfinite-loss"
+    assert w.probe_report.findings_for("probe-nonfinite")[0].subject == "model.body.0"
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # the step never ran
+    assert hooks_of(model, optimizer.optimizer) == ({}, {}, {})
+    accelerator.free_memory()
+
+
+def test_a_healthy_accelerate_loop_is_silent_and_steps(capsys):
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = Regressor()
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    first = model.body[0].weight.detach().clone()
+    with mpdoctor.watch(model, optimizer) as w:
+        for _ in range(3):
+            accelerator.backward(model(torch.randn(2, 4), torch.zeros(2, 1))["loss"])
+            optimizer.step()
+            optimizer.zero_grad()
+    assert w._steps == 3 and w.start_report.ok and w.events == []
+    assert not torch.equal(first, model.body[0].weight)
+    assert shown(capsys) == ""
+    assert hooks_of(model, optimizer.optimizer) == ({}, {}, {})
+    accelerator.free_memory()

@@ -436,11 +436,15 @@ def shell():
 
     sh = InteractiveShell.instance()
     before = set(sh.user_ns)
+    hist = sh.history_manager
+    cells = len(hist.input_hist_parsed)
     sh.run_line_magic("load_ext", "mpdoctor")
     yield sh
     sh.run_line_magic("unload_ext", "mpdoctor")
     for name in set(sh.user_ns) - before:  # the shell is shared by the suite: leave no variable behind
         sh.user_ns.pop(name, None)
+    for lines in (hist.input_hist_parsed, hist.input_hist_raw):  # nor a broken loop for %mpdoctor to read later
+        lines[cells:] = [""] * (len(lines) - cells)
 
 
 def test_a_notebook_cell_clipping_scaled_gradients_is_named_by_cell_and_line(shell, capsys):
@@ -480,10 +484,111 @@ def test_a_notebook_cell_that_unscales_twice_shows_the_finding_then_the_runtime_
     assert not protocol_module.installed()
 
 
-def test_unloading_the_extension_unregisters_the_cell_events(shell):
+def test_a_cell_that_does_not_train_adds_no_wrapper_and_a_training_cell_gets_every_wrapper(shell):
+    from torch.amp.grad_scaler import GradScaler
+    from torch.optim.lr_scheduler import LRScheduler
+
+    originals = {n: getattr(vars(GradScaler)[n], "__wrapped__", vars(GradScaler)[n]) for n in ("scale", "unscale_", "step", "update")}
+    sched_step = vars(LRScheduler)["step"]
+    shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                   "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
+    seen = {}
+    shell.user_ns["_seen"] = seen
+    # Inside a cell that does not scale a loss: GradScaler.scale's resident wrapper only; the rest untouched.
+    shell.run_cell("from torch.amp.grad_scaler import GradScaler as _G\nfrom torch.optim.lr_scheduler import LRScheduler as _L\n"
+                   "_seen['idle'] = {n: vars(_G)[n] for n in ('scale', 'unscale_', 'step', 'update')}\n"
+                   "_seen['idle_sched'] = vars(_L)['step']\n"
+                   "import torch.optim.optimizer as _O\n_seen['idle_hooks'] = len(_O._global_optimizer_pre_hooks)")  # fmt: skip
+    assert seen["idle"]["scale"] is not originals["scale"]
+    assert all(seen["idle"][n] is originals[n] for n in ("unscale_", "step", "update"))
+    assert seen["idle_sched"] is sched_step and seen["idle_hooks"] == 0
+    # A cell that scales a loss: from that call on, every wrapper and the global hook.
+    shell.run_cell("loss = m(torch.randn(2, 4)).sum()\nscaler.scale(loss).backward()\n"
+                   "_seen['busy'] = {n: vars(_G)[n] for n in ('scale', 'unscale_', 'step', 'update')}\n"
+                   "_seen['busy_hooks'] = len(_O._global_optimizer_pre_hooks)\n"
+                   "scaler.step(opt)\nscaler.update()")  # fmt: skip
+    assert all(seen["busy"][n] is not originals[n] for n in originals) and seen["busy_hooks"] == 1
+    # Between cells: GradScaler.scale's resident pass-through wrapper only; the rest put back, identity equal.
+    assert not protocol_module.installed() and vars(GradScaler)["scale"].__wrapped__ is originals["scale"]
+    assert all(vars(GradScaler)[n] is originals[n] for n in ("unscale_", "step", "update"))
+    assert vars(LRScheduler)["step"] is sched_step
+
+
+def test_watch_inside_a_notebook_cell_shares_the_resident_wrapper_and_leaves_it_as_it_was(shell, capsys):
+    from torch.amp.grad_scaler import GradScaler
+
+    shell.run_cell("import torch, mpdoctor\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                   "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
+    resident = GradScaler.scale
+    result = shell.run_cell("with mpdoctor.watch(m, opt, scaler) as w:\n"
+                            "    for _ in range(2):\n"
+                            "        scaler.scale(m(torch.randn(8, 4)).pow(2).mean()).backward()\n"
+                            "        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)\n"
+                            "        scaler.step(opt)\n        scaler.update()\n"
+                            "        opt.zero_grad()", store_history=True)  # fmt: skip
+    assert result.success
+    # watch() and the cell's observer both saw the clip on scaled gradients, through one set of wrappers.
+    assert [f.check for f in shell.user_ns["w"].protocol.findings] == ["amp-clip-before-unscale"]
+    assert GradScaler.scale is resident and not protocol_module.installed()
+    capsys.readouterr()
+
+
+def test_a_step_split_across_cells_is_watched_from_the_first_line_of_the_next_cell(shell, capsys):
     from mpdoctor.runtime import session
 
+    shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                   "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
+    shell.run_cell("with torch.autocast('cpu', dtype=torch.float16):\n    loss = m(torch.randn(8, 4)).pow(2).mean()\n"
+                   "scaler.scale(loss).backward()", store_history=True)  # fmt: skip
+    assert session.observer(shell).mid_step and not protocol_module.installed()
+    number = shell.execution_count
+    # This cell never calls scale(): only the previous cell's unfinished step makes it watched in full.
+    result = shell.run_cell("opt.step()\nscaler.update()", store_history=True)
+    assert isinstance(result.error_in_exec, AssertionError)  # GradScaler: "No inf checks were recorded prior to update."
+    assert any(f.check == "amp-step-bypasses-scaler" and f.evidence["where"] == f"In [{number}], line 1"
+               for f in session.observer(shell).findings)  # fmt: skip
+    capsys.readouterr()
+
+
+def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shell, capsys):
+    shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+                   "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
+    number = shell.execution_count
+    shell.run_cell("loss = m(torch.randn(8, 4)).pow(2).mean()\nscaler.scale(loss).backward()\n"
+                   "torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)\nscaler.step(opt)\nscaler.update()",
+                   store_history=True)  # fmt: skip
+    captured = capsys.readouterr()
+    # At the call: one line on stderr. When the cell ends: the report (text here; the widget in Jupyter).
+    (line,) = [x for x in captured.err.splitlines() if x.startswith("mpdoctor:")]
+    assert f"[amp-clip-before-unscale] at In [{number}], line 3" in line and "details when the cell ends" in line
+    out = captured.out
+    assert f"watched: the AMP loop as it ran (In [{number}]): GradScaler protocol" in out
+    assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(optimizer)" in out
+    assert "inspected: nothing" not in out
+    # In a widget frontend the same report is the widget: its header says what was watched.
+    from mpdoctor.render.widget import ReportWidget
+    from mpdoctor.runtime import session
+
+    widget = ReportWidget(session.cell_report(session.observer(shell), session.observer(shell).findings))
+    assert f"watched: the AMP loop as it ran (In [{number}])" in widget.header.value
+    assert "amp-clip-before-unscale" in widget.report.to_html()
+    # The next cell shows nothing again: each finding is shown once.
+    shell.run_cell("loss = m(torch.randn(8, 4)).pow(2).mean()\nscaler.scale(loss).backward()\n"
+                   "scaler.unscale_(opt)\ntorch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)\nscaler.step(opt)\n"
+                   "scaler.update()", store_history=True)  # fmt: skip
+    assert capsys.readouterr() == ("", "")
+
+
+def test_unloading_the_extension_unregisters_the_cell_events_and_puts_back_gradscaler_scale(shell):
+    from torch.amp.grad_scaler import GradScaler
+
+    from mpdoctor.runtime import session
+
+    shell.run_cell("import torch\nx = 1", store_history=False)  # a cell with torch arms the resident wrapper
+    assert protocol_module.resident()
+    original = GradScaler.scale.__wrapped__
     shell.run_line_magic("unload_ext", "mpdoctor")
+    assert GradScaler.scale is original and not protocol_module.resident() and not protocol_module.installed()
     names = {getattr(cb, "__qualname__", "") for cb in shell.events.callbacks["pre_run_cell"]}
     assert not any(session.__name__ in getattr(cb, "__module__", "") for cb in shell.events.callbacks["pre_run_cell"])
     assert not any("pre_run_cell" in n and "install" in n for n in names)

@@ -58,6 +58,22 @@ def count_nonfinite_loss(report: Any, loss: float, where: str) -> Any:
     return report
 
 
+def _hookable(optimizer: Any) -> Any:
+    """The optimizer whose step hooks fire: ``optimizer`` itself, or the one a wrapper steps.
+
+    accelerate's ``AcceleratedOptimizer`` (and Lightning's ``LightningOptimizer``) subclass or wrap
+    ``torch.optim.Optimizer`` without its hook tables; their ``step()`` steps ``.optimizer`` (through the
+    scaler when there is one). None when nothing in the chain is a real optimizer.
+    """
+    seen = 0
+    while optimizer is not None and seen < 8:
+        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        seen += 1
+    return None
+
+
 class NonFiniteLoss(RuntimeError):
     """Raised by :class:`watch` with ``stop_on_nonfinite=True``; ``.report`` is the probe of the batch."""
 
@@ -135,8 +151,9 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         self._handles: list[Any] = []
         if isinstance(model, torch.nn.Module):
             self._watcher.attach(model)
-        if isinstance(optimizer, torch.optim.Optimizer):
-            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+        inner = _hookable(optimizer)
+        if inner is not None:
+            self._handles.append(inner.register_step_pre_hook(self._before_step))
         else:
             self._diagnose()
         # The GradScaler protocol (mpdoctor.runtime.protocol): every scaler and optimizer, until close().
@@ -157,7 +174,11 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         return list(self.protocol.scale_history)
 
     def _names(self) -> dict[int, str]:
-        return {id(self.model): "model", id(self.optimizer): "optimizer", id(self.scaler): "scaler"}
+        names = {id(self.model): "model", id(self.optimizer): "optimizer", id(self.scaler): "scaler"}
+        inner = _hookable(self.optimizer)
+        if inner is not None and inner is not self.optimizer:
+            names[id(inner)] = "optimizer"  # the wrapped optimizer the hooks and the scaler see
+        return names
 
     def _objects(self) -> list[Any]:
         return [o for o in (self.model, self.optimizer, self.scaler) if o is not None]

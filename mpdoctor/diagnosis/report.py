@@ -85,6 +85,7 @@ class Report:
         self.exception: str | None = None
         # Set by the runtime observers (mpdoctor.runtime): the scale, skips and loss per watched step.
         self.scale_history: list = []
+        self.watched: str | None = None  # what a runtime report watched (a notebook cell's AMP loop)
         #: The name of the inspected object whose method raised that exception (``"scaler16"``), when found.
         self.raised_by: str | None = None
         #: What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).

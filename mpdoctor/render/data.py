@@ -135,6 +135,8 @@ def report_dict(report: Any) -> dict:
         "device": hardware_view(report),
         "subjects": subjects_view(report),
         "notes": list(getattr(report, "notes", ()) or ()),
+        # What was watched rather than inspected (a notebook cell's AMP loop), shown when no object was.
+        "watched": getattr(report, "watched", None),
         "findings": [dict(f.to_dict(), why=rst_to_plain(REGISTRY[f.check].why) if f.check in REGISTRY else "")
                      for f in report.findings],
         "histogram": [_jsonable(r._asdict()) for r in report.facts.tallies],

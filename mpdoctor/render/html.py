@@ -115,6 +115,8 @@ def subjects_html(data: dict) -> str:
     """What was inspected: names and classes."""
     subjects = data["subjects"]
     notes = "".join(f"<div style='color:{MUTED}'>note: {e(n)}</div>" for n in data.get("notes", ()))
+    if not subjects and data.get("watched"):
+        return f"<div>watched: {e(data['watched'])}</div>{notes}"
     if not subjects:
         return f"<div style='color:{MUTED}'>inspected: nothing (no model, optimizer, scaler, trainer or accelerator found)</div>{notes}"
     items = ", ".join(f"{code(s['name'])} {muted(e(s['class']), 13)}" for s in subjects)

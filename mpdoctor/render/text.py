@@ -41,11 +41,12 @@ def render_text(report: Any, width: int = 100) -> str:
     """Render a report as plain text."""
     data = report_dict(report)
     lines = [header(report)]
-    subj = (
-        ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"])
-        or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
-    )
-    lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+    subj = ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"])
+    if subj or not data.get("watched"):
+        subj = subj or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
+        lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+    else:
+        lines += textwrap.wrap(f"watched: {data['watched']}", width, subsequent_indent="  ")
     for note in data["notes"]:  # what the caller gave that is nothing to inspect
         lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")

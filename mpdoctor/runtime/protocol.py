@@ -12,10 +12,11 @@ mpdoctor follows every GradScaler and optimizer of the process through:
 
 Every wrapper calls the original with the same arguments and returns its result: numerics are unchanged.
 The wrappers are installed once for all attached observers and removed (the originals put back, identity
-equal) when the last one detaches, also when the loop raises. At the call where a rule breaks, the observer
-names the rule and the user's line (``train.py:23`` or ``In [7], line 12``), before GradScaler's own
-RuntimeError or AssertionError when there is one. It also keeps, per scaler and per ``update()``, the scale,
-whether the step was skipped and the loss (:class:`ScaleRecord`).
+equal) when the last one detaches, also when the loop raises. A notebook session keeps one wrapper resident
+from its first cell with torch to ``%unload_ext``, ``GradScaler.scale``, which only calls the original when no
+observer is attached; a cell's observer attaches lazily and the first loss a scaler scales in the cell installs
+the rest (``scale()`` opens every real step) until the cell ends. A cell that does not train costs two list
+operations.
 """
 
 from __future__ import annotations
@@ -272,12 +273,22 @@ class ProtocolObserver:
         self.attached = False
 
     # -- life cycle --------------------------------------------------------------------
-    def attach(self) -> ProtocolObserver:
-        """Start observing (installs the shared wrappers when this is the first observer attached)."""
+    def attach(self, lazy: bool = False) -> ProtocolObserver:
+        """Start observing (installs the shared wrappers when this is the first observer attached).
+
+        ``lazy=True`` (a notebook cell, with the resident ``GradScaler.scale`` wrapper armed) installs nothing
+        until a scaler scales a loss (see the module's docstring); a caller that may already be inside a step
+        (:attr:`mid_step`) must not be lazy. Without the resident wrapper, ``lazy`` is ignored.
+        """
         if not self.attached:
-            _DISPATCH.add(self)
+            _DISPATCH.add(self, lazy=lazy)
             self.attached = True
         return self
+
+    @property
+    def mid_step(self) -> bool:
+        """True when a scaler it follows scaled a loss or stepped and has not updated yet (a step spans calls)."""
+        return any((t.scaled or t.stepped) and t.ref() is not None for t in self._tracks.values())
 
     def detach(self) -> None:
         """Stop observing (the wrappers are removed when no observer is left)."""
@@ -602,7 +613,13 @@ def _print_finding(finding: Finding) -> None:
 
 
 class _Dispatch:
-    """The wrappers installed once for every attached observer; removed when the last one detaches."""
+    """The wrappers installed once for every attached observer; removed when the last one detaches.
+
+    A notebook session also keeps one *resident* wrapper, ``GradScaler.scale``, from its first cell with
+    torch until ``%unload_ext`` (:meth:`arm` / :meth:`disarm`): with no observer attached it only calls the
+    original. A cell's observer then attaches lazily (a list append); the first loss a scaler scales in it
+    installs the rest, which the end of the cell removes.
+    """
 
     def __init__(self) -> None:
         self.observers: list[ProtocolObserver] = []
@@ -611,10 +628,50 @@ class _Dispatch:
         self.in_scaler_step: list[int] = []  # ids of optimizers inside scaler.step (re-entrant)
         self.cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # (owner, name) -> (original, its wrapper)
         self.targets: Any = None  # (what to wrap, the global hook registrar), resolved at the first install
+        self.lazy = False  # observers are attached but only GradScaler.scale is wrapped; complete() adds the rest
+        self.resident: tuple[Any, Any, Any] | None = None  # (GradScaler, original scale, wrapper) while armed
+        self.armed = 0  # notebook sessions holding the resident wrapper
 
-    def add(self, observer: ProtocolObserver) -> None:
+    def arm(self) -> None:
+        """Install the resident ``GradScaler.scale`` wrapper (a notebook session's first cell with torch)."""
+        self.armed += 1
+        if self.resident is not None:
+            return
+        if self.targets is None:
+            self.targets = _targets()
+        if self.observers and not self.lazy:  # a watch() is running: scale is already wrapped, in self.saved
+            for i, (owner, name, original) in enumerate(self.saved):
+                if name == "scale":
+                    self.resident = (owner, original, vars(owner)[name])
+                    del self.saved[i]
+                    return
+        owner, name, wrapper = self._wrappers(first=True)[0]
+        self.resident = (owner, vars(owner)[name], wrapper)
+        setattr(owner, name, wrapper)
+
+    def disarm(self) -> None:
+        """Remove the resident wrapper when the last session that armed it ends (``%unload_ext``)."""
+        self.armed = max(0, self.armed - 1)
+        if self.armed or self.resident is None:
+            return
+        owner, original, wrapper = self.resident
+        self.resident = None
+        if self.observers and not self.lazy:  # a watch() still runs: its install keeps the wrapper until it ends
+            self.saved.insert(0, (owner, "scale", original))
+            return
+        if vars(owner).get("scale") is wrapper:  # never undo what another library installed after us
+            owner.scale = original
+        if self.lazy:
+            self.lazy = False
+
+    def add(self, observer: ProtocolObserver, lazy: bool = False) -> None:
         if not self.observers:
-            self.install()
+            if lazy and self.resident is not None:
+                self.lazy = True
+            else:
+                self.install()
+        elif self.lazy and not lazy:
+            self.complete()
         self.observers.append(observer)
 
     def remove(self, observer: ProtocolObserver) -> None:
@@ -634,18 +691,35 @@ class _Dispatch:
         try:
             if self.targets is None:
                 self.targets = _targets()
-            for owner, name, wrapper in self._wrappers():
-                self.saved.append((owner, name, vars(owner)[name]))
-                setattr(owner, name, wrapper)
-            self.handles.append(self.targets[1](_optimizer_pre_hook))
+            self._install_all()
         except BaseException:
             self.uninstall()
             raise
 
-    def _wrappers(self) -> list[tuple[Any, str, Any]]:
-        """(owner, attribute, wrapper), built once per original (a notebook attaches at every cell)."""
+    def complete(self) -> None:
+        """Install what a lazy attach left out (called by the ``scale`` wrapper, or by a non-lazy observer)."""
+        if not self.lazy:
+            return
+        self.lazy = False
+        self.install()
+
+    def _install_all(self) -> None:
+        done = {(id(owner), name) for owner, name, _ in self.saved}
+        if self.resident is not None:
+            done.add((id(self.resident[0]), "scale"))
+        for owner, name, wrapper in self._wrappers():
+            if (id(owner), name) not in done:
+                self.saved.append((owner, name, vars(owner)[name]))
+                setattr(owner, name, wrapper)
+        self.handles.append(self.targets[1](_optimizer_pre_hook))
+
+    def _wrappers(self, first: bool = False) -> list[tuple[Any, str, Any]]:
+        """(owner, attribute, wrapper), built once per original (a notebook attaches at every cell).
+
+        ``first``: only the first target, ``GradScaler.scale``.
+        """
         out = []
-        for owner, name, wrap in self.targets[0]:
+        for owner, name, wrap in self.targets[0][:1] if first else self.targets[0]:
             original = vars(owner).get(name)
             if original is None:
                 continue
@@ -665,6 +739,7 @@ class _Dispatch:
             owner, name, original = self.saved.pop()
             setattr(owner, name, original)
         self.in_scaler_step.clear()
+        self.lazy = False
 
 
 _DISPATCH = _Dispatch()
@@ -685,6 +760,8 @@ def _targets() -> tuple[list, Callable]:
 def _wrap_scale(original: Callable) -> Callable:
     def scale(self: Any, outputs: Any) -> Any:
         if _DISPATCH.observers and _enabled(self):
+            if _DISPATCH.lazy:
+                _DISPATCH.complete()
             _DISPATCH.emit("on_scale", self, outputs)
         return original(self, outputs)
 
@@ -766,21 +843,39 @@ def _optimizer_pre_hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
 
 
 def installed() -> bool:
-    """True while the protocol wrappers are installed (some observer is attached)."""
+    """True while the protocol wrappers are installed (some observer is attached and completed); a notebook
+    session's resident ``GradScaler.scale`` wrapper alone is not counted (see :func:`resident`)."""
     return bool(_DISPATCH.saved or _DISPATCH.handles)
 
 
-def protocol_report(observer: ProtocolObserver, base: Any = None) -> Any:
+def resident() -> bool:
+    """True while a notebook session holds the resident ``GradScaler.scale`` wrapper (until ``%unload_ext``)."""
+    return _DISPATCH.resident is not None
+
+
+def arm() -> None:
+    """Install the resident ``GradScaler.scale`` wrapper for a notebook session (counted; see :func:`disarm`)."""
+    _DISPATCH.arm()
+
+
+def disarm() -> None:
+    """Release a session's hold on the resident wrapper; the last release puts the original back."""
+    _DISPATCH.disarm()
+
+
+def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list[Finding] | None = None) -> Any:
     """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
-    protocol findings, with ``report.scale_history``. Without ``base``, a diagnosis of nothing."""
+    protocol findings (``findings``, default all of the observer's), with ``report.scale_history``.
+    Without ``base``, a diagnosis of nothing."""
     from ..diagnosis.report import Report
 
     if base is None:
-        from ..diagnosis import diagnose
+        from ..diagnosis import diagnose_subjects
 
-        base = diagnose()
-    findings = sorted([*base.findings, *observer.findings], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
-    plan = [*base.fixes, *(fx for f in observer.findings for fx in f.fixes)]
+        base = diagnose_subjects([])
+    observed = list(observer.findings if findings is None else findings)
+    findings = sorted([*base.findings, *observed], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
+    plan = [*base.fixes, *(fx for f in observed for fx in f.fixes)]
     report = Report(findings, base.facts, target=base.target, scan=base.scan, ignore=base.ignore,
                     subjects=base._subjects, live=base.live, plan=plan, hidden=base.hidden)  # fmt: skip
     report.scale_history = list(observer.scale_history)
