@@ -122,6 +122,9 @@ class DtypeRequirement:
     grads_match_params: bool = False
     state_dtypes: frozenset[str] | None = None
     low_bit_from: int | None = None
+    #: The parameter-dtype rule is the CUDA kernels' only: judged when the parameters are on a CUDA device or
+    #: ``target=`` is a GPU. (bitsandbytes 0.50.2's CPU backend steps float64 parameters: measured.)
+    params_rule_cuda_only: bool = False
 
 
 #: Optimizers with dtype requirements. Sources: adamw_bf16 0.0.3 (``AdamWBF16.step``: ``assert p.dtype ==
@@ -163,6 +166,7 @@ REQUIREMENTS: tuple[DtypeRequirement, ...] = (
         grads_match_params=True,
         state_dtypes=frozenset({"float32"}),
         low_bit_from=4096,
+        params_rule_cuda_only=True,
     ),
 )
 

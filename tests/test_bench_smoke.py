@@ -33,6 +33,7 @@ def test_run_all_quick_prints_one_table_with_every_figure(tmp_path):
         "MPDoctorCallback per-step cost",
         "import mpdoctor on top of import torch",
         "%load_ext mpdoctor after import mpdoctor",
+        "today's %load_ext vs the crash hook alone",
         "first diagnose() of an nn.Linear",
         "diagnose() on a Llama-3-70B-shaped meta model",
         "-tensor mixture-of-experts meta model",

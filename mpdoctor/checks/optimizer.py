@@ -95,6 +95,13 @@ def _grad_cast_fix(facts: Facts, o: OptimizerFacts, params: list[OptParam]) -> F
     return Fix(f"Cast {count(len(params), 'gradient')} of {name} to their parameter's dtype", code, changes=(spec,), recipe="cast-grads")
 
 
+def _on_cuda(facts: Facts, o: OptimizerFacts) -> bool:
+    """The optimizer's parameters live on a CUDA device, or ``target=`` asks about a GPU."""
+    if not facts.hardware.live and facts.hardware.kind == "cuda":
+        return True
+    return any("cuda" in t.devices for t in o.tallies)
+
+
 # -- checks -----------------------------------------------------------------------------------------------
 
 
@@ -107,7 +114,7 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
         parameters, gradients or state have dtypes the optimizer cannot use: ``adamw_bf16.AdamWBF16`` (and
         SimpleTuner's vendored ``adam_bfloat16`` copy) with non-bf16 parameters; optimi optimizers created
         with ``kahan_sum=True`` over fp32 parameters; bitsandbytes 8-bit optimizers with parameters outside
-        fp32/fp16/bf16, gradients whose dtype differs from their parameter, floating state other than fp32,
+        fp32/fp16/bf16 on a CUDA device or a GPU ``target=`` (its CPU backend steps float64), gradients whose dtype differs from their parameter, floating state other than fp32,
         or 32-bit state on parameters large enough for 8-bit state (info).
     Why it matters
         ``AdamWBF16`` asserts ``p.dtype == torch.bfloat16`` when it initialises the state of a parameter
@@ -134,6 +141,8 @@ def optimizer_dtype_requirement(facts: Facts) -> Iterator[Finding]:
         if req is None or not req.applies(o):
             continue
         bad = [p for p in o.params if p.requires_grad and p.dtype not in req.param_dtypes]
+        if bad and req.params_rule_cuda_only and not _on_cuda(facts, o):
+            bad = []  # the CPU backend steps these dtypes (bitsandbytes 0.50.2, measured)
         mismatched_grads = [p for p in o.params if p.grad_dtype is not None and p.grad_dtype != p.dtype]
         if bad:
             dtypes = sorted({p.dtype for p in bad})

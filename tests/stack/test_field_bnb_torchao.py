@@ -273,6 +273,23 @@ def test_real_adamw8bit_over_bf16_params_with_fp32_grads_raises_then_the_grad_ca
     assert not report.refresh().findings_for("optimizer-dtype-requirement")
 
 
+def test_real_adamw8bit_over_float64_params_steps_on_the_cpu_and_is_an_error_only_for_a_gpu():
+    """The CUDA kernels have no float64 variant ('Gradient+optimizer bit data type combination not supported');
+    bitsandbytes' CPU backend steps float64 weights. So the rule is judged on a CUDA device or a GPU ``target=``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64).double()
+    opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 128, dtype=torch.float64)).pow(2).sum().backward()
+    before = model.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(before, model.weight) and torch.isfinite(model.weight).all()
+    assert opt.state[model.weight]["state1"].dtype == torch.uint8
+    names = {id(model): "model", id(opt): "opt"}
+    assert not mpdoctor.diagnose(model, opt, names=names).findings_for("optimizer-dtype-requirement")
+    (finding,) = mpdoctor.diagnose(model, opt, names=names, target="A100").findings_for("optimizer-dtype-requirement")
+    assert finding.severity == "error" and "float64" in finding.message
+
+
 def test_real_adamw8bit_state_is_read_from_the_optimizer():
     """``bnb.optim.AdamW8bit`` keeps uint8 state for a parameter of >= ``min_8bit_size`` elements: no finding.
     Raising ``min_8bit_size`` above the layer's 8,192 weights makes bitsandbytes keep fp32 state there: the 8-bit
