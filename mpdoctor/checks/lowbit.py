@@ -346,11 +346,14 @@ def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
     Severity
         Warning: the run trains, but not in the precision it was launched for.
     Fix
-        Before a Trainer exists: set ``args.bf16=False`` (and ``fp16``) and ``args.mixed_precision="fp8"``
-        in place, so the Trainer built next passes fp8 to its Accelerator (unsafe: it changes the precision
-        of the run). Once the accelerator is built, its layers are already chosen: the advice is the line to
-        change (``bf16=False`` in the arguments, no ``mixed_precision`` argument to ``Accelerator``). Or keep
-        the flag's precision and drop the launcher's ``ACCELERATE_MIXED_PRECISION`` so nothing says fp8.
+        Advice: the line to change (``bf16=False`` in the arguments before the Trainer is built, no
+        ``mixed_precision`` argument to ``Accelerator``). Not in place, even before a Trainer exists: with
+        accelerate's torchao backend (chosen first when torchao is installed) a transformers 5.23 Trainer
+        prepares model and optimizer together, the model's Linear layers become ``Float8Linear`` with new
+        weights after the optimizer was built, and those weights never train (measured; mpdoctor's
+        ``optimizer-params-not-in-model`` names it): letting fp8 through would make that run worse. In place:
+        keep the flag's precision and drop the launcher's ``ACCELERATE_MIXED_PRECISION``, so nothing says fp8
+        (unsafe: it overrides the launcher's choice for later Accelerators in the process).
     Source
         huggingface/trl #3860 ("bf16 Option in Training Config Prevents FP8 Training"); accelerate 1.15
         ``AcceleratorState`` (an explicit ``mixed_precision`` wins over ``ACCELERATE_MIXED_PRECISION``);
@@ -370,38 +373,31 @@ def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
             f"The launcher asked for fp8 ({ENV}=fp8{'; ' + shown if shown else ''}) but {winner} won: {p.name} "
             f"trains in {runs}, and no layer runs in fp8."
         )
-        fixes = []
         if p.args_name is not None and p.accelerator_name is None:
-            fixes.append(
-                alignment_fix(
-                    facts,
-                    p,
-                    f"Let the launcher's fp8 through: {p.args_name}.bf16=False, {p.args_name}.mixed_precision='fp8' "
-                    "(before the Trainer is built)",
-                    "fp8",
-                    True,
-                    {"fp16": False, "bf16": False},
-                    why="the Trainer built next passes fp8 to its Accelerator",
-                    recipe="launcher-fp8",
-                    cost="changes the precision the run trains in (to the one it was launched for)",
-                )
+            code = (
+                f"{p.args_name}.bf16 = False  # before the Trainer is built: it passes args.mixed_precision to its Accelerator\n"
+                f"{p.args_name}.fp16 = False\n"
+                f"{p.args_name}.mixed_precision = 'fp8'\n"
+                f"# or: TrainingArguments(..., bf16=False); then build the Trainer with {p.args_name}"
+            )
+        elif p.args_name is not None:
+            code = (
+                f"{p.args_name} = TrainingArguments(..., bf16=False, fp16=False)  # leaves the launcher's fp8 alone\n"
+                f"trainer = Trainer(model=model, args={p.args_name}, ...)  # a new Trainer: its Accelerator is built fp8"
             )
         else:
-            if p.args_name is not None:
-                code = (
-                    f"{p.args_name} = TrainingArguments(..., bf16=False, fp16=False)  # leaves the launcher's fp8 alone\n"
-                    f"trainer = Trainer(model=model, args={p.args_name}, ...)  # a new Trainer: its Accelerator is built fp8"
-                )
-            else:
-                code = "accelerator = Accelerator()  # no mixed_precision argument: the launcher's fp8 applies"
-            fixes.append(
-                Fix(
-                    "Build the accelerator again without the flag that overrides the launcher's fp8",
-                    code,
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="launcher-fp8",
-                )
+            code = "accelerator = Accelerator()  # no mixed_precision argument: the launcher's fp8 applies"
+        # Advice, not in place: with accelerate's torchao backend a Trainer converts its layers after building
+        # its optimizer (transformers 5.23, accelerate 1.15, measured), so the fp8 layers' weights would not train.
+        fixes = [
+            Fix(
+                "Let the launcher's fp8 through: no bf16/fp16 flag, no mixed_precision argument",
+                code + "\n# with accelerate's torchao backend, build the optimizer from the prepared model: "
+                "prepare() swaps Linear for Float8Linear with new weights",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="launcher-fp8",
             )
+        ]
         device = "cpu" if p.args.get("use_cpu") else (p.device or facts.hardware.kind)
         fixes.append(
             alignment_fix(

@@ -452,16 +452,19 @@ def test_accelerate_launch_fp8_with_bf16_true_trains_in_bf16_measured_with_the_r
     assert seen["fp8_backend"] == "FP8BackendType.NO" and seen["float8_layers"] == 0  # the harm: no layer in fp8
 
 
-def test_bf16_true_under_the_launchers_fp8_is_named_and_the_fix_lets_fp8_through(tmp_path, monkeypatch):
+def test_bf16_true_under_the_launchers_fp8_is_named_and_the_advice_lets_fp8_through(tmp_path, monkeypatch):
     """The same setup in process (the launcher's variables set as it sets them): mpdoctor names the flag that
-    won; the in-place fix (before the Trainer exists) sets ``bf16=False`` and ``mixed_precision="fp8"``, and the
-    Trainer built next trains with float8 layers; undo restores the arguments."""
+    won. The advice (``bf16=False``, ``mixed_precision="fp8"`` before the Trainer exists), taken, gives an fp8
+    Trainer; but measured with transformers 5.23 + accelerate 1.15, that Trainer's torchao backend swaps the
+    inner Linear layers for Float8Linear after building its optimizer, and their new weights never train
+    (mpdoctor's ``optimizer-params-not-in-model``, an error). That is why the advice is not applied in place;
+    the in-place fix keeps bf16 and drops the launcher's variable."""
     from transformers import Trainer, TrainingArguments
 
     for k, v in LAUNCHER_FP8_ENV.items():
         monkeypatch.setenv(k, v)
-    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
-                             per_device_train_batch_size=16)  # fmt: skip
+    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                             per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
     assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8" and args.mixed_precision == "bf16"
     report = mpdoctor.diagnose(args, names={id(args): "args"})
     f = finding(report, "fp8-request-overridden")
@@ -469,17 +472,29 @@ def test_bf16_true_under_the_launchers_fp8_is_named_and_the_fix_lets_fp8_through
     assert "ACCELERATE_MIXED_PRECISION=fp8" in f.message and "ACCELERATE_FP8_FORMAT=HYBRID" in f.message
     assert "args.bf16=True" in f.message and "trains in bf16" in f.message and "no layer runs in fp8" in f.message
     assert "precision-override" not in severities(report)
-    fix = next(x for x in f.fixes if x.recipe == "launcher-fp8")
-    assert "args.bf16 = False" in fix.code and "args.mixed_precision = 'fp8'" in fix.code
-    fix.apply()
-    assert (args.bf16, args.mixed_precision, os.environ["ACCELERATE_MIXED_PRECISION"]) == (False, "fp8", "fp8")
+    advice, keep = f.fixes
+    assert advice.applicability.name == "DISPLAY_ONLY" and "args.bf16 = False" in advice.code
+    assert "args.mixed_precision = 'fp8'" in advice.code
+    # The in-place fix: keep bf16, nothing says fp8 any more; undo brings the launcher's variable back.
+    keep.apply()
+    assert "ACCELERATE_MIXED_PRECISION" not in os.environ and args.mixed_precision == "bf16"
     assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
-    trainer = Trainer(model=Net(), args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    keep.undo()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    # The advice, taken by hand: fp8 reaches the Trainer's Accelerator and two layers become Float8Linear...
+    args.bf16, args.mixed_precision = False, "fp8"
+    assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
     assert trainer.accelerator.mixed_precision == "fp8"
-    out = trainer.train()
-    assert float8_layers(trainer.model) == 2 and torch.isfinite(torch.tensor(out.training_loss))
-    fix.undo()
-    assert (args.bf16, args.mixed_precision) == (True, "bf16")
+    trainer.train()
+    assert float8_layers(trainer.model) == 2
+    # ...whose weights the Trainer's optimizer never held: they did not move (measured), and mpdoctor says so.
+    frozen = [n for n, p in trainer.model.named_parameters() if torch.equal(before[n], p.detach())]
+    assert frozen == ["body.1.weight", "body.2.weight"]
+    report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
+    assert severities(report)["optimizer-params-not-in-model"] == "error"
 
 
 def test_a_trainer_already_built_under_the_launchers_fp8_gets_the_line_to_change(tmp_path, monkeypatch):
@@ -545,3 +560,77 @@ def test_trl_sft_config_defaults_bf16_and_overrides_the_launchers_fp8(tmp_path, 
     config = SFTConfig(str(tmp_path), use_cpu=True, report_to=[], bf16=False)
     assert config.mixed_precision == "fp8"
     assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(config, names={id(config): "config"}))
+
+
+# -- MXFP8 recipes: e5m2 gradients ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def te_distribution(tmp_path, monkeypatch):
+    """Stand-in for an installed TransformerEngine, which cannot be installed on this CPU: a distribution named
+    ``transformer-engine`` whose package refuses to import. accelerate's ``is_transformer_engine_available()``
+    asks only whether the package and its metadata exist, so its recipe handlers build for real; nothing in
+    these tests imports TE (its recipe is built at ``prepare()``, which is not called)."""
+    root = tmp_path / "te_site"
+    (root / "transformer_engine").mkdir(parents=True)
+    (root / "transformer_engine" / "__init__.py").write_text("raise ImportError('stand-in: TransformerEngine is not installed here')\n")
+    (root / "transformer_engine-2.20.2.dist-info").mkdir()
+    (root / "transformer_engine-2.20.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 2.20.2\n")
+    monkeypatch.syspath_prepend(str(root))
+    return root
+
+
+def test_te_recipe_handlers_need_transformer_engine_here():
+    """Measured: accelerate 1.15 refuses to build a TE recipe handler without TransformerEngine."""
+    from accelerate.utils import TERecipeKwargs
+
+    with pytest.raises(ImportError, match="TransformerEngine is not available"):
+        TERecipeKwargs(use_mxfp8_block_scaling=True)
+
+
+def test_an_mxfp8_handler_saying_hybrid_runs_e4m3_because_accelerate_drops_the_default(te_distribution):
+    """NVIDIA-NeMo/Megatron-Bridge PR #638: "MXFP8 recipe must only use E4M3 data format for both fprop and
+    bprop. Using E5M2 for gradients causes the training curve to diverge". Through accelerate 1.15 that trap is
+    not reachable: ``TERecipeKwargs(use_mxfp8_block_scaling=True)`` holds ``fp8_format="HYBRID"`` (its default,
+    or ACCELERATE_FP8_FORMAT from the launcher), but ``to_kwargs()`` (what ``apply_fp8_autowrap`` builds TE's
+    recipe from) drops fields equal to the default, measured below; TE's ``MXFP8BlockScaling()`` then keeps its
+    own default, E4M3 for every tensor (TE 2.20 ``common/recipe``). mpdoctor says so as info, not a warning."""
+    from accelerate.utils import TERecipeKwargs
+
+    os.environ["ACCELERATE_FP8_FORMAT"] = "HYBRID"  # as the launcher sets it
+    handler = TERecipeKwargs(use_mxfp8_block_scaling=True)
+    assert handler.fp8_format == "HYBRID"
+    assert handler.to_kwargs() == {"use_mxfp8_block_scaling": True}  # HYBRID is not passed to TE
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[handler], cpu=True)
+    assert acc.te_recipe_handler is handler and acc.fp8_backend == "TE"
+    report = mpdoctor.diagnose(acc, names={id(acc): "accelerator"})
+    (recipe,) = report.facts.fp8_recipes
+    assert (recipe.owner, recipe.block_scaling, recipe.written_format, recipe.passed_format, recipe.runs_format) == (
+        "accelerator.te_recipe_handler", True, "HYBRID", None, "E4M3"
+    )
+    f = finding(report, "mxfp8-e5m2-gradients")
+    assert f.severity == "info" and "keeps its default E4M3" in f.message
+    assert not [x for x in report.findings if x.check == "mxfp8-e5m2-gradients" and x.severity != "info"]
+
+
+def test_mxfp8_with_e5m2_gradients_is_a_warning_with_the_measured_loss(te_distribution):
+    """A recipe that does run MXFP8 in HYBRID (TE's ``MXFP8BlockScaling(fp8_format=Format.HYBRID)``, as NeMo's
+    ``fp8="hybrid"`` MXFP8 recipe built before PR #638) cannot be built on this CPU: TE is not importable, and
+    accelerate's handlers never send HYBRID to MXFP8. The recipe facts are built by hand from a real handler's,
+    with TE receiving HYBRID; the measured harm (5.3 dB) is in test_compare_oracles."""
+    import dataclasses
+
+    from accelerate.utils import TERecipeKwargs
+
+    from mpdoctor.checks import run_checks
+
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(use_mxfp8_block_scaling=True)], cpu=True)
+    facts = mpdoctor.diagnose(acc, names={id(acc): "accelerator"}).facts
+    (real,) = facts.fp8_recipes
+    hybrid = dataclasses.replace(real, passed_format="HYBRID", runs_format="HYBRID")
+    (f,) = [x for x in run_checks(dataclasses.replace(facts, fp8_recipes=(hybrid,))) if x.check == "mxfp8-e5m2-gradients"]
+    assert f.severity == "warning" and "25.4 dB SQNR against 30.6 dB" in f.message and "5.3 dB" in f.message
+    assert "fp8_format='E4M3'" in f.fixes[0].code and f.fixes[0].applicability.name == "DISPLAY_ONLY"
+    # DelayedScaling (no block scales) in HYBRID is TE's default recipe: nothing to say.
+    delayed = dataclasses.replace(real, block_scaling=False, runs_format="HYBRID")
+    assert not [x for x in run_checks(dataclasses.replace(facts, fp8_recipes=(delayed,))) if x.check == "mxfp8-e5m2-gradients"]
