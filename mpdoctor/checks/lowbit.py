@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts
+from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP8_GEMM_CAPABILITY, MX_GEMM_CAPABILITY
 from ..treatment.findings import Finding
 from ..treatment.fixes import Applicability, Fix
 from . import check
+from .precision import alignment_fix
 
 #: Compute capability from which GPUs have float8 tensor cores (Ada L4 / RTX 4090 sm_89, Hopper H100 sm_90).
 FLOAT8_CAPABILITY = FP8_GEMM_CAPABILITY
@@ -296,7 +298,128 @@ def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
 
 
 def _fp8_setups(facts: Facts) -> list:
-    return [p for p in facts.precisions if p.accelerator_mixed_precision == "fp8" or p.env_mixed_precision == "fp8"]
+    """Setups that will run fp8: the accelerator says so, or the launcher does and nothing overrides it."""
+    return [
+        p
+        for p in facts.precisions
+        if p.accelerator_mixed_precision == "fp8"
+        or (p.env_mixed_precision == "fp8" and declared_precision(p) in (None, "fp8"))
+    ]
+
+
+def _label(precision: str) -> str:
+    return "fp32" if precision == "no" else precision
+
+
+def _winner(p: PrecisionFacts, declared: str) -> str:
+    """The flag that beat the launcher's fp8, as the user wrote it."""
+    if p.args_name is not None and p.requested in ("fp16", "bf16"):
+        via = "the Trainer passes it to its Accelerator" if p.accelerator_name else "a Trainer will pass it to its Accelerator"
+        return f"{p.args_name}.{p.requested}=True ({p.args_name}.mixed_precision={declared!r}; {via} explicitly)"
+    if p.args_name is not None:
+        return f"{p.args_name}.mixed_precision={declared!r}"
+    return f"Accelerator(mixed_precision={declared!r}) (an explicit argument beats the launcher's variable)"
+
+
+def _launcher_env(facts: Facts) -> dict:
+    """The launcher's fp8 variables as the report may show them (the allowlisted ones)."""
+    return {k: v for k, v in facts.runtime.env.items() if k == ENV or k.startswith("ACCELERATE_FP8_")}
+
+
+@check("fp8-request-overridden", "warning")
+def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
+    """The launcher asked for fp8, but another precision flag won: the run trains in bf16 (or fp16 / fp32).
+
+    What it detects
+        ``ACCELERATE_MIXED_PRECISION=fp8`` in the environment (``accelerate launch --mixed_precision fp8`` sets
+        it, with the ``ACCELERATE_FP8_*`` recipe variables) while the setup declares another precision:
+        ``TrainingArguments(bf16=True)`` (transformers 5.x sets ``args.mixed_precision="bf16"`` and the
+        Trainer passes it to ``Accelerator(mixed_precision=...)``; TRL's configs default ``bf16=True``), or an
+        ``Accelerator(mixed_precision="bf16")`` built with an explicit argument. Setups with a DeepSpeed
+        config are skipped.
+    Why it matters
+        accelerate takes an explicit ``mixed_precision`` over the launcher's variable, silently: measured with
+        accelerate 1.15 and transformers 5.23, ``accelerate launch --mixed_precision fp8`` and
+        ``TrainingArguments(bf16=True)`` give ``trainer.accelerator.mixed_precision == "bf16"``, no fp8
+        backend and no float8 layer after training, while the launch command, its config and the logs say
+        fp8. Speed-ups and fp8 numerics measured on such a run are bf16's.
+    Severity
+        Warning: the run trains, but not in the precision it was launched for.
+    Fix
+        Advice: the line to change (``bf16=False`` in the arguments before the Trainer is built, no
+        ``mixed_precision`` argument to ``Accelerator``). Not in place, even before a Trainer exists: with
+        accelerate's torchao backend (chosen first when torchao is installed) a transformers 5.23 Trainer
+        prepares model and optimizer together, the model's Linear layers become ``Float8Linear`` with new
+        weights after the optimizer was built, and those weights never train (measured; mpdoctor's
+        ``optimizer-params-not-in-model`` names it): letting fp8 through would make that run worse. In place:
+        keep the flag's precision and drop the launcher's ``ACCELERATE_MIXED_PRECISION``, so nothing says fp8
+        (unsafe: it overrides the launcher's choice for later Accelerators in the process).
+    Source
+        huggingface/trl #3860 ("bf16 Option in Training Config Prevents FP8 Training"); accelerate 1.15
+        ``AcceleratorState`` (an explicit ``mixed_precision`` wins over ``ACCELERATE_MIXED_PRECISION``);
+        transformers 5.23 ``TrainingArguments.__post_init__`` and ``Trainer._build_accelerator_args``.
+    """
+    env = _launcher_env(facts)
+    for p in facts.precisions:
+        if p.env_mixed_precision != "fp8" or p.args.get("deepspeed"):
+            continue
+        declared = declared_precision(p)
+        if declared in (None, "fp8"):
+            continue
+        winner = _winner(p, declared)
+        runs = _label(p.computes_in)
+        shown = ", ".join(f"{k}={v}" for k, v in env.items() if k != ENV)
+        msg = (
+            f"The launcher asked for fp8 ({ENV}=fp8{'; ' + shown if shown else ''}) but {winner} won: {p.name} "
+            f"trains in {runs}, and no layer runs in fp8."
+        )
+        if p.args_name is not None and p.accelerator_name is None:
+            code = (
+                f"{p.args_name}.bf16 = False  # before the Trainer is built: it passes args.mixed_precision to its Accelerator\n"
+                f"{p.args_name}.fp16 = False\n"
+                f"{p.args_name}.mixed_precision = 'fp8'\n"
+                f"# or: TrainingArguments(..., bf16=False); then build the Trainer with {p.args_name}"
+            )
+        elif p.args_name is not None:
+            code = (
+                f"{p.args_name} = TrainingArguments(..., bf16=False, fp16=False)  # leaves the launcher's fp8 alone\n"
+                f"trainer = Trainer(model=model, args={p.args_name}, ...)  # a new Trainer: its Accelerator is built fp8"
+            )
+        else:
+            code = "accelerator = Accelerator()  # no mixed_precision argument: the launcher's fp8 applies"
+        # Advice, not in place: with accelerate's torchao backend a Trainer converts its layers after building
+        # its optimizer (transformers 5.23, accelerate 1.15, measured), so the fp8 layers' weights would not train.
+        fixes = [
+            Fix(
+                "Let the launcher's fp8 through: no bf16/fp16 flag, no mixed_precision argument",
+                code + "\n# with accelerate's torchao backend, build the optimizer from the prepared model: "
+                "prepare() swaps Linear for Float8Linear with new weights",
+                applicability=Applicability.DISPLAY_ONLY,
+                recipe="launcher-fp8",
+            )
+        ]
+        device = "cpu" if p.args.get("use_cpu") else (p.device or facts.hardware.kind)
+        fixes.append(
+            alignment_fix(
+                facts,
+                p,
+                f"Keep {runs}: remove the launcher's {ENV}=fp8 so nothing says fp8",
+                declared,
+                native_amp_for(declared, device),
+                why=f"{p.name} trains in {runs}; say so",
+                recipe="drop-launcher-fp8",
+                cost="no change to the numbers this run computes; later Accelerators in this process no longer default to fp8",
+            )
+        )
+        evidence = {
+            **env,
+            "declared": declared,
+            "requested": p.requested,
+            "accelerator.mixed_precision": p.accelerator_mixed_precision,
+            "computes_in": p.computes_in,
+            "winner": winner,
+        }
+        yield Finding("fp8-request-overridden", "warning", p.name, msg, evidence, fixes)
 
 
 @check("fp8-requested-not-on", "warning")
@@ -396,6 +519,86 @@ def fp8_requested_unsupported_device(facts: Facts) -> Iterator[Finding]:
                 )
             ],
         )
+
+
+#: Measured with mpdoctor's MX emulation (``quantize_mx``, bit for bit torchao's ``to_mx``) on a Gaussian gradient
+#: (1024 x 4096, seed 0, blocks of 32 along the contraction): signal-to-quantization-noise ratio in dB.
+MXFP8_GRAD_SQNR_DB = {"E4M3": 30.65, "E5M2": 25.37}
+
+
+@check("mxfp8-e5m2-gradients", "warning")
+def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
+    """An MXFP8 recipe whose gradients are e5m2 (TransformerEngine's ``HYBRID`` format), not NVIDIA's e4m3.
+
+    What it detects
+        A TransformerEngine fp8 recipe held by an accelerator (``TERecipeKwargs`` / ``FP8RecipeKwargs`` with
+        ``use_mxfp8_block_scaling=True``) whose recipe, as TE will build it, is ``MXFP8BlockScaling`` in
+        ``Format.HYBRID``: e4m3 forward, e5m2 gradients. With accelerate 1.15 that does not happen through the
+        handler: ``to_kwargs()`` drops an ``fp8_format`` equal to its default ``HYBRID``, so TE's
+        ``MXFP8BlockScaling()`` keeps its own default, E4M3 for every tensor. A handler that *says* HYBRID
+        but runs E4M3 is reported as info (true, harmless: the recipe NVIDIA recommends runs).
+    Why it matters
+        With per-block e8m0 scales the range comes from the scale, and e5m2's wider exponent buys nothing;
+        its 2 mantissa bits cost precision. Measured with mpdoctor's MX emulation on a Gaussian gradient
+        (1024 x 4096): e4m3 elements 30.65 dB SQNR, e5m2 elements 25.37 dB, 5.3 dB more noise in every
+        gradient (4.4 dB on a heavy-tailed Student-t(3) gradient). NVIDIA's MXFP8 pre-training recipe uses
+        e4m3 for all tensors; NeMo's MXFP8 recipe used ``hybrid`` until its training curve diverged.
+    Severity
+        Warning when the recipe that runs is MXFP8 with e5m2 gradients (measurably noisier gradients); info
+        when the handler's HYBRID is dropped by accelerate and E4M3 runs.
+    Fix
+        ``fp8_format="E4M3"`` on the recipe. Display only: TE's recipe is built from the handler at
+        ``prepare()``, and with accelerate 1.15 the handler cannot send HYBRID to MXFP8 anyway; writing E4M3
+        makes the code say what runs.
+    Source
+        NVIDIA-NeMo/Megatron-Bridge PR #638 ("MXFP8 recipe must only use E4M3 ... Using E5M2 for gradients
+        causes the training curve to diverge"); ROCm/Megatron-LM PR #100; Mishra et al., "Recipes for
+        Pre-training LLMs with MXFP8" (arXiv 2506.08027); TransformerEngine ``MXFP8BlockScaling`` (default
+        ``Format.E4M3``); accelerate 1.15 ``KwargsHandler.to_kwargs`` and ``apply_fp8_autowrap``.
+    """
+    for r in facts.fp8_recipes:
+        if not r.block_scaling:
+            continue
+        e4, e5 = MXFP8_GRAD_SQNR_DB["E4M3"], MXFP8_GRAD_SQNR_DB["E5M2"]
+        fix = Fix(
+            "Use e4m3 for every tensor of the MXFP8 recipe (NVIDIA's recipe)",
+            "from accelerate.utils import TERecipeKwargs\n"
+            "recipe = TERecipeKwargs(use_mxfp8_block_scaling=True, fp8_format='E4M3')  # e4m3 gradients too\n"
+            "accelerator = Accelerator(mixed_precision='fp8', kwargs_handlers=[recipe])",
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="mxfp8-e4m3",
+        )
+        evidence = {
+            "recipe": r.owner,
+            "fp8_format": r.written_format,
+            "passed_to_te": r.passed_format,
+            "runs": r.runs_format,
+            "grad_sqnr_db_e4m3": e4,
+            "grad_sqnr_db_e5m2": e5,
+        }
+        if r.runs_format == "HYBRID":
+            yield Finding(
+                "mxfp8-e5m2-gradients",
+                "warning",
+                r.owner,
+                f"{r.owner} runs MXFP8 in HYBRID format: gradients are quantized to e5m2 elements under per-block "
+                f"scales, where the scale already gives the range and e5m2's 2 mantissa bits cost precision "
+                f"(measured: {e5:.1f} dB SQNR against {e4:.1f} dB for e4m3, {e4 - e5:.1f} dB more gradient noise). "
+                "NVIDIA's MXFP8 recipe uses e4m3 for every tensor: fp8_format='E4M3'.",
+                evidence,
+                [fix],
+            )
+        elif r.written_format == "HYBRID" and r.runs_format == "E4M3":
+            yield Finding(
+                "mxfp8-e5m2-gradients",
+                "info",
+                r.owner,
+                f"{r.owner} says fp8_format='HYBRID' (e5m2 gradients) with MXFP8, but accelerate passes only "
+                "non-default fields to TransformerEngine, so MXFP8BlockScaling keeps its default E4M3 for every "
+                "tensor: NVIDIA's recipe runs, not HYBRID. Write fp8_format='E4M3' to say what runs.",
+                evidence,
+                [fix],
+            )
 
 
 @check("quantized-weights-nonfinite", "error")

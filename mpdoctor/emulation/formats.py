@@ -21,6 +21,8 @@ has one (``tests/stack/test_compare_oracles.py`` checks them on the CPU):
 - ``mxfp8`` (OCP MX v1.0, torchao's ``to_mx`` with ``FLOOR`` scales): blocks of
   32 along the contraction dimension, a shared e8m0 scale
   ``2^(floor(log2(block amax)) - 8)``, e4m3 elements, saturated; gradients too.
+- ``mxfp8-hybrid``: MXFP8 with e5m2 gradients (TransformerEngine's ``Format.HYBRID``): the gradient
+  blocks' scale is ``2^(floor(log2(block amax)) - 15)``, as torchao's ``to_mx(x, torch.float8_e5m2, 32)``.
 - ``nvfp4``: blocks of 16, an e4m3 block scale ``block amax / 6`` divided by a
   per-tensor float32 scale ``amax / (448 * 6)``, e2m1 elements (0, 0.5, 1,
   1.5, 2, 3, 4, 6) rounded to nearest even and saturated at 6. Gradients are
@@ -45,6 +47,8 @@ E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 #: The largest power of two e4m3 holds (2^8 = 256): MX scales put a block's amax at 2^8.
 E4M3_MAX_POW2 = 8
+#: The largest power of two e5m2 holds (2^15 = 32768): MX e5m2 elements put a block's amax at 2^15.
+E5M2_MAX_POW2 = 15
 #: torchao's floor on amax before ``448 / amax`` (float8_utils.EPS).
 AMAX_EPS = 1e-12
 _F32_MIN_NORMAL = torch.finfo(torch.float32).tiny
@@ -158,21 +162,26 @@ def _unblock(q: torch.Tensor, dim: int, pad: int, shape: torch.Size) -> torch.Te
     return q[:, : shape[1]] if dim % 2 == 1 else q[: shape[0]]
 
 
-def mx_scale_bits(amax: torch.Tensor) -> torch.Tensor:
-    """The biased e8m0 exponent of each block: ``floor(log2(amax)) - 8 + 127``, clamped, as int32.
+def mx_scale_bits(amax: torch.Tensor, max_pow2: int = E4M3_MAX_POW2) -> torch.Tensor:
+    """The biased e8m0 exponent of each block: ``floor(log2(amax)) - max_pow2 + 127``, clamped, as int32.
 
-    Read from amax's float32 exponent bits, as torchao's ``to_mx`` does (``FLOOR`` mode).
+    ``max_pow2`` is the element format's largest power of two (8 for e4m3, 15 for e5m2). Read from amax's
+    float32 exponent bits, as torchao's ``to_mx`` does (``FLOOR`` mode).
     """
     exponent = ((amax.contiguous().view(torch.int32) >> 23) & 0xFF) - 127
-    return torch.clamp(exponent - E4M3_MAX_POW2, min=-127, max=128) + 127
+    return torch.clamp(exponent - max_pow2, min=-127, max=128) + 127
 
 
 def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32, count: bool = True) -> Quantized:
-    """MX block float8: blocks of ``block`` along ``dim``, e8m0 power-of-two scales, saturated elements."""
+    """MX block float8: blocks of ``block`` along ``dim``, e8m0 power-of-two scales, saturated elements.
+
+    ``dtype`` is the element format: e4m3 (MXFP8 as NVIDIA's recipe runs it) or e5m2 (the gradients of an
+    MXFP8 recipe in ``HYBRID`` format), each with its own largest power of two for the block scale.
+    """
     x = x.to(torch.float32)
     b, axis, pad = _blocks(x, dim, block)
     amax = b.abs().amax(dim=axis, keepdim=True)
-    biased = mx_scale_bits(amax)
+    biased = mx_scale_bits(amax, E5M2_MAX_POW2 if dtype == E5M2 else E4M3_MAX_POW2)
     scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
     fmax = _fp8_max(dtype)
     scaled = b / scale
@@ -290,6 +299,7 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp8", "tensorwise", E4M3, E5M2, 0, False, "float8 tensorwise (torchao default): e4m3 scale 448/amax, e5m2 gradients"),
         Precision("fp8-rowwise", "rowwise", E4M3, E4M3, 0, False, "float8 rowwise (torchao rowwise): e4m3 power-of-two scale per row"),
         Precision("mxfp8", "mx", E4M3, E4M3, 32, False, "MXFP8: 32-element blocks, e8m0 scales, e4m3 elements and gradients"),
+        Precision("mxfp8-hybrid", "mx", E4M3, E5M2, 32, False, "MXFP8 in HYBRID format: e4m3 forward, e5m2 gradients (not NVIDIA's recipe)"),
         Precision("nvfp4", "nvfp4", E4M3, E4M3, 16, False, "NVFP4: 16-element blocks, e4m3 block scales, per-tensor fp32 scale, e2m1"),
     )
 }

@@ -144,6 +144,8 @@ class Facts:
     trl: tuple = ()
     #: mpdoctor.facts.deepspeed.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
     deepspeed: tuple = ()
+    #: mpdoctor.facts.lowbit.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
+    fp8_recipes: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -206,3 +206,36 @@ def bf16_update_loss(groups: list) -> tuple[int, int] | None:
             read += sample.numel()
             lost += int((sample.abs() >= threshold).sum())
     return (read, lost) if read else None
+
+
+@dataclass(frozen=True)
+class FP8RecipeFacts:
+    """A TransformerEngine fp8 recipe an accelerator holds (``TERecipeKwargs`` / ``FP8RecipeKwargs``), as plain data.
+
+    Attributes
+    ----------
+    owner : str
+        Where the recipe lives: ``accelerator.te_recipe_handler`` ...
+    class_path : str
+        The handler's class path.
+    block_scaling : bool
+        ``use_mxfp8_block_scaling``: TE builds ``MXFP8BlockScaling`` (32-element blocks, e8m0 scales) rather
+        than ``DelayedScaling``.
+    written_format : str or None
+        ``fp8_format`` as the handler holds it (``HYBRID``, ``E4M3``, ``E5M2``), from the argument or from
+        ``ACCELERATE_FP8_FORMAT``.
+    passed_format : str or None
+        What accelerate passes to TE's recipe: None when it passes nothing and TE's own default applies.
+    runs_format : str or None
+        The format TE's recipe will hold: ``E4M3`` (every tensor), ``HYBRID`` (e4m3 forward, e5m2 gradients).
+    consumed : bool
+        The accelerator has already prepared a model with it (TE's recipe is built at ``prepare()``).
+    """
+
+    owner: str
+    class_path: str
+    block_scaling: bool
+    written_format: str | None
+    passed_format: str | None
+    runs_format: str | None
+    consumed: bool = False

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import torch
 
 from ..edits.steps import Change, SetAttr, SetEnv
-from ..live.introspect import own_dict, raw_attr
+from ..facts.lowbit import FP8RecipeFacts
+from ..live.introspect import class_path, own_dict, raw_attr
 from . import Integration, Unwrap
 
 ACCELERATOR = "accelerate.accelerator.Accelerator"
@@ -240,6 +241,61 @@ _own = own_dict
 
 
 
+# -- TransformerEngine fp8 recipes held by accelerators ---------------------------------------------------
+
+#: ``TERecipeKwargs.fp8_format`` when neither the argument nor ``ACCELERATE_FP8_FORMAT`` sets it (accelerate 1.15).
+HANDLER_DEFAULT_FORMAT = "HYBRID"
+#: What TE's recipes hold when they get no ``fp8_format`` (TE 2.x ``common/recipe``): ``MXFP8BlockScaling``
+#: defaults to E4M3 for every tensor, ``DelayedScaling`` to HYBRID.
+TE_DEFAULT_FORMAT = {True: "E4M3", False: "HYBRID"}
+_RECIPE_ATTRS = ("te_recipe_handler", "fp8_recipe_handler")
+
+
+def recipe_facts(acc: Any, name: str) -> list[FP8RecipeFacts]:
+    """The TE recipes an accelerator holds, with the format TE will really run.
+
+    accelerate builds TE's recipe at ``prepare()`` from ``handler.to_kwargs()``, which keeps only the fields
+    that differ from a default handler built in a cleared environment (``KwargsHandler.to_kwargs``): an
+    ``fp8_format`` of ``HYBRID`` is dropped, and TE's recipe keeps its own default. ``to_kwargs`` itself is
+    not called here (it clears ``os.environ`` while it builds the default); the rule is applied to the fields.
+    """
+    out = []
+    for attr in _RECIPE_ATTRS:
+        handler = raw_attr(acc, attr, None)
+        if handler is None:
+            continue
+        backend = raw_attr(handler, "backend", "TE")
+        if not isinstance(backend, str) or backend.upper() != "TE":
+            continue  # MS-AMP's recipe has no format to judge
+        written = raw_attr(handler, "fp8_format", None)
+        written = str(written).upper() if isinstance(written, str) else None
+        block = raw_attr(handler, "use_mxfp8_block_scaling", False) is True
+        passed = written if written not in (None, HANDLER_DEFAULT_FORMAT) else None
+        out.append(
+            FP8RecipeFacts(
+                owner=f"{name}.{attr}",
+                class_path=class_path(type(handler)),
+                block_scaling=block,
+                written_format=written,
+                passed_format=passed,
+                runs_format=passed or TE_DEFAULT_FORMAT[block],
+                consumed=bool(raw_attr(acc, "_models", None)),
+            )
+        )
+    return out
+
+
+def _facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    recipes: list[FP8RecipeFacts] = []
+    for s in subjects:
+        if s.kind == "accelerator":
+            try:
+                recipes += recipe_facts(s.obj, s.name)
+            except Exception:  # a half-built accelerator: the rest of the report still stands
+                continue
+    return {"fp8_recipes": tuple(recipes)} if recipes else {}
+
+
 INTEGRATION = Integration(
     name="accelerate",
     modules=("accelerate",),
@@ -248,4 +304,5 @@ INTEGRATION = Integration(
     brings=((ACCELERATOR, ("scaler",)), (ACCELERATED_OPTIMIZER, ("scaler",))),
     model_facts=_model_facts,
     effective=effective,
+    facts=_facts,
 )

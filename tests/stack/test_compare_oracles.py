@@ -126,3 +126,29 @@ def test_emulated_fp8_linear_matches_torchaos_float8linear_forward_and_backward(
     dead_real = (real[0].weight.grad == 0).all(dim=0)
     assert dead_real.sum() > 0 and torch.equal(dead_real, (model[0].weight.grad == 0).all(dim=0))
     assert compare(model, x, precisions=("fp8",)).row("0", "fp8").act_underflow_pct > 5
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_mx_e5m2_elements_equal_torchao_to_mx_e5m2_bit_for_bit(index):
+    """The gradients of an MXFP8 recipe in HYBRID format: e5m2 elements, block scale 2^(floor(log2 amax) - 15)."""
+    x = samples()[index]
+    scale, data = to_mx(x, torch.float8_e5m2, 32)
+    rows, k = x.shape
+    oracle = (data.float().reshape(rows, k // 32, 32) * get_fp_scale(scale).unsqueeze(-1)).reshape(rows, k)
+    ours = formats.quantize_mx(x, dim=1, dtype=torch.float8_e5m2)
+    assert torch.equal(bits(ours.values), bits(oracle))
+    assert torch.equal(bits(formats.precision("mxfp8-hybrid").quantize(x, 1, grad=True).values), bits(oracle))
+
+
+def test_e5m2_gradients_under_mx_block_scales_lose_5_db_against_e4m3():
+    """The measured harm behind ``mxfp8-e5m2-gradients``: the figures its message quotes."""
+    from mpdoctor.checks.lowbit import MXFP8_GRAD_SQNR_DB
+
+    def sqnr(x, q):
+        return float(10 * torch.log10(x.pow(2).sum() / (x - q).pow(2).sum()))
+
+    grad = torch.randn(1024, 4096, generator=torch.Generator().manual_seed(0))
+    e4 = sqnr(grad, formats.quantize_mx(grad, 1, torch.float8_e4m3fn).values)
+    e5 = sqnr(grad, formats.quantize_mx(grad, 1, torch.float8_e5m2).values)
+    assert abs(e4 - MXFP8_GRAD_SQNR_DB["E4M3"]) < 0.05 and abs(e5 - MXFP8_GRAD_SQNR_DB["E5M2"]) < 0.05
+    assert e4 - e5 > 5.0

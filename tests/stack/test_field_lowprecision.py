@@ -366,3 +366,271 @@ def test_mxfp8_activations_and_weights_on_a_device_without_mx_gemms():
     for p in nv.parameters():
         p.requires_grad_(False)
     trains(head, x)
+
+
+# -- fp8 asked for by the launcher, another flag wins ---------------------------------------------------------
+
+#: What ``accelerate launch --mixed_precision fp8`` puts in the environment (accelerate 1.15, measured by the
+#: launch test below, which prints them from the launched script). In-process tests set these as the stand-in
+#: for the launcher.
+LAUNCHER_FP8_ENV = {
+    "ACCELERATE_MIXED_PRECISION": "fp8",
+    "ACCELERATE_FP8_AMAX_COMPUTE_ALGO": "most_recent",
+    "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024",
+    "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "1",
+    "ACCELERATE_FP8_FORMAT": "HYBRID",
+    "ACCELERATE_FP8_INTERVAL": "1",
+    "ACCELERATE_FP8_MARGIN": "0",
+    "ACCELERATE_FP8_OPT_LEVEL": "O2",
+    "ACCELERATE_FP8_OVERRIDE_DGRAD": "False",
+    "ACCELERATE_FP8_OVERRIDE_FPROP": "False",
+    "ACCELERATE_FP8_OVERRIDE_WGRAD": "False",
+    "ACCELERATE_FP8_PAD_INNER_DIM": "1",
+    "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL": "False",
+}
+
+LAUNCHED_SCRIPT = '''
+import json, os, torch
+from transformers import Trainer, TrainingArguments
+class M(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in ((32, 64), (64, 64), (64, 64), (64, 16))])
+    def forward(self, x, labels=None):
+        return {"loss": self.body(x).float().pow(2).mean()}
+args = TrainingArguments(os.environ["OUT"], bf16=True, use_cpu=True, report_to=[], max_steps=1, save_strategy="no",
+                         per_device_train_batch_size=16)
+trainer = Trainer(model=M(), args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+trainer.train()
+print(json.dumps({"env": {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_FP8_") or k == "ACCELERATE_MIXED_PRECISION"},
+                  "args.mixed_precision": args.mixed_precision, "accelerator": trainer.accelerator.mixed_precision,
+                  "fp8_backend": str(trainer.accelerator.fp8_backend),
+                  "float8_layers": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules())}))
+'''
+
+
+class Net(torch.nn.Module):
+    """Four Linear layers with dims divisible by 16: accelerate's AO filter converts the two inner ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in ((32, 64), (64, 64), (64, 64), (64, 16))])
+
+    def forward(self, x, labels=None):
+        return {"loss": self.body(x).float().pow(2).mean()}
+
+
+def float8_layers(model) -> int:
+    return sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+
+
+def test_accelerate_launch_fp8_with_bf16_true_trains_in_bf16_measured_with_the_real_launcher(tmp_path):
+    """huggingface/trl#3860 ("bf16 Option in Training Config Prevents FP8 Training"). Measured with the real
+    ``accelerate launch --cpu --mixed_precision fp8`` (accelerate 1.15, transformers 5.23): the launcher sets
+    ACCELERATE_MIXED_PRECISION=fp8 and the ACCELERATE_FP8_* recipe variables; ``TrainingArguments(bf16=True)``
+    leaves the variable alone but sets ``args.mixed_precision="bf16"``, the Trainer passes it to its Accelerator
+    explicitly, and the run trains in bf16 with no float8 layer, silently."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED_SCRIPT)
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env["OUT"] = str(tmp_path / "out")
+    done = subprocess.run(
+        [accelerate, "launch", "--cpu", "--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no",
+         "--mixed_precision", "fp8", str(script)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["env"] == LAUNCHER_FP8_ENV  # the stand-in below is exactly what the launcher sets
+    assert seen["args.mixed_precision"] == "bf16" and seen["accelerator"] == "bf16"
+    assert seen["fp8_backend"] == "FP8BackendType.NO" and seen["float8_layers"] == 0  # the harm: no layer in fp8
+
+
+def test_bf16_true_under_the_launchers_fp8_is_named_and_the_advice_lets_fp8_through(tmp_path, monkeypatch):
+    """The same setup in process (the launcher's variables set as it sets them): mpdoctor names the flag that
+    won. The advice (``bf16=False``, ``mixed_precision="fp8"`` before the Trainer exists), taken, gives an fp8
+    Trainer; but measured with transformers 5.23 + accelerate 1.15, that Trainer's torchao backend swaps the
+    inner Linear layers for Float8Linear after building its optimizer, and their new weights never train
+    (mpdoctor's ``optimizer-params-not-in-model``, an error). That is why the advice is not applied in place;
+    the in-place fix keeps bf16 and drops the launcher's variable."""
+    from transformers import Trainer, TrainingArguments
+
+    for k, v in LAUNCHER_FP8_ENV.items():
+        monkeypatch.setenv(k, v)
+    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                             per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8" and args.mixed_precision == "bf16"
+    report = mpdoctor.diagnose(args, names={id(args): "args"})
+    f = finding(report, "fp8-request-overridden")
+    assert f.severity == "warning"
+    assert "ACCELERATE_MIXED_PRECISION=fp8" in f.message and "ACCELERATE_FP8_FORMAT=HYBRID" in f.message
+    assert "args.bf16=True" in f.message and "trains in bf16" in f.message and "no layer runs in fp8" in f.message
+    assert "precision-override" not in severities(report)
+    advice, keep = f.fixes
+    assert advice.applicability.name == "DISPLAY_ONLY" and "args.bf16 = False" in advice.code
+    assert "args.mixed_precision = 'fp8'" in advice.code
+    # The in-place fix: keep bf16, nothing says fp8 any more; undo brings the launcher's variable back.
+    keep.apply()
+    assert "ACCELERATE_MIXED_PRECISION" not in os.environ and args.mixed_precision == "bf16"
+    assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
+    keep.undo()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    # The advice, taken by hand: fp8 reaches the Trainer's Accelerator and two layers become Float8Linear...
+    args.bf16, args.mixed_precision = False, "fp8"
+    assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    assert trainer.accelerator.mixed_precision == "fp8"
+    trainer.train()
+    assert float8_layers(trainer.model) == 2
+    # ...whose weights the Trainer's optimizer never held: they did not move (measured), and mpdoctor says so.
+    frozen = [n for n, p in trainer.model.named_parameters() if torch.equal(before[n], p.detach())]
+    assert frozen == ["body.1.weight", "body.2.weight"]
+    report = mpdoctor.diagnose(trainer, names={id(trainer): "trainer"})
+    assert severities(report)["optimizer-params-not-in-model"] == "error"
+
+
+def test_a_trainer_already_built_under_the_launchers_fp8_gets_the_line_to_change(tmp_path, monkeypatch):
+    """Once the Trainer exists its Accelerator is bf16 and its layers are chosen at prepare(): converting them in
+    place is not honest, so the advice is the line to change; the other fix keeps bf16 and drops the launcher's
+    variable, so nothing says fp8 any more (applied here, undone)."""
+    from transformers import Trainer, TrainingArguments
+
+    for k, v in LAUNCHER_FP8_ENV.items():
+        monkeypatch.setenv(k, v)
+    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[], max_steps=1, save_strategy="no")
+    trainer = Trainer(model=Net(), args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    assert trainer.accelerator.mixed_precision == "bf16"
+    f = finding(mpdoctor.diagnose(trainer, names={id(trainer): "trainer"}), "fp8-request-overridden")
+    assert "the Trainer passes it to its Accelerator" in f.message and "trains in bf16" in f.message
+    advice, keep = f.fixes
+    assert advice.applicability.name == "DISPLAY_ONLY" and "bf16=False" in advice.code
+    keep.apply()
+    assert "ACCELERATE_MIXED_PRECISION" not in os.environ
+    assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(trainer, names={id(trainer): "trainer"}))
+    trainer.train()
+    keep.undo()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
+
+
+def test_an_explicit_accelerator_argument_beats_the_launchers_fp8(monkeypatch):
+    """accelerate 1.15: ``Accelerator(mixed_precision="bf16")`` under the launcher's fp8 runs bf16 (an explicit
+    argument wins over ACCELERATE_MIXED_PRECISION), measured: no fp8 backend. Without the argument, fp8."""
+    from accelerate.state import AcceleratorState
+
+    for k, v in LAUNCHER_FP8_ENV.items():
+        monkeypatch.setenv(k, v)
+    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    assert acc.mixed_precision == "bf16" and not acc.fp8_enabled
+    f = finding(mpdoctor.diagnose(acc, names={id(acc): "accelerator"}), "fp8-request-overridden")
+    assert "Accelerator(mixed_precision='bf16')" in f.message
+    assert "accelerator = Accelerator()" in f.fixes[0].code
+    # The advice, taken: no argument, the launcher's fp8 applies and the AO backend converts the inner layers.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc, model, opt = Accelerator(cpu=True), None, None
+    assert acc.mixed_precision == "fp8"
+    model = acc.prepare(mlp(32, 64, 64, 64, 16))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert float8_layers(model) == 2
+    acc.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    opt.step()
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    assert "fp8-request-overridden" not in severities(report)
+
+
+def test_trl_sft_config_defaults_bf16_and_overrides_the_launchers_fp8(tmp_path, monkeypatch):
+    """huggingface/trl#3860: "fp8 training doesn't work because the internal logic causes self.bf16 to become
+    True". TRL 1.16's ``SFTConfig`` still defaults ``bf16=True`` (measured), so under the launcher's fp8 the
+    config says bf16 and wins; ``bf16=False`` leaves the launcher's choice alone."""
+    from trl import SFTConfig
+
+    for k, v in LAUNCHER_FP8_ENV.items():
+        monkeypatch.setenv(k, v)
+    config = SFTConfig(str(tmp_path), use_cpu=True, report_to=[])
+    assert config.bf16 is True and config.mixed_precision == "bf16"
+    f = finding(mpdoctor.diagnose(config, names={id(config): "config"}), "fp8-request-overridden")
+    assert "config.bf16=True" in f.message
+    config = SFTConfig(str(tmp_path), use_cpu=True, report_to=[], bf16=False)
+    assert config.mixed_precision == "fp8"
+    assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(config, names={id(config): "config"}))
+
+
+# -- MXFP8 recipes: e5m2 gradients ----------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def te_distribution(tmp_path, monkeypatch):
+    """Stand-in for an installed TransformerEngine, which cannot be installed on this CPU: a distribution named
+    ``transformer-engine`` whose package refuses to import. accelerate's ``is_transformer_engine_available()``
+    asks only whether the package and its metadata exist, so its recipe handlers build for real; nothing in
+    these tests imports TE (its recipe is built at ``prepare()``, which is not called)."""
+    root = tmp_path / "te_site"
+    (root / "transformer_engine").mkdir(parents=True)
+    (root / "transformer_engine" / "__init__.py").write_text("raise ImportError('stand-in: TransformerEngine is not installed here')\n")
+    (root / "transformer_engine-2.20.2.dist-info").mkdir()
+    (root / "transformer_engine-2.20.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 2.20.2\n")
+    monkeypatch.syspath_prepend(str(root))
+    return root
+
+
+def test_te_recipe_handlers_need_transformer_engine_here():
+    """Measured: accelerate 1.15 refuses to build a TE recipe handler without TransformerEngine."""
+    from accelerate.utils import TERecipeKwargs
+
+    with pytest.raises(ImportError, match="TransformerEngine is not available"):
+        TERecipeKwargs(use_mxfp8_block_scaling=True)
+
+
+def test_an_mxfp8_handler_saying_hybrid_runs_e4m3_because_accelerate_drops_the_default(te_distribution):
+    """NVIDIA-NeMo/Megatron-Bridge PR #638: "MXFP8 recipe must only use E4M3 data format for both fprop and
+    bprop. Using E5M2 for gradients causes the training curve to diverge". Through accelerate 1.15 that trap is
+    not reachable: ``TERecipeKwargs(use_mxfp8_block_scaling=True)`` holds ``fp8_format="HYBRID"`` (its default,
+    or ACCELERATE_FP8_FORMAT from the launcher), but ``to_kwargs()`` (what ``apply_fp8_autowrap`` builds TE's
+    recipe from) drops fields equal to the default, measured below; TE's ``MXFP8BlockScaling()`` then keeps its
+    own default, E4M3 for every tensor (TE 2.20 ``common/recipe``). mpdoctor says so as info, not a warning."""
+    from accelerate.utils import TERecipeKwargs
+
+    os.environ["ACCELERATE_FP8_FORMAT"] = "HYBRID"  # as the launcher sets it
+    handler = TERecipeKwargs(use_mxfp8_block_scaling=True)
+    assert handler.fp8_format == "HYBRID"
+    assert handler.to_kwargs() == {"use_mxfp8_block_scaling": True}  # HYBRID is not passed to TE
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[handler], cpu=True)
+    assert acc.te_recipe_handler is handler and acc.fp8_backend == "TE"
+    report = mpdoctor.diagnose(acc, names={id(acc): "accelerator"})
+    (recipe,) = report.facts.fp8_recipes
+    assert (recipe.owner, recipe.block_scaling, recipe.written_format, recipe.passed_format, recipe.runs_format) == (
+        "accelerator.te_recipe_handler", True, "HYBRID", None, "E4M3"
+    )
+    f = finding(report, "mxfp8-e5m2-gradients")
+    assert f.severity == "info" and "keeps its default E4M3" in f.message
+    assert not [x for x in report.findings if x.check == "mxfp8-e5m2-gradients" and x.severity != "info"]
+
+
+def test_mxfp8_with_e5m2_gradients_is_a_warning_with_the_measured_loss(te_distribution):
+    """A recipe that does run MXFP8 in HYBRID (TE's ``MXFP8BlockScaling(fp8_format=Format.HYBRID)``, as NeMo's
+    ``fp8="hybrid"`` MXFP8 recipe built before PR #638) cannot be built on this CPU: TE is not importable, and
+    accelerate's handlers never send HYBRID to MXFP8. The recipe facts are built by hand from a real handler's,
+    with TE receiving HYBRID; the measured harm (5.3 dB) is in test_compare_oracles."""
+    import dataclasses
+
+    from accelerate.utils import TERecipeKwargs
+
+    from mpdoctor.checks import run_checks
+
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(use_mxfp8_block_scaling=True)], cpu=True)
+    facts = mpdoctor.diagnose(acc, names={id(acc): "accelerator"}).facts
+    (real,) = facts.fp8_recipes
+    hybrid = dataclasses.replace(real, passed_format="HYBRID", runs_format="HYBRID")
+    (f,) = [x for x in run_checks(dataclasses.replace(facts, fp8_recipes=(hybrid,))) if x.check == "mxfp8-e5m2-gradients"]
+    assert f.severity == "warning" and "25.4 dB SQNR against 30.6 dB" in f.message and "5.3 dB" in f.message
+    assert "fp8_format='E4M3'" in f.fixes[0].code and f.fixes[0].applicability.name == "DISPLAY_ONLY"
+    # DelayedScaling (no block scales) in HYBRID is TE's default recipe: nothing to say.
+    delayed = dataclasses.replace(real, block_scaling=False, runs_format="HYBRID")
+    assert not [x for x in run_checks(dataclasses.replace(facts, fp8_recipes=(delayed,))) if x.check == "mxfp8-e5m2-gradients"]

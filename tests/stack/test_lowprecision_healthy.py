@@ -255,3 +255,53 @@ def test_lora_on_an_fp8_stored_frozen_base_and_the_planned_fixes_keep_the_step_w
     model = get_peft_model(base, LoraConfig(r=4, target_modules=["0", "2"]))
     step(model, x, dtype=torch.bfloat16)
     assert loud(mpdoctor.diagnose(model, names={id(model): "model"})) == []
+
+
+def test_the_launchers_fp8_with_bf16_false_and_the_model_prepared_before_the_optimizer(tmp_path, monkeypatch):
+    """``accelerate launch --mixed_precision fp8`` (its variables set as the launcher sets them; the list is checked
+    against the real launcher in test_field_lowprecision), ``TrainingArguments(bf16=False)``, and accelerate's
+    documented order for fp8: the model prepared first, the optimizer built from the prepared model. The
+    arguments keep the launcher's fp8 and the accelerator is fp8 with two float8 layers that train. (A
+    transformers 5.23 Trainer prepares both together and its float8 weights do not train: see
+    test_bf16_true_under_the_launchers_fp8_is_named_and_the_advice_lets_fp8_through.)"""
+    from test_field_lowprecision import LAUNCHER_FP8_ENV
+    from transformers import TrainingArguments
+
+    for k, v in LAUNCHER_FP8_ENV.items():
+        monkeypatch.setenv(k, v)
+    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[])
+    assert args.mixed_precision == "fp8"
+    acc = Accelerator(mixed_precision=args.mixed_precision, cpu=True)
+    model = acc.prepare(mlp(32, 64, 64, 64, 16))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert acc.mixed_precision == "fp8" and len([x for x in model if type(x).__name__ == "Float8Linear"]) == 2
+    x = torch.randn(16, 32)
+    before = [p.detach().clone() for p in model.parameters()]
+    acc.backward(model(x).float().pow(2).mean())
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    names = {id(model): "model", id(opt): "optimizer", id(acc): "accelerator", id(args): "args"}
+    report = mpdoctor.diagnose(model, opt, acc, args, names=names)
+    assert loud(report) == [] and {p.computes_in for p in report.facts.precisions} == {"fp8"}
+
+
+def test_mxfp8_recipe_with_e4m3_for_every_tensor(tmp_path, monkeypatch):
+    """NVIDIA's MXFP8 recipe through accelerate: ``TERecipeKwargs(use_mxfp8_block_scaling=True,
+    fp8_format="E4M3")``. TransformerEngine is not installable here: a stand-in distribution (see
+    ``te_distribution`` in test_field_lowprecision) lets accelerate build the handler for real; nothing imports
+    TE. E4M3 is passed to TE explicitly, and mpdoctor says nothing about the recipe, not even info."""
+    from accelerate.utils import TERecipeKwargs
+
+    root = tmp_path / "te_site"
+    (root / "transformer_engine").mkdir(parents=True)
+    (root / "transformer_engine" / "__init__.py").write_text("raise ImportError('stand-in')\n")
+    (root / "transformer_engine-2.20.2.dist-info").mkdir()
+    (root / "transformer_engine-2.20.2.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: transformer-engine\nVersion: 2.20.2\n")
+    monkeypatch.syspath_prepend(str(root))
+    handler = TERecipeKwargs(use_mxfp8_block_scaling=True, fp8_format="E4M3")
+    assert handler.to_kwargs() == {"fp8_format": "E4M3", "use_mxfp8_block_scaling": True}
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[handler], cpu=True)
+    report = mpdoctor.diagnose(acc, names={id(acc): "accelerator"})
+    assert report.facts.fp8_recipes[0].runs_format == "E4M3"
+    assert loud(report) == [] and "mxfp8-e5m2-gradients" not in {f.check for f in report.findings}
+    assert loud(mpdoctor.diagnose(acc, target="B200")) == []
