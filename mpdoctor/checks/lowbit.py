@@ -593,9 +593,11 @@ def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
                 "mxfp8-e5m2-gradients",
                 "info",
                 r.owner,
-                f"{r.owner} says fp8_format='HYBRID' (e5m2 gradients) with MXFP8, but accelerate passes only "
-                "non-default fields to TransformerEngine, so MXFP8BlockScaling keeps its default E4M3 for every "
-                "tensor: NVIDIA's recipe runs, not HYBRID. Write fp8_format='E4M3' to say what runs.",
+                f"{r.owner} holds fp8_format='HYBRID' (e5m2 gradients: its default, the argument or "
+                "ACCELERATE_FP8_FORMAT) with MXFP8, but accelerate passes only non-default fields to "
+                "TransformerEngine, so MXFP8BlockScaling keeps its own default, E4M3 for every tensor: NVIDIA's "
+                "recipe runs, not HYBRID, whatever the handler or the logs printing it say. "
+                "Write fp8_format='E4M3' to say what runs.",
                 evidence,
                 [fix],
             )

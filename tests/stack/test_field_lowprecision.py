@@ -609,7 +609,7 @@ def test_an_mxfp8_handler_saying_hybrid_runs_e4m3_because_accelerate_drops_the_d
         "accelerator.te_recipe_handler", True, "HYBRID", None, "E4M3"
     )
     f = finding(report, "mxfp8-e5m2-gradients")
-    assert f.severity == "info" and "keeps its default E4M3" in f.message
+    assert f.severity == "info" and "keeps its own default, E4M3" in f.message
     assert not [x for x in report.findings if x.check == "mxfp8-e5m2-gradients" and x.severity != "info"]
 
 
