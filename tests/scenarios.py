@@ -145,6 +145,18 @@ def stale_accelerate_env_fp16() -> dict:
     return {"trainer": trainer}
 
 
+def launcher_fp8_beaten_by_bf16() -> dict:
+    """``accelerate launch --mixed_precision fp8`` (its variables, as tests/stack/test_field_lowprecision.py records
+    them from the real launcher) with ``TrainingArguments(bf16=True)``: the run trains in bf16, not fp8."""
+    reset_accelerate()
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"
+    os.environ["ACCELERATE_FP8_FORMAT"] = "HYBRID"  # two of the launcher's 12 ACCELERATE_FP8_* variables
+    os.environ["ACCELERATE_FP8_OPT_LEVEL"] = "O2"
+    trainer = tiny_trainer(tiny_llama(use_cache=False), bf16=True)
+    trainer.create_optimizer()
+    return {"trainer": trainer}
+
+
 def trainer_fp16_on_cpu() -> dict:
     """Field case 2: Trainer(fp16=True, use_cpu=True): native_amp is False, the run is silently fp32."""
     reset_accelerate()
@@ -249,6 +261,7 @@ FIELD_CASES = [
     Scenario("adamw_bf16_over_fp32", adamw_bf16_over_fp32, _lm_step),
     Scenario("stale_accelerate_env_fp16", stale_accelerate_env_fp16, _trainer_step),
     Scenario("trainer_fp16_on_cpu", trainer_fp16_on_cpu, _trainer_step),
+    Scenario("launcher_fp8_beaten_by_bf16", launcher_fp8_beaten_by_bf16, _trainer_step),
     Scenario(
         "mixed_linear_path",
         mixed_linear_path,
