@@ -154,15 +154,17 @@ def test_recommend_keeps_layers_whose_dims_fp8_kernels_cannot_take():
 # -- models and batches ---------------------------------------------------------------------------
 
 
-def test_tiny_llama_every_linear_every_precision_finite_losses_and_the_frame_columns():
+def test_tiny_llama_every_linear_and_attention_matmul_every_precision_finite_losses_and_the_frame_columns():
     model = tiny_llama(use_cache=False)
     c = mpdoctor.compare(model, batch())
     assert isinstance(c, Comparison) and c.error is None
     frame = c.to_frame()
     assert tuple(frame.columns) == COLUMNS
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert sorted(set(frame.module)) == sorted(linears)
-    assert len(frame) == len(linears) * 5
+    attention = [f"model.layers.{i}.self_attn [{which}]" for i in range(2) for which in ("q·kᵀ", "p·v")]
+    assert sorted(set(frame.module)) == sorted(linears + attention)
+    assert len(frame) == (len(linears) + len(attention)) * 5
+    assert [p for p, _, _ in c.layers] == linears  # the Linears alone, for recommend()
     assert set(c.losses) == {"fp32", "bf16", "fp16", "fp8", "mxfp8", "nvfp4"}
     assert all(math.isfinite(v) for v in c.losses.values())
     assert frame.out_sqnr_db.notna().all() and frame.wgrad_sqnr_db.notna().all()
