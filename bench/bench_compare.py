@@ -8,8 +8,9 @@ Timed, interleaved so that the machine's noise hits both alike, best of N:
 - plain: ``model(**batch).loss.backward()`` with the grads cleared first;
 - compare: ``mpdoctor.compare(model, batch)``: the reference run plus bf16, fp16,
   fp8 (tensorwise), MXFP8 and NVFP4, each a forward and a backward with every
-  Linear emulated (both operands of its three matmuls quantized, plus the
-  float32 matmuls its per-layer SQNR is measured against), the Comparison built.
+  Linear and each layer's SDPA emulated (both operands of each of their matmuls
+  quantized, forward and backward, plus the float32 matmuls their SQNR is
+  measured against; SDPA decomposed into q·kᵀ, softmax and p·v), the Comparison built.
 
 Six forward + backward passes set a floor of 6x; the target is <= 18x.
 
@@ -72,7 +73,7 @@ def main() -> None:
     ratio = best["compare"] / best["plain"]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     c = mpdoctor.compare(model, batch)
-    print(f"{shape['layers']}-layer Llama (hidden 256, {n_linear} Linear), batch {shape['batch']}x{shape['seq']}, "
+    print(f"{shape['layers']}-layer Llama (hidden 256, {n_linear} Linear, {len(c.attention)} attention matmuls), batch {shape['batch']}x{shape['seq']}, "
           f"fp32 CPU, 1 thread, best of {rounds}")  # fmt: skip
     print(f"  plain forward+backward                    {best['plain'] * 1000:9.1f} ms   peak extra {mem_plain / MiB:7.1f} MiB")
     print(f"  mpdoctor.compare ({', '.join(c.precisions)})  {best['compare'] * 1000:9.1f} ms   peak extra {mem_compare / MiB:7.1f} MiB")
@@ -82,7 +83,7 @@ def main() -> None:
     print(f"  losses: {', '.join(f'{k} {v:.4f}' for k, v in c.losses.items())}")
     rows = [
         {
-            "figure": f"compare() of 5 precisions vs one plain fp32 fwd+bwd ({shape['layers']}-layer Llama h256, {n_linear} Linear)",
+            "figure": f"compare() of 5 precisions vs one plain fp32 fwd+bwd ({shape['layers']}-layer Llama h256, {n_linear} Linear, {len(c.attention)} attention matmuls)",
             "mpdoctor": round(best["compare"] * 1000, 1),
             "baseline": round(best["plain"] * 1000, 1),
             "ratio": round(ratio, 2),

@@ -24,7 +24,7 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/mpdoctor/mpdoctor/blob/main/notebooks/10_fp8_what_if.ipynb) [![Binder](https://mybinder.org/badge_logo.svg)](https://mybinder.org/v2/gh/mpdoctor/mpdoctor/main?labpath=notebooks%2F10_fp8_what_if.ipynb)
 #
-# "Which layers will underflow in fp8?", "why is my bf16 loss worse than fp32, and where?" People ask it before every move to a lower precision, and the usual answers need the GPU (TransformerEngine's debug features, torchao's helpers). `mpdoctor.compare(model, batch)` answers on any machine, this CPU included: it runs one forward and one backward of the live model per precision, emulating bf16, fp16, fp8, MXFP8 and NVFP4 at every Linear, and measures, layer by layer, what each does. Then one real fp8 failure, measured with torchao's own float8 training on this CPU, caught and fixed.
+# "Which layers will underflow in fp8?", "why is my bf16 loss worse than fp32, and where?" People ask it before every move to a lower precision, and the usual answers need the GPU (TransformerEngine's debug features, torchao's helpers). `mpdoctor.compare(model, batch)` answers on any machine, this CPU included: it runs one forward and one backward of the live model per precision, emulating bf16, fp16, fp8, MXFP8 and NVFP4 at every Linear and at attention's own two matmuls (q·kᵀ and p·v, in SDPA or an eager attention), and measures, layer by layer, what each does. Then one real fp8 failure, measured with torchao's own float8 training on this CPU, caught and fixed.
 
 # %% [markdown]
 # **Setup.** The next cell installs what is missing: on Colab, the `%pip install` lines fetch mpdoctor from GitHub and torchao from PyPI; in CI they are installed already and the lines are skipped. Nothing is downloaded from a model hub: the model is built from a config.
@@ -91,9 +91,9 @@ batch = {"input_ids": ids, "labels": ids.clone()}
 print(sum(isinstance(m, torch.nn.Linear) for m in model.modules()), "Linear layers")
 
 # %% [markdown]
-# ## The heatmap: every Linear under every precision
+# ## The heatmap: every Linear and attention matmul under every precision
 #
-# `%mpdoctor model --compare batch` runs the reference (fp32) and one forward + backward per precision. Each cell is the layer's **own** output SQNR under that precision: its output against the same matmul in fp32, on the inputs it really sees in that run (higher is better: bf16 keeps ~50 dB, fp16 ~18 dB more, e4m3 ~29, NVFP4 ~17). `▼` marks a layer that loses more of its nonzero inputs or gradients to zero than the precision's limit. In a notebook the widget lets you switch to the weight-gradient SQNR or the underflow shares.
+# `%mpdoctor model --compare batch` runs the reference (fp32) and one forward + backward per precision. Each cell is the layer's **own** output SQNR under that precision: its output against the same matmul in fp32, on the inputs it really sees in that run (higher is better: bf16 keeps ~50 dB, fp16 ~18 dB more, e4m3 ~29, NVFP4 ~17). `▼` marks a layer that loses more of its nonzero inputs or gradients to zero than the precision's limit. Each attention module adds two rows between its projections, `self_attn [q·kᵀ]` and `self_attn [p·v]` (SDPA decomposed, softmax in fp32 as fp8 attention kernels keep it); their weight-gradient column is the gradient of K and V. In a notebook the widget lets you switch to the weight-gradient SQNR or the underflow shares.
 
 # %%
 # %mpdoctor model --compare batch
@@ -129,7 +129,7 @@ losses
 # %% [markdown]
 # ## The layers to keep in bf16
 #
-# `comparison.recommend("fp8")` keeps in higher precision every Linear whose output or weight-gradient SQNR falls under a documented floor (16 dB for fp8), that loses more than 1% of its nonzero inputs or output gradients to zero, or whose dims fp8 GEMMs cannot take (multiples of 16). It also writes the torchao code that converts the rest.
+# `comparison.recommend("fp8")` keeps in higher precision every Linear whose output or weight-gradient SQNR falls under a documented floor (16 dB for fp8), that loses more than 1% of its nonzero inputs or output gradients to zero, or whose dims fp8 GEMMs cannot take (multiples of 16). It also writes the torchao code that converts the rest. Attention rows are never kept nor converted: torchao's recipes convert `nn.Linear` only, so attention stays in high precision under them; those rows say what an fp8 attention kernel would do.
 
 # %%
 recommendation = comparison.recommend("fp8")
@@ -212,4 +212,7 @@ assert caught and caught[0].severity == "warning" and q_proj in caught[0].eviden
 assert kinds[q_proj] == "Linear" and kinds["model.layers.0.self_attn.q_proj"] == "Float8Linear"
 assert dead_fixed == 0 and math.isfinite(step_loss) and changed
 assert converted == len(comparison.layers) - len(recommendation.keep)
+attention = [r.module for r in comparison.rows if r.kind == "attention" and r.precision == "fp8"]
+assert attention == [f"model.layers.{i}.self_attn [{m}]" for i in range(2) for m in ("q·kᵀ", "p·v")]
+assert not set(attention) & set(recommendation.keep)  # attention rows are measured, never kept nor converted
 print("all claims hold")

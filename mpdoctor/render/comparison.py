@@ -1,13 +1,14 @@
 """Renderers of ``mpdoctor.compare``: a text table, a static HTML heatmap and an ipywidgets view.
 
 They read the plain dict of :meth:`mpdoctor.emulation.compare.Comparison.to_dict`
-(never torch). The heatmap has one row per Linear layer and one column per
-precision; each cell is coloured by the layer's SQNR under that precision (red
+(never torch). The heatmap has one row per Linear layer and per attention matmul
+(``path [q·kᵀ]``, ``path [p·v]``), in call order, and one column per precision; each cell is coloured by the layer's SQNR under that precision (red
 at 0 dB, green from 50 dB up) and marked ``▼`` with the share when more of its
 nonzero inputs or output gradients underflow to zero than the precision's limit.
 The widget adds a selector for the metric shown (output SQNR, weight-gradient
-SQNR, activation underflow, gradient underflow, saturation). Core ipywidgets
-only (7.7.1 on Colab and 8).
+SQNR, activation underflow, gradient underflow, saturation). An attention row's
+"weight-gradient" cell is the gradient of the matmul's second operand (K, V): it
+has no weight. Core ipywidgets only (7.7.1 on Colab and 8).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def _fmt(value: Any, unit: str) -> str:
 
 
 def _grid(data: dict) -> tuple[list[str], list[str], dict[tuple[str, str], dict]]:
-    layers = [row[0] for row in data.get("layers", [])]
+    # "modules": Linears and attention matmuls in call order; a dict from before attention rows has only "layers".
+    layers = list(data.get("modules") or [row[0] for row in data.get("layers", [])])
     precisions = list(data.get("precisions", []))
     cells = {(r["module"], r["precision"]): r for r in data.get("rows", [])}
     return layers, precisions, cells
@@ -61,6 +63,15 @@ def _underflow_mark(row: dict, limit: float) -> str:
 
 def _limits(data: dict) -> dict:
     return dict(data.get("thresholds", {}).get("underflow_pct", {}))
+
+
+def _sites(data: dict) -> str:
+    """What the rows are: Linears, and attention matmuls when the comparison reached any."""
+    return "Linear and attention matmul" if data.get("attention") else "Linear"
+
+
+def _wgrad_name(row: dict) -> str:
+    return "K/V grad (2nd operand)" if row.get("kind") == "attention" else "weight grad"
 
 
 def _loss_line(data: dict) -> str:
@@ -99,7 +110,9 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
             line.append(_fmt(row.get(metric), unit) + (f" {mark}" if mark else ""))
         body.append(line)
     widths = [max(len(str(r[i])) for r in [header, *body]) for i in range(len(header))]
-    lines = [head, f"  {title} per Linear ({unit}); ▼ = share of nonzero inputs or gradients underflowing to zero"]
+    lines = [head, f"  {title} per {_sites(data)} ({unit}); ▼ = share of nonzero inputs or gradients underflowing to zero"]
+    if data.get("attention") and metric == "wgrad_sqnr_db":
+        lines.append("  attention rows: the gradient of the matmul's second operand (K for q·kᵀ, V for p·v)")
     lines.append("  " + "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths))))
     lines.append("  " + "  ".join("-" * w for w in widths))
     for r in body:
@@ -163,7 +176,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
             value = row.get(metric)
             mark = _underflow_mark(row, limits.get(p, 1.0))
             tip = (
-                f"{p} at {layer}: output {_fmt(row.get('out_sqnr_db'), 'dB')} dB, weight grad "
+                f"{p} at {layer}: output {_fmt(row.get('out_sqnr_db'), 'dB')} dB, {_wgrad_name(row)} "
                 f"{_fmt(row.get('wgrad_sqnr_db'), 'dB')} dB, activations underflowing {_fmt(row.get('act_underflow_pct'), '%')}%, "
                 f"saturating {_fmt(row.get('act_saturation_pct'), '%')}%, output gradients underflowing "
                 f"{_fmt(row.get('grad_underflow_pct'), '%')}%"
@@ -185,9 +198,16 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
         rows.append(f"<tr style='border-top:2px solid {BORDER}'><td style='padding:2px 8px'>loss (reference {e(ref)} {e(ref_text)})</td>{tds}</tr>")
     rows.append("</table>")
     legend = (
-        f"<div style='color:{MUTED}'>{e(title)} ({e(unit)}) per Linear, measured on the inputs each layer sees in that run; "
+        f"<div style='color:{MUTED}'>{e(title)} ({e(unit)}) per {_sites(data)}, measured on the inputs each layer sees in that run; "
         f"colour from red (0 dB) to green ({GOOD_DB:g} dB and up); <b style='color:#b3261e'>▼</b> = share of nonzero inputs "
-        f"or output gradients that underflow to zero, above the precision's limit. Emulated at: {e(data.get('reached', ''))}.</div>"
+        f"or output gradients that underflow to zero, above the precision's limit."
+        + (
+            " Attention rows: q·kᵀ (scores) and p·v of each attention module; their weight-gradient cell is the "
+            "gradient of the second operand (K, V)."
+            if data.get("attention")
+            else ""
+        )
+        + f" Emulated at: {e(data.get('reached', ''))}.</div>"
     )
     notes = "".join(f"<div>{e(p)}: the run raised {e(msg)}</div>" for p, msg in data.get("errors", {}).items())
     findings = "".join(
