@@ -13,10 +13,10 @@ mpdoctor follows every GradScaler and optimizer of the process through:
 Every wrapper calls the original with the same arguments and returns its result: numerics are unchanged.
 The wrappers are installed once for all attached observers and removed (the originals put back, identity
 equal) when the last one detaches, also when the loop raises. A notebook session keeps one wrapper resident
-from its first cell with torch to ``%unload_ext``, ``GradScaler.scale``, which only calls the original when no
-observer is attached; a cell's observer attaches lazily and the first loss a scaler scales in the cell installs
-the rest (``scale()`` opens every real step) until the cell ends. A cell that does not train costs two list
-operations.
+from torch's import to ``%unload_ext``, ``GradScaler.scale``, and its observer attached lazily: the first loss a
+scaler scales installs the rest (``scale()`` opens every real step), and the end of the cell removes them again
+(:func:`settle`) unless a step is still open. A cell that does not train runs none of mpdoctor's code but one
+``post_run_cell`` callback. The wrappers and their dispatch live in :mod:`mpdoctor.runtime.dispatch`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,27 @@ import re
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..facts.scale_history import ScaleRecord
-from ..treatment.findings import SEVERITY_RANK, Finding
+from .dispatch import (  # noqa: F401 - arm, disarm, installed, resident and settle: the protocol's public switches
+    _DISPATCH,
+    HERE,
+    _enabled,
+    _scale_value,
+    arm,
+    disarm,
+    installed,
+    resident,
+    settle,
+)
 from .rules import RULES
+
+if TYPE_CHECKING:  # imported where used: %load_ext arms the resident wrapper without the facts package
+    from ..facts.scale_history import ScaleRecord
+    from ..treatment.findings import Finding
 
 #: Frames of these packages are library code; the user's line is the first frame outside them.
 _LIBRARY_PREFIXES = (
@@ -52,10 +65,6 @@ UNSETTLED_WINDOW = 50
 UNSETTLED_SKIP_SHARE = 0.25
 #: Overflow steps whose non-finite gradients are named (each costs one finiteness check per gradient).
 OVERFLOW_STEPS_NAMED = 8
-
-
-#: Passed by the wrappers instead of a :class:`Where`: the user's line is looked up only if a finding needs it.
-HERE: Any = object()
 
 
 def _resolve(where: Any) -> Where | None:
@@ -147,39 +156,53 @@ def name_in_user_frames(obj: Any) -> str | None:
     return None
 
 
-@dataclass
 class _ClipEvent:
-    params: frozenset
-    unscaled: frozenset  # ids of the optimizers this scaler had unscaled when the clip ran
-    where: Where | None
-    max_norm: float | None
-    total_norm: Any
+    """One clip_grad_norm_ call: the parameters clipped, and what the scaler had unscaled then."""
+
+    __slots__ = ("params", "unscaled", "where", "max_norm", "total_norm")
+
+    def __init__(self, params: frozenset, unscaled: frozenset, where: Where | None, max_norm: float | None,
+                 total_norm: Any) -> None:  # fmt: skip
+        self.params = params
+        self.unscaled = unscaled  # ids of the optimizers this scaler had unscaled when the clip ran
+        self.where = where
+        self.max_norm = max_norm
+        self.total_norm = total_norm
 
 
-@dataclass
 class _ScalerTrack:
-    """What an observer knows about one GradScaler since it was first seen."""
+    """What an observer knows about one GradScaler since it was first seen.
 
-    ref: Any
-    name: str
-    fresh: bool = False  # first seen before it ever scaled a loss, with a fresh state
-    checked_resume: bool = False
-    scaled: bool = False  # a loss was scaled since the last update()
-    stepped: set = field(default_factory=set)  # optimizers stepped since the last update()
-    skipped: bool = False  # a step since the last update() was skipped
-    losses: list = field(default_factory=list)
-    clips: list = field(default_factory=list)
-    updates: int = 0
-    steps: int = 0
-    leading_skips: int = 0  # the first run of skips (the scale settling from its start)
-    settled: bool = False
-    overflow_params: dict = field(default_factory=dict)  # name -> overflow steps where its grad was inf/NaN
-    overflow_named: int = 0
-    unsettled_reported: bool = False
-    bypassed: bool = False  # optimizer.step() was called past this scaler since the last update()
-    history: list = field(default_factory=list)  # this scaler's ScaleRecords
-    opt_params: dict = field(default_factory=dict)  # id(optimizer) -> its param ids, cached at its first step
-    union_cache: tuple = (frozenset(), frozenset())  # (unscaled optimizer ids, their param ids)
+    A plain class, not a dataclass: ``%load_ext`` imports this module, and a dataclass costs its definition.
+    """
+
+    __slots__ = (
+        "ref", "name", "fresh", "checked_resume", "scaled", "stepped", "skipped", "losses", "clips", "updates",
+        "steps", "leading_skips", "settled", "overflow_params", "overflow_named", "unsettled_reported", "bypassed",
+        "history", "opt_params", "union_cache",
+    )  # fmt: skip
+
+    def __init__(self, ref: Any, name: str, fresh: bool = False) -> None:
+        self.ref = ref
+        self.name = name
+        self.fresh = fresh  # first seen before it ever scaled a loss, with a fresh state
+        self.checked_resume = False
+        self.scaled = False  # a loss was scaled since the last update()
+        self.stepped: set = set()  # optimizers stepped since the last update()
+        self.skipped = False  # a step since the last update() was skipped
+        self.losses: list = []
+        self.clips: list = []
+        self.updates = 0
+        self.steps = 0
+        self.leading_skips = 0  # the first run of skips (the scale settling from its start)
+        self.settled = False
+        self.overflow_params: dict = {}  # name -> overflow steps where its grad was inf/NaN
+        self.overflow_named = 0
+        self.unsettled_reported = False
+        self.bypassed = False  # optimizer.step() was called past this scaler since the last update()
+        self.history: list = []  # this scaler's ScaleRecords
+        self.opt_params: dict = {}  # id(optimizer) -> its param ids, cached at its first step
+        self.union_cache: tuple = (frozenset(), frozenset())  # (unscaled optimizer ids, their param ids)
 
 
 def _stage(scaler: Any, optimizer: Any) -> str:
@@ -195,17 +218,6 @@ def _unscaled_ids(scaler: Any) -> frozenset:
     if not isinstance(states, dict):
         return frozenset()
     return frozenset(k for k, st in dict.items(states) if getattr(st.get("stage"), "name", "") == "UNSCALED")
-
-
-def _enabled(scaler: Any) -> bool:
-    return bool(scaler.__dict__.get("_enabled", False))
-
-
-def _scale_value(scaler: Any) -> float | None:
-    s = scaler.__dict__.get("_scale")
-    if s is None:
-        return None
-    return float(s.item()) if isinstance(s, torch.Tensor) else float(s)
 
 
 def _optimizer_steps(optimizer: Any) -> int:
@@ -271,6 +283,7 @@ class ProtocolObserver:
         self._last_skipped: dict[int, bool] = {}  # id(optimizer) -> its last scaler.step was skipped
         self._param_names: dict[int, str] | None = None
         self.attached = False
+        self.lazy = False  # attached lazily: a notebook session's observer, which stays attached between cells
 
     # -- life cycle --------------------------------------------------------------------
     def attach(self, lazy: bool = False) -> ProtocolObserver:
@@ -281,6 +294,7 @@ class ProtocolObserver:
         (:attr:`mid_step`) must not be lazy. Without the resident wrapper, ``lazy`` is ignored.
         """
         if not self.attached:
+            self.lazy = lazy
             _DISPATCH.add(self, lazy=lazy)
             self.attached = True
         return self
@@ -288,6 +302,8 @@ class ProtocolObserver:
     @property
     def mid_step(self) -> bool:
         """True when a scaler it follows scaled a loss or stepped and has not updated yet (a step spans calls)."""
+        if not self._tracks:  # the common notebook cell: no scaler seen yet
+            return False
         return any((t.scaled or t.stepped) and t.ref() is not None for t in self._tracks.values())
 
     def detach(self) -> None:
@@ -509,7 +525,8 @@ class ProtocolObserver:
 
     def after_update(self, scaler: Any, scale: float | None) -> None:
         track = self._track(scaler)
-        if not track.stepped:
+        if not track.stepped:  # no step to record; update() still reset the scaler's per-optimizer state
+            track.scaled, track.skipped, track.losses, track.clips = False, False, [], []
             return
         loss = None
         if len(track.losses) == 1:
@@ -523,6 +540,8 @@ class ProtocolObserver:
                 track.leading_skips += 1
             else:
                 track.settled = True
+        from ..facts.scale_history import ScaleRecord
+
         record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss)
         self.scale_history.append(record)
         track.history.append(record)
@@ -585,6 +604,7 @@ def _looks_fresh(scaler: Any) -> bool:
 
 def protocol_finding(slug: str, subject: str, where: Where | None, message: str, evidence: dict) -> Finding:
     """A :class:`Finding` of a protocol rule at the user's line, with the corrected lines as display-only code."""
+    from ..treatment.findings import Finding
     from ..treatment.fixes import Applicability, Fix
 
     rule = RULES[slug]
@@ -609,260 +629,6 @@ def _print_finding(finding: Finding) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-# -- the shared wrappers ---------------------------------------------------------------------------------------
-
-
-class _Dispatch:
-    """The wrappers installed once for every attached observer; removed when the last one detaches.
-
-    A notebook session also keeps one *resident* wrapper, ``GradScaler.scale``, from its first cell with
-    torch until ``%unload_ext`` (:meth:`arm` / :meth:`disarm`): with no observer attached it only calls the
-    original. A cell's observer then attaches lazily (a list append); the first loss a scaler scales in it
-    installs the rest, which the end of the cell removes.
-    """
-
-    def __init__(self) -> None:
-        self.observers: list[ProtocolObserver] = []
-        self.saved: list[tuple[Any, str, Any]] = []
-        self.handles: list[Any] = []
-        self.in_scaler_step: list[int] = []  # ids of optimizers inside scaler.step (re-entrant)
-        self.cache: dict[tuple[int, str], tuple[Any, Any]] = {}  # (owner, name) -> (original, its wrapper)
-        self.targets: Any = None  # (what to wrap, the global hook registrar), resolved at the first install
-        self.lazy = False  # observers are attached but only GradScaler.scale is wrapped; complete() adds the rest
-        self.resident: tuple[Any, Any, Any] | None = None  # (GradScaler, original scale, wrapper) while armed
-        self.armed = 0  # notebook sessions holding the resident wrapper
-
-    def arm(self) -> None:
-        """Install the resident ``GradScaler.scale`` wrapper (a notebook session's first cell with torch)."""
-        self.armed += 1
-        if self.resident is not None:
-            return
-        if self.targets is None:
-            self.targets = _targets()
-        if self.observers and not self.lazy:  # a watch() is running: scale is already wrapped, in self.saved
-            for i, (owner, name, original) in enumerate(self.saved):
-                if name == "scale":
-                    self.resident = (owner, original, vars(owner)[name])
-                    del self.saved[i]
-                    return
-        owner, name, wrapper = self._wrappers(first=True)[0]
-        self.resident = (owner, vars(owner)[name], wrapper)
-        setattr(owner, name, wrapper)
-
-    def disarm(self) -> None:
-        """Remove the resident wrapper when the last session that armed it ends (``%unload_ext``)."""
-        self.armed = max(0, self.armed - 1)
-        if self.armed or self.resident is None:
-            return
-        owner, original, wrapper = self.resident
-        self.resident = None
-        if self.observers and not self.lazy:  # a watch() still runs: its install keeps the wrapper until it ends
-            self.saved.insert(0, (owner, "scale", original))
-            return
-        if vars(owner).get("scale") is wrapper:  # never undo what another library installed after us
-            owner.scale = original
-        if self.lazy:
-            self.lazy = False
-
-    def add(self, observer: ProtocolObserver, lazy: bool = False) -> None:
-        if not self.observers:
-            if lazy and self.resident is not None:
-                self.lazy = True
-            else:
-                self.install()
-        elif self.lazy and not lazy:
-            self.complete()
-        self.observers.append(observer)
-
-    def remove(self, observer: ProtocolObserver) -> None:
-        if observer in self.observers:
-            self.observers.remove(observer)
-        if not self.observers:
-            self.uninstall()
-
-    def emit(self, method: str, *args: Any) -> None:
-        for obs in list(self.observers):
-            try:
-                getattr(obs, method)(*args)
-            except Exception as exc:  # mpdoctor must never be what breaks the loop
-                print(f"mpdoctor: protocol observer failed in {method}: {type(exc).__name__}: {exc}", file=sys.stderr)
-
-    def install(self) -> None:
-        try:
-            if self.targets is None:
-                self.targets = _targets()
-            self._install_all()
-        except BaseException:
-            self.uninstall()
-            raise
-
-    def complete(self) -> None:
-        """Install what a lazy attach left out (called by the ``scale`` wrapper, or by a non-lazy observer)."""
-        if not self.lazy:
-            return
-        self.lazy = False
-        self.install()
-
-    def _install_all(self) -> None:
-        done = {(id(owner), name) for owner, name, _ in self.saved}
-        if self.resident is not None:
-            done.add((id(self.resident[0]), "scale"))
-        for owner, name, wrapper in self._wrappers():
-            if (id(owner), name) not in done:
-                self.saved.append((owner, name, vars(owner)[name]))
-                setattr(owner, name, wrapper)
-        self.handles.append(self.targets[1](_optimizer_pre_hook))
-
-    def _wrappers(self, first: bool = False) -> list[tuple[Any, str, Any]]:
-        """(owner, attribute, wrapper), built once per original (a notebook attaches at every cell).
-
-        ``first``: only the first target, ``GradScaler.scale``.
-        """
-        out = []
-        for owner, name, wrap in self.targets[0][:1] if first else self.targets[0]:
-            original = vars(owner).get(name)
-            if original is None:
-                continue
-            key = (id(owner), name)
-            cached = self.cache.get(key)
-            if cached is None or cached[0] is not original:
-                cached = (original, wrap(original))
-                self.cache[key] = cached
-            out.append((owner, name, cached[1]))
-        return out
-
-    def uninstall(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        while self.saved:
-            owner, name, original = self.saved.pop()
-            setattr(owner, name, original)
-        self.in_scaler_step.clear()
-        self.lazy = False
-
-
-_DISPATCH = _Dispatch()
-
-
-def _targets() -> tuple[list, Callable]:
-    from torch.amp.grad_scaler import GradScaler
-    from torch.nn.utils import clip_grad
-    from torch.optim.lr_scheduler import LRScheduler
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    wanted = [(GradScaler, "scale", _wrap_scale), (GradScaler, "unscale_", _wrap_unscale),
-              (GradScaler, "step", _wrap_step), (GradScaler, "update", _wrap_update),
-              (clip_grad, "_clip_grads_with_norm_", _wrap_clip), (LRScheduler, "step", _wrap_scheduler)]  # fmt: skip
-    return wanted, register_optimizer_step_pre_hook
-
-
-def _wrap_scale(original: Callable) -> Callable:
-    def scale(self: Any, outputs: Any) -> Any:
-        if _DISPATCH.observers and _enabled(self):
-            if _DISPATCH.lazy:
-                _DISPATCH.complete()
-            _DISPATCH.emit("on_scale", self, outputs)
-        return original(self, outputs)
-
-    scale.__wrapped__ = original
-    return scale
-
-
-def _wrap_unscale(original: Callable) -> Callable:
-    def unscale_(self: Any, optimizer: Any) -> Any:
-        if _DISPATCH.observers and _enabled(self):
-            _DISPATCH.emit("on_unscale", self, optimizer, HERE)
-        return original(self, optimizer)
-
-    unscale_.__wrapped__ = original
-    return unscale_
-
-
-def _wrap_step(original: Callable) -> Callable:
-    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        if not (_DISPATCH.observers and _enabled(self)):
-            return original(self, optimizer, *args, **kwargs)
-        _DISPATCH.emit("on_step", self, optimizer, HERE)
-        _DISPATCH.in_scaler_step.append(id(optimizer))
-        try:
-            result = original(self, optimizer, *args, **kwargs)
-        finally:
-            _DISPATCH.in_scaler_step.pop()
-        _DISPATCH.emit("after_step", self, optimizer)
-        return result
-
-    step.__wrapped__ = original
-    return step
-
-
-def _wrap_update(original: Callable) -> Callable:
-    def update(self: Any, new_scale: Any = None) -> Any:
-        if not (_DISPATCH.observers and _enabled(self)):
-            return original(self, new_scale)
-        _DISPATCH.emit("on_update", self, HERE)
-        try:
-            scale = _scale_value(self)
-        except Exception:
-            scale = None
-        result = original(self, new_scale)
-        _DISPATCH.emit("after_update", self, scale)
-        return result
-
-    update.__wrapped__ = original
-    return update
-
-
-def _wrap_clip(original: Callable) -> Callable:
-    def _clip_grads_with_norm_(parameters: Any, max_norm: Any, total_norm: Any, foreach: Any = None) -> Any:
-        if _DISPATCH.observers:
-            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            _DISPATCH.emit("on_clip", params, max_norm, total_norm, HERE)
-            parameters = params
-        return original(parameters, max_norm, total_norm, foreach)
-
-    _clip_grads_with_norm_.__wrapped__ = original
-    return _clip_grads_with_norm_
-
-
-def _wrap_scheduler(original: Callable) -> Callable:
-    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _DISPATCH.observers:
-            _DISPATCH.emit("on_scheduler_step", self, HERE)
-        return original(self, *args, **kwargs)
-
-    step.__wrapped__ = original
-    return step
-
-
-def _optimizer_pre_hook(optimizer: Any, args: tuple, kwargs: dict) -> None:
-    if id(optimizer) in _DISPATCH.in_scaler_step or not _DISPATCH.observers:
-        return None
-    _DISPATCH.emit("on_optimizer_step", optimizer, HERE)
-    return None
-
-
-def installed() -> bool:
-    """True while the protocol wrappers are installed (some observer is attached and completed); a notebook
-    session's resident ``GradScaler.scale`` wrapper alone is not counted (see :func:`resident`)."""
-    return bool(_DISPATCH.saved or _DISPATCH.handles)
-
-
-def resident() -> bool:
-    """True while a notebook session holds the resident ``GradScaler.scale`` wrapper (until ``%unload_ext``)."""
-    return _DISPATCH.resident is not None
-
-
-def arm() -> None:
-    """Install the resident ``GradScaler.scale`` wrapper for a notebook session (counted; see :func:`disarm`)."""
-    _DISPATCH.arm()
-
-
-def disarm() -> None:
-    """Release a session's hold on the resident wrapper; the last release puts the original back."""
-    _DISPATCH.disarm()
-
-
 def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list[Finding] | None = None) -> Any:
     """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
     protocol findings (``findings``, default all of the observer's), with ``report.scale_history``.
@@ -874,6 +640,8 @@ def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list
 
         base = diagnose_subjects([])
     observed = list(observer.findings if findings is None else findings)
+    from ..treatment.findings import SEVERITY_RANK
+
     findings = sorted([*base.findings, *observed], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
     plan = [*base.fixes, *(fx for f in observed for fx in f.fixes)]
     report = Report(findings, base.facts, target=base.target, scan=base.scan, ignore=base.ignore,

@@ -1,21 +1,19 @@
-"""The protocol observer in a notebook: attached for each cell after ``%load_ext mpdoctor``.
+"""The protocol observer in a notebook: watching every cell after ``%load_ext mpdoctor``.
 
-``pre_run_cell`` attaches one session-long :class:`~mpdoctor.runtime.protocol.ProtocolObserver` (its state
-and scale history carry over from cell to cell), ``post_run_cell`` detaches it. From the first cell run with
-torch imported until ``%unload_ext``, one wrapper stays in torch: ``GradScaler.scale``, which only calls the
-original when no cell is running. The attach is lazy: the first loss a scaler scales in a cell installs the
-other wrappers and the optimizer hook, and the end of the cell removes them, so a cell that does not train
-costs two list operations (``bench/bench_hook.py``). A cell that starts in the middle of a step (the previous
-cell scaled a loss and did not ``update()``) gets every wrapper from its first line.
+From ``%load_ext`` (or the end of the first cell that imports torch) to ``%unload_ext``, one session-long
+:class:`~mpdoctor.runtime.protocol.ProtocolObserver` is attached lazily (its state and scale history carry over
+from cell to cell) and one wrapper stays in torch: ``GradScaler.scale``, which only calls the original until a
+scaler scales a loss. That first scaled loss installs the other wrappers and the optimizer hook; the cell's
+``post_run_cell`` removes them again (:func:`~mpdoctor.runtime.protocol.settle`), unless a step is still open
+(a cell scaled a loss and did not ``update()``: the next cell is watched in full from its first line). A cell
+that does not train runs none of mpdoctor's code but that one callback (``bench/bench_hook.py``).
 
 A protocol mistake is announced by one line on stderr at the call where it happens (a long loop shows it at
 once, before GradScaler's own error if there is one); when the cell ends, its findings are displayed as a
-report (the widget in a widget frontend, else text and HTML) with the corrected lines. ``%mpdoctor`` shows
-them again with the objects' diagnosis and the scale history.
+report (the widget in a widget frontend, else text and HTML) with the corrected lines.
 
-A cell run before torch is imported costs one dict lookup: this module imports torch only through the
-observer, and only once torch is in ``sys.modules``. The event signatures (``pre_run_cell(info)``,
-``post_run_cell(result)``) are those of IPython 7.34 and later.
+This module imports torch only through the observer, and only once torch is in ``sys.modules``. The event
+signature (``post_run_cell(result)``) is IPython 7.34's and later's.
 """
 
 from __future__ import annotations
@@ -28,37 +26,87 @@ _SESSIONS: dict[int, _Session] = {}
 
 
 class _Session:
-    """One shell's observer and its cell events."""
+    """One shell's observer and its cell event."""
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
         self.observer: Any = None
         self.seen = 0  # findings already shown (the observer keeps the session's findings)
 
-    def pre_run_cell(self, info: Any = None) -> None:
-        if "torch" not in sys.modules:
-            return
-        try:
-            obs = self.observer
-            if obs is None:
-                from .protocol import ProtocolObserver, arm
+    def start(self) -> None:
+        """Arm the resident wrapper and attach the session's observer, pending until its first event."""
+        from .dispatch import _DISPATCH, arm
 
-                obs = ProtocolObserver(on_finding=_announce)
-                arm()
-                self.observer = obs
-            obs.attach(lazy=not obs.mid_step)
-        except Exception as exc:  # never a traceback in the user's notebook
-            print(f"mpdoctor: the loop watcher could not attach ({type(exc).__name__}: {exc})", file=sys.stderr)
+        arm()
+        pending = _Pending(self)
+        _DISPATCH.add(pending, lazy=True)
+        self.observer = pending
+
+    def materialize(self) -> Any:
+        """The session's real observer, put in the pending one's place (imports the protocol module once)."""
+        obs = self.observer
+        if not isinstance(obs, _Pending):
+            return obs
+        from .dispatch import _DISPATCH
+        from .protocol import ProtocolObserver
+
+        real = ProtocolObserver(on_finding=_announce)
+        real.lazy, real.attached = True, obs.attached
+        observers = _DISPATCH.observers
+        if obs in observers:
+            observers[observers.index(obs)] = real
+        self.observer = real
+        return real
 
     def post_run_cell(self, result: Any = None) -> None:
         obs = self.observer
         if obs is None:
+            if "torch" not in sys.modules:
+                return
+            try:
+                self.start()
+            except Exception as exc:  # never a traceback in the user's notebook
+                print(f"mpdoctor: the loop watcher could not attach ({type(exc).__name__}: {exc})", file=sys.stderr)
             return
-        obs.detach()
+        try:
+            from .dispatch import settle
+
+            settle()
+        except Exception as exc:
+            print(f"mpdoctor: the loop watcher could not settle ({type(exc).__name__}: {exc})", file=sys.stderr)
         if len(obs.findings) > self.seen:
             new = obs.findings[self.seen :]
             self.seen = len(obs.findings)
             show_findings(obs, new)
+
+
+class _Pending:
+    """The session's observer until the first protocol event of the session (a scaler scaling a loss).
+
+    ``%load_ext`` arms the resident wrapper through :mod:`mpdoctor.runtime.dispatch` only; the observer, its
+    rules and the facts it records are imported when an event first needs them (:meth:`_Session.materialize`).
+    """
+
+    lazy = True
+    mid_step = False
+    findings: tuple = ()
+    scale_history: tuple = ()
+
+    def __init__(self, session: _Session) -> None:
+        self.session = session
+        self.attached = True
+
+    def detach(self) -> None:
+        from .dispatch import _DISPATCH
+
+        if self.attached:
+            self.attached = False
+            _DISPATCH.remove(self)
+
+    def __getattr__(self, name: str) -> Any:
+        if not name.startswith(("on_", "after_")):  # only the dispatch's events wake the real observer
+            raise AttributeError(name)
+        return getattr(self.session.materialize(), name)
 
 
 def _announce(finding: Any) -> None:
@@ -94,27 +142,30 @@ def show_findings(observer: Any, findings: list) -> None:
 
 
 def install(shell: Any) -> None:
-    """Register the cell events on ``shell`` (idempotent)."""
+    """Register the cell event on ``shell`` (idempotent); start watching at once when torch is imported."""
     if id(shell) in _SESSIONS:
         return
     session = _Session(shell)
-    shell.events.register("pre_run_cell", session.pre_run_cell)
     shell.events.register("post_run_cell", session.post_run_cell)
     _SESSIONS[id(shell)] = session
+    if "torch" in sys.modules:
+        try:
+            session.start()
+        except Exception as exc:  # %load_ext still registers the magic and the crash hook
+            print(f"mpdoctor: the loop watcher could not attach ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 def uninstall(shell: Any) -> None:
-    """Unregister the cell events and detach the observer."""
+    """Unregister the cell event, detach the observer and put ``GradScaler.scale`` back."""
     session = _SESSIONS.pop(id(shell), None)
     if session is None:
         return
-    for name, callback in (("pre_run_cell", session.pre_run_cell), ("post_run_cell", session.post_run_cell)):
-        try:
-            shell.events.unregister(name, callback)
-        except ValueError:  # already gone
-            pass
+    try:
+        shell.events.unregister("post_run_cell", session.post_run_cell)
+    except ValueError:  # already gone
+        pass
     if session.observer is not None:
-        from .protocol import disarm
+        from .dispatch import disarm
 
         session.observer.detach()
         disarm()
