@@ -732,3 +732,29 @@ def test_cells_compiled_under_ipykernel_names_map_to_their_execution_count(shell
             assert cell_number("/tmp/ipykernel_1/123.py") == 12
         finally:
             del fmap["/tmp/ipykernel_1/123.py"]
+
+
+def test_load_ext_arms_the_watch_without_importing_the_observer_until_a_scaler_scales_a_loss():
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""\
+        import sys, torch, mpdoctor
+        from IPython.core.interactiveshell import InteractiveShell
+        sh = InteractiveShell.instance()
+        sh.run_line_magic("load_ext", "mpdoctor")
+        from mpdoctor.runtime import dispatch
+        assert dispatch.resident() and "mpdoctor.runtime.protocol" not in sys.modules
+        sh.run_cell("x = 1")
+        assert "mpdoctor.runtime.protocol" not in sys.modules  # a cell that does not train wakes nothing
+        sh.run_cell("import torch\\nm = torch.nn.Linear(4, 1)\\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\\n"
+                    "scaler = torch.amp.GradScaler('cpu')\\nscaler.scale(m(torch.randn(2, 4)).sum()).backward()\\n"
+                    "torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)\\nscaler.step(opt)\\nscaler.update()")
+        from mpdoctor.runtime import session
+        assert [f.check for f in session.observer(sh).findings] == ["amp-clip-before-unscale"]
+        sh.run_line_magic("unload_ext", "mpdoctor")
+        assert not dispatch.resident() and not dispatch.installed()
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-2000:]
