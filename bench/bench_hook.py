@@ -7,7 +7,7 @@ was watched (the magic and the crash hook, which runs only when a cell
 raises: the baseline "today" means in the round-3 issue); and today's
 ``%load_ext``, which also watches the GradScaler protocol cell by cell (the
 lazy per-cell attach of ``mpdoctor.runtime.session``). The figures are ratios
-of median per-cell times. Also printed: the time from a mixed-precision crash
+of the fastest block's per-cell times. Also printed: the time from a mixed-precision crash
 to its report (traceback + diagnosis), for scale.
 
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
@@ -83,20 +83,22 @@ def main() -> None:
                 finally:
                     if switch is not None:
                         switch(False)
-        med = {v: statistics.median(t) for v, t in times.items()}
+        # The fastest block of each variant: on this shared machine other tenants only ever add time, so the
+        # minimum is the steadiest estimate of a cell's own cost (timeit's advice); medians swing by 10-40%.
+        med = {v: min(t) for v, t in times.items()}
         a, base, before = med["load_ext"], med["none"], med["crash hook only"]
         print(f"{label:24} %load_ext {a * 1e6:8.1f} us   crash hook only {before * 1e6:8.1f} us   "
               f"none {base * 1e6:8.1f} us   ratio {a / base:.3f} (vs crash hook only {a / before:.3f})")  # fmt: skip
         rows.append({
             "figure": f"successful {label} with %load_ext mpdoctor vs no extension",
             "mpdoctor": round(a * 1e6, 1), "baseline": round(base * 1e6, 1), "ratio": round(a / base, 3),
-            "target": "<= 1.1 (1 + noise)", "met": a / base <= 1.1, "unit": "us per cell (median of blocks)",
+            "target": "<= 1.1 (1 + noise)", "met": a / base <= 1.1, "unit": "us per cell (fastest of blocks)",
         })  # fmt: skip
         rows.append({
             "figure": f"successful {label}: today's %load_ext vs the crash hook alone (before the protocol was watched)",
             "mpdoctor": round(a * 1e6, 1), "baseline": round(before * 1e6, 1), "ratio": round(a / before, 3),
             "target": "<= 1.05 (no more than before, within noise)", "met": a / before <= 1.05,
-            "unit": "us per cell (median of blocks)",
+            "unit": "us per cell (fastest of blocks)",
         })  # fmt: skip
     shell.run_line_magic("load_ext", "mpdoctor")
     crash_times = []

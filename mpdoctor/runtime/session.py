@@ -32,15 +32,17 @@ class _Session:
         self.shell = shell
         self.observer: Any = None
         self.seen = 0  # findings already shown (the observer keeps the session's findings)
+        self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
 
     def start(self) -> None:
         """Arm the resident wrapper and attach the session's observer, pending until its first event."""
-        from .dispatch import _DISPATCH, arm
+        from .dispatch import _DISPATCH, arm, settle
 
         arm()
         pending = _Pending(self)
         _DISPATCH.add(pending, lazy=True)
         self.observer = pending
+        self.settle = settle
 
     def materialize(self) -> Any:
         """The session's real observer, put in the pending one's place (imports the protocol module once)."""
@@ -69,9 +71,7 @@ class _Session:
                 print(f"mpdoctor: the loop watcher could not attach ({type(exc).__name__}: {exc})", file=sys.stderr)
             return
         try:
-            from .dispatch import settle
-
-            settle()
+            self.settle()
         except Exception as exc:
             print(f"mpdoctor: the loop watcher could not settle ({type(exc).__name__}: {exc})", file=sys.stderr)
         if len(obs.findings) > self.seen:
