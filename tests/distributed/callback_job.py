@@ -79,6 +79,11 @@ def main(mode: str, out: str) -> None:
     handler.flush()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({**result, "report": _summary(callback.start_report)}, f)
+    # Tear the gloo group down on both ranks before the interpreter exits: left to exit, a rank can abort in
+    # gloo's thread teardown ("terminate called without an active exception", SIGABRT), seen once in CI.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
