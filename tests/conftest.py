@@ -15,36 +15,19 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-#: The fp8 variables ``accelerate launch --mixed_precision fp8`` sets (accelerate 1.15, measured), plus the one
-#: its recipe handlers read for MXFP8: a test that sets them leaves none behind.
-LAUNCHER_FP8_KEYS = (
-    "ACCELERATE_FP8_BACKEND",
-    "ACCELERATE_FP8_FORMAT",
-    "ACCELERATE_FP8_USE_MXFP8_BLOCK_SCALING",
-    "ACCELERATE_FP8_AMAX_HISTORY_LEN",
-    "ACCELERATE_FP8_AMAX_COMPUTE_ALGO",
-    "ACCELERATE_FP8_MARGIN",
-    "ACCELERATE_FP8_INTERVAL",
-    "ACCELERATE_FP8_OVERRIDE_FPROP",
-    "ACCELERATE_FP8_OVERRIDE_DGRAD",
-    "ACCELERATE_FP8_OVERRIDE_WGRAD",
-    "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL",
-    "ACCELERATE_FP8_OPT_LEVEL",
-    "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER",
-    "ACCELERATE_FP8_PAD_INNER_DIM",
-)
-
-
 @pytest.fixture(autouse=True)
 def _isolated_precision_state():
     """Each test starts without ACCELERATE_* precision variables (the launcher's fp8 ones too) and with
     accelerate's singletons reset."""
     base = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DOWNCAST_BF16", "ACCELERATE_USE_CPU")
-    keys = tuple(dict.fromkeys(base + LAUNCHER_FP8_KEYS + tuple(k for k in os.environ if k.startswith("ACCELERATE_FP8_"))))
-    saved = {k: os.environ.pop(k) for k in keys if k in os.environ}
+
+    def keys() -> list[str]:  # the launcher's fp8 variables by prefix: those a test set are found at teardown
+        return [*base, *(k for k in os.environ if k.startswith("ACCELERATE_FP8_"))]
+
+    saved = {k: os.environ.pop(k) for k in keys() if k in os.environ}
     _reset_accelerate()
     yield
-    for k in keys:
+    for k in keys():
         os.environ.pop(k, None)
     os.environ.update(saved)
     _reset_accelerate()

@@ -61,17 +61,16 @@ def count_nonfinite_loss(report: Any, loss: float, where: str) -> Any:
 def _hookable(optimizer: Any) -> Any:
     """The optimizer whose step hooks fire: ``optimizer`` itself, or the one a wrapper steps.
 
-    accelerate's ``AcceleratedOptimizer`` (and Lightning's ``LightningOptimizer``) subclass or wrap
-    ``torch.optim.Optimizer`` without its hook tables; their ``step()`` steps ``.optimizer`` (through the
-    scaler when there is one). None when nothing in the chain is a real optimizer.
+    accelerate's ``AcceleratedOptimizer`` subclasses ``torch.optim.Optimizer`` without its hook tables; its
+    ``step()`` steps ``.optimizer``. The wrappers are the integrations' own unwrap rules (as for discovery).
+    None when what is left is not a real optimizer.
     """
-    seen = 0
-    while optimizer is not None and seen < 8:
-        if isinstance(optimizer, torch.optim.Optimizer) and hasattr(optimizer, "_optimizer_step_pre_hooks"):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        seen += 1
-    return None
+    if optimizer is None:
+        return None
+    from ..discovery.subjects import unwrap_optimizer
+
+    inner, _ = unwrap_optimizer(optimizer, "optimizer")
+    return inner if isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "_optimizer_step_pre_hooks") else None
 
 
 class NonFiniteLoss(RuntimeError):

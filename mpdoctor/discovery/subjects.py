@@ -130,6 +130,11 @@ def unwrap_model(module: Any, name: str) -> tuple[Any, str]:
     return _unwrap(module, list(integrations.model_unwraps()), "model", name)
 
 
+def unwrap_optimizer(optimizer: Any, name: str) -> tuple[Any, str]:
+    """Return the optimizer behind accelerate's / Lightning's wrappers (the one whose step hooks fire) and its path."""
+    return _unwrap(optimizer, list(integrations.optimizer_unwraps()), "optimizer", name)
+
+
 def _children(subject: Subject) -> Iterator[tuple[str, str, Any]]:
     """Yield ``(kind, name, obj)`` for the objects a subject brings along (as its integrations declare)."""
     for attr in integrations.brought_attrs(mro_paths(subject.obj)):
@@ -152,7 +157,7 @@ def _make_subject(kind: str, name: str, obj: Any, owner: str | None) -> Subject:
         inner, path = unwrap_model(obj, name)
         return Subject(kind, name, obj, inner=inner, inner_path=path, owner=owner)
     if kind == "optimizer":
-        inner, path = _unwrap(obj, list(integrations.optimizer_unwraps()), "optimizer", name)
+        inner, path = unwrap_optimizer(obj, name)
         if inner is not obj:
             return Subject(kind, name, obj, inner=inner, inner_path=path, owner=owner)
     return Subject(kind, name, obj, owner=owner)
