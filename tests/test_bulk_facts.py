@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 import mpdoctor
+from mpdoctor.diagnosis.view import layer_rows
 from mpdoctor.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
 from mpdoctor.readers.tensors import gather_module_tensors
-from mpdoctor.render.evidence import layer_rows, layer_strips
+from mpdoctor.render.evidence import layer_strips
 from mpdoctor.treatment.changes import CastParamsTo
 
 
@@ -94,7 +95,7 @@ def test_the_layer_strip_folds_expert_indices_into_one_row_per_projection():
     model = TiedLM(layers=5, experts=3)
     with torch.no_grad():
         model.layers[2].experts[1].up.to(torch.bfloat16)
-    (strip,) = layer_strips(layer_rows(mpdoctor.diagnose(model)))
+    (strip,) = layer_strips(layer_rows(mpdoctor.diagnose(model).facts))
     assert strip.kinds == ["norm", "experts.*.up", "experts.*.down"]
     assert strip.layers == [0, 1, 2, 3, 4] and strip.differing == [2]
     assert strip.cells[(2, "experts.*.up")] == ("bfloat16", "float32")

@@ -13,9 +13,9 @@ from setups import tiny_llama
 
 import mpdoctor
 from mpdoctor import integrations
+from mpdoctor.diagnosis.view import precision_view
 from mpdoctor.facts.hardware import PROFILES
 from mpdoctor.gathering import gather
-from mpdoctor.render.data import precision_view
 
 TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
 
@@ -86,7 +86,7 @@ def test_an_unrelated_second_model_is_still_its_own_patient():
 def test_the_precision_table_agrees_with_the_findings_under_every_target(scenario, target):
     reset_accelerate()
     report = mpdoctor.diagnose(namespace=scenario.build(), target=target)
-    table = {row["setup"]: row["effective"] for row in precision_view(report)}
+    table = {row["setup"]: row["effective"] for row in precision_view(report.facts)}
     for p in report.facts.precisions:
         assert table[p.name] in (p.computes_in, "fp32" if p.computes_in == "no" else p.computes_in)
     for f in report.findings_for("precision-override"):

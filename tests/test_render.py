@@ -52,8 +52,7 @@ SETUPS = {f.__name__: f for f in (bf16_scaler_on_t4, gemma3_cache_in_training, f
 
 @pytest.mark.parametrize("name", sorted(SETUPS))
 def test_text_rendering_matches_the_golden_file(name):
-    report = SETUPS[name]()
-    report.elapsed = 0.0042
+    report = SETUPS[name]().evolve(elapsed=0.0042)
     text = report.to_text() + "\n"
     path = GOLDEN / f"{name}.txt"
     if os.environ.get("MPDOCTOR_UPDATE_GOLDEN") == "1":
@@ -117,8 +116,8 @@ def test_every_string_from_user_objects_is_escaped_in_the_static_html():
 
 # -- the view model: summaries, words, pictures --------------------------------------------------
 
+from mpdoctor.diagnosis.view import layer_rows  # noqa: E402
 from mpdoctor.render.evidence import (  # noqa: E402
-    layer_rows,
     layer_strips,
     plural,
     precision_word,
@@ -169,7 +168,7 @@ def test_words_for_people():
 
 def test_the_layer_strip_marks_the_layers_that_differ():
     report = mpdoctor.diagnose(namespace={"llama": mixed_llama(8)})
-    rows = layer_rows(report)
+    rows = layer_rows(report.facts)
     assert {r.dtype for r in rows} == {"bfloat16", "float32"} and all(r.model == "llama" for r in rows)
     (strip,) = layer_strips(rows)
     assert strip.layers == list(range(8)) and strip.differing == [0, 4]
@@ -179,7 +178,7 @@ def test_the_layer_strip_marks_the_layers_that_differ():
     assert "var(--jp-content-font-color1,#1f2328)" in svg, "text drawn in the theme's colour"
     assert "dtypes per layer" in report.to_html()
     two_layers = mpdoctor.diagnose(namespace={"llama": mixed_llama(2)})
-    assert layer_strips(layer_rows(two_layers)) == [] and "dtypes per layer" not in two_layers.to_html()
+    assert layer_strips(layer_rows(two_layers.facts)) == [] and "dtypes per layer" not in two_layers.to_html()
 
 
 def test_the_probe_chart_draws_both_half_precision_limits_and_non_finite_values():

@@ -16,9 +16,9 @@ import torch
 from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
-from mpdoctor.edits.steps import SetAttr
 from mpdoctor.render.html import e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
+from mpdoctor.treatment.changes import SetAttrTo
 from mpdoctor.treatment.findings import Finding
 from mpdoctor.treatment.fixes import UNDO_BUDGET_BYTES, Fix
 
@@ -271,9 +271,9 @@ def _report_with_a_big_backup_fix(scaler: torch.amp.GradScaler):
                 "Disable the scaler",
                 "scaler._enabled = False",
                 True,
-                lambda: [SetAttr(scaler, "_enabled", False, "scaler._enabled")],
+                changes=(SetAttrTo(base.live.add(scaler), "_enabled", False, "scaler._enabled"),),
                 backup_bytes=UNDO_BUDGET_BYTES + 2**30,
-            )
+            ).bind(base.live)
             findings.append(
                 Finding("big-undo", "warning", "scaler", "A fix with a large undo backup.", {}, [fix])
             )
@@ -314,7 +314,7 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     scaler, opt = stepped(model)
     gemma = tiny_gemma3(text_use_cache=True)
     rw = widget_for(model=model, scaler=scaler, opt=opt, gemma=gemma)
-    rw.report.elapsed = 0.0123
+    rw.report = rw.report.evolve(elapsed=0.0123)
     rw._render()
 
     header = rw.header.value

@@ -6,6 +6,7 @@ This module imports no torch at import time: the renderers read
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
@@ -94,26 +95,28 @@ def explain(
         scan=pattern.scan if scan is None else scan,
         ignore=ignore,
     )
-    mark_cause(report, pattern, link, frames, namespace=merged)
-    _batch_cause(report, pattern.slug, frames, merged, objects)
-    return report
+    report = mark_cause(report, pattern, link, frames, namespace=merged)
+    return _batch_cause(report, pattern.slug, frames, merged, objects)
 
 
-def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> None:
-    """A dtype error raised by a layer fed a batch entry of another dtype: name the entry and the layer first."""
+def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> Any:
+    """A dtype error raised by a layer fed a batch entry of another dtype: name the entry and the layer first.
+    Returns the report with that cause, or ``report`` as it was."""
     try:
         from ..runtime.boundary import crash_finding
 
         finding = crash_finding(slug, frames, namespace, objects, report.live)
     except Exception:  # the pattern's cause stands without it
-        return
-    if finding is not None:
-        previous = getattr(report, "cause", None)
-        if previous is not None and isinstance(previous.evidence, dict):
-            # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
-            finding.evidence = {**previous.evidence, **finding.evidence}
-        report.findings[:] = [finding] + list(report.findings)
-        report.cause = finding
+        return report
+    if finding is None:
+        return report
+    for fx in finding.fixes:
+        fx.bind(report.live, report.treatment)
+    previous = report.cause
+    if previous is not None and isinstance(previous.evidence, dict):
+        # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
+        finding.evidence = {**previous.evidence, **finding.evidence}
+    return report.evolve(findings=(finding, *report.findings), cause=finding)
 
 
 def _raiser(report: Any, frames: list) -> tuple[str, str, str] | None:
@@ -152,24 +155,27 @@ def _concerns(finding: Any, raiser: tuple[str, str, str] | None) -> bool:
     return any(v == name or (isinstance(v, (list, tuple)) and name in v) for v in evidence.values())
 
 
-def _name_the_raiser(cause: Any, raiser: tuple[str, str, str], report: Any) -> None:
-    """Make the cause name the object that raised: its evidence says so, and a message written at rest about
+def _name_the_raiser(cause: Any, raiser: tuple[str, str, str], report: Any) -> Any:
+    """The cause, naming the object that raised: its evidence says so, and a message written at rest about
     another object of the same kind (``scaler`` of two enabled GradScalers) names the one that raised."""
     import re
 
     name, kind, where = raiser
     if isinstance(cause.evidence, dict):
-        cause.evidence = {"raised_by": f"{name} ({where})", **cause.evidence}
+        cause = dataclasses.replace(cause, evidence={"raised_by": f"{name} ({where})", **cause.evidence})
     if _mentions(cause.message, name):
-        return
+        return cause
     others = [s.name for s in report.subjects if s.kind == kind and s.name != name and _mentions(cause.message, s.name)]
     if len(others) == 1:
-        cause.message = re.sub(rf"(?<![\w.]){re.escape(others[0])}(?![\w])", name, cause.message)
+        cause = dataclasses.replace(
+            cause, message=re.sub(rf"(?<![\w.]){re.escape(others[0])}(?![\w])", name, cause.message)
+        )
+    return cause
 
 
 def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
                namespace: Mapping[str, Any] | None = None) -> Any:  # fmt: skip
-    """Put the finding that explains ``exc`` first and set ``report.cause`` / ``report.exception``.
+    """A new report: the finding that explains ``exc`` first, as ``cause``, with ``exception`` and ``raised_by``.
 
     When no finding of the pattern's checks is in the report (the objects are
     out of reach, or no check covers them), a cause note built from the
@@ -181,9 +187,7 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
     from .frames import tensor_locals
 
     summary = exception_summary(exc)
-    report.exception = summary
     raiser = _raiser(report, frames)
-    report.raised_by = raiser[0] if raiser else None
     rank = {slug: i for i, slug in enumerate(pattern.checks)}
     candidates = [f for f in report.findings if f.check in rank]
     detail = family_detail(pattern, exc, frames, namespace)
@@ -192,11 +196,11 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
         detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
     if candidates:
         # The finding about the object that raised first: of two GradScalers, the one whose unscale_ failed.
-        cause = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
-        if raiser:
-            _name_the_raiser(cause, raiser, report)
+        chosen = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
+        cause = _name_the_raiser(chosen, raiser, report) if raiser else chosen
         if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
-            cause.evidence.update(detail.evidence)
+            cause = dataclasses.replace(cause, evidence={**cause.evidence, **detail.evidence})
+        rest = [f for f in report.findings if f is not chosen]
     else:
         try:
             tensors = tensor_locals(frames)
@@ -223,9 +227,9 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
         )
         if detail is not None and detail.code:
             cause.fixes.append(detail.fix())
-    report.findings[:] = [cause] + [f for f in report.findings if f is not cause]
-    report.cause = cause
-    return report
+        rest = list(report.findings)
+    return report.evolve(findings=(cause, *rest), cause=cause, exception=summary,
+                         raised_by=raiser[0] if raiser else None)  # fmt: skip
 
 
 class FamilyDetail:

@@ -46,7 +46,7 @@ def count_nonfinite_loss(report: Any, loss: float, where: str) -> Any:
 
     if report is None or report.counts()["error"]:
         return report
-    report.findings.insert(0, Finding(
+    return report.evolve(findings=(Finding(
         "nonfinite-loss",
         "error",
         where,
@@ -54,8 +54,7 @@ def count_nonfinite_loss(report: Any, loss: float, where: str) -> Any:
         "finite, so the NaN/Inf comes from the loss computation itself (a log or division of 0, labels out "
         "of range, a reduction over an empty batch). The next optimizer step would write NaN into the weights.",
         {"loss": str(loss)},
-    ))  # fmt: skip
-    return report
+    ), *report.findings))  # fmt: skip
 
 
 def _hookable(optimizer: Any) -> Any:

@@ -26,6 +26,7 @@ from ..treatment.findings import Finding
 from ..treatment.plan import plan as plan_treatment
 from ..treatment.plan import plan_safe
 from .report import Report
+from .treatment import Treatment, bind_fixes
 
 
 def diagnose(
@@ -92,14 +93,10 @@ def diagnose(
         failure = _failure("discovery", exc)
     else:
         failure = None
-    report = diagnose_subjects(
+    return diagnose_subjects(
         subjects, target=target, profile=profile, scan=scan, ignore=ignore, start=start, distributed=distributed,
-        timeout=timeout,
+        timeout=timeout, failures=[failure] if failure is not None else [], notes=_not_inspected(objects, names),
     )
-    if failure is not None:
-        report.findings.insert(0, redact_finding(failure))
-    report.notes = _not_inspected(objects, names)
-    return report
 
 
 def _callers_namespace() -> dict[str, Any] | None:
@@ -137,6 +134,9 @@ def diagnose_subjects(
     timeout: float = 60.0,
     ranks_from: Any = None,
     profile: DeviceProfile | None = None,
+    failures: Iterable[Finding] = (),
+    notes: Iterable[str] = (),
+    treatment: Treatment | None = None,
 ) -> Report:
     """Diagnose already-discovered subjects (what ``Report.refresh()`` calls).
 
@@ -149,7 +149,8 @@ def diagnose_subjects(
     subjects = tuple(subjects)
     ignore = tuple(ignore)
     live = Live()
-    facts, failures = _gather(subjects, profile, live)
+    facts, gather_failures = _gather(subjects, profile, live)
+    failures = [*failures, *gather_failures]
     if scan:
         facts = _with_scan(facts, subjects)
     if distributed:
@@ -166,19 +167,27 @@ def diagnose_subjects(
     except Exception as exc:  # run_checks isolates each check; this guards its own bookkeeping
         findings = [_failure("the checks", exc)]
     try:
-        treatment = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
+        plan = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
     except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
-        treatment = [fx for f in findings for fx in f.fixes]
+        plan = [fx for f in findings for fx in f.fixes]
         failures.append(_failure("the treatment plan", exc))
     try:
-        safe_treatment = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), treatment)
+        safe_plan = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), plan)
     except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
-        safe_treatment = [fx for fx in treatment if fx.safe]
+        safe_plan = [fx for fx in plan if fx.safe]
         failures.append(_failure("the safe-fixes plan", exc))
-    for fx in safe_treatment:
+    for fx in safe_plan:
         if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
             fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
     findings = [redact_finding(f) for f in failures + findings]
+    dist = getattr(facts, "distributed", None)
+    # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
+    ranks = dist if dist is not None and dist.exchanged else None
+    if treatment is None:  # the first diagnosis of these objects; refresh() re-diagnoses into the same treatment
+        treatment = Treatment()
+        treatment.source = lambda: diagnose_subjects(
+            subjects, target=target, profile=profile, scan=scan, ignore=ignore, ranks_from=ranks, treatment=treatment
+        )
     report = Report(
         findings,
         facts,
@@ -188,21 +197,13 @@ def diagnose_subjects(
         elapsed=time.perf_counter() - start,
         subjects=subjects,
         live=live,
-        plan=treatment,
+        plan=plan,
         hidden=hidden,
+        safe_plan=safe_plan,
+        notes=notes,
+        treatment=treatment,
     )
-    dist = getattr(facts, "distributed", None)
-    # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
-    ranks = dist if dist is not None and dist.exchanged else None
-    report._rediagnose = lambda: diagnose_subjects(
-        subjects, target=target, profile=profile, scan=scan, ignore=ignore, ranks_from=ranks
-    )
-    for f in findings:
-        for fx in f.fixes:
-            fx.bind(live, report)
-    for fx in treatment + safe_treatment:
-        fx.bind(live, report)
-    report._safe_plan = safe_treatment
+    bind_fixes(report, live, treatment)
     return report
 
 

@@ -8,26 +8,35 @@ display in notebooks.
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..treatment.findings import Finding
+from .treatment import Treatment
 
 if TYPE_CHECKING:
     import pandas
 
     from ..facts import Facts
+    from ..render.view import ReportView
 
 HISTOGRAM_COLUMNS = ["object", "kind", "dtype", "tensors", "elements", "bytes", "trainable", "devices", "meta"]
 
 
 class Report:
-    """The diagnosis of a set of live objects.
+    """The diagnosis of a set of live objects: a value, made once.
+
+    Everything a report shows is given when it is made: the findings of the diagnosis, of the cell history, of a
+    watcher and of a crash; the scale history; the cause. Nothing changes it afterwards: :meth:`evolve` makes a new
+    report with some fields replaced (what the crash hook and the watchers do), and :meth:`refresh` a new report
+    of the same live objects. Applying and undoing fixes is the :attr:`treatment`'s job.
 
     Attributes
     ----------
-    findings : list of Finding
+    findings : tuple of Finding
         Ordered by severity (errors first).
     facts : Facts
         The snapshot the findings rest on.
@@ -42,60 +51,99 @@ class Report:
         ``watch``): the finding that caused it, first in ``findings``.
     exception : str or None
         One-line summary of that exception (``"RuntimeError: mat1 and mat2 ..."``).
-    scale_history : list of mpdoctor.facts.scale_history.ScaleRecord
+    raised_by : str or None
+        The name of the inspected object whose method raised that exception (``"scaler16"``), when found.
+    scale_history : tuple of mpdoctor.facts.scale_history.ScaleRecord
         Per GradScaler and real step, while watched (``watch``, the callbacks, a notebook after
         ``%load_ext``): the scale, whether the step was skipped, the loss. Empty otherwise.
+    watched : str or None
+        What a runtime report watched (a notebook cell's AMP loop).
+    notes : tuple of str
+        What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).
+    treatment : Treatment
+        Applies, undoes and re-plans this report's fixes on the live objects.
     """
 
     def __init__(
         self,
-        findings: list[Finding],
+        findings: Iterable[Finding],
         facts: Facts,
         target: str | None = None,
         scan: bool = False,
-        ignore: tuple[str, ...] = (),
+        ignore: Iterable[str] = (),
         elapsed: float = 0.0,
         probe_table: Any = None,
-        rediagnose: Any = None,
+        rediagnose: Callable[[], Report] | None = None,
         subjects: tuple = (),
         live: Any = None,
-        plan: list | None = None,
+        plan: Iterable | None = None,
         hidden: dict | None = None,
+        *,
+        safe_plan: Iterable | None = None,
+        cause: Finding | None = None,
+        exception: str | None = None,
+        raised_by: str | None = None,
+        scale_history: Iterable = (),
+        watched: str | None = None,
+        notes: Iterable[str] = (),
+        treatment: Treatment | None = None,
     ) -> None:
-        self.findings = findings
-        self.facts = facts
-        self.target = target
-        self.scan = scan
-        self.ignore = tuple(ignore)
-        self.elapsed = elapsed
-        self.created = time.time()
-        self.probe_table = probe_table
-        self._rediagnose = rediagnose
-        self._histogram = None
-        self._skip_display_in: int | None = None
-        self._subjects = tuple(subjects)
-        self.live = live
-        self._plan = plan
-        #: The best plan of safe fixes only (set by diagnose; None: the safe fixes of the plan).
-        self._safe_plan: list | None = None
-        #: Findings hidden by ``ignore``, per check slug.
-        self.hidden: dict[str, int] = dict(hidden or {})
-        # Set by mpdoctor.crash when the report explains an exception; renderers show the cause first.
-        self.cause: Finding | None = None
-        self.exception: str | None = None
-        # Set by the runtime observers (mpdoctor.runtime): the scale, skips and loss per watched step.
-        self.scale_history: list = []
-        self.watched: str | None = None  # what a runtime report watched (a notebook cell's AMP loop)
-        #: The name of the inspected object whose method raised that exception (``"scaler16"``), when found.
-        self.raised_by: str | None = None
-        #: What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).
-        self.notes: list[str] = []
+        values = {
+            "findings": tuple(findings),
+            "facts": facts,
+            "target": target,
+            "scan": scan,
+            "ignore": tuple(ignore),
+            "elapsed": elapsed,
+            "probe_table": probe_table,
+            "subjects_": tuple(subjects),
+            "live": live,
+            "plan": tuple(plan) if plan is not None else None,
+            #: The best plan of safe fixes only (None: the safe fixes of the plan).
+            "safe_plan": tuple(safe_plan) if safe_plan is not None else None,
+            #: Findings hidden by ``ignore``, per check slug.
+            "hidden": dict(hidden or {}),
+            "cause": cause,
+            "exception": exception,
+            "raised_by": raised_by,
+            "scale_history": tuple(scale_history),
+            "watched": watched,
+            "notes": tuple(notes),
+            "treatment": treatment if treatment is not None else Treatment(rediagnose),
+        }
+        for name, value in values.items():
+            object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan") else name, value)
+        object.__setattr__(self, "created", time.time())
+        object.__setattr__(self, "_cache", {})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a Report is a value: make a new one with report.evolve({name}=...)")
+
+    def evolve(self, **changes: Any) -> Report:
+        """A new report with ``changes`` (keyword: field name) and every other field as in this one.
+
+        The new report shares this one's :attr:`treatment`: applying a fix from either re-plans against the same
+        live objects. Fields: the constructor's keywords (``findings``, ``cause``, ``scale_history``, ...).
+        """
+        current = {
+            "findings": self.findings, "facts": self.facts, "target": self.target, "scan": self.scan,
+            "ignore": self.ignore, "elapsed": self.elapsed, "probe_table": self.probe_table,
+            "subjects": self._subjects_, "live": self.live, "plan": self._plan, "hidden": self.hidden,
+            "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
+            "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
+            "notes": self.notes, "treatment": self.treatment,
+        }  # fmt: skip
+        unknown = set(changes) - set(current)
+        if unknown:
+            raise TypeError(f"Report has no field {sorted(unknown)}")
+        current.update(changes)
+        return Report(**current)
 
     # -- queries -----------------------------------------------------------------------
     @property
     def subjects(self) -> tuple:
         """The inspected subjects: name, kind and the live object (``.obj``), as discovered."""
-        return self._subjects or self.facts.subjects
+        return self._subjects_ or self.facts.subjects
 
     def findings_for(self, check: str) -> list[Finding]:
         """Findings of one check slug."""
@@ -145,25 +193,15 @@ class Report:
             out.extend(fx for fx in f.fixes if all(fx is not x for x in out))
         return out
 
-    def _current_treatment(self, fix: Any) -> Any:
-        """The fix with ``fix``'s key in a plan made now from the live objects; None when not needed any more."""
-        if not self._subjects:
-            return fix
-        now = self.refresh()
-        match = next((fx for fx in now.all_fixes if fx.key == fix.key), None)
-        if match is None:
-            fix.note = "not applied: no longer needed (the fixes applied since resolved its finding)"
-        return match
-
     @property
     def histogram(self) -> pandas.DataFrame:
         """Dtype tallies: one row per object x kind x dtype x trainability."""
-        if self._histogram is None:
+        if "histogram" not in self._cache:
             import pandas as pd
 
             rows = [r._asdict() for r in self.facts.tallies]
-            self._histogram = pd.DataFrame(rows, columns=HISTOGRAM_COLUMNS)
-        return self._histogram
+            self._cache["histogram"] = pd.DataFrame(rows, columns=HISTOGRAM_COLUMNS)
+        return self._cache["histogram"]
 
     @property
     def scan_table(self) -> pandas.DataFrame | None:
@@ -200,32 +238,34 @@ class Report:
         rows += [{"rank": r, "digest": None, "agrees": False, "answered": False, "fingerprint": None} for r in dist.absent]
         return sorted(rows, key=lambda row: row["rank"])
 
-    # -- actions -----------------------------------------------------------------------
+    # -- actions (doors onto the treatment) ---------------------------------------------
     def refresh(self) -> Report:
-        """Diagnose the same live objects again (with the same target, scan and ignore list)."""
-        if self._rediagnose is None:  # a report built by hand, not by diagnose(): nothing live to re-read
-            return self
-        return self._rediagnose()
+        """A new report of the same live objects, diagnosed now (with the same target, scan and ignore list).
+
+        A report built by hand, with nothing live to re-read, returns itself.
+        """
+        return self.treatment.refresh(self)
 
     def apply_safe_fixes(self) -> list:
         """Apply the best plan of safe fixes (:attr:`safe_fixes`) not yet applied; return the fixes applied.
 
         A fix that fails is rolled back, keeps its ``error`` and is skipped;
-        the others are still applied.
+        the others are still applied. Call :meth:`refresh` for the report after them.
         """
-        from ..treatment.fixes import FixFailed, FixNeedsConfirmation
+        return self.treatment.apply_safe(self.safe_fixes)
 
-        applied = []
-        for fix in self.safe_fixes:
-            if not fix.applied:
-                try:
-                    fix.apply()
-                    applied.append(fix)
-                except (FixFailed, FixNeedsConfirmation) as exc:
-                    fix.error = fix.error or str(exc)
-        return applied
+    # -- the view and the exports ------------------------------------------------------------
+    @property
+    def view(self) -> ReportView:
+        """The plain view every renderer reads, built once per state of this report's fixes."""
+        from .view import build_view, fix_state
 
-    # -- exports -----------------------------------------------------------------------
+        state = fix_state(self)
+        cached = self._cache.get("view")
+        if cached is None or cached[0] != state:
+            cached = self._cache["view"] = (state, build_view(self))
+        return cached[1]
+
     def to_frame(self) -> pandas.DataFrame:
         """Findings as a DataFrame (one row per finding)."""
         import pandas as pd
@@ -247,32 +287,30 @@ class Report:
         return pd.DataFrame(rows, columns=columns)
 
     def to_dict(self) -> dict:
-        """A JSON-serialisable dict of the whole report."""
-        from ..render.data import report_dict
-
-        return report_dict(self)
+        """A JSON-serialisable dict of the whole report (a copy: changing it changes nothing else)."""
+        return copy.deepcopy(self.view.data)
 
     def to_json(self, indent: int | None = 2) -> str:
         """The report as JSON."""
-        return json.dumps(self.to_dict(), indent=indent)
+        return json.dumps(self.view.data, indent=indent)
 
     def to_markdown(self) -> str:
         """Markdown ready to paste into a bug report, with versions and device."""
         from ..render.markdown import render_markdown
 
-        return render_markdown(self)
+        return self.view.rendered("markdown", render_markdown)
 
     def to_text(self, width: int = 100) -> str:
         """The compact text rendering (what ``print(report)`` shows)."""
         from ..render.text import render_text
 
-        return render_text(self, width=width)
+        return self.view.rendered(("text", width), lambda view: render_text(view, width=width))
 
     def to_html(self) -> str:
         """The static HTML rendering (no buttons)."""
         from ..render.html import render_html
 
-        return render_html(self)
+        return self.view.rendered("html", render_html)
 
     def widget(self) -> Any:
         """The interactive ipywidgets report with fix buttons."""

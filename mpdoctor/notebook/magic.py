@@ -13,6 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, List, Unicode
 
 from ..knowledge import GPU_PROFILES
+from ..render.frontend import skip_next_display
 
 try:
     from IPython.core.magic import no_var_expand
@@ -166,9 +167,9 @@ class MPDoctorMagics(Magics):
                 if report is None:
                     return None
             if not args.no_history:
-                _add_history(self.shell, report, ignore)
+                report = _add_history(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
-            _attach_scale_history(self.shell, report)
+            report = _attach_scale_history(self.shell, report)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -178,7 +179,7 @@ class MPDoctorMagics(Magics):
         try:
             self._show(report, args)
         except Exception as exc:  # a rendering failure still returns the report, shown nowhere else
-            report._skip_display_in = self.shell.execution_count
+            skip_next_display(report, self.shell.execution_count)
             _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
         if not (args.json or args.markdown):  # the exports stay parseable: no line after them
             if args.probe:
@@ -276,27 +277,29 @@ class MPDoctorMagics(Magics):
             # traceback of a rendering failure into the cell; here it becomes one line.
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
-        report._skip_display_in = self.shell.execution_count
+        skip_next_display(report, self.shell.execution_count)
 
 
-def _add_history(shell: Any, report: Any, ignore: list[str]) -> None:
+def _add_history(shell: Any, report: Any, ignore: list[str]) -> Any:
     """Add what the cells this kernel ran say about the AMP loop (read, never run) to the report."""
     from ..redact import describe_exception
     from ..runtime.history import add_to_report, read_history
 
     try:
-        add_to_report(report, read_history(shell), ignore)
+        return add_to_report(report, read_history(shell), ignore)
     except Exception as exc:  # the report of the objects stands without it
         _print_line(f"could not read the cell history ({describe_exception(exc)})")
+        return report
 
 
-def _attach_scale_history(shell: Any, report: Any) -> None:
+def _attach_scale_history(shell: Any, report: Any) -> Any:
     """The scale, skips and loss per step the session's protocol observer kept (cells run after %load_ext)."""
     from ..runtime import session
 
     observer = session.observer(shell)
     if observer is not None and observer.scale_history:
-        report.scale_history = list(observer.scale_history)
+        return report.evolve(scale_history=observer.scale_history)
+    return report
 
 
 def _batch_types() -> tuple:

@@ -702,6 +702,7 @@ def probe(
     """
     from ..checks import REGISTRY, load, run_checks
     from ..diagnosis.report import Report
+    from ..diagnosis.treatment import bind_fixes
     from ..discovery.subjects import discover
     from ..facts import Facts
     from ..gathering import gather
@@ -735,9 +736,7 @@ def probe(
         subjects=tuple(subjects),
         live=live,
     )
-    for f in findings:
-        for fx in f.fixes:
-            fx.bind(live)
+    bind_fixes(report, live, report.treatment)
     return report
 
 

@@ -65,7 +65,7 @@ def widget_bundle(widget: Any) -> dict:
 
     bundle = widget.mimebundle()
     return {
-        "text/plain": f"{header(widget.report)} (interactive report: it needs a running kernel)",
+        "text/plain": f"{header(widget.report.view)} (interactive report: it needs a running kernel)",
         WIDGET_VIEW_MIME: bundle[WIDGET_VIEW_MIME],
     }
 

@@ -217,21 +217,6 @@ class ParamRow(NamedTuple):
     numel: int
 
 
-def layer_rows(report: Any) -> list[ParamRow]:
-    """Every parameter of every inspected model as ``(model, name, dtype, numel)``.
-
-    The one adapter between the renderers and where the facts keep per-parameter
-    dtypes (``report.facts.models[i].tensors.params`` today); repoint it here
-    when the facts change shape.
-    """
-    rows = []
-    for m in getattr(report.facts, "models", ()) or ():
-        tensors = getattr(m, "tensors", None)
-        for p in getattr(tensors, "params", ()) or ():
-            rows.append(ParamRow(m.name, p.name, p.dtype, int(p.numel)))
-    return rows
-
-
 class LayerStrip(NamedTuple):
     """A grid of one model: ``cells[(layer, kind)] = dtypes`` over ``layers`` x ``kinds``."""
 
@@ -308,20 +293,6 @@ def layer_strips(rows: Iterable[ParamRow], min_layers: int = STRIP_MIN_LAYERS) -
         common = max(counts, key=counts.get)
         differing = [layer for layer in layers if signature[layer] != common]
         strips.append(LayerStrip(model, layers, kinds, frozen, differing))
-    return strips
-
-
-def report_layer_strips(report: Any) -> list[LayerStrip]:
-    """:func:`layer_strips` of a report's models, computed once per state of its facts."""
-    facts = getattr(report, "facts", None)
-    cached = getattr(report, "_mpdoctor_layer_strips", None)
-    if cached is not None and cached[0] is facts:
-        return cached[1]
-    strips = layer_strips(layer_rows(report))
-    try:
-        report._mpdoctor_layer_strips = (facts, strips)
-    except Exception:  # a read-only stand-in: compute each time
-        pass
     return strips
 
 

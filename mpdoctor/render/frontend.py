@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from .bundles import static_bundle, widget_bundle, widget_frontend
+
+#: Reports ``%mpdoctor`` already displayed, with the execution count of that cell (display state, kept out of
+#: the report value).
+_SHOWN_IN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def skip_next_display(report: Any, execution_count: Any) -> None:
+    """The display hook must not show ``report`` again in cell ``execution_count`` (the magic showed it)."""
+    _SHOWN_IN[report] = execution_count
+
+
+def _shown_already(report: Any, execution_count: Any) -> bool:
+    if execution_count is not None and _SHOWN_IN.get(report) == execution_count:
+        del _SHOWN_IN[report]
+        return True
+    return False
 
 
 def show(report: Any) -> None:
@@ -19,8 +36,7 @@ def show(report: Any) -> None:
 
     shell = get_ipython()
     count = getattr(shell, "execution_count", None)
-    if report._skip_display_in is not None and report._skip_display_in == count:
-        report._skip_display_in = None
+    if _shown_already(report, count):
         return
     if widget_frontend():
         try:

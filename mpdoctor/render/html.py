@@ -20,23 +20,22 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .data import humanize_bytes, humanize_count, report_dict
+from .data import humanize_bytes, humanize_count
 from .evidence import (
     also_found_label,
-    cause_label,
     dtype_word,
     fix_kind,
     format_number,
     plural,
     precision_word,
     probe_bars,
-    report_layer_strips,
     rst_to_plain,
     scan_summary,
     singular_counts,
     summarize_evidence,
 )
 from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg, scale_history_svg, scale_series
+from .view import ReportView
 
 #: Severity hues: badge backgrounds under white text (contrast >= 6.2) and borders.
 COLORS = {"error": "#b71c1c", "warning": "#9a4a00", "info": "#0d47a1"}
@@ -322,9 +321,9 @@ def precision_html(data: dict) -> str:
     return "".join(parts)
 
 
-def layers_html(report: Any) -> str:
+def layers_html(view: ReportView) -> str:
     """The per-layer dtype strip of every model with many layers, or a line saying why there is none."""
-    strips = report_layer_strips(report)
+    strips = view.layer_strips
     if not strips:
         return f"<p style='{FONT};color:{MUTED}'>No model with 4 or more numbered layers among the inspected objects.</p>"
     parts = [f"<div style='{FONT}'>"]
@@ -409,11 +408,11 @@ def also_found_html(findings: list[dict]) -> str:
     )
 
 
-def render_html(report: Any) -> str:
-    """Render a report as a self-contained HTML fragment."""
-    data = report_dict(report)
+def render_html(view: ReportView) -> str:
+    """Render a report's view as a self-contained HTML fragment."""
+    data = view.data
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
-    label = cause_label(report)
+    label = view.cause_label
     if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
         parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]
     else:
@@ -421,8 +420,8 @@ def render_html(report: Any) -> str:
             parts.append(cause_html(label))
         parts += [finding_html(f) for f in data["findings"]]
     parts.append(section("dtypes", histogram_html(data["histogram"])))
-    if report_layer_strips(report):
-        parts.append(section("dtypes per layer", layers_html(report)))
+    if view.layer_strips:
+        parts.append(section("dtypes per layer", layers_html(view)))
     if data.get("scan") or data.get("probe"):
         parts.append(section("numerics", numerics_html(data)))
     parts.append(section("precision: requested vs effective", precision_html(data)))

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from .data import humanize_bytes, precision_view, report_dict
+from .data import humanize_bytes
 from .evidence import dtype_word, plural
+from .view import ReportView
 
 
 def _cell(value: Any) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def render_markdown(report: Any) -> str:
-    """Render a report as GitHub-flavoured markdown."""
-    data = report_dict(report)
+def render_markdown(view: ReportView) -> str:
+    """Render a report's view as GitHub-flavoured markdown."""
+    data = view.data
     c = data["summary"]
     rt = data["runtime"]
     lines = [
@@ -43,7 +44,7 @@ def render_markdown(report: Any) -> str:
                 f"| {humanize_bytes(r['bytes'])} | {r['trainable']} |"
             )
         lines.append("")
-    for p in precision_view(report):
+    for p in data["precision"]:
         lines.append("- precision `" + _cell(p["setup"]) + "`: " + ", ".join(f"{k}={v}" for k, v in p.items() if k != "setup"))
     env = rt["env"]
     if env:

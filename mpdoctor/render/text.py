@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import textwrap
-from typing import Any
 
-from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
+from .data import humanize_bytes, humanize_count
 from .evidence import (
     also_found_label,
-    cause_label,
     dtype_word,
     fix_kind,
     precision_word,
     singular_counts,
     summarize_evidence,
 )
+from .view import ReportView
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
 
@@ -23,24 +22,24 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def header(report: Any) -> str:
+def header(view: ReportView) -> str:
     """The verdict line."""
-    c = report.counts()
+    c = view.counts
     parts = [
         "mpdoctor",
         _plural(c["error"], "error"),
         _plural(c["warning"], "warning"),
         f"{c['info']} info",
-        report.facts.hardware.label,
-        f"{report.elapsed * 1000:.0f} ms",
+        view.device_label,
+        f"{view.elapsed * 1000:.0f} ms",
     ]
     return " | ".join(parts)
 
 
-def render_text(report: Any, width: int = 100) -> str:
-    """Render a report as plain text."""
-    data = report_dict(report)
-    lines = [header(report)]
+def render_text(view: ReportView, width: int = 100) -> str:
+    """Render a report's view as plain text."""
+    data = view.data
+    lines = [header(view)]
     subj = ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"])
     if subj or not data.get("watched"):
         subj = subj or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
@@ -52,7 +51,7 @@ def render_text(report: Any, width: int = 100) -> str:
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
     if data["findings"]:
         lines.append("")
-    label = cause_label(report)
+    label = view.cause_label
     if label:  # the finding that explains an exception comes first, under this heading
         lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
     for i, f in enumerate(data["findings"]):
@@ -87,7 +86,7 @@ def render_text(report: Any, width: int = 100) -> str:
                 f" {humanize_bytes(r['bytes']):>10}"
                 f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"
             )
-    prec = precision_view(report)
+    prec = data["precision"]
     if prec:
         lines += ["", "precision (requested -> effective)"]
         for p in prec:
@@ -96,12 +95,12 @@ def render_text(report: Any, width: int = 100) -> str:
                 f" | accelerator {precision_word(p['accelerator.mixed_precision'])} (native amp {p['native_amp']})"
                 f" | scaler {p['scaler']} | effective {precision_word(p['effective'])}"
             )
-    caches = cache_view(report)
+    caches = data["caches"]
     if caches:
         lines += ["", "caches"]
         for c in caches:
             lines.append(f"  {c['path']} = {c['use_cache']}  ({'training' if c['training'] else 'eval'})")
-    scalers = scaler_view(report)
+    scalers = data["scalers"]
     if scalers:
         lines += ["", "scalers"]
         for s in scalers:

@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .data import report_dict
-from .evidence import also_found_label, cause_label, fix_kind, fix_label, plural, singular_counts
+from .evidence import also_found_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
@@ -305,10 +304,11 @@ class ReportWidget:
 
     # -- rendering -------------------------------------------------------------------
     def _render(self) -> None:
-        data = report_dict(self.report)
+        rv = self.report.view
+        data = rv.data
         self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}</div>"
-        pending_safe = [fx for fx in self.report.safe_fixes if not fx.applied]
-        self.apply_all_button.description = f"Apply all safe fixes ({len(pending_safe)})"
+        pending_safe = rv.pending_safe_fixes
+        self.apply_all_button.description = f"Apply all safe fixes ({pending_safe})"
         self.apply_all_button.disabled = not pending_safe
         # Nothing to apply: no button at all rather than a disabled "(0)".
         self.apply_all_button.layout.display = None if pending_safe else "none"
@@ -323,7 +323,7 @@ class ReportWidget:
         open_keys = {_finding_key(f) for f in self.report.findings}
         # Open findings first: they are what needs doing; applied fixes (with Undo) follow.
         cards = []
-        label = cause_label(self.report)
+        label = rv.cause_label
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
         finding_cards = [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
@@ -338,7 +338,7 @@ class ReportWidget:
         for widget in old:
             _close_tree(widget)
         self.dtypes_panel.value = histogram_html(data["histogram"])
-        self.layers_panel.value = layers_html(self.report)
+        self.layers_panel.value = layers_html(rv)
         self.numerics_panel.value = numerics_html(data)
         self.caches_panel.value = caches_html(data["caches"])
         self.scaler_panel.value = scalers_html(data["scalers"]) + scale_history_html(data)
@@ -528,7 +528,7 @@ class ReportWidget:
         )
 
     def _on_apply_all(self, _button: Any = None) -> None:
-        data = report_dict(self.report)
+        data = self.report.view.data
         owners = {
             id(fx): (finding, view, fv)
             for finding, view in zip(self.report.findings, data["findings"])

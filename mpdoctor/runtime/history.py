@@ -110,17 +110,22 @@ def read_script(path: str | Path, ignore: Iterable[str] = ()) -> list[Finding]:
 
 
 def add_to_report(report: Any, findings: list[Finding], ignore: Iterable[str] = ()) -> Any:
-    """Add loop findings to a :class:`~mpdoctor.report.Report` (ignored slugs counted in ``report.hidden``)."""
+    """A new :class:`~mpdoctor.diagnosis.report.Report`: ``report`` with the loop findings (ignored slugs counted
+    in its ``hidden``)."""
     skip = set(ignore)
+    hidden = dict(report.hidden)
+    kept = []
     for f in findings:
         if f.check in skip:
-            report.hidden[f.check] = report.hidden.get(f.check, 0) + 1
+            hidden[f.check] = hidden.get(f.check, 0) + 1
             continue
         for fx in f.fixes:
-            fx.bind(getattr(report, "live", None), report)
-        report.findings.append(f)
-    report.findings.sort(key=lambda f: f.rank)  # stable: the diagnosis keeps its order within a severity
-    return report
+            fx.bind(report.live, report.treatment)
+        kept.append(f)
+    if not kept and hidden == report.hidden:
+        return report
+    # sorted() is stable: the diagnosis keeps its order within a severity
+    return report.evolve(findings=sorted([*report.findings, *kept], key=lambda f: f.rank), hidden=hidden)
 
 
 def format_findings(findings: list[Finding], label: str) -> str:

@@ -633,8 +633,6 @@ def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list
     """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
     protocol findings (``findings``, default all of the observer's), with ``report.scale_history``.
     Without ``base``, a diagnosis of nothing."""
-    from ..diagnosis.report import Report
-
     if base is None:
         from ..diagnosis import diagnose_subjects
 
@@ -644,7 +642,4 @@ def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list
 
     findings = sorted([*base.findings, *observed], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
     plan = [*base.fixes, *(fx for f in observed for fx in f.fixes)]
-    report = Report(findings, base.facts, target=base.target, scan=base.scan, ignore=base.ignore,
-                    subjects=base._subjects, live=base.live, plan=plan, hidden=base.hidden)  # fmt: skip
-    report.scale_history = list(observer.scale_history)
-    return report
+    return base.evolve(findings=findings, plan=plan, scale_history=observer.scale_history)

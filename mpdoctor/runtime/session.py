@@ -125,8 +125,7 @@ def cell_report(observer: Any, findings: list) -> Any:
 
     report = protocol_report(observer, findings=findings)
     cells = sorted({(f.evidence.get("where") or "").split(",")[0] for f in findings} - {""})
-    report.watched = f"the AMP loop as it ran ({', '.join(cells) or 'this cell'}): GradScaler protocol"
-    return report
+    return report.evolve(watched=f"the AMP loop as it ran ({', '.join(cells) or 'this cell'}): GradScaler protocol")
 
 
 def show_findings(observer: Any, findings: list) -> None:

@@ -1,8 +1,8 @@
 """Fixes that change live objects in place, atomically, with an exact undo.
 
-A :class:`Fix` is a plan of :class:`Change` steps, computed from the live
-objects when it is applied (so a fix taken from an older report still does
-the right thing). Each change records what it replaces before replacing it;
+A :class:`Fix` is data: a title, an applicability, the code that does the same,
+and change specs (:mod:`mpdoctor.treatment.changes`) bound to the live objects
+when it is applied. Each change records what it replaces before replacing it;
 when a step fails, the steps already taken are reverted in reverse order and
 :class:`FixFailed` says why, so a fix is never half-applied. Casting fixes
 compute every new tensor before swapping any in, so the failure point
@@ -16,13 +16,11 @@ applied only on an explicit request.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-import torch
-
-from ..edits.steps import CastParams, Change, SetAttr
+from ..edits.steps import Change
 from ..redact import describe_exception
 
 #: Fixes whose undo backup would exceed this many bytes ask for ``apply(confirm=True)``.
@@ -48,6 +46,14 @@ class Applicability(str, Enum):
     DISPLAY_ONLY = "display-only"
 
 
+class FixDoor(Protocol):
+    """What a fix is bound to for applying: the diagnosis-level treatment (it re-plans against the live objects)."""
+
+    def apply(self, fix: Fix, confirm: bool = False) -> Fix: ...
+
+    def undo(self, fix: Fix | None = None) -> Fix | None: ...
+
+
 class Fix:
     """A way to fix a finding in place.
 
@@ -58,20 +64,14 @@ class Fix:
     code : str
         The Python that makes the same change, to paste where the object is created.
     safe : bool
-        True when the fix keeps the meaning of the intended run; False when it
-        narrows a dtype, drops state or replaces a reference. Ignored when
-        ``applicability`` is given.
-    plan : callable, optional
-        Returns the list of :class:`Change` steps. Fixes built by checks give
-        ``changes`` instead and are resolved against the live table.
-    verify : callable, optional
-        Called after the changes; returning a string means the fix did not
-        take (the changes are reverted and :class:`FixFailed` raised).
+        Shorthand for ``applicability``: True is :attr:`Applicability.SAFE`, False :attr:`Applicability.UNSAFE`.
+        Ignored when ``applicability`` is given.
     backup_bytes : int
         Estimated undo backup; above :data:`UNDO_BUDGET_BYTES` the title says
         so and ``apply`` needs ``confirm=True``.
     changes : tuple of ChangeSpec
-        What the fix does, as plain data (:mod:`mpdoctor.treatment.changes`).
+        What the fix does, as plain data (:mod:`mpdoctor.treatment.changes`), resolved against the live table
+        when applied.
     applicability : Applicability, optional
         Safe, unsafe or display-only.
     cost : str
@@ -85,24 +85,21 @@ class Fix:
         title: str,
         code: str,
         safe: bool = False,
-        plan: Callable[[], list[Change]] | None = None,
-        verify: Callable[[], str | None] | None = None,
-        backup_bytes: int = 0,
-        slug: str = "",
         *,
         changes: Sequence[Any] = (),
         applicability: Applicability | None = None,
         cost: str = "",
         recipe: str = "",
+        backup_bytes: int = 0,
+        slug: str = "",
     ) -> None:
         self.slug = slug
         self.code = code
         self.applicability = applicability or (Applicability.SAFE if safe else Applicability.UNSAFE)
         self.changes = tuple(changes)
-        # Fixes built by checks resolve their change specs against the live table; both hooks stay
-        # replaceable attributes so fault-injection tests can make any step fail.
-        self._plan = plan if plan is not None else self._spec_steps
-        self._verify = verify if verify is not None else self._spec_problem
+        # Replaceable attributes, so fault-injection tests can make any step fail.
+        self._plan: Callable[[], list[Change]] = self._spec_steps
+        self._verify: Callable[[], str | None] = self._spec_problem
         self.backup_bytes = backup_bytes
         self.needs_confirmation = backup_bytes > UNDO_BUDGET_BYTES
         if self.needs_confirmation:
@@ -117,7 +114,7 @@ class Fix:
         self.note = ""
         self._done: list[Change] = []
         self._live: Any = None
-        self._report: Any = None
+        self._door: FixDoor | None = None
         self.finding_subject = ""
 
     @property
@@ -130,10 +127,10 @@ class Fix:
         """What identifies this treatment across re-diagnoses: check, subject, recipe."""
         return (self.slug, self.finding_subject, self.recipe or re.sub(r"\d[\d,.]*", "#", self.title))
 
-    def bind(self, live: Any, report: Any = None) -> Fix:
-        """Attach the live table (and the report that re-plans on apply)."""
+    def bind(self, live: Any, door: FixDoor | None = None) -> Fix:
+        """Attach the live table, and the treatment that re-plans this fix before applying it."""
         self._live = live
-        self._report = report
+        self._door = door
         return self
 
     def __repr__(self) -> str:
@@ -153,22 +150,17 @@ class Fix:
                     return problem
         return None
 
-    def _steps(self) -> list[Change]:
-        return self._plan()
-
-    def _problem(self) -> str | None:
-        return self._verify()
-
     def preview(self) -> list[str]:
         """Describe the changes :meth:`apply` would make now."""
-        return [c.description for c in self._steps()]
+        return [c.description for c in self._plan()]
 
     def apply(self, confirm: bool = False) -> Fix:
         """Apply the fix in place; a second call does nothing.
 
-        A fix taken from a Report is re-planned first against the live objects
-        as they are now: when another fix applied since made it unnecessary,
-        it does nothing and ``note`` says why.
+        A fix taken from a Report goes through that report's treatment
+        (:class:`mpdoctor.diagnosis.treatment.Treatment`): it is re-planned first
+        against the live objects as they are now, and when another fix applied
+        since made it unnecessary, it does nothing and ``note`` says why.
 
         Raises
         ------
@@ -178,23 +170,30 @@ class Fix:
             When a step fails; every step already taken has been reverted.
             Also for a display-only fix (its ``code`` is what to run).
         """
-        if self.applied:
-            return self
+        if self._door is not None:
+            return self._door.apply(self, confirm=confirm)
+        if not self.applied:
+            self.check_applicable(confirm)
+            self.apply_steps()
+        return self
+
+    def check_applicable(self, confirm: bool = False) -> None:
+        """Raise when this fix cannot be applied in place now (display-only, or a backup needing confirmation)."""
         if self.applicability is Applicability.DISPLAY_ONLY:
             raise FixFailed(f"{self.title}: nothing can be changed in place; run fix.code where the objects are built")
         if self.needs_confirmation and not confirm:
             raise FixNeedsConfirmation(self.title)
-        if self._report is not None and self.changes:
-            current = self._report._current_treatment(self)
-            if current is None:
-                return self  # no longer needed: the report set self.note
-            self.changes = current.changes
+
+    def apply_steps(self) -> None:
+        """Run the steps of :attr:`changes` as bound now, atomically: on any failure, revert those taken."""
+        if self.applied:
+            return
         done: list[Change] = []
         try:
-            for change in self._steps():
+            for change in self._plan():
                 change.apply()
                 done.append(change)
-            problem = self._problem()
+            problem = self._verify()
             if problem:
                 raise FixFailed(f"the change did not take: {problem}")
         except BaseException as exc:
@@ -210,7 +209,6 @@ class Fix:
         self._done = done
         self.applied = True
         self.error = None
-        return self
 
     def undo(self) -> Fix:
         """Restore exactly what :meth:`apply` changed; does nothing when not applied.
@@ -220,15 +218,22 @@ class Fix:
         FixFailed
             When a step could not be restored (every other step still is).
         """
+        if self._door is not None:
+            self._door.undo(self)
+        else:
+            self.undo_steps()
+        return self
+
+    def undo_steps(self) -> None:
+        """Revert the steps :meth:`apply_steps` took, newest first."""
         if not self.applied:
-            return self
+            return
         leftovers = _revert_all(self._done)
         self._done = []
         self.applied = False
         if leftovers:
             self.error = f"undo could not restore everything: {leftovers}"
             raise FixFailed(f"{self.title}: {self.error}")
-        return self
 
     def to_dict(self) -> dict:
         """A JSON-serialisable description."""
@@ -254,48 +259,3 @@ def _revert_all(changes: list[Change]) -> str:
         except BaseException as exc:  # keep restoring the others
             failed.append(f"{change.description}: {describe_exception(exc)}")
     return "; ".join(failed)
-
-
-def set_attrs(title: str, code: str, targets: list[tuple[Any, str, Any, str]], safe: bool = True, slug: str = "") -> Fix:
-    """A fix setting attributes: ``targets`` is a list of ``(obj, attr, value, label)``."""
-
-    def plan() -> list[Change]:
-        return [SetAttr(o, a, v, lbl) for o, a, v, lbl in targets if _differs(o, a, v)]
-
-    def verify() -> str | None:
-        bad = [lbl for o, a, v, lbl in targets if _differs(o, a, v)]
-        return f"{', '.join(bad)} still differ" if bad else None
-
-    return Fix(title, code, safe, plan, verify, slug=slug)
-
-
-def _differs(obj: Any, attr: str, value: Any) -> bool:
-    try:
-        return getattr(obj, attr) != value
-    except Exception:
-        return True
-
-
-def cast_params_fix(
-    title: str,
-    code: str,
-    params: Sequence[torch.nn.Parameter],
-    dtype: torch.dtype,
-    optimizers: Iterable[Any] = (),
-    label: str = "parameters",
-    slug: str = "",
-    safe: bool = False,
-) -> Fix:
-    """A fix casting ``params`` (and their grads and optimizer state) to ``dtype`` in place."""
-    params = list(params)
-    optimizers = list(optimizers)
-    backup = sum(p.numel() * p.element_size() * (2 if p.grad is not None else 1) for p in params if p.dtype != dtype)
-
-    def plan() -> list[Change]:
-        return [CastParams(params, dtype, optimizers, label)]
-
-    def verify() -> str | None:
-        left = sum(1 for p in params if p.dtype != dtype)
-        return f"{left} parameters are not {dtype}" if left else None
-
-    return Fix(title, code, safe, plan, verify, backup_bytes=backup, slug=slug)

@@ -1,0 +1,117 @@
+"""The verb beside the Report: applying, undoing and re-planning fixes on the live objects.
+
+A :class:`~mpdoctor.diagnosis.report.Report` is a value: what was found, when it was made. Acting on the live
+objects behind it is the job of one :class:`Treatment` per diagnosed set of objects, shared by every report
+re-diagnosed from them (``report.refresh()`` returns a new Report with the same Treatment). The old doors stay:
+``fix.apply()``, ``fix.undo()``, ``report.apply_safe_fixes()`` and ``report.refresh()`` all end here.
+
+Before a fix is applied it is re-planned against the objects as they are now (another fix applied since may have
+resolved its finding, or changed which tensors its cast must cover), so a fix taken from an older report still does
+the right thing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
+
+if TYPE_CHECKING:
+    from .report import Report
+
+
+class Treatment:
+    """Applies, undoes and re-plans the fixes of the reports diagnosed from one set of live objects.
+
+    Parameters
+    ----------
+    source : callable, optional
+        Diagnoses the same live objects again and returns a new Report (sharing this treatment). None for a
+        report built by hand (nothing live to re-read: fixes apply as planned).
+    """
+
+    def __init__(self, source: Callable[[], Report] | None = None) -> None:
+        self.source = source
+        #: Fixes applied through this treatment, oldest first (what :meth:`undo` walks back).
+        self.applied: list[Fix] = []
+
+    @property
+    def live(self) -> bool:
+        """True when the treatment can re-read live objects (the report came from ``diagnose`` or ``probe``)."""
+        return self.source is not None
+
+    def refresh(self, report: Report) -> Report:
+        """A new Report of the same live objects, diagnosed now (``report`` itself when nothing is live)."""
+        if self.source is None:
+            return report
+        return self.source()
+
+    def current(self, fix: Fix) -> Fix | None:
+        """The fix with ``fix``'s key in a plan made now from the live objects; None when no longer needed."""
+        if self.source is None:
+            return fix
+        now = self.source()
+        match = next((fx for fx in now.all_fixes if fx.key == fix.key), None)
+        if match is None:
+            fix.note = "not applied: no longer needed (the fixes applied since resolved its finding)"
+        return match
+
+    def apply(self, fix: Fix, confirm: bool = False) -> Fix:
+        """Re-plan ``fix`` against the live objects, then apply it in place (atomically); return it.
+
+        Raises
+        ------
+        FixNeedsConfirmation
+            When the undo backup exceeds the budget and ``confirm`` is False.
+        FixFailed
+            When a step fails (every step already taken is reverted), or for a display-only fix.
+        """
+        if fix.applied:
+            return fix
+        fix.check_applicable(confirm)
+        if fix.changes:
+            current = self.current(fix)
+            if current is None:
+                return fix  # no longer needed: current() set fix.note
+            fix.changes = current.changes
+        fix.apply_steps()
+        self.applied.append(fix)
+        return fix
+
+    def undo(self, fix: Fix | None = None) -> Fix | None:
+        """Undo ``fix`` (default: the last fix applied through this treatment); return it, or None."""
+        if fix is None:
+            fix = next((fx for fx in reversed(self.applied) if fx.applied), None)
+            if fix is None:
+                return None
+        fix.undo_steps()
+        if fix in self.applied:
+            self.applied.remove(fix)
+        return fix
+
+    def apply_safe(self, fixes: list[Fix]) -> list[Fix]:
+        """Apply ``fixes`` (a report's safe plan) not yet applied, in order; return those applied.
+
+        A fix that fails is rolled back, keeps its ``error`` and is skipped; the others are still applied.
+        """
+        applied = []
+        for fix in fixes:
+            if fix.applied:
+                continue
+            try:
+                self.apply(fix)
+            except (FixFailed, FixNeedsConfirmation) as exc:
+                fix.error = fix.error or str(exc)
+                continue
+            if fix.applied:
+                applied.append(fix)
+        return applied
+
+
+def bind_fixes(report: Any, live: Any, treatment: Treatment) -> None:
+    """Bind every fix of ``report`` (its findings', its plans') to the live table and the treatment."""
+    for f in report.findings:
+        for fx in f.fixes:
+            fx.bind(live, treatment)
+    for fx in (*report.fixes, *report.safe_fixes):
+        fx.bind(live, treatment)

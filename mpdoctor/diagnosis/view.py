@@ -1,0 +1,185 @@
+"""Build the one plain view of a Report (:class:`mpdoctor.render.view.ReportView`) that every renderer reads.
+
+Everything a renderer shows is computed here, from the report's facts and findings, once per report and state of
+its fixes: the JSON-serialisable dict, the value scan's rows, the probe's rows, the layer strips, the cause's
+heading. The renderers below never reach the facts, a live object or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..redact import redact
+from ..render.evidence import ParamRow, cause_label, layer_strips, rst_to_plain
+from ..render.view import ReportView
+from ..treatment.findings import _jsonable
+
+#: How many views were built in this process: a display builds one (the tests count them).
+BUILDS = 0
+
+
+def build_view(report: Any) -> ReportView:
+    """The plain view of ``report``: what every renderer reads."""
+    global BUILDS
+    BUILDS += 1
+    data = report_dict(report)
+    return ReportView(
+        data=data,
+        counts=report.counts(),
+        device_label=report.facts.hardware.label,
+        elapsed=report.elapsed,
+        cause_label=cause_label(report),
+        layer_strips=tuple(layer_strips(layer_rows(report.facts))),
+        pending_safe_fixes=sum(1 for fx in report.safe_fixes if not fx.applied),
+    )
+
+
+def fix_state(report: Any) -> tuple:
+    """What can change in a report's fixes after it is made (applied, failed, notes): a view is built per state."""
+    return tuple((fx.applied, fx.error, fx.note, fx.planned) for f in report.findings for fx in f.fixes) + tuple(
+        fx.applied for fx in report.safe_fixes
+    )
+
+
+def subjects_view(facts: Any) -> list[dict]:
+    """Name, kind and class of every subject."""
+    return [{"name": s.name, "kind": s.kind, "class": s.class_name, "aliases": list(s.aliases)} for s in facts.subjects]
+
+
+def precision_view(facts: Any) -> list[dict]:
+    """Requested vs effective precision of every setup."""
+    hw = facts.hardware
+    return [
+        {
+            "setup": p.name,
+            "requested": p.requested,
+            "args.mixed_precision": p.args.get("mixed_precision"),
+            "ACCELERATE_MIXED_PRECISION": p.env_mixed_precision,
+            "accelerator.mixed_precision": p.accelerator_mixed_precision,
+            "native_amp": p.native_amp,
+            "scaler": p.scaler_enabled,
+            "effective": p.effective,
+            "device bf16": hw.bf16_native,
+        }
+        for p in facts.precisions
+    ]
+
+
+def cache_view(facts: Any) -> list[dict]:
+    """Every config and sub-config with its cache flag."""
+    return [
+        {
+            "path": f"{c.path}.use_cache",
+            "use_cache": c.use_cache if c.has_use_cache else "(absent)",
+            "model_type": c.model_type,
+            "training": m.training,
+        }
+        for m in facts.models
+        for c in m.configs
+    ]
+
+
+def scaler_view(facts: Any) -> list[dict]:
+    """State of every GradScaler."""
+    return [
+        {
+            "name": s.name,
+            "enabled": s.enabled,
+            "device": s.device,
+            "scale": s.scale if s.scale is not None else s.init_scale,
+            "scale_initialized": s.scale is not None,
+            "growth_tracker": s.growth_tracker,
+            "growth_interval": s.growth_interval,
+        }
+        for s in facts.scalers
+    ]
+
+
+def hardware_view(facts: Any) -> dict:
+    """The device or what-if profile."""
+    hw = facts.hardware
+    return {
+        "name": hw.name,
+        "label": hw.label,
+        "kind": hw.kind,
+        "capability": ".".join(map(str, hw.capability)) if hw.capability else None,
+        "bf16_native": hw.bf16_native,
+        "fp16_tensor_cores": hw.fp16_tensor_cores,
+        "tf32": hw.tf32,
+        "live": hw.live,
+        "unscale_dtypes": list(hw.unscale_dtypes) if hw.unscale_dtypes is not None else None,
+    }
+
+
+def probe_view(report: Any) -> list[dict]:
+    """The one-batch probe table as rows; empty for reports that did not probe."""
+    table = report.probe_table
+    if table is None:
+        return []
+    try:
+        return table.to_dict(orient="records")
+    except Exception:  # a table that cannot be read is left out, never a failed render
+        return []
+
+
+def layer_rows(facts: Any) -> list[ParamRow]:
+    """Every parameter of every inspected model as ``(model, name, dtype, numel)``."""
+    rows = []
+    for m in getattr(facts, "models", ()) or ():
+        tensors = getattr(m, "tensors", None)
+        for p in getattr(tensors, "params", ()) or ():
+            rows.append(ParamRow(m.name, p.name, p.dtype, int(p.numel)))
+    return rows
+
+
+def _why(slug: str) -> str:
+    from ..checks import REGISTRY
+
+    rule = REGISTRY.get(slug)
+    return rst_to_plain(rule.why) if rule is not None else ""
+
+
+def report_dict(report: Any) -> dict:
+    """The whole report as a JSON-serialisable, redacted dict."""
+    facts = report.facts
+    rt = facts.runtime
+    data = {
+        "summary": report.counts(),
+        "hidden": dict(report.hidden),
+        "plan": [fx.title for fx in report.fixes],
+        "elapsed_seconds": round(report.elapsed, 4),
+        "target": report.target,
+        "device": hardware_view(facts),
+        "subjects": subjects_view(facts),
+        "notes": list(report.notes),
+        # What was watched rather than inspected (a notebook cell's AMP loop), shown when no object was.
+        "watched": report.watched,
+        "findings": [dict(f.to_dict(), why=_why(f.check)) for f in report.findings],
+        "histogram": [_jsonable(r._asdict()) for r in facts.tallies],
+        "precision": precision_view(facts),
+        "caches": cache_view(facts),
+        "scalers": scaler_view(facts),
+        "scan": report.scan_rows(),
+        "probe": probe_view(report),
+        # Per GradScaler and watched step (mpdoctor.facts.scale_history.ScaleRecord): scale, skipped, loss.
+        "scale_history": [r.to_dict() if hasattr(r, "to_dict") else dict(r) for r in report.scale_history],
+        "runtime": {
+            "autocast": rt.autocast,
+            "matmul_tf32": rt.matmul_tf32,
+            "cudnn_tf32": rt.cudnn_tf32,
+            "float32_matmul_precision": rt.float32_matmul_precision,
+            "env": rt.env,
+            "versions": rt.versions,
+        },
+    }
+    return _redact_all(_jsonable(data))
+
+
+def _redact_all(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: _redact_all(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact_all(v) for v in value]
+    return value
