@@ -156,6 +156,27 @@ def name_in_user_frames(obj: Any) -> str | None:
     return None
 
 
+def modules_in_user_frames() -> list[tuple[str, Any]]:
+    """``(name, module)`` of every ``torch.nn.Module`` the nearest user frame holds (locals, then globals)."""
+    try:
+        frame = sys._getframe(1)
+    except ValueError:
+        return []
+    while frame is not None:
+        g = frame.f_globals
+        name = dict.get(g, "__name__") if type(g) is dict else None
+        if not (type(name) is str and name.split(".", 1)[0] in _LIBRARY_PREFIXES):
+            out: dict[int, tuple[str, Any]] = {}
+            for scope in (frame.f_locals, g):
+                if type(scope) is dict:
+                    for key, value in dict.items(scope):
+                        if type(key) is str and not key.startswith("_") and isinstance(value, torch.nn.Module):
+                            out.setdefault(id(value), (key, value))
+            return list(out.values())
+        frame = frame.f_back
+    return []
+
+
 class _ClipEvent:
     """One clip_grad_norm_ call: the parameters clipped, and what the scaler had unscaled then."""
 
@@ -271,6 +292,7 @@ class ProtocolObserver:
         on_finding: Callable[[Finding], None] | None = None,
     ) -> None:
         self.names = dict(names or {})
+        self._found_names: dict[int, tuple[Any, str]] = {}
         self.models = [m for m in models if isinstance(m, torch.nn.Module)]
         self.on_finding = on_finding if on_finding is not None else _print_finding
         self.findings: list[Finding] = []
@@ -281,7 +303,6 @@ class ProtocolObserver:
         self._sched_on_skipped = 0
         self._sched_reported = False
         self._last_skipped: dict[int, bool] = {}  # id(optimizer) -> its last scaler.step was skipped
-        self._param_names: dict[int, str] | None = None
         self.attached = False
         self.lazy = False  # attached lazily: a notebook session's observer, which stays attached between cells
 
@@ -332,12 +353,21 @@ class ProtocolObserver:
 
     # -- naming ------------------------------------------------------------------------
     def _name(self, obj: Any, default: str) -> str:
+        found = self._found_names.get(id(obj))
+        if found is not None and found[0]() is obj:
+            return found[1]
         name = self.names.get(id(obj))
+        if name is not None:
+            return name
+        name = name_in_user_frames(obj)
         if name is None:
-            name = name_in_user_frames(obj)
-            if name is None:
-                return default
-            self.names[id(obj)] = name  # a name found once is kept: the object may be out of frame later
+            return default
+        try:
+            # Kept while the object lives (it may be out of frame later); never handed to another object that
+            # reuses the id of a freed one (a notebook that rebuilds model, optimizer and scaler per lesson).
+            self._found_names[id(obj)] = (weakref.ref(obj), name)
+        except TypeError:  # not weakly referenceable: looked up again next time
+            pass
         return name
 
     def _track(self, scaler: Any) -> _ScalerTrack:
@@ -350,14 +380,19 @@ class ProtocolObserver:
         return track
 
     def _names_of_params(self) -> dict[int, str]:
-        if self._param_names is None:
-            names: dict[int, str] = {}
-            for m in self.models:
-                prefix = self._name(m, "model")
-                for n, p in m.named_parameters():
-                    names.setdefault(id(p), f"{prefix}.{n}")
-            self._param_names = names
-        return self._param_names
+        # Read each time (at most OVERFLOW_STEPS_NAMED times per scaler): a cache keyed by ids would name the
+        # parameters of a model rebuilt since by the freed one's names.
+        names: dict[int, str] = {}
+        for prefix, m in self._named_models():
+            for n, p in m.named_parameters():
+                names.setdefault(id(p), f"{prefix}.{n}")
+        return names
+
+    def _named_models(self) -> list[tuple[str, Any]]:
+        """The models given, else the modules the user's nearest frame holds by name (a notebook's ``model``)."""
+        if self.models:
+            return [(self._name(m, "model"), m) for m in self.models]
+        return modules_in_user_frames()
 
     # -- findings ----------------------------------------------------------------------
     def _report(self, slug: str, subject: str, where: Any, message: str, evidence: dict) -> Finding | None:

@@ -1,0 +1,136 @@
+"""The run's reports name every object by the name the user gave it, in a notebook that rebuilds its objects.
+
+Notebook 09's pattern: a ``fresh()`` helper rebuilds ``model``, ``optimizer`` and the scaler as globals before each
+lesson, so freed objects' ids are handed to new objects of other kinds. A name found through an id must never
+follow the id to another object (the GradScaler was once called ``optimizer``).
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+
+import pytest
+import torch
+
+from mpdoctor.runtime.protocol import ProtocolObserver, modules_in_user_frames
+
+pytestmark = pytest.mark.colab
+
+FRESH = """
+import torch
+def fresh(init_scale=65536.0):
+    global model, optimizer, amp_scaler
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    amp_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+x = torch.randn(16, 8)
+"""
+
+#: A lesson whose loop unscales twice before update(): the protocol finding names the scaler and the optimizer.
+UNSCALE_TWICE = """
+fresh()
+for _ in range(2):
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x).float().pow(2).mean()
+    amp_scaler.scale(loss).backward()
+    amp_scaler.unscale_(optimizer)
+    try:
+        amp_scaler.unscale_(optimizer)
+    except RuntimeError:
+        pass
+    amp_scaler.step(optimizer)
+    amp_scaler.update()
+"""
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "mpdoctor")
+    yield sh
+    sh.run_line_magic("unload_ext", "mpdoctor")
+    for name in ("model", "optimizer", "amp_scaler", "fresh", "x", "loss", "r"):
+        sh.user_ns.pop(name, None)
+
+
+#: Run at module level, as a notebook cell runs (its frame's locals are its globals: nothing else holds the objects).
+REUSE = """
+optimizer = Thing()
+first = observer._name(optimizer, "default")
+freed = id(optimizer)
+del optimizer
+gc.collect()
+alive, amp_scaler = [], None
+for _ in range(100_000):  # CPython hands a freed block to a later object of the same size
+    candidate = Thing()
+    if id(candidate) == freed:
+        amp_scaler = candidate
+        break
+    alive.append(candidate)
+second = observer._name(amp_scaler, "default") if amp_scaler is not None else None
+"""
+
+
+def test_a_name_found_for_a_freed_object_is_never_given_to_the_object_that_reuses_its_id():
+    class Thing:
+        pass
+
+    ns = {"Thing": Thing, "observer": ProtocolObserver(), "gc": gc}
+    exec(REUSE, ns)
+    assert ns["first"] == "optimizer"
+    assert ns["amp_scaler"] is not None, "the id was never reused: this interpreter cannot show the fault"
+    assert ns["second"] == "amp_scaler"
+
+
+def test_every_string_of_a_lesson_report_names_the_scaler_amp_scaler_across_rebuilt_lessons(shell, capsys):
+    shell.run_cell(FRESH, store_history=True)
+    for _lesson in range(4):
+        shell.run_cell(UNSCALE_TWICE, store_history=True)
+    from mpdoctor.runtime import session
+
+    observer = session.observer(shell)
+    found = [f for f in observer.findings if f.check == "amp-unscale-twice"]
+    assert found, "the lessons unscale twice: the watcher must say so"
+    report = session.cell_report(observer, found)
+    text = report.to_text() + report.to_html() + report.to_json()
+    assert "amp_scaler" in text
+    # the scaler is never called by another object's name, in messages, evidence or fix code
+    assert not re.search(r"optimizer\.(unscale_|update|step)\(optimizer\)", text)
+    assert "scaler = optimizer" not in text and "scaler = model" not in text
+    for f in found:
+        assert f.evidence.get("scaler", "amp_scaler") == "amp_scaler", f.evidence
+
+
+def test_parameters_whose_gradients_overflow_are_named_by_module_path_in_a_notebook(shell):
+    shell.run_cell(FRESH, store_history=True)
+    shell.run_cell("""
+fresh(init_scale=1024.0)
+for i in range(30):
+    # Every other batch carries values past fp16's 65504 into the model: inf whatever the scale.
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(x * (1e5 if i % 2 else 1.0)).float().pow(2).mean()
+    amp_scaler.scale(loss).backward()
+    amp_scaler.step(optimizer)
+    amp_scaler.update()
+""", store_history=True)
+    from mpdoctor.runtime import session
+
+    observer = session.observer(shell)
+    unsettled = [f for f in observer.findings if f.check == "amp-scale-unsettled"]
+    assert unsettled, [f.check for f in observer.findings]
+    named = unsettled[0].evidence.get("overflow_params") or {}
+    assert named and all(n.startswith("model.") for n in named), named
+    assert "param_groups" not in unsettled[0].message
+
+
+def test_modules_in_user_frames_lists_the_callers_models_by_name():
+    net = torch.nn.Linear(2, 2)
+    head = torch.nn.Linear(2, 1)
+    found = dict(modules_in_user_frames())
+    assert found.get("net") is net and found.get("head") is head
