@@ -134,3 +134,43 @@ def test_modules_in_user_frames_lists_the_callers_models_by_name():
     head = torch.nn.Linear(2, 1)
     found = dict(modules_in_user_frames())
     assert found.get("net") is net and found.get("head") is head
+
+
+#: A lesson that unscales twice with nothing to catch it: the watcher, the cell reader and the crash hook all see it.
+UNSCALE_TWICE_RAISES = """
+fresh()
+optimizer.zero_grad()
+with torch.autocast("cpu", dtype=torch.float16):
+    loss = model(x).float().pow(2).mean()
+amp_scaler.scale(loss).backward()
+amp_scaler.unscale_(optimizer)
+amp_scaler.unscale_(optimizer)
+amp_scaler.step(optimizer)
+amp_scaler.update()
+"""
+
+
+def test_mpdoctor_after_a_crash_shows_the_mistake_once_as_the_cause(shell, capsys):
+    shell.run_cell(FRESH, store_history=True)
+    result = shell.run_cell(UNSCALE_TWICE_RAISES, store_history=True)
+    assert isinstance(result.error_in_exec, RuntimeError) and "unscale_" in str(result.error_in_exec)
+    capsys.readouterr()
+    shell.run_cell("r = %mpdoctor --text", store_history=True)
+    report = shell.user_ns["r"]
+    slugs = [f.check for f in report.findings]
+    assert slugs.count("amp-unscale-twice") == 1, slugs
+    assert report.cause is not None and report.cause.check == "amp-unscale-twice" and report.findings[0] is report.cause
+    assert "no problems found" not in report.to_text()
+    # the next report has nothing new from the kernel: the crash was reported once
+    shell.run_cell("r2 = %mpdoctor --text", store_history=True)
+    assert shell.user_ns["r2"].cause is None
+    shell.user_ns.pop("r2", None)
+
+
+def test_a_raising_cell_shows_its_mistake_once(shell, capsys):
+    shell.run_cell(FRESH, store_history=True)
+    capsys.readouterr()
+    shell.run_cell(UNSCALE_TWICE_RAISES, store_history=True)
+    out = capsys.readouterr()
+    shown = re.findall(r"^(?:ERROR|WARN|INFO)\s+(\S+)\s", out.out, flags=re.M)
+    assert shown.count("amp-unscale-twice") == 1, out.out

@@ -79,6 +79,9 @@ def handle_exception(
 
         report = explain(value, tb, namespace=shell.user_ns)
         if report is not None:
+            from ..runtime.session import remember_crash
+
+            remember_crash(shell, report)
             show(report)
     except BaseException as exc:  # the traceback is already shown; the hook's failure is one line
         _print_failure(exc)

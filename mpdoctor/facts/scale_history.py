@@ -26,6 +26,9 @@ class ScaleRecord:
     loss : float or None
         The sum of the losses passed to ``scaler.scale`` since the previous ``update()`` (the step's loss
         when micro-batch losses are divided by the accumulation count, as the recipes do).
+    series : int
+        Which scaler, in the order the watcher first saw them (1, 2, ...): two scalers known by one name (a
+        notebook that rebuilds ``scaler``) are two series, never one merged step by step.
     """
 
     scaler: str
@@ -33,6 +36,7 @@ class ScaleRecord:
     scale: float
     skipped: bool
     loss: float | None = None
+    series: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""

@@ -170,6 +170,7 @@ class MPDoctorMagics(Magics):
                 report = _add_history(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
             report = _attach_scale_history(self.shell, report)
+            report = _with_what_the_kernel_saw(self.shell, report, ignore)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -290,6 +291,37 @@ def _add_history(shell: Any, report: Any, ignore: list[str]) -> Any:
     except Exception as exc:  # the report of the objects stands without it
         _print_line(f"could not read the cell history ({describe_exception(exc)})")
         return report
+
+
+def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any:
+    """The report with what the loop watcher and the crash hook found since the last ``%mpdoctor`` report.
+
+    A crash's cause comes first (the report then reads as the explanation of that exception); one mistake seen
+    by several of them (the watcher, the cell reader, the crash hook) is one finding.
+    """
+    from ..runtime.session import unreported
+    from ..treatment.merge import merged
+
+    watched, crashes = unreported(shell)
+    skip = set(ignore)
+    extra = [f for f in watched if f.check not in skip]
+    cause = exception = raised_by = None
+    for crash in crashes:
+        if crash.cause is not None and crash.cause.check not in skip:
+            cause, exception, raised_by = crash.cause, crash.exception, crash.raised_by
+            extra.append(crash.cause)
+    if not extra:
+        return report
+    for f in extra:
+        for fx in f.fixes:
+            fx.bind(report.live, report.treatment)
+    findings = merged([*report.findings, *extra])
+    if cause is not None:
+        cause = next((f for f in findings if f.check == cause.check and f.subject == cause.subject), cause)
+        findings = [cause, *(f for f in findings if f is not cause)]
+    else:
+        findings = sorted(findings, key=lambda f: f.rank)
+    return report.evolve(findings=findings, cause=cause, exception=exception, raised_by=raised_by)
 
 
 def _attach_scale_history(shell: Any, report: Any) -> Any:

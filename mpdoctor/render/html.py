@@ -252,9 +252,13 @@ def caches_html(caches: list[dict]) -> str:
     return table_html(caches, ["path", "use_cache", "model_type", "training"], warn)
 
 
-def scalers_html(scalers: list[dict]) -> str:
-    """GradScaler state: enabled, scale, growth tracker."""
+def scalers_html(scalers: list[dict], watched: bool = False) -> str:
+    """GradScaler state: enabled, scale, growth tracker. ``watched``: a scale history follows (say so instead of
+    "no GradScaler" above its chart)."""
     if not scalers:
+        if watched:
+            return (f"<p style='{FONT};color:{MUTED}'>The inspected objects hold no GradScaler; the scale history below "
+                    "was watched while the cells ran.</p>")  # fmt: skip
         return f"<p style='{FONT};color:{MUTED}'>No GradScaler among the inspected objects.</p>"
     rows = [
         {
@@ -426,7 +430,7 @@ def render_html(view: ReportView) -> str:
         parts.append(section("numerics", numerics_html(data)))
     parts.append(section("precision: requested vs effective", precision_html(data)))
     parts.append(section("caches", caches_html(data["caches"])))
-    parts.append(section("scalers", scalers_html(data["scalers"])))
+    parts.append(section("scalers", scalers_html(data["scalers"], watched=bool(data.get("scale_history")))))
     if data.get("scale_history"):
         parts.append(section("loss scale and loss over steps", scale_history_html(data)))
     parts.append("</div>")

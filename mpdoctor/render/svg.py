@@ -201,9 +201,12 @@ def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
         return top + ph * (1 - (math.log2(scale) - e_lo) / (e_hi - e_lo))
 
     skips = sum(1 for r in rows if r.get("skipped"))
+    skip_note = (
+        f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
+        else "no skipped step"
+    )
     parts = [
-        f"<text x='0' y='12' style='{TEXT}'>{_e(scaler)}: loss scale (log2 axis), "
-        f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan></text>",
+        f"<text x='0' y='12' style='{TEXT}'>{_e(scaler)}: loss scale (log2 axis), {skip_note}</text>",
         f"<line x1='{left}' y1='{top + ph}' x2='{left + pw}' y2='{top + ph}' style='{RULE}'/>",
         f"<line x1='{left}' y1='{top}' x2='{left}' y2='{top + ph}' style='{RULE}'/>",
     ]
@@ -247,8 +250,18 @@ def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
 
 
 def scale_series(history: list[dict]) -> dict[str, list[dict]]:
-    """History rows grouped by scaler name, each in step order."""
-    series: dict[str, list[dict]] = {}
+    """History rows grouped per scaler (its series), each in step order, labelled by the scaler's name.
+
+    Two scalers known by one name (a notebook that rebuilt ``scaler``) are two series: the later one is labelled
+    ``scaler (2)``, never merged with the first step by step.
+    """
+    groups: dict[tuple[str, int], list[dict]] = {}
     for r in history:
-        series.setdefault(str(r.get("scaler", "scaler")), []).append(r)
-    return {k: sorted(v, key=lambda r: r.get("step", 0)) for k, v in series.items()}
+        groups.setdefault((str(r.get("scaler", "scaler")), int(r.get("series", 1) or 1)), []).append(r)
+    out: dict[str, list[dict]] = {}
+    seen: dict[str, int] = {}
+    for (name, _series), rows in groups.items():
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name} ({seen[name]})"
+        out[label] = sorted(rows, key=lambda r: r.get("step", 0))
+    return out

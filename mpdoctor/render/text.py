@@ -13,6 +13,7 @@ from .evidence import (
     singular_counts,
     summarize_evidence,
 )
+from .svg import scale_series
 from .view import ReportView
 
 _LABEL = {"error": "ERROR", "warning": "WARN", "info": "INFO"}
@@ -133,14 +134,11 @@ def scale_history_lines(history: list[dict]) -> list[str]:
     """Per watched GradScaler: the log2 scale and the loss as sparklines, skipped steps marked ``x``."""
     import math
 
-    series: dict[str, list[dict]] = {}
-    for r in history:
-        series.setdefault(str(r.get("scaler", "scaler")), []).append(r)
+    series = scale_series(history)
     if not series:
         return []
     lines = ["", "loss scale and loss over steps"]
     for name, rows in series.items():
-        rows = sorted(rows, key=lambda r: r.get("step", 0))
         size = max(1, math.ceil(len(rows) / SPARK_WIDTH))
         buckets = [rows[i : i + size] for i in range(0, len(rows), size)]
         scales = [math.log2(max(min(r["scale"] for r in b), 1e-30)) for b in buckets]

@@ -341,7 +341,7 @@ class ReportWidget:
         self.layers_panel.value = layers_html(rv)
         self.numerics_panel.value = numerics_html(data)
         self.caches_panel.value = caches_html(data["caches"])
-        self.scaler_panel.value = scalers_html(data["scalers"]) + scale_history_html(data)
+        self.scaler_panel.value = scalers_html(data["scalers"], watched=bool(data.get("scale_history"))) + scale_history_html(data)
         self.precision_panel.value = precision_html(data)
         self.issue_text.value = self.report.to_markdown()
         if self._clipboard is not None:

@@ -198,7 +198,7 @@ class _ScalerTrack:
     """
 
     __slots__ = (
-        "ref", "name", "fresh", "checked_resume", "scaled", "stepped", "skipped", "losses", "clips", "updates",
+        "series", "ref", "name", "fresh", "checked_resume", "scaled", "stepped", "skipped", "losses", "clips", "updates",
         "steps", "leading_skips", "settled", "overflow_params", "overflow_named", "unsettled_reported", "bypassed",
         "history", "opt_params", "union_cache",
     )  # fmt: skip
@@ -293,6 +293,7 @@ class ProtocolObserver:
     ) -> None:
         self.names = dict(names or {})
         self._found_names: dict[int, tuple[Any, str]] = {}
+        self._series = 0  # scalers seen so far: each one's scale history is its own series
         self.models = [m for m in models if isinstance(m, torch.nn.Module)]
         self.on_finding = on_finding if on_finding is not None else _print_finding
         self.findings: list[Finding] = []
@@ -376,6 +377,8 @@ class ProtocolObserver:
             # Fresh: never scaled a loss and at its constructor's state (what a resumed run forgot to load).
             fresh = scaler.__dict__.get("_scale") is None and _looks_fresh(scaler)
             track = _ScalerTrack(weakref.ref(scaler), self._name(scaler, "scaler"), fresh=fresh)
+            self._series += 1
+            track.series = self._series
             self._tracks[id(scaler)] = track
         return track
 
@@ -577,7 +580,7 @@ class ProtocolObserver:
                 track.settled = True
         from ..facts.scale_history import ScaleRecord
 
-        record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss)
+        record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss, track.series)
         self.scale_history.append(record)
         track.history.append(record)
         track.scaled, track.skipped, track.losses, track.clips = False, False, [], []
@@ -664,10 +667,11 @@ def _print_finding(finding: Finding) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list[Finding] | None = None) -> Any:
+def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list[Finding] | None = None,
+                    history: list | None = None) -> Any:  # fmt: skip
     """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
-    protocol findings (``findings``, default all of the observer's), with ``report.scale_history``.
-    Without ``base``, a diagnosis of nothing."""
+    protocol findings (``findings``, default all of the observer's), with the scale history ``history`` (default
+    all of the observer's). Without ``base``, a diagnosis of nothing."""
     if base is None:
         from ..diagnosis import diagnose_subjects
 
@@ -677,4 +681,5 @@ def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list
 
     findings = sorted([*base.findings, *observed], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
     plan = [*base.fixes, *(fx for f in observed for fx in f.fixes)]
-    return base.evolve(findings=findings, plan=plan, scale_history=observer.scale_history)
+    steps = observer.scale_history if history is None else history
+    return base.evolve(findings=findings, plan=plan, scale_history=steps)

@@ -32,6 +32,10 @@ class _Session:
         self.shell = shell
         self.observer: Any = None
         self.seen = 0  # findings already shown (the observer keeps the session's findings)
+        self.steps_seen = 0  # scale-history records of earlier cells: a cell's report pictures its own steps
+        self.reported = 0  # findings already included in a %mpdoctor report
+        #: Reports the crash hook showed since the last %mpdoctor report (what it found is part of the next one).
+        self.crashes: list = []
         self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
 
     def start(self) -> None:
@@ -74,10 +78,13 @@ class _Session:
             self.settle()
         except Exception as exc:
             print(f"mpdoctor: the loop watcher could not settle ({type(exc).__name__}: {exc})", file=sys.stderr)
+        steps = list(obs.scale_history[self.steps_seen :])
+        self.steps_seen = len(obs.scale_history)
         if len(obs.findings) > self.seen:
-            new = obs.findings[self.seen :]
+            new = _not_yet_shown(obs.findings[self.seen :], self.crashes)
             self.seen = len(obs.findings)
-            show_findings(obs, new)
+            if new:
+                show_findings(obs, new, steps)
 
 
 class _Pending:
@@ -119,21 +126,22 @@ def _announce(finding: Any) -> None:
     print(f"mpdoctor: {finding.severity} [{finding.check}]{at}: {title} (details when the cell ends)", file=sys.stderr)
 
 
-def cell_report(observer: Any, findings: list) -> Any:
-    """The report of a cell's protocol findings (with the session's scale history), labelled as watched."""
+def cell_report(observer: Any, findings: list, steps: list | None = None) -> Any:
+    """The report of a cell's protocol findings, labelled as watched, with ``steps``: the scale history of that
+    cell (default: the session's)."""
     from .protocol import protocol_report
 
-    report = protocol_report(observer, findings=findings)
+    report = protocol_report(observer, findings=findings, history=steps)
     cells = sorted({(f.evidence.get("where") or "").split(",")[0] for f in findings} - {""})
     return report.evolve(watched=f"the AMP loop as it ran ({', '.join(cells) or 'this cell'}): GradScaler protocol")
 
 
-def show_findings(observer: Any, findings: list) -> None:
+def show_findings(observer: Any, findings: list, steps: list | None = None) -> None:
     """Display a cell's protocol findings as a report; a display failure is one line, never a traceback."""
     try:
         from ..render.frontend import show
 
-        show(cell_report(observer, findings))
+        show(cell_report(observer, findings, steps))
     except Exception as exc:
         from ..redact import describe_exception
 
@@ -174,3 +182,34 @@ def observer(shell: Any) -> Any:
     """The session's observer (findings, ``scale_history``), or None before the first cell with torch."""
     session = _SESSIONS.get(id(shell))
     return session.observer if session is not None else None
+
+
+def _not_yet_shown(findings: list, crashes: list) -> list:
+    """The watcher's findings that no crash report of this session already showed as its cause (one mistake,
+    one display: the crash hook explained it when the cell raised)."""
+    if not crashes:
+        return list(findings)
+    from ..treatment.merge import location_key
+
+    shown = {(c.cause.check, location_key(c.cause)) for c in crashes if c.cause is not None}
+    return [f for f in findings if (f.check, location_key(f)) not in shown]
+
+
+def unreported(shell: Any) -> tuple[list, list]:
+    """What the kernel's watcher and crash hook found since the last ``%mpdoctor`` report: ``(findings, crash
+    reports)``; both count as reported from now on."""
+    sess = _SESSIONS.get(id(shell))
+    if sess is None:
+        return [], []
+    obs = sess.observer
+    findings = list(obs.findings[sess.reported :]) if obs is not None else []
+    sess.reported = len(obs.findings) if obs is not None else 0
+    crashes, sess.crashes = sess.crashes, []
+    return findings, crashes
+
+
+def remember_crash(shell: Any, report: Any) -> None:
+    """Keep a report the crash hook showed, for the next ``%mpdoctor`` report of this shell."""
+    sess = _SESSIONS.get(id(shell))
+    if sess is not None:
+        sess.crashes.append(report)
