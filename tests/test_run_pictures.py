@@ -1,0 +1,91 @@
+"""The run's pictures show the right thing: the reported cell's steps, one series per scaler, no contradiction."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import mpdoctor
+from mpdoctor.render.svg import scale_history_svg
+
+pytestmark = pytest.mark.colab
+
+SETUP = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+x = torch.randn(16, 8)
+def steps(n, clip_before_unscale=False):
+    for _ in range(n):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if clip_before_unscale:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+"""
+
+
+@pytest.fixture
+def shell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "mpdoctor")
+    yield sh
+    sh.run_line_magic("unload_ext", "mpdoctor")
+    for name in ("model", "optimizer", "scaler", "x", "steps", "r"):
+        sh.user_ns.pop(name, None)
+
+
+def test_a_cells_report_pictures_that_cells_steps_only(shell, capsys):
+    from mpdoctor.runtime import session
+
+    shell.run_cell(SETUP, store_history=True)
+    shell.run_cell("steps(5)", store_history=True)  # healthy: nothing shown
+    capsys.readouterr()
+    observer = session.observer(shell)
+    before = len(observer.scale_history)
+    shell.run_cell("steps(3, clip_before_unscale=True)", store_history=True)
+    out = capsys.readouterr().out
+    assert "amp-clip-before-unscale" in out
+    assert re.search(r"scaler: 3 steps \(1\.\.3\)|scaler: 3 steps \(6\.\.8\)", out), out
+    assert len(observer.scale_history) == before + 3
+
+
+def test_two_scalers_known_by_one_name_are_two_series_never_merged(shell, capsys):
+    shell.run_cell(SETUP, store_history=True)
+    shell.run_cell("steps(4)", store_history=True)
+    shell.run_cell('scaler = torch.amp.GradScaler("cpu")\nsteps(4)', store_history=True)
+    capsys.readouterr()
+    shell.run_cell("r = %mpdoctor --text", store_history=True)
+    text = shell.user_ns["r"].to_text()
+    assert "scaler: 4 steps (1..4)" in text and "scaler (2): 4 steps (1..4)" in text, text
+    assert "8 steps" not in text
+
+
+def test_a_chart_with_no_skipped_step_says_so_and_no_red_count():
+    rows = [{"scaler": "scaler", "step": i, "scale": 65536.0, "skipped": False, "loss": 1.0} for i in range(1, 5)]
+    svg = scale_history_svg(rows, "scaler")
+    assert "no skipped step" in svg and "\u2715 0" not in svg
+    rows[2]["skipped"] = True
+    assert "\u2715 1 skipped step" in scale_history_svg(rows, "scaler")
+
+
+def test_the_scaler_panel_does_not_deny_the_scaler_whose_chart_it_shows(shell, capsys):
+    shell.run_cell(SETUP, store_history=True)
+    shell.run_cell("steps(3, clip_before_unscale=True)", store_history=True)
+    from mpdoctor.runtime import session
+
+    observer = session.observer(shell)
+    report = session.cell_report(observer, observer.findings)
+    html = report.to_html()
+    assert "loss scale" in html and "No GradScaler among the inspected objects" not in html
+    empty = mpdoctor.diagnose(torch.nn.Linear(2, 2))
+    assert "No GradScaler among the inspected objects" in empty.to_html()
