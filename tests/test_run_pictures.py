@@ -89,3 +89,29 @@ def test_the_scaler_panel_does_not_deny_the_scaler_whose_chart_it_shows(shell, c
     assert "loss scale" in html and "No GradScaler among the inspected objects" not in html
     empty = mpdoctor.diagnose(torch.nn.Linear(2, 2))
     assert "No GradScaler among the inspected objects" in empty.to_html()
+
+
+def test_a_run_whose_every_loss_is_inf_is_told_as_soon_as_the_scale_falls_below_one():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, 8)
+    scales = []
+    with mpdoctor.watch(model, opt, scaler) as w:
+        for _ in range(20):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().mean() * float("inf")
+            scaler.scale(loss).backward()
+            scales.append(scaler.get_scale())
+            scaler.step(opt)
+            scaler.update()
+    # Harm: no step trained, and the scale collapsed (65536 -> 2**-4 after 20 halvings).
+    assert scaler.get_scale() < 1.0 and "step" not in opt.state_dict()["state"].get(0, {})
+    found = [f for f in w.protocol.findings if f.check == "amp-scale-unsettled"]
+    assert len(found) == 1, [f.check for f in w.protocol.findings]
+    # told at the first step run with a scale below 1, not after some fixed number of steps
+    first_below_one = next(i for i, s in enumerate(scales, 1) if s < 1.0)
+    assert found[0].evidence["step"] == first_below_one
+    assert "every one of its" in found[0].message

@@ -591,6 +591,9 @@ class ProtocolObserver:
     def _check_unsettled(self, track: _ScalerTrack) -> None:
         if track.unsettled_reported:
             return
+        if not track.settled:
+            self._check_never_settles(track)
+            return
         window = track.history[track.leading_skips :][-UNSETTLED_WINDOW:]
         if len(window) < UNSETTLED_MIN_UPDATES:
             return
@@ -606,6 +609,27 @@ class ProtocolObserver:
                      f"overflow steps: {params}.", {"skipped": skips, "window": len(window),
                                                     "overflow_params": dict(worst),
                                                     "step": window[-1].step})  # fmt: skip
+
+    def _check_never_settles(self, track: _ScalerTrack) -> None:
+        """Every step so far skipped, and the scale already below 1: no scale makes these gradients finite.
+
+        A healthy start skips while the scale falls from its initial value to one the gradients fit (each skip
+        halves it); past a scale of 1 the scaler shrinks the loss and it still overflows, so the loss or its
+        gradients are inf/NaN whatever the scale. Judged from the scale's fall, not a fixed number of steps.
+        """
+        first, last = track.history[0], track.history[-1]
+        if last.scale >= 1.0 or first.scale <= last.scale:
+            return
+        track.unsettled_reported = True
+        steps = len(track.history)
+        self._report("amp-scale-unsettled", track.name, None,
+                     f"{track.name} skipped every one of its {steps} steps so far: the scale fell from {first.scale:g} "
+                     f"to {last.scale:g} (below 1, where scaling shrinks the loss) and the gradients are still inf/NaN, "
+                     "so the loss or its gradients overflow at any scale and nothing has trained. Find where: "
+                     "mpdoctor.probe(model, batch).",
+                     {"skipped": steps, "window": steps, "overflow_params": dict(sorted(
+                         track.overflow_params.items(), key=lambda kv: -kv[1])[:5]),
+                      "step": last.step, "scale_first": first.scale, "scale_now": last.scale})  # fmt: skip
 
     def on_scheduler_step(self, scheduler: Any, where: Where | None) -> None:
         self._sched_steps += 1
