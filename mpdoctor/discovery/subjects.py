@@ -14,7 +14,6 @@ of 100,000 plain objects costs about one dict lookup each.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -387,8 +386,3 @@ def _one_patient_per_tree(subjects: list[Subject]) -> list[Subject]:
             s.aliases = tuple(s.aliases) + tuple(aliases[id(s)])
         out.append(s)
     return out
-
-
-def transformers_loaded() -> bool:
-    """True when the user's process has imported transformers (mpdoctor never imports it first)."""
-    return "transformers" in sys.modules

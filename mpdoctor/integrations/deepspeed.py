@@ -33,7 +33,6 @@ from ..live.introspect import is_a, raw_attr
 from . import Integration, Unwrap
 
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
-HF_DS_CONFIG = "transformers.integrations.deepspeed.HfDeepSpeedConfig"
 TRAINER = "transformers.trainer.Trainer"
 TRAINING_ARGS = "transformers.training_args.TrainingArguments"
 ACCELERATOR = "accelerate.accelerator.Accelerator"

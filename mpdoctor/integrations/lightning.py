@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lightning import LightningPrecisionFacts, lightning_effective, unify
-from ..live.introspect import attr_of_known, is_a, raw_attr, type_name
+from ..live.introspect import is_a, raw_attr, type_name
 from . import Integration, Unwrap
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
@@ -100,16 +100,6 @@ def _setup_facts(subjects: tuple, hw: Any) -> dict:
             except Exception:  # a half-built Trainer: the rest of the report still stands
                 continue
     return {"lightning": tuple(out)} if out else {}
-
-
-def lightning_optimizers(trainer: Any) -> list:
-    """The Trainer's optimizers: ``strategy._lightning_optimizers`` once set (they wrap ``trainer.optimizers``)."""
-    strategy = attr_of_known(trainer, "strategy")
-    wrapped = raw_attr(strategy, "_lightning_optimizers", None) if strategy is not None else None
-    if isinstance(wrapped, list) and wrapped:
-        return list(wrapped)
-    plain = attr_of_known(trainer, "optimizers")
-    return list(plain) if isinstance(plain, list) else []
 
 
 INTEGRATION = Integration(

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -280,12 +279,4 @@ def _rows(
         tally.add_many(kind, dt, trainable, dev, n, numel)
     for (dname, trainable, dev), (n, numel, nbytes) in (stored or {}).items():
         tally.add_stored("param", dname, trainable, dev, n, numel, nbytes)
-    return tally.rows()
-
-
-def tally_tensors(obj_name: str, kind: str, tensors: Iterable[tuple[torch.Tensor, bool]]) -> tuple[TensorTally, ...]:
-    """Tally arbitrary ``(tensor, trainable)`` pairs under one object and kind."""
-    tally = Tallier(obj_name)
-    for t, trainable in tensors:
-        tally.add(kind, t, trainable)
     return tally.rows()
