@@ -313,7 +313,6 @@ def recipe_facts(acc: Any, name: str) -> list[FP8RecipeFacts]:
                 written_format=written,
                 passed_format=passed,
                 runs_format=passed or TE_DEFAULT_FORMAT[block],
-                consumed=bool(raw_attr(acc, "_models", None)),
             )
         )
     return out

@@ -74,7 +74,6 @@ def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisio
         device = hw.kind
         effective = lightning_effective(requested, device)
     scaler = raw_attr(plugin, "scaler", None) if plugin is not None else None
-    path = f"{subject.name}._precision.scaler" if is_a(obj, FABRICS) else f"{subject.name}.precision_plugin.scaler"
     return LightningPrecisionFacts(
         name=subject.name,
         kind="fabric" if is_a(obj, FABRICS) else "trainer",
@@ -82,7 +81,6 @@ def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisio
         effective=effective,
         plugin=type_name(plugin) if plugin is not None else "?",
         input_dtype=_dtype_name(raw_attr(plugin, "_desired_input_dtype", None)) if plugin is not None else None,
-        scaler_name=path if scaler is not None else None,
         scaler_enabled=bool(raw_attr(scaler, "_enabled", False)) if scaler is not None else None,
         device=device,
         model_names=tuple(s.name for s in subjects if s.owner == subject.name and s.kind == "model"),

@@ -43,7 +43,6 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         params=tuple(params),
         tallies=tally.rows(),
         defaults=_plain_defaults(inner.__dict__.get("defaults", {})),
-        has_state=bool(state),
         group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
         state_steps=steps,
         bf16_update_loss=_bf16_update_loss(cls, groups, params),
