@@ -40,6 +40,7 @@ class DeviceProfile:
     tf32: bool
     live: bool
     unscale_dtypes: tuple[str, ...] | None = None
+    memory_gib: float | None = None
 
     @property
     def label(self) -> str:
