@@ -50,6 +50,8 @@ test: test-main test-colab
 test-main: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/ruff check mpdoctor tests bench notebooks
 	$(BIN)/lint-imports
+	$(BIN)/vulture
+	$(BIN)/xenon --max-absolute C mpdoctor
 	MPDOCTOR_NO_SKIPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
@@ -73,9 +75,13 @@ bench-quick: $(STAMP)
 env: $(STAMP)
 	$(BIN)/python -m mpdoctor env
 
+# Dead code (vulture, configured in pyproject.toml) and a complexity ceiling: xenon's rank C is a cyclomatic
+# complexity of at most 20 for every function, method and class (radon's ranks: A 1-5, B 6-10, C 11-20, D 21-30).
 lint: $(STAMP)
 	$(BIN)/ruff check mpdoctor tests bench notebooks
 	$(BIN)/lint-imports
+	$(BIN)/vulture
+	$(BIN)/xenon --max-absolute C mpdoctor
 
 # Regenerate docs/checks.md from the check docstrings (a test fails when it is stale).
 checks-doc: $(DEMO_STAMP)

@@ -113,14 +113,26 @@ def _has(mro: tuple, cls: type) -> bool:
 def _short_repr(value: Any, depth: int = 0) -> str:
     cls = type(value)
     mro = _TYPE_MRO(cls)
+    text = _scalar_repr(value, cls, mro, depth)
+    if text is not None:
+        return text
+    if cls is torch_dtype_class() or cls is torch_device_class():
+        text = str(value)
+        return text[6:] if text.startswith("torch.") else text
+    text = _container_repr(value, cls, depth)
+    if text is not None:
+        return text
+    module = _TYPE_MODULE(cls)
+    return f"<{module + '.' if type(module) is str and module != 'builtins' else ''}{_TYPE_NAME(cls)}>"
+
+
+def _scalar_repr(value: Any, cls: type, mro: tuple, depth: int) -> str | None:
+    """A string, enum member, number or None, read without its class's ``__repr__`` / ``__str__``; None for
+    anything else."""
     if cls is str:
         return value if depth == 0 else repr(value)
     if _has(mro, enum.Enum):
-        # OptimizerNames / PrecisionType are str enums: their plain value, not a user __repr__.
-        member_value = object.__getattribute__(value, "_value_")
-        if any(type(member_value) is t for t in (str, int, float, bool)):
-            return str(member_value)
-        return f"{_TYPE_NAME(cls)}.{object.__getattribute__(value, '_name_')}"
+        return _enum_repr(value, cls)
     if _has(mro, str):
         return str.__str__(value)
     if cls is int:
@@ -129,17 +141,26 @@ def _short_repr(value: Any, depth: int = 0) -> str:
         return repr(value)
     if _has(mro, int) or _has(mro, float):
         return _short_repr(int.__int__(value) if _has(mro, int) else float.__float__(value), depth)
-    if cls is torch_dtype_class() or cls is torch_device_class():
-        text = str(value)
-        return text[6:] if text.startswith("torch.") else text
-    if (cls is list or cls is tuple) and len(value) <= 8 and depth < 3:
-        inner = ", ".join(_short_repr(v, depth + 1) for v in value)
-        return f"[{inner}]" if cls is list else f"({inner}{',' if len(value) == 1 else ''})"
-    if cls is dict and len(value) <= 8 and depth < 3:
+    return None
+
+
+def _enum_repr(value: Any, cls: type) -> str:
+    # OptimizerNames / PrecisionType are str enums: their plain value, not a user __repr__.
+    member_value = object.__getattribute__(value, "_value_")
+    if any(type(member_value) is t for t in (str, int, float, bool)):
+        return str(member_value)
+    return f"{_TYPE_NAME(cls)}.{object.__getattribute__(value, '_name_')}"
+
+
+def _container_repr(value: Any, cls: type, depth: int) -> str | None:
+    """A short plain list, tuple or dict, item by item; None for anything else (or too long, too deep)."""
+    if depth >= 3 or not (cls is list or cls is tuple or cls is dict) or len(value) > 8:
+        return None
+    if cls is dict:
         pairs = (f"{_short_repr(k, depth + 1)}: {_short_repr(v, depth + 1)}" for k, v in dict.items(value))
         return "{" + ", ".join(pairs) + "}"
-    module = _TYPE_MODULE(cls)
-    return f"<{module + '.' if type(module) is str and module != 'builtins' else ''}{_TYPE_NAME(cls)}>"
+    inner = ", ".join(_short_repr(v, depth + 1) for v in value)
+    return f"[{inner}]" if cls is list else f"({inner}{',' if len(value) == 1 else ''})"
 
 
 def torch_dtype_class() -> type:

@@ -7,7 +7,6 @@ import this module.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any
 
@@ -145,18 +144,3 @@ def train_step(model, optimizer, inputs=None, scaler=None, autocast_dtype=None) 
         optimizer.step()
     return float(loss)
 
-
-class clean_env:
-    """Context manager that removes ACCELERATE_* precision variables and restores them after."""
-
-    KEYS = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DOWNCAST_BF16", "ACCELERATE_USE_CPU")
-
-    def __enter__(self):
-        self.saved = {k: os.environ.pop(k) for k in self.KEYS if k in os.environ}
-        return self
-
-    def __exit__(self, *exc):
-        for k in self.KEYS:
-            os.environ.pop(k, None)
-        os.environ.update(self.saved)
-        return False

@@ -1,9 +1,10 @@
 """Fixes cannot lose data: atomic on failure, exact undo, idempotent, optimizer still wired.
 
 Every fix that any check offers on any scenario (tests/scenarios.py), on the
-live machine and on the T4 and A100 what-if profiles, is enumerated at
-collection time, so fixes added by new checks are covered without editing
-this file. For each one:
+live machine and on the T4 and A100 what-if profiles, is enumerated on first
+use (once per session, not at collection: that diagnoses every scenario three
+times), so fixes added by new checks are covered without editing this file.
+The tests run per broken scenario, over each of its fixes. For each one:
 
 - undo after apply restores the fingerprint exactly (dtype-narrowing fixes too),
   and the refreshed report no longer shows the finding while applied;
@@ -22,9 +23,11 @@ this file. For each one:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +100,7 @@ class _saved_process_state:
         return False
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def fix_cases() -> tuple[FixCase, ...]:
     """Every fix offered on every scenario under every target.
 
@@ -143,8 +146,15 @@ def _allocates(fix: Fix) -> bool:
     return bool(calls)
 
 
-CASES = fix_cases()
-CAST_CASES = tuple(c for c in CASES if c.casts)
+#: The scenarios the fixes are tested on: a healthy one offers none (its own test says so).
+BROKEN = tuple(s.name for s in SCENARIOS if not s.healthy)
+
+
+def cases_of(scenario: str) -> tuple[FixCase, ...]:
+    """The fix cases of ``scenario``; a broken scenario offers at least one fix that can be applied."""
+    cases = tuple(c for c in fix_cases() if c.scenario == scenario)
+    assert cases, f"{scenario}: no fix to apply (a scenario offering only display-only fixes belongs in test_treatment)"
+    return cases
 
 
 @dataclass
@@ -237,6 +247,14 @@ def _backend(name: str) -> Any:
 @pytest.fixture(autouse=True)
 def _restore_process_state():
     """Fixes may change process-wide state (environment, TF32): leave none of it to the next test."""
+    with process_state_kept():
+        yield
+
+
+@contextlib.contextmanager
+def process_state_kept() -> Iterator[None]:
+    """Restore the environment, the TF32 flags, the RNG and accelerate's state afterwards (each case of a
+    scenario starts from the same process state, as each test does)."""
     env = dict(os.environ)
     legacy = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     precisions = {}
@@ -246,21 +264,35 @@ def _restore_process_state():
         except AttributeError:  # torch before the per-backend API
             pass
     rng = torch.get_rng_state()
-    yield
-    os.environ.clear()
-    os.environ.update(env)
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
-    for name, value in precisions.items():  # parents first: setting a parent resets nothing below it
-        _backend(name).fp32_precision = value
-    torch.set_rng_state(rng)
-    reset_accelerate()
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = legacy
+        for name, value in precisions.items():  # parents first: setting a parent resets nothing below it
+            _backend(name).fp32_precision = value
+        torch.set_rng_state(rng)
+        reset_accelerate()
+
+
+def each_case(scenario: str, cases: tuple[FixCase, ...] | None = None) -> Iterator[FixCase]:
+    """The cases of ``scenario`` (or ``cases``), each run in a process state restored afterwards."""
+    for case in cases if cases is not None else cases_of(scenario):
+        with process_state_kept():
+            yield case
 
 
 # -- undo ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_undo_after_apply_restores_the_fingerprint_exactly(case):
+@pytest.mark.parametrize("scenario", BROKEN)
+def test_undo_after_apply_restores_the_fingerprint_exactly(scenario):
+    for case in each_case(scenario):
+        _undo_restores_the_fingerprint(case)
+
+
+def _undo_restores_the_fingerprint(case: FixCase) -> None:
     lv = live(case)
     before = lv.fingerprint()
     lv.fix.apply(confirm=True)
@@ -277,8 +309,13 @@ def test_undo_after_apply_restores_the_fingerprint_exactly(case):
 # -- optimizer identity and a training step --------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_after_the_fix_optimizers_hold_the_models_own_parameters_and_a_step_runs(case):
+@pytest.mark.parametrize("scenario", BROKEN)
+def test_after_the_fix_optimizers_hold_the_models_own_parameters_and_a_step_runs(scenario):
+    for case in each_case(scenario):
+        _fixed_setup_keeps_its_optimizers_and_trains(case)
+
+
+def _fixed_setup_keeps_its_optimizers_and_trains(case: FixCase) -> None:
     baseline = baseline_step(case.scenario)
     lv = live(case)
     wiring = optimizer_wiring(lv.ns)
@@ -297,9 +334,14 @@ def test_after_the_fix_optimizers_hold_the_models_own_parameters_and_a_step_runs
 # -- idempotence --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_applying_a_fix_twice_equals_applying_it_once(case):
+@pytest.mark.parametrize("scenario", BROKEN)
+def test_applying_a_fix_twice_equals_applying_it_once(scenario):
     """Required of safe fixes; checked for unsafe ones too (confirm=True stands for the second click)."""
+    for case in each_case(scenario):
+        _second_application_changes_nothing(case)
+
+
+def _second_application_changes_nothing(case: FixCase) -> None:
     lv = live(case)
     stale = find_fix(mpdoctor.diagnose(namespace=lv.ns, target=case.target), case)  # taken before the first apply
     lv.fix.apply(confirm=True)
@@ -313,14 +355,20 @@ def test_applying_a_fix_twice_equals_applying_it_once(case):
     assert_unchanged(once, lv.fingerprint(), f"{case.id}: undoing the no-op second application")
 
 
-@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if any(c.scenario == s.name and c.safe for c in CASES)], ids=lambda s: s.name)
+@pytest.mark.parametrize("scenario", BROKEN)
 def test_apply_safe_fixes_twice_equals_once_and_leaves_no_safe_fix(scenario):
-    ns = scenario.build()
+    ns = BY_NAME[scenario].build()
+    before = fingerprint(ns)
     first, second = mpdoctor.diagnose(namespace=ns), mpdoctor.diagnose(namespace=ns)
-    assert first.apply_safe_fixes()
+    applied = first.apply_safe_fixes()
     once = fingerprint(ns)
+    if not any(c.safe for c in cases_of(scenario)):
+        assert not applied, f"{scenario}: apply_safe_fixes() applied a fix where none is safe"
+        assert_unchanged(before, once, f"{scenario}: apply_safe_fixes() with no safe fix")
+        return
+    assert applied
     second.apply_safe_fixes()
-    assert_unchanged(once, fingerprint(ns), f"{scenario.name}: apply_safe_fixes() on a second report")
+    assert_unchanged(once, fingerprint(ns), f"{scenario}: apply_safe_fixes() on a second report")
     assert not [f.title for f in first.refresh().fixes if f.safe]
     assert not [f.error for f in first.fixes + second.fixes if f.error]
 
@@ -347,8 +395,33 @@ def _dtypes(fp: Fingerprint) -> dict:
     return {k: dict(v[1])["dtype"] for k, v in fp.items() if isinstance(v, tuple) and v and v[0] == "tensor"}
 
 
-@pytest.mark.parametrize("case", CAST_CASES, ids=lambda c: c.id)
-def test_a_cast_failing_at_any_allocation_leaves_everything_bit_identical(case, monkeypatch):
+@pytest.mark.parametrize("scenario", BROKEN)
+def test_a_cast_failing_at_any_allocation_leaves_everything_bit_identical(scenario, monkeypatch):
+    """Each casting fix, failing at each of its allocations; a fix that does not cast (a recomputed buffer, a
+    flag) applies and undoes while every cast_tensor call would fail."""
+    for case in each_case(scenario):
+        if case.casts:
+            _cast_failing_at_each_allocation(case, monkeypatch)
+        else:
+            _applies_without_casting(case, monkeypatch)
+
+
+def _applies_without_casting(case: FixCase, monkeypatch: pytest.MonkeyPatch) -> None:
+    lv = live(case)
+    before = lv.fingerprint()
+
+    def failing(tensor, dtype):
+        raise oom("a fix that does not cast allocated through cast_tensor")
+
+    with monkeypatch.context() as m:
+        m.setattr(fixes_mod, "cast_tensor", failing)
+        lv.fix.apply(confirm=True)
+    assert lv.fix.applied and lv.fix.error is None, f"{case.id}: {lv.fix.error}"
+    lv.fix.undo()
+    assert_unchanged(before, lv.fingerprint(), f"{case.id}: apply then undo")
+
+
+def _cast_failing_at_each_allocation(case: FixCase, monkeypatch: pytest.MonkeyPatch) -> None:
     lv = live(case)
     before = lv.fingerprint()
     lv.fix.apply(confirm=True)
@@ -402,8 +475,14 @@ def _plan_failing_at(fix: Fix, k: int, exc: BaseException):
     return failing_plan
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_a_failure_at_any_step_of_the_plan_rolls_back_the_steps_before_it(case, monkeypatch):
+@pytest.mark.parametrize("scenario", BROKEN)
+def test_a_failure_at_any_step_of_the_plan_rolls_back_the_steps_before_it(scenario, monkeypatch):
+    for case in each_case(scenario):
+        _failure_at_each_step_rolls_back(case, monkeypatch)
+        monkeypatch.undo()
+
+
+def _failure_at_each_step_rolls_back(case: FixCase, monkeypatch: pytest.MonkeyPatch) -> None:
     lv = live(case)
     before = lv.fingerprint()
     steps = len(lv.fix.preview())

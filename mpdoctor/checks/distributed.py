@@ -18,10 +18,6 @@ def _widens(src: str, dst: str) -> bool:
     return torch_dtype(dst).itemsize >= torch_dtype(src).itemsize and not {src, dst} == set(HALF)
 
 
-def _optimizer_refs(facts: Facts, m: ModelFacts) -> tuple[int, ...]:
-    return tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m) if facts.subject(o.name) is not None)
-
-
 def _cast_fix(facts: Facts, m: ModelFacts, dtype: str, recipe: str, why: str) -> Fix | None:
     params = [p for p in m.tensors.params if p.dtype in FLOATING and p.dtype != dtype]
     if not params:
@@ -32,7 +28,7 @@ def _cast_fix(facts: Facts, m: ModelFacts, dtype: str, recipe: str, why: str) ->
         f"    if p.is_floating_point() and p.dtype != torch.{dtype}:\n"
         f"        p.data = p.data.to(torch.{dtype})"
     )
-    spec = CastParamsTo(m.ref, frozenset(p.id for p in params), dtype, _optimizer_refs(facts, m), f"parameters of {m.name}")
+    spec = CastParamsTo(m.ref, frozenset(p.id for p in params), dtype, facts.optimizer_refs(m.tensors.param_ids), f"parameters of {m.name}")
     return Fix(f"Cast {len(params)} parameters of {m.name} to {dtype}", code, safe, changes=(spec,),
                backup_bytes=spec.backup_bytes(facts), recipe=recipe)  # fmt: skip
 

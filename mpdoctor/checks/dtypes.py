@@ -11,18 +11,10 @@ import torch
 
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
-from ..treatment.changes import CastGradsToParams, CastParamsTo
+from ..treatment.changes import CastGradsToParams, CastParamsTo, torch_dtype
 from ..treatment.findings import Finding, count, size_delta
 from ..treatment.fixes import Fix
 from . import check
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a torch dtype: {name!r}")
-    return dtype
 
 
 def widens(src: str, dst: str) -> bool:
@@ -162,10 +154,6 @@ def _hold(units: list) -> str:
     return "holds" if len(units) == 1 else "hold"
 
 
-def _optimizer_refs(facts: Facts, m: ModelFacts) -> tuple[int, ...]:
-    return tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m))
-
-
 def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: str) -> Fix:
     ids_by_name = {p.name: p for p in m.tensors.params}
     params, paths, narrowing = [], [], False
@@ -185,7 +173,7 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
         f"            p.data = p.data.to(torch.{dtype})  # same Parameter: optimizers keep their references"
     )
     spec = CastParamsTo(
-        m.ref, frozenset(p.id for p in params), dtype, _optimizer_refs(facts, m), f"minority parameters of {m.name}"
+        m.ref, frozenset(p.id for p in params), dtype, facts.optimizer_refs(m.tensors.param_ids), f"minority parameters of {m.name}"
     )
     delta = sum(p.numel * (torch_dtype(dtype).itemsize - torch_dtype(p.dtype).itemsize) for p in params)
     return Fix(
@@ -452,7 +440,7 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
                 f"    if p.dtype == torch.{held}:\n"
                 f"        p.data = p.data.to(torch.{saved})"
             )
-            spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, _optimizer_refs(facts, m), f"{held} parameters of {m.name}")
+            spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, facts.optimizer_refs(m.tensors.param_ids), f"{held} parameters of {m.name}")
             fixes.append(
                 Fix(
                     f"Cast {count(len(params), held + ' parameter')} of {m.name} to the checkpoint's {saved}",

@@ -27,16 +27,6 @@ def _bf16_params(m: ModelFacts) -> list:
     return [p for p in m.tensors.params if p.dtype == "bfloat16"]
 
 
-def _optimizer_refs(facts: Facts, ids: frozenset[int]) -> tuple[int, ...]:
-    out: list[int] = []
-    for o in facts.optimizers:
-        if o.param_ids & ids:
-            ref = facts.subject(o.name).inner_ref
-            if ref not in out:
-                out.append(ref)
-    return tuple(out)
-
-
 def _cast_code(model_name: str) -> str:
     return (
         "import torch\n"
@@ -57,7 +47,7 @@ def _fp32_master_fix(
     for m in models:
         ids = frozenset(p.id for p in _bf16_params(m))
         if ids:
-            spec = CastParamsTo(m.ref, ids, "float32", _optimizer_refs(facts, ids), "bf16 parameters")
+            spec = CastParamsTo(m.ref, ids, "float32", facts.optimizer_refs(ids), "bf16 parameters")
             specs.append(spec)
             backup += spec.backup_bytes(facts)
     if setup is not None:

@@ -264,7 +264,7 @@ def _bf16_fixes(facts: Facts, p, where: str) -> list[Fix]:
     half = [q for q in model.tensors.params if q.dtype == "float16"] if model is not None else []
     if model is not None and half:
         ids = frozenset(q.id for q in half)
-        holders = tuple(facts.subject(o.name).inner_ref for o in facts.optimizers if o.param_ids & ids and facts.subject(o.name))
+        holders = facts.optimizer_refs(ids)
         fixes.append(
             Fix(
                 f"Compute {p.model} in bf16: cast its {len(half)} fp16 parameters to bf16 (fp32's range, no overflow)",

@@ -36,17 +36,6 @@ def requirement_for(class_path: str) -> DtypeRequirement | None:
 # -- fixes as data -----------------------------------------------------------------------------------------
 
 
-def _holders(facts: Facts, ids: frozenset[int]) -> tuple[int, ...]:
-    """Refs of every optimizer holding one of ``ids`` (their state must follow the cast)."""
-    out: list[int] = []
-    for o in facts.optimizers:
-        if o.param_ids & ids:
-            ref = facts.subject(o.name).inner_ref
-            if ref not in out:
-                out.append(ref)
-    return tuple(out)
-
-
 def _memory_delta(params: Iterable[OptParam], dtype: str) -> str:
     delta = sum(p.numel * (_BYTES[dtype] - _BYTES.get(p.dtype, 4)) for p in params)
     return f"{size_delta(delta)} of weights"
@@ -59,7 +48,7 @@ def _cast_fix(facts: Facts, o: OptimizerFacts, title: str, code: str, params: li
               recipe: str, cost: str = "") -> Fix:
     """Cast ``params`` of optimizer ``o`` with their grads and their state in every optimizer holding them."""
     ids = frozenset(p.id for p in params)
-    spec = CastParamsTo(facts.subject(o.name).inner_ref, ids, dtype, _holders(facts, ids), label)
+    spec = CastParamsTo(facts.subject(o.name).inner_ref, ids, dtype, facts.optimizer_refs(ids), label)
     return Fix(
         title, code, changes=(spec,), backup_bytes=spec.backup_bytes(facts), recipe=recipe,
         cost=cost or _memory_delta(params, dtype),

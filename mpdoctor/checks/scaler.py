@@ -146,7 +146,7 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
             continue
         ids = frozenset(p.id for p in fp16)
         spec = CastParamsTo(
-            m.ref, ids, "float32", tuple(facts.subject(o.name).inner_ref for o in facts.optimizers_of(m)),
+            m.ref, ids, "float32", facts.optimizer_refs(m.tensors.param_ids),
             "trainable fp16 parameters",
         )
         code = (

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from ..live.introspect import class_path
+
 #: At most this many frames are read, innermost first.
 MAX_FRAMES = 50
 
@@ -30,19 +32,7 @@ LIBRARY_PACKAGES = frozenset(
 
 # ``type``'s own descriptors: reading them never runs a metaclass's attribute hooks.
 _TYPE_MRO = type.__dict__["__mro__"].__get__
-_TYPE_MODULE = type.__dict__["__module__"].__get__
 _TYPE_QUALNAME = type.__dict__["__qualname__"].__get__
-
-
-def class_path(cls: type) -> str:
-    """``module.qualname`` of a class, read without running user code (``"?"`` when unreadable)."""
-    try:
-        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
-    except Exception:
-        return "?"
-    if type(module) is not str or type(qualname) is not str:
-        return "?"
-    return f"{module}.{qualname}"
 
 
 @dataclass(frozen=True)

@@ -220,45 +220,41 @@ def _line_names(view: FrameView) -> set[str]:
 
 
 def _candidates(frames: list[FrameView], torch: Any) -> list[_Candidate]:
+    """Every tensor the innermost frames hold, each once, innermost first."""
     out: list[_Candidate] = []
     seen: set[int] = set()
-    inner = list(reversed(frames))[:OPERAND_FRAMES]
-    for depth, view in enumerate(inner):
+    for depth, view in enumerate(list(reversed(frames))[:OPERAND_FRAMES]):
         try:
             items = _locals(view.frame)
         except Exception:
             continue
         names_in_line = _line_names(view) if view.user else set()
         for name, value in items:
-            if type(name) is not str or name.startswith("__"):
-                continue
-            if _is_tensor(torch, value):
-                dtype = _dtype_name(torch, value)
-                if dtype is None or id(value) in seen:
-                    continue
-                seen.add(id(value))
-                out.append(_Candidate(value, name, dtype, _shape(torch, value), depth,
-                                      type(value) is torch.nn.Parameter, user=view.user,
-                                      in_line=name in names_in_line))  # fmt: skip
-            elif _is_module(torch, value) and depth < 3:
-                for pname, p in _direct_parameters(value)[:8]:
-                    if id(p) in seen or not _is_tensor(torch, p):
-                        continue
-                    dtype = _dtype_name(torch, p)
-                    if dtype is None:
-                        continue
-                    seen.add(id(p))
-                    out.append(_Candidate(p, f"{name}.{pname}", dtype, _shape(torch, p), depth, True, value, pname,
-                                          user=view.user, in_line=name in names_in_line))  # fmt: skip
-            elif type(value) in (tuple, list) and depth < 3:
-                for i, item in enumerate(value[:8]):
-                    if _is_tensor(torch, item) and id(item) not in seen:
-                        dtype = _dtype_name(torch, item)
-                        if dtype is not None:
-                            seen.add(id(item))
-                            out.append(_Candidate(item, f"{name}[{i}]", dtype, _shape(torch, item), depth,
-                                                  type(item) is torch.nn.Parameter, user=view.user,
-                                                  in_line=name in names_in_line))  # fmt: skip
+            if type(name) is str and not name.startswith("__"):
+                out.extend(_local_candidates(torch, name, value, depth, view.user, name in names_in_line, seen))
+    return out
+
+
+def _local_candidates(torch: Any, name: str, value: Any, depth: int, user: bool, in_line: bool,
+                      seen: set[int]) -> list[_Candidate]:  # fmt: skip
+    """The tensors one local holds: itself, or near the failing op a module's direct parameters or a
+    sequence's first items; a tensor in ``seen`` is left out and the others are added to it."""
+    if _is_tensor(torch, value):
+        held = [(name, value, type(value) is torch.nn.Parameter, None, "")]
+    elif _is_module(torch, value) and depth < 3:
+        held = [(f"{name}.{pname}", p, True, value, pname) for pname, p in _direct_parameters(value)[:8]]
+    elif type(value) in (tuple, list) and depth < 3:
+        held = [(f"{name}[{i}]", x, type(x) is torch.nn.Parameter, None, "") for i, x in enumerate(value[:8])]
+    else:
+        return []
+    out: list[_Candidate] = []
+    for label, tensor, parameter, module, pname in held:
+        dtype = _dtype_name(torch, tensor) if id(tensor) not in seen and _is_tensor(torch, tensor) else None
+        if dtype is None:
+            continue
+        seen.add(id(tensor))
+        out.append(_Candidate(tensor, label, dtype, _shape(torch, tensor), depth, parameter, module, pname,
+                              user=user, in_line=in_line))  # fmt: skip
     return out
 
 
@@ -410,16 +406,24 @@ def _pick(cands: list[_Candidate], dtype: str, prefer_param: bool | None = None,
 def _pair(cands: list[_Candidate], dtypes: list[str]) -> tuple[_Candidate, _Candidate] | None:
     """Two candidates of two different floating dtypes: those the message names, or the innermost such pair."""
     named = [d for i, d in enumerate(dtypes) if d in _FLOATING and d not in dtypes[:i]]
+    return _named_pair(cands, named) or _innermost_pair(cands)
+
+
+def _named_pair(cands: list[_Candidate], named: list[str]) -> tuple[_Candidate, _Candidate] | None:
+    """The two tensors of the two dtypes the message names, or of the one it names and the nearest other."""
     if len(named) >= 2:
         a, b = _pick(cands, named[0]), _pick(cands, named[1])
-        if a is not None and b is not None:
-            return a, b
+        return (a, b) if a is not None and b is not None else None
     if len(named) == 1:
         a = _pick(cands, named[0], prefer_param=False)
         others = [c for c in cands if c.dtype != named[0] and c.dtype in _FLOATING]
         if a is not None and others:
-            b = min(others, key=lambda c: (0 if c.parameter else 1, 0 if c.in_line else 1, c.depth))
-            return a, b
+            return a, min(others, key=lambda c: (0 if c.parameter else 1, 0 if c.in_line else 1, c.depth))
+    return None
+
+
+def _innermost_pair(cands: list[_Candidate]) -> tuple[_Candidate, _Candidate] | None:
+    """The innermost floating tensor that has a partner of another floating dtype, with its nearest partner."""
     floating = [c for c in cands if c.dtype in _FLOATING]
     for c in sorted(floating, key=lambda c: (c.depth, 0 if c.in_line else 1)):
         partner = [o for o in floating if o.dtype != c.dtype]
@@ -482,63 +486,96 @@ def failing_operands(frames: list[FrameView], message: str, cast_rule: str, temp
         return None
     dtypes = message_dtypes(message)
     where = _qualname(frames[-1])
-    cast = keep = None
-    dtype = ""
-    if cast_rule == INDEX_LONG:
-        pool = [c for c in cands if c.dtype not in ("int64", "bool", "uint8")]
-        if not pool:
-            return None
-        cast = min(pool, key=lambda c: (0 if _INDEX_NAME.search(c.name) else 1, 0 if c.dtype in dtypes else 1,
-                                        0 if c.in_line else 1, c.depth))  # fmt: skip
-        dtype = "int64"
-    elif cast_rule == AMP_STATE:
-        wants_int = "int tensor" in message
-        pool = [c for c in cands if (c.dtype in ("int64", "int16", "int8", "uint8") if wants_int
-                                     else c.dtype in _FLOATING and c.dtype != "float32")]  # fmt: skip
-        if not pool:
-            return None
-        cast = min(pool, key=lambda c: (0 if c.in_line else 1, c.depth))
-        dtype = "int32" if wants_int else "float32"
-    elif cast_rule == MASK:
-        masks = [c for c in cands if _MASK_NAME.search(c.name)]
-        floating = [d for d in dtypes if d in _FLOATING]
-        if not masks:
-            return None
-        wrong = [m for m in masks if m.dtype in dtypes[:1]] or masks
-        cast = min(wrong, key=lambda c: c.depth)
-        queries = [c for c in cands if c is not cast and c.dtype in _FLOATING and not _MASK_NAME.search(c.name)]
-        keep = min(queries, key=lambda c: (0 if "q" in c.name.lower() else 1, c.depth)) if queries else None
-        dtype = keep.dtype if keep is not None else (floating[-1] if floating else "bool")
+    if cast_rule in (INDEX_LONG, AMP_STATE, MASK):
+        choice = _single_choice(cast_rule, cands, dtypes, message)
     else:
         pair = _pair(cands, dtypes)
         if pair is None:
             return _written_expression(frames, cands, dtypes, where) if cast_rule == TO_DESTINATION else None
-        a, b = pair
-        if cast_rule == TO_PARAMETER:
-            if a.parameter and not b.parameter:
-                keep, cast = a, b
-            elif b.parameter and not a.parameter:
-                keep, cast = b, a
-            else:
-                keep, cast = a, b
-        elif cast_rule == TO_DESTINATION:
-            receiver = _receiver(next((f for f in reversed(frames) if f.user), None))
-            if receiver is not None and b.name == receiver:
-                a, b = b, a
-            keep, cast = a, b
-        elif cast_rule == FP8_UPCAST:
-            keep, cast = (b, a) if a.dtype.startswith("float8") else (a, b)
-        elif cast_rule == TO_EXPECTED:
-            wl = _winner_loser(message)
-            if wl is not None and a.dtype == wl[1]:
-                keep, cast = b, a
-            else:
-                keep, cast = a, b
-        else:
-            keep, cast = a, b
-        dtype = keep.dtype
-        if cast_rule == FP8_UPCAST and dtype.startswith("float8"):
-            dtype = "bfloat16"
+        choice = _pair_choice(pair, cast_rule, message, frames)
+    if choice is None:
+        return None
+    return _operands(choice, cast_rule, template, frames, namespace, where, torch)
+
+
+#: What a dtype error's fix casts, what it keeps (None: nothing to match), and the dtype it casts to.
+_Choice = tuple[_Candidate, "_Candidate | None", str]
+
+
+def _single_choice(cast_rule: str, cands: list[_Candidate], dtypes: list[str], message: str) -> _Choice | None:
+    """The one tensor an index, AMP-state or mask error is about."""
+    if cast_rule == INDEX_LONG:
+        return _index_choice(cands, dtypes)
+    if cast_rule == AMP_STATE:
+        return _amp_state_choice(cands, message)
+    return _mask_choice(cands, dtypes)
+
+
+def _index_choice(cands: list[_Candidate], dtypes: list[str]) -> _Choice | None:
+    """The index that is not int64: named like an index first, then of a dtype the message names."""
+    pool = [c for c in cands if c.dtype not in ("int64", "bool", "uint8")]
+    if not pool:
+        return None
+    cast = min(pool, key=lambda c: (0 if _INDEX_NAME.search(c.name) else 1, 0 if c.dtype in dtypes else 1,
+                                    0 if c.in_line else 1, c.depth))  # fmt: skip
+    return cast, None, "int64"
+
+
+def _amp_state_choice(cands: list[_Candidate], message: str) -> _Choice | None:
+    """The AMP state tensor of the wrong dtype: an integer one where an int tensor is wanted, else a half one."""
+    wants_int = "int tensor" in message
+    pool = [c for c in cands if (c.dtype in ("int64", "int16", "int8", "uint8") if wants_int
+                                 else c.dtype in _FLOATING and c.dtype != "float32")]  # fmt: skip
+    if not pool:
+        return None
+    cast = min(pool, key=lambda c: (0 if c.in_line else 1, c.depth))
+    return cast, None, "int32" if wants_int else "float32"
+
+
+def _mask_choice(cands: list[_Candidate], dtypes: list[str]) -> _Choice | None:
+    """The attention mask of the wrong dtype, cast to the query's dtype."""
+    masks = [c for c in cands if _MASK_NAME.search(c.name)]
+    if not masks:
+        return None
+    floating = [d for d in dtypes if d in _FLOATING]
+    wrong = [m for m in masks if m.dtype in dtypes[:1]] or masks
+    cast = min(wrong, key=lambda c: c.depth)
+    queries = [c for c in cands if c is not cast and c.dtype in _FLOATING and not _MASK_NAME.search(c.name)]
+    keep = min(queries, key=lambda c: (0 if "q" in c.name.lower() else 1, c.depth)) if queries else None
+    return cast, keep, keep.dtype if keep is not None else (floating[-1] if floating else "bool")
+
+
+def _pair_choice(pair: tuple[_Candidate, _Candidate], cast_rule: str, message: str,
+                 frames: list[FrameView]) -> _Choice:  # fmt: skip
+    """Which of two tensors of different dtypes the family's rule casts, and to which dtype."""
+    keep, cast = _kept_first(pair, cast_rule, message, frames)
+    dtype = keep.dtype
+    if cast_rule == FP8_UPCAST and dtype.startswith("float8"):
+        dtype = "bfloat16"
+    return cast, keep, dtype
+
+
+def _kept_first(pair: tuple[_Candidate, _Candidate], cast_rule: str, message: str,
+                frames: list[FrameView]) -> tuple[_Candidate, _Candidate]:  # fmt: skip
+    """``(keep, cast)``: the parameter, the destination, the wider format or the expected dtype is kept."""
+    a, b = pair
+    if cast_rule == TO_PARAMETER:
+        return (b, a) if b.parameter and not a.parameter else (a, b)
+    if cast_rule == TO_DESTINATION:
+        receiver = _receiver(next((f for f in reversed(frames) if f.user), None))
+        return (b, a) if receiver is not None and b.name == receiver else (a, b)
+    if cast_rule == FP8_UPCAST:
+        return (b, a) if a.dtype.startswith("float8") else (a, b)
+    if cast_rule == TO_EXPECTED:
+        wl = _winner_loser(message)
+        return (b, a) if wl is not None and a.dtype == wl[1] else (a, b)
+    return a, b
+
+
+def _operands(choice: _Choice, cast_rule: str, template: str, frames: list[FrameView],
+              namespace: Mapping[str, Any] | None, where: str, torch: Any) -> Operands:  # fmt: skip
+    """The chosen tensors as the user names them, and the cast's code."""
+    cast, keep, dtype = choice
     roots = _roots(frames, namespace, torch)
     cast_op = _operand(cast, frames, namespace, roots, torch)
     keep_op = _operand(keep, frames, namespace, roots, torch) if keep is not None else None

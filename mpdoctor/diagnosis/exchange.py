@@ -103,52 +103,18 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
         return facts
     c = counters if counters is not None else Counters()
     try:
-        if store is None:
-            from ..integrations.distributed import default_store
-
-            store = default_store()
-        if store is None:
-            raise RuntimeError("the default process group has no store")
+        store = store if store is not None else _default_store()
         _rounds += 1
         prefix = f"mpdoctor/{_rounds}/"
         me, world = dist.rank, dist.world_size
         fp = fingerprint(facts)
         mine = digest(fp)
-        claim = f"{me}:{mine}"
-        got = store.compare_set(prefix + "first", "", claim)
-        c.count(claim)
-        got = got.decode() if isinstance(got, bytes) else str(got)
-        ref_rank_text, _, first = got.partition(":")
-        ref_rank = int(ref_rank_text)
-        odd = first != mine
-        if odd or ref_rank == me:
-            payload = json.dumps(fp, sort_keys=True, default=str)
-            store.set(prefix + f"fp/{me}", payload)
-            c.count(payload)
-        store.set(prefix + f"d/{me}", mine)
-        c.count(mine)
-        store.add(prefix + "arrived", 1 + _ODD if odd else 1)
-        c.count()
-        deadline = time.monotonic() + timeout
-        counter = _wait_count(store, prefix + "arrived", world, deadline, c)
+        ref_rank, first = _announce(store, prefix, me, fp, mine, c)
+        counter = _wait_count(store, prefix + "arrived", world, time.monotonic() + timeout, c)
         arrived, disagree = counter % _ODD, counter // _ODD > 0
-        absent: tuple[int, ...] = ()
-        if arrived < world:
-            absent = tuple(r for r in range(world) if not store.check([prefix + f"d/{r}"]))
-            c.ops += world
-        rows: list[RankRow] = []
+        absent = _absent(store, prefix, world, c) if arrived < world else ()
         if disagree or absent:
-            present = [r for r in range(world) if r not in absent]
-            values = store.multi_get([prefix + f"d/{r}" for r in present]) if present else []
-            c.ops += 1
-            digests = {r: (v.decode() if isinstance(v, bytes) else str(v)) for r, v in zip(present, values)}
-            c.bytes += sum(len(v) for v in digests.values())
-            shown: dict[str, dict | None] = {}
-            for r in present:
-                d = digests[r]
-                if d not in shown:
-                    shown[d] = _read_fp(store, prefix, ref_rank if d == first else r, c)
-                rows.append(RankRow(r, d, shown[d] if shown[d] is not None else (fp if r == me else None)))
+            rows = _compared_rows(store, prefix, world, absent, (me, fp), (ref_rank, first), c)
         else:
             rows = [RankRow(r, mine, fp if r == me else None) for r in range(world)]
         new = dataclasses.replace(dist, exchanged=True, ranks=tuple(rows), absent=absent, timeout=timeout,
@@ -157,6 +123,67 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
     except Exception as exc:  # the exchange must never be what breaks a run
         new = dataclasses.replace(dist, exchanged=False, timeout=timeout, exchange_error=f"{type(exc).__name__}: {exc}"[:300])
     return dataclasses.replace(facts, distributed=new)
+
+
+def _default_store() -> Any:
+    """The default process group's store."""
+    from ..integrations.distributed import default_store
+
+    store = default_store()
+    if store is None:
+        raise RuntimeError("the default process group has no store")
+    return store
+
+
+def _announce(store: Any, prefix: str, me: int, fp: dict, mine: str, c: Counters) -> tuple[int, str]:
+    """Claim the reference (the first rank to arrive), post this rank's digest (and its fingerprint when it is
+    the reference or disagrees with it) and count this rank in; return the reference's rank and digest."""
+    claim = f"{me}:{mine}"
+    got = store.compare_set(prefix + "first", "", claim)
+    c.count(claim)
+    got = got.decode() if isinstance(got, bytes) else str(got)
+    ref_rank_text, _, first = got.partition(":")
+    ref_rank = int(ref_rank_text)
+    odd = first != mine
+    if odd or ref_rank == me:
+        payload = json.dumps(fp, sort_keys=True, default=str)
+        store.set(prefix + f"fp/{me}", payload)
+        c.count(payload)
+    store.set(prefix + f"d/{me}", mine)
+    c.count(mine)
+    store.add(prefix + "arrived", 1 + _ODD if odd else 1)
+    c.count()
+    return ref_rank, first
+
+
+def _absent(store: Any, prefix: str, world: int, c: Counters) -> tuple[int, ...]:
+    """The ranks that posted no digest before the deadline."""
+    c.ops += world
+    return tuple(r for r in range(world) if not store.check([prefix + f"d/{r}"]))
+
+
+def _compared_rows(store: Any, prefix: str, world: int, absent: tuple[int, ...], own: tuple[int, dict],
+                   reference: tuple[int, str], c: Counters) -> list[RankRow]:  # fmt: skip
+    """Every present rank's row with its digest, and the fingerprint of each distinct digest read once.
+
+    ``own`` is this rank and its fingerprint, ``reference`` the reference rank and its digest (whose
+    fingerprint the reference posted; any other digest's is posted by the rank that holds it).
+    """
+    me, fp = own
+    ref_rank, first = reference
+    present = [r for r in range(world) if r not in absent]
+    values = store.multi_get([prefix + f"d/{r}" for r in present]) if present else []
+    c.ops += 1
+    digests = {r: (v.decode() if isinstance(v, bytes) else str(v)) for r, v in zip(present, values)}
+    c.bytes += sum(len(v) for v in digests.values())
+    shown: dict[str, dict | None] = {}
+    rows: list[RankRow] = []
+    for r in present:
+        d = digests[r]
+        if d not in shown:
+            shown[d] = _read_fp(store, prefix, ref_rank if d == first else r, c)
+        rows.append(RankRow(r, d, shown[d] if shown[d] is not None else (fp if r == me else None)))
+    return rows
 
 
 def _read_fp(store: Any, prefix: str, rank: int, c: Counters) -> dict | None:

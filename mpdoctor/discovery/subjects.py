@@ -14,7 +14,6 @@ of 100,000 plain objects costs about one dict lookup each.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,6 +250,50 @@ def _default_name(kind: str, index: int) -> str:
     return f"{kind}" if index == 0 else f"{kind}_{index}"
 
 
+def _named_objects(objects: Iterable[Any], names: dict[int, str]) -> list[tuple[str, Any]]:
+    """The objects of a known kind, each under its given name or its kind's next default name."""
+    top: list[tuple[str, Any]] = []
+    counters: dict[str, int] = {}
+    for obj in objects:
+        kind = kind_of(obj)
+        if kind is None:
+            continue
+        name = names.get(id(obj))
+        if name is None:
+            name = _default_name(kind, counters.get(kind, 0))
+            counters[kind] = counters.get(kind, 0) + 1
+        top.append((name, obj))
+    return top
+
+
+def _subjects_and_children(top: list[tuple[str, Any]]) -> list[Subject]:
+    """The top-level subjects, then (breadth first) what each brings along, each object once under its most
+    direct name; the inside of a wrapper is never a second subject."""
+    seen: set[int] = set()
+    queue: list[tuple[str, str, Any, str | None]] = []
+    for name, obj in top:
+        kind = kind_of(obj)
+        if kind is not None and id(obj) not in seen:
+            seen.add(id(obj))
+            queue.append((kind, name, obj, None))
+    subjects: list[Subject] = []
+    # Mark the objects a wrapper holds as seen under their direct names first.
+    i = 0
+    while i < len(queue):
+        kind, name, obj, owner = queue[i]
+        subject = _make_subject(kind, name, obj, owner)
+        subjects.append(subject)
+        # A model's inner module (PEFT / DDP / compile), a wrapped optimizer: never a second subject.
+        if subject.kind in ("model", "optimizer") and subject.inner is not subject.obj:
+            seen.add(id(subject.inner))
+        for child_kind, child_name, child in _children(subject):
+            if id(child) not in seen:
+                seen.add(id(child))
+                queue.append((child_kind, child_name, child, subject.name))
+        i += 1
+    return subjects
+
+
 def discover(
     objects: Iterable[Any] = (),
     namespace: Mapping[str, Any] | None = None,
@@ -279,45 +322,10 @@ def discover(
         model, optimizer, arguments, accelerator, scaler), each object once
         under the most direct name.
     """
-    names = dict(names or {})
-    top: list[tuple[str, Any]] = []
-    counters: dict[str, int] = {}
-    for obj in objects:
-        kind = kind_of(obj)
-        if kind is None:
-            continue
-        name = names.get(id(obj))
-        if name is None:
-            name = _default_name(kind, counters.get(kind, 0))
-            counters[kind] = counters.get(kind, 0) + 1
-        top.append((name, obj))
+    top = _named_objects(objects, dict(names or {}))
     if namespace is not None:
         top.extend(_walk_namespace(namespace, hidden))
-
-    subjects: list[Subject] = []
-    seen: set[int] = set()
-    queue: list[tuple[str, str, Any, str | None]] = []
-    for name, obj in top:
-        kind = kind_of(obj)
-        if kind is not None and id(obj) not in seen:
-            seen.add(id(obj))
-            queue.append((kind, name, obj, None))
-    # Mark the objects a wrapper holds as seen under their direct names first.
-    i = 0
-    while i < len(queue):
-        kind, name, obj, owner = queue[i]
-        subject = _make_subject(kind, name, obj, owner)
-        subjects.append(subject)
-        # A model's inner module (PEFT / DDP / compile) is the same network: never a second subject.
-        if subject.kind == "model" and subject.inner is not subject.obj:
-            seen.add(id(subject.inner))
-        if subject.kind == "optimizer" and subject.inner is not subject.obj:
-            seen.add(id(subject.inner))
-        for child_kind, child_name, child in _children(subject):
-            if id(child) not in seen:
-                seen.add(id(child))
-                queue.append((child_kind, child_name, child, subject.name))
-        i += 1
+    subjects = _subjects_and_children(top)
     # An inner module or optimizer listed on its own before its wrapper is dropped in favour of the wrapper.
     inner_ids = {id(s.inner) for s in subjects if s.inner is not s.obj}
     subjects = [s for s in subjects if not (id(s.obj) in inner_ids and s.inner is s.obj)]
@@ -387,8 +395,3 @@ def _one_patient_per_tree(subjects: list[Subject]) -> list[Subject]:
             s.aliases = tuple(s.aliases) + tuple(aliases[id(s)])
         out.append(s)
     return out
-
-
-def transformers_loaded() -> bool:
-    """True when the user's process has imported transformers (mpdoctor never imports it first)."""
-    return "transformers" in sys.modules

@@ -166,6 +166,19 @@ class Facts:
         ids = model.tensors.param_ids
         return tuple(o for o in self.optimizers if o.param_ids & ids)
 
+    def optimizer_refs(self, param_ids: frozenset[int]) -> tuple[int, ...]:
+        """Live refs of the optimizers holding any of ``param_ids``, each once, in order.
+
+        A cast of those parameters must reach these optimizers' state too. An optimizer reached through two
+        subjects (its wrapper and itself) is one ref; one without a subject is left out.
+        """
+        out: list[int] = []
+        for o in self.optimizers:
+            s = self.subject(o.name) if o.param_ids & param_ids else None
+            if s is not None and s.inner_ref not in out:
+                out.append(s.inner_ref)
+        return tuple(out)
+
     def models_of(self, optimizer: OptimizerFacts) -> tuple[ModelFacts, ...]:
         """Models owning at least one of ``optimizer``'s parameters."""
         return tuple(m for m in self.models if m.tensors.param_ids & optimizer.param_ids)

@@ -38,8 +38,6 @@ class DeepSpeedFacts:
     mismatches : tuple of str
         The HF integration's own precision mismatch lines (``- ds bf16.enabled=True vs hf ...``) that
         ``trainer.train()`` will raise with.
-    other_mismatches : int
-        How many non-precision mismatch lines the HF integration holds as well.
     loss_scale, min_loss_scale : float or None
         The fp16 loss scaler's current and minimum scale (engine only).
     dynamic_loss_scale : bool or None
@@ -52,8 +50,8 @@ class DeepSpeedFacts:
         Number of fp32 master partitions (ZeRO groups) the optimizer holds.
     module_dtype : str or None
         The dtype of the wrapped module's floating parameters (engine only; ``mixed`` if several).
-    ref, config_ref, mismatches_ref : int
-        Refs in the live table: the object, the config dict, the list of mismatch lines.
+    ref, config_ref : int
+        Refs in the live table: the object and the config dict.
     config_refs, mismatches_refs : tuple of int
         Every config dict (and HF mismatch list) that has to change together: the arguments' and the
         accelerator's copies.
@@ -76,7 +74,6 @@ class DeepSpeedFacts:
     args_bf16: bool | None = None
     args_name: str | None = None
     mismatches: tuple[str, ...] = ()
-    other_mismatches: int = 0
     loss_scale: float | None = None
     min_loss_scale: float | None = None
     dynamic_loss_scale: bool | None = None
@@ -86,7 +83,6 @@ class DeepSpeedFacts:
     module_dtype: str | None = None
     ref: int = 0
     config_ref: int = 0
-    mismatches_ref: int = 0
     config_refs: tuple[int, ...] = ()
     mismatches_refs: tuple[int, ...] = ()
     device_fp16: bool | None = None

@@ -68,8 +68,6 @@ class LightningPrecisionFacts:
     input_dtype : str or None
         ``_desired_input_dtype`` of a ``HalfPrecision`` plugin (inputs and the default dtype inside
         ``forward_context``); None for mixed and fp32 plugins.
-    scaler_name : str or None
-        Path of the plugin's GradScaler when it holds one.
     scaler_enabled : bool or None
         Whether that scaler is enabled.
     device : str or None
@@ -84,7 +82,6 @@ class LightningPrecisionFacts:
     effective: str | None
     plugin: str
     input_dtype: str | None = None
-    scaler_name: str | None = None
     scaler_enabled: bool | None = None
     device: str | None = None
     model_names: tuple[str, ...] = ()

@@ -156,13 +156,12 @@ class QuantizedWeight:
     ``storage_dtype`` is the dtype of its element data (``float8_e4m3fn``, ``uint8`` for packed fp4);
     ``block_size`` the number of elements sharing one scale (32 for MX, 16 for NVFP4, 0 when per row or per
     tensor); ``nonfinite`` the NaN / inf elements in its float8 data (an all-zero row quantized with a zero
-    scale is 0/0 = NaN); ``dequantizes_to`` the dtype it reports.
+    scale is 0/0 = NaN).
     """
 
     path: str
     tensor_class: str
     storage_dtype: str
-    dequantizes_to: str
     block_size: int = 0
     elements: int = 0
     nonfinite: int = 0
@@ -228,8 +227,6 @@ class FP8RecipeFacts:
         What accelerate passes to TE's recipe: None when it passes nothing and TE's own default applies.
     runs_format : str or None
         The format TE's recipe will hold: ``E4M3`` (every tensor), ``HYBRID`` (e4m3 forward, e5m2 gradients).
-    consumed : bool
-        The accelerator has already prepared a model with it (TE's recipe is built at ``prepare()``).
     """
 
     owner: str
@@ -238,4 +235,3 @@ class FP8RecipeFacts:
     written_format: str | None
     passed_format: str | None
     runs_format: str | None
-    consumed: bool = False

@@ -31,7 +31,6 @@ class OptimizerFacts:
     params: tuple[OptParam, ...]
     tallies: tuple[TensorTally, ...]
     defaults: dict
-    has_state: bool
     #: ``eps`` of each param group (None where a group has none), in group order.
     group_eps: tuple[float | None, ...] = ()
     #: The largest per-parameter ``step`` in the optimizer state: how many steps it has taken (0 when fresh).

@@ -20,7 +20,7 @@ class PrecisionFacts:
     ----------
     name : str
         The trainer, arguments or accelerator the setup is known by.
-    args_name, accelerator_name, scaler_name : str or None
+    args_name, accelerator_name : str or None
         Paths of the parts, for messages and fix code.
     args : dict
         The precision-related TrainingArguments fields (``fp16``, ``bf16``, ...).
@@ -43,7 +43,6 @@ class PrecisionFacts:
     name: str
     args_name: str | None
     accelerator_name: str | None
-    scaler_name: str | None
     args: dict
     requested: str | None
     env_mixed_precision: str | None

@@ -41,14 +41,3 @@ class ScaleRecord:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""
         return asdict(self)
-
-
-def history_rows(records: Any) -> list[dict]:
-    """Records (ScaleRecord or dicts) as plain dicts, in order; anything else is left out."""
-    rows = []
-    for r in records or ():
-        if isinstance(r, dict):
-            rows.append(dict(r))
-        elif hasattr(r, "to_dict"):
-            rows.append(r.to_dict())
-    return rows

@@ -20,8 +20,6 @@ class ScalerFacts:
     scale: float | None
     init_scale: float
     growth_tracker: int | None
-    growth_factor: float
-    backoff_factor: float
     growth_interval: int
     owners: tuple[str, ...] = ()
     #: ``_init_growth_tracker``: where the tracker starts (a restored scaler's saved tracker until its first scale()).

@@ -25,8 +25,6 @@ class TrlFacts:
     ref_model_name : str or None
         The reference model subject (``trainer.ref_model``); None when the trainer has none (SFT, or a
         PEFT policy whose reference is the base model with adapters disabled).
-    ref_from_adapters : bool
-        The reference is the policy's base model with its adapters disabled (``ref_model=None`` + PEFT).
     """
 
     name: str
@@ -34,4 +32,3 @@ class TrlFacts:
     config_class: str | None = None
     model_name: str | None = None
     ref_model_name: str | None = None
-    ref_from_adapters: bool = False

@@ -87,25 +87,28 @@ def _precision_setups(subjects: tuple[Subject, ...], hw: DeviceProfile) -> list[
     for s in subjects:
         if s.kind != "trainer":
             continue
-        args = next((c for c in subjects if c.owner == s.name and c.kind == "training_args"), None)
-        acc = next((c for c in subjects if c.owner == s.name and c.kind == "accelerator"), None)
-        # A Trainer's parts may be known by their own variable names (args = TrainingArguments(...)).
-        if args is None:
-            args = _find_by_identity(subjects, raw_attr(s.obj, "args", None))
-        if acc is None:
-            acc = _find_by_identity(subjects, raw_attr(s.obj, "accelerator", None))
+        args, acc = _trainer_parts(subjects, s)
         model = raw_attr(s.obj, "model", None)
         models = tuple(c for c in subjects if c.kind == "model" and c.obj is model)
         out.append(gather_precision(s.name, args, acc, hw, tuple(m.name for m in models), tuple(id(m.obj) for m in models)))
         used.update(x.name for x in (args, acc) if x is not None)
     for s in subjects:
-        if s.name in used or s.kind not in ("training_args", "accelerator"):
-            continue
-        if s.kind == "training_args":
-            out.append(gather_precision(s.name, s, None, hw))
-        else:
-            out.append(gather_precision(s.name, None, s, hw))
+        if s.name not in used and s.kind in ("training_args", "accelerator"):
+            alone = s.kind == "training_args"
+            out.append(gather_precision(s.name, s if alone else None, None if alone else s, hw))
     return out
+
+
+def _trainer_parts(subjects: tuple[Subject, ...], trainer: Subject) -> tuple[Subject | None, Subject | None]:
+    """The trainer's arguments and accelerator subjects: those it brought, else the same objects under the
+    user's own names (``args = TrainingArguments(...)``)."""
+    args = next((c for c in subjects if c.owner == trainer.name and c.kind == "training_args"), None)
+    acc = next((c for c in subjects if c.owner == trainer.name and c.kind == "accelerator"), None)
+    if args is None:
+        args = _find_by_identity(subjects, raw_attr(trainer.obj, "args", None))
+    if acc is None:
+        acc = _find_by_identity(subjects, raw_attr(trainer.obj, "accelerator", None))
+    return args, acc
 
 
 def _find_by_identity(subjects: tuple[Subject, ...], obj: Any) -> Subject | None:

@@ -34,7 +34,6 @@ def gather_precision(
         name=name,
         args_name=args_subject.name if args_subject else None,
         accelerator_name=acc_subject.name if acc_subject else None,
-        scaler_name=f"{acc_subject.name}.scaler" if acc_subject is not None and scaler_enabled else None,
         args=args,
         requested=_requested(args),
         env_mixed_precision=os.environ.get("ACCELERATE_MIXED_PRECISION"),

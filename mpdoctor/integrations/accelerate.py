@@ -177,46 +177,71 @@ def precision_changes(
     env
         Remove an ``ACCELERATE_MIXED_PRECISION`` that says something else.
     """
-    changes: list[Change] = []
-    args, acc = live.args, live.acc
-    if args is not None:
-        for key, value in (flags or {}).items():
-            if raw_attr(args, key, None) != value:
-                changes.append(SetAttr(args, key, value, f"{live.args_name}.{key}"))
-        if raw_attr(args, "mixed_precision", None) != precision:
-            changes.append(SetAttr(args, "mixed_precision", precision, f"{live.args_name}.mixed_precision"))
+    changes = _args_changes(live, precision, flags or {})
     if env and os.environ.get(ENV_VAR) not in (None, precision):
         changes.append(SetEnv(ENV_VAR, None))
+    acc = live.acc
     if acc is None:
         return changes
+    before = raw_attr(raw_attr(acc, "state", None), "_mixed_precision", None)
+    changes += _mode_changes(live, acc, precision, native)
+    changes += _scaler_changes(live, acc, native and precision == "fp16")
+    changes += _forward_changes(live, acc, precision, native, before)
+    return changes
+
+
+def _args_changes(live: LiveSetup, precision: str, flags: dict) -> list[Change]:
+    """``TrainingArguments``' flags and ``mixed_precision`` set to what the precision asks."""
+    args = live.args
+    if args is None:
+        return []
+    changes: list[Change] = [
+        SetAttr(args, key, value, f"{live.args_name}.{key}")
+        for key, value in flags.items()
+        if raw_attr(args, key, None) != value
+    ]
+    if raw_attr(args, "mixed_precision", None) != precision:
+        changes.append(SetAttr(args, "mixed_precision", precision, f"{live.args_name}.mixed_precision"))
+    return changes
+
+
+def _mode_changes(live: LiveSetup, acc: Any, precision: str, native: bool) -> list[Change]:
+    """The accelerator state's mode and the accelerator's ``native_amp``."""
+    changes: list[Change] = []
     state = raw_attr(acc, "state", None)
-    before = raw_attr(state, "_mixed_precision", None)
-    if state is not None and before != precision:
+    if state is not None and raw_attr(state, "_mixed_precision", None) != precision:
         changes.append(SetAttr(state, "_mixed_precision", precision, f"{live.acc_name}.state._mixed_precision"))
-    was_native = bool(raw_attr(acc, "native_amp", False))
-    if was_native != native:
+    if bool(raw_attr(acc, "native_amp", False)) != native:
         changes.append(SetAttr(acc, "native_amp", native, f"{live.acc_name}.native_amp"))
-    device = live.device()
-    want_scaler = native and precision == "fp16"
+    return changes
+
+
+def _scaler_changes(live: LiveSetup, acc: Any, want_scaler: bool) -> list[Change]:
+    """The accelerator's GradScaler enabled iff wanted; a new one, given to its optimizers, when it has none."""
     scaler = raw_attr(acc, "scaler", None)
     if scaler is not None:
-        enabled = bool(raw_attr(scaler, "_enabled", False))
-        if enabled != want_scaler:
-            # Shared with every AcceleratedOptimizer: mutate, never rebind.
-            changes.append(SetAttr(scaler, "_enabled", want_scaler, f"{live.acc_name}.scaler._enabled"))
-    elif want_scaler:
-        handler = raw_attr(acc, "scaler_handler", None)
-        kwargs = handler.to_kwargs() if handler is not None and hasattr(handler, "to_kwargs") else {}
-        new = torch.amp.GradScaler(device, **kwargs)
-        changes.append(SetAttr(acc, "scaler", new, f"{live.acc_name}.scaler"))
-        for opt in raw_attr(acc, "_optimizers", None) or ():
-            if "optimizer" in _own(opt) and _own(opt).get("scaler") is None:
-                changes.append(DictPatch(opt, _OPT_SCALER_KEYS, _give_scaler(opt, new), "give the optimizer the scaler"))
-    models: list[Any] = []
-    for m in list(raw_attr(acc, "_models", None) or ()) + [m for _n, m in live.models]:
-        if isinstance(m, torch.nn.Module) and all(m is not x for x in models):
-            models.append(m)
-    for m in models:
+        if bool(raw_attr(scaler, "_enabled", False)) == want_scaler:
+            return []
+        # Shared with every AcceleratedOptimizer: mutate, never rebind.
+        return [SetAttr(scaler, "_enabled", want_scaler, f"{live.acc_name}.scaler._enabled")]
+    if not want_scaler:
+        return []
+    handler = raw_attr(acc, "scaler_handler", None)
+    kwargs = handler.to_kwargs() if handler is not None and hasattr(handler, "to_kwargs") else {}
+    new = torch.amp.GradScaler(live.device(), **kwargs)
+    changes: list[Change] = [SetAttr(acc, "scaler", new, f"{live.acc_name}.scaler")]
+    for opt in raw_attr(acc, "_optimizers", None) or ():
+        if "optimizer" in _own(opt) and _own(opt).get("scaler") is None:
+            changes.append(DictPatch(opt, _OPT_SCALER_KEYS, _give_scaler(opt, new), "give the optimizer the scaler"))
+    return changes
+
+
+def _forward_changes(live: LiveSetup, acc: Any, precision: str, native: bool, before: Any) -> list[Change]:
+    """Each prepared model's forward wrapped in the autocast of ``precision`` iff ``native``; a wrapper made for
+    another precision (``before``) is replaced."""
+    changes: list[Change] = []
+    device = live.device()
+    for m in _accelerated_models(live, acc):
         d = _own(m)
         wrapped = d.get("_original_forward") is not None
         prepared = bool(d.get("_is_accelerate_prepared", False)) or wrapped
@@ -235,6 +260,15 @@ def precision_changes(
         what = ("re-wrap" if stale else "wrap") if need else "unwrap"
         changes.append(DictPatch(m, ("forward", "_original_forward"), edit, f"{what} {type(m).__name__}.forward"))
     return changes
+
+
+def _accelerated_models(live: LiveSetup, acc: Any) -> list[Any]:
+    """The accelerator's prepared models and the setup's models, each once."""
+    models: list[Any] = []
+    for m in list(raw_attr(acc, "_models", None) or ()) + [m for _n, m in live.models]:
+        if isinstance(m, torch.nn.Module) and all(m is not x for x in models):
+            models.append(m)
+    return models
 
 
 _own = own_dict
@@ -279,7 +313,6 @@ def recipe_facts(acc: Any, name: str) -> list[FP8RecipeFacts]:
                 written_format=written,
                 passed_format=passed,
                 runs_format=passed or TE_DEFAULT_FORMAT[block],
-                consumed=bool(raw_attr(acc, "_models", None)),
             )
         )
     return out

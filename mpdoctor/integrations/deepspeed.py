@@ -33,7 +33,6 @@ from ..live.introspect import is_a, raw_attr
 from . import Integration, Unwrap
 
 ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
-HF_DS_CONFIG = "transformers.integrations.deepspeed.HfDeepSpeedConfig"
 TRAINER = "transformers.trainer.Trainer"
 TRAINING_ARGS = "transformers.training_args.TrainingArguments"
 ACCELERATOR = "accelerate.accelerator.Accelerator"
@@ -121,10 +120,8 @@ def _config_facts(name: str, source: str, path: str, hf: Any, args: Any, args_na
         args_bf16=args_bf16,
         args_name=args_name,
         mismatches=precision,
-        other_mismatches=others,
         ref=id(obj),
         config_ref=id(cfg),
-        mismatches_ref=id(mismatches) if isinstance(mismatches, list) else 0,
         config_refs=(id(cfg),),
         mismatches_refs=(id(mismatches),) if isinstance(mismatches, list) else (),
         args_ref=id(args) if args is not None else 0,
@@ -209,58 +206,17 @@ def engine_facts(name: str, engine: Any, live: Any) -> DeepSpeedFacts | None:
 
 def gather(subjects: tuple, live: Any, hardware: Any) -> dict:
     """Every DeepSpeed setup among ``subjects``: engines, and configs not yet turned into one."""
-    out: list[DeepSpeedFacts] = []
-    seen_configs: set[int] = set()
     engines = [s for s in subjects if s.kind == "model" and is_a(s.obj, (ENGINE,))]
     engine_ids = {id(s.obj) for s in engines}
-    for s in engines:
-        facts = engine_facts(s.name, s.obj, live)
-        if facts is not None:
-            out.append(facts)
-    # A Trainer's config: the one train() will use (its accelerator's plugin; usually the arguments' own).
-    for s in subjects:
-        if s.kind != "trainer":
-            continue
-        args = raw_attr(s.obj, "args", None)
-        if id(raw_attr(s.obj, "model_wrapped", None)) in engine_ids:
-            # train() ran: the engine's own facts say it, not the configs it was built from
-            for hf in (raw_attr(args, "hf_deepspeed_config", None),):
-                seen_configs.add(id(raw_attr(hf, "config", None)))
-            continue
-        acc = raw_attr(s.obj, "accelerator", None)
-        plugin = active_plugin(raw_attr(acc, "state", None)) if acc is not None else None
-        hf = raw_attr(plugin, "hf_ds_config", None) if plugin is not None else None
-        path = f"{s.name}.accelerator.state.deepspeed_plugin.hf_ds_config"
-        if hf is None:
-            hf = raw_attr(args, "hf_deepspeed_config", None) if args is not None else None
-            path = f"{s.name}.args.hf_deepspeed_config"
-        if hf is None:
-            continue
-        state = raw_attr(acc, "state", None) if acc is not None else None
-        facts = _config_facts(s.name, "trainer", path, hf, args, f"{s.name}.args", live, s.obj, state=state)
-        if facts is None:
-            continue
-        extra = raw_attr(args, "hf_deepspeed_config", None) if args is not None else None
-        facts = _with_copy(facts, extra, live)
-        seen_configs.update(facts.config_refs)
-        out.append(facts)
-    for s in subjects:
-        if s.kind == "training_args":
-            hf = raw_attr(s.obj, "hf_deepspeed_config", None)
-            if hf is None or id(raw_attr(hf, "config", None)) in seen_configs:
-                continue
-            facts = _config_facts(s.name, "training_args", f"{s.name}.hf_deepspeed_config", hf, s.obj, s.name, live, s.obj)
-        elif s.kind == "accelerator":
-            state = raw_attr(s.obj, "state", None)
-            plugin = active_plugin(state)
-            hf = raw_attr(plugin, "hf_ds_config", None) if plugin is not None else None
-            if hf is None or id(raw_attr(hf, "config", None)) in seen_configs:
-                continue
-            mp = raw_attr(state, "_mixed_precision", None)
-            facts = _config_facts(s.name, "accelerator", f"{s.name}.state.deepspeed_plugin.hf_ds_config", hf, None,
-                                  None, live, s.obj, str(mp) if mp is not None else None, state=state)
+    out: list[DeepSpeedFacts] = [f for f in (engine_facts(s.name, s.obj, live) for s in engines) if f is not None]
+    seen_configs: set[int] = set()
+    # A Trainer's config first: the one train() will use (its accelerator's plugin; usually the arguments' own).
+    trainers = [s for s in subjects if s.kind == "trainer"]
+    for s in (*trainers, *(s for s in subjects if s.kind in ("training_args", "accelerator"))):
+        if s.kind == "trainer":
+            facts = _trainer_config(s, engine_ids, seen_configs, live)
         else:
-            continue
+            facts = _held_config(s, seen_configs, live)
         if facts is not None:
             seen_configs.update(facts.config_refs)
             out.append(facts)
@@ -269,6 +225,47 @@ def gather(subjects: tuple, live: Any, hardware: Any) -> dict:
     fp16_ok, bf16_ok = device_support(hardware)
     name = raw_attr(hardware, "name", None)
     return {"deepspeed": tuple(dataclasses.replace(f, device_fp16=fp16_ok, device_bf16=bf16_ok, device=name) for f in out)}
+
+
+def _trainer_config(s: Any, engine_ids: set[int], seen_configs: set[int], live: Any) -> DeepSpeedFacts | None:
+    """The config a Trainer's ``train()`` will use, with the arguments' copy; None once its engine exists (its
+    configs then go into ``seen_configs``: the engine's own facts say it)."""
+    args = raw_attr(s.obj, "args", None)
+    if id(raw_attr(s.obj, "model_wrapped", None)) in engine_ids:
+        seen_configs.add(id(raw_attr(raw_attr(args, "hf_deepspeed_config", None), "config", None)))
+        return None
+    acc = raw_attr(s.obj, "accelerator", None)
+    plugin = active_plugin(raw_attr(acc, "state", None)) if acc is not None else None
+    hf = raw_attr(plugin, "hf_ds_config", None) if plugin is not None else None
+    path = f"{s.name}.accelerator.state.deepspeed_plugin.hf_ds_config"
+    if hf is None:
+        hf = raw_attr(args, "hf_deepspeed_config", None) if args is not None else None
+        path = f"{s.name}.args.hf_deepspeed_config"
+    if hf is None:
+        return None
+    state = raw_attr(acc, "state", None) if acc is not None else None
+    facts = _config_facts(s.name, "trainer", path, hf, args, f"{s.name}.args", live, s.obj, state=state)
+    if facts is None:
+        return None
+    extra = raw_attr(args, "hf_deepspeed_config", None) if args is not None else None
+    return _with_copy(facts, extra, live)
+
+
+def _held_config(s: Any, seen_configs: set[int], live: Any) -> DeepSpeedFacts | None:
+    """The config a TrainingArguments or an Accelerator holds, unless a Trainer's facts already have it."""
+    if s.kind == "training_args":
+        hf = raw_attr(s.obj, "hf_deepspeed_config", None)
+        if hf is None or id(raw_attr(hf, "config", None)) in seen_configs:
+            return None
+        return _config_facts(s.name, "training_args", f"{s.name}.hf_deepspeed_config", hf, s.obj, s.name, live, s.obj)
+    state = raw_attr(s.obj, "state", None)
+    plugin = active_plugin(state)
+    hf = raw_attr(plugin, "hf_ds_config", None) if plugin is not None else None
+    if hf is None or id(raw_attr(hf, "config", None)) in seen_configs:
+        return None
+    mp = raw_attr(state, "_mixed_precision", None)
+    return _config_facts(s.name, "accelerator", f"{s.name}.state.deepspeed_plugin.hf_ds_config", hf, None,
+                         None, live, s.obj, str(mp) if mp is not None else None, state=state)  # fmt: skip
 
 
 def _with_copy(facts: DeepSpeedFacts, hf: Any, live: Any) -> DeepSpeedFacts:

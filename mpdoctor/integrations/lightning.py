@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.lightning import LightningPrecisionFacts, lightning_effective, unify
-from ..live.introspect import attr_of_known, is_a, raw_attr, type_name
+from ..live.introspect import is_a, raw_attr, type_name
 from . import Integration, Unwrap
 
 NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
@@ -74,7 +74,6 @@ def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisio
         device = hw.kind
         effective = lightning_effective(requested, device)
     scaler = raw_attr(plugin, "scaler", None) if plugin is not None else None
-    path = f"{subject.name}._precision.scaler" if is_a(obj, FABRICS) else f"{subject.name}.precision_plugin.scaler"
     return LightningPrecisionFacts(
         name=subject.name,
         kind="fabric" if is_a(obj, FABRICS) else "trainer",
@@ -82,7 +81,6 @@ def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisio
         effective=effective,
         plugin=type_name(plugin) if plugin is not None else "?",
         input_dtype=_dtype_name(raw_attr(plugin, "_desired_input_dtype", None)) if plugin is not None else None,
-        scaler_name=path if scaler is not None else None,
         scaler_enabled=bool(raw_attr(scaler, "_enabled", False)) if scaler is not None else None,
         device=device,
         model_names=tuple(s.name for s in subjects if s.owner == subject.name and s.kind == "model"),
@@ -100,16 +98,6 @@ def _setup_facts(subjects: tuple, hw: Any) -> dict:
             except Exception:  # a half-built Trainer: the rest of the report still stands
                 continue
     return {"lightning": tuple(out)} if out else {}
-
-
-def lightning_optimizers(trainer: Any) -> list:
-    """The Trainer's optimizers: ``strategy._lightning_optimizers`` once set (they wrap ``trainer.optimizers``)."""
-    strategy = attr_of_known(trainer, "strategy")
-    wrapped = raw_attr(strategy, "_lightning_optimizers", None) if strategy is not None else None
-    if isinstance(wrapped, list) and wrapped:
-        return list(wrapped)
-    plain = attr_of_known(trainer, "optimizers")
-    return list(plain) if isinstance(plain, list) else []
 
 
 INTEGRATION = Integration(

@@ -113,7 +113,6 @@ def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
                 path=path,
                 tensor_class=class_path(type(w)),
                 storage_dtype=dtype_name(data.dtype),
-                dequantizes_to=dtype_name(w.dtype),
                 block_size=block if isinstance(block, int) else 0,
                 elements=int(w.numel()),
                 nonfinite=sum(_nonfinite(x) for x in leaves),

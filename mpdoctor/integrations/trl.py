@@ -34,14 +34,12 @@ def _trl_facts(subject: Any, subjects: tuple) -> TrlFacts:
     model_name = f"{subject.name}.model" if f"{subject.name}.model" in children else None
     ref_name = f"{subject.name}.ref_model" if f"{subject.name}.ref_model" in children else None
     args = raw_attr(obj, "args", None)
-    model = raw_attr(obj, "model", None)
     return TrlFacts(
         name=subject.name,
         trainer_class=type_name(obj),
         config_class=type_name(args) if args is not None and is_a(args, (BASE_CONFIG,)) else None,
         model_name=model_name,
         ref_model_name=ref_name,
-        ref_from_adapters=ref_name is None and model is not None and is_a(model, _PEFT_MODELS),
     )
 
 

@@ -29,13 +29,22 @@ def type_name(obj: Any) -> str:
 
 
 def class_path(cls: type) -> str:
-    """``module.qualname`` of a class, read without running user code."""
+    """``module.qualname`` of a class, read without running user code.
+
+    A class without a readable string module (made by ``exec`` under globals without ``__name__``, or whose
+    ``__module__`` was set to a non-string) is named by its qualname alone, so it can still be matched by its
+    name; ``"?"`` when even the qualname cannot be read (not a class).
+    """
     try:
-        module, qualname = _TYPE_MODULE(cls), _TYPE_QUALNAME(cls)
+        qualname = _TYPE_QUALNAME(cls)
     except Exception:
         return "?"
+    try:
+        module = _TYPE_MODULE(cls)
+    except Exception:  # no __module__ in the class's dict
+        module = None
     if type(qualname) is not str:
-        qualname = "?"
+        return "?"
     return f"{module}.{qualname}" if type(module) is str and module else qualname
 
 

@@ -27,32 +27,10 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
             if not isinstance(p, torch.Tensor) or id(p) in seen:
                 continue
             seen.add(id(p))
-            grad = p.grad if p.is_leaf else None
             st = state.get(p, {}) if isinstance(state, dict) else {}
-            sdt: list[tuple[str, str]] = []
-            steps = max(steps, _step_count(st.get("step") if isinstance(st, dict) else None))
-            for key, value in st.items() if isinstance(st, dict) else ():
-                if isinstance(value, torch.Tensor):
-                    tally.add("optimizer_state", value, True)
-                    if value.dtype.is_floating_point and value.shape == p.shape and value.numel() > 1:
-                        sdt.append((str(key), dtype_name(value.dtype)))
-            params.append(
-                OptParam(
-                    id(p),
-                    gi,
-                    dtype_name(p.dtype),
-                    dtype_name(grad.dtype) if grad is not None else None,
-                    p.numel(),
-                    tuple(sdt),
-                    bool(p.requires_grad),
-                )
-            )
-    defaults = inner.__dict__.get("defaults", {})
-    safe_defaults = {
-        k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
-        for k, v in (defaults.items() if isinstance(defaults, dict) else ())
-        if k in _DEFAULT_KEYS
-    }
+            st = st if isinstance(st, dict) else {}
+            steps = max(steps, _step_count(st.get("step")))
+            params.append(_opt_param(gi, p, st, tally))
     wrapper = None
     if outer is not inner:
         wcls = type(outer)
@@ -64,12 +42,40 @@ def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
         wrapper=wrapper,
         params=tuple(params),
         tallies=tally.rows(),
-        defaults=safe_defaults,
-        has_state=bool(state),
+        defaults=_plain_defaults(inner.__dict__.get("defaults", {})),
         group_eps=tuple(_eps_of(g) for g in groups if isinstance(g, dict)),
         state_steps=steps,
         bf16_update_loss=_bf16_update_loss(cls, groups, params),
     )
+
+
+def _opt_param(group: int, p: torch.Tensor, st: dict, tally: Tallier) -> OptParam:
+    """One parameter's dtypes and its state's (tallied), as the optimizer holds them."""
+    grad = p.grad if p.is_leaf else None
+    sdt: list[tuple[str, str]] = []
+    for key, value in st.items():
+        if isinstance(value, torch.Tensor):
+            tally.add("optimizer_state", value, True)
+            if value.dtype.is_floating_point and value.shape == p.shape and value.numel() > 1:
+                sdt.append((str(key), dtype_name(value.dtype)))
+    return OptParam(
+        id(p),
+        group,
+        dtype_name(p.dtype),
+        dtype_name(grad.dtype) if grad is not None else None,
+        p.numel(),
+        tuple(sdt),
+        bool(p.requires_grad),
+    )
+
+
+def _plain_defaults(defaults: Any) -> dict:
+    """The defaults worth showing, as plain values (anything else as its ``str``)."""
+    return {
+        k: (v if isinstance(v, (bool, int, float, str, type(None))) else str(v))
+        for k, v in (defaults.items() if isinstance(defaults, dict) else ())
+        if k in _DEFAULT_KEYS
+    }
 
 
 def _step_count(step: Any) -> int:

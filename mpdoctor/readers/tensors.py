@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -167,107 +166,133 @@ def gather_module_tensors(
     that is not a plain ``nn.Parameter`` is shown to ``storage_readers`` (the integrations'
     ``weight_storage``): a quantized weight is tallied in its storage dtype and bytes.
     """
-    # (kind, dtype, trainable, device) -> [tensors, elements]
-    counts: dict[tuple[str, Any, bool, str], list[int]] = {}
-    # (storage dtype name, trainable, device) -> [tensors, elements, bytes]: quantized weights
-    stored: dict[tuple[str, bool, str], list[int]] = {}
-    params: list[tuple] = []
-    tied: list[tuple[int, str, str, str, int]] = []
-    seen: set[int] = set()
-    checkpointing = False
-    patched: list[tuple[str, str]] = []
-    tuners: list[str] = []
-    per_class: dict[type, tuple[str, str | None, bool]] = {}
-    names = _DTYPE_NAMES
-    kinds = _DEVICE_TYPES
+    walk = _TensorWalk(casting_layers, storage_readers)
     for mpath, mod in named_modules(module):
+        walk.module(mpath, mod)
+    return walk.facts(name)
+
+
+def _count(counts: dict, key: tuple, numel: int) -> None:
+    """One more tensor of ``numel`` elements under ``key``."""
+    row = counts.get(key)
+    if row is None:
+        counts[key] = [1, numel]
+    else:
+        row[0] += 1
+        row[1] += numel
+
+
+class _TensorWalk:
+    """What one walk of a module tree has read so far (``gather_module_tensors``' loop, one module at a time)."""
+
+    def __init__(self, casting_layers: frozenset[str], storage_readers: tuple) -> None:
+        self.casting_layers = casting_layers
+        self.storage_readers = storage_readers
+        # (kind, dtype, trainable, device) -> [tensors, elements]
+        self.counts: dict[tuple[str, Any, bool, str], list[int]] = {}
+        # (storage dtype name, trainable, device) -> [tensors, elements, bytes]: quantized weights
+        self.stored: dict[tuple[str, bool, str], list[int]] = {}
+        self.params: list[tuple] = []
+        self.tied: list[tuple[int, str, str, str, int]] = []
+        self.seen: set[int] = set()
+        self.checkpointing = False
+        self.patched: list[tuple[str, str]] = []
+        self.tuners: list[str] = []
+        self.per_class: dict[type, tuple[str, str | None, bool]] = {}
+
+    def module(self, mpath: str, mod: torch.nn.Module) -> None:
+        """Read one module: its class's facts, its own parameters and buffers."""
         mdict = mod.__dict__
-        if not checkpointing and mdict.get("gradient_checkpointing") is True:
-            checkpointing = True
-        cls = type(mod)
-        known = per_class.get(cls)
-        if known is None:
-            # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
-            known = per_class[cls] = (
-                f"{cls.__module__}.{cls.__qualname__}",
-                _patched_forward(mod) if "forward" not in mdict else None,
-                bool(casting_layers) and any(c in casting_layers for c in class_paths(cls)),
-            )
+        if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
+            self.checkpointing = True
+        known = self._class_facts(mod, mdict)
         origin = _patched_forward(mod) if "forward" in mdict else known[1]
         if origin is not None:
-            patched.append((mpath, origin))
+            self.patched.append((mpath, origin))
         if known[2]:
-            tuners.append(mpath)
+            self.tuners.append(mpath)
         own = mdict.get("_parameters")
         if own:
             prefix = f"{mpath}." if mpath else ""
             for pname, p in own.items():
-                if p is None:
-                    continue
-                pid = id(p)
-                if pid in seen:
-                    tied.append((len(params), mpath, known[0], pname, pid))
-                    continue
-                seen.add(pid)
-                dt = p.dtype
-                dname = names.get(dt) or _name_of(dt)
-                trainable = p.requires_grad
-                numel = p.numel()
-                device = p.device
-                dev = kinds.get(device) or _type_of(device)
-                quantized = None
-                if storage_readers and type(p) is not _PARAMETER:
-                    found = _storage(p, storage_readers)
-                    if found is not None:
-                        quantized = found[:2]
-                        row = stored.setdefault((found[1], trainable, dev), [0, 0, 0])
-                        row[0] += 1
-                        row[1] += numel
-                        row[2] += found[2]
-                if quantized is None:
-                    key = ("param", dt, trainable, dev)
-                    row = counts.get(key)
-                    if row is None:
-                        counts[key] = [1, numel]
-                    else:
-                        row[0] += 1
-                        row[1] += numel
-                grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
-                gname = None
-                if grad is not None:
-                    gdt = grad.dtype
-                    gname = names.get(gdt) or _name_of(gdt)
-                    key = ("grad", gdt, trainable, _type_of(grad.device))
-                    row = counts.get(key)
-                    if row is None:
-                        counts[key] = [1, grad.numel()]
-                    else:
-                        row[0] += 1
-                        row[1] += grad.numel()
-                params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, known[0], quantized))
+                if p is not None:
+                    self._parameter(prefix, mpath, known[0], pname, p)
         bufs = mdict.get("_buffers")
         if bufs:
-            for b in bufs.values():
-                if b is None or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                key = ("buffer", b.dtype, False, _type_of(b.device))
-                row = counts.get(key)
-                if row is None:
-                    counts[key] = [1, b.numel()]
-                else:
-                    row[0] += 1
-                    row[1] += b.numel()
-    make = ParamInfo._make
-    return ModuleTensors(
-        _rows(name, counts, stored),
-        tuple(map(make, params)),
-        checkpointing,
-        frozenset([dev for (kind, _d, _t, dev) in counts if kind == "param"] + [dev for (_d, _t, dev) in stored]),
-        patched_forwards=tuple(patched),
-        tuner_layers=tuple(tuners),
-        tied=tuple(tied),
-    )
+            self._buffers(bufs)
+
+    def _class_facts(self, mod: torch.nn.Module, mdict: dict) -> tuple[str, str | None, bool]:
+        """``(class path, patched forward, is a casting layer)``, read once per class."""
+        cls = type(mod)
+        known = self.per_class.get(cls)
+        if known is None:
+            # What depends on the class alone is read once per class and diagnosis (a 70B Llama has 6 classes).
+            known = self.per_class[cls] = (
+                f"{cls.__module__}.{cls.__qualname__}",
+                _patched_forward(mod) if "forward" not in mdict else None,
+                bool(self.casting_layers) and any(c in self.casting_layers for c in class_paths(cls)),
+            )
+        return known
+
+    def _parameter(self, prefix: str, mpath: str, cpath: str, pname: str, p: torch.nn.Parameter) -> None:
+        pid = id(p)
+        if pid in self.seen:
+            self.tied.append((len(self.params), mpath, cpath, pname, pid))
+            return
+        self.seen.add(pid)
+        dt = p.dtype
+        dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
+        trainable = p.requires_grad
+        numel = p.numel()
+        device = p.device
+        dev = _DEVICE_TYPES.get(device) or _type_of(device)
+        quantized = self._quantized(p, trainable, dev, numel)
+        if quantized is None:
+            _count(self.counts, ("param", dt, trainable, dev), numel)
+        gname = self._grad(p, trainable)
+        self.params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized))
+
+    def _quantized(self, p: torch.nn.Parameter, trainable: bool, dev: str, numel: int) -> tuple | None:
+        """A quantized weight's ``(tensor class, storage dtype)``, tallied in its storage; None for a plain one."""
+        if not self.storage_readers or type(p) is _PARAMETER:
+            return None
+        found = _storage(p, self.storage_readers)
+        if found is None:
+            return None
+        row = self.stored.setdefault((found[1], trainable, dev), [0, 0, 0])
+        row[0] += 1
+        row[1] += numel
+        row[2] += found[2]
+        return found[:2]
+
+    def _grad(self, p: torch.nn.Parameter, trainable: bool) -> str | None:
+        """The gradient's dtype name (tallied), or None without one."""
+        grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
+        if grad is None:
+            return None
+        gdt = grad.dtype
+        _count(self.counts, ("grad", gdt, trainable, _type_of(grad.device)), grad.numel())
+        return _DTYPE_NAMES.get(gdt) or _name_of(gdt)
+
+    def _buffers(self, bufs: dict) -> None:
+        for b in bufs.values():
+            if b is None or id(b) in self.seen:
+                continue
+            self.seen.add(id(b))
+            _count(self.counts, ("buffer", b.dtype, False, _type_of(b.device)), b.numel())
+
+    def facts(self, name: str) -> ModuleTensors:
+        """The tree's tensor facts under ``name``."""
+        counts, stored = self.counts, self.stored
+        return ModuleTensors(
+            _rows(name, counts, stored),
+            tuple(map(ParamInfo._make, self.params)),
+            self.checkpointing,
+            frozenset([dev for (kind, _d, _t, dev) in counts if kind == "param"] + [dev for (_d, _t, dev) in stored]),
+            patched_forwards=tuple(self.patched),
+            tuner_layers=tuple(self.tuners),
+            tied=tuple(self.tied),
+        )
 
 
 def _rows(
@@ -280,12 +305,4 @@ def _rows(
         tally.add_many(kind, dt, trainable, dev, n, numel)
     for (dname, trainable, dev), (n, numel, nbytes) in (stored or {}).items():
         tally.add_stored("param", dname, trainable, dev, n, numel, nbytes)
-    return tally.rows()
-
-
-def tally_tensors(obj_name: str, kind: str, tensors: Iterable[tuple[torch.Tensor, bool]]) -> tuple[TensorTally, ...]:
-    """Tally arbitrary ``(tensor, trainable)`` pairs under one object and kind."""
-    tally = Tallier(obj_name)
-    for t, trainable in tensors:
-        tally.add(kind, t, trainable)
     return tally.rows()

@@ -150,6 +150,36 @@ def _batches(namespace: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
                 continue
 
 
+def _model_holding(layer: Any, candidates: tuple) -> tuple[Any, str | None]:
+    """The first module among ``candidates`` whose tree holds ``layer``, and the layer's path in it."""
+    if layer is None:
+        return None, None
+    for m in candidates:
+        if isinstance(m, torch.nn.Module):
+            for p, sub in m.named_modules():
+                if sub is layer:
+                    return m, p
+    return None, None
+
+
+def _suspect_batches(namespace: Mapping[str, Any], held_ids: set[int],
+                     other_than: str | None) -> list[tuple[str, str, Any, list[str]]]:  # fmt: skip
+    """``(kind, name, batch, keys)`` of the batches holding a tensor the failing layer held (or, given
+    ``other_than``, entries of a dtype other than the layer's); mappings and the batch holding the very tensor
+    first."""
+    found: list[tuple[str, str, Any, list[str]]] = []
+    for name, batch in _batches(namespace):
+        entries = list(named_inputs(batch))
+        keys = [k for k, t in entries if id(t) in held_ids]
+        if not keys and other_than is not None:
+            keys = [k for k, t in entries if dtype_name(t.dtype) != other_than]
+        if keys:
+            kind = "mapping" if isinstance(batch, Mapping) else "tensor"
+            found.append((kind, name, batch, [name] if kind == "tensor" else keys))
+    found.sort(key=lambda f: (f[0] != "mapping", not any(id(t) in held_ids for _, t in named_inputs(f[2]))))
+    return found
+
+
 def crash_finding(
     pattern: str, frames: list, namespace: Mapping[str, Any], objects: tuple, live: Any
 ) -> Finding | None:
@@ -164,15 +194,7 @@ def crash_finding(
         return None
     layer, held = _failing_layer(frames)
     layer_dtype = own_float_dtype(layer) if layer is not None else None
-    models = [v for v in (*objects, *namespace.values()) if isinstance(v, torch.nn.Module)]
-    model, path = None, None
-    for m in models:
-        for p, sub in m.named_modules():
-            if sub is layer:
-                model, path = m, p
-                break
-        if model is not None:
-            break
+    model, path = _model_holding(layer, (*objects, *namespace.values()))
     if model is None or layer_dtype is None:
         return None
     model_name = next((k for k, v in namespace.items() if v is model and k.isidentifier()), "model")
@@ -180,19 +202,9 @@ def crash_finding(
     # Without the very tensor in the failing frame, blame the batch only when the whole model is in one dtype:
     # a model mixing dtypes (an fp32 layer feeding a bf16 one) is mixed-param-dtypes, not the batch.
     uniform = len({p.dtype for p in model.parameters() if p.is_floating_point()}) == 1
-    found: list[tuple[str, str, Any, list[str]]] = []  # (kind, name, batch, keys)
-    for name, batch in _batches(namespace):
-        entries = list(named_inputs(batch))
-        keys = [k for k, t in entries if id(t) in held_ids]
-        if not keys and uniform:
-            keys = [k for k, t in entries if dtype_name(t.dtype) != layer_dtype]
-        if keys:
-            kind = "mapping" if isinstance(batch, Mapping) else "tensor"
-            keys = [name] if kind == "tensor" else keys
-            found.append((kind, name, batch, keys))
+    found = _suspect_batches(namespace, held_ids, layer_dtype if uniform else None)
     if not found:
         return None
-    found.sort(key=lambda f: (f[0] != "mapping", not any(id(t) in held_ids for _, t in named_inputs(f[2]))))
     kind, name, batch, keys = found[0]
     dtype_of = dict((k, dtype_name(t.dtype)) for k, t in named_inputs(batch))
     bad = [BatchInput(k, dtype_of.get(k, dtype_of.get("input", "?")), path, type(layer).__name__, layer_dtype,

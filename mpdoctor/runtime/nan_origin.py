@@ -135,6 +135,16 @@ def rounds_to_zero(value: float, dtype: torch.dtype) -> bool:
     return value > 0 and float(torch.tensor(value, dtype=dtype)) == 0.0
 
 
+def _input_range(ins: list[torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
+    """The output dtype's largest value, and the inputs' minimum and largest magnitude."""
+    detail: dict[str, Any] = {"max": float(torch.finfo(dtype).max)}
+    finite_ins = [t for t in ins if t.numel()]
+    if finite_ins:
+        detail["min"] = min(float(t.detach().min()) for t in finite_ins)
+        detail["input_absmax"] = max(float(t.detach().abs().max()) for t in finite_ins)
+    return detail
+
+
 class OpWatch(TorchFunctionMode):
     """Stop at the first op whose output holds NaN its inputs did not, or inf from inputs without inf/NaN."""
 
@@ -163,41 +173,46 @@ class OpWatch(TorchFunctionMode):
         out_nan = any(bool(torch.isnan(t).any()) for t in outs)
         if in_nan or (in_inf and not out_nan):
             return  # carried, not born here
-        if self.within is not None and (self.stack[-1] if self.stack else 0) not in self.within:
+        i = self.stack[-1] if self.stack else 0
+        if self.within is not None and i not in self.within:
             return  # born in a module whose output stayed finite: discarded there (T5's log of bucket 0)
         name = getattr(func, "__name__", "") or str(func)
         dtype = outs[0].dtype
-        i = self.stack[-1] if self.stack else 0
-        path, module = self.modules[i]
-        detail: dict[str, Any] = {"max": float(torch.finfo(dtype).max)}
-        finite_ins = [t for t in ins if t.numel()]
-        if finite_ins:
-            detail["min"] = min(float(t.detach().min()) for t in finite_ins)
-            detail["input_absmax"] = max(float(t.detach().abs().max()) for t in finite_ins)
+        detail = _input_range(ins, dtype)
         if in_inf:
-            cause = "inf-minus-inf"
-        elif name in _LOG and detail.get("min", 0.0) <= 0:
-            cause = "log-nonpositive"
-        elif name in ("sqrt", "sqrt_") and detail.get("min", 0.0) < 0:
-            cause = "sqrt-negative"
-        elif name in _DIV and self._zero_denominator(name, args):
-            cause = "zero-division"
-            for j in reversed(self.stack):  # the norm whose eps vanished, innermost first
-                eps = eps_of(self.modules[j][1])
-                if eps is not None:
-                    if rounds_to_zero(eps, dtype):
-                        cause = "eps-underflow"
-                        detail["eps"] = eps
-                        path, module = self.modules[j]
-                    break
-        elif self._eps_vanishes(name, args, kwargs, dtype, detail):
-            cause = "eps-underflow"  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
-        elif not out_nan or name in _ACCUMULATING:
-            cause = "overflow"  # a NaN from finite inputs in a sum of products is inf - inf inside it
+            cause, blamed = "inf-minus-inf", None
         else:
-            cause = "nonfinite-op"
+            cause, blamed = self._cause(name, args, kwargs, dtype, detail, out_nan)
+        path, module = self.modules[blamed if blamed is not None else i]
         self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail)
         raise _Found
+
+    def _cause(self, name: str, args: tuple, kwargs: dict, dtype: torch.dtype, detail: dict,
+               out_nan: bool) -> tuple[str, int | None]:  # fmt: skip
+        """Why an op made NaN / inf from finite inputs, and the module to blame when it is not the innermost
+        one (the norm whose eps vanished)."""
+        if name in _LOG and detail.get("min", 0.0) <= 0:
+            return "log-nonpositive", None
+        if name in ("sqrt", "sqrt_") and detail.get("min", 0.0) < 0:
+            return "sqrt-negative", None
+        if name in _DIV and self._zero_denominator(name, args):
+            return self._division_cause(dtype, detail)
+        if self._eps_vanishes(name, args, kwargs, dtype, detail):
+            return "eps-underflow", None  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
+        if not out_nan or name in _ACCUMULATING:
+            return "overflow", None  # a NaN from finite inputs in a sum of products is inf - inf inside it
+        return "nonfinite-op", None
+
+    def _division_cause(self, dtype: torch.dtype, detail: dict) -> tuple[str, int | None]:
+        """A zero denominator: the eps of the innermost module holding one, when it is 0 in ``dtype``."""
+        for j in reversed(self.stack):  # the norm whose eps vanished, innermost first
+            eps = eps_of(self.modules[j][1])
+            if eps is not None:
+                if rounds_to_zero(eps, dtype):
+                    detail["eps"] = eps
+                    return "eps-underflow", j
+                break
+        return "zero-division", None
 
     @staticmethod
     def _eps_vanishes(name: str, args: tuple, kwargs: dict, dtype: torch.dtype, detail: dict) -> bool:

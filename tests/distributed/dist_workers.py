@@ -183,34 +183,6 @@ def fsdp1_units(rank: int, world: int) -> dict:
     return out
 
 
-def accelerate_fsdp_plan(rank: int, world: int) -> dict:
-    """A plain mixed-dtype model that an Accelerator with an FSDP plugin is about to wrap."""
-    import os
-
-    from accelerate import Accelerator
-    from accelerate.utils import FullyShardedDataParallelPlugin
-
-    import mpdoctor
-
-    os.environ["ACCELERATE_USE_CPU"] = "true"
-    acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
-    model = tiny()
-    model[2].to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters())
-    names = {id(model): "model", id(acc): "accelerator", id(opt): "opt"}
-    report = mpdoctor.diagnose(model, opt, acc, distributed=True, timeout=30, names=names)
-    out = {"report": _summary(report), "type": str(acc.distributed_type), "n": acc.num_processes, "backend": acc.state.backend}
-    try:
-        pm, po = acc.prepare(model, opt)
-        pm(torch.randn(4, 8))
-        out["error"] = None
-    except Exception as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    fixed = mpdoctor.diagnose(model, opt, acc, names=names)
-    out["applied"] = [fx.title for fx in fixed.apply_safe_fixes()]
-    return out
-
-
 def fsdp1_peft_adapters(rank: int, world: int, base_dtype: str) -> dict:
     """A half-precision base with PEFT's fp32 LoRA adapters, wrapped by FSDP1 as a Trainer with ``fsdp=...`` would.
 
