@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from mpdoctor.emulation import formats
-from mpdoctor.emulation.compare import _Emulation, _linears, compare
+from mpdoctor.emulation.compare import compare
 from mpdoctor.emulation.formats import precision
+from mpdoctor.emulation.sites import Emulation as _Emulation
+from mpdoctor.emulation.sites import linears as _linears
 
 pytest.importorskip("torchao")
 
