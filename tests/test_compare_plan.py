@@ -178,3 +178,16 @@ def test_a_nan_free_healthy_model_keeps_nothing():
     x, y = data(model)
     plan = compare(model, x, precisions=("fp8",), loss=mse_to(y)).plan("fp8", budget=BUDGET)
     assert plan.kept == () and plan.within_budget and math.isfinite(plan.loss_gap)
+
+
+def test_magic_plan_option_draws_the_plan_and_returns_it(shell, capsys):
+    model = wide_channel_model()
+    x, _ = data(model)
+    shell.user_ns["net"], shell.user_ns["xb"] = model, x
+    result = shell.run_cell("p = %mpdoctor net --plan fp8 xb --text")
+    assert result.error_in_exec is None
+    out = capsys.readouterr().out
+    assert "mpdoctor.compare: net" in out and "plan fp8:" in out and "◆" in out
+    assert isinstance(shell.user_ns["p"], Plan) and shell.user_ns["p"].target == "fp8"
+    shell.run_cell("%mpdoctor net --plan bf16 xb --text")
+    assert "--plan bf16: plan() converts to" in capsys.readouterr().out

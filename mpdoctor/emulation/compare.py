@@ -389,7 +389,8 @@ def compare(
     steps : int
         Also train ``steps`` optimizer steps per precision (the reference included) from the model's
         weights, on ``batches`` (cycled; ``batch`` when None): ``Comparison.curves``, drawn beside the
-        heatmap. The weights, grads, RNG and statistics are put back after.
+        heatmap. A copy of the model trains (``copy.deepcopy``: the memory of one more model); the RNG
+        is put back after.
     batches : iterable, optional
         The batches of those steps.
     optimizer : callable, optional
@@ -448,12 +449,8 @@ def _curves(runner: Runner, precs: list[Precision], steps: int, batches: Iterabl
     curves: dict[str, list[float]] = {}
     for prec in precs:
         plain = prec.kind == "reference" and runner.dtype == torch.float32
-
-        def mode_of(prec: Precision = prec, plain: bool = plain) -> Any:
-            return None if plain else runner.emulation(prec, measure=False)
-
         try:
-            curves[prec.name] = runner.train(mode_of, steps, batches, make)
-        except Exception:  # a run that raises has no curve; its single-step error is in .errors already
+            curves[prec.name] = runner.train(None if plain else prec, steps, batches, make)
+        except Exception:  # a model that cannot be copied or trained has no curve; the single-step runs stand
             curves[prec.name] = [math.nan]
     return curves

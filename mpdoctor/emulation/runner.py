@@ -12,11 +12,12 @@ also when it raises.
 - :meth:`Runner.loss_and_grads`: one mixed model (a precision per Linear), its loss and parameter
   gradients, nothing measured (a plan's verification).
 - :meth:`Runner.train`: N optimizer steps of one emulated model on the user's batches, the loss of each;
-  the weights are put back after.
+  a copy of the model trains, never the user's.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -148,33 +149,31 @@ class Runner:
 
     # -- compare(steps=N): training curves -------------------------------------------------------
 
-    def train(self, mode_of: Callable[[], Emulation | None], steps: int, batches: Iterable[Any] | None,
+    def train(self, prec: Precision | None, steps: int, batches: Iterable[Any] | None,
               optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> list[float]:  # fmt: skip
-        """``steps`` optimizer steps from the model's weights, each forward under a fresh ``mode_of()``, on
-        ``batches`` (cycled; the runner's batch when None). The loss of each step; the weights, grads,
-        RNG and statistics are put back after, also when a step raises."""
-        params = [p for p in self.snapshot.params if p.requires_grad]
-        saved = [p.detach().clone() for p in params]
-        feed = _cycle(batches, self.batch, self.device)
-        opt = optimizer(params)
+        """``steps`` optimizer steps under ``prec`` (None: the model as it is) from the model's weights, on
+        ``batches`` (cycled; the runner's batch when None); the loss of each step.
+
+        The steps train a copy of the model (``copy.deepcopy``): the user's parameters are never written,
+        not even their version counters; the RNG and statistics are put back after, also when a step raises.
+        """
+        self.snapshot.rewind()  # the statistics the single-step runs started from, copied with the model
+        twin = copy.deepcopy(self.model)
+        runner = Runner(twin, self.batch, self.loss_fn, self.training)
+        # From the RNG state the single-step runs started from: step 1 draws their dropout masks.
+        runner.snapshot.cpu_rng, runner.snapshot.cuda_rng = self.snapshot.cpu_rng, self.snapshot.cuda_rng
+        feed = _cycle(batches, runner.batch, self.device)
+        opt = optimizer([p for p in twin.parameters() if p.requires_grad])
         losses: list[float] = []
-        self.snapshot.clear_grads()
-        self.snapshot.rewind()
-        try:
+        with runner:
+            runner.snapshot.rewind()
             for _ in range(steps):
-                mode = mode_of()
-                around = mode.engaged() if mode is not None else None
-                losses.append(run_loss(self.model, next(feed), self.loss_fn, around, backward=True))
+                mode = None if prec is None else runner.emulation(prec, measure=False)
+                losses.append(run_loss(twin, next(feed), self.loss_fn, mode.engaged() if mode is not None else None))
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 if not math.isfinite(losses[-1]):
                     break  # a diverged run: its curve ends here
-        finally:
-            with torch.no_grad():
-                for p, w in zip(params, saved):
-                    p.copy_(w)
-            self.snapshot.clear_grads()
-            self.snapshot.rewind()
         return losses
 
 
