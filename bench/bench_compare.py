@@ -14,6 +14,12 @@ Timed, interleaved so that the machine's noise hits both alike, best of N:
 
 Six forward + backward passes set a floor of 6x; the target is <= 18x.
 
+Also, with ``--cases`` (the default; ``--llama-only`` skips them): the same ratio on a compute-bound
+MLP (4 Linear 1024x1024 with GELU, batch 512; target <= 10x) and on a 3-layer toy (Linear 64, batch 32),
+and the cost of a plan: ``Comparison.plan("fp8")`` on the Llama, its one verification run of the
+planned mixed model (target <= 3 plain steps) and the whole search (every candidate run), in plain steps.
+MX figures assume FLOOR scales.
+
 Extra memory: peak RSS during a call minus RSS before it (Linux ``VmHWM`` reset
 through ``/proc/self/clear_refs``, as ``bench_scan.py``; a 1 ms sampling thread
 elsewhere), for the plain step and for compare, quoted against the size of the
@@ -42,6 +48,7 @@ MiB = 2**20
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--llama-only", action="store_true")
     args = parser.parse_args()
     import mpdoctor
 
@@ -101,8 +108,63 @@ def main() -> None:
             "unit": "MiB",
         },
     ]
+    plain_best = best["plain"]
+    plan = c.plan("fp8")
+    print(f"  plan fp8: {len(plan.kept)} kept; one verification run {plan.planned.seconds * 1000:.1f} ms = "
+          f"{plan.planned.seconds / plain_best:.2f} plain steps (target <= 3); whole search ({len(plan.tried)} runs + reference) "
+          f"{plan.seconds * 1000:.1f} ms = {plan.seconds / plain_best:.2f} plain steps")  # fmt: skip
+    rows.append({
+        "figure": "plan('fp8') verification: one run of the planned mixed model vs one plain fp32 fwd+bwd (Llama above)",
+        "mpdoctor": round(plan.planned.seconds * 1000, 1), "baseline": round(plain_best * 1000, 1),
+        "ratio": round(plan.planned.seconds / plain_best, 2), "target": "ratio <= 3", "met": plan.planned.seconds / plain_best <= 3.0,
+        "unit": "ms",
+    })  # fmt: skip
+    if not args.llama_only:
+        rows.extend(other_cases(rounds))
     for r in rows:
         print("RESULT " + json.dumps(r))
+
+
+def timed_ratio(plain, run, rounds: int) -> tuple[float, float]:
+    """Best of ``rounds`` interleaved timings of ``plain`` and ``run`` (seconds)."""
+    plain()
+    run()
+    best = [float("inf"), float("inf")]
+    for _ in range(rounds):
+        for i, fn in enumerate((plain, run)):
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[0], best[1]
+
+
+def other_cases(rounds: int) -> list[dict]:
+    """compare() of five precisions on a compute-bound MLP (hidden 1024, batch 512) and on a 3-layer toy."""
+    import mpdoctor
+
+    out = []
+    for label, width, batch, layers, target in (("MLP 4x Linear 1024, batch 512", 1024, 512, 4, 10.0), ("3-layer toy, Linear 64, batch 32", 64, 32, 3, None)):
+        torch.manual_seed(0)
+        mods = []
+        for _ in range(layers):
+            mods += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        model = torch.nn.Sequential(*mods)
+        x = torch.randn(batch, width)
+
+        def plain(model=model, x=x) -> None:
+            model.zero_grad(set_to_none=True)
+            model(x).float().mean().backward()
+
+        t_plain, t_compare = timed_ratio(plain, lambda model=model, x=x: mpdoctor.compare(model, x), rounds)
+        ratio = t_compare / t_plain
+        print(f"  {label}: plain {t_plain * 1000:.1f} ms, compare {t_compare * 1000:.1f} ms, ratio {ratio:.2f}x")
+        out.append({
+            "figure": f"compare() of 5 precisions vs one plain fp32 fwd+bwd ({label})",
+            "mpdoctor": round(t_compare * 1000, 1), "baseline": round(t_plain * 1000, 1), "ratio": round(ratio, 2),
+            "target": f"ratio <= {target:g}" if target else "reported", "met": ratio <= target if target else True, "unit": "ms (best)",
+        })  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":

@@ -299,7 +299,8 @@ def test_a_healthy_model_draws_no_warning():
 @pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_the_bf16_and_fp16_emulation_errs_as_much_as_real_cpu_autocast(name, dtype):
     """The emulated Linear and torch's own autocast Linear are the same distance from fp32 (within 1.5 dB)."""
-    from mpdoctor.emulation.compare import _Emulation, _linears
+    from mpdoctor.emulation.sites import Emulation as _Emulation
+    from mpdoctor.emulation.sites import linears as _linears
 
     layer, x = plain_layer(), gaussian()
     exact = layer(x)

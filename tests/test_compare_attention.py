@@ -113,7 +113,7 @@ def test_each_format_errs_at_attention_about_as_much_as_at_a_plain_gaussian_line
         scores, mix = LayerStats(), LayerStats()
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         emulated_sdpa(qq, kk, vv, is_causal=True, prec=precision(name), scores=scores, mix=mix).square().sum().backward()
-        from mpdoctor.emulation.compare import _db
+        from mpdoctor.emulation.measurements import sqnr_db as _db
 
         sqnrs[name] = [_db(scores.out), _db(scores.wgrad), _db(mix.out), _db(mix.wgrad)]
         print(name, [f"{x:.1f}" for x in sqnrs[name]])

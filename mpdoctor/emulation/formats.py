@@ -71,13 +71,9 @@ def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor | None) -> Quan
     if over is None:  # counts not wanted (weights): skip four passes over the tensor
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
         return Quantized(q, zero, zero, zero)
-    nz = x != 0
-    return Quantized(
-        values=q,
-        nonzero=nz.sum(),
-        underflow=(nz & (q == 0)).sum(),
-        saturated=over.sum(),
-    )
+    # A zero quantizes to zero: the elements lost are the nonzeros of x less those of q (no mask allocated).
+    nonzero = torch.count_nonzero(x)
+    return Quantized(values=q, nonzero=nonzero, underflow=nonzero - torch.count_nonzero(q), saturated=over.sum())
 
 
 # -- elementwise formats ---------------------------------------------------------------
@@ -100,9 +96,10 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     The e2m1 grid is 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2);
     ``torch.round`` rounds halves to even, which is the format's tie rule on each step.
     """
-    a = x.abs().clamp(max=E2M1_MAX)
-    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return torch.copysign(q, x)
+    a = x.abs().clamp_(max=E2M1_MAX)
+    # Dividing and multiplying by a power-of-two step is exact: one round over the tensor, in place.
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return torch.copysign(a.div_(step).round_().mul_(step), x)
 
 
 # -- scaled fp8 -------------------------------------------------------------------------
@@ -114,7 +111,7 @@ def _fp8_max(dtype: torch.dtype) -> float:
 
 def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
     """torchao's tensorwise scale: ``fmax / max(amax, 1e-12)`` in float64, then float32 (0-d)."""
-    amax = x.abs().max().to(torch.float64)
+    amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float64)  # max |x| in one pass, no |x| temporary
     return (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
 
 
@@ -122,11 +119,10 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3
     """``x * scale`` saturated to the format's max, cast to ``dtype``, divided by ``scale`` again."""
     fmax = _fp8_max(dtype)
     scaled = x * scale
-    bits = scaled.clamp(-fmax, fmax).to(dtype)
     # ``amax * (fmax / amax)`` lands an ulp past fmax in about one tensor of eight (the scale is rounded to
     # float32): the amax element is not saturated for that, so only a magnitude past rounding counts.
     over = scaled.abs() > fmax * _PAST_ROUNDING if count else None
-    return _counts(x, bits.to(torch.float32) / scale, over)
+    return _counts(x, scaled.clamp_(-fmax, fmax).to(dtype).to(torch.float32).div_(scale), over)
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
@@ -191,10 +187,9 @@ def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int
     fmax = _fp8_max(dtype)
     scaled = b / scale
     over = scaled.abs() > fmax if count else None
-    bits = scaled.clamp(-fmax, fmax).to(dtype)
     # torchao's get_fp_scale: 2^(biased - 127), NaN for the e8m0 NaN encoding (a block holding NaN or inf).
     dequant_scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - 127).to(torch.float32)))
-    q = bits.to(torch.float32) * dequant_scale
+    q = scaled.clamp_(-fmax, fmax).to(dtype).to(torch.float32).mul_(dequant_scale)
     return _counts(x, _unblock(q, dim, pad, x.shape), None if over is None else _unblock(over, dim, pad, x.shape))
 
 
@@ -218,7 +213,7 @@ def quantize_nvfp4(
     block_scale_fp8 = block_scale.clamp(min=_E4M3_TINY, max=E4M3_MAX).to(E4M3).to(torch.float32)
     reciprocal = (1.0 / tensor_scale) / block_scale_fp8
     scaled = b * reciprocal
-    q = round_e2m1(scaled) * (tensor_scale * block_scale_fp8)
+    q = round_e2m1(scaled).mul_(tensor_scale * block_scale_fp8)
     over = _unblock(scaled.abs() > E2M1_MAX, dim, pad, x.shape) if count else None
     return _counts(x, _unblock(q, dim, pad, x.shape), over)
 

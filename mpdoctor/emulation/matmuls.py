@@ -4,7 +4,10 @@ Each quantizes both operands of each of its matmuls as a :class:`~mpdoctor.emula
 says, along that matmul's contraction dimension, and multiplies with float32 accumulation; the backward
 matmuls do the same with the output gradient in the precision's gradient format (e5m2 for tensorwise
 fp8, MX blocks along each backward matmul's own contraction dim). Each also records, in a
-:class:`LayerStats`, its error against the same matmul in float32 on the same inputs.
+:class:`LayerStats`, its error against the same matmul in float32 on the same inputs (``stats=None``: only
+run, nothing measured, as a plan's verification runs them). The float32 reference of a large matmul is
+computed for every k-th row of its output only (:func:`sampled`: at least :data:`MEASURED_ROWS` rows), an
+estimate of the SQNR from over a hundred thousand values at a fraction of a matmul's cost.
 
 - :class:`EmulatedLinear`: ``F.linear`` (output, input gradient, weight gradient).
 - :class:`EmulatedMatmul`: ``a @ b`` of two batched activations ``(..., M, K) @ (..., K, N)``: the
@@ -40,6 +43,16 @@ class LayerStats:
         self.grad: list[torch.Tensor] = []  # [nonzero, underflow]
 
 
+#: Rows of a matmul's output (and of a weight gradient) its float32 reference is computed for, at least: a
+#: larger matmul is measured on every k-th row (evenly strided), so the reference costs ~1/k of a matmul.
+MEASURED_ROWS = 128
+
+
+def sampled(n: int) -> slice:
+    """Every k-th of ``n`` rows, k = n // MEASURED_ROWS (all rows when n < 2 * MEASURED_ROWS)."""
+    return slice(None, None, max(1, n // MEASURED_ROWS))
+
+
 def power(exact: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     """[signal power, noise power] of ``got`` against ``exact``: two fused norms, no squared temporaries."""
     norms = torch.stack([torch.linalg.vector_norm(exact), torch.linalg.vector_norm(got - exact)]).double()
@@ -63,38 +76,43 @@ class EmulatedLinear(torch.autograd.Function):
     """``F.linear`` with both operands of each of its three matmuls quantized, float32 accumulation."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, prec: Precision, stats: LayerStats):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, prec: Precision, stats: LayerStats | None):  # type: ignore[override]
         ctx.save_for_backward(x, weight)
         ctx.prec, ctx.stats, ctx.has_bias = prec, stats, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
         k = x.shape[-1]
         x2 = x.reshape(-1, k).to(torch.float32)
         w = weight.to(torch.float32)
-        qx = prec.quantize(x2, 1)
+        measured = stats is not None
+        qx = prec.quantize(x2, 1, count=measured)
         qw = prec.quantize(w, 1, count=False)
         # Scales that ignore the contraction dim give the backward matmuls the very same operands: keep them.
         ctx.reuse = None if prec.along_contraction else (qx.values, qw.values)
         y = qx.values @ qw.values.t()
-        exact = x2 @ w.t()
         if bias is not None:
             y = y + bias.to(torch.float32)
-            exact = exact + bias.to(torch.float32)
         y = prec.round_output(y)
-        stats.calls += 1
-        stats.out.append(power(exact, y))
-        stats.act.append(torch.stack([qx.nonzero, qx.underflow, qx.saturated]))
+        if measured:
+            rows = sampled(x2.shape[0])
+            exact = x2[rows] @ w.t()
+            if bias is not None:
+                exact = exact + bias.to(torch.float32)
+            stats.calls += 1
+            stats.out.append(power(exact, y[rows]))
+            stats.act.append(torch.stack([qx.nonzero, qx.underflow, qx.saturated]))
         return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         x, weight = ctx.saved_tensors
         prec: Precision = ctx.prec
-        stats: LayerStats = ctx.stats
+        stats: LayerStats | None = ctx.stats
         n = grad.shape[-1]
         g2 = grad.reshape(-1, n).to(torch.float32)
         w = weight.to(torch.float32)
-        qg = prec.quantize(g2, 1, grad=True)
-        stats.grad.append(torch.stack([qg.nonzero, qg.underflow]))
+        qg = prec.quantize(g2, 1, grad=True, count=stats is not None)
+        if stats is not None:
+            stats.grad.append(torch.stack([qg.nonzero, qg.underflow]))
         gx = gw = gb = None
         reuse = ctx.reuse
         ctx.reuse = None
@@ -106,7 +124,9 @@ class EmulatedLinear(torch.autograd.Function):
             qg0 = prec.quantize(g2, 0, grad=True, count=False) if prec.along_contraction else qg  # contracted over tokens
             qx0 = prec.quantize(x2, 0, count=False).values if reuse is None else reuse[0]
             gw32 = prec.round_output(qg0.values.t() @ qx0)
-            stats.wgrad.append(power(g2.t() @ x2, gw32))
+            if stats is not None:
+                rows = sampled(gw32.shape[0])
+                stats.wgrad.append(power(g2[:, rows].t() @ x2, gw32[rows]))
             gw = gw32.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = (qg.values if prec.rounds_output else g2).sum(0).to(ctx.bias_dtype)
@@ -123,28 +143,31 @@ class EmulatedMatmul(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, a, b, prec: Precision, stats: LayerStats, rounds: bool = True):  # type: ignore[override]
+    def forward(ctx, a, b, prec: Precision, stats: LayerStats | None, rounds: bool = True):  # type: ignore[override]
         ctx.save_for_backward(a, b)
         ctx.prec, ctx.stats = prec, stats
         a32, b32 = a.to(torch.float32), b.to(torch.float32)
-        qa = quantize_along(prec, a32, -1)
+        qa = quantize_along(prec, a32, -1, count=stats is not None)
         qb = quantize_along(prec, b32, -2, count=False)
         ctx.reuse = None if prec.along_contraction else (qa.values, qb.values)
         y = qa.values @ qb.values
         y = prec.round_output(y) if rounds else y
-        stats.calls += 1
-        stats.out.append(power(a32 @ b32, y))
-        stats.act.append(torch.stack([qa.nonzero, qa.underflow, qa.saturated]))
+        if stats is not None:
+            stats.calls += 1
+            rows = sampled(a32.shape[-2])
+            stats.out.append(power(a32[..., rows, :] @ b32, y[..., rows, :]))
+            stats.act.append(torch.stack([qa.nonzero, qa.underflow, qa.saturated]))
         return y
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         a, b = ctx.saved_tensors
         prec: Precision = ctx.prec
-        stats: LayerStats = ctx.stats
+        stats: LayerStats | None = ctx.stats
         g = grad.to(torch.float32)
-        qg = quantize_along(prec, g, -1, grad=True)
-        stats.grad.append(torch.stack([qg.nonzero, qg.underflow]))
+        qg = quantize_along(prec, g, -1, grad=True, count=stats is not None)
+        if stats is not None:
+            stats.grad.append(torch.stack([qg.nonzero, qg.underflow]))
         reuse = ctx.reuse
         ctx.reuse = None
         ga = gb = None
@@ -156,12 +179,14 @@ class EmulatedMatmul(torch.autograd.Function):
             qg0 = quantize_along(prec, g, -2, grad=True, count=False) if prec.along_contraction else qg
             qa0 = reuse[0] if reuse is not None else quantize_along(prec, a32, -2, count=False).values
             gb32 = prec.round_output(qa0.transpose(-2, -1) @ qg0.values)
-            stats.wgrad.append(power(a32.transpose(-2, -1) @ g, gb32))
+            if stats is not None:
+                rows = sampled(gb32.shape[-2])
+                stats.wgrad.append(power(a32[..., rows].transpose(-2, -1) @ g, gb32[..., rows, :]))
             gb = gb32.to(b.dtype)
         return ga, gb, None, None, None
 
 
-def emulated_matmul(a: torch.Tensor, b: torch.Tensor, prec: Precision, stats: LayerStats, rounds: bool = True) -> torch.Tensor:
+def emulated_matmul(a: torch.Tensor, b: torch.Tensor, prec: Precision, stats: LayerStats | None, rounds: bool = True) -> torch.Tensor:
     """``a @ b`` (batch dims broadcast, as ``torch.matmul`` does) through :class:`EmulatedMatmul`; float32 out."""
     batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     # Expanded outside the Function: autograd sums the gradient back over the broadcast dims.
@@ -181,8 +206,8 @@ def emulated_sdpa(
     enable_gqa: bool = False,
     *,
     prec: Precision,
-    scores: LayerStats,
-    mix: LayerStats,
+    scores: LayerStats | None,
+    mix: LayerStats | None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` decomposed, its two matmuls emulated (``scores``: q·kᵀ, ``mix``: p·v).
 

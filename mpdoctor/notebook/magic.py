@@ -83,6 +83,13 @@ class MPDoctorMagics(Magics):
         default=None,
         help="What bf16, fp16, fp8, MXFP8 and NVFP4 would do to each Linear of the named model on this batch (mpdoctor.compare).",
     )
+    @argument(
+        "--plan",
+        nargs=2,
+        metavar=("TARGET", "BATCH_NAME"),
+        default=None,
+        help="%%mpdoctor model --plan fp8 batch: which Linears to keep in bf16 under TARGET, verified by running the mixed model (Comparison.plan).",
+    )
     @line_magic
     @no_var_expand  # IPython would evaluate {expr} and $name in the line before the magic sees it
     def mpdoctor(self, line: str = ""):
@@ -132,7 +139,7 @@ class MPDoctorMagics(Magics):
         from ..facts.hardware import UnknownTarget
         from ..redact import describe_exception
 
-        if args.compare:
+        if args.compare or args.plan:
             return self._compare(args)
         ignore = self._ignore_list(args.ignore)
         if ignore is None:
@@ -228,8 +235,8 @@ class MPDoctorMagics(Magics):
         """``%mpdoctor model --compare batch``: run mpdoctor.compare, show its heatmap, return the Comparison."""
         from ..redact import describe_exception
 
-        batch_name = args.compare
         names = [n for raw in args.names for n in raw.split(",") if n]
+        target, batch_name = args.plan if args.plan else (None, args.compare)  # %mpdoctor model --plan fp8 batch
         if len(names) != 1:
             _print_line(f"--compare needs exactly one model: %mpdoctor model --compare {batch_name}")
             return None
@@ -247,7 +254,12 @@ class MPDoctorMagics(Magics):
         try:
             from ..emulation.compare import compare
 
-            comparison = compare(model, batch, name=names[0])
+            extra = {"precisions": ("bf16", target)} if target else {}
+            comparison = compare(model, batch, name=names[0], **extra)
+            plan = comparison.plan(target) if target and not comparison.error else None
+        except ValueError as exc:  # a target plan() does not convert to
+            _print_line(f"--plan {target}: {exc}")
+            return None
         except Exception as exc:  # never a traceback in the user's notebook
             _print_line(f"internal error: {describe_exception(exc)}")
             return None
@@ -262,7 +274,7 @@ class MPDoctorMagics(Magics):
         except Exception as exc:
             _print_line(f"could not display the comparison ({describe_exception(exc)}); it is returned: c = %mpdoctor ...")
         comparison._skip_display_in = self.shell.execution_count
-        return comparison
+        return plan if plan is not None else comparison  # a plan shows its code when displayed
 
     def _show(self, report: Any, args: Any) -> None:
         from ..render.frontend import show

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -33,6 +33,16 @@ from ..facts.tensors import dtype_name
 from ..gathering.values import FP16_MAX, no_autocast
 from ..live.introspect import is_a
 from ..redact import redact_finding
+from .harness import (
+    BATCH_MESSAGE,
+    BATCH_TYPES,
+    Snapshot,
+    call_model,
+    first_line,
+    floating_tensors,
+    loss_of,
+    to_device,
+)
 from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
     DTYPE_ERROR,
     PROBE_COLUMNS,
@@ -172,19 +182,6 @@ class _Stats:
         return int(sum(self.slots[i][2] for i in ids))
 
 
-def _tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """Floating tensors in a module's inputs or outputs (tensors, tuples, lists, dicts, ModelOutputs)."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and value.device.type != "meta":
-            yield value
-    elif depth < 3 and isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _tensors(v, depth + 1)
-    elif depth < 3 and isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v, depth + 1)
-
-
 class _Record:
     __slots__ = ("order", "calls", "done", "bad_done", "grad_order", "ins", "outs", "grads", "in_dt", "out_dt", "grad_dt")
 
@@ -230,7 +227,7 @@ class _Recorder:
         self.stats.forget()
 
     def _inputs(self, rec: _Record, args: tuple, kwargs: dict, eager: bool) -> None:
-        for t in _tensors((args, kwargs)):
+        for t in floating_tensors((args, kwargs)):
             if (t.device.type in self.stats.EAGER) == eager:
                 rec.ins.append(self.stats.add(t))
 
@@ -244,7 +241,7 @@ class _Recorder:
             rec = self.records[i] = _Record(len(self.records))
         rec.calls += 1
         pending = self.trace.pending if self.trace is not None else None
-        for t in _tensors((args, kwargs)):
+        for t in floating_tensors((args, kwargs)):
             rec.in_dt[dtype_name(t.dtype)] = None
             if pending and id(t) in pending:
                 self.trace.receive(i, t)
@@ -272,7 +269,7 @@ class _Recorder:
             if rec is None:
                 return None
         bad = False
-        for t in _tensors(output):
+        for t in floating_tensors(output):
             if forward:
                 slot = self.stats.add(t)
                 rec.outs.append(slot)
@@ -304,76 +301,6 @@ class _Recorder:
         if self.phase == "forward":
             return self.stack[-1] if self.stack else None
         return self.last_grad
-
-
-# -- what to leave behind exactly as found -----------------------------------------------
-
-
-class _Snapshot:
-    """The state a forward + backward could change, restored exactly by :meth:`restore`."""
-
-    def __init__(self, model: torch.nn.Module, batch: Any) -> None:
-        self.modes = [(m, m.training) for m in model.modules()]
-        self.params = list(dict.fromkeys(model.parameters()))  # each once, in order
-        self.grads = [p.grad for p in self.params]
-        self.leaves = [t for t in _all_tensors(batch) if t.requires_grad and t.is_leaf]
-        self.leaf_grads = [t.grad for t in self.leaves]
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        # BatchNorm-style running statistics move on every training forward.
-        self.running = [
-            (b, b.detach().clone())
-            for m in model.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-            for b in m.buffers(recurse=False)
-        ]
-
-    def clear_grads(self) -> None:
-        """Let backward write fresh grads instead of accumulating into the user's."""
-        for p in self.params:
-            p.grad = None
-        for t in self.leaves:
-            t.grad = None
-
-    def restore(self) -> None:
-        for p, g in zip(self.params, self.grads):
-            p.grad = g
-        for t, g in zip(self.leaves, self.leaf_grads):
-            t.grad = g
-        for m, flag in self.modes:
-            m.training = flag
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        with torch.no_grad():
-            for b, saved in self.running:
-                b.copy_(saved)
-
-
-def _all_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(value, ForwardCall):
-        yield from _all_tensors((value.args, value.kwargs), depth)
-    elif isinstance(value, torch.Tensor):
-        yield value
-    elif depth < 3 and isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _all_tensors(v, depth + 1)
-    elif depth < 3 and isinstance(value, Mapping):
-        for v in value.values():
-            yield from _all_tensors(v, depth + 1)
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """The batch on the model's device (a DataLoader yields CPU tensors; the Trainer moves them the same way)."""
-    if isinstance(value, ForwardCall):
-        return ForwardCall.of(_to_device(value.args, device), _to_device(value.kwargs, device))
-    if isinstance(value, torch.Tensor):
-        return value if value.device == device or value.device.type == "meta" else value.to(device)
-    if isinstance(value, Mapping):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if type(value) in (tuple, list):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
 
 
 # -- the setup's precision ----------------------------------------------------------------
@@ -431,39 +358,6 @@ def _loss_scale(setup: Any, scaler: Any) -> float:
     return facts.scale if facts.scale is not None else facts.init_scale
 
 
-def _loss_of(output: Any, loss_fn: Callable | None) -> torch.Tensor:
-    if loss_fn is not None:
-        return loss_fn(output)
-    loss = None
-    if isinstance(output, dict):
-        loss = output.get("loss")
-    elif not isinstance(output, torch.Tensor):
-        loss = getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    first = next(_tensors(output), None)
-    if first is None:
-        raise TypeError(f"no loss: the model returned {type(output).__name__} without a floating tensor")
-    return first.float().mean()
-
-
-def _call(model: torch.nn.Module, batch: Any) -> Any:
-    if isinstance(batch, ForwardCall):
-        return model(*batch.args, **batch.kwargs)
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    raise TypeError(f"batch must be a mapping of keyword arguments, a tensor or a tuple/list, not {type(batch).__name__}")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
-
-
 # -- the probe --------------------------------------------------------------------------
 
 
@@ -478,8 +372,8 @@ def run_probe(
     training: bool = True,
 ) -> ProbeFacts:
     """Run the probe and return what it saw (no Report, no checks); see :func:`probe`."""
-    if not isinstance(batch, (Mapping, torch.Tensor, tuple, list, ForwardCall)):
-        raise TypeError(f"batch must be a dict of keyword arguments, a tensor or a tuple/list, not {type(batch).__name__}")
+    if not isinstance(batch, BATCH_TYPES):
+        raise TypeError(BATCH_MESSAGE.format(type(batch).__name__))
     start = time.perf_counter()
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
@@ -487,9 +381,9 @@ def run_probe(
     scale = _loss_scale(setup, scaler)
     modules = list(model.named_modules())
     recorder = _Recorder(modules)
-    snapshot = _Snapshot(model, batch)
+    snapshot = Snapshot(model, batch)
     batch_kind = "mapping" if isinstance(batch, Mapping) else "tensor"
-    batch = _to_device(batch, device)
+    batch = to_device(batch, device)
     from ..runtime.boundary import BoundaryTrace
 
     recorder.trace = BoundaryTrace(batch, modules)
@@ -505,9 +399,9 @@ def run_probe(
         phase = "forward"
         try:
             with torch.enable_grad(), ctx:  # a probe called under no_grad still needs its backward
-                output = _call(model, batch)
+                output = call_model(model, batch)
                 phase = "loss"
-                loss = _loss_of(output, loss_fn)
+                loss = loss_of(output, loss_fn)
             del output
             loss_value = float(loss.detach().float())
             if loss.requires_grad:
@@ -529,7 +423,7 @@ def run_probe(
                 module=path,
                 class_name=type(mod).__name__ if mod is not None else None,
                 exception=type(exc).__name__,
-                message=_first_line(exc),
+                message=first_line(exc),
                 input_dtypes=tuple(rec.in_dt) if rec is not None else (),
                 param_dtypes=tuple(dict.fromkeys(dtype_name(p.dtype) for p in mod.parameters(recurse=False)))
                 if mod is not None
@@ -568,7 +462,7 @@ def run_probe(
     )
 
 
-def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tuple, boundary: tuple, snapshot: _Snapshot,
+def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tuple, boundary: tuple, snapshot: Snapshot,
                 device: torch.device, setup: Any, autocast: Any, training: bool) -> Any:  # fmt: skip
     """Where the first non-finite value of the forward was produced (:mod:`mpdoctor.runtime.nan_origin`)."""
     from ..runtime import nan_origin
@@ -580,14 +474,12 @@ def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tupl
     if known is not None or first is None:
         return known
     # Replay the same forward (same autocast, same dropout masks) with an op watch; restore all it touches.
-    again = _Snapshot(model, batch)
+    again = Snapshot(model, batch)
     try:
         model.train(training)
-        torch.set_rng_state(snapshot.cpu_rng)
-        if snapshot.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(snapshot.cuda_rng)
+        snapshot.rewind()
         ctx, _, _ = _autocast_for(device, setup, autocast)
-        return nan_origin.locate(model, lambda: _call(model, batch), modules, ctx, first.path)
+        return nan_origin.locate(model, lambda: call_model(model, batch), modules, ctx, first.path)
     except Exception:  # the origin is a bonus; the probe's findings stand without it
         return None
     finally:
@@ -607,7 +499,7 @@ def _finish(
     pgrads: dict[int, list[int]] = {}
     for i in recorder.records:
         gs = [grad_of[id(p)] for p in modules[i][1].parameters(recurse=False) if id(p) in grad_of]
-        pgrads[i] = [stats.add(g) for g in _tensors(gs)]
+        pgrads[i] = [stats.add(g) for g in floating_tensors(gs)]
     stats.finish()
     stats.forget()
     out: list[ModuleProbe] = []

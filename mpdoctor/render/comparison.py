@@ -99,8 +99,9 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     limits = _limits(data)
     header = ["layer", *precisions]
     body = []
+    kept = _kept(data)
     for layer in layers:
-        line = [layer]
+        line = [f"{layer} {KEPT_MARK}" if layer in kept else layer]
         for p in precisions:
             row = cells.get((layer, p))
             if row is None:
@@ -120,6 +121,9 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     loss = _loss_line(data)
     if loss:
         lines.append("  " + loss)
+    for plan in data.get("plans", {}).values():
+        lines.extend("  " + x for x in plan_text(plan).splitlines())
+    lines.extend("  " + x for x in curves_text(data.get("curves", {})))
     for p, msg in data.get("errors", {}).items():
         lines.append(f"  {p}: the run raised {msg}")
     for f in data.get("findings", []):
@@ -127,6 +131,94 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     if not data.get("backward", True):
         lines.append("  note: nothing required grad; forward only")
     return "\n".join(lines)
+
+
+# -- plans and curves ---------------------------------------------------------------------------
+
+#: The mark of a layer a plan keeps in high precision.
+KEPT_MARK = "◆"
+
+
+def _kept(data: dict) -> dict[str, str]:
+    """``layer -> "kept in bf16 by the fp8 plan"`` for every layer some plan keeps."""
+    out: dict[str, str] = {}
+    for plan in data.get("plans", {}).values():
+        for layer in plan.get("kept", []):
+            out[layer] = f"kept in {plan.get('keep_precision')} by the {plan.get('target')} plan: {plan.get('reasons', {}).get(layer, '')}"
+    return out
+
+
+def _gap(v: dict) -> str:
+    gap = v.get("loss_gap")
+    sqnr = v.get("grad_sqnr_db")
+    g = f"{gap:.3g}" if isinstance(gap, float) and math.isfinite(gap) else str(gap)
+    return f"loss gap {g}, gradient SQNR {_fmt(sqnr, 'dB')} dB"
+
+
+def plan_text(plan: dict) -> str:
+    """A plan in three lines: what is kept, its verified figures next to all-target and all-kept."""
+    target, high = plan.get("target"), plan.get("keep_precision")
+    kept, converted = plan.get("kept", []), plan.get("converted", [])
+    budget = plan.get("budget")
+    limit = f"budget {budget:.3g}" if isinstance(budget, float) else "no loss budget"
+    if plan.get("max_kept") is not None:
+        limit += f", at most {plan['max_kept']:.0%} of Linears kept"
+    verdict = "within budget" if plan.get("within_budget") else "OVER budget"
+    lines = [
+        f"plan {target}: {len(kept)} of {len(kept) + len(converted)} Linears kept in {high} ({KEPT_MARK}), the rest in {target}; "
+        f"verified end to end ({plan.get('runs', 0)} runs): {verdict} ({limit})",
+        f"  plan:        {_gap(plan.get('planned', {}))}",
+        f"  all-{target}:{' ' * max(1, 7 - len(str(target)))}{_gap(plan.get('all_target', {}))}",
+        f"  all-{high}:{' ' * max(1, 7 - len(str(high)))}{_gap(plan.get('all_kept', {}))}",
+    ]
+    if kept:
+        lines.append(f"  kept: {', '.join(kept)}")
+    return "\n".join(lines)
+
+
+def curves_text(curves: dict) -> list[str]:
+    """One line per precision: its loss at the first, middle and last of its steps."""
+    out = []
+    for name, losses in curves.items():
+        if not losses:
+            continue
+        picks = sorted({0, len(losses) // 2, len(losses) - 1})
+        shown = ", ".join(f"step {i + 1} {losses[i]:.4g}" if math.isfinite(losses[i]) else f"step {i + 1} {losses[i]}" for i in picks)
+        out.append(f"loss over {len(losses)} steps, {name}: {shown}")
+    return out
+
+
+#: Line colours of the loss curves, one per precision in order.
+_CURVE_COLOURS = ("#444", "#1b6ac9", "#c9561b", "#2e8b57", "#9b30c9", "#b3261e", "#8a6d00", "#008b8b")
+
+
+def curves_svg(curves: dict, width: int = 420, height: int = 160) -> str:
+    """The loss curves as an inline SVG (one polyline per precision, a legend beside)."""
+    series = {k: [v for v in vs if isinstance(v, (int, float)) and math.isfinite(v)] for k, vs in curves.items()}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return ""
+    lo = min(min(v) for v in series.values())
+    hi = max(max(v) for v in series.values())
+    span = (hi - lo) or 1.0
+    steps = max(len(v) for v in series.values())
+    plot_w = width - 130
+
+    def xy(i: int, v: float) -> str:
+        x = 30 + (plot_w - 40) * (i / max(steps - 1, 1))
+        y = 10 + (height - 30) * (1 - (v - lo) / span)
+        return f"{x:.1f},{y:.1f}"
+
+    parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='loss over steps'>"]
+    parts.append(f"<text x='2' y='12' font-size='10' fill='{MUTED}'>{e(f'{hi:.4g}')}</text>")
+    parts.append(f"<text x='2' y='{height - 20}' font-size='10' fill='{MUTED}'>{e(f'{lo:.4g}')}</text>")
+    for n, (name, values) in enumerate(series.items()):
+        colour = _CURVE_COLOURS[n % len(_CURVE_COLOURS)]
+        points = " ".join(xy(i, v) for i, v in enumerate(values))
+        parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='{points}'/>")
+        parts.append(f"<text x='{plot_w}' y='{14 + 13 * n}' font-size='11' fill='{colour}'>{e(name)}</text>")
+    parts.append(f"<text x='30' y='{height - 4}' font-size='10' fill='{MUTED}'>step 1 .. {steps}</text></svg>")
+    return "".join(parts)
 
 
 # -- html ---------------------------------------------------------------------------------------
@@ -159,6 +251,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
         return head + f"<div>nothing compared: {e(data['error'])}</div></div>"
     layers, precisions, cells = _grid(data)
     limits = _limits(data)
+    kept = _kept(data)
     cell = f"padding:2px 8px;border:1px solid {BORDER};text-align:right;color:#111;white-space:nowrap"
     rows = [
         "<table style='border-collapse:collapse;margin:4px 0'>",
@@ -185,7 +278,8 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
             marker = f" <b style='color:#b3261e'>{e(mark)}</b>" if mark else ""
             bg = _colour(value, unit, higher, limits.get(p, 1.0))
             tds.append(f"<td style='{cell};background:{bg}{border}' title='{e(tip)}'>{e(_fmt(value, unit))}{marker}</td>")
-        rows.append(f"<tr><td style='padding:2px 8px;font-family:monospace'>{e(layer)}</td>{''.join(tds)}</tr>")
+        mark = f" <b title='{e(kept[layer])}'>{KEPT_MARK}</b>" if layer in kept else ""
+        rows.append(f"<tr><td style='padding:2px 8px;font-family:monospace'>{e(layer)}{mark}</td>{''.join(tds)}</tr>")
     losses = data.get("losses", {})
     if losses:
         ref = data.get("reference", "fp32")
@@ -197,6 +291,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
         ref_text = f"{ref_loss:.4g}" if isinstance(ref_loss, float) else "-"
         rows.append(f"<tr style='border-top:2px solid {BORDER}'><td style='padding:2px 8px'>loss (reference {e(ref)} {e(ref_text)})</td>{tds}</tr>")
     rows.append("</table>")
+    rows.extend(_plans_html(data))
     legend = (
         f"<div style='color:{MUTED}'>{e(title)} ({e(unit)}) per {_sites(data)}, measured on the inputs each layer sees in that run; "
         f"colour from red (0 dB) to green ({GOOD_DB:g} dB and up); <b style='color:#b3261e'>▼</b> = share of nonzero inputs "
@@ -214,7 +309,27 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
         f"<div style='margin-top:4px'><b>{e(f['severity'])}</b> <code>{e(f['check'])}</code>: {e(f['message'])}</div>"
         for f in data.get("findings", [])
     )
-    return head + "".join(rows) + legend + notes + findings + "</div>"
+    curves = data.get("curves", {})
+    chart = f"<div style='margin-top:6px'>{curves_svg(curves)}</div>" if curves else ""
+    return head + "".join(rows) + chart + legend + notes + findings + "</div>"
+
+
+def _plans_html(data: dict) -> list[str]:
+    """Each plan: its loss gap and gradient SQNR beside all-target's and all-kept's; kept layers marked above."""
+    out = []
+    for plan in data.get("plans", {}).values():
+        target, high = plan.get("target"), plan.get("keep_precision")
+        verdict = "within budget" if plan.get("within_budget") else "over budget"
+        cells = "".join(
+            f"<td style='padding:2px 8px;text-align:right'>{e(label)}: {e(_gap(plan.get(key, {})))}</td>"
+            for label, key in (("plan", "planned"), (f"all-{target}", "all_target"), (f"all-{high}", "all_kept"))
+        )
+        out.append(
+            f"<table style='border-collapse:collapse;margin:4px 0'><tr><td style='padding:2px 8px'><b>{KEPT_MARK} plan {e(target)}</b>: "
+            f"{len(plan.get('kept', []))} of {len(plan.get('kept', [])) + len(plan.get('converted', []))} Linears kept in {e(high)}, "
+            f"verified end to end, {e(verdict)}</td>{cells}</tr></table>"
+        )
+    return out
 
 
 # -- widget -------------------------------------------------------------------------------------

@@ -8,13 +8,16 @@ real ``Float8Linear`` (``convert_to_float8_training``, which trains on this CPU)
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from mpdoctor.emulation import formats
-from mpdoctor.emulation.compare import _Emulation, _linears, compare
+from mpdoctor.emulation.compare import compare
 from mpdoctor.emulation.formats import precision
+from mpdoctor.emulation.sites import Emulation as _Emulation
+from mpdoctor.emulation.sites import linears as _linears
 
 pytest.importorskip("torchao")
 
@@ -152,3 +155,112 @@ def test_e5m2_gradients_under_mx_block_scales_lose_5_db_against_e4m3():
     e5 = sqnr(grad, formats.quantize_mx(grad, 1, torch.float8_e5m2).values)
     assert abs(e4 - MXFP8_GRAD_SQNR_DB["E4M3"]) < 0.05 and abs(e5 - MXFP8_GRAD_SQNR_DB["E5M2"]) < 0.05
     assert e4 - e5 > 5.0
+
+
+# -- the emulated backward, proven against an independent reference ---------------------------------
+#
+# A Linear y = x Wᵀ, x (M, K), W (N, K), output gradient g (M, N), has three matmuls, each contracting
+# over its own dim: the output (over K), the input gradient g @ W (over N) and the weight gradient gᵀ @ x
+# (over M). The reference quantizes each operand with torchao's own quantizer along that matmul's
+# contraction dim (transposing so the blocks or rows lie along it) and multiplies in plain fp32. Every MX
+# figure here assumes FLOOR scales (OCP MX v1.0, torchao ``to_mx``'s default; torchao's MX training
+# recipes use RCEIL, which rounds the shared scale up where FLOOR rounds down).
+
+
+def _mx(t: torch.Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+    """torchao's MX quantizer, dequantized, blocks of 32 along the last dim (FLOOR scales)."""
+    scale, data = to_mx(t.contiguous(), dtype, 32)
+    rows, k = t.shape
+    return (data.float().reshape(rows, k // 32, 32) * get_fp_scale(scale).unsqueeze(-1)).reshape(rows, k)
+
+
+def _nvfp4(t: torch.Tensor) -> torch.Tensor:
+    """torchao's NVFP4 quantizer (per-tensor amax scale, blocks of 16 along the last dim), dequantized."""
+    t = t.contiguous()
+    return NVFP4Tensor.to_nvfp4(t, per_tensor_scale=per_tensor_amax_to_scale(t.abs().max())).dequantize(torch.float32)
+
+
+def _rowwise(t: torch.Tensor) -> torch.Tensor:
+    """torchao's rowwise float8 (axiswise along the last dim, power-of-two scales), dequantized."""
+    f = hp_tensor_to_float8_dynamic(t.contiguous(), torch.float8_e4m3fn, LinearMMConfig(), scaling_granularity=ScalingGranularity.AXISWISE,
+                                    axiswise_dim=-1, round_scales_to_power_of_2=True)  # fmt: skip
+    return f._data.float() / f._scale
+
+
+ORACLES = {"mxfp8": _mx, "nvfp4": _nvfp4, "fp8-rowwise": _rowwise}
+
+
+def along(quantize, t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``quantize`` applied with its blocks / rows along ``dim`` of a 2-D ``t``."""
+    return quantize(t) if dim in (1, -1) else quantize(t.t()).t()
+
+
+def reference_grads(name: str, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input and weight gradients with every operand quantized by torchao along its matmul's contraction dim."""
+    q = ORACLES[name]
+    grad_x = along(q, g, 1) @ along(q, w, 0)  # g @ W: contracted over N (g's dim 1, W's dim 0)
+    grad_w = along(q, g, 0).t() @ along(q, x, 0)  # gᵀ @ x: contracted over M (dim 0 of both)
+    return grad_x, grad_w
+
+
+def emulated_grads(prec, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and weight gradients of mpdoctor's emulated Linear under ``prec``, for output gradient ``g``."""
+    layer = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    xx = x.clone().requires_grad_()
+    with _Emulation(_linears(layer), prec):
+        y = layer(xx)
+    y.backward(g)
+    return xx.grad, layer.weight.grad
+
+
+def matches(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Equal up to fp32 accumulation order (the operands are bit-exact; only the matmul's sums may differ)."""
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max())) for a, b in zip(got, want))
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongGradientDim(formats.Precision):
+    """A mutant: output gradients quantized along the other dim than the matmul contracts over."""
+
+    def quantize(self, x, dim, grad=False, count=True):  # type: ignore[override]
+        return super().quantize(x, 1 - dim % 2 if grad else dim, grad, count)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnquantizedGradient(formats.Precision):
+    """A mutant: output gradients left in fp32."""
+
+    def quantize(self, x, dim, grad=False, count=True):  # type: ignore[override]
+        return formats.Quantized(x, *(torch.zeros((), dtype=torch.int64),) * 3) if grad else super().quantize(x, dim, grad, count)
+
+
+def _operands(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (64, 128) with wide-range channels, W (96, 128), g (64, 96) with wide-range rows: block placement matters."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 128, generator=gen) * torch.logspace(-3, 0, 128)
+    w = torch.randn(96, 128, generator=gen)
+    g = torch.randn(64, 96, generator=gen) * torch.logspace(-3, 0, 64).unsqueeze(1)
+    return x, w, g
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "nvfp4", "fp8-rowwise"])
+def test_emulated_input_and_weight_gradients_equal_torchao_quantized_operands_along_each_contraction_dim(name):
+    x, w, g = _operands()
+    prec = precision(name)
+    got = emulated_grads(prec, x, w, g)
+    want = reference_grads(name, x, w, g)
+    assert matches(got, want), name
+    # The mutants fail the same check: a gradient operand quantized along the wrong dim, or not at all.
+    fields = {f.name: getattr(prec, f.name) for f in dataclasses.fields(prec)}
+    for mutant in (WrongGradientDim(**fields), UnquantizedGradient(**fields)):
+        assert not matches(emulated_grads(mutant, x, w, g), want), (name, type(mutant).__name__)
+
+
+def test_nvfp4_equals_torchao_along_both_dimensions():
+    """The NVFP4 oracle along dim 1 (rows of blocks) and dim 0 (the transpose: the weight-gradient operands)."""
+    for x in samples():
+        rows, k = x.shape
+        assert torch.equal(bits(formats.quantize_nvfp4(x, dim=1).values), bits(_nvfp4(x)))
+        assert torch.equal(bits(formats.quantize_nvfp4(x, dim=0).values), bits(_nvfp4(x.t()).t().contiguous()))

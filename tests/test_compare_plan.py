@@ -1,0 +1,193 @@
+"""``Comparison.plan()``: a per-layer precision plan, ranked by the per-layer figures, verified by running it.
+
+The model is built so that three of its eight Linears carry wide-range channels: their input channels span
+six decades (1e-6 .. 1) and their weights compensate (column j divided by the channel's scale, so in fp32
+every channel contributes alike, as an outlier channel migrated into the weights does). Tensorwise fp8 loses
+both ends of that range; bf16 loses neither. Runs in both venvs (no torchao here:
+``tests/stack/test_compare_plan_torchao.py`` executes the plan's code with torchao).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fingerprint import assert_unchanged, fingerprint
+
+from mpdoctor.emulation.compare import compare
+from mpdoctor.emulation.plan import Plan
+
+WIDE = ("1.proj", "4.proj", "6.proj")
+BUDGET = 0.02
+
+
+class ChannelSpread(torch.nn.Module):
+    """Multiplies input channel j by a fixed scale in 1e-6 .. 1 (a buffer): six decades across the channels."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.logspace(-6, 0, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def wide_channel_model(width: int = 64, blocks: int = 8, wide: tuple[int, ...] = (1, 4, 6)) -> torch.nn.Sequential:
+    """Eight blocks ``[spread] -> Linear -> RMSNorm``; the blocks in ``wide`` spread their Linear's inputs."""
+    torch.manual_seed(0)
+    layers = []
+    for i in range(blocks):
+        block = torch.nn.Sequential()
+        if i in wide:
+            block.add_module("spread", ChannelSpread(width))
+        block.add_module("proj", torch.nn.Linear(width, width, bias=False))
+        block.add_module("norm", torch.nn.RMSNorm(width))
+        if i in wide:
+            with torch.no_grad():
+                block.proj.weight.div_(block.spread.scale)  # fp32 output unchanged: the spread moved into the weight
+        layers.append(block)
+    return torch.nn.Sequential(*layers)
+
+
+def data(model: torch.nn.Module, seed: int = 1, rows: int = 64, width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets the model nearly fits (its own fp32 outputs plus 10% noise), as late in training:
+    an output error then raises the loss instead of vanishing in the error of a random target."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g)
+    with torch.no_grad():
+        y = model(x) + 0.1 * torch.randn(rows, width, generator=g)
+    return x, y
+
+
+def mse_to(y: torch.Tensor):
+    return lambda out: torch.nn.functional.mse_loss(out, y)
+
+
+@pytest.fixture(scope="module")
+def planned() -> tuple[torch.nn.Module, object, Plan]:
+    model = wide_channel_model()
+    x, y = data(model)
+    c = compare(model, x, precisions=("bf16", "fp8"), loss=mse_to(y))
+    return model, c, c.plan("fp8", budget=BUDGET)
+
+
+def test_the_plan_keeps_exactly_the_three_wide_range_layers_and_its_verified_loss_gap_is_within_budget(planned):
+    _, c, plan = planned
+    print(plan.to_text())
+    assert set(plan.kept) == set(WIDE)
+    assert set(plan.converted) == {f"{i}.proj" for i in range(8)} - set(WIDE)
+    assert plan.within_budget and plan.planned.loss_gap <= BUDGET
+    # All-fp8 is not within budget: the per-layer judgement alone would not have told how far off it is.
+    assert plan.all_target.loss_gap > BUDGET
+    assert plan.all_kept.loss_gap < plan.planned.loss_gap < plan.all_target.loss_gap
+    # The gradients: the plan's are much closer to fp32's than all-fp8's.
+    assert plan.planned.grad_sqnr_db > plan.all_target.grad_sqnr_db + 10
+    # Each kept layer says why, from its fp8 figures.
+    assert all("dB" in plan.reasons[p] for p in WIDE)
+    assert c.plans["fp8"] is plan
+
+
+def test_the_verified_loss_of_the_plan_is_a_real_run_of_the_mixed_model(planned):
+    """The plan's loss equals the loss of the model run with its kept layers in bf16 and the rest in fp8."""
+    model, _, plan = planned
+    from mpdoctor.emulation.formats import precision
+    from mpdoctor.emulation.sites import Emulation, linears
+
+    x, y = data(model)
+    assignment = {p: precision("bf16") for p in plan.kept}
+    with torch.no_grad(), Emulation(linears(model), precision("fp8"), layers=assignment, attention=False, measure=False):
+        loss = torch.nn.functional.mse_loss(model(x), y).item()
+    assert loss == pytest.approx(plan.planned.loss, rel=1e-6)
+    assert abs(loss - plan.reference_loss) == pytest.approx(plan.loss_gap, abs=1e-7)
+
+
+def test_the_search_bisects_rather_than_trying_every_layer(planned):
+    _, _, plan = planned
+    # all-fp8, all-bf16, then a bisection over 8 ranked layers: at most 2 + ceil(log2 8) distinct runs.
+    assert len(plan.tried) <= 2 + 3
+    assert plan.ranking[:3] and set(plan.ranking[:3]) == set(WIDE)
+
+
+def test_a_share_budget_caps_the_kept_layers_and_says_when_the_loss_budget_is_missed():
+    model = wide_channel_model()
+    x, y = data(model)
+    c = compare(model, x, precisions=("fp8",), loss=mse_to(y))
+    capped = c.plan("fp8", budget=BUDGET, max_kept=0.25)  # 2 of 8 at most: one wide layer stays in fp8
+    assert len(capped.kept) == 2 and set(capped.kept) <= set(WIDE)
+    assert not capped.within_budget and capped.planned.loss_gap > BUDGET
+    # The share alone: the worst layers up to the cap.
+    share_only = c.plan("fp8", max_kept=3 / 8)
+    assert set(share_only.kept) == set(WIDE) and share_only.budget is None
+
+
+def test_plan_leaves_the_model_weights_grads_rng_and_hooks_as_they_were():
+    model = wide_channel_model()
+    x, y = data(model)
+    model(x).sum().backward()  # the user's grads
+    c = compare(model, x, precisions=("fp8",), loss=mse_to(y))
+    torch.manual_seed(7)
+    before = fingerprint({"model": model, "x": x})
+    c.plan("fp8", budget=BUDGET)
+    assert_unchanged(before, fingerprint({"model": model, "x": x}), "Comparison.plan()")
+
+
+def test_plan_needs_a_compared_low_precision_target_and_a_live_model():
+    model = wide_channel_model(blocks=2, wide=(1,))
+    x, y = data(model)
+    c = compare(model, x, precisions=("bf16", "fp8"), loss=mse_to(y))
+    with pytest.raises(ValueError, match="mxfp8 was not compared"):
+        c.plan("mxfp8")
+    with pytest.raises(ValueError, match="converts to"):
+        c.plan("bf16")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        c.plan("fp8", max_kept=2)
+    del model
+    import gc
+
+    gc.collect()
+    with pytest.raises(ValueError, match="the model of this comparison is gone"):
+        c.plan("fp8")
+
+
+def test_the_heatmap_marks_the_kept_layers_and_shows_the_plans_loss_beside_the_others(planned):
+    _, c, plan = planned
+    text = c.to_text()
+    for p in WIDE:
+        assert any(line.strip().startswith(f"{p} ◆") for line in text.splitlines())
+    assert "plan fp8: 3 of 8 Linears kept in bf16" in text and "all-fp8" in text and "all-bf16" in text
+    html = c.to_html()
+    assert html.count(">◆</b>") == 3 and "plan fp8" in html and "all-fp8" in html
+    assert f"{plan.planned.loss_gap:.3g}" in html
+
+
+def test_the_plans_code_names_the_kept_layers_in_a_module_filter(planned):
+    _, _, plan = planned
+    assert "keep = {'1.proj', '4.proj', '6.proj'}" in plan.code
+    assert "convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)" in plan.code
+    assert "AORecipeKwargs(config=config, module_filter_func=module_filter_fn)" in plan.accelerate_code
+    filt = plan.module_filter_fn()
+    model = wide_channel_model()
+    chosen = {n for n, m in model.named_modules() if filt(m, n)}
+    assert chosen == set(plan.converted)
+
+
+def test_a_nan_free_healthy_model_keeps_nothing():
+    """No false alarm: a model with no wide-range layer is planned all-fp8, within budget at the first run."""
+    model = wide_channel_model(wide=())
+    x, y = data(model)
+    plan = compare(model, x, precisions=("fp8",), loss=mse_to(y)).plan("fp8", budget=BUDGET)
+    assert plan.kept == () and plan.within_budget and math.isfinite(plan.loss_gap)
+
+
+def test_magic_plan_option_draws_the_plan_and_returns_it(shell, capsys):
+    model = wide_channel_model()
+    x, _ = data(model)
+    shell.user_ns["net"], shell.user_ns["xb"] = model, x
+    result = shell.run_cell("p = %mpdoctor net --plan fp8 xb --text")
+    assert result.error_in_exec is None
+    out = capsys.readouterr().out
+    assert "mpdoctor.compare: net" in out and "plan fp8:" in out and "◆" in out
+    assert isinstance(shell.user_ns["p"], Plan) and shell.user_ns["p"].target == "fp8"
+    shell.run_cell("%mpdoctor net --plan bf16 xb --text")
+    assert "--plan bf16: plan() converts to" in capsys.readouterr().out
