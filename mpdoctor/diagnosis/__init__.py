@@ -12,7 +12,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Callable
 
 from ..checks import internal_error, run_checks
 from ..discovery.subjects import Subject, discover, kind_of, nothing_to_inspect
@@ -39,6 +39,7 @@ def diagnose(
     hidden: Iterable[str] = (),
     distributed: bool = False,
     timeout: float = 60.0,
+    step: Callable[[], Any] | None = None,
 ) -> Report:
     """Diagnose live training objects for mixed-precision faults.
 
@@ -74,6 +75,12 @@ def diagnose(
     timeout : float
         Seconds to wait for the other ranks (``distributed=True``); ranks that do
         not answer are named in an error finding, and the call returns.
+    step : callable, optional
+        One training step of the user's (forward, backward, optimizer step), taking no argument and
+        returning the loss or nothing. The plan is checked on it: the step runs before and after each planned
+        fix, a fix after which it raises or stops training is taken out of the plan, and everything the step
+        and the fixes changed is restored (:mod:`mpdoctor.diagnosis.proof`). The step should read its batch
+        from a variable, not advance an iterator.
 
     Returns
     -------
@@ -96,6 +103,7 @@ def diagnose(
     return diagnose_subjects(
         subjects, target=target, profile=profile, scan=scan, ignore=ignore, start=start, distributed=distributed,
         timeout=timeout, failures=[failure] if failure is not None else [], notes=_not_inspected(objects, names),
+        step=step,
     )
 
 
@@ -137,6 +145,7 @@ def diagnose_subjects(
     failures: Iterable[Finding] = (),
     notes: Iterable[str] = (),
     treatment: Treatment | None = None,
+    step: Callable[[], Any] | None = None,
 ) -> Report:
     """Diagnose already-discovered subjects (what ``Report.refresh()`` calls).
 
@@ -179,6 +188,18 @@ def diagnose_subjects(
     for fx in safe_plan:
         if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
             fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
+    proof = None
+    if step is not None:
+        for f in findings:
+            for fx in f.fixes:
+                fx.bind(live)  # the proof applies them; the treatment is bound with the report below
+        try:
+            proof = _prove(plan, safe_plan, step, subjects)
+        except Exception as exc:  # the plan stands unproven; the report says so
+            failures.append(_failure("the check of the fixes on your step", exc))
+        else:
+            plan = [fx for fx in plan if fx.title not in proof.dropped]
+            safe_plan = [fx for fx in safe_plan if fx.title not in proof.dropped]
     findings = [redact_finding(f) for f in failures + findings]
     dist = getattr(facts, "distributed", None)
     # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
@@ -186,7 +207,8 @@ def diagnose_subjects(
     if treatment is None:  # the first diagnosis of these objects; refresh() re-diagnoses into the same treatment
         treatment = Treatment()
         treatment.source = lambda: diagnose_subjects(
-            subjects, target=target, profile=profile, scan=scan, ignore=ignore, ranks_from=ranks, treatment=treatment
+            subjects, target=target, profile=profile, scan=scan, ignore=ignore, ranks_from=ranks, treatment=treatment,
+            step=step,
         )
     report = Report(
         findings,
@@ -202,9 +224,23 @@ def diagnose_subjects(
         safe_plan=safe_plan,
         notes=notes,
         treatment=treatment,
+        proof=proof,
     )
     bind_fixes(report, live, treatment)
     return report
+
+
+def _prove(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
+    """Check the plan on the user's step; the models, optimizers and scalers among the subjects are restored
+    after it."""
+    from .proof import prove
+
+    modules = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "model"]
+    optimizers = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "optimizer"]
+    scalers = [s.obj for s in subjects if s.kind == "scaler"]
+    fixes = list(plan)
+    label = f"{getattr(step, '__name__', 'step')}()"
+    return prove(fixes, step, label, modules, optimizers, scalers)
 
 
 def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: Live) -> tuple[Facts, list[Finding]]:

@@ -62,6 +62,8 @@ class Report:
         What the caller gave that is nothing to inspect, one sentence each (``diagnose(42)``).
     treatment : Treatment
         Applies, undoes and re-plans this report's fixes on the live objects.
+    proof : mpdoctor.diagnosis.proof.Proof or None
+        The plan checked on the user's step (``diagnose(..., step=fn)``), or None when no step was held.
     """
 
     def __init__(
@@ -87,6 +89,7 @@ class Report:
         watched: str | None = None,
         notes: Iterable[str] = (),
         treatment: Treatment | None = None,
+        proof: Any = None,
     ) -> None:
         values = {
             "findings": tuple(findings),
@@ -110,6 +113,7 @@ class Report:
             "watched": watched,
             "notes": tuple(notes),
             "treatment": treatment if treatment is not None else Treatment(rediagnose),
+            "proof": proof,
         }
         for name, value in values.items():
             object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan") else name, value)
@@ -131,7 +135,7 @@ class Report:
             "subjects": self._subjects_, "live": self.live, "plan": self._plan, "hidden": self.hidden,
             "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
             "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
-            "notes": self.notes, "treatment": self.treatment,
+            "notes": self.notes, "treatment": self.treatment, "proof": self.proof,
         }  # fmt: skip
         unknown = set(changes) - set(current)
         if unknown:

@@ -132,6 +132,18 @@ def layer_rows(facts: Any) -> list[ParamRow]:
     return rows
 
 
+def _proof_view(report: Any) -> dict | None:
+    """What the report says of its fixes and the user's step: verified, tried, or no step held."""
+    proof = report.proof
+    if proof is not None:
+        return {"summary": proof.summary(), "verified": bool(proof.after) and proof.after[-1][1].trained,
+                "dropped": list(proof.dropped)}  # fmt: skip
+    if not any(fx.changes for fx in report.fixes):
+        return None
+    return {"summary": "Fixes not verified (no step held): diagnose(..., step=train_step) or %mpdoctor --step "
+                       "train_step runs your step before and after each fix.", "verified": False, "dropped": []}
+
+
 def _why(slug: str) -> str:
     from ..checks import REGISTRY
 
@@ -154,6 +166,8 @@ def report_dict(report: Any) -> dict:
         "notes": list(report.notes),
         # What was watched rather than inspected (a notebook cell's AMP loop), shown when no object was.
         "watched": report.watched,
+        # The plan checked on the user's step, or why it was not.
+        "proof": _proof_view(report),
         "findings": [dict(f.to_dict(), why=_why(f.check)) for f in report.findings],
         "histogram": [_jsonable(r._asdict()) for r in facts.tallies],
         "precision": precision_view(facts),

@@ -77,6 +77,9 @@ class MPDoctorMagics(Magics):
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
     @argument("--no-history", action="store_true", help="Do not read the cells this kernel has run for AMP loop mistakes.")
+    @argument("--step", metavar="FUNCTION", default=None,
+              help="A training step of yours (a function of no arguments): each fix is checked on it, before and after, "
+                   "and everything it changes is restored.")  # fmt: skip
     @argument(
         "--compare",
         metavar="BATCH_NAME",
@@ -145,6 +148,12 @@ class MPDoctorMagics(Magics):
         if ignore is None:
             return None
         target = args.target if args.target is not None else self.target
+        step = None
+        if args.step:
+            step, ok = self._lookup(self.shell.user_ns, args.step)
+            if not ok or not callable(step):
+                _print_line(f"--step {args.step}: give the name of a function of no arguments that runs one training step")
+                return None
         try:
             if args.names:
                 objects, labels, missing = self._resolve(args.names)
@@ -155,7 +164,7 @@ class MPDoctorMagics(Magics):
                     note = " (give variable names: mpdoctor looks them up and evaluates nothing)" if odd else ""
                     _print_line(f"no such variable: {shown}{note}")
                     return None
-                report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore)
+                report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore, step=step)
                 empty = [(labels[id(o)], o) for o in objects if not _brought_a_subject(report, labels[id(o)], o)]
                 for name, obj in dict(empty).items():
                     _print_line(_nothing_to_inspect(name, obj))
@@ -168,6 +177,7 @@ class MPDoctorMagics(Magics):
                     target=target,
                     scan=args.scan,
                     ignore=ignore,
+                    step=step,
                 )
             if args.probe:
                 report = self._probe(args.probe, report, target)

@@ -161,7 +161,9 @@ def fix_html(fx: dict, siblings: list[dict] | None = None) -> str:
     safety = pill(kind, COLORS["error"]) if "unsafe" in kind else e(kind)
     state = f" {pill('applied', OK_COLOR)}" if fx["applied"] else ""
     failed = f" {pill('failed', COLORS['error'])} {e(fx['error'])}" if fx.get("error") else ""
-    return f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}<pre style='{PRE}'>{e(fx['code'])}</pre></li>"
+    proof = f"<div style='color:{MUTED}'>{e(fx['proof'])}</div>" if fx.get("proof") else ""
+    return (f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}{proof}"
+            f"<pre style='{PRE}'>{e(fx['code'])}</pre></li>")  # fmt: skip
 
 
 def finding_html(f: dict) -> str:
@@ -393,6 +395,15 @@ def scale_history_html(data: dict) -> str:
     return "".join(parts)
 
 
+def proof_html(data: dict) -> str:
+    """The line that says whether the plan was checked on the user's step; empty when there is nothing to check."""
+    proof = data.get("proof")
+    if not proof:
+        return ""
+    color = OK_COLOR if proof["verified"] else MUTED
+    return f"<div class='mpdoctor-proof' style='{FONT};color:{color};margin:4px 0'>{e(proof['summary'])}</div>"
+
+
 def section(title: str, body: str) -> str:
     """A titled block of the static rendering."""
     return f"<div style='margin-top:8px'><div style='font-weight:bold;margin-bottom:2px'>{e(title)}</div>{body}</div>"
@@ -423,6 +434,7 @@ def render_html(view: ReportView) -> str:
         if label:  # the finding that explains an exception comes first, under this heading
             parts.append(cause_html(label))
         parts += [finding_html(f) for f in data["findings"]]
+    parts.append(proof_html(data))
     parts.append(section("dtypes", histogram_html(data["histogram"])))
     if view.layer_strips:
         parts.append(section("dtypes per layer", layers_html(view)))

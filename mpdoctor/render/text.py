@@ -70,12 +70,16 @@ def render_text(view: ReportView, width: int = 100) -> str:
             lines.append(f"        fix ({kind}): {singular_counts(fx['title'])}{state}")
             if fx["cost"]:
                 lines.append(f"            cost: {fx['cost']}")
+            if fx.get("proof") and fx["planned"]:
+                lines += textwrap.wrap(fx["proof"], width, initial_indent="            ", subsequent_indent="              ")
             if fx["note"] and not fx["planned"]:
                 lines += textwrap.wrap(f"note: {fx['note']}", width, initial_indent="            ", subsequent_indent="              ")
             for code_line in fx["code"].splitlines():
                 lines.append(f"            {code_line}")
     if not data["findings"]:
         lines.append("no problems found")
+    if data.get("proof"):
+        lines += [""] + textwrap.wrap(data["proof"]["summary"], width, subsequent_indent="  ")
     hist = data["histogram"]
     if hist:
         lines += ["", "dtypes"]

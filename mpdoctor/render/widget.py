@@ -43,6 +43,7 @@ from .html import (
     numerics_html,
     pill,
     precision_html,
+    proof_html,
     scale_history_html,
     scalers_html,
     subjects_html,
@@ -306,7 +307,7 @@ class ReportWidget:
     def _render(self) -> None:
         rv = self.report.view
         data = rv.data
-        self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}</div>"
+        self.header.value = f"<div style='{FONT}'>{verdict_html(data)}{subjects_html(data)}{proof_html(data)}</div>"
         pending_safe = rv.pending_safe_fixes
         self.apply_all_button.description = f"Apply all safe fixes ({pending_safe})"
         self.apply_all_button.disabled = not pending_safe
@@ -356,6 +357,7 @@ class ReportWidget:
                 f"{e(singular_counts(fx['title']))}:</div>"
                 + (f"<div style='font-size:12px;color:{MUTED}'>cost: {e(fx['cost'])}</div>" if fx.get("cost") else "")
                 + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['note'])}</div>" if fx.get("note") else "")
+                + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['proof'])}</div>" if fx.get("proof") else "")
                 + f"<pre style='{PRE}'>{e(fx['code'])}</pre>"
                 for fx in view["fixes"]
             )

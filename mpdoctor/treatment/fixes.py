@@ -112,6 +112,8 @@ class Fix:
         #: Set by the treatment planner: whether this fix is part of the report's plan, and why not.
         self.planned = True
         self.note = ""
+        #: What the user's step did after this fix, when the plan was checked on it ("verified on your step: ...").
+        self.proof = ""
         self._done: list[Change] = []
         self._live: Any = None
         self._door: FixDoor | None = None
@@ -247,6 +249,7 @@ class Fix:
             "cost": self.cost,
             "applied": self.applied,
             "error": self.error,
+            "proof": self.proof,
         }
 
 
