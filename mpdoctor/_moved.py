@@ -30,7 +30,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "mpdoctor.magic": ("mpdoctor.notebook.magic",),
     "mpdoctor.demo": ("mpdoctor.cli.demo",),
     "mpdoctor.docs": ("mpdoctor.cli.docs",),
-    "mpdoctor.numerics.scan": ("mpdoctor.gathering.values",),
+    "mpdoctor.numerics.scan": ("mpdoctor.gathering.values", "mpdoctor.gathering.scan", "mpdoctor.diagnosis.scan_rows"),
 }
 
 

@@ -272,7 +272,7 @@ def _failure(where: str, exc: BaseException) -> Finding:
 
 def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:
     try:
-        from ..gathering.values import scan_facts
+        from ..gathering.scan import scan_facts
     except ModuleNotFoundError:
         return facts
     try:
