@@ -20,7 +20,7 @@ from mpdoctor.facts.location import cell_number
 from mpdoctor.runtime import protocol as protocol_module
 from mpdoctor.runtime.protocol import ProtocolObserver
 from mpdoctor.runtime.rules import RULES
-from mpdoctor.crash.runner import run_script
+from mpdoctor.training.runner import run_script
 
 HERE = Path(__file__)
 
