@@ -36,6 +36,10 @@ MOVED: dict[str, tuple[str, ...]] = {
     "mpdoctor.numerics.callback": ("mpdoctor.training.trainer_callback", "mpdoctor.training.callback_state"),
     "mpdoctor.numerics.lightning_callback": ("mpdoctor.training.lightning_callback",),
     "mpdoctor.numerics.callback_state": ("mpdoctor.training.callback_state",),
+    "mpdoctor.facts.lowbit": (
+        "mpdoctor.facts.quantized", "mpdoctor.facts.fp8_training", "mpdoctor.facts.diffusers", "mpdoctor.facts.optimizer",
+    ),
+    "mpdoctor.integrations.lowprecision": ("mpdoctor.integrations.float8_storage",),
     "mpdoctor.numerics.scan": ("mpdoctor.gathering.values", "mpdoctor.gathering.scan", "mpdoctor.diagnosis.scan_rows"),
 }
 

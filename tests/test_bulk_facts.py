@@ -14,7 +14,7 @@ from torch import nn
 import mpdoctor
 from mpdoctor.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
 from mpdoctor.readers.tensors import gather_module_tensors
-from mpdoctor.render.evidence import layer_rows, layer_strips
+from mpdoctor.render.formatting import layer_rows, layer_strips
 from mpdoctor.treatment.changes import CastParamsTo
 
 

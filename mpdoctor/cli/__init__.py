@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.markdown:
         print(checks_reference())
     else:
-        from ..render.evidence import rst_to_plain
+        from ..render.formatting import rst_to_plain
 
         for slug, chk in sorted(load().items()):
             print(f"{slug:<36} {chk.severity:<8} {rst_to_plain(chk.summary)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..render.evidence import cause_label
+    from ..render.formatting import cause_label
     from .cause import explain
 
 __all__ = ["cause_label", "explain"]

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from ..render.evidence import cause_label  # noqa: F401  (the renderers' view of a cause; re-exported)
+from ..render.formatting import cause_label  # noqa: F401  (the renderers' view of a cause; re-exported)
 
 #: Longest exception summary shown in a report heading.
 SUMMARY_CHARS = 240

@@ -15,9 +15,9 @@ from .. import integrations
 from ..discovery.subjects import Subject
 from ..facts import Facts, ModelFacts, SubjectFacts
 from ..facts.hardware import DeviceProfile
-from ..facts.lowbit import STORAGE_DTYPES
 from ..facts.optimizer import OptimizerFacts
 from ..facts.precision import PrecisionFacts
+from ..facts.quantized import STORAGE_DTYPES
 from ..facts.scaler import ScalerFacts
 from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
@@ -27,7 +27,7 @@ from ..readers.optimizer import gather_optimizer
 from ..readers.scaler import gather_scaler
 from ..readers.tensors import gather_module_tensors
 from .distributed import gather_distributed
-from .precision import gather_precision, gather_runtime
+from .precision import gather_precision, gather_torch_state
 
 __all__ = ["gather"]
 
@@ -61,7 +61,7 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
     fields.update(integrations.model_extras(obj, inner, subject.inner_path, live))
     tensors = gather_module_tensors(subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers())
     if tensors.param_dtypes & STORAGE_DTYPES:  # float8 storage: what upcasts it (read for these models only)
-        from ..integrations.lowprecision import model_facts as stored_facts
+        from ..integrations.float8_storage import model_facts as stored_facts
 
         fields.update(stored_facts(obj, tensors))
     return ModelFacts(
@@ -181,7 +181,7 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
         optimizers=tuple(optimizers),
         scalers=tuple(scalers),
         precisions=precisions,
-        runtime=gather_runtime(),
+        runtime=gather_torch_state(),
         hardware=hardware,
         errors=tuple(errors),
         **extras,

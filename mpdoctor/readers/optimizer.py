@@ -90,7 +90,7 @@ def _bf16_update_loss(cls: type, groups: list, params: list[OptParam]) -> tuple[
         return None
     if not any(p.dtype == "bfloat16" and p.requires_grad for p in params):
         return None
-    from ..facts.lowbit import bf16_update_loss
+    from ..facts.optimizer import bf16_update_loss
 
     try:
         return bf16_update_loss(groups)

@@ -6,7 +6,7 @@ from typing import Any
 
 from ..redact import redact
 from ..treatment.findings import _jsonable
-from .evidence import rst_to_plain
+from .formatting import rst_to_plain
 
 
 def humanize_bytes(n: float) -> str:

@@ -6,7 +6,7 @@ import textwrap
 from typing import Any
 
 from .data import cache_view, humanize_bytes, humanize_count, precision_view, report_dict, scaler_view
-from .evidence import (
+from .formatting import (
     also_found_label,
     cause_label,
     dtype_word,

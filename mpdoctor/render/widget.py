@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .data import report_dict
-from .evidence import also_found_label, cause_label, fix_kind, fix_label, plural, singular_counts
+from .formatting import also_found_label, cause_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
