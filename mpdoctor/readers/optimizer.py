@@ -13,7 +13,7 @@ from .tensors import Tallier
 _DEFAULT_KEYS = ("lr", "eps", "weight_decay", "kahan_sum", "foreach", "fused", "optim_bits", "betas")
 
 
-def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
+def read_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
     """Read the parameters and state of ``inner`` (the optimizer inside any wrapper)."""
     cls = type(inner)
     tally = Tallier(name)

@@ -153,7 +153,7 @@ def _storage(p: Any, readers: tuple) -> tuple[str, str, int] | None:
     return None
 
 
-def gather_module_tensors(
+def read_module_tensors(
     name: str,
     module: torch.nn.Module,
     casting_layers: frozenset[str] = frozenset(),

@@ -117,9 +117,9 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and not self._fired:
             from ..checks.scaler import COLLAPSE_FACTOR
-            from ..readers.scaler import gather_scaler
+            from ..readers.scaler import read_scaler
 
-            sc = gather_scaler("optimizer.scaler", scaler)
+            sc = read_scaler("optimizer.scaler", scaler)
             if sc.enabled and sc.scale is not None and (sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR):
                 self._fire(state.global_step, "scale-collapsed", f"loss scale {sc.scale:g} (started at {sc.init_scale:g})",
                            self._watcher.latest, model, optimizer)  # fmt: skip
