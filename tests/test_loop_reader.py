@@ -113,8 +113,9 @@ def test_clipping_scaled_gradients_stalls_training_then_the_finding_names_the_li
     assert finding.severity == "error" and finding.subject == "cell [2], line 6"
     assert finding.evidence["cell"] == "cell [2]" and finding.evidence["line"] == 6
     assert finding.evidence["scaled_backward"] == "cell [2], line 5"
+    assert finding.evidence["optimizer"] == "optimizer"  # the step after the clip names it, as the fix does
     fix = finding.fixes[0]
-    assert fix.applicability.value == "display-only"
+    assert fix.applicability.value == "display-only" and fix.title.startswith("Call scaler.unscale_(optimizer)")
     assert "    scaler.unscale_(optimizer)" in fix.code and fix.code.index("unscale_") < fix.code.index(
         "clip_grad_norm_"
     )

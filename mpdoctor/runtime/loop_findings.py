@@ -42,6 +42,7 @@ def to_finding(mistake: LoopMistake) -> Finding:
         f" ({mistake.scaler} is created with enabled=False: harmless until it is enabled)" if mistake.latent else ""
     )
     message = f"{at}: {what}{latent}; {_WHY.get(mistake.slug, rule.why)}"
+    fixed = corrected_code(mistake)  # before the evidence: rewriting a clip names the optimizer it unscales
     evidence = {
         "cell": at.place,
         "line": at.line,
@@ -50,7 +51,6 @@ def to_finding(mistake: LoopMistake) -> Finding:
         **({"optimizer": mistake.optimizer} if mistake.optimizer else {}),
         **{k: v.location.label for k, v in mistake.related.items()},
     }
-    fixed = corrected_code(mistake)
     title = _FIX_TITLE[mistake.slug].format(scaler=mistake.scaler, opt=mistake.optimizer or "optimizer", where=at)
     fix = Fix(title, fixed, applicability=Applicability.DISPLAY_ONLY, recipe=mistake.slug, slug=mistake.slug)
     fix.finding_subject = at.label
