@@ -73,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     from IPython.core.interactiveshell import InteractiveShell
 
-    from mpdoctor.runtime import loop_ast
+    from mpdoctor.runtime import loop_rewrite, loop_source
     from mpdoctor.runtime.history import read_history
 
     shell = InteractiveShell.instance()
@@ -81,13 +81,13 @@ def main() -> None:
     fill_history(shell, cells)
     repeats = 5 if args.quick else 21
     found = read_history(shell)
-    assert found and all(f.subject.startswith("In [") for f in found), (
+    assert found and all(f.subject.startswith("cell [") for f in found), (
         "the bench history holds mistakes to find"
     )
 
     def empty_caches() -> None:
-        loop_ast.parse.cache_clear()
-        loop_ast._parent_map.cache_clear()
+        loop_source.parse.cache_clear()
+        loop_rewrite._parent_map.cache_clear()
         gc.collect()
 
     def parse_only() -> None:

@@ -131,11 +131,11 @@ def __getattr__(name: str) -> Any:
 
         return probe
     if name == "watch":
-        from .crash.watch import watch
+        from .training.watch import watch
 
         return watch
     if name in _NEEDS:
-        module = ".numerics.callback" if name == "MPDoctorCallback" else ".numerics.lightning_callback"
+        module = ".training.trainer_callback" if name == "MPDoctorCallback" else ".training.lightning_callback"
         try:
             return getattr(importlib.import_module(module, __name__), name)
         except ImportError as exc:  # the library is absent (or broken): a stand-in that says what to install

@@ -30,7 +30,17 @@ MOVED: dict[str, tuple[str, ...]] = {
     "mpdoctor.magic": ("mpdoctor.notebook.magic",),
     "mpdoctor.demo": ("mpdoctor.cli.demo",),
     "mpdoctor.docs": ("mpdoctor.cli.docs",),
-    "mpdoctor.numerics.scan": ("mpdoctor.gathering.values",),
+    # 0.3.x: what attaches to a training run moved into one package, next to nothing but itself.
+    "mpdoctor.crash.watch": ("mpdoctor.training.watch",),
+    "mpdoctor.crash.runner": ("mpdoctor.training.runner",),
+    "mpdoctor.numerics.callback": ("mpdoctor.training.trainer_callback", "mpdoctor.training.callback_state"),
+    "mpdoctor.numerics.lightning_callback": ("mpdoctor.training.lightning_callback",),
+    "mpdoctor.numerics.callback_state": ("mpdoctor.training.callback_state",),
+    "mpdoctor.facts.lowbit": (
+        "mpdoctor.facts.quantized", "mpdoctor.facts.fp8_training", "mpdoctor.facts.diffusers", "mpdoctor.facts.optimizer",
+    ),
+    "mpdoctor.integrations.lowprecision": ("mpdoctor.integrations.float8_storage",),
+    "mpdoctor.numerics.scan": ("mpdoctor.gathering.values", "mpdoctor.gathering.scan", "mpdoctor.diagnosis.scan_rows"),
 }
 
 

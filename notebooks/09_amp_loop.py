@@ -14,7 +14,7 @@
 #     name: python3
 #   mpdoctor:
 #     requires:
-#     - module:mpdoctor.runtime.loop_ast
+#     - module:mpdoctor.runtime.loop_findings
 # ---
 
 # %% [markdown]
@@ -162,7 +162,7 @@ for i, (x, y) in enumerate(data):
 # %% [markdown]
 # ## mpdoctor reads the loop
 #
-# `%mpdoctor` inspects the live objects and, since this kernel ran the cells above, reads them too (IPython's history, parsed, never executed). Each finding names the cell and line as IPython numbers them (`In [7], line 6`) and offers, as its fix, the lesson's own loop with the corrected lines. The correct loops of lesson 1 draw nothing.
+# `%mpdoctor` inspects the live objects and, since this kernel ran the cells above, reads them too (IPython's history, parsed, never executed). Each finding names the cell and line as IPython numbers them (`cell [7], line 6`) and offers, as its fix, the lesson's own loop with the corrected lines. The correct loops of lesson 1 draw nothing.
 
 # %%
 # report = %mpdoctor --text
@@ -209,8 +209,8 @@ assert moved_clipping_scaled < 1e-3 * moved_clipping_right  # clipping scaled gr
 assert not all(map(math.isfinite, bypass_losses)) or max(bypass_losses) > 1e6 * bypass_losses[0]  # the weights blew up
 assert set(loop) == {"amp-clip-before-unscale", "amp-step-bypasses-scaler", "amp-unscale-twice", "amp-update-per-microbatch"}
 for f in loop.values():  # each finding names the cell that holds its line, and a fix with corrected lines
-    cell = int(f.evidence["cell"][4:-1])
-    assert f.evidence["code"] in ran[cell] and f.subject == f"In [{cell}], line {f.evidence['line']}"
+    cell = int(f.evidence["cell"][len("cell [") : -1])
+    assert f.evidence["code"] in ran[cell] and f.subject == f"cell [{cell}], line {f.evidence['line']}"
     assert f.fixes[0].applicability.value == "display-only"
 assert all(  # each one raises or ruins the run: GradScaler's own errors, a clip that never bites, a blown-up step
     loop[s].severity == "error"

@@ -152,12 +152,47 @@ def test_an_old_path_reads_the_same_objects_as_the_new_one():
 
 def test_the_public_api_is_where_it_was():
     import mpdoctor
-    from mpdoctor.crash.watch import watch
     from mpdoctor.diagnosis import diagnose
     from mpdoctor.diagnosis.report import Report
     from mpdoctor.numerics.probe import probe
+    from mpdoctor.training.watch import watch
     from mpdoctor.treatment.fixes import Fix
 
     assert mpdoctor.diagnose is diagnose and mpdoctor.probe is probe and mpdoctor.watch is watch
     assert mpdoctor.Report is Report and mpdoctor.Fix is Fix
     assert mpdoctor.MPDoctorCallback.__name__ == "MPDoctorCallback"
+
+
+def test_what_attaches_to_a_training_run_reads_the_same_objects_at_its_old_paths():
+    from mpdoctor.training.callback_state import MPDoctorAbort
+    from mpdoctor.training.runner import run_script
+    from mpdoctor.training.trainer_callback import MPDoctorCallback
+    from mpdoctor.training.watch import NonFiniteLoss, watch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old_watch = importlib.import_module("mpdoctor.crash.watch")
+        old_runner = importlib.import_module("mpdoctor.crash.runner")
+        old_callback = importlib.import_module("mpdoctor.numerics.callback")
+    assert old_watch.watch is watch and old_watch.NonFiniteLoss is NonFiniteLoss
+    assert old_runner.run_script is run_script
+    assert old_callback.MPDoctorCallback is MPDoctorCallback and old_callback.MPDoctorAbort is MPDoctorAbort
+
+
+def test_both_callbacks_share_one_constructor():
+    import mpdoctor
+    from mpdoctor.training.callback_state import CallbackState
+
+    transformers_cb = mpdoctor.MPDoctorCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
+    lightning_cb = mpdoctor.MPDoctorLightningCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
+    for cb in (transformers_cb, lightning_cb):
+        assert type(cb).__init__ is CallbackState.__init__
+        assert (cb.stop_on_error, cb.scan, cb.ignore, cb.timeout, cb.probe) == (True, True, ("x",), 5.0, True)
+
+
+def test_a_renamed_fact_answers_at_its_old_name_with_a_warning():
+    from mpdoctor.facts import TorchStateFacts
+
+    with pytest.warns(DeprecationWarning, match="RuntimeFacts is now TorchStateFacts"):
+        from mpdoctor.facts import RuntimeFacts
+    assert RuntimeFacts is TorchStateFacts

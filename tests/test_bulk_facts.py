@@ -14,8 +14,8 @@ from torch import nn
 import mpdoctor
 from mpdoctor.diagnosis.view import layer_rows
 from mpdoctor.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
-from mpdoctor.readers.tensors import gather_module_tensors
-from mpdoctor.render.evidence import layer_strips
+from mpdoctor.readers.tensors import read_module_tensors
+from mpdoctor.render.formatting import layer_strips
 from mpdoctor.treatment.changes import CastParamsTo
 
 
@@ -68,7 +68,7 @@ def test_a_class_test_that_raises_takes_nothing():
 
 def test_module_dtypes_derived_from_params_list_tied_weights_in_walk_order():
     model = TiedLM(layers=2, experts=1)
-    tensors = gather_module_tensors("m", model)
+    tensors = read_module_tensors("m", model)
     naive = []
     for path, mod in model.named_modules():
         own = [(n, str(p.dtype)[6:], p.requires_grad) for n, p in mod._parameters.items() if p is not None]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.crash.watch import NonFiniteLoss
+from mpdoctor.training.watch import NonFiniteLoss
 
 pytestmark = pytest.mark.colab
 

@@ -558,9 +558,9 @@ def check_in_notebook(ip, capsys, slug: str, raise_it) -> None:
     elif kind == PROTOCOL:
         assert family(slug).rule in diagnosis
         # The loop line: in the cause's sentence, or in the evidence of the check's finding that explains it.
-        assert re.search(r"(?:Broken at |loop line=)In \[\d+\], line \d+:", diagnosis)
+        assert re.search(r"(?:Broken at |loop line=)cell \[\d+\], line \d+:", diagnosis)
     else:
-        assert "Refused:" in diagnosis or "At In [" in diagnosis
+        assert "Refused:" in diagnosis or "At cell [" in diagnosis
     capsys.readouterr()
 
 

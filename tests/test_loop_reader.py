@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mpdoctor.runtime.history import cell_sources, read_script
-from mpdoctor.runtime.loop_ast import read_code
+from mpdoctor.runtime.loop_findings import read_code
 from mpdoctor.runtime.rules import RULES
 
 pytestmark = pytest.mark.colab
@@ -110,11 +110,12 @@ def test_clipping_scaled_gradients_stalls_training_then_the_finding_names_the_li
 
     report = diagnose_history(ip)
     (finding,) = report.findings_for("amp-clip-before-unscale")
-    assert finding.severity == "error" and finding.subject == "In [2], line 6"
-    assert finding.evidence["cell"] == "In [2]" and finding.evidence["line"] == 6
-    assert finding.evidence["scaled_backward"] == "In [2], line 5"
+    assert finding.severity == "error" and finding.subject == "cell [2], line 6"
+    assert finding.evidence["cell"] == "cell [2]" and finding.evidence["line"] == 6
+    assert finding.evidence["scaled_backward"] == "cell [2], line 5"
+    assert finding.evidence["optimizer"] == "optimizer"  # the step after the clip names it, as the fix does
     fix = finding.fixes[0]
-    assert fix.applicability.value == "display-only"
+    assert fix.applicability.value == "display-only" and fix.title.startswith("Call scaler.unscale_(optimizer)")
     assert "    scaler.unscale_(optimizer)" in fix.code and fix.code.index("unscale_") < fix.code.index(
         "clip_grad_norm_"
     )
@@ -152,7 +153,7 @@ def test_optimizer_step_on_scaled_gradients_destroys_the_weights_then_scaler_ste
     )  # measured: the weights blow up
 
     (finding,) = diagnose_history(ip).findings_for("amp-step-bypasses-scaler")
-    assert finding.severity == "error" and finding.subject == "In [2], line 6"
+    assert finding.severity == "error" and finding.subject == "cell [2], line 6"
     code = finding.fixes[0].code
     assert "scaler.step(optimizer)" in code and "scaler.update()" in code and "optimizer.step()" not in code
     run_fix(ip, finding)
@@ -182,7 +183,7 @@ def test_unscale_per_micro_batch_raises_for_real_then_the_finding_moves_it_under
     )
 
     (finding,) = diagnose_history(ip).findings_for("amp-unscale-twice")
-    assert finding.severity == "error" and finding.subject == "In [2], line 5"
+    assert finding.severity == "error" and finding.subject == "cell [2], line 5"
     code = finding.fixes[0].code
     guard = code.index("if (i + 1) % accum == 0:")
     assert (
@@ -222,7 +223,7 @@ def test_a_train_step_function_without_update_raises_on_the_second_step_across_c
     assert "step() has already been called since the last update()" in str(result.error_in_exec)
 
     (finding,) = diagnose_history(ip).findings_for("amp-update-missing")
-    assert finding.subject == "In [2], line 6" and finding.severity == "error"
+    assert finding.subject == "cell [2], line 6" and finding.severity == "error"
     assert (
         finding.fixes[0].code.startswith("def train_step(x, y):")
         and "    scaler.update()" in finding.fixes[0].code
@@ -248,7 +249,7 @@ def test_update_per_micro_batch_asserts_for_real_then_update_moves_beside_the_st
     assert "No inf checks were recorded prior to update." in str(result.error_in_exec)
 
     (finding,) = diagnose_history(ip).findings_for("amp-update-per-microbatch")
-    assert finding.subject == "In [2], line 8" and finding.evidence["guarded_step"] == "In [2], line 6"
+    assert finding.subject == "cell [2], line 8" and finding.evidence["guarded_step"] == "cell [2], line 6"
     code = finding.fixes[0].code
     assert (
         code.index("scaler.step(optimizer)")
@@ -275,7 +276,7 @@ def test_a_scheduler_stepped_after_every_scaler_step_is_info_only_and_its_fix_st
     assert run(ip, recipe).success
     report = diagnose_history(ip)
     (finding,) = report.findings_for("amp-scheduler-on-skipped-steps")
-    assert finding.severity == "info" and finding.subject == "In [3], line 8"
+    assert finding.severity == "info" and finding.subject == "cell [3], line 8"
     assert report.ok  # PyTorch's own recipe: no error, no warning
     run(ip, SETUP, history=False)
     run(ip, "scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9 ** s)", history=False)
@@ -294,10 +295,10 @@ def test_cells_that_do_not_parse_are_skipped_and_magics_are_transformed_away(ip)
     run(ip, "%time s = scaler.get_scale()")
     run(ip, "x = 1")  # nothing of the protocol in it: not even parsed
     run(ip, "%%time\n" + CLIP_SCALED)
-    labels = [s.label for s in cell_sources(ip)]
-    assert labels == ["In [1]", "In [3]", "In [5]"]
+    files = [s.file for s in cell_sources(ip)]
+    assert files == ["In[1]", "In[3]", "In[5]"]
     (finding,) = diagnose_history(ip).findings_for("amp-clip-before-unscale")
-    assert finding.subject == "In [5], line 7"  # the line as the user sees it, below %%time
+    assert finding.subject == "cell [5], line 7"  # the line as the user sees it, below %%time
 
 
 def test_no_history_option_and_ignore_leave_the_loop_findings_out(ip, capsys):
@@ -315,7 +316,7 @@ def test_a_rerun_cell_is_reported_once_at_its_latest_run(ip):
     run(ip, CLIP_SCALED)
     run(ip, CLIP_SCALED)
     (finding,) = diagnose_history(ip).findings_for("amp-clip-before-unscale")
-    assert finding.subject == "In [3], line 6"
+    assert finding.subject == "cell [3], line 6"
 
 
 # -- the correct recipes draw nothing -----------------------------------------------------------------------
@@ -580,7 +581,7 @@ def test_mpdoctor_run_names_the_script_line_before_the_real_error(tmp_path):
     done = mpdoctor_run(tmp_path, SCRIPT)
     assert done.returncode == 1
     err = done.stderr
-    named = err.index(f"ERROR   amp-unscale-twice  train.py, line {line}")
+    named = err.index(f"ERROR   amp-unscale-twice  train.py:{line}")
     assert named < err.index("Traceback (most recent call last):")
     assert named < err.index(
         "RuntimeError: unscale_() has already been called on this optimizer since the last update()"
@@ -592,7 +593,7 @@ def read_script_finding(tmp_path, line: int) -> bool:
     path = tmp_path / "train.py"
     path.write_text(SCRIPT)
     (finding,) = read_script(path)
-    return finding.subject == f"train.py, line {line}" and finding.check == "amp-unscale-twice"
+    return finding.subject == f"train.py:{line}" and finding.check == "amp-unscale-twice"
 
 
 def test_mpdoctor_run_of_the_corrected_script_prints_nothing_extra_and_trains(tmp_path):
@@ -630,7 +631,7 @@ def test_two_scalers_and_two_optimizers_each_checked_on_its_own():
         scaler_g.update()
     """
     (finding,) = read_code(textwrap.dedent(code), "gan.py")
-    assert finding.check == "amp-clip-before-unscale" and finding.subject == "gan.py, line 11"
+    assert finding.check == "amp-clip-before-unscale" and finding.subject == "gan.py:11"
     assert finding.evidence["scaler"] == "scaler_g" and "scaler_g.unscale_(opt_g)" in finding.fixes[0].code
 
 
@@ -657,7 +658,7 @@ def test_accelerators_scaler_and_a_trainer_class_attribute_are_scalers():
             self.scaler.update()
     """
     (finding,) = read_code(textwrap.dedent(code), "trainer.py")
-    assert finding.check == "amp-clip-before-unscale" and finding.subject == "trainer.py, line 11"
+    assert finding.check == "amp-clip-before-unscale" and finding.subject == "trainer.py:11"
     assert finding.fixes[0].code.startswith("def train_step(self, batch):")
     assert "\n    self.scaler.unscale_(self.optimizer)" in finding.fixes[0].code
 
@@ -690,11 +691,12 @@ def test_a_while_loop_and_a_scaled_loss_bound_to_a_name():
 
 
 def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
-    from mpdoctor.runtime.loop_ast import read_sources, source_of
+    from mpdoctor.runtime.loop_findings import read_sources
+    from mpdoctor.runtime.loop_source import source_of
 
-    deep = source_of("In [1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
+    deep = source_of("In[1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
     assert deep is not None  # it parses
-    clip = source_of("In [2]", SETUP + CLIP_SCALED)
+    clip = source_of("In[2]", SETUP + CLIP_SCALED)
     limit = sys.getrecursionlimit()
     depth = len(inspect.stack())
     sys.setrecursionlimit(
@@ -706,4 +708,4 @@ def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
         sys.setrecursionlimit(limit)
     line = next(i for i, t in enumerate(clip.lines, 1) if "clip_grad_norm_" in t)
     # The deep cell's scaler.step was not taken into account (else the loop's step would be a second one).
-    assert [(f.check, f.subject) for f in found] == [("amp-clip-before-unscale", f"In [2], line {line}")]
+    assert [(f.check, f.subject) for f in found] == [("amp-clip-before-unscale", f"cell [2], line {line}")]

@@ -117,7 +117,7 @@ def test_every_string_from_user_objects_is_escaped_in_the_static_html():
 # -- the view model: summaries, words, pictures --------------------------------------------------
 
 from mpdoctor.diagnosis.view import layer_rows  # noqa: E402
-from mpdoctor.render.evidence import (  # noqa: E402
+from mpdoctor.render.formatting import (  # noqa: E402
     layer_strips,
     plural,
     precision_word,

@@ -16,10 +16,11 @@ from torch.nn.utils import clip_grad, clip_grad_norm_
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 import mpdoctor
-from mpdoctor.crash.runner import run_script
+from mpdoctor.facts.location import cell_number
 from mpdoctor.runtime import protocol as protocol_module
-from mpdoctor.runtime.protocol import ProtocolObserver, cell_number
+from mpdoctor.runtime.protocol import ProtocolObserver
 from mpdoctor.runtime.rules import RULES
+from mpdoctor.training.runner import run_script
 
 HERE = Path(__file__)
 
@@ -466,7 +467,7 @@ def test_a_notebook_cell_clipping_scaled_gradients_is_named_by_cell_and_line(she
     result = shell.run_cell(cell, store_history=True)
     assert result.success
     err = capsys.readouterr().err
-    assert f"In [{number}], line 5" in err and "amp-clip-before-unscale" in err
+    assert f"cell [{number}], line 5" in err and "amp-clip-before-unscale" in err
     (f,) = session.observer(shell).findings
     assert f.subject == "scaler" and "opt's gradients" in f.message
     assert not protocol_module.installed()
@@ -480,7 +481,7 @@ def test_a_notebook_cell_that_unscales_twice_shows_the_finding_then_the_runtime_
                             "    scaler.unscale_(opt)\nscaler.step(opt)\nscaler.update()", store_history=True)  # fmt: skip
     assert isinstance(result.error_in_exec, RuntimeError)
     captured = capsys.readouterr()
-    assert f"In [{number}], line 3" in captured.err and "amp-unscale-twice" in captured.err
+    assert f"cell [{number}], line 3" in captured.err and "amp-unscale-twice" in captured.err
     # The step is still open (the scaler holds an unscaled optimizer): the next cells are watched in full
     # from their first line until an update() closes it; then only the resident scale wrapper stays.
     assert protocol_module.installed()
@@ -549,7 +550,7 @@ def test_a_step_split_across_cells_is_watched_from_the_first_line_of_the_next_ce
     # This cell never calls scale(): only the previous cell's unfinished step makes it watched in full.
     result = shell.run_cell("opt.step()\nscaler.update()", store_history=True)
     assert isinstance(result.error_in_exec, AssertionError)  # GradScaler: "No inf checks were recorded prior to update."
-    assert any(f.check == "amp-step-bypasses-scaler" and f.evidence["where"] == f"In [{number}], line 1"
+    assert any(f.check == "amp-step-bypasses-scaler" and f.evidence["where"] == f"cell [{number}], line 1"
                for f in session.observer(shell).findings)  # fmt: skip
     capsys.readouterr()
 
@@ -564,9 +565,9 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
     captured = capsys.readouterr()
     # At the call: one line on stderr. When the cell ends: the report (text here; the widget in Jupyter).
     (line,) = [x for x in captured.err.splitlines() if x.startswith("mpdoctor:")]
-    assert f"[amp-clip-before-unscale] at In [{number}], line 3" in line and "details when the cell ends" in line
+    assert f"[amp-clip-before-unscale] at cell [{number}], line 3" in line and "details when the cell ends" in line
     out = captured.out
-    assert f"watched: the AMP loop as it ran (In [{number}]): GradScaler protocol" in out
+    assert f"watched: the AMP loop as it ran (cell [{number}]): GradScaler protocol" in out
     assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(optimizer)" in out
     assert "inspected: nothing" not in out
     # In a widget frontend the same report is the widget: its header says what was watched.
@@ -574,7 +575,7 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
     from mpdoctor.runtime import session
 
     widget = ReportWidget(session.cell_report(session.observer(shell), session.observer(shell).findings))
-    assert f"watched: the AMP loop as it ran (In [{number}])" in widget.header.value
+    assert f"watched: the AMP loop as it ran (cell [{number}])" in widget.header.value
     assert "amp-clip-before-unscale" in widget.report.to_html()
     # The next cell shows nothing again: each finding is shown once.
     shell.run_cell("loss = m(torch.randn(8, 4)).pow(2).mean()\nscaler.scale(loss).backward()\n"
@@ -618,7 +619,7 @@ def test_mpdoctor_run_names_the_scripts_line(tmp_path, capsys):
     code = run_script(str(script), [])
     err = capsys.readouterr().err
     assert code == 1 and "No inf checks were recorded prior to update" in err  # the real error, from update()
-    assert f"{script}:8" in err and "amp-step-bypasses-scaler" in err and "optimizer.step() is called directly" in err
+    assert "train.py:8" in err and "amp-step-bypasses-scaler" in err and "optimizer.step() is called directly" in err
     assert not protocol_module.installed()
 
 

@@ -13,13 +13,12 @@ from setups import tiny_gemma3, tiny_llama, training_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpdoctor
+from mpdoctor.diagnosis.scan_rows import module_rows, scan_table
 from mpdoctor.gathering.values import (
     FP16_MAX,
     SMALL_ELEMENTS,
     TEMP_BUDGET,
     chunk_elements_for,
-    module_rows,
-    scan_table,
     scan_tensor,
     scan_tensors,
 )
@@ -283,7 +282,7 @@ def test_diagnose_with_scan_counts_per_tensor_kind_and_module_and_mutates_nothin
     assert by_kind["optimizer_state"].evidence["tensors"][0]["module"] == "model.layers.1.mlp.down_proj"
     assert all(f.severity == "error" for f in by_kind.values())  # no scaler: nothing skips the step
 
-    table = scan_table(report)
+    table = scan_table(report.facts)
     row = table[(table.module == "model.layers.1.mlp.down_proj") & (table.kind == "param")].iloc[0]
     assert (row.nan, row.inf, row.fp16_overflow, row.absmax) == (1, 1, 1, 1e5)
     assert row.fp16_underflow is None  # nothing here runs in fp16, so flush-to-zero was not counted

@@ -590,7 +590,7 @@ def test_the_copy_button_hands_the_issue_markdown_to_the_browser_escaped():
 
 
 def test_buttons_say_one_parameter_not_one_parameters_and_keep_the_full_title_on_hover():
-    from mpdoctor.render.evidence import fix_label
+    from mpdoctor.render.formatting import fix_label
 
     short, full = fix_label("Cast 1 parameters of 1 modules of m to bf16 (keeps a 3.0 GiB undo backup: apply(confirm=True))")
     assert short == "Cast 1 parameter of 1 module of m to bf16 (keeps a 3.0 GiB undo backup)"

@@ -11,7 +11,7 @@ import torch
 from setups import batch, tiny_llama, train_step
 
 import mpdoctor
-from mpdoctor.render.evidence import fix_kind
+from mpdoctor.render.formatting import fix_kind
 
 
 def _bf16_head32():

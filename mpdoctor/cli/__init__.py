@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, passed untouched")
     args = parser.parse_args(argv)
     if args.command == "run":
-        from ..crash.runner import run_script
+        from ..training.runner import run_script
 
         return run_script(args.script, args.script_args, scan=args.scan, probe_on_nan=args.probe_on_nan)
     if args.command is None:  # a bare `python -m mpdoctor` asks what it can do
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.markdown:
         print(checks_reference())
     else:
-        from ..render.evidence import rst_to_plain
+        from ..render.formatting import rst_to_plain
 
         for slug, chk in sorted(load().items()):
             print(f"{slug:<36} {chk.severity:<8} {rst_to_plain(chk.summary)}")

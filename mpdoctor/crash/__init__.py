@@ -4,8 +4,9 @@
 - :mod:`.frames`: the user's objects in a traceback's frames, read without running user code.
 - :mod:`.cause`: :func:`explain` diagnoses them and marks the cause.
 - :mod:`.hook`: the IPython exception handler behind ``%load_ext mpdoctor``.
-- :mod:`.runner`: ``python -m mpdoctor run script.py``.
-- :mod:`.watch`: :func:`mpdoctor.watch` for hand-written training loops.
+
+``watch()``, ``mpdoctor run`` and the training callbacks, which call :func:`explain`, live in
+:mod:`mpdoctor.training`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..render.evidence import cause_label
+    from ..render.formatting import cause_label
     from .cause import explain
 
 __all__ = ["cause_label", "explain"]

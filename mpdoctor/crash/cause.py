@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any
 
-from ..render.evidence import cause_label  # noqa: F401  (the renderers' view of a cause; re-exported)
+from ..render.formatting import cause_label  # noqa: F401  (the renderers' view of a cause; re-exported)
 
 #: Longest exception summary shown in a report heading.
 SUMMARY_CHARS = 240
@@ -291,17 +291,18 @@ def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[s
 
 
 def _protocol_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail:
-    from .operands import loop_line
+    from .operands import loop_line, protocol_names
 
-    line = loop_line(frames, namespace)
-    names = {"scaler": line.scaler if line else "scaler", "optimizer": line.optimizer if line else "optimizer"}
+    line = loop_line(frames)
+    scaler, optimizer = protocol_names(frames, namespace)
+    names = {"scaler": scaler, "optimizer": optimizer}
     code = pattern.code.format(src="x", dst="destination", dtype="torch.float32", **names) if pattern.code else ""
     evidence: dict[str, Any] = {"rule": pattern.rule}
     sentence = f"The rule: {pattern.rule}."
     subject = ""
     if line is not None:
-        evidence["loop line"] = f"{line.label}: {line.source}"
-        sentence += f" Broken at {line.label}: `{line.source}`."
+        evidence["loop line"] = f"{line.label}: {line.code}"
+        sentence += f" Broken at {line.label}: `{line.code}`."
         subject = line.label
     return FamilyDetail(sentence, code, "Follow the GradScaler protocol", subject, evidence)
 
@@ -310,15 +311,15 @@ def _refusal_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | N
     from .operands import loop_line, refusal_subject
 
     refused = refusal_subject(frames, namespace)
-    line = loop_line(frames, namespace)
+    line = loop_line(frames)
     evidence: dict[str, Any] = {}
     parts = []
     if refused:
         evidence["refused"] = refused
         parts.append(f"Refused: {refused}.")
     if line is not None:
-        evidence["line"] = f"{line.label}: {line.source}"
-        parts.append(f"At {line.label}: `{line.source}`.")
+        evidence["line"] = f"{line.label}: {line.code}"
+        parts.append(f"At {line.label}: `{line.code}`.")
     return FamilyDetail(" ".join(parts), pattern.code, "Keep these layers out of the low-precision recipe"
                         if pattern.slug.endswith("block-size") else "Use a precision this device runs", "",
                         evidence)  # fmt: skip

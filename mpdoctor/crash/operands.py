@@ -9,7 +9,7 @@ for a parameter, the local name in the innermost user frame that holds the
 same tensor for an activation) and writes the cast with those names.
 
 For protocol errors (GradScaler) it finds the user's loop line instead:
-``train.py:42`` or, in a notebook, ``In [7], line 3``.
+``train.py:42`` or, in a notebook, ``cell [7], line 3``.
 
 Reading is safe: only tensors whose class is torch's own (or a torch /
 torchao subclass) are read, through torch's own descriptors; modules are
@@ -19,13 +19,13 @@ walked with ``torch.nn.Module``'s own methods; no user code runs.
 from __future__ import annotations
 
 import linecache
-import os
 import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..facts.location import Location
 from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
 from .frames import _TYPE_MRO, FrameView, _locals, _qualname, class_path
 
@@ -608,61 +608,21 @@ def _written_expression(frames: list[FrameView], cands: list[_Candidate], dtypes
 # -- protocol errors: the user's loop line ------------------------------------------------------------------
 
 
-_CELL_FILE = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
-
-
-def cell_label(filename: str, lineno: int) -> str:
-    """``In [7], line 3`` for an IPython cell; ``train.py:42`` otherwise."""
-    m = _CELL_FILE.fullmatch(filename)
-    number = int(m.group(1)) if m else None
-    if number is None:
-        ipython = sys.modules.get("IPython")
-        shell = None
-        try:
-            shell = ipython.get_ipython() if ipython is not None else None
-        except Exception:
-            shell = None
-        mapping = getattr(getattr(shell, "compile", None), "_filename_map", None)  # IPython 8+, ipykernel's files
-        if type(mapping) is dict and type(mapping.get(filename)) is int:
-            number = mapping[filename]
-    if number is not None:
-        return f"In [{number}], line {lineno}"
-    # The script's name, as the user calls it (``train.py:42``): a full path says where the clone lives, not
-    # where the loop is, and a long path can look like a token to the redactor.
-    return f"{os.path.basename(filename) or filename}:{lineno}"
-
-
-@dataclass(frozen=True)
-class LoopLine:
-    """Where the user's code broke the protocol.
-
-    Attributes
-    ----------
-    label : str
-        ``In [7], line 3`` or ``train.py:42``.
-    source : str
-        The line of code, stripped.
-    scaler : str
-        The name the user holds the GradScaler by ("scaler" when unknown).
-    optimizer : str
-        The name of the optimizer concerned ("optimizer" when unknown).
-    """
-
-    label: str
-    source: str
-    scaler: str = "scaler"
-    optimizer: str = "optimizer"
-
-
-def loop_line(frames: list[FrameView], namespace: Mapping[str, Any] | None = None) -> LoopLine | None:
-    """The innermost user frame's line, with the names of the scaler and optimizer involved."""
+def loop_line(frames: list[FrameView]) -> Location | None:
+    """The innermost user frame's line (``cell [7], line 3`` or ``train.py:42``)."""
     user = next((f for f in reversed(frames) if f.user), None)
     if user is None:
         return None
     try:
-        source = linecache.getline(user.filename, user.lineno).strip()
+        source = linecache.getline(user.filename, user.lineno)
     except Exception:
         source = ""
+    return Location.at(user.filename, user.lineno, source)
+
+
+def protocol_names(frames: list[FrameView], namespace: Mapping[str, Any] | None = None) -> tuple[str, str]:
+    """The names the user holds the GradScaler and the optimizer of a failing protocol call by
+    (``"scaler"`` / ``"optimizer"`` when unknown)."""
     scaler_obj = optimizer_obj = None
     for view in reversed(frames):
         if view.user or not view.module.startswith("torch.amp") and not view.module.startswith("torch.cuda.amp"):
@@ -675,7 +635,7 @@ def loop_line(frames: list[FrameView], namespace: Mapping[str, Any] | None = Non
         optimizer_obj = optimizer_obj if optimizer_obj is not None else local.get("optimizer")
     scaler = _name_of(scaler_obj, frames, namespace) or "scaler"
     optimizer = _name_of(optimizer_obj, frames, namespace) or "optimizer"
-    return LoopLine(cell_label(user.filename, user.lineno), source, scaler, optimizer)
+    return scaler, optimizer
 
 
 def _name_of(obj: Any, frames: list[FrameView], namespace: Mapping[str, Any] | None) -> str | None:
@@ -722,6 +682,6 @@ def refusal_subject(frames: list[FrameView], namespace: Mapping[str, Any] | None
 
 
 __all__ = [
-    "LoopLine", "Operand", "Operands", "cell_label", "failing_operands", "loop_line", "message_dtypes",
-    "refusal_subject", "spoken",
+    "Operand", "Operands", "failing_operands", "loop_line", "message_dtypes", "protocol_names", "refusal_subject",
+    "spoken",
 ]  # fmt: skip

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
 from ..checks import internal_error, run_checks
-from ..discovery.subjects import Subject, discover, kind_of, nothing_to_inspect
+from ..discovery.subjects import Subject, discover, nothing_to_inspect, subject_kind
 from ..facts import Facts
 from ..facts.hardware import DeviceProfile, profile_for
-from ..facts.precision import RuntimeFacts
+from ..facts.precision import TorchStateFacts
 from ..gathering import gather
 from ..live import Live
 from ..redact import describe_exception, redact_finding
@@ -124,7 +124,7 @@ def _not_inspected(objects: tuple, names: Mapping[int, str] | None) -> list[str]
     out = []
     for i, obj in enumerate(objects, 1):
         try:
-            if kind_of(obj) is None:
+            if subject_kind(obj) is None:
                 name = (names or {}).get(id(obj)) or f"argument {i}"
                 out.append(nothing_to_inspect(name, obj))
         except Exception:  # never raise on a user object
@@ -280,7 +280,7 @@ def _plain(s: Subject):
 
 def _empty_facts(subjects: tuple[Subject, ...], profile: DeviceProfile | None) -> Facts:
     hardware = profile if profile is not None else DeviceProfile("unknown", "cpu", None, False, False, False, True)
-    runtime = RuntimeFacts(autocast={}, matmul_tf32=False, cudnn_tf32=False, float32_matmul_precision="?", env={}, versions={})
+    runtime = TorchStateFacts(autocast={}, matmul_tf32=False, cudnn_tf32=False, float32_matmul_precision="?", env={}, versions={})
     return Facts(
         subjects=tuple(_plain(s) for s in subjects),
         models=(),
@@ -309,7 +309,7 @@ def _failure(where: str, exc: BaseException) -> Finding:
 
 def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:
     try:
-        from ..gathering.values import scan_facts
+        from ..gathering.scan import scan_facts
     except ModuleNotFoundError:
         return facts
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..gathering.precision import gather_runtime
+from ..gathering.precision import gather_torch_state
 from ..readers.hardware import live_profile
 
 
@@ -32,7 +32,7 @@ def env_report() -> EnvReport:
     import importlib.metadata as md
 
     hw = live_profile()
-    rt = gather_runtime()
+    rt = gather_torch_state()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     for dist in ("transformers", "accelerate", "peft", "ipywidgets", "ipython", "mpdoctor"):
         try:

@@ -212,15 +212,15 @@ class Report:
         """Per-module value scan (NaN/Inf counts, abs max, fp16/bf16 range), or None without ``scan=True``."""
         if not self.facts.scans:
             return None
-        from ..gathering.values import scan_table
+        from .scan_rows import scan_table
 
-        return scan_table(self)
+        return scan_table(self.facts)
 
     def scan_rows(self) -> list[dict]:
         """The value scan as plain rows per module (what renderers show); empty without a scan."""
         if not self.facts.scans:
             return []
-        from ..gathering.values import scan_rows
+        from .scan_rows import scan_rows
 
         return scan_rows(self.facts)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..redact import redact
-from ..render.evidence import ParamRow, cause_label, layer_strips, rst_to_plain
+from ..render.formatting import ParamRow, cause_label, layer_strips, rst_to_plain
 from ..render.view import ReportView
 from ..treatment.findings import _jsonable
 

@@ -22,7 +22,7 @@ from .. import integrations
 from ..live.introspect import attr_of_known, class_path, class_paths, is_a, mro_paths, type_mro, type_name
 from ..redact import redact
 
-__all__ = ["KINDS", "Subject", "class_path", "discover", "is_a", "kind_of", "mro_paths", "type_name"]
+__all__ = ["KINDS", "Subject", "class_path", "discover", "is_a", "subject_kind", "mro_paths", "type_name"]
 
 #: Kinds of subject, in the order a report lists them.
 KINDS = integrations.KINDS
@@ -56,7 +56,7 @@ def _classify(cls: type) -> tuple[tuple[str, ...], str | None]:
     return paths, kind
 
 
-def kind_of(obj: Any) -> str | None:
+def subject_kind(obj: Any) -> str | None:
     """Return the subject kind of ``obj`` or None when mpdoctor has nothing to say about it."""
     return _classify(type(obj))[1]
 
@@ -118,7 +118,7 @@ def _unwrap(obj: Any, rules: list, want: str, name: str) -> tuple[Any, str]:
         if rule is None:
             break
         nxt = _attr(current, rule.attr)
-        if nxt is None or kind_of(nxt) != want:
+        if nxt is None or subject_kind(nxt) != want:
             break
         current, path = nxt, path + rule.suffix
     return current, path
@@ -146,7 +146,7 @@ def _children(subject: Subject) -> Iterator[tuple[str, str, Any]]:
         # An exact list or tuple holds several children (Lightning's ``trainer.optimizers``).
         items = list(enumerate(value[:CONTAINER_WIDTH])) if type(value) in (list, tuple) else [(None, value)]
         for index, item in items:
-            kind = kind_of(item)
+            kind = subject_kind(item)
             if kind is not None:
                 yield kind, f"{subject.name}.{attr}" + ("" if index is None else f"[{index}]"), item
 
@@ -255,7 +255,7 @@ def _named_objects(objects: Iterable[Any], names: dict[int, str]) -> list[tuple[
     top: list[tuple[str, Any]] = []
     counters: dict[str, int] = {}
     for obj in objects:
-        kind = kind_of(obj)
+        kind = subject_kind(obj)
         if kind is None:
             continue
         name = names.get(id(obj))
@@ -272,7 +272,7 @@ def _subjects_and_children(top: list[tuple[str, Any]]) -> list[Subject]:
     seen: set[int] = set()
     queue: list[tuple[str, str, Any, str | None]] = []
     for name, obj in top:
-        kind = kind_of(obj)
+        kind = subject_kind(obj)
         if kind is not None and id(obj) not in seen:
             seen.add(id(obj))
             queue.append((kind, name, obj, None))

@@ -15,7 +15,7 @@ from typing import Any
 from .configs import ConfigFacts
 from .hardware import DeviceProfile
 from .optimizer import OptimizerFacts
-from .precision import PrecisionFacts, RuntimeFacts
+from .precision import PrecisionFacts, TorchStateFacts
 from .scaler import ScalerFacts
 from .tensors import ModuleTensors, TensorTally
 
@@ -26,9 +26,9 @@ __all__ = [
     "ModelFacts",
     "OptimizerFacts",
     "PrecisionFacts",
-    "RuntimeFacts",
     "ScalerFacts",
     "SubjectFacts",
+    "TorchStateFacts",
 ]
 
 
@@ -84,16 +84,16 @@ class ModelFacts:
     keep_in_fp32: tuple[str, ...] = ()
     #: The subject this model was reached through (``pipe`` for ``pipe.vae``), None for a top-level model.
     owner: str | None = None
-    #: bitsandbytes quantized layers (:class:`~mpdoctor.facts.lowbit.LowBitLayer`), from the bitsandbytes integration.
+    #: bitsandbytes quantized layers (:class:`~mpdoctor.facts.quantized.LowBitLayer`), from the bitsandbytes integration.
     low_bit_layers: tuple = ()
-    #: torchao float8 training layers (:class:`~mpdoctor.facts.lowbit.Float8Layer`), from the torchao integration.
+    #: torchao float8 training layers (:class:`~mpdoctor.facts.fp8_training.Float8Layer`), from the torchao integration.
     float8_layers: tuple = ()
     #: Modules whose own weights are stored in float8 / float4 and what upcasts them
-    #: (:class:`~mpdoctor.facts.lowbit.StoredLayer`), from the low-precision integration.
+    #: (:class:`~mpdoctor.facts.quantized.StoredLayer`), from the float8 storage reader.
     stored_layers: tuple = ()
-    #: Layers whose weight is a torchao quantized tensor (:class:`~mpdoctor.facts.lowbit.QuantizedWeight`).
+    #: Layers whose weight is a torchao quantized tensor (:class:`~mpdoctor.facts.quantized.QuantizedWeight`).
     quantized_weights: tuple = ()
-    #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.lowbit.ComponentFacts`), or None.
+    #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.diffusers.ComponentFacts`), or None.
     component: object = None
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
     #: phase error in radians at the last position, positions)``; read by the transformers integration.
@@ -131,7 +131,7 @@ class Facts:
     optimizers: tuple[OptimizerFacts, ...]
     scalers: tuple[ScalerFacts, ...]
     precisions: tuple[PrecisionFacts, ...]
-    runtime: RuntimeFacts
+    runtime: TorchStateFacts
     hardware: DeviceProfile
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
@@ -144,7 +144,7 @@ class Facts:
     trl: tuple = ()
     #: mpdoctor.facts.deepspeed.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
     deepspeed: tuple = ()
-    #: mpdoctor.facts.lowbit.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
+    #: mpdoctor.facts.fp8_training.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
     fp8_recipes: tuple = ()
 
     @property
@@ -182,3 +182,12 @@ class Facts:
     def models_of(self, optimizer: OptimizerFacts) -> tuple[ModelFacts, ...]:
         """Models owning at least one of ``optimizer``'s parameters."""
         return tuple(m for m in self.models if m.tensors.param_ids & optimizer.param_ids)
+
+
+def __getattr__(name: str) -> Any:
+    # 0.3.0's RuntimeFacts, for facts built by hand: warns and answers TorchStateFacts (removed in 0.4).
+    if name == "RuntimeFacts":
+        from . import precision
+
+        return precision.RuntimeFacts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ A precision setup is a Trainer (its arguments and accelerator), or a lone
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .hardware import DeviceProfile
 
@@ -70,8 +71,11 @@ class PrecisionFacts:
 
 
 @dataclass(frozen=True)
-class RuntimeFacts:
-    """Process-wide precision state."""
+class TorchStateFacts:
+    """torch's process-wide precision state: autocast on now, TF32, the precision environment, versions.
+
+    ``Facts.runtime`` holds it. Named for what it holds: the ``runtime`` package is the run as patient.
+    """
 
     autocast: dict  # device type -> dtype name, for devices where autocast is on now
     matmul_tf32: bool
@@ -122,3 +126,13 @@ def computes_in(p: PrecisionFacts, hw: DeviceProfile) -> str:
     if hw.live and p.accelerator_name is not None and p.native_amp is not None:
         return declared if p.native_amp else "no"
     return declared if native_amp_for(declared, setup_device(p, hw)) else "no"
+
+
+def __getattr__(name: str) -> Any:
+    # 0.3.0 named TorchStateFacts RuntimeFacts; facts built by hand may still say so (removed in 0.4).
+    if name == "RuntimeFacts":
+        import warnings
+
+        warnings.warn("RuntimeFacts is now TorchStateFacts; the old name goes away in 0.4", DeprecationWarning, stacklevel=2)
+        return TorchStateFacts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

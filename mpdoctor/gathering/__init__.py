@@ -15,19 +15,19 @@ from .. import integrations
 from ..discovery.subjects import Subject
 from ..facts import Facts, ModelFacts, SubjectFacts
 from ..facts.hardware import DeviceProfile
-from ..facts.lowbit import STORAGE_DTYPES
 from ..facts.optimizer import OptimizerFacts
 from ..facts.precision import PrecisionFacts
+from ..facts.quantized import STORAGE_DTYPES
 from ..facts.scaler import ScalerFacts
 from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..readers.hardware import live_profile
 from ..readers.norms import norm_epsilons
-from ..readers.optimizer import gather_optimizer
-from ..readers.scaler import gather_scaler
-from ..readers.tensors import gather_module_tensors
+from ..readers.optimizer import read_optimizer
+from ..readers.scaler import read_scaler
+from ..readers.tensors import read_module_tensors
 from .distributed import gather_distributed
-from .precision import gather_precision, gather_runtime
+from .precision import gather_precision, gather_torch_state
 
 __all__ = ["gather"]
 
@@ -59,9 +59,9 @@ def _model_facts(subject: Subject, live: Live) -> ModelFacts:
     cls, icls = type(obj), type(inner)
     fields = {"configs": (), "forward_wrapped": False, "is_peft": False, "is_pretrained": False, "keep_in_fp32": ()}
     fields.update(integrations.model_extras(obj, inner, subject.inner_path, live))
-    tensors = gather_module_tensors(subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers())
+    tensors = read_module_tensors(subject.name, obj, integrations.casting_layers(), integrations.weight_storage_readers())
     if tensors.param_dtypes & STORAGE_DTYPES:  # float8 storage: what upcasts it (read for these models only)
-        from ..integrations.lowprecision import model_facts as stored_facts
+        from ..integrations.float8_storage import model_facts as stored_facts
 
         fields.update(stored_facts(obj, tensors))
     return ModelFacts(
@@ -154,9 +154,9 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
             if s.kind == "model":
                 models.append(_model_facts(s, live))
             elif s.kind == "optimizer":
-                optimizers.append(gather_optimizer(s.name, s.obj, s.inner))
+                optimizers.append(read_optimizer(s.name, s.obj, s.inner))
             elif s.kind == "scaler":
-                scalers.append(gather_scaler(s.name, s.obj, _scaler_owners(s, subjects)))
+                scalers.append(read_scaler(s.name, s.obj, _scaler_owners(s, subjects)))
         except Exception as exc:  # a hostile or half-built object must not stop the report
             errors.append((s.name, _summarise(exc)))
     try:
@@ -184,7 +184,7 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
         optimizers=tuple(optimizers),
         scalers=tuple(scalers),
         precisions=precisions,
-        runtime=gather_runtime(),
+        runtime=gather_torch_state(),
         hardware=hardware,
         errors=tuple(errors),
         **extras,

@@ -10,7 +10,7 @@ import torch
 
 from ..discovery.subjects import Subject
 from ..facts.hardware import DeviceProfile
-from ..facts.precision import PrecisionFacts, RuntimeFacts, computes_in
+from ..facts.precision import PrecisionFacts, TorchStateFacts, computes_in
 from ..redact import allowed_env
 
 
@@ -75,7 +75,7 @@ def _installed_version(dist: str) -> str | None:
         return None
 
 
-def gather_runtime() -> RuntimeFacts:
+def gather_torch_state() -> TorchStateFacts:
     """Read autocast state, TF32 flags, allowlisted environment variables and library versions."""
     autocast = {}
     for dev in ("cpu", "cuda"):
@@ -84,7 +84,7 @@ def gather_runtime() -> RuntimeFacts:
                 autocast[dev] = str(torch.get_autocast_dtype(dev)).replace("torch.", "")
         except Exception:
             pass
-    return RuntimeFacts(
+    return TorchStateFacts(
         autocast=autocast,
         matmul_tf32=bool(torch.backends.cuda.matmul.allow_tf32),
         cudnn_tf32=bool(torch.backends.cudnn.allow_tf32),

@@ -23,8 +23,8 @@ smallest magnitudes), so it runs only when fp16 is in play
 
 Never a full-size temporary, never a cross-device copy (results come back as
 scalars), meta tensors skipped, autocast off, nothing mutated.
-:func:`scan_facts`, at the bottom, is the thin adapter from a diagnosis'
-Facts to the live tensors it names.
+:func:`mpdoctor.gathering.scan.scan_facts` is the thin adapter from a diagnosis'
+Facts to the live tensors it names; :mod:`mpdoctor.diagnosis.scan_rows` formats the result as rows.
 """
 
 from __future__ import annotations
@@ -135,10 +135,6 @@ class ScanFacts:
     def bytes(self) -> int:
         """Bytes read by the scan."""
         return sum(t.bytes for t in self.tensors)
-
-    def modules(self) -> list[dict]:
-        """One row per module and kind (param, grad, optimizer_state): the per-module view."""
-        return module_rows(self.tensors)
 
 
 def _itemsize(dtype: str) -> int:
@@ -623,6 +619,28 @@ def _sort_out(tensors: Sequence[torch.Tensor], idx: list[int], out: list[Stats |
     return readable
 
 
+def _groups(tensors: Sequence[torch.Tensor], out: list[Stats | str]) -> dict[tuple, list[int]]:
+    """Indices of ``tensors`` by (dtype, device, shape); a tensor without a shape gets its reason in ``out``.
+
+    Three attribute reads per tensor and a dict append: the only per-tensor Python work before the rows. The
+    layout is checked per group; a sparse tensor among dense ones of its shape makes the group's cat fail, and
+    the group is then sorted out one tensor at a time.
+    """
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        try:
+            key = (t.dtype, t.device, t.shape)
+        except Exception as exc:  # a lazy module's uninitialized parameter has no shape yet
+            out[i] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [i]
+        else:
+            group.append(i)
+    return groups
+
+
 def tensor_stats(
     tensors: Sequence[torch.Tensor],
     underflow: bool = False,
@@ -657,21 +675,7 @@ def tensor_stats(
         peak bytes of the scan's own buffers.
     """
     out: list[Stats | str] = [""] * len(tensors)
-    # Three attribute reads per tensor and a dict append: the only per-tensor Python work before the
-    # rows. The layout is checked per group; a sparse tensor among dense ones of its shape makes the
-    # group's cat fail, and the group is then sorted out one tensor at a time.
-    groups: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tensors):
-        try:
-            key = (t.dtype, t.device, t.shape)
-        except Exception as exc:  # a lazy module's uninitialized parameter has no shape yet
-            out[i] = f"{type(exc).__name__}: {exc}"[:200]
-            continue
-        group = groups.get(key)
-        if group is None:
-            groups[key] = [i]
-        else:
-            group.append(i)
+    groups = _groups(tensors, out)
     single: list[int] = []
     bulk: list[tuple[tuple, list[int], list[torch.Tensor]]] = []
     total = 0
@@ -886,187 +890,3 @@ def scan_objects(
         scan_tensors(entries, obj, kind, underflow=underflow, chunk_elements=chunk_elements, progress=progress)
         for obj, kind, entries in plans
     )
-
-
-def module_rows(tensors: Iterable[TensorScan]) -> list[dict]:
-    """Aggregate tensor rows per object, module and kind (in first-seen order)."""
-    rows: dict[tuple[str, str, str], dict] = {}
-    for t in tensors:
-        key = (t.object, t.module, t.kind)
-        row = rows.get(key)
-        if row is None:
-            row = rows[key] = {
-                "object": t.object, "module": t.module, "kind": t.kind, "dtypes": [], "tensors": 0, "elements": 0,
-                "nan": 0, "inf": 0, "absmax": 0.0, "fp16_overflow": 0, "fp16_underflow": 0, "bf16_overflow": 0,
-                "bf16_underflow": 0,
-            }  # fmt: skip
-        if t.dtype not in row["dtypes"]:
-            row["dtypes"].append(t.dtype)
-        row["tensors"] += 1
-        row["elements"] += t.numel
-        for k in ("nan", "inf", "fp16_overflow", "bf16_overflow"):
-            row[k] += getattr(t, k)
-        for k in ("fp16_underflow", "bf16_underflow"):
-            value = getattr(t, k)
-            row[k] = None if value is None or row[k] is None else row[k] + value
-        row["absmax"] = max(row["absmax"], t.absmax)
-    for row in rows.values():
-        row["dtypes"] = ",".join(row["dtypes"])
-    return list(rows.values())
-
-
-SCAN_COLUMNS = [
-    "object", "module", "kind", "dtypes", "tensors", "elements", "nan", "inf", "absmax",
-    "fp16_overflow", "fp16_underflow", "bf16_overflow", "bf16_underflow",
-]  # fmt: skip
-
-
-def scan_rows(facts: Any, by: str = "module") -> list[dict]:
-    """The scan as plain rows: per ``"module"`` (default) or per ``"tensor"``; empty without a scan."""
-    tensors = [t for s in getattr(facts, "scans", ()) for t in s.tensors]
-    if by == "tensor":
-        return [dict(t._asdict(), nonfinite=t.nonfinite) for t in tensors]
-    if by != "module":
-        raise ValueError(f"by must be 'module' or 'tensor', not {by!r}")
-    return module_rows(tensors)
-
-
-def scan_table(report_or_facts: Any, by: str = "module") -> Any:
-    """The scan as a pandas DataFrame (one row per module and kind, or per tensor with ``by="tensor"``).
-
-    Accepts a Report (``diagnose(..., scan=True)``) or a Facts bundle.
-    """
-    import pandas as pd
-
-    facts = getattr(report_or_facts, "facts", report_or_facts)
-    rows = scan_rows(facts, by=by)
-    if by == "tensor":
-        return pd.DataFrame(rows, columns=list(TensorScan._fields) + ["nonfinite"])
-    return pd.DataFrame(rows, columns=SCAN_COLUMNS)
-
-
-# -- the adapter from Facts: which live tensors a diagnosis scans ---------------------------------
-
-
-def _model_entries(model: torch.nn.Module, name: str, seen: set[int]) -> list[tuple[str, str, str, torch.Tensor]]:
-    """``(module path, kind, full name, tensor)`` of each parameter not in ``seen`` and its grad, in
-    ``named_modules()`` order.
-
-    One loop over the ``_modules`` and ``_parameters`` dicts with a stack:
-    ``named_modules``' recursive generators cost more than the scan itself on
-    a model of many small modules.
-    """
-    entries: list[tuple[str, str, str, torch.Tensor]] = []
-    append = entries.append
-    parameter = torch.nn.Parameter
-    visited: set[int] = set()
-    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
-    while stack:
-        mpath, mod = stack.pop()
-        if id(mod) in visited:
-            continue
-        visited.add(id(mod))
-        attrs = mod.__dict__
-        params = attrs.get("_parameters")
-        if params:
-            base = f"{name}.{mpath}." if mpath else f"{name}."
-            for pname, p in params.items():
-                if p is None or id(p) in seen:
-                    continue
-                seen.add(id(p))
-                full = base + pname
-                append((mpath, "param", full, p))
-                # A Parameter is a leaf by construction; reading .grad of a non-leaf would warn.
-                grad = p.grad if type(p) is parameter or p.is_leaf else None
-                if grad is not None:
-                    append((mpath, "grad", full + ".grad", grad))
-        children = attrs.get("_modules")
-        if children:
-            prefix = mpath + "." if mpath else ""
-            stack.extend((prefix + n, c) for n, c in reversed(children.items()) if c is not None)
-    return entries
-
-
-def _plans(facts: Any, subjects: Any = ()) -> list[tuple[str, str, list]]:
-    """What to scan: ``(object, kind, [(module, tensor kind, name, tensor), ...])`` per model and optimizer.
-
-    ``facts`` say what to scan; the live objects come from the discovered ``subjects``.
-    """
-    live = {s.name: s for s in subjects}
-    plans: list[tuple[str, str, list]] = []
-    seen: set[int] = set()
-    for m in facts.models:
-        if m.name in live:
-            plans.append((m.name, "model", _model_entries(live[m.name].obj, m.name, seen)))
-    if not facts.optimizers:
-        return plans
-    # param id -> (module path, full name): how optimizer state is labelled.
-    owners = {id(e[3]): (e[0], e[2]) for _, _, entries in plans for e in entries if e[1] == "param"}
-    for o in facts.optimizers:
-        subject = live.get(o.name)
-        inner = subject.inner if subject is not None else None
-        state = inner.__dict__.get("state", {}) if inner is not None else {}
-        groups = inner.__dict__.get("param_groups", []) if inner is not None else []
-        entries = []
-        index = 0
-        for group in groups:
-            for p in group.get("params", ()):
-                st = state.get(p) if isinstance(state, dict) else None
-                module, label = owners.get(id(p), ("", f"param {index}"))
-                index += 1
-                if not isinstance(st, dict):
-                    continue
-                for key, value in st.items():
-                    if isinstance(value, torch.Tensor) and value.numel() > 1 and id(value) not in seen:
-                        seen.add(id(value))
-                        entries.append((module, "optimizer_state", f"{o.name}.state[{label}][{key!r}]", value))
-        plans.append((o.name, "optimizer", entries))
-    return plans
-
-
-def fp16_in_play(facts: Any) -> bool:
-    """True when something in the setup computes or stores in fp16 (so flush-to-zero counts matter)."""
-    for p in facts.precisions:
-        if "fp16" in (p.effective, p.requested, p.accelerator_mixed_precision, p.args.get("mixed_precision")):
-            return True
-    if "float16" in facts.runtime.autocast.values():
-        return True
-    if any(s.enabled for s in facts.scalers):
-        return True
-    if not facts.hardware.bf16_native:
-        return True
-    return any(m.tensors.param_dtype_counts().get("float16") for m in facts.models)
-
-
-def scan_facts(
-    facts: Any,
-    subjects: Any = (),
-    underflow: bool | str = "auto",
-    chunk_elements: int | None = None,
-    progress: bool | None = None,
-) -> Any:
-    """Return ``facts`` with ``scans`` filled: one :class:`ScanFacts` per model and optimizer.
-
-    Parameters
-    ----------
-    facts : Facts
-        Gathered facts (plain data).
-    subjects : sequence of Subject
-        The discovered subjects: the live objects scanned.
-    underflow : bool or "auto"
-        Count values that would flush to zero in fp16 / bf16. ``"auto"``: only
-        when fp16 is in play (an fp16 setup, autocast, scaler, fp16 weights or
-        a device without bf16), since it costs a second read of every tensor.
-    chunk_elements : int, optional
-        Elements per chunk; the default keeps scan buffers under :data:`TEMP_BUDGET`.
-    progress : bool, optional
-        Show a tqdm progress bar; default: when the scan reads more than 1 GB.
-    """
-    from ..facts import Facts
-
-    if not subjects and (facts.models or facts.optimizers):
-        raise ValueError("scan_facts needs the discovered subjects: facts hold no live tensors")
-    if underflow == "auto":
-        underflow = fp16_in_play(facts)
-    scans = scan_objects(_plans(facts, subjects), underflow=bool(underflow), chunk_elements=chunk_elements, progress=progress)
-    return Facts(**{**facts.__dict__, "scans": tuple(facts.scans) + scans})

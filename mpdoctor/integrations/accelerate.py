@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..edits.steps import Change, SetAttr, SetEnv
-from ..facts.lowbit import FP8RecipeFacts
+from ..facts.fp8_training import FP8RecipeFacts
 from ..live.introspect import class_path, own_dict, raw_attr
 from . import Integration, Unwrap
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.lowbit import LowBitLayer
+from ..facts.quantized import LowBitLayer
 from ..facts.tensors import dtype_name
 from ..live.introspect import class_path, is_a, modules_of, raw_attr
 from . import Integration

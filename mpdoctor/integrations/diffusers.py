@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.lowbit import ComponentFacts
+from ..facts.diffusers import ComponentFacts
 from ..live.introspect import class_path, is_a, raw_attr
 from . import Integration
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..facts.lowbit import Float8Layer, QuantizedWeight
+from ..facts.fp8_training import Float8Layer
+from ..facts.quantized import QuantizedWeight
 from ..facts.tensors import dtype_name
 from ..live.introspect import class_path, class_paths, modules_of, named_modules, raw_attr
 from . import Integration

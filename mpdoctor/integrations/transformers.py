@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..live.introspect import is_a, modules_where, raw_attr
-from ..readers.configs import gather_configs
+from ..readers.configs import read_configs
 from ..redact import safe_value
 from . import Integration
 
@@ -153,7 +153,7 @@ def _loaded_from(model: Any) -> str:
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     return {
         "rope_buffers": _rope_buffers(inner) if is_a(inner, (PRETRAINED,)) else (),
-        "configs": gather_configs(inner_path, inner, live),
+        "configs": read_configs(inner_path, inner, live),
         "is_pretrained": is_a(inner, (PRETRAINED,)),
         "loaded_from": _loaded_from(inner) if is_a(inner, (PRETRAINED,)) else "",
         "keep_in_fp32": _keep_in_fp32(inner),

@@ -3,9 +3,8 @@
 - :mod:`.probe`: one forward + backward on a real batch with cheap hooks on
   every module, naming the first module that overflows or raises
   (``mpdoctor.probe``, ``%mpdoctor --probe batch``).
-- :mod:`.callback`: a transformers ``TrainerCallback`` that diagnoses at the
-  start of training and probes the batch where the loss first goes non-finite
-  (``mpdoctor.MPDoctorCallback``); the only module here importing transformers.
+
+The training callbacks that call the probe live in :mod:`mpdoctor.training`.
 
 Nothing is imported here, so ``import mpdoctor`` stays cheap.
 """
@@ -16,7 +15,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    # ``mpdoctor.numerics.callback.MPDoctorAbort`` after a plain ``import mpdoctor``: load the submodule.
+    # ``mpdoctor.numerics.probe`` read as an attribute after a plain ``import mpdoctor``: load the submodule.
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -342,7 +342,7 @@ def _autocast_for(model_device: torch.device, setup: Any, autocast: Any) -> tupl
 
 def _loss_scale(setup: Any, scaler: Any) -> float:
     """The current scale of the GradScaler the setup multiplies its loss by (read only)."""
-    from ..readers.scaler import gather_scaler
+    from ..readers.scaler import read_scaler
 
     if scaler is None:
         if setup is not None and is_a(setup, _SCALER):
@@ -352,7 +352,7 @@ def _loss_scale(setup: Any, scaler: Any) -> float:
             scaler = getattr(acc, "scaler", None) if acc is not None else None
     if scaler is None or not is_a(scaler, _SCALER):
         return 1.0
-    facts = gather_scaler("scaler", scaler)
+    facts = read_scaler("scaler", scaler)
     if not facts.enabled:
         return 1.0
     return facts.scale if facts.scale is not None else facts.init_scale

@@ -211,7 +211,7 @@ class ProbeFacts:
 class ForwardCall:
     """Positional and keyword arguments of one ``forward`` call, as a batch for :func:`probe`.
 
-    What :class:`~mpdoctor.numerics.callback.MPDoctorCallback` captures from
+    What :class:`~mpdoctor.training.trainer_callback.MPDoctorCallback` captures from
     a Trainer; also for models taking both (``probe(model, ForwardCall(x, mask=m))``).
     """
 

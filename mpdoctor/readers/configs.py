@@ -76,7 +76,7 @@ def _one(path: str, key: str, config: Any, live: Any, generation: bool = False) 
     )
 
 
-def gather_configs(model_path: str, module: Any, live: Any = None) -> tuple[ConfigFacts, ...]:
+def read_configs(model_path: str, module: Any, live: Any = None) -> tuple[ConfigFacts, ...]:
     """Return the config tree of ``module`` (root first, then sub-configs, then the generation config)."""
     out: list[ConfigFacts] = []
     root = raw_attr(module, "config", None)

@@ -13,7 +13,7 @@ from .tensors import Tallier
 _DEFAULT_KEYS = ("lr", "eps", "weight_decay", "kahan_sum", "foreach", "fused", "optim_bits", "betas")
 
 
-def gather_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
+def read_optimizer(name: str, outer: Any, inner: Any) -> OptimizerFacts:
     """Read the parameters and state of ``inner`` (the optimizer inside any wrapper)."""
     cls = type(inner)
     tally = Tallier(name)
@@ -96,7 +96,7 @@ def _bf16_update_loss(cls: type, groups: list, params: list[OptParam]) -> tuple[
         return None
     if not any(p.dtype == "bfloat16" and p.requires_grad for p in params):
         return None
-    from ..facts.lowbit import bf16_update_loss
+    from ..facts.optimizer import bf16_update_loss
 
     try:
         return bf16_update_loss(groups)

@@ -18,7 +18,7 @@ def _scalar(value: Any) -> float | None:
         return None
 
 
-def gather_scaler(name: str, scaler: Any, owners: tuple[str, ...] = ()) -> ScalerFacts:
+def read_scaler(name: str, scaler: Any, owners: tuple[str, ...] = ()) -> ScalerFacts:
     """Read the state of a GradScaler."""
     cls = type(scaler)
     tracker = _scalar(raw_attr(scaler, "_growth_tracker"))

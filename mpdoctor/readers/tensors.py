@@ -152,7 +152,7 @@ def _storage(p: Any, readers: tuple) -> tuple[str, str, int] | None:
     return None
 
 
-def gather_module_tensors(
+def read_module_tensors(
     name: str,
     module: torch.nn.Module,
     casting_layers: frozenset[str] = frozenset(),
@@ -183,7 +183,7 @@ def _count(counts: dict, key: tuple, numel: int) -> None:
 
 
 class _TensorWalk:
-    """What one walk of a module tree has read so far (``gather_module_tensors``' loop, one module at a time)."""
+    """What one walk of a module tree has read so far (``read_module_tensors``' loop, one module at a time)."""
 
     def __init__(self, casting_layers: frozenset[str], storage_readers: tuple) -> None:
         self.casting_layers = casting_layers

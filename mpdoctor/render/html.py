@@ -21,7 +21,7 @@ from html import escape
 from typing import Any
 
 from .data import humanize_bytes, humanize_count
-from .evidence import (
+from .formatting import (
     also_found_label,
     dtype_word,
     fix_kind,

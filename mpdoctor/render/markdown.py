@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import humanize_bytes
-from .evidence import dtype_word, plural
+from .formatting import dtype_word, plural
 from .view import ReportView
 
 

@@ -13,7 +13,7 @@ import math
 from html import escape
 from typing import Any
 
-from .evidence import BF16_MAX, FP16_MAX, LayerStrip, ProbeBar, dtype_word, format_number
+from .formatting import BF16_MAX, FP16_MAX, LayerStrip, ProbeBar, dtype_word, format_number
 
 #: Cell colours by dtype: the same hues as the dtype histogram, never used for text.
 DTYPE_FILL = {"float32": "#1976d2", "bfloat16": "#8e24aa", "float16": "#f57c00", "float64": "#00897b"}

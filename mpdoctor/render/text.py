@@ -5,7 +5,7 @@ from __future__ import annotations
 import textwrap
 
 from .data import humanize_bytes, humanize_count
-from .evidence import (
+from .formatting import (
     also_found_label,
     dtype_word,
     fix_kind,

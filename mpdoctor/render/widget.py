@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .evidence import also_found_label, fix_kind, fix_label, plural, singular_counts
+from .formatting import also_found_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-#: Passed by the wrappers instead of a ``Where``: the user's line is looked up only if a finding needs it.
+#: Passed by the wrappers instead of a ``Location``: the user's line is looked up only if a finding needs it.
 HERE: Any = object()
 
 

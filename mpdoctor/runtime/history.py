@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from ..treatment.findings import Finding
-from .loop_ast import Source, read_sources, relevant, source_of
+from .loop_findings import read_sources
+from .loop_source import Source, relevant, source_of
 from .rules import RULES
 
 
 def cell_sources(shell: Any) -> list[Source]:
-    """The cells ``shell`` has run, in execution order, as parsed :class:`Source` s labelled ``In [n]``.
+    """The cells ``shell`` has run, in execution order, as parsed :class:`Source` s of files ``In[n]``.
 
     Parameters
     ----------
@@ -32,7 +33,7 @@ def cell_sources(shell: Any) -> list[Source]:
     for count, code in enumerate(parsed):
         if not isinstance(code, str) or not relevant(code):
             continue
-        label = f"In [{count}]"
+        label = f"In[{count}]"  # Location reads the cell number from it: "cell [n], line 3"
         source = source_of(label, code)
         if source is None and count < len(raw) and isinstance(raw[count], str):
             source = _transformed(shell, label, raw[count])
@@ -78,7 +79,7 @@ def read_history(shell: Any, ignore: Iterable[str] = ()) -> list[Finding]:
     Returns
     -------
     list of Finding
-        Each names its cell and line (``In [7], line 12``) and offers the corrected lines as a display-only fix.
+        Each names its cell and line (``cell [7], line 12``) and offers the corrected lines as a display-only fix.
     """
     skip = set(ignore)
     with gc_paused():
@@ -98,13 +99,13 @@ def gc_paused() -> Iterator[None]:
 
 
 def read_script(path: str | Path, ignore: Iterable[str] = ()) -> list[Finding]:
-    """The AMP loop mistakes in a script file (never executed); findings name ``train.py, line 12``."""
+    """The AMP loop mistakes in a script file (never executed); findings name ``train.py:12``."""
     path = Path(path)
     try:
         code = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return []
-    source = source_of(path.name, code)
+    source = source_of(str(path), code)
     skip = set(ignore)
     return [f for f in read_sources([source]) if f.check not in skip] if source is not None else []
 

@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import linecache
 import math
-import os
-import re
 import sys
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,6 +44,7 @@ from .dispatch import (  # noqa: F401 - arm, disarm, installed, resident and set
 from .rules import RULES
 
 if TYPE_CHECKING:  # imported where used: %load_ext arms the resident wrapper without the facts package
+    from ..facts.location import Location
     from ..facts.scale_history import ScaleRecord
     from ..treatment.findings import Finding
 
@@ -67,58 +65,11 @@ UNSETTLED_SKIP_SHARE = 0.25
 OVERFLOW_STEPS_NAMED = 8
 
 
-def _resolve(where: Any) -> Where | None:
+def _resolve(where: Any) -> Location | None:
     return user_line(3) if where is HERE else where
 
 
-@dataclass(frozen=True)
-class Where:
-    """A line of the user's code: file, line number, the source text and the notebook cell if any."""
-
-    filename: str
-    lineno: int
-    text: str = ""
-    cell: int | None = None
-
-    @property
-    def label(self) -> str:
-        """``train.py:23`` or ``In [7], line 12``."""
-        if self.cell is not None:
-            return f"In [{self.cell}], line {self.lineno}"
-        name = self.filename
-        try:
-            rel = os.path.relpath(name)
-            name = rel if not rel.startswith("..") else name
-        except ValueError:  # another drive on Windows
-            pass
-        return f"{name}:{self.lineno}"
-
-
-_IPYTHON_INPUT = re.compile(r"^<ipython-input-(\d+)-")
-
-
-def cell_number(filename: str) -> int | None:
-    """The execution count of the IPython cell compiled under ``filename``, or None when it is a file.
-
-    IPython 7.34 names cells ``<ipython-input-7-...>``; newer IPython keeps ``compile._filename_map``
-    (ipykernel's ``/tmp/ipykernel_.../123.py`` names included).
-    """
-    m = _IPYTHON_INPUT.match(filename)
-    if m:
-        return int(m.group(1))
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
-        return None
-    try:
-        shell = ipython.get_ipython()
-        fmap = getattr(getattr(shell, "compile", None), "_filename_map", None)
-        number = fmap.get(filename) if isinstance(fmap, dict) else None
-        return int(number) if isinstance(number, int) else None
-    except Exception:
-        return None
-
-
-def user_line(depth: int = 2) -> Where | None:
+def user_line(depth: int = 2) -> Location | None:
     """The first frame above this call that is not library code: the user's line."""
     try:
         frame = sys._getframe(depth)
@@ -131,7 +82,9 @@ def user_line(depth: int = 2) -> Where | None:
         if name.split(".", 1)[0] not in _LIBRARY_PREFIXES:
             code = frame.f_code
             text = linecache.getline(code.co_filename, frame.f_lineno).strip()
-            return Where(code.co_filename, frame.f_lineno, text, cell_number(code.co_filename))
+            from ..facts.location import Location
+
+            return Location.at(code.co_filename, frame.f_lineno, text)
         frame = frame.f_back
     return None
 
@@ -182,7 +135,7 @@ class _ClipEvent:
 
     __slots__ = ("params", "unscaled", "where", "max_norm", "total_norm")
 
-    def __init__(self, params: frozenset, unscaled: frozenset, where: Where | None, max_norm: float | None,
+    def __init__(self, params: frozenset, unscaled: frozenset, where: Location | None, max_norm: float | None,
                  total_norm: Any) -> None:  # fmt: skip
         self.params = params
         self.unscaled = unscaled  # ids of the optimizers this scaler had unscaled when the clip ran
@@ -400,7 +353,7 @@ class ProtocolObserver:
     # -- findings ----------------------------------------------------------------------
     def _report(self, slug: str, subject: str, where: Any, message: str, evidence: dict) -> Finding | None:
         where = _resolve(where)
-        key = (slug, where.filename if where else None, where.lineno if where else None)
+        key = (slug, where.file if where else None, where.line if where else None)
         if key in self._reported:
             return None
         self._reported.add(key)
@@ -419,7 +372,7 @@ class ProtocolObserver:
         if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
             track.losses.append(outputs.detach())
 
-    def on_unscale(self, scaler: Any, optimizer: Any, where: Where | None) -> None:
+    def on_unscale(self, scaler: Any, optimizer: Any, where: Location | None) -> None:
         track = self._track(scaler)
         stage = _stage(scaler, optimizer)
         opt = self._name(optimizer, "optimizer")
@@ -435,7 +388,7 @@ class ProtocolObserver:
                          "GradScaler raises 'unscale_() is being called after step()'. Call update() once per step.",
                          {"optimizer": opt, "stage": stage})  # fmt: skip
 
-    def on_clip(self, params: list, max_norm: Any, total_norm: Any, where: Where | None) -> None:
+    def on_clip(self, params: list, max_norm: Any, total_norm: Any, where: Location | None) -> None:
         limit = _float(max_norm)
         if limit is not None and not math.isfinite(limit):
             return  # clip_grad_norm_(params, inf) only measures the norm (the Trainer logs grad_norm so)
@@ -457,7 +410,7 @@ class ProtocolObserver:
                 where = user_line(2)
             track.clips.append(_ClipEvent(ids, unscaled, where, limit, total_norm))
 
-    def on_step(self, scaler: Any, optimizer: Any, where: Where | None) -> None:
+    def on_step(self, scaler: Any, optimizer: Any, where: Location | None) -> None:
         track = self._track(scaler)
         opt = self._name(optimizer, "optimizer")
         stage = _stage(scaler, optimizer)
@@ -507,7 +460,7 @@ class ProtocolObserver:
         return [names.get(id(p), f"{opt}.param_groups[{gi}]['params'][{pi}] {tuple(p.shape)}")
                 for (gi, pi, p), ok in zip(params, finite) if not ok]  # fmt: skip
 
-    def _check_clips(self, track: _ScalerTrack, scaler: Any, optimizer: Any, where: Where | None) -> None:
+    def _check_clips(self, track: _ScalerTrack, scaler: Any, optimizer: Any, where: Location | None) -> None:
         if not track.clips:
             return
         mine = track.opt_params.get(id(optimizer)) or _param_ids(optimizer)
@@ -527,7 +480,7 @@ class ProtocolObserver:
                               "step_line": getattr(_resolve(where), "label", None)})  # fmt: skip
         track.clips = [c for c in track.clips if not (c.params & mine)]
 
-    def on_optimizer_step(self, optimizer: Any, where: Where | None) -> None:
+    def on_optimizer_step(self, optimizer: Any, where: Location | None) -> None:
         """An optimizer.step() not called by scaler.step (the global pre-hook)."""
         for track in self._tracks.values():
             scaler = track.ref()
@@ -548,7 +501,7 @@ class ProtocolObserver:
                          f"Call {track.name}.step({opt}) instead.", {"scaler": track.name, "optimizer": opt})  # fmt: skip
             return
 
-    def on_update(self, scaler: Any, where: Where | None) -> None:
+    def on_update(self, scaler: Any, where: Location | None) -> None:
         track = self._track(scaler)
         states = scaler.__dict__.get("_per_optimizer_states")
         any_check = isinstance(states, dict) and any(
@@ -631,7 +584,7 @@ class ProtocolObserver:
                          track.overflow_params.items(), key=lambda kv: -kv[1])[:5]),
                       "step": last.step, "scale_first": first.scale, "scale_now": last.scale})  # fmt: skip
 
-    def on_scheduler_step(self, scheduler: Any, where: Where | None) -> None:
+    def on_scheduler_step(self, scheduler: Any, where: Location | None) -> None:
         self._sched_steps += 1
         opt = getattr(scheduler, "optimizer", None)
         if opt is None or not self._last_skipped.get(id(opt)):
@@ -664,14 +617,14 @@ def _looks_fresh(scaler: Any) -> bool:
     return looks_fresh(scaler.__dict__.get("_init_scale"), scaler.__dict__.get("_init_scale"), tracker)
 
 
-def protocol_finding(slug: str, subject: str, where: Where | None, message: str, evidence: dict) -> Finding:
+def protocol_finding(slug: str, subject: str, where: Location | None, message: str, evidence: dict) -> Finding:
     """A :class:`Finding` of a protocol rule at the user's line, with the corrected lines as display-only code."""
     from ..treatment.findings import Finding
     from ..treatment.fixes import Applicability, Fix
 
     rule = RULES[slug]
     at = f"{where.label}: " if where is not None else ""
-    evidence = {**evidence, "where": where.label if where else None, "code": where.text if where else None}
+    evidence = {**evidence, "where": where.label if where else None, "code": where.code if where else None}
     fix = Fix(f"Corrected lines ({rule.title.lower()})", rule.corrected, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from mpdoctor.runtime.loop_ast import read_code
+from mpdoctor.runtime.loop_findings import read_code
 
 SETUP = """\
 import torch
@@ -85,7 +85,7 @@ def test_clipping_scaled_gradients_halts_training_unet_468_everydream_175():
     finding = finding_at(CLIP_BEFORE_UNSCALE, "amp-clip-before-unscale")
     assert (
         finding.subject
-        == f"train.py, line {line_of(CLIP_BEFORE_UNSCALE, 'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)')}"
+        == f"train.py:{line_of(CLIP_BEFORE_UNSCALE, 'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)')}"
     )
     fixed = run_loop(finding.fixes[0].code)
     assert trains(fixed) and moved(fixed) == pytest.approx(moved(reference))
@@ -119,7 +119,7 @@ def test_unscale_every_micro_batch_raises_swin_transformer_311():
         run_loop(SWIN_ACCUMULATION)
     finding = finding_at(SWIN_ACCUMULATION, "amp-unscale-twice")
     assert finding.severity == "error"
-    assert finding.subject == f"train.py, line {line_of(SWIN_ACCUMULATION, 'scaler.unscale_(optimizer)')}"
+    assert finding.subject == f"train.py:{line_of(SWIN_ACCUMULATION, 'scaler.unscale_(optimizer)')}"
     assert trains(run_loop(finding.fixes[0].code))
 
 
@@ -151,7 +151,7 @@ def test_update_skipped_with_the_step_makes_the_next_unscale_raise_lvsm_19_espne
     with pytest.raises(RuntimeError, match=r"unscale_\(\) has already been called"):
         run_loop(skip_first)
     finding = finding_at(SKIP_WITHOUT_UPDATE, "amp-unscale-twice")
-    assert finding.subject == f"train.py, line {line_of(SKIP_WITHOUT_UPDATE, 'scaler.unscale_(optimizer)')}"
+    assert finding.subject == f"train.py:{line_of(SKIP_WITHOUT_UPDATE, 'scaler.unscale_(optimizer)')}"
     assert "update" in finding.message
 
 
@@ -174,7 +174,7 @@ def test_step_without_update_raises_on_the_second_step_ms_amp_45():
     with pytest.raises(RuntimeError, match=r"step\(\) has already been called since the last update\(\)"):
         run_loop(MS_AMP_NO_UPDATE)
     finding = finding_at(MS_AMP_NO_UPDATE, "amp-update-missing")
-    assert finding.subject == f"train.py, line {line_of(MS_AMP_NO_UPDATE, 'scaler.step(optimizer)')}"
+    assert finding.subject == f"train.py:{line_of(MS_AMP_NO_UPDATE, 'scaler.step(optimizer)')}"
     assert trains(run_loop(finding.fixes[0].code))
 
 
@@ -217,7 +217,7 @@ def test_the_schedule_runs_ahead_on_skipped_steps_watchmal_106():
     assert (
         finding.severity == "info"
     )  # statically, PyTorch's own recipe: the run's skips are the watcher's to show
-    assert finding.subject == f"train.py, line {line_of(SCHEDULER_ON_SKIPS, 'scheduler.step()', overflowing)}"
+    assert finding.subject == f"train.py:{line_of(SCHEDULER_ON_SKIPS, 'scheduler.step()', overflowing)}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fixed = run_loop(finding.fixes[0].code, overflowing)

@@ -195,7 +195,7 @@ def test_callback_diagnoses_at_fit_start_and_probes_a_nonfinite_loss():
     cb = mpdoctor.MPDoctorLightningCallback(stop_on_nonfinite=True)
     t, m = trainer("bf16-mixed", callbacks=[cb]), Exploding()
     before = m.layer.weight.detach().clone()
-    with pytest.raises(mpdoctor.numerics.callback.MPDoctorAbort):
+    with pytest.raises(mpdoctor.training.callback_state.MPDoctorAbort):
         t.fit(m, loader())
     assert cb.start_report is not None and cb.start_report.ok
     assert cb.events and cb.events[0]["event"] == "nonfinite-loss"
@@ -210,7 +210,7 @@ def test_import_mpdoctor_does_not_import_the_callback():
     # In a fresh interpreter: this test process imported the callback already (the tests above use it).
 
     out = subprocess.run(
-        [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.numerics.lightning_callback' in sys.modules)"],
+        [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.training.lightning_callback' in sys.modules)"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.stdout.split() == ["False", "False"]

@@ -95,7 +95,7 @@ def _frame_module(tb: TracebackType) -> str:
 
 def _explain(exc: BaseException, tb: TracebackType | None, scan: bool) -> None:
     try:
-        from .cause import explain
+        from ..crash.cause import explain
 
         report = explain(exc, tb, scan=True if scan else None)
         if report is not None:

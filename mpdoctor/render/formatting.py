@@ -1,4 +1,4 @@
-"""View-model helpers shared by the text, HTML and widget renderers: plain data in, short words out.
+"""Formatting shared by the text, HTML, markdown and widget renderers: plain data in, short words out.
 
 Nothing here imports torch or touches a live object: evidence dicts, report
 views and fact tuples are read as plain data. :func:`layer_rows` is the one
@@ -108,8 +108,9 @@ def layer_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def kind_of(path: str) -> str:
-    """What a module path names, for summaries: ``"MLP projection"``, ``"attention projection"``, ``"norm"``, ..."""
+def model_part(path: str) -> str:
+    """The part of a model a module path names, for summaries: ``"MLP projection"``, ``"attention projection"``,
+    ``"norm"``, ``"embedding"``, ``"output head"``, else ``"module"``."""
     low = path.lower()
     for label, pattern in _KINDS:
         if pattern.search(low):
@@ -129,7 +130,7 @@ def summarize_modules(modules: dict[str, Any], roles: dict[str, str] | None = No
         values = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes]
         words = "/".join(dtype_word(str(d)) for d in values)
         role = roles.get(path, "")
-        groups.setdefault((kind_of(path), role if role not in ("", "compute", "norm") else "", words), []).append(path)
+        groups.setdefault((model_part(path), role if role not in ("", "compute", "norm") else "", words), []).append(path)
     out = []
     for (kind, role, words), paths in groups.items():
         label = f"{role} {kind}" if role else kind

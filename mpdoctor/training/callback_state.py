@@ -33,10 +33,13 @@ def ipython_shell() -> Any:
 class CallbackState:
     """Settings, reports and events of a training callback, and the :class:`LossWatcher` it shares with ``watch``.
 
+    Its constructor is both callbacks' (``MPDoctorCallback(...)``, ``MPDoctorLightningCallback(...)``): one
+    list of settings, documented once here.
+
     Parameters
     ----------
     stop_on_error : bool
-        Stop training when the start-of-training diagnosis has an error.
+        Stop training before the first step when the start-of-training diagnosis has an error.
     stop_on_nonfinite : bool
         Stop training at the first non-finite loss (after probing the batch).
     probe : bool

@@ -222,7 +222,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
 
     def explain(self, exc: BaseException, tb: TracebackType | None = None) -> Any:
         """Explain a known mixed-precision exception with the watched objects and the frames' objects; show it."""
-        from .cause import explain
+        from ..crash.cause import explain
 
         report = explain(exc, tb, *self._objects(), names=self._names(), target=self.target, ignore=self.ignore)
         if report is not None:

@@ -7,7 +7,7 @@
   report); ``control.should_training_stop`` would only act after a step.
 - every micro-batch: a forward hook on the model keeps a reference to the
   latest inputs and the loss tensor (no copy, no sync), through
-  :class:`mpdoctor.crash.watch.LossWatcher`, shared with ``mpdoctor.watch``.
+  :class:`mpdoctor.runtime.losses.LossWatcher`, shared with ``mpdoctor.watch``.
 - ``on_pre_optimizer_step``: reads this step's losses with one transfer;
   on the first non-finite loss it probes that micro-batch *before* the
   optimizer step writes NaN into the weights, and shows where it went wrong.
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
+from ..numerics.probe import probe_inputs
 from .callback_state import CallbackState, MPDoctorAbort, ipython_shell
-from .probe import probe_inputs
 
 logger = logging.getLogger("mpdoctor")
 
@@ -77,17 +77,7 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         What the callback noticed (``{"step", "event", "detail"}``).
     """
 
-    def __init__(
-        self,
-        stop_on_error: bool = False,
-        stop_on_nonfinite: bool = False,
-        probe: bool = True,
-        scan: bool = False,
-        ignore: tuple[str, ...] | list[str] = (),
-        verbose: bool = False,
-        timeout: float = 60.0,
-    ) -> None:
-        CallbackState.__init__(self, stop_on_error, stop_on_nonfinite, probe, scan, ignore, verbose, timeout)
+    # The constructor is CallbackState's, shared with the Lightning callback.
 
     def _detach(self) -> None:
         self._watcher.close()
@@ -127,9 +117,9 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
         scaler = getattr(optimizer, "scaler", None)
         if scaler is not None and not self._fired:
             from ..checks.scaler import COLLAPSE_FACTOR
-            from ..readers.scaler import gather_scaler
+            from ..readers.scaler import read_scaler
 
-            sc = gather_scaler("optimizer.scaler", scaler)
+            sc = read_scaler("optimizer.scaler", scaler)
             if sc.enabled and sc.scale is not None and (sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR):
                 self._fire(state.global_step, "scale-collapsed", f"loss scale {sc.scale:g} (started at {sc.init_scale:g})",
                            self._watcher.latest, model, optimizer)  # fmt: skip

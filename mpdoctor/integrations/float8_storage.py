@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ..facts.lowbit import STORAGE_DTYPES, StoredLayer
+from ..facts.quantized import STORAGE_DTYPES, StoredLayer
 from ..facts.tensors import dtype_name
 from ..live.introspect import class_path, named_modules, raw_attr
 

@@ -4,7 +4,7 @@
   along) and shows the report on global rank 0 when it has errors or warnings. With
   ``stop_on_error=True`` an error stops the run before the first step (:class:`MPDoctorAbort`).
 - ``on_train_start``: the optimizers exist now; a forward hook on the LightningModule keeps a
-  reference to the latest inputs (no copy, no sync), through :class:`mpdoctor.crash.watch.LossWatcher`,
+  reference to the latest inputs (no copy, no sync), through :class:`mpdoctor.runtime.losses.LossWatcher`,
   shared with ``mpdoctor.watch`` and the transformers callback.
 - ``on_before_backward``: records the loss tensor Lightning is about to back-propagate.
 - ``on_before_optimizer_step``: reads the recorded losses with one transfer; on the first non-finite loss
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .probe import probe_inputs
+from ..numerics.probe import probe_inputs
 
 try:  # the unified package first; the standalone ``pytorch_lightning`` where only it is installed
     from lightning.pytorch.callbacks import Callback
@@ -51,6 +51,8 @@ class MPDoctorLightningCallback(Callback, CallbackState):
         Raise :class:`MPDoctorAbort` after probing a non-finite loss, before the optimizer step.
     probe : bool
         Probe the failing batch (one extra forward + backward, everything restored).
+    scan : bool
+        Also scan tensor values in the start-of-fit diagnosis.
     ignore : iterable of str
         Check slugs to skip.
     verbose : bool
@@ -66,16 +68,7 @@ class MPDoctorLightningCallback(Callback, CallbackState):
         What the callback noticed (``{"step", "event", "detail"}``).
     """
 
-    def __init__(
-        self,
-        stop_on_error: bool = False,
-        stop_on_nonfinite: bool = False,
-        probe: bool = True,
-        ignore: tuple[str, ...] | list[str] = (),
-        verbose: bool = False,
-        timeout: float = 60.0,
-    ) -> None:
-        CallbackState.__init__(self, stop_on_error, stop_on_nonfinite, probe, False, ignore, verbose, timeout)
+    # The constructor is CallbackState's, shared with the transformers callback.
 
     # -- events ------------------------------------------------------------------------
 
@@ -84,7 +77,7 @@ class MPDoctorLightningCallback(Callback, CallbackState):
         from ..diagnosis.ranks import diagnose_in_callback
 
         self.start_report = diagnose_in_callback(trainer, timeout=self.timeout, names={id(trainer): "trainer"},
-                                                 ignore=self.ignore)  # fmt: skip
+                                                 scan=self.scan, ignore=self.ignore)  # fmt: skip
         if self.verbose or not self.start_report.ok:
             self._show(trainer, self.start_report, "at the start of fit")
         errors = self.start_report.counts()["error"]

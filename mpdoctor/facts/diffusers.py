@@ -1,0 +1,22 @@
+"""Facts of a diffusers model component: its class and the precision flags of its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ComponentFacts:
+    """A diffusers model component (UNet, transformer, VAE) and the precision flags of its config.
+
+    ``flags`` are ``(key, value)`` pairs of the config keys that change precision
+    (``force_upcast``, ``upcast_attention``, ...), present on the config.
+    """
+
+    class_path: str
+    is_vae: bool
+    flags: tuple[tuple[str, object], ...] = ()
+
+    def flag(self, key: str, default: object = None) -> object:
+        """The value of one flag."""
+        return dict(self.flags).get(key, default)
