@@ -174,3 +174,23 @@ def test_a_raising_cell_shows_its_mistake_once(shell, capsys):
     out = capsys.readouterr()
     shown = re.findall(r"^(?:ERROR|WARN|INFO)\s+(\S+)\s", out.out, flags=re.M)
     assert shown.count("amp-unscale-twice") == 1, out.out
+
+
+def test_the_cell_reader_quotes_the_live_scalers_scale_not_the_default(shell, capsys):
+    shell.run_cell(FRESH, store_history=True)
+    shell.run_cell("""
+fresh(init_scale=4096.0)
+optimizer.zero_grad()
+with torch.autocast("cpu", dtype=torch.float16):
+    loss = model(x).float().pow(2).mean()
+amp_scaler.scale(loss).backward()
+torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+amp_scaler.step(optimizer)
+amp_scaler.update()
+""", store_history=True)
+    capsys.readouterr()
+    shell.run_cell("r = %mpdoctor --text", store_history=True)
+    clip = [f for f in shell.user_ns["r"].findings if f.check == "amp-clip-before-unscale"]
+    assert clip, [f.check for f in shell.user_ns["r"].findings]
+    live = shell.user_ns["amp_scaler"].get_scale()
+    assert f"({live:g} now)" in clip[0].message and "65536" not in clip[0].message, clip[0].message

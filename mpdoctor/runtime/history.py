@@ -83,7 +83,25 @@ def read_history(shell: Any, ignore: Iterable[str] = ()) -> list[Finding]:
     """
     skip = set(ignore)
     with gc_paused():
-        return [f for f in read_sources(cell_sources(shell)) if f.check not in skip]
+        return [f for f in read_sources(cell_sources(shell), scales=live_scales(shell.user_ns)) if f.check not in skip]
+
+
+def live_scales(namespace: Any) -> dict[str, float]:
+    """The scale of every enabled GradScaler ``namespace`` holds by name (its ``init_scale`` before a step).
+
+    Read from the scaler's own fields (no method of a user object is called).
+    """
+    out: dict[str, float] = {}
+    for name, value in dict(namespace).items():
+        if not isinstance(name, str) or name.startswith("_") or "GradScaler" not in type(value).__name__:
+            continue
+        fields = getattr(value, "__dict__", {})
+        scale = fields.get("_scale")
+        try:
+            out[name] = float(scale.item()) if scale is not None else float(fields.get("_init_scale", 65536.0))
+        except Exception:  # a scaler whose scale cannot be read keeps the default's wording
+            continue
+    return out
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ user's own loop with the corrected lines (:mod:`mpdoctor.runtime.loop_rewrite`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ..treatment.findings import Finding
 from .loop_interpreter import LoopMistake, LoopReader, Names
@@ -26,8 +26,12 @@ _WHAT = {
 }
 
 
-def to_finding(mistake: LoopMistake) -> Finding:
-    """The :class:`Finding` for a mistake: the rule's slug and severity, the cell and line, the corrected lines."""
+def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) -> Finding:
+    """The :class:`Finding` for a mistake: the rule's slug and severity, the cell and line, the corrected lines.
+
+    ``scales`` maps scaler names to the live scaler's scale (its ``init_scale`` before its first step), when the
+    reader has the namespace; a message about the scale then quotes it instead of the default's 65536.
+    """
     from ..treatment.fixes import Applicability, Fix
 
     rule = RULES[mistake.slug]
@@ -41,7 +45,9 @@ def to_finding(mistake: LoopMistake) -> Finding:
     latent = (
         f" ({mistake.scaler} is created with enabled=False: harmless until it is enabled)" if mistake.latent else ""
     )
-    message = f"{at}: {what}{latent}; {_WHY.get(mistake.slug, rule.why)}"
+    scale = (scales or {}).get(mistake.scaler or "")
+    scale_text = f"{scale:g} now" if scale is not None else "65536 to start, by default"
+    message = f"{at}: {what}{latent}; {_WHY.get(mistake.slug, rule.why).format(scale=scale_text)}"
     fixed = corrected_code(mistake)  # before the evidence: rewriting a clip names the optimizer it unscales
     evidence = {
         "cell": at.place,
@@ -62,7 +68,7 @@ def to_finding(mistake: LoopMistake) -> Finding:
 #: Measured on this CPU where it differs from the shared rule's text: a 0.1 clip on scaled gradients bites on
 #: every step, then scaler.step divides the clipped gradient by the scale again (tests/test_loop_reader.py).
 _WHY = {
-    "amp-clip-before-unscale": "the norm it measures is the true norm x the scale (65536 to start), so it clips at "
+    "amp-clip-before-unscale": "the norm it measures is the true norm x the scale ({scale}), so it clips at "
     "max_norm x scale: almost every step is clipped to max_norm, then scaler.step divides that by the scale again, and "
     "the update is thousands of times too small (with a very small scale the clip never bites)",
 }
@@ -77,7 +83,9 @@ _FIX_TITLE = {
 }
 
 
-def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[Finding]:
+def read_sources(
+    sources: Iterable[Source], names: Names | None = None, scales: Mapping[str, float] | None = None
+) -> list[Finding]:
     """The protocol mistakes in ``sources`` read in order (names bound by earlier ones are known to later ones).
 
     Parameters
@@ -86,6 +94,8 @@ def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[
         Cells in execution order, or one script.
     names : Names, optional
         Bindings known beforehand.
+    scales : mapping of str to float, optional
+        The live scale of each scaler the namespace holds by name (see :func:`to_finding`).
 
     Returns
     -------
@@ -112,7 +122,7 @@ def read_sources(sources: Iterable[Source], names: Names | None = None) -> list[
         key = (mistake.slug, mistake.at.line, mistake.at.source.code)
         latest.pop(key, None)
         latest[key] = mistake
-    findings = [to_finding(mistake) for mistake in latest.values()]
+    findings = [to_finding(mistake, scales) for mistake in latest.values()]
     findings.sort(key=lambda f: f.rank)  # stable: in reading order within a severity
     return findings
 
