@@ -24,8 +24,9 @@ from collections.abc import Iterator
 from ..facts import Facts
 from ..facts.precision import PrecisionFacts, computes_in, declared_precision, native_amp_for, setup_device
 from ..treatment.changes import AlignPrecision, SetMatmulPrecision
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 ENV_VAR = "ACCELERATE_MIXED_PRECISION"
@@ -126,11 +127,11 @@ def alignment_fix(
 # -- checks -------------------------------------------------------------------------------------------------
 
 
-@check("precision-override", "error")
-def precision_override(facts: Facts) -> Iterator[Finding]:
+@check("precision-override", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE,))
+def precision_override(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The precision a run computes in is not the precision its arguments ask for.
 
-    What it detects
+    What it does
         A Trainer (or ``TrainingArguments``) whose explicit ``fp16`` / ``bf16`` flags disagree with what
         accelerate will run: (a) a stale ``ACCELERATE_MIXED_PRECISION`` (left by an earlier
         ``TrainingArguments`` in the kernel, or a launcher) that turned ``fp16=False`` into
@@ -139,13 +140,19 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
         when the computed precision differs from the request; warning when only the labels differ
         (fp16 declared on a CPU computes fp32 as asked, but the stale variable will switch every later
         Trainer in the kernel to fp16 on a GPU). Setups with a DeepSpeed config are skipped.
-    Why it matters
+    Why is this bad?
         ms-swift users passing ``--fp16 false`` still trained under fp16 autocast on V100s and got NaN;
         a CPU run asked for fp16 silently trains and measures fp32.
+    Example
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"  # left from an earlier run
+        trainer = Trainer(model, TrainingArguments(output_dir="out", bf16=True), train_dataset=ds)
+    Use instead
+        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        trainer = Trainer(model, TrainingArguments(output_dir="out", bf16=True), train_dataset=ds)
     Severity
         Error when the run computes in another precision than asked; warning when only the labels differ
         (a stale variable that will bite a later run).
-    Fix
+    Fix safety
         Bring the accelerator (``AcceleratorState._mixed_precision``, ``native_amp``, the shared scaler, the
         autocast wrapper of already prepared models), ``args.mixed_precision`` and the environment
         variable in line with the arguments, in place, so the next ``trainer.train()`` step computes in
@@ -157,7 +164,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
         autocast 50 ms, bf16 autocast 1.8 ms), so the message points to bf16 as the CPU's half precision.
         All unsafe: each changes the numerics of the next step or a choice the user wrote, and the
         accelerator state is process-wide.
-    Source
+    Sources
         ms-swift issue #3896 / PR #3909; transformers ``TrainingArguments.__post_init__`` (reads
         ``ACCELERATE_MIXED_PRECISION``); accelerate ``Accelerator.__init__`` (fp16 on CPU: no native AMP).
     """
@@ -173,7 +180,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
             continue
         if declared == "fp8" and p.requested == "no" and p.env_mixed_precision == "fp8":
             continue  # fp8 is asked through the launcher (TrainingArguments has no fp8 flag): bf16=False keeps it
-        severity = "error" if computes != p.requested else "warning"
+        severity = Severity.ERROR if computes != p.requested else Severity.WARNING
         device = _device(facts, p)
         evidence = {
             "requested": p.requested,
@@ -195,7 +202,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
                 f"{p.name} asks for {_label(p.requested)} but {cause}"
                 + (
                     f", so the next step computes in {_label(computes)}."
-                    if severity == "error"
+                    if severity == Severity.ERROR
                     else f"; on this {setup_device(p, hw)} that still computes in {_label(computes)}, but the stale "
                     "setting will run any later Trainer in this kernel in "
                     f"{declared} on a GPU."
@@ -250,7 +257,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
                     cost="no change to the numbers this run computes",
                 )
             )
-        yield Finding("precision-override", severity, p.name, msg, evidence, fixes)
+        yield rule.finding( p.name, msg, evidence, fixes, severity=severity)
 
 
 def _label(precision: str) -> str:
@@ -266,25 +273,29 @@ def _half_setup_models(facts: Facts) -> set[str]:
     return out
 
 
-@check("tf32-off", "info")
-def tf32_off(facts: Facts) -> Iterator[Finding]:
+@check("tf32-off", Severity.INFO, fix_safety=(Applicability.UNSAFE,))
+def tf32_off(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """fp32 matmuls on a GPU with TF32 tensor cores, with TF32 switched off.
 
-    What it detects
+    What it does
         On the live device or the ``target=`` profile with TF32 (Ampere and later): a model whose weights
         are mostly fp32 and that no setup runs under fp16/bf16 autocast, while
         ``torch.backends.cuda.matmul.allow_tf32`` is False and ``torch.get_float32_matmul_precision()`` is
         ``"highest"`` (PyTorch's default).
-    Why it matters
+    Why is this bad?
         fp32 matmuls then run on CUDA cores at a fraction of the tensor-core throughput (A100: 19.5 vs 156
         TFLOPS). TF32 keeps fp32's range with a 10-bit mantissa, which is ample for training.
+    Example
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on an A100
+    Use instead
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores
     Severity
         Info: a speed opportunity on Ampere and later, never a fault.
-    Fix
+    Fix safety
         ``torch.set_float32_matmul_precision("high")`` (also sets ``allow_tf32``), process-wide and
         reversible. Unsafe: it changes matmul numerics slightly (outputs differ in the fourth significant
         digit), so it is applied only on request.
-    Source
+    Sources
         PyTorch docs "TensorFloat-32 (TF32) on Ampere (and later) devices"; ``torch.set_float32_matmul_precision``.
     """
     hw, rt = facts.hardware, facts.runtime
@@ -303,9 +314,7 @@ def tf32_off(facts: Facts) -> Iterator[Finding]:
         recipe="tf32",
         cost="several times faster fp32 matmuls; outputs differ in the fourth significant digit",
     )
-    yield Finding(
-        "tf32-off",
-        "info",
+    yield rule.finding(
         "torch.backends.cuda.matmul.allow_tf32",
         f"{', '.join(fp32)} {'runs' if len(fp32) == 1 else 'run'} fp32 matmuls on {hw.label} with TF32 off: "
         "tensor cores sit idle; TF32 is several times faster with fp32's range.",
