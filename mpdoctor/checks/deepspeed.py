@@ -57,7 +57,7 @@ def _args_code(d: DeepSpeedFacts, precision: str) -> str:
     )
 
 
-@check("deepspeed-precision-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY,))
+@check("deepspeed-precision-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def deepspeed_precision_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A DeepSpeed config enables fp16 and bf16 together, or a precision its TrainingArguments contradict.
 
@@ -94,23 +94,13 @@ def deepspeed_precision_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         both = d.fp16 is True and d.bf16 is True
         want_fp16, want_bf16 = bool(d.args_fp16), bool(d.args_bf16)
-        contradicts = d.args_fp16 is not None and any(
-            value in (True, False) and value != want for value, want in ((d.fp16, want_fp16), (d.bf16, want_bf16))
-        )
-        if not (both or d.mismatches or contradicts):
+        if not (both or d.mismatches or _args_contradict(d)):
             continue
         if want_fp16 and want_bf16:
             continue  # the arguments contradict themselves: transformers refuses them first
         asked = "fp16" if want_fp16 else "bf16" if want_bf16 else "fp32"
         config = "fp16 and bf16" if both else "fp16" if d.fp16 is True else "bf16" if d.bf16 is True else "fp32"
         lines = list(d.mismatches) or [f"- ds fp16.enabled={_flag(d.fp16)}, bf16.enabled={_flag(d.bf16)}"]
-        where = "arguments" if d.args_name else "accelerator's mixed precision"
-        message = (
-            f"{d.name}'s DeepSpeed config enables {config} while its {where} ask for {asked}: "
-            + ("trainer.train() will raise 'Please correct the following DeepSpeed config values that mismatch "
-               f"TrainingArguments values: {' '.join(lines)}'." if d.mismatches else
-               "DeepSpeed refuses both at once ('bfloat16 and fp16 modes cannot be simultaneously enabled').")
-        )
         fixes = [_align_fix(d, want_fp16, want_bf16, f"Make {d.name}'s DeepSpeed config follow the arguments ({asked})")]
         if not both and config != "fp32":
             fixes.append(
@@ -123,11 +113,28 @@ def deepspeed_precision_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
             )
         yield rule.finding(
             d.name,
-            message,
+            _mismatch_message(d, config, asked, lines),
             {"config_fp16": d.fp16, "config_bf16": d.bf16, "args_fp16": d.args_fp16, "args_bf16": d.args_bf16,
              "mismatches": lines, "config": d.config_path},
             fixes,
         )
+
+
+def _args_contradict(d: DeepSpeedFacts) -> bool:
+    """True when the config sets fp16 or bf16 to the opposite of what the arguments ask."""
+    wants = ((d.fp16, bool(d.args_fp16)), (d.bf16, bool(d.args_bf16)))
+    return d.args_fp16 is not None and any(value in (True, False) and value != want for value, want in wants)
+
+
+def _mismatch_message(d: DeepSpeedFacts, config: str, asked: str, lines: list[str]) -> str:
+    """What transformers or DeepSpeed will raise for a config that contradicts the arguments or itself."""
+    where = "arguments" if d.args_name else "accelerator's mixed precision"
+    return (
+        f"{d.name}'s DeepSpeed config enables {config} while its {where} ask for {asked}: "
+        + ("trainer.train() will raise 'Please correct the following DeepSpeed config values that mismatch "
+           f"TrainingArguments values: {' '.join(lines)}'." if d.mismatches else
+           "DeepSpeed refuses both at once ('bfloat16 and fp16 modes cannot be simultaneously enabled').")
+    )  # fmt: skip
 
 
 def _precision_code(d: DeepSpeedFacts, use: str) -> str:
@@ -143,7 +150,7 @@ def _precision_code(d: DeepSpeedFacts, use: str) -> str:
     return "\n".join(lines)
 
 
-@check("deepspeed-precision-unsupported", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY,))
+@check("deepspeed-precision-unsupported", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def deepspeed_precision_unsupported(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A DeepSpeed config or engine in fp16 or bf16 that DeepSpeed refuses on this device (or the target).
 
@@ -269,7 +276,7 @@ def deepspeed_loss_scale_collapsed(facts: Facts, rule: Rule) -> Iterator[Finding
 _HALF = ("float16", "bfloat16")
 
 
-@check("deepspeed-low-precision-reduction", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY,))
+@check("deepspeed-low-precision-reduction", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def deepspeed_low_precision_reduction(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """DeepSpeed reducing gradients in 16 bits: fp16 under bf16 training (warning), or the 16-bit default (info).
 

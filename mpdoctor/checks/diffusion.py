@@ -44,7 +44,7 @@ def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
     ]
 
 
-@check("vae-fp16-overflow", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY,))
+@check("vae-fp16-overflow", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A diffusers VAE running in fp16 whose activations overflow (or would, with force_upcast off).
 

@@ -42,7 +42,7 @@ def _float_dtypes(m: ModelFacts) -> dict[str, int]:
     return {d: n for d, n in m.tensors.param_dtype_counts().items() if d in FLOATING}
 
 
-@check("fsdp-mixed-dtype-unit", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY,))
+@check("fsdp-mixed-dtype-unit", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def fsdp_mixed_dtype_unit(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An FSDP unit, or a model an FSDP wrap is planned for, holds parameters of more than one dtype.
 
@@ -334,28 +334,14 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
         return
     ref = _reference(dist.ranks)
     ref_fp = next((r.fingerprint for r in dist.ranks if r.digest == ref and r.fingerprint is not None), None)
-    groups: dict[str, list[int]] = {}
-    fps: dict[str, dict | None] = {}
-    for r in dist.ranks:
-        if r.digest != ref:
-            groups.setdefault(r.digest, []).append(r.rank)
-            fps.setdefault(r.digest, r.fingerprint)
+    if ref_fp is None:
+        return
+    groups = _odd_groups(dist.ranks, ref)
     for key, (severity, why) in _KEYS.items():
-        odd = sorted(r for d, ranks in groups.items() for r in ranks if (fps[d] or {}).get(key) != (ref_fp or {}).get(key))
-        if not odd or ref_fp is None:
+        odd, values = _disagreement(groups, ref_fp, key)
+        if not odd:
             continue
-        values = {"majority": ref_fp.get(key)}
-        for d, ranks in groups.items():
-            if (fps[d] or {}).get(key) != ref_fp.get(key):
-                values[f"rank {ranks[0]}"] = (fps[d] or {}).get(key)
-        fixes = []
-        if key == "params" and dist.rank in odd:
-            for m in facts.models:
-                want = ref_fp["params"].get(m.name) or {}
-                if len(want) == 1:
-                    fix = _cast_fix(facts, m, next(iter(want)), "match-other-ranks", "as on the other ranks")
-                    if fix is not None:
-                        fixes.append(fix)
+        fixes = _match_majority_fixes(facts, ref_fp) if key == "params" and dist.rank in odd else []
         names = ", ".join(str(r) for r in odd)
         yield rule.finding(
             f"ranks {names}" if len(odd) > 1 else f"rank {names}",
@@ -365,6 +351,35 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
             fixes,
             severity=severity,
         )
+
+
+def _odd_groups(ranks: tuple, ref: str) -> dict[str, tuple[list[int], dict | None]]:
+    """The ranks that differ from the reference digest, grouped by digest, with one fingerprint per group."""
+    groups: dict[str, tuple[list[int], dict | None]] = {}
+    for r in ranks:
+        if r.digest != ref:
+            groups.setdefault(r.digest, ([], r.fingerprint))[0].append(r.rank)
+    return groups
+
+
+def _disagreement(groups: dict[str, tuple[list[int], dict | None]], ref_fp: dict, key: str) -> tuple[list[int], dict]:
+    """The ranks whose fingerprint differs from the majority's on ``key``, and the values each group holds."""
+    differing = [(ranks, (fp or {}).get(key)) for ranks, fp in groups.values() if (fp or {}).get(key) != ref_fp.get(key)]
+    values = {"majority": ref_fp.get(key)}
+    values.update({f"rank {ranks[0]}": value for ranks, value in differing})
+    return sorted(r for ranks, _value in differing for r in ranks), values
+
+
+def _match_majority_fixes(facts: Facts, ref_fp: dict) -> list[Fix]:
+    """On an odd rank: cast each model whose majority holds one dtype to that dtype."""
+    fixes = []
+    for m in facts.models:
+        want = ref_fp["params"].get(m.name) or {}
+        if len(want) == 1:
+            fix = _cast_fix(facts, m, next(iter(want)), "match-other-ranks", "as on the other ranks")
+            if fix is not None:
+                fixes.append(fix)
+    return fixes
 
 
 @check("rank-did-not-answer", Severity.ERROR, Severity.WARNING)

@@ -200,7 +200,7 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
     )
 
 
-@check("mixed-param-dtypes", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE,))
+@check("mixed-param-dtypes", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
 def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Parameters of two floating dtypes in one compute path that nothing casts between.
 
@@ -267,28 +267,7 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
             offenders = [u for u in offenders if u.patched and u.role != "norm"]
             if not offenders:
                 continue
-            severity = Severity.WARNING
-            origins = sorted({u.patched for u in offenders if u.patched})
-            msg = (
-                f"{_describe(offenders)} of {m.name} {_hold(offenders)} weights other than its {dtype} compute dtype and are read "
-                f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
-                "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
-            )
-        elif any(u.role != "norm" for u in offenders):
-            severity = Severity.ERROR
-            msg = (
-                f"{m.name} computes in {dtype} but {_describe([u for u in offenders if u.role != 'norm'])} {_hold([u for u in offenders if u.role != 'norm'])} other "
-                "dtypes and nothing autocasts: the first matmul that meets both raises "
-                "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
-                "diagnose inside it)."
-            )
-        else:
-            severity = Severity.WARNING
-            msg = (
-                f"{m.name} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
-                f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
-                f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
-            )
+        severity, msg = _mixed_message(m.name, offenders, dtype, cover)
         yield rule.finding(
             m.name,
             msg,
@@ -302,6 +281,30 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
             [_cast_minority_fix(facts, m, offenders, dtype)],
             severity=severity,
         )
+
+
+def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:
+    """Severity and message of mixed-param-dtypes: patched forwards under autocast, compute modules, or norms."""
+    if cover is not None:
+        origins = sorted({u.patched for u in offenders if u.patched})
+        return Severity.WARNING, (
+            f"{_describe(offenders)} of {model} {_hold(offenders)} weights other than its {dtype} compute dtype and are read "
+            f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
+            "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
+        )
+    compute = [u for u in offenders if u.role != "norm"]
+    if compute:
+        return Severity.ERROR, (
+            f"{model} computes in {dtype} but {_describe(compute)} {_hold(compute)} other "
+            "dtypes and nothing autocasts: the first matmul that meets both raises "
+            "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
+            "diagnose inside it)."
+        )
+    return Severity.WARNING, (
+        f"{model} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
+        f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
+        f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +329,34 @@ def cast_grads_fix(title: str, code: str, owner: int, ids: frozenset[int], safe:
     return Fix(title, code, safe, changes=(CastGradsToParams(owner, ids),), recipe="cast-grads")
 
 
-@check("grad-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE,))
+_GradRows = list[tuple[int, str, "str | None"]]
+
+
+def _grad_holders(facts: Facts) -> list[tuple[str, int, bool, _GradRows]]:
+    """Each model whose grads differ from its parameters, and each optimizer's parameters no model holds:
+    (name, ref, is_model, (id, dtype, grad dtype) rows)."""
+    seen: set[int] = set()
+    holders: list[tuple[str, int, bool, _GradRows]] = []
+    for m in facts.models:
+        seen |= m.tensors.param_ids
+        if m.tensors.grads_differ:  # the aggregate spares a healthy model's per-parameter rows
+            holders.append((m.name, m.ref, True, [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]))
+    for o in facts.optimizers:
+        rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
+        holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))
+    return holders
+
+
+def _grad_consequence(optimizers: list, crashing: list[str]) -> str:
+    """What the mismatched grads will do at the next step."""
+    if crashing:
+        return f"{', '.join(crashing)}.step() will raise 'expected dtype ... but got dtype ...'"
+    if optimizers:
+        return f"{', '.join(o.name for o in optimizers)} will build optimizer state in the grads' dtype"
+    return "an optimizer step will raise (Adam family) or build state in the grads' dtype"
+
+
+@check("grad-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
 def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Parameters whose ``.grad`` has another dtype than the parameter.
 
@@ -359,17 +389,7 @@ def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         SimpleTuner issue #755 (``--gradient_precision=fp32``); torch.optim
         Adam's ``lerp`` update.
     """
-    seen: set[int] = set()
-    holders: list[tuple[str, int, bool, list[tuple[int, str, str | None]]]] = []
-    for m in facts.models:
-        seen |= m.tensors.param_ids
-        if m.tensors.grads_differ:  # the aggregate spares a healthy model's per-parameter rows
-            rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
-            holders.append((m.name, m.ref, True, rows))
-    for o in facts.optimizers:
-        rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
-        holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))
-    for name, owner, is_model, rows in holders:
+    for name, owner, is_model, rows in _grad_holders(facts):
         bad = {pid: (dt, gdt) for pid, dt, gdt in rows if gdt is not None and gdt != dt}
         if not bad:
             continue
@@ -377,12 +397,7 @@ def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         crashing = [o.name for o in optimizers if o.class_path in LERP_OPTIMIZERS]
         pairs = sorted({f"{gdt} grads on {dt} parameters" for dt, gdt in bad.values()})
         safe = all(widens(gdt, dt) for dt, gdt in bad.values())
-        if crashing:
-            consequence = f"{', '.join(crashing)}.step() will raise 'expected dtype ... but got dtype ...'"
-        elif optimizers:
-            consequence = f"{', '.join(o.name for o in optimizers)} will build optimizer state in the grads' dtype"
-        else:
-            consequence = "an optimizer step will raise (Adam family) or build state in the grads' dtype"
+        consequence = _grad_consequence(optimizers, crashing)
         source = (
             f"{name}.parameters()"
             if is_model

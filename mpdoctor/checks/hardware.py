@@ -110,36 +110,13 @@ def bf16_unsupported(facts: Facts, rule: Rule) -> Iterator[Finding]:
     hw = facts.hardware
     if hw.bf16_native or hw.kind != "cuda":
         return
-    cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else "no bf16"
     covered: set[str] = set()
     for p in facts.precisions:
         if p.requested != "bf16" and declared_precision(p) != "bf16":
             continue
         models = [m for m in facts.models if m.name in p.model_names]
         covered.update(m.name for m in models)
-        risky = sorted({t for t in (fp16_overflow_type(m) for m in models) if t})
-        target = "no" if risky else "fp16"
-        instead = (
-            f"fp32 ({', '.join(risky)} overflows in fp16)" if risky else "fp16 autocast with fp32 master weights"
-        )
-        args = p.args_name or p.name
-        code = "\n".join(
-            [_cast_code(m.name) for m in models if _bf16_params(m)]
-            + [
-                f"{args}.bf16, {args}.fp16 = False, {target == 'fp16'}",
-                f"{args}.mixed_precision = {target!r}",
-                f"# on the {hw.name}: rebuild the Trainer from these arguments so accelerate sets up "
-                + ("fp16 autocast and its GradScaler" if target == "fp16" else "an fp32 run"),
-            ]
-        )
-        yield rule.finding(
-            p.name,
-            f"{p.name} asks for bf16 on {hw.label}, which has no native bf16 ({cap} < sm_80): transformers refuses "
-            "it ('Your setup doesn't support bf16/gpu') and emulated bf16 is slow. Use "
-            f"{instead}.",
-            {"device": hw.label, "requested": p.requested, "declared": declared_precision(p), "fp16_overflow_types": risky},
-            [_fp32_master_fix(facts, models, f"Switch {p.name} to {instead}", code, p, target)],
-        )
+        yield _bf16_requested(facts, rule, p, models)
     if hw.live and facts.runtime.autocast.get("cuda") == "bfloat16":
         yield rule.finding(
             "torch.autocast",
@@ -147,35 +124,67 @@ def bf16_unsupported(facts: Facts, rule: Rule) -> Iterator[Finding]:
             {"device": hw.label, "autocast": "bfloat16"},
         )
     for m in facts.models:
-        if m.name in covered:
-            continue
-        bf16 = _bf16_params(m)
-        if not bf16:
-            continue
-        risky = fp16_overflow_type(m)
-        then = (
-            f"train it in fp32 ({risky} overflows in fp16)"
-            if risky
-            else "train under torch.autocast(device_type='cuda', dtype=torch.float16) with a torch.amp.GradScaler('cuda')"
-        )
-        yield rule.finding(
-            m.name,
-            f"{m.name} holds {count(len(bf16), 'bf16 parameter')} ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
-            "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
-            f"weights and {then}.",
-            {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
-            [
-                _fp32_master_fix(
-                    facts,
-                    [m],
-                    f"Cast {count(len(bf16), 'bf16 parameter')} of {m.name} to fp32 (fp32 master weights)",
-                    _cast_code(m.name) + f"\n# then {then}",
-                    None,
-                    "no" if risky else "fp16",
-                )
-            ],
-            severity=Severity.WARNING,
-        )
+        if m.name not in covered and _bf16_params(m):
+            yield _bf16_weights(facts, rule, m)
+
+
+def _bf16_requested(facts: Facts, rule: Rule, p: PrecisionFacts, models: list[ModelFacts]) -> Finding:
+    """A setup asking for bf16 on a GPU without it: fp16 autocast over fp32 master weights, or fp32."""
+    hw = facts.hardware
+    cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else "no bf16"
+    risky = sorted({t for t in (fp16_overflow_type(m) for m in models) if t})
+    target = "no" if risky else "fp16"
+    instead = (
+        f"fp32 ({', '.join(risky)} overflows in fp16)" if risky else "fp16 autocast with fp32 master weights"
+    )
+    args = p.args_name or p.name
+    code = "\n".join(
+        [_cast_code(m.name) for m in models if _bf16_params(m)]
+        + [
+            f"{args}.bf16, {args}.fp16 = False, {target == 'fp16'}",
+            f"{args}.mixed_precision = {target!r}",
+            f"# on the {hw.name}: rebuild the Trainer from these arguments so accelerate sets up "
+            + ("fp16 autocast and its GradScaler" if target == "fp16" else "an fp32 run"),
+        ]
+    )
+    return rule.finding(
+        p.name,
+        f"{p.name} asks for bf16 on {hw.label}, which has no native bf16 ({cap} < sm_80): transformers refuses "
+        "it ('Your setup doesn't support bf16/gpu') and emulated bf16 is slow. Use "
+        f"{instead}.",
+        {"device": hw.label, "requested": p.requested, "declared": declared_precision(p), "fp16_overflow_types": risky},
+        [_fp32_master_fix(facts, models, f"Switch {p.name} to {instead}", code, p, target)],
+    )
+
+
+def _bf16_weights(facts: Facts, rule: Rule, m: ModelFacts) -> Finding:
+    """A model holding bf16 weights on a GPU without bf16, that no bf16 setup already covers."""
+    hw = facts.hardware
+    bf16 = _bf16_params(m)
+    risky = fp16_overflow_type(m)
+    then = (
+        f"train it in fp32 ({risky} overflows in fp16)"
+        if risky
+        else "train under torch.autocast(device_type='cuda', dtype=torch.float16) with a torch.amp.GradScaler('cuda')"
+    )
+    return rule.finding(
+        m.name,
+        f"{m.name} holds {count(len(bf16), 'bf16 parameter')} ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
+        "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
+        f"weights and {then}.",
+        {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
+        [
+            _fp32_master_fix(
+                facts,
+                [m],
+                f"Cast {count(len(bf16), 'bf16 parameter')} of {m.name} to fp32 (fp32 master weights)",
+                _cast_code(m.name) + f"\n# then {then}",
+                None,
+                "no" if risky else "fp16",
+            )
+        ],
+        severity=Severity.WARNING,
+    )
 
 
 def _flash(c: ConfigFacts) -> bool:

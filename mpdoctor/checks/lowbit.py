@@ -351,7 +351,7 @@ def _launcher_env(facts: Facts) -> dict:
     return {k: v for k, v in facts.runtime.env.items() if k == ENV or k.startswith("ACCELERATE_FP8_")}
 
 
-@check("fp8-request-overridden", Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE, Applicability.DISPLAY_ONLY,))
+@check("fp8-request-overridden", Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The launcher asked for fp8, but another precision flag won: the run trains in bf16 (or fp16 / fp32).
 
@@ -450,7 +450,7 @@ def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "computes_in": p.computes_in,
             "winner": winner,
         }
-        yield rule.finding( p.name, msg, evidence, fixes)
+        yield rule.finding(p.name, msg, evidence, fixes)
 
 
 @check("fp8-requested-not-on", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))

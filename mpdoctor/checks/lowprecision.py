@@ -95,7 +95,7 @@ def adam_eps_underflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("half-precision-rope-buffers", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY,))
+@check("half-precision-rope-buffers", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def half_precision_rope_buffers(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Rotary-embedding frequencies (``inv_freq``) cast to bf16/fp16, typically by ``model.to(dtype)``.
 

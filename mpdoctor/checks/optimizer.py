@@ -148,77 +148,96 @@ def optimizer_dtype_requirement(facts: Facts, rule: Rule) -> Iterator[Finding]:
         req = requirement_for(o.class_path)
         if req is None or not req.applies(o):
             continue
-        bad = [p for p in o.params if p.requires_grad and p.dtype not in req.param_dtypes]
-        if bad and req.params_rule_cuda_only and not _on_cuda(facts, o):
-            bad = []  # the CPU backend steps these dtypes (bitsandbytes 0.50.2, measured)
         mismatched_grads = [p for p in o.params if p.grad_dtype is not None and p.grad_dtype != p.dtype]
-        if bad:
-            dtypes = sorted({p.dtype for p in bad})
-            elements = sum(p.numel for p in bad)
-            fixes = []
-            if req.cast_to is not None:
-                accepted = " and ".join(f"p.dtype != torch.{d}" for d in sorted(req.param_dtypes))
-                fixes.append(
-                    _cast_fix(
-                        facts,
-                        o,
-                        f"Cast {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} of {o.name} to {req.cast_to} in place",
-                        _cast_code(
-                            o.name,
-                            f"p.requires_grad and {accepted}",
-                            req.cast_to,
-                            f"{req.name} needs {'/'.join(sorted(req.param_dtypes))}",
-                        ),
-                        bad,
-                        req.cast_to,
-                        f"parameters held by {o.name}",
-                        "meet-optimizer-requirement",
-                    )
-                )
-            yield rule.finding(
-                o.name,
-                f"{o.name} ({req.name}) holds {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} "
-                f"({elements:,} elements): {req.consequence}.",
-                {
-                    "optimizer": o.class_path,
-                    "requirement": req.name,
-                    "accepted_param_dtypes": sorted(req.param_dtypes),
-                    "offending_param_dtypes": dtypes,
-                    "offending_params": len(bad),
-                    "grads_in_another_dtype": len(mismatched_grads),
-                },
-                fixes,
-                severity=req.severity,
-            )
+        yield from _unaccepted_params(facts, rule, o, req, mismatched_grads)
         if req.grads_match_params and mismatched_grads:
-            pairs = sorted({f"{p.dtype} param / {p.grad_dtype} grad" for p in mismatched_grads})
-            fixes = [_grad_cast_fix(facts, o, mismatched_grads)]
+            yield _grads_unlike_params(facts, rule, o, req, mismatched_grads)
+        yield from _unaccepted_state(rule, o, req)
+
+
+def _unaccepted_params(
+    facts: Facts, rule: Rule, o: OptimizerFacts, req: DtypeRequirement, mismatched_grads: list[OptParam]
+) -> Iterator[Finding]:
+    """The finding of trainable parameters in a dtype the optimizer does not accept, with the cast that fixes it."""
+    bad = [p for p in o.params if p.requires_grad and p.dtype not in req.param_dtypes]
+    if bad and req.params_rule_cuda_only and not _on_cuda(facts, o):
+        return  # the CPU backend steps these dtypes (bitsandbytes 0.50.2, measured)
+    if not bad:
+        return
+    dtypes = sorted({p.dtype for p in bad})
+    elements = sum(p.numel for p in bad)
+    fixes = []
+    if req.cast_to is not None:
+        accepted = " and ".join(f"p.dtype != torch.{d}" for d in sorted(req.param_dtypes))
+        fixes.append(
+            _cast_fix(
+                facts,
+                o,
+                f"Cast {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} of {o.name} to {req.cast_to} in place",
+                _cast_code(
+                    o.name,
+                    f"p.requires_grad and {accepted}",
+                    req.cast_to,
+                    f"{req.name} needs {'/'.join(sorted(req.param_dtypes))}",
+                ),
+                bad,
+                req.cast_to,
+                f"parameters held by {o.name}",
+                "meet-optimizer-requirement",
+            )
+        )
+    yield rule.finding(
+        o.name,
+        f"{o.name} ({req.name}) holds {count(len(bad), 'trainable ' + '/'.join(dtypes) + ' parameter')} "
+        f"({elements:,} elements): {req.consequence}.",
+        {
+            "optimizer": o.class_path,
+            "requirement": req.name,
+            "accepted_param_dtypes": sorted(req.param_dtypes),
+            "offending_param_dtypes": dtypes,
+            "offending_params": len(bad),
+            "grads_in_another_dtype": len(mismatched_grads),
+        },
+        fixes,
+        severity=req.severity,
+    )
+
+
+def _grads_unlike_params(
+    facts: Facts, rule: Rule, o: OptimizerFacts, req: DtypeRequirement, mismatched_grads: list[OptParam]
+) -> Finding:
+    """The finding of gradients in another dtype than their parameter, for a kernel chosen by the gradient."""
+    pairs = sorted({f"{p.dtype} param / {p.grad_dtype} grad" for p in mismatched_grads})
+    return rule.finding(
+        o.name,
+        f"{o.name} ({req.name}) has {len(mismatched_grads)} parameters whose gradients are in another dtype "
+        f"({', '.join(pairs)}): the kernel is chosen by the gradient's dtype and reads the parameter in it.",
+        {"optimizer": o.class_path, "requirement": req.name, "pairs": pairs},
+        [_grad_cast_fix(facts, o, mismatched_grads)],
+    )
+
+
+def _unaccepted_state(rule: Rule, o: OptimizerFacts, req: DtypeRequirement) -> Iterator[Finding]:
+    """The findings of state in a dtype the kernels do not expect, and of 32-bit state where 8-bit saves memory."""
+    if req.state_dtypes is not None:
+        wrong = sorted({sd for p in o.params for _k, sd in p.state_dtypes if sd not in req.state_dtypes})
+        if wrong:
             yield rule.finding(
                 o.name,
-                f"{o.name} ({req.name}) has {len(mismatched_grads)} parameters whose gradients are in another dtype "
-                f"({', '.join(pairs)}): the kernel is chosen by the gradient's dtype and reads the parameter in it.",
-                {"optimizer": o.class_path, "requirement": req.name, "pairs": pairs},
-                fixes,
+                f"{o.name} ({req.name}) has {'/'.join(wrong)} state tensors; its 32-bit kernels expect "
+                f"{'/'.join(sorted(req.state_dtypes))} state ({req.consequence}).",
+                {"optimizer": o.class_path, "state_dtypes": wrong},
             )
-        if req.state_dtypes is not None:
-            wrong = sorted({sd for p in o.params for _k, sd in p.state_dtypes if sd not in req.state_dtypes})
-            if wrong:
-                yield rule.finding(
-                    o.name,
-                    f"{o.name} ({req.name}) has {'/'.join(wrong)} state tensors; its 32-bit kernels expect "
-                    f"{'/'.join(sorted(req.state_dtypes))} state ({req.consequence}).",
-                    {"optimizer": o.class_path, "state_dtypes": wrong},
-                )
-        if req.low_bit_from is not None:
-            big = [p for p in o.params if p.numel >= req.low_bit_from and p.state_dtypes]
-            if big:
-                yield rule.finding(
-                    o.name,
-                    f"{o.name} ({req.name}) keeps 32-bit floating state for {len(big)} parameters of at least "
-                    f"{req.low_bit_from} elements (optim_bits=32 or a per-parameter override): no memory is saved there.",
-                    {"optimizer": o.class_path, "params_with_32bit_state": len(big), "min_8bit_size": req.low_bit_from},
-                    severity=Severity.INFO,
-                )
+    if req.low_bit_from is not None:
+        big = [p for p in o.params if p.numel >= req.low_bit_from and p.state_dtypes]
+        if big:
+            yield rule.finding(
+                o.name,
+                f"{o.name} ({req.name}) keeps 32-bit floating state for {len(big)} parameters of at least "
+                f"{req.low_bit_from} elements (optim_bits=32 or a per-parameter override): no memory is saved there.",
+                {"optimizer": o.class_path, "params_with_32bit_state": len(big), "min_8bit_size": req.low_bit_from},
+                severity=Severity.INFO,
+            )
 
 
 #: torch optimizers whose update mixes state and gradient with ``lerp`` / ``addcmul`` in one dtype: any
@@ -266,7 +285,7 @@ def _state_cast_fix(
     )
 
 
-@check("optimizer-state-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE,))
+@check("optimizer-state-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
 def optimizer_state_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Optimizer state tensors in another dtype than their parameter, where that breaks or degrades the update.
 
@@ -396,30 +415,9 @@ def optimizer_params_not_in_model(facts: Facts, rule: Rule) -> Iterator[Finding]
         cls = o.class_path.rsplit(".", 1)[0] + "." + o.class_name if not o.class_path.startswith("torch.optim.") else f"torch.optim.{o.class_name}"
         hint = f"{o.name} = {cls}({owner}.parameters(), ...)  # from the live model, with your hyper-parameters"
         if not models:
-            severity = Severity.ERROR if twins else Severity.WARNING
-            where = (
-                f"its parameters have the shapes of {', '.join(twins)}'s but are other tensors: the model was "
-                "re-created or copied after the optimizer was built, so step() updates a model nobody uses"
-                if twins
-                else "it updates tensors of a model mpdoctor was not shown (or of one that no longer exists)"
-            )
-            msg = f"{o.name} shares no parameter with any inspected model ({', '.join(m.name for m in facts.models)}); {where}."
+            severity, msg = _orphaned_optimizer(facts, o, twins)
         else:
-            held = o.param_ids
-            missing = [
-                p for m in models for p in m.tensors.params if p.requires_grad and p.id not in held
-            ]
-            swapped = _contained(orphan_numels, _numel_multiset(p.numel for p in missing))
-            severity = Severity.ERROR if swapped else Severity.INFO
-            msg = (
-                f"{o.name} holds {len(orphans)} parameters that {', '.join(m.name for m in models)} no longer has"
-                + (
-                    f", and {len(missing)} trainable parameters of the model with the same shapes are in no optimizer: "
-                    "a module was replaced after the optimizer was built, so the new one never trains."
-                    if swapped
-                    else " (extra tensors such as a learnable loss temperature, or leftovers of a replaced module)."
-                )
-            )
+            severity, msg = _orphans_beside_model(o, models, orphans, orphan_numels)
         yield rule.finding(
             o.name,
             msg + f" Re-create the optimizer from the live model: {hint}",
@@ -442,6 +440,37 @@ def optimizer_params_not_in_model(facts: Facts, rule: Rule) -> Iterator[Finding]
         )
 
 
+def _orphaned_optimizer(facts: Facts, o: OptimizerFacts, twins: list[str]) -> tuple[Severity, str]:
+    """Severity and message for an optimizer that shares no parameter with any inspected model."""
+    where = (
+        f"its parameters have the shapes of {', '.join(twins)}'s but are other tensors: the model was "
+        "re-created or copied after the optimizer was built, so step() updates a model nobody uses"
+        if twins
+        else "it updates tensors of a model mpdoctor was not shown (or of one that no longer exists)"
+    )
+    msg = f"{o.name} shares no parameter with any inspected model ({', '.join(m.name for m in facts.models)}); {where}."
+    return (Severity.ERROR if twins else Severity.WARNING), msg
+
+
+def _orphans_beside_model(
+    o: OptimizerFacts, models: list, orphans: list[OptParam], orphan_numels: dict[int, int]
+) -> tuple[Severity, str]:
+    """Severity and message for an optimizer holding parameters its model no longer has."""
+    held = o.param_ids
+    missing = [p for m in models for p in m.tensors.params if p.requires_grad and p.id not in held]
+    swapped = _contained(orphan_numels, _numel_multiset(p.numel for p in missing))
+    msg = (
+        f"{o.name} holds {len(orphans)} parameters that {', '.join(m.name for m in models)} no longer has"
+        + (
+            f", and {len(missing)} trainable parameters of the model with the same shapes are in no optimizer: "
+            "a module was replaced after the optimizer was built, so the new one never trains."
+            if swapped
+            else " (extra tensors such as a learnable loss temperature, or leftovers of a replaced module)."
+        )
+    )
+    return (Severity.ERROR if swapped else Severity.INFO), msg
+
+
 #: Stock torch optimizers whose moments follow the parameter dtype (``zeros_like(p)``).
 _STOCK_ADAM = frozenset({"torch.optim.adam.Adam", "torch.optim.adamw.AdamW"})
 #: bf16 keeps 8 significant bits: an addition smaller than half a unit in the last place is lost.
@@ -450,7 +479,7 @@ BF16_HALF_ULP = 2.0**-8
 BF16_LOST_SHARE_WARNING = 0.01
 
 
-@check("pure-bf16-adamw", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY,))
+@check("pure-bf16-adamw", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def pure_bf16_adamw(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """bf16 weights updated by stock torch Adam/AdamW, whose moments and update are then bf16 too.
 
@@ -504,55 +533,11 @@ def pure_bf16_adamw(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not pure:
             continue
         lr = o.defaults.get("lr")
-        lost = (
-            f" at lr={lr:g} a step is lost for every weight larger than {lr / BF16_HALF_ULP:.2g} in magnitude"
-            if isinstance(lr, (int, float)) and lr > 0
-            else " a step is lost for every weight larger than about 256 * lr in magnitude"
-        )
-        fixes = []
         measured = o.bf16_update_loss
         share = measured[1] / measured[0] if measured else None
         severity = Severity.INFO if share is not None and share < BF16_LOST_SHARE_WARNING else Severity.WARNING
-        if severity == Severity.WARNING:
-            code = _cast_code(
-                o.name, "p.requires_grad and p.dtype == torch.bfloat16", "float32", "fp32 master weights"
-            ) + (
-                "\n# then compute in bf16 with autocast: TrainingArguments(bf16=True) or\n"
-                "# with torch.autocast(device_type, dtype=torch.bfloat16): loss = model(**batch).loss\n"
-                "# (or keep bf16 weights with adamw_bf16.AdamWBF16 / optimi kahan_sum=True)"
-            )
-            fixes.append(
-                _cast_fix(
-                    facts,
-                    o,
-                    f"Keep fp32 master weights: cast {count(len(pure), 'trainable bf16 parameter')} of {o.name} to fp32",
-                    code,
-                    pure,
-                    "float32",
-                    f"trainable bf16 parameters held by {o.name}",
-                    "fp32-master-weights",
-                    cost=_memory_delta(pure, "float32") + " (fp32 master copies); bf16 compute comes from autocast",
-                )
-            )
-        fixes.append(
-            Fix(
-                f"Keep bf16 weights and use a bf16-safe optimizer instead of {o.class_name}",
-                f"from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
-                f"{o.name} = AdamWBF16(model.parameters(), lr={lr!r})  # or optimi.AdamW(..., kahan_sum=True)",
-                applicability=Applicability.DISPLAY_ONLY,
-                recipe="bf16-safe-optimizer",
-                cost="no extra weight memory; the optimizer is re-created, so its state restarts",
-            )
-        )
-        if share is None:
-            tail = "; training stalls silently."
-        elif severity == Severity.WARNING:
-            tail = f": {share:.0%} of these weights are that large now, so their updates round away; training stalls silently."
-        else:
-            tail = (
-                f": {share:.2%} of these weights are that large now (small or zero weights such as fresh LoRA adapters "
-                "keep their steps), so little is lost yet; it grows as the weights do."
-            )
+        fixes = _bf16_adamw_fixes(facts, o, pure, lr, severity)
+        lost, tail = _bf16_loss_words(lr, share, severity)
         yield rule.finding(
             o.name,
             f"{o.name} ({o.class_name}) updates {count(len(pure), 'trainable bf16 parameter')} with bf16 moments: bf16 keeps "
@@ -568,3 +553,59 @@ def pure_bf16_adamw(facts: Facts, rule: Rule) -> Iterator[Finding]:
             fixes,
             severity=severity,
         )
+
+
+def _bf16_adamw_fixes(facts: Facts, o: OptimizerFacts, pure: list[OptParam], lr: object, severity: Severity) -> list[Fix]:
+    """fp32 master weights (for the warning) and a bf16-safe optimizer (display-only)."""
+    fixes = []
+    if severity == Severity.WARNING:
+        code = _cast_code(
+            o.name, "p.requires_grad and p.dtype == torch.bfloat16", "float32", "fp32 master weights"
+        ) + (
+            "\n# then compute in bf16 with autocast: TrainingArguments(bf16=True) or\n"
+            "# with torch.autocast(device_type, dtype=torch.bfloat16): loss = model(**batch).loss\n"
+            "# (or keep bf16 weights with adamw_bf16.AdamWBF16 / optimi kahan_sum=True)"
+        )
+        fixes.append(
+            _cast_fix(
+                facts,
+                o,
+                f"Keep fp32 master weights: cast {count(len(pure), 'trainable bf16 parameter')} of {o.name} to fp32",
+                code,
+                pure,
+                "float32",
+                f"trainable bf16 parameters held by {o.name}",
+                "fp32-master-weights",
+                cost=_memory_delta(pure, "float32") + " (fp32 master copies); bf16 compute comes from autocast",
+            )
+        )
+    fixes.append(
+        Fix(
+            f"Keep bf16 weights and use a bf16-safe optimizer instead of {o.class_name}",
+            f"from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
+            f"{o.name} = AdamWBF16(model.parameters(), lr={lr!r})  # or optimi.AdamW(..., kahan_sum=True)",
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="bf16-safe-optimizer",
+            cost="no extra weight memory; the optimizer is re-created, so its state restarts",
+        )
+    )
+    return fixes
+
+
+def _bf16_loss_words(lr: object, share: float | None, severity: Severity) -> tuple[str, str]:
+    """How large a weight must be for its step to round away at ``lr``, and what share of weights is."""
+    lost = (
+        f" at lr={lr:g} a step is lost for every weight larger than {lr / BF16_HALF_ULP:.2g} in magnitude"
+        if isinstance(lr, (int, float)) and lr > 0
+        else " a step is lost for every weight larger than about 256 * lr in magnitude"
+    )
+    if share is None:
+        tail = "; training stalls silently."
+    elif severity == Severity.WARNING:
+        tail = f": {share:.0%} of these weights are that large now, so their updates round away; training stalls silently."
+    else:
+        tail = (
+            f": {share:.2%} of these weights are that large now (small or zero weights such as fresh LoRA adapters "
+            "keep their steps), so little is lost yet; it grows as the weights do."
+        )
+    return lost, tail

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..facts import Facts
+from ..facts import Facts, ModelFacts
 from ..facts.precision import PrecisionFacts, computes_in, declared_precision, native_amp_for, setup_device
 from ..treatment.changes import AlignPrecision, SetMatmulPrecision
 from ..treatment.findings import Finding, Severity
@@ -63,42 +63,60 @@ def alignment_code(facts: Facts, p: PrecisionFacts, precision: str, native: bool
     lines = ["import os", "import torch"] + ([f"# {why}"] if why else [])
     if p.env_mixed_precision not in (None, precision):
         lines.append(f"os.environ.pop({ENV_VAR!r}, None)  # stale: left by an earlier TrainingArguments or a launcher")
-    if p.args_name is not None:
-        for key, value in (flags or {}).items():
-            if p.args.get(key) != value:
-                lines.append(f"{p.args_name}.{key} = {value!r}")
-        if p.args.get("mixed_precision") != precision:
-            lines.append(f"{p.args_name}.mixed_precision = {precision!r}")
-    name = p.accelerator_name
-    if name is not None:
-        if p.accelerator_mixed_precision != precision:
-            lines.append(f"{name}.state._mixed_precision = {precision!r}  # AcceleratorState is one per process")
-        if bool(p.native_amp) != native:
-            lines.append(f"{name}.native_amp = {native!r}")
-        want = native and precision == "fp16"
-        if p.scaler_enabled and not want:
-            lines.append(f"{name}.scaler._enabled = False  # the optimizer shares this scaler")
-        elif want and not p.scaler_enabled:
-            lines.append(f"{name}.scaler = torch.amp.GradScaler({_device(facts, p)!r})")
-            lines.append(f"for opt in {name}._optimizers:  # already prepared: give them the scaler too")
-            lines.append(f"    opt.__setstate__({{'scaler': {name}.scaler}})  # sets the step-patching attributes")
+    lines += _arguments_lines(p, precision, flags)
+    if p.accelerator_name is not None:
+        lines += _accelerator_lines(facts, p, precision, native)
         for m in facts.models:
-            if m.name not in p.model_names:
-                continue
-            wrapped = m.forward_wrapped
-            if wrapped and (not native or p.accelerator_mixed_precision != precision):
-                lines.append(f"{m.name}.forward = {m.name}._original_forward; del {m.name}._original_forward")
-                wrapped = False
-            if native and not wrapped and (m.accelerate_prepared or m.forward_wrapped):
-                dtype = f"torch.{_HALF_DTYPE[precision]}"
-                lines += [
-                    "from types import MethodType",
-                    "from accelerate.utils import convert_outputs_to_fp32",
-                    f"{m.name}._original_forward = {m.name}.forward  # prepared already: accelerate will not wrap it again",
-                    f"{m.name}.forward = MethodType(convert_outputs_to_fp32(torch.autocast({_device(facts, p)!r}, "
-                    f"dtype={dtype})({m.name}.forward.__func__)), {m.name})",
-                ]
+            if m.name in p.model_names:
+                lines += _forward_lines(facts, p, m, precision, native)
     return "\n".join(lines)
+
+
+def _arguments_lines(p: PrecisionFacts, precision: str, flags: dict | None) -> list[str]:
+    """The lines setting the arguments' flags and ``mixed_precision``."""
+    if p.args_name is None:
+        return []
+    lines = [f"{p.args_name}.{key} = {value!r}" for key, value in (flags or {}).items() if p.args.get(key) != value]
+    if p.args.get("mixed_precision") != precision:
+        lines.append(f"{p.args_name}.mixed_precision = {precision!r}")
+    return lines
+
+
+def _accelerator_lines(facts: Facts, p: PrecisionFacts, precision: str, native: bool) -> list[str]:
+    """The lines bringing the accelerator's state, autocast flag and shared scaler to ``precision``."""
+    name = p.accelerator_name
+    lines = []
+    if p.accelerator_mixed_precision != precision:
+        lines.append(f"{name}.state._mixed_precision = {precision!r}  # AcceleratorState is one per process")
+    if bool(p.native_amp) != native:
+        lines.append(f"{name}.native_amp = {native!r}")
+    want = native and precision == "fp16"
+    if p.scaler_enabled and not want:
+        lines.append(f"{name}.scaler._enabled = False  # the optimizer shares this scaler")
+    elif want and not p.scaler_enabled:
+        lines.append(f"{name}.scaler = torch.amp.GradScaler({_device(facts, p)!r})")
+        lines.append(f"for opt in {name}._optimizers:  # already prepared: give them the scaler too")
+        lines.append(f"    opt.__setstate__({{'scaler': {name}.scaler}})  # sets the step-patching attributes")
+    return lines
+
+
+def _forward_lines(facts: Facts, p: PrecisionFacts, m: ModelFacts, precision: str, native: bool) -> list[str]:
+    """The lines unwrapping a prepared model's autocast forward, or wrapping it in the new precision."""
+    lines = []
+    wrapped = m.forward_wrapped
+    if wrapped and (not native or p.accelerator_mixed_precision != precision):
+        lines.append(f"{m.name}.forward = {m.name}._original_forward; del {m.name}._original_forward")
+        wrapped = False
+    if native and not wrapped and (m.accelerate_prepared or m.forward_wrapped):
+        dtype = f"torch.{_HALF_DTYPE[precision]}"
+        lines += [
+            "from types import MethodType",
+            "from accelerate.utils import convert_outputs_to_fp32",
+            f"{m.name}._original_forward = {m.name}.forward  # prepared already: accelerate will not wrap it again",
+            f"{m.name}.forward = MethodType(convert_outputs_to_fp32(torch.autocast({_device(facts, p)!r}, "
+            f"dtype={dtype})({m.name}.forward.__func__)), {m.name})",
+        ]
+    return lines
 
 
 def alignment_fix(
@@ -127,7 +145,7 @@ def alignment_fix(
 # -- checks -------------------------------------------------------------------------------------------------
 
 
-@check("precision-override", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE,))
+@check("precision-override", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
 def precision_override(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The precision a run computes in is not the precision its arguments ask for.
 
@@ -181,7 +199,6 @@ def precision_override(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if declared == "fp8" and p.requested == "no" and p.env_mixed_precision == "fp8":
             continue  # fp8 is asked through the launcher (TrainingArguments has no fp8 flag): bf16=False keeps it
         severity = Severity.ERROR if computes != p.requested else Severity.WARNING
-        device = _device(facts, p)
         evidence = {
             "requested": p.requested,
             "args.mixed_precision": p.args.get("mixed_precision"),
@@ -191,73 +208,87 @@ def precision_override(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "computes_in": computes,
             "device": setup_device(p, hw),
         }
-        fixes = []
         if declared != p.requested:
-            cause = (
-                f"{ENV_VAR}={p.env_mixed_precision} in the environment"
-                if p.env_mixed_precision == declared
-                else f"{'the accelerator' if p.accelerator_name else 'args.mixed_precision'} says {declared}"
-            )
-            msg = (
-                f"{p.name} asks for {_label(p.requested)} but {cause}"
-                + (
-                    f", so the next step computes in {_label(computes)}."
-                    if severity == Severity.ERROR
-                    else f"; on this {setup_device(p, hw)} that still computes in {_label(computes)}, but the stale "
-                    "setting will run any later Trainer in this kernel in "
-                    f"{declared} on a GPU."
-                )
-            )
-            native = native_amp_for(p.requested, device)
-            fixes.append(
-                alignment_fix(
-                    facts,
-                    p,
-                    f"Make {p.name} run in {_label(p.requested)} as its arguments ask",
-                    p.requested,
-                    native,
-                    why=f"{p.name}: run in {_label(p.requested)} as asked",
-                    recipe="as-asked",
-                )
-            )
+            msg, fixes = _stale_setting(facts, p, declared, severity)
         else:
-            msg = (
-                f"{p.name} asks for {p.requested} but accelerate does not autocast {p.requested} on the "
-                f"{setup_device(p, hw)} (native_amp=False): the run is silently {_label(computes)}."
-                + (" On a CPU, bf16=True is the fast half precision." if setup_device(p, hw) == "cpu" else "")
+            msg, fixes = _half_not_autocast(facts, p)
+        yield rule.finding(p.name, msg, evidence, fixes, severity=severity)
+
+
+def _stale_setting(facts: Facts, p: PrecisionFacts, declared: str, severity: Severity) -> tuple[str, list[Fix]]:
+    """Message and fix when a stale setting (the environment, the accelerator) overrides the arguments."""
+    hw = facts.hardware
+    computes = p.computes_in
+    cause = (
+        f"{ENV_VAR}={p.env_mixed_precision} in the environment"
+        if p.env_mixed_precision == declared
+        else f"{'the accelerator' if p.accelerator_name else 'args.mixed_precision'} says {declared}"
+    )
+    msg = (
+        f"{p.name} asks for {_label(p.requested)} but {cause}"
+        + (
+            f", so the next step computes in {_label(computes)}."
+            if severity == Severity.ERROR
+            else f"; on this {setup_device(p, hw)} that still computes in {_label(computes)}, but the stale "
+            "setting will run any later Trainer in this kernel in "
+            f"{declared} on a GPU."
+        )
+    )
+    native = native_amp_for(p.requested, _device(facts, p))
+    fix = alignment_fix(
+        facts,
+        p,
+        f"Make {p.name} run in {_label(p.requested)} as its arguments ask",
+        p.requested,
+        native,
+        why=f"{p.name}: run in {_label(p.requested)} as asked",
+        recipe="as-asked",
+    )
+    return msg, [fix]
+
+
+def _half_not_autocast(facts: Facts, p: PrecisionFacts) -> tuple[str, list[Fix]]:
+    """Message and fixes when accelerate does not autocast the half precision asked for on this device."""
+    hw = facts.hardware
+    device = _device(facts, p)
+    msg = (
+        f"{p.name} asks for {p.requested} but accelerate does not autocast {p.requested} on the "
+        f"{setup_device(p, hw)} (native_amp=False): the run is silently {_label(p.computes_in)}."
+        + (" On a CPU, bf16=True is the fast half precision." if setup_device(p, hw) == "cpu" else "")
+    )
+    fixes = []
+    flags = {"fp16": p.requested == "fp16", "bf16": p.requested == "bf16"}
+    if p.accelerator_name is not None and p.requested in _HALF_DTYPE:
+        fixes.append(
+            alignment_fix(
+                facts,
+                p,
+                f"Enable {p.requested} autocast on the {device} as {p.name} asks"
+                + (" (with a GradScaler; fp16 matmuls are slow on most CPUs)" if p.requested == "fp16" else ""),
+                p.requested,
+                True,
+                flags,
+                why=f"torch can autocast {p.requested} on the {device}",
+                recipe="enable-autocast",
+                cost="matches what the arguments ask"
+                + ("; on most CPUs fp16 matmuls are several times slower than fp32" if device == "cpu" and p.requested == "fp16" else ""),
             )
-            flags = {"fp16": p.requested == "fp16", "bf16": p.requested == "bf16"}
-            if p.accelerator_name is not None and p.requested in _HALF_DTYPE:
-                fixes.append(
-                    alignment_fix(
-                        facts,
-                        p,
-                        f"Enable {p.requested} autocast on the {device} as {p.name} asks"
-                        + (" (with a GradScaler; fp16 matmuls are slow on most CPUs)" if p.requested == "fp16" else ""),
-                        p.requested,
-                        True,
-                        flags,
-                        why=f"torch can autocast {p.requested} on the {device}",
-                        recipe="enable-autocast",
-                        cost="matches what the arguments ask"
-                        + ("; on most CPUs fp16 matmuls are several times slower than fp32" if device == "cpu" and p.requested == "fp16" else ""),
-                    )
-                )
-            honest = {"fp16": False, "bf16": False}
-            fixes.append(
-                alignment_fix(
-                    facts,
-                    p,
-                    f"Make {p.name} say what runs: fp32 (use bf16=True for half precision on the CPU)",
-                    "no",
-                    False,
-                    honest,
-                    why="accelerate runs fp16 on the CPU as fp32",
-                    recipe="say-fp32",
-                    cost="no change to the numbers this run computes",
-                )
-            )
-        yield rule.finding( p.name, msg, evidence, fixes, severity=severity)
+        )
+    honest = {"fp16": False, "bf16": False}
+    fixes.append(
+        alignment_fix(
+            facts,
+            p,
+            f"Make {p.name} say what runs: fp32 (use bf16=True for half precision on the CPU)",
+            "no",
+            False,
+            honest,
+            why="accelerate runs fp16 on the CPU as fp32",
+            recipe="say-fp32",
+            cost="no change to the numbers this run computes",
+        )
+    )
+    return msg, fixes
 
 
 def _label(precision: str) -> str:
