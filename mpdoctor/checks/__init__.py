@@ -49,7 +49,7 @@ CODE_SECTIONS = ("Example", "Use instead")
 
 #: Modules holding checks, imported in this order when the registry is first used.
 MODULES = (
-    "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "numerics", "lightning", "distributed",
+    "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "values", "probe", "lightning", "distributed",
     "diffusion", "lowbit", "trl", "lowprecision", "deepspeed",
 )
 
