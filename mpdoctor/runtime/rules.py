@@ -13,7 +13,7 @@ from ..checks.scaler import scaler_not_restored_on_resume
 from ..treatment.findings import Severity
 from ..treatment.rules import Applicability, Rule, RuleKind, register
 
-_AMP_EXAMPLES = "PyTorch docs, Automatic Mixed Precision examples (https://pytorch.org/docs/stable/notes/amp_examples.html)"
+_AMP_EXAMPLES = "PyTorch docs, CUDA Automatic Mixed Precision examples (https://pytorch.org/docs/stable/notes/amp_examples.html)"
 _GRAD_SCALER = "torch/amp/grad_scaler.py (GradScaler.unscale_, step, update)"
 _DISPLAY = (Applicability.DISPLAY_ONLY,)
 _DISPLAY_NOTE = ("Display-only: the loop is the user's code; the finding names its line and shows the corrected "
@@ -116,8 +116,8 @@ RULES: dict[str, Rule] = {
             "scheduler.step()  # advances anyway",
             "scale_before = scaler.get_scale()\nscaler.step(optimizer)\nscaler.update()\n"
             "if scaler.get_scale() >= scale_before:  # the step was not skipped\n    scheduler.step()",
-            "pytorch/pytorch #67590 ('Detected call of lr_scheduler.step() before optimizer.step()' under AMP); "
-            f"{_GRAD_SCALER}.",
+            "torch/optim/lr_scheduler.py (the 'Detected call of `lr_scheduler.step()` before `optimizer.step()`' "
+            f"warning a skipped first step raises); {_GRAD_SCALER}.",
         ),
         _runtime(
             "amp-scale-unsettled",
