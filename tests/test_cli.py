@@ -31,12 +31,19 @@ def test_an_unknown_subcommand_is_a_usage_error_without_a_traceback():
     assert "invalid choice: 'diagnose'" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_checks_lists_every_registered_check():
-    from mpdoctor.checks import load
+def test_checks_lists_every_rule_of_the_three_kinds_with_its_kind_and_severity():
+    from mpdoctor.treatment.rules import load_rules
 
     out = _mpdoctor("checks")
     assert out.returncode == 0, out.stderr
-    assert [line.split()[0] for line in out.stdout.splitlines()] == sorted(load())
+    lines = out.stdout.splitlines()
+    rules = load_rules()
+    assert [line.split()[0] for line in lines] == sorted(rules)
+    for line in lines:
+        slug, kind, rest = line.split(None, 2)
+        rule = rules[slug]
+        assert kind == rule.kind.value and rest.startswith(rule.severity_label + " "), line
+    assert {line.split()[1] for line in lines} == {"check", "runtime", "crash-family"}
 
 
 def test_demo_without_transformers_says_to_install_the_hf_extra(tmp_path):
@@ -88,11 +95,15 @@ def test_no_restructuredtext_markup_in_cli_text_or_json_output():
         assert "``" not in output and ":class:`" not in output and ":func:`" not in output
 
 
-def test_the_checks_reference_is_generated_into_docs_checks_md(tmp_path):
+def test_the_rules_reference_is_generated_into_docs_checks_md_and_the_families_beside_it(tmp_path):
     page = tmp_path / "docs" / "checks.md"
     out = _mpdoctor("checks", "--update-docs", str(page))
     assert out.returncode == 0, out.stderr
     assert "updated" in out.stdout
     again = _mpdoctor("checks", "--update-docs", str(page))
     assert "already up to date" in again.stdout
-    assert "### `scaler-with-bf16` (error)" in page.read_text(encoding="utf-8")
+    text = page.read_text(encoding="utf-8")
+    assert "### `scaler-with-bf16` (error or warning)" in text and "### `amp-clip-before-unscale` (error)" in text
+    assert (tmp_path / "docs" / "exception-families.md").read_text(encoding="utf-8") == (
+        ROOT / "docs" / "exception-families.md"
+    ).read_text(encoding="utf-8")

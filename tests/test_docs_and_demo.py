@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpdoctor.checks import SECTIONS, checks_reference, load
-from mpdoctor.cli.docs import reference_section
+from mpdoctor.checks import SECTIONS, load
+from mpdoctor.cli.docs import reference_section, rules_reference
+from mpdoctor.crash.catalogue import catalogue_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_check_documents_what_why_fix_and_source():
+def test_every_check_documents_ruffs_sections_severity_and_sources():
     registry = load()
     assert len(registry) >= 20
     for slug, chk in registry.items():
@@ -24,11 +25,15 @@ def test_every_check_documents_what_why_fix_and_source():
         assert chk.severity in ("error", "warning", "info")
 
 
-def test_the_checks_reference_in_docs_is_generated_from_the_docstrings():
+def test_the_rules_reference_in_docs_is_generated_from_the_rules():
     text = (ROOT / "docs" / "checks.md").read_text(encoding="utf-8")
-    assert reference_section(text) == checks_reference().strip(), (
+    assert reference_section(text) == rules_reference().strip(), (
         "docs/checks.md is stale: run `python -m mpdoctor checks --update-docs`"
     )
+    for slug in list(load()) + ["amp-clip-before-unscale"]:
+        assert f"### `{slug}` (" in text, slug
+    families = (ROOT / "docs" / "exception-families.md").read_text(encoding="utf-8")
+    assert families == catalogue_markdown(), "run `python -m mpdoctor checks --update-docs`"
 
 
 def test_demo_shows_the_failure_diagnoses_fixes_and_trains():

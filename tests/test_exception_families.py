@@ -411,7 +411,7 @@ def test_unrelated_messages_are_not_taken_for_a_family():
 
 def test_the_catalogue_doc_is_generated_from_the_table():
     doc = (ROOT / "docs" / "exception-families.md").read_text(encoding="utf-8")
-    assert doc == catalogue_markdown(), "run: python -m mpdoctor.crash.catalogue docs/exception-families.md"
+    assert doc == catalogue_markdown(), "run: python -m mpdoctor checks --update-docs"
     assert {p.slug for p in PATTERNS if family(p.slug)} == {f.slug for f in FAMILIES}
 
 
@@ -443,7 +443,7 @@ def check_explained(slug: str, raise_it) -> None:
         assert names and any(n.split(".")[0].split("[")[0] in source for n in names), operands
         assert cause.evidence["cast"] in report.to_text()
     elif kind == PROTOCOL:
-        assert cause.evidence["rule"] == family(slug).rule
+        assert cause.evidence["rule"] == family(slug).protocol_rule
         line = cause.evidence["loop line"]
         assert f"{Path(inspect.getsourcefile(raise_it)).name}:" in line and line.split(": ", 1)[1] in source
     else:
@@ -556,7 +556,7 @@ def check_in_notebook(ip, capsys, slug: str, raise_it) -> None:
         fixed = ip.run_cell(cast.split("  #")[0] + "\n" + cell.strip().splitlines()[-1], store_history=False)
         assert fixed.success, fixed.error_in_exec
     elif kind == PROTOCOL:
-        assert family(slug).rule in diagnosis
+        assert family(slug).protocol_rule in diagnosis
         # The loop line: in the cause's sentence, or in the evidence of the check's finding that explains it.
         assert re.search(r"(?:Broken at |loop line=)cell \[\d+\], line \d+:", diagnosis)
     else:
@@ -607,7 +607,7 @@ def test_mpdoctor_run_explains_a_scripts_family_error_with_the_script_line(tmp_p
         crash = err.index("RuntimeError:unscale_()hasalreadybeencalled")
         assert err.index("ERRORamp-unscale-twice") < crash < err.index("ERRORamp-unscale-twice", crash)
         assert said("Broken at train.py:11: `scaler.unscale_(optimizer)`")
-        assert said(family("amp-unscale-twice").rule)
+        assert said(family("amp-unscale-twice").protocol_rule)
     else:
         assert err.index("RuntimeError:Indexputrequires") < err.index("crash-index-put-dtype")
         assert said("values (bf16, [2]) met buffer (fp32, [2])")

@@ -122,7 +122,7 @@ def test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_i
     assert f.severity == "error" and f.evidence["where"] == line_of("# wrong: clipped while scaled")
     assert f.evidence["code"] == "clip_grad_norm_(model.parameters(), 1.0)  # wrong: clipped while scaled"
     assert "max_norm / scale = 0.000977" in f.message
-    assert f.fixes and f.fixes[0].code == RULES["amp-clip-before-unscale"].corrected
+    assert f.fixes and f.fixes[0].code == RULES["amp-clip-before-unscale"].use_instead
     assert "amp-clip-before-unscale" in [x.check for x in w.report.findings]
     assert_trains(*make(), clip=1.0)
 

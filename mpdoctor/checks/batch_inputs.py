@@ -9,6 +9,7 @@ from ..facts.batch import BatchInput
 from ..treatment.changes import CastBatchItems, CastInputsHook
 from ..treatment.findings import Finding
 from ..treatment.fixes import Fix
+from ..treatment.rules import Rule
 
 #: The check slug of a batch entry whose dtype the receiving layer does not compute in.
 SLUG = "batch-dtype-mismatch"
@@ -70,26 +71,29 @@ def mismatch_message(model: str, bad: list[BatchInput], raised: str | None, auto
     return where, msg
 
 
-def batch_findings(p: Any) -> Iterator[Finding]:
-    """The ``batch-dtype-mismatch`` finding of one probe (:class:`~mpdoctor.numerics.probe_facts.ProbeFacts`)."""
+def _explaining_inputs(p: Any) -> tuple[list[BatchInput], str] | None:
+    """The batch inputs in the wrong dtype and the dtype error they raised in the forward, or None."""
     inputs = tuple(getattr(p, "boundary", ()) or ())
     bad = [b for b in inputs if b.mismatched(p.autocast)]
     if not bad:
-        return
+        return None
     e = p.error
-    raised = (
-        f"{e.exception}: {e.message}" if e is not None and e.is_dtype_error and e.phase == "forward" else None
-    )
-    if raised is None:
-        return  # the forward ran: the model converts these inputs itself (CLIP, ViT cast pixel_values)
+    if e is None or not e.is_dtype_error or e.phase != "forward":
+        return None  # the forward ran: the model converts these inputs itself (CLIP, ViT cast pixel_values)
     reached = [b for b in bad if b.layer is not None]
-    bad = reached or bad
+    return reached or bad, f"{e.exception}: {e.message}"
+
+
+def batch_findings(p: Any, rule: Rule) -> Iterator[Finding]:
+    """The ``batch-dtype-mismatch`` finding of one probe (:class:`~mpdoctor.numerics.probe_facts.ProbeFacts`)."""
+    explained = _explaining_inputs(p)
+    if explained is None:
+        return
+    bad, raised = explained
     where, msg = mismatch_message(p.model, bad, raised, p.autocast)
     dtype = bad[0].target
     kind = "mapping" if getattr(p, "batch_kind", "") == "mapping" else "tensor"
-    yield Finding(
-        SLUG,
-        "error",
+    yield rule.finding(
         where,
         msg,
         {
@@ -110,4 +114,4 @@ def batch_findings(p: Any) -> Iterator[Finding]:
 
 def batch_explains(p: Any) -> bool:
     """True when the probe's dtype error is explained by a batch input in the wrong dtype."""
-    return any(f.severity == "error" for f in batch_findings(p))
+    return _explaining_inputs(p) is not None

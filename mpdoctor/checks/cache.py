@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from ..facts import Facts, ModelFacts
 from ..knowledge import CACHE_CHANGES_LOGITS
 from ..treatment.changes import SetAttrTo
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 
@@ -38,11 +39,11 @@ def cache_off_fix(m: ModelFacts):
     )
 
 
-@check("cache-in-training", "info")
-def cache_in_training(facts: Facts) -> Iterator[Finding]:
+@check("cache-in-training", Severity.INFO, Severity.ERROR, fix_safety=(Applicability.SAFE,))
+def cache_in_training(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A model in training mode whose config (or a nested sub-config) keeps ``use_cache=True``.
 
-    What it detects
+    What it does
         ``use_cache=True`` on a model in train mode, on the root config or on a
         nested one (``Gemma3ForConditionalGeneration`` has only
         ``config.text_config.use_cache``, so ``model.config.use_cache = False``
@@ -50,23 +51,30 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
         A transformers model with gradient checkpointing on is left to
         ``gradient-checkpointing-with-cache``: transformers then drops the
         cache at every training forward itself.
-    Why it matters
+    Why is this bad?
         Every training forward builds and returns a KV cache nobody reads:
         memory spent for nothing, and incompatible with gradient checkpointing.
         With accelerate's fp32 output conversion wrapped around ``forward``
         (fp16/bf16 mixed precision) and transformers before 4.51, cache classes
         carrying a ``.dtype`` attribute are taken for tensors and crash:
         ``'HybridCache' object has no attribute 'float'``.
+    Example
+        model.train()
+        out = model(**batch)  # config.use_cache is True: the forward builds a KV cache
+    Use instead
+        model.config.use_cache = False  # and config.text_config.use_cache on multimodal models
+        model.train()
+        out = model(**batch)
     Severity
         Error when the crash combination is present (a wrapped forward and transformers before 4.51);
         info otherwise: the default ``use_cache=True`` of every transformers config is harmless in the
         healthy QLoRA, PEFT, FSDP and DeepSpeed recipes (the cache is dropped after each forward).
-    Fix
+    Fix safety
         Set ``use_cache=False`` on the config, every sub-config and the
         generation config, in place (undo it before ``generate()``, which
         reads the generation config). Not offered for recurrent/hybrid model
         types where the uncached path computes differently.
-    Source
+    Sources
         LLaMA-Factory #7373; transformers issue #36814 and PR #37044.
     """
     tf_version = facts.runtime.versions.get("transformers")
@@ -89,9 +97,7 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
                 else " (memory for nothing, freed after each step)."
             )
         )
-        yield Finding(
-            "cache-in-training",
-            "error" if crash else "info",
+        yield rule.finding(
             cached[0].path + ".use_cache",
             msg,
             {
@@ -102,32 +108,40 @@ def cache_in_training(facts: Facts) -> Iterator[Finding]:
                 "model_type": m.model_type,
             },
             fixes,
+            severity=Severity.ERROR if crash else Severity.INFO,
         )
 
 
-@check("gradient-checkpointing-with-cache", "warning")
-def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
+@check("gradient-checkpointing-with-cache", Severity.INFO, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def gradient_checkpointing_with_cache(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Gradient checkpointing switched on while the cache is still on.
 
-    What it detects
+    What it does
         A model with gradient checkpointing enabled on some module (the
         ``gradient_checkpointing`` flag that transformers' ``activation_checkpointing_enable()``
         and its alias ``gradient_checkpointing_enable()`` set) and
         ``use_cache=True`` on a config or sub-config. Info for a transformers
         model, warning for other modules.
-    Why it matters
+    Why is this bad?
         The two are incompatible: a transformers model drops the cache at every
         training forward and logs "use_cache=True is incompatible with gradient
         checkpointing" (so the flag says the opposite of what runs); in custom
         modules recomputation in backward meets a cache built in forward and
         the memory checkpointing saves is spent on the cache.
+    Example
+        model.gradient_checkpointing_enable()
+        model.train()  # config.use_cache is still True
+    Use instead
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        model.train()
     Severity
         Info for a transformers model (it drops the cache itself and warns); warning for other modules,
         where the cache defeats the memory checkpointing saves.
-    Fix
+    Fix safety
         Set ``use_cache=False`` on every config and sub-config (and the
         generation config), in place.
-    Source
+    Sources
         transformers ``GradientCheckpointingLayer``: "use_cache=True is incompatible with gradient checkpointing".
     """
     for m in facts.models:
@@ -144,11 +158,10 @@ def gradient_checkpointing_with_cache(facts: Facts) -> Iterator[Finding]:
             else f"{m.name} has gradient checkpointing on while {flags} is True; the cache defeats the memory "
             "checkpointing saves."
         )
-        yield Finding(
-            "gradient-checkpointing-with-cache",
-            "info" if m.is_pretrained else "warning",
+        yield rule.finding(
             cached[0].path + ".use_cache",
             msg,
             {"gradient_checkpointing": True, "use_cache_true": [c.path for c in cached]},
             [] if (m.model_type or "") in CACHE_CHANGES_LOGITS else [cache_off_fix(m)],
+            severity=Severity.INFO if m.is_pretrained else Severity.WARNING,
         )

@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..treatment.changes import CastParamsTo
-from ..treatment.findings import Finding, size_delta
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity, size_delta
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 #: Component attributes of a pipeline that produce the conditioning the denoiser reads.
@@ -43,26 +44,32 @@ def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
     ]
 
 
-@check("vae-fp16-overflow", "error")
-def vae_fp16_overflow(facts: Facts) -> Iterator[Finding]:
+@check("vae-fp16-overflow", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A diffusers VAE running in fp16 whose activations overflow (or would, with force_upcast off).
 
-    What it detects
+    What it does
         A diffusers VAE (``AutoencoderKL`` ...) with fp16 weights. Error when a one-batch probe
         (``mpdoctor.probe(pipe.vae, latents_or_images)``) saw its activations go inf/NaN in fp16; info
         when it is fp16 with ``config.force_upcast=False`` and no probe has looked yet.
-    Why it matters
+    Why is this bad?
         The Stable Diffusion and SDXL VAEs have activations past fp16's 65504 in their decoder: in fp16 they
         become inf, the decoded image NaN, and the saved image black ("RuntimeWarning: invalid value
         encountered in cast"). diffusers marks such VAEs ``force_upcast=True`` and its pipelines upcast them
         to fp32 before decoding; a VAE loaded with ``force_upcast=False`` (or called directly) decodes in fp16.
         fp16-fixed VAEs (``madebyollin/sdxl-vae-fp16-fix``) are safe in fp16, so the static case is only info.
+    Example
+        pipe = StableDiffusionXLPipeline.from_pretrained(name, torch_dtype=torch.float16)
+        pipe.vae.config.force_upcast = False  # the SDXL VAE overflows in fp16: black images
+    Use instead
+        pipe = StableDiffusionXLPipeline.from_pretrained(name, torch_dtype=torch.float16)
+        pipe.vae.to(torch.float32)  # or a VAE made fp16-safe
     Severity
         Error when a probe saw the overflow (every image is black); info for the flag alone.
-    Fix
+    Fix safety
         Upcast the VAE to fp32 in place (the denoiser stays fp16; pipelines cast latents to the VAE's dtype),
         or keep it fp16 with ``force_upcast=True`` so the pipeline upcasts it to decode, or load an fp16-safe VAE.
-    Source
+    Sources
         diffusers ``StableDiffusionXLPipeline.__call__`` ("make sure the VAE is in float32 mode, as it
         overflows in float16"), ``AutoencoderKL(force_upcast=...)``; ComfyUI issue #1401; InstantID issue #261;
         ComfyUI-MVAdapter issue #14.
@@ -78,9 +85,7 @@ def vae_fp16_overflow(facts: Facts) -> Iterator[Finding]:
             continue
         probed.add(m.name)
         module, phase = hit
-        yield Finding(
-            "vae-fp16-overflow",
-            "error",
+        yield rule.finding(
             m.name,
             f"{m.name} ({m.component.class_path.rsplit('.', 1)[-1]}) runs in fp16 and its activations overflow: "
             f"{module.path or m.name} produced {module.out_nonfinite or module.grad_nonfinite:,} inf/NaN values in the "
@@ -94,15 +99,14 @@ def vae_fp16_overflow(facts: Facts) -> Iterator[Finding]:
             continue
         if c.flag("force_upcast") is not False:
             continue
-        yield Finding(
-            "vae-fp16-overflow",
-            "info",
+        yield rule.finding(
             m.name,
             f"{m.name} is fp16 with force_upcast=False: pipelines decode with it in fp16. The Stable Diffusion / SDXL "
             "VAEs overflow fp16 there (black images); an fp16-fixed VAE does not. mpdoctor.probe(...) on a batch of "
             "latents tells which this is.",
             {"force_upcast": False, "main_dtype": "float16"},
             _upcast_fixes(facts, m),
+            severity=Severity.INFO,
         )
 
 
@@ -110,25 +114,30 @@ def _role(m: ModelFacts) -> str:
     return m.name.rsplit(".", 1)[-1]
 
 
-@check("pipeline-component-dtypes", "error")
-def pipeline_component_dtypes(facts: Facts) -> Iterator[Finding]:
+@check("pipeline-component-dtypes", Severity.ERROR, fix_safety=(Applicability.UNSAFE,))
+def pipeline_component_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A diffusion pipeline whose text encoder and denoiser hold different dtypes.
 
-    What it detects
+    What it does
         In one ``DiffusionPipeline``, a text / image encoder whose weights are in another floating dtype than
         the denoiser (``unet`` / ``transformer``) it conditions, e.g. after ``pipe.unet.half()`` alone.
-    Why it matters
+    Why is this bad?
         Pipelines cast the prompt embeddings to the text encoder's dtype and prepare the latents in that dtype,
         then call the denoiser with them and no autocast: the first convolution or matmul raises
         ``Input type (float) and bias type (c10::Half) should be the same`` (or ``mat1 and mat2 must have the
         same dtype``). A VAE in fp32 beside an fp16 denoiser is the opposite case and fine: the pipelines cast
         the latents to the VAE's dtype (the ``force_upcast`` practice).
+    Example
+        pipe = StableDiffusionPipeline.from_pretrained(name, torch_dtype=torch.float16)
+        pipe.text_encoder.float()
+    Use instead
+        pipe = StableDiffusionPipeline.from_pretrained(name, torch_dtype=torch.float16)  # one dtype
     Severity
         Error: the pipeline call raises at the first denoising step.
-    Fix
+    Fix safety
         Cast the encoder to the denoiser's dtype in place (``pipe.text_encoder.to(torch.float16)``), or load
         the whole pipeline with one ``torch_dtype``. Unsafe: it changes the encoder's precision.
-    Source
+    Sources
         diffusers ``StableDiffusionPipeline.encode_prompt`` / ``prepare_latents``; sdnext issue #1431
         ("Input type (c10::BFloat16) and bias type (c10::Half) should be the same").
     """
@@ -145,9 +154,7 @@ def pipeline_component_dtypes(facts: Facts) -> Iterator[Finding]:
                 continue
             ids = frozenset(p.id for p in enc.tensors.params if p.dtype == have)
             spec = CastParamsTo(enc.ref, ids, want, (), f"{have} parameters of {enc.name}")
-            yield Finding(
-                "pipeline-component-dtypes",
-                "error",
+            yield rule.finding(
                 enc.name,
                 f"{enc.name} is {have} while {denoiser.name} is {want}: {owner} prepares the prompt embeddings and "
                 f"latents in {have} and feeds them to the {want} denoiser without a cast, so the first denoising step "

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING
 from ..treatment.changes import CastParamsTo, torch_dtype
-from ..treatment.findings import Finding
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 HALF = ("float16", "bfloat16")
@@ -37,27 +38,33 @@ def _float_dtypes(m: ModelFacts) -> dict[str, int]:
     return {d: n for d, n in m.tensors.param_dtype_counts().items() if d in FLOATING}
 
 
-@check("fsdp-mixed-dtype-unit", "error")
-def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
+@check("fsdp-mixed-dtype-unit", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def fsdp_mixed_dtype_unit(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An FSDP unit, or a model an FSDP wrap is planned for, holds parameters of more than one dtype.
 
-    What it detects
+    What it does
         An FSDP2 ``fully_shard``-ed module whose parameters have different original
         dtypes (the wrap succeeded; the first forward has not run), or a plain model with
         mixed floating parameter dtypes while a Trainer's ``fsdp`` arguments or an
         Accelerator's FSDP plugin are set to wrap it.
-    Why it matters
+    Why is this bad?
         FSDP flattens (FSDP1) or all-gathers (FSDP2) a unit's parameters as one buffer of
         one dtype. FSDP1 raises ``ValueError: Must flatten tensors with uniform dtype but
         got ...`` when it wraps; FSDP2 raises ``AssertionError: FSDP expects uniform
         original parameter dtype but got {...}`` at the first forward, on every rank.
+    Example
+        model.lm_head.float()  # the rest of the model is bf16
+        model = FSDP(model, use_orig_params=True)
+    Use instead
+        model.float()  # one dtype for every parameter of a unit
+        model = FSDP(model, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
     Severity
         error: the run cannot start.
-    Fix
+    Fix safety
         Cast the model's parameters to one dtype (fp32 master weights; the FSDP mixed
         precision policy gives the 16-bit compute) before wrapping. An FSDP2 unit already
         sharded cannot be cast in place: rebuild it from a uniformly-typed model.
-    Source
+    Sources
         torch ``distributed/fsdp/_flat_param.py`` (``_validate_tensors_to_flatten``) and
         ``_fully_shard/_fsdp_param.py`` (``init_dtype_attrs``), reproduced on torch 2.13.
     """
@@ -73,9 +80,7 @@ def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
             f"model = model.float()  # or cast the odd layers: {listed}\n"
             f"fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))"
         )
-        yield Finding(
-            "fsdp-mixed-dtype-unit",
-            "error",
+        yield rule.finding(
             f"{u.model}{'.' + u.path if u.path else ''}",
             f"FSDP unit {u.path or '<root>'} of {u.model} holds parameters of {' and '.join(u.dtypes)} ({listed}): "
             f"its first forward will raise 'FSDP expects uniform original parameter dtype' on every rank.",
@@ -93,9 +98,7 @@ def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
             continue
         widest = max(counts, key=lambda d: (torch_dtype(d).itemsize, counts[d]))
         fix = _cast_fix(facts, m, widest, "fsdp-uniform-dtype", "FSDP needs one dtype per unit")
-        yield Finding(
-            "fsdp-mixed-dtype-unit",
-            "error",
+        yield rule.finding(
             m.name,
             f"{owners} will wrap {m.name} with FSDP, but its parameters are {' and '.join(sorted(counts))}: the wrap "
             f"(FSDP1: 'Must flatten tensors with uniform dtype') or the first forward (FSDP2) will fail on every rank.",
@@ -105,22 +108,26 @@ def fsdp_mixed_dtype_unit(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("fsdp-reduce-in-half", "info")
-def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
+@check("fsdp-reduce-in-half", Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fsdp_reduce_in_half(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """FSDP reduces gradients across ranks in a 16-bit format.
 
-    What it detects
+    What it does
         FSDP units whose reduce dtype is fp16 or bf16 (FSDP1 ``MixedPrecision.reduce_dtype``;
         FSDP2 ``MixedPrecisionPolicy.reduce_dtype``, which defaults to ``param_dtype``).
-    Why it matters
+    Why is this bad?
         The gradient sum over N ranks is rounded to 8 (bf16) or 11 (fp16) mantissa bits; with
         many ranks small contributions are lost. fp32 reduction doubles the gradient traffic
         of a step. Many recipes accept this trade, so it is reported, not blamed.
+    Example
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    Use instead
+        policy = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     Severity
         info: a deliberate speed / precision trade, harmless at small world sizes.
-    Fix
+    Fix safety
         ``reduce_dtype=torch.float32`` in the policy when accuracy matters more than bandwidth.
-    Source
+    Sources
         torch FSDP docs (``MixedPrecision``, ``MixedPrecisionPolicy``).
     """
     dist = facts.distributed
@@ -137,9 +144,7 @@ def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
         extra = elements * 2
         code = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP2\n" \
                "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP1"  # fmt: skip
-        yield Finding(
-            "fsdp-reduce-in-half",
-            "info",
+        yield rule.finding(
             model,
             f"{len(units)} FSDP unit(s) of {model} reduce gradients in {reduce} across {dist.world_size} ranks; fp32 "
             f"reduction costs {extra / 2**20:.2f} MiB more traffic per rank and step (2x).",
@@ -150,27 +155,37 @@ def fsdp_reduce_in_half(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("launch-world-of-one", "error")
-def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
+@check("launch-world-of-one", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def launch_world_of_one(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A process launched as one of several holds an Accelerator that trains alone.
 
-    What it detects
+    What it does
         The launcher started several processes (``WORLD_SIZE`` > 1 in the environment, or a
         process group of more than one rank), but an Accelerator in this process says one
         process (``num_processes == 1``, ``DistributedType.NO``).
-    Why it matters
+    Why is this bad?
         ``prepare`` then wraps nothing in DDP: each process trains its own copy of the model
         on its own data, no gradient is averaged, N times the work, silently. Reproduced with
         accelerate 1.15: ``notebook_launcher(fn, num_processes=2)`` on a CPU without
         ``Accelerator(cpu=True)`` prints "Launching training on 2 CUDAs.", each child even
         holds a 2-rank process group (backend ``undefined``) yet its Accelerator is
         ``DistributedType.NO``, and after one step the ranks' weights differ.
+    Example
+        def train():
+            accelerator = Accelerator()  # on a CPU: a world of one per process
+            ...
+        notebook_launcher(train, num_processes=2)
+    Use instead
+        def train():
+            accelerator = Accelerator(cpu=True)
+            ...
+        notebook_launcher(train, num_processes=2)
     Severity
         error: the run silently is not the distributed training that was launched.
-    Fix
+    Fix safety
         Create the Accelerator with ``cpu=True`` inside the launched function on a CPU (display
         only: accelerate's shared state cannot be re-initialised inside a running worker).
-    Source
+    Sources
         accelerate ``launchers.py`` (``notebook_launcher``) and ``state.py``
         (``PartialState.__init__``: no backend means ``DistributedType.NO``); tests/distributed/test_launcher.py.
     """
@@ -189,9 +204,7 @@ def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
         "    ...\n"
         f"notebook_launcher(train, num_processes={launched})"
     )
-    yield Finding(
-        "launch-world-of-one",
-        "error",
+    yield rule.finding(
         accs[0].name,
         f"This process was launched as rank {rank} of {launched}, but {who} sees a world of one: prepare() wraps "
         f"nothing in DDP and the {launched} processes train {launched} independent copies.",
@@ -202,27 +215,35 @@ def launch_world_of_one(facts: Facts) -> Iterator[Finding]:
     )
 
 
-@check("launcher-initialized-early", "error")
-def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
+@check("launcher-initialized-early", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An Accelerator or a CUDA device was initialised in the notebook before ``notebook_launcher``.
 
-    What it detects
+    What it does
         In a process that imported ``accelerate``'s launchers and is not itself a launched
         worker: accelerate's shared ``AcceleratorState`` is already filled, or CUDA is
         initialised.
-    Why it matters
+    Why is this bad?
         ``notebook_launcher`` refuses to start: "To launch a multi-device training from your
         notebook, the `Accelerator` should only be initialized inside your training function.
         Restart your notebook and make sure no cells initializes an `Accelerator`." (reproduced,
         accelerate 1.15). On a GPU, forked workers cannot re-initialise CUDA ("Cannot re-initialize
         CUDA in forked subprocess"; not reproducible on this CPU); the kernel must be restarted.
+    Example
+        accelerator = Accelerator()  # in the notebook, before launching
+        notebook_launcher(train, num_processes=2)
+    Use instead
+        def train():
+            accelerator = Accelerator()  # created inside the launched function
+            ...
+        notebook_launcher(train, num_processes=2)
     Severity
         error: the launch will fail.
-    Fix
+    Fix safety
         Create the Accelerator and touch CUDA only inside the launched function; to recover
         without a restart, ``AcceleratorState._reset_state(True)`` clears accelerate's state
         (CUDA cannot be un-initialised: restart the kernel).
-    Source
+    Sources
         accelerate ``launchers.py`` (``notebook_launcher``); tests/distributed/test_launcher.py.
     """
     dist = facts.distributed
@@ -234,9 +255,7 @@ def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
             "AcceleratorState._reset_state(True)  # or restart the kernel\n"
             "# and create the Accelerator only inside the function given to notebook_launcher"
         )
-        yield Finding(
-            "launcher-initialized-early",
-            "error",
+        yield rule.finding(
             "AcceleratorState",
             "An Accelerator was created in this kernel: notebook_launcher will refuse to start ('the `Accelerator` "
             "should only be initialized inside your training function').",
@@ -245,9 +264,7 @@ def launcher_initialized_early(facts: Facts) -> Iterator[Finding]:
                  applicability=Applicability.DISPLAY_ONLY, recipe="launcher-reset-state")],  # fmt: skip
         )
     if dist.cuda_initialized:
-        yield Finding(
-            "launcher-initialized-early",
-            "error",
+        yield rule.finding(
             "torch.cuda",
             "CUDA is initialised in this kernel: notebook_launcher's forked workers will fail with 'Cannot re-initialize "
             "CUDA in forked subprocess'.",
@@ -278,26 +295,33 @@ def _reference(rows: tuple) -> str:
     return max(counts, key=lambda d: (counts[d], -min(r.rank for r in rows if r.digest == d)))
 
 
-@check("ranks-disagree", "error")
-def ranks_disagree(facts: Facts) -> Iterator[Finding]:
+@check("ranks-disagree", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
+def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The ranks of one job disagree on dtypes, precision, scaler, autocast, environment or versions.
 
-    What it detects
+    What it does
         After ``diagnose(..., distributed=True)``: ranks whose fingerprint differs from the
         majority's, per topic (parameter dtypes, FSDP units, precision setups, scalers,
         autocast, precision environment, device, versions), naming the odd ranks.
-    Why it matters
+    Why is this bad?
         Under DDP, ranks holding different dtypes do not fail at construction: the start-up
         broadcast silently overwrites one rank's weights with the other's bytes, the first
         gradient all-reduce aborts gloo ("Received data size doesn't match expected size"),
         and fp16 against bf16 (same width) averages to garbage without any error.
+    Example
+        if rank == 0:
+            model.to(torch.bfloat16)
+        model = DDP(model)
+    Use instead
+        model.to(torch.bfloat16)  # the same code on every rank
+        model = DDP(model)
     Severity
         error for dtypes, precision, scaler and autocast (the run is ruined); warning for the
         environment, device and versions.
-    Fix
+    Fix safety
         On the odd ranks, cast the parameters to the majority's dtype (offered in place on
         those ranks); make every rank build its objects from the same code and arguments.
-    Source
+    Sources
         torch ``nn/parallel/distributed.py`` (``_sync_module_states``); reproduced on 2 gloo
         processes (tests/distributed).
     """
@@ -306,57 +330,76 @@ def ranks_disagree(facts: Facts) -> Iterator[Finding]:
         return
     ref = _reference(dist.ranks)
     ref_fp = next((r.fingerprint for r in dist.ranks if r.digest == ref and r.fingerprint is not None), None)
-    groups: dict[str, list[int]] = {}
-    fps: dict[str, dict | None] = {}
-    for r in dist.ranks:
-        if r.digest != ref:
-            groups.setdefault(r.digest, []).append(r.rank)
-            fps.setdefault(r.digest, r.fingerprint)
+    if ref_fp is None:
+        return
+    groups = _odd_groups(dist.ranks, ref)
     for key, (severity, why) in _KEYS.items():
-        odd = sorted(r for d, ranks in groups.items() for r in ranks if (fps[d] or {}).get(key) != (ref_fp or {}).get(key))
-        if not odd or ref_fp is None:
+        odd, values = _disagreement(groups, ref_fp, key)
+        if not odd:
             continue
-        values = {"majority": ref_fp.get(key)}
-        for d, ranks in groups.items():
-            if (fps[d] or {}).get(key) != ref_fp.get(key):
-                values[f"rank {ranks[0]}"] = (fps[d] or {}).get(key)
-        fixes = []
-        if key == "params" and dist.rank in odd:
-            for m in facts.models:
-                want = ref_fp["params"].get(m.name) or {}
-                if len(want) == 1:
-                    fix = _cast_fix(facts, m, next(iter(want)), "match-other-ranks", "as on the other ranks")
-                    if fix is not None:
-                        fixes.append(fix)
+        fixes = _match_majority_fixes(facts, ref_fp) if key == "params" and dist.rank in odd else []
         names = ", ".join(str(r) for r in odd)
-        yield Finding(
-            "ranks-disagree",
-            severity,
+        yield rule.finding(
             f"ranks {names}" if len(odd) > 1 else f"rank {names}",
             f"Rank{'s' if len(odd) > 1 else ''} {names} of {dist.world_size} disagree{'' if len(odd) > 1 else 's'} with "
             f"the others on {key}: {why}.",
             {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size},
             fixes,
+            severity=severity,
         )
 
 
-@check("rank-did-not-answer", "error")
-def rank_did_not_answer(facts: Facts) -> Iterator[Finding]:
+def _odd_groups(ranks: tuple, ref: str) -> dict[str, tuple[list[int], dict | None]]:
+    """The ranks that differ from the reference digest, grouped by digest, with one fingerprint per group."""
+    groups: dict[str, tuple[list[int], dict | None]] = {}
+    for r in ranks:
+        if r.digest != ref:
+            groups.setdefault(r.digest, ([], r.fingerprint))[0].append(r.rank)
+    return groups
+
+
+def _disagreement(groups: dict[str, tuple[list[int], dict | None]], ref_fp: dict, key: str) -> tuple[list[int], dict]:
+    """The ranks whose fingerprint differs from the majority's on ``key``, and the values each group holds."""
+    differing = [(ranks, (fp or {}).get(key)) for ranks, fp in groups.values() if (fp or {}).get(key) != ref_fp.get(key)]
+    values = {"majority": ref_fp.get(key)}
+    values.update({f"rank {ranks[0]}": value for ranks, value in differing})
+    return sorted(r for ranks, _value in differing for r in ranks), values
+
+
+def _match_majority_fixes(facts: Facts, ref_fp: dict) -> list[Fix]:
+    """On an odd rank: cast each model whose majority holds one dtype to that dtype."""
+    fixes = []
+    for m in facts.models:
+        want = ref_fp["params"].get(m.name) or {}
+        if len(want) == 1:
+            fix = _cast_fix(facts, m, next(iter(want)), "match-other-ranks", "as on the other ranks")
+            if fix is not None:
+                fixes.append(fix)
+    return fixes
+
+
+@check("rank-did-not-answer", Severity.ERROR, Severity.WARNING)
+def rank_did_not_answer(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Ranks of the process group did not join the cross-rank diagnosis within its timeout.
 
-    What it detects
+    What it does
         ``diagnose(..., distributed=True, timeout=...)`` on some ranks while other ranks
         never called it in time (crashed, hung, or running different code), or an exchange
         that could not run at all.
-    Why it matters
+    Why is this bad?
         A rank that is not where the others are will hang the next collective of the
         training (30 minutes by default, then an abort without a cause).
+    Example
+        if accelerator.is_main_process:
+            mpdoctor.diagnose(model, distributed=True)  # the other ranks never join the exchange
+    Use instead
+        mpdoctor.diagnose(model, distributed=True)  # on every rank
     Severity
         error: the job is already diverged or dead on those ranks.
-    Fix
+    Fix safety
         Look at the named ranks' logs; make sure every rank runs the same code path and
         calls ``diagnose(..., distributed=True)``.
-    Source
+    Sources
         torch.distributed store semantics; mpdoctor's cross-rank exchange.
     """
     dist = facts.distributed
@@ -364,19 +407,16 @@ def rank_did_not_answer(facts: Facts) -> Iterator[Finding]:
         return
     if dist.absent:
         names = ", ".join(str(r) for r in dist.absent)
-        yield Finding(
-            "rank-did-not-answer",
-            "error",
+        yield rule.finding(
             "process group",
             f"Rank{'s' if len(dist.absent) > 1 else ''} {names} of {dist.world_size} did not answer within "
             f"{dist.timeout:g} s: the report compares only the ranks that did.",
             {"ranks": list(dist.absent), "timeout": dist.timeout, "world_size": dist.world_size},
         )
     elif dist.exchange_error:
-        yield Finding(
-            "rank-did-not-answer",
-            "warning",
+        yield rule.finding(
             "process group",
             f"The cross-rank exchange could not run ({dist.exchange_error}); this report covers this rank only.",
             {"ranks": [], "detail": dist.exchange_error},
+            severity=Severity.WARNING,
         )

@@ -12,8 +12,9 @@ import torch
 from ..facts import Facts, ModelFacts
 from ..facts.tensors import FLOATING, ModuleDtypes
 from ..treatment.changes import CastGradsToParams, CastParamsTo, torch_dtype
-from ..treatment.findings import Finding, count, size_delta
+from ..treatment.findings import Finding, Severity, count, size_delta
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 
@@ -187,11 +188,11 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
     )
 
 
-@check("mixed-param-dtypes", "error")
-def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
+@check("mixed-param-dtypes", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
+def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Parameters of two floating dtypes in one compute path that nothing casts between.
 
-    What it detects
+    What it does
         A model whose compute modules hold parameters of a dtype other than
         the model's compute dtype (the dtype of most elements), where no cast
         brings the activations to them. Compute modules are the modules with
@@ -209,7 +210,7 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         when only such norms differ; under autocast (``torch.autocast`` now,
         accelerate's wrapped forward, a Trainer autocasting the model) only
         modules behind a patched forward are reported, as a warning.
-    Why it matters
+    Why is this bad?
         Without autocast a matmul takes one dtype: an fp32 adapter or layer
         fed bf16 activations raises ``mat1 and mat2 must have the same dtype``
         (``expected m1 and m2 to have the same dtype``), and a norm that
@@ -218,16 +219,23 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
         ones (``addmm_``) inside custom autograd Functions, which is how
         Unsloth's fused LoRA backward met fp32 adapters under gradient
         checkpointing.
+    Example
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+        model.lm_head.float()
+        model(input_ids)  # mat1 and mat2 must have the same dtype
+    Use instead
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+        model(input_ids)  # or run the forward under torch.autocast("cuda", dtype=torch.bfloat16)
     Severity
         Error for a compute module without autocast (the first matmul raises); warning for wider norms
         without autocast, or patched forwards under autocast; nothing for PEFT adapters, autocast-
         covered models and norms that keep their input dtype.
-    Fix
+    Fix safety
         Cast the minority parameters of the affected modules (with their
         grads and optimizer state) to the compute dtype in place, keeping the
         Parameter objects. Safe when every cast widens exactly (bf16 -> fp32);
         unsafe when it narrows (fp32 adapters -> bf16).
-    Source
+    Sources
         Unsloth issues #1260 and #212 ("expected mat1 and mat2 to have the
         same dtype, but got: c10::BFloat16 != float"); PEFT's LoRA
         ``_cast_input_dtype``; transformers ``_keep_in_fp32_modules``.
@@ -247,31 +255,8 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
             offenders = [u for u in offenders if u.patched and u.role != "norm"]
             if not offenders:
                 continue
-            severity = "warning"
-            origins = sorted({u.patched for u in offenders if u.patched})
-            msg = (
-                f"{_describe(offenders)} of {m.name} {_hold(offenders)} weights other than its {dtype} compute dtype and are read "
-                f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
-                "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
-            )
-        elif any(u.role != "norm" for u in offenders):
-            severity = "error"
-            msg = (
-                f"{m.name} computes in {dtype} but {_describe([u for u in offenders if u.role != 'norm'])} {_hold([u for u in offenders if u.role != 'norm'])} other "
-                "dtypes and nothing autocasts: the first matmul that meets both raises "
-                "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
-                "diagnose inside it)."
-            )
-        else:
-            severity = "warning"
-            msg = (
-                f"{m.name} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
-                f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
-                f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
-            )
-        yield Finding(
-            "mixed-param-dtypes",
-            severity,
+        severity, msg = _mixed_message(m.name, offenders, dtype, cover)
+        yield rule.finding(
             m.name,
             msg,
             {
@@ -282,7 +267,32 @@ def mixed_param_dtypes(facts: Facts) -> Iterator[Finding]:
                 "patched_forwards": sorted({u.patched for u in offenders if u.patched}),
             },
             [_cast_minority_fix(facts, m, offenders, dtype)],
+            severity=severity,
         )
+
+
+def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:
+    """Severity and message of mixed-param-dtypes: patched forwards under autocast, compute modules, or norms."""
+    if cover is not None:
+        origins = sorted({u.patched for u in offenders if u.patched})
+        return Severity.WARNING, (
+            f"{_describe(offenders)} of {model} {_hold(offenders)} weights other than its {dtype} compute dtype and are read "
+            f"by patched forwards ({', '.join(origins)}); {cover} does not reach in-place matmuls inside custom "
+            "autograd Functions, so backward can raise 'expected mat1 and mat2 to have the same dtype'."
+        )
+    compute = [u for u in offenders if u.role != "norm"]
+    if compute:
+        return Severity.ERROR, (
+            f"{model} computes in {dtype} but {_describe(compute)} {_hold(compute)} other "
+            "dtypes and nothing autocasts: the first matmul that meets both raises "
+            "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
+            "diagnose inside it)."
+        )
+    return Severity.WARNING, (
+        f"{model} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
+        f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
+        f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,44 +317,67 @@ def cast_grads_fix(title: str, code: str, owner: int, ids: frozenset[int], safe:
     return Fix(title, code, safe, changes=(CastGradsToParams(owner, ids),), recipe="cast-grads")
 
 
-@check("grad-dtype-mismatch", "error")
-def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+_GradRows = list[tuple[int, str, "str | None"]]
+
+
+def _grad_holders(facts: Facts) -> list[tuple[str, int, bool, _GradRows]]:
+    """Each model whose grads differ from its parameters, and each optimizer's parameters no model holds:
+    (name, ref, is_model, (id, dtype, grad dtype) rows)."""
+    seen: set[int] = set()
+    holders: list[tuple[str, int, bool, _GradRows]] = []
+    for m in facts.models:
+        seen |= m.tensors.param_ids
+        if m.tensors.grads_differ:  # the aggregate spares a healthy model's per-parameter rows
+            holders.append((m.name, m.ref, True, [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]))
+    for o in facts.optimizers:
+        rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
+        holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))
+    return holders
+
+
+def _grad_consequence(optimizers: list, crashing: list[str]) -> str:
+    """What the mismatched grads will do at the next step."""
+    if crashing:
+        return f"{', '.join(crashing)}.step() will raise 'expected dtype ... but got dtype ...'"
+    if optimizers:
+        return f"{', '.join(o.name for o in optimizers)} will build optimizer state in the grads' dtype"
+    return "an optimizer step will raise (Adam family) or build state in the grads' dtype"
+
+
+@check("grad-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
+def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Parameters whose ``.grad`` has another dtype than the parameter.
 
-    What it detects
+    What it does
         A parameter (of a model, or held only by an optimizer) whose ``.grad``
         dtype differs from its own: left behind by ``p.data = p.data.bfloat16()``
         after a backward, or made on purpose by casting ``p.grad.data`` (a
         ``--gradient_precision=fp32`` option). Error when an optimizer holding
         it is one of torch's Adam family, whose step then raises; warning
         otherwise.
-    Why it matters
+    Why is this bad?
         torch refuses ``p.grad = g`` of another dtype, but ``.data`` writes slip
         past it. Adam, AdamW, Adamax, NAdam and RAdam then raise at ``step()``
         (``expected dtype c10::BFloat16 for `end` but got dtype float``); SGD
         with momentum silently builds fp32 state for bf16 parameters (twice
         the memory, and state that no longer matches its parameter).
+    Example
+        loss.backward()
+        for p in model.parameters():
+            p.grad = p.grad.float()  # the parameter is bf16
+    Use instead
+        loss.backward()  # each grad stays in its parameter's dtype
     Severity
         Error when an Adam-family optimizer holds the parameter (its step raises); warning otherwise.
-    Fix
+    Fix safety
         Cast each grad to its parameter's dtype in place (``p.grad.data =
         p.grad.data.to(p.dtype)``, the same grad tensor). Safe when that widens
         the grad (bf16 grad of an fp32 parameter); unsafe when it narrows.
-    Source
+    Sources
         SimpleTuner issue #755 (``--gradient_precision=fp32``); torch.optim
         Adam's ``lerp`` update.
     """
-    seen: set[int] = set()
-    holders: list[tuple[str, int, bool, list[tuple[int, str, str | None]]]] = []
-    for m in facts.models:
-        seen |= m.tensors.param_ids
-        if m.tensors.grads_differ:  # the aggregate spares a healthy model's per-parameter rows
-            rows = [(p.id, p.dtype, p.grad_dtype) for p in m.tensors.params]
-            holders.append((m.name, m.ref, True, rows))
-    for o in facts.optimizers:
-        rows = [(p.id, p.dtype, p.grad_dtype) for p in o.params if p.id not in seen]
-        holders.append((o.name, facts.subject(o.name).inner_ref, False, rows))
-    for name, owner, is_model, rows in holders:
+    for name, owner, is_model, rows in _grad_holders(facts):
         bad = {pid: (dt, gdt) for pid, dt, gdt in rows if gdt is not None and gdt != dt}
         if not bad:
             continue
@@ -352,12 +385,7 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         crashing = [o.name for o in optimizers if o.class_path in LERP_OPTIMIZERS]
         pairs = sorted({f"{gdt} grads on {dt} parameters" for dt, gdt in bad.values()})
         safe = all(widens(gdt, dt) for dt, gdt in bad.values())
-        if crashing:
-            consequence = f"{', '.join(crashing)}.step() will raise 'expected dtype ... but got dtype ...'"
-        elif optimizers:
-            consequence = f"{', '.join(o.name for o in optimizers)} will build optimizer state in the grads' dtype"
-        else:
-            consequence = "an optimizer step will raise (Adam family) or build state in the grads' dtype"
+        consequence = _grad_consequence(optimizers, crashing)
         source = (
             f"{name}.parameters()"
             if is_model
@@ -368,13 +396,12 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
             "    if p.grad is not None and p.grad.dtype != p.dtype:\n"
             "        p.grad.data = p.grad.data.to(p.dtype)  # the same grad tensor, in the parameter's dtype"
         )
-        yield Finding(
-            "grad-dtype-mismatch",
-            "error" if crashing else "warning",
+        yield rule.finding(
             name,
             f"{count(len(bad), 'parameter')} of {name} carry {'; '.join(pairs)}: {consequence}.",
             {"parameters": len(bad), "pairs": pairs, "optimizers": [o.name for o in optimizers], "raises_in": crashing},
             [cast_grads_fix(f"Cast {count(len(bad), 'grad')} of {name} to their parameter's dtype", code, owner, frozenset(bad), safe)],
+            severity=Severity.ERROR if crashing else Severity.WARNING,
         )
 
 
@@ -383,11 +410,11 @@ def grad_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
 # ---------------------------------------------------------------------------------------------
 
 
-@check("load-dtype-mismatch", "warning")
-def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+@check("load-dtype-mismatch", Severity.INFO, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
+def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A model held in another dtype than its checkpoint (``model.dtype != config.dtype``).
 
-    What it detects
+    What it does
         A model whose main parameter dtype (the dtype of most elements)
         differs from ``config.dtype`` / ``config.torch_dtype``, the dtype its
         checkpoint was saved in: a bf16 checkpoint loaded in fp32 (the default
@@ -395,22 +422,27 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         Warning when the model is fp16 and the checkpoint is not (fp16's range
         ends at 65504; weights and activations trained in bf16 or fp32 can
         overflow to inf); info otherwise.
-    Why it matters
+    Why is this bad?
         fp32 weights from a bf16 checkpoint take twice the memory and add no
         information: right as fp32 master weights under autocast, waste for
         inference. bf16 from an fp32 checkpoint drops mantissa bits but keeps
         the range, which is usually intended.
+    Example
+        model = AutoModelForCausalLM.from_pretrained(name)  # checkpoint saved in bf16
+        model.half()
+    Use instead
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
     Severity
         Warning for fp16 from a wider checkpoint (overflow risk); info otherwise (fp32 master weights
         are right under autocast).
-    Fix
+    Fix safety
         Cast the parameters in the model's dtype to the checkpoint dtype in
         place, keeping the Parameter objects; not offered when an optimizer
         holds the parameters of a model wider than its checkpoint (fp32
         master weights), nor for bf16 from fp32. Always unsafe: it changes
         the dtype layers compute in, and narrowing loses bits. Better: load
         with ``from_pretrained(..., dtype=...)``.
-    Source
+    Sources
         transformers ``from_pretrained`` ``dtype`` / ``torch_dtype`` argument
         (default fp32 before 5.0, "auto" since); mpdoctor field notes.
     """
@@ -421,15 +453,15 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
         training = bool(facts.optimizers_of(m))
         where = next((c.path for c in m.configs if c.dtype and not c.is_generation_config), m.config_path)
         if held == "float16":
-            severity, why = "warning", "fp16's range ends at 65504, so values trained in a wider range can overflow to inf"
+            severity, why = Severity.WARNING, "fp16's range ends at 65504, so values trained in a wider range can overflow to inf"
         elif widens(saved, held):
-            severity = "info"
+            severity = Severity.INFO
             why = (
                 "fp32 master weights are right under autocast" if training
                 else f"{torch_dtype(held).itemsize // torch_dtype(saved).itemsize}x the memory for no extra information"
             )
         else:
-            severity, why = "info", "precision is lost but the range is kept, which is usually intended"
+            severity, why = Severity.INFO, "precision is lost but the range is kept, which is usually intended"
         offer = not (training and widens(saved, held)) and not (saved == "float32" and held == "bfloat16")
         fixes = []
         if offer:
@@ -450,11 +482,10 @@ def load_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
                     recipe="cast-to-checkpoint",
                 )
             )
-        yield Finding(
-            "load-dtype-mismatch",
-            severity,
+        yield rule.finding(
             m.name,
             f"{m.name} holds {held} parameters but its checkpoint is {saved} ({where}.dtype): {why}.",
             {"model_dtype": held, "config_dtype": saved, "held_by_optimizer": training},
             fixes,
+            severity=severity,
         )

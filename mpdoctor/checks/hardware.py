@@ -9,8 +9,9 @@ from ..facts.configs import ConfigFacts
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
 from ..treatment.changes import CastParamsTo, DType, SetAttrTo, SetComputeDtype
-from ..treatment.findings import Finding, count
+from ..treatment.findings import Finding, Severity, count
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 from .precision import align_spec
 
@@ -61,24 +62,30 @@ def _fp32_master_fix(
     return Fix(title, code, False, changes=tuple(specs), backup_bytes=backup, recipe=f"fp32-master-{target}")
 
 
-@check("bf16-unsupported", "error")
-def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
+@check("bf16-unsupported", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
+def bf16_unsupported(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """bf16 arguments, autocast or weights on a GPU without native bf16 (V100, T4, P100, RTX 20xx).
 
-    What it detects
+    What it does
         On the live CUDA device or the ``target=`` profile, when it lacks native bf16 (compute capability
         below 8.0): a setup whose arguments or accelerator ask for bf16 (error), bf16 autocast active now
         (error), or a model holding bf16 parameters outside such a setup (warning).
-    Why it matters
+    Why is this bad?
         transformers refuses ``bf16=True`` there ("Your setup doesn't support bf16/gpu. ... You need Ampere+
         GPU with cuda>=11.0."); bf16 matmuls that do run go through emulation at a fraction of fp16 speed,
         and fused kernels without a bf16 path (FlashAttention, SDPA's flash backend) refuse them. Switching
         to fp16 instead can overflow on checkpoints trained in bf16 (T5, Gemma 2/3, Qwen3-MoE, GPT-OSS,
         ...: ``FP16_OVERFLOW_MODEL_TYPES``).
+    Example
+        # on a V100 / T4
+        args = TrainingArguments(output_dir="out", bf16=True)
+    Use instead
+        # on a V100 / T4: fp16 autocast over fp32 weights, with a GradScaler
+        args = TrainingArguments(output_dir="out", fp16=True)
     Severity
         Error when a setup or autocast asks for bf16 on a device without it; warning for bf16 weights
         alone.
-    Fix
+    Fix safety
         Switch to fp16 AMP with fp32 master weights: cast the bf16 parameters (with grads and optimizer
         state) to fp32 in place, set ``args.bf16=False, args.fp16=True`` and bring the accelerator to fp16
         as accelerate sets it up on that GPU: fp16 autocast and a GradScaler. For a ``target=`` what-if the
@@ -86,111 +93,121 @@ def bf16_unsupported(facts: Facts) -> Iterator[Finding]:
         step here computes in the dtypes the target will; ``fix.code`` also says to rebuild the Trainer on the
         target GPU. For model types known to overflow fp16 the fix chooses fp32 instead
         (``fp16=False``). Unsafe: it doubles the memory of the cast weights and changes the precision.
-    Source
+    Sources
         transformers ``TrainingArguments.__post_init__``; ms-swift issue #3896; Unsloth ``FORCE_FLOAT32``;
         NVIDIA compute capability tables (bf16 tensor cores from sm_80).
     """
     hw = facts.hardware
     if hw.bf16_native or hw.kind != "cuda":
         return
-    cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else "no bf16"
     covered: set[str] = set()
     for p in facts.precisions:
         if p.requested != "bf16" and declared_precision(p) != "bf16":
             continue
         models = [m for m in facts.models if m.name in p.model_names]
         covered.update(m.name for m in models)
-        risky = sorted({t for t in (fp16_overflow_type(m) for m in models) if t})
-        target = "no" if risky else "fp16"
-        instead = (
-            f"fp32 ({', '.join(risky)} overflows in fp16)" if risky else "fp16 autocast with fp32 master weights"
-        )
-        args = p.args_name or p.name
-        code = "\n".join(
-            [_cast_code(m.name) for m in models if _bf16_params(m)]
-            + [
-                f"{args}.bf16, {args}.fp16 = False, {target == 'fp16'}",
-                f"{args}.mixed_precision = {target!r}",
-                f"# on the {hw.name}: rebuild the Trainer from these arguments so accelerate sets up "
-                + ("fp16 autocast and its GradScaler" if target == "fp16" else "an fp32 run"),
-            ]
-        )
-        yield Finding(
-            "bf16-unsupported",
-            "error",
-            p.name,
-            f"{p.name} asks for bf16 on {hw.label}, which has no native bf16 ({cap} < sm_80): transformers refuses "
-            "it ('Your setup doesn't support bf16/gpu') and emulated bf16 is slow. Use "
-            f"{instead}.",
-            {"device": hw.label, "requested": p.requested, "declared": declared_precision(p), "fp16_overflow_types": risky},
-            [_fp32_master_fix(facts, models, f"Switch {p.name} to {instead}", code, p, target)],
-        )
+        yield _bf16_requested(facts, rule, p, models)
     if hw.live and facts.runtime.autocast.get("cuda") == "bfloat16":
-        yield Finding(
-            "bf16-unsupported",
-            "error",
+        yield rule.finding(
             "torch.autocast",
             f"bf16 autocast is active on {hw.label}, which has no native bf16: use dtype=torch.float16 with a GradScaler.",
             {"device": hw.label, "autocast": "bfloat16"},
         )
     for m in facts.models:
-        if m.name in covered:
-            continue
-        bf16 = _bf16_params(m)
-        if not bf16:
-            continue
-        risky = fp16_overflow_type(m)
-        then = (
-            f"train it in fp32 ({risky} overflows in fp16)"
-            if risky
-            else "train under torch.autocast(device_type='cuda', dtype=torch.float16) with a torch.amp.GradScaler('cuda')"
-        )
-        yield Finding(
-            "bf16-unsupported",
-            "warning",
-            m.name,
-            f"{m.name} holds {count(len(bf16), 'bf16 parameter')} ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
-            "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
-            f"weights and {then}.",
-            {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
-            [
-                _fp32_master_fix(
-                    facts,
-                    [m],
-                    f"Cast {count(len(bf16), 'bf16 parameter')} of {m.name} to fp32 (fp32 master weights)",
-                    _cast_code(m.name) + f"\n# then {then}",
-                    None,
-                    "no" if risky else "fp16",
-                )
-            ],
-        )
+        if m.name not in covered and _bf16_params(m):
+            yield _bf16_weights(facts, rule, m)
+
+
+def _bf16_requested(facts: Facts, rule: Rule, p: PrecisionFacts, models: list[ModelFacts]) -> Finding:
+    """A setup asking for bf16 on a GPU without it: fp16 autocast over fp32 master weights, or fp32."""
+    hw = facts.hardware
+    cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else "no bf16"
+    risky = sorted({t for t in (fp16_overflow_type(m) for m in models) if t})
+    target = "no" if risky else "fp16"
+    instead = (
+        f"fp32 ({', '.join(risky)} overflows in fp16)" if risky else "fp16 autocast with fp32 master weights"
+    )
+    args = p.args_name or p.name
+    code = "\n".join(
+        [_cast_code(m.name) for m in models if _bf16_params(m)]
+        + [
+            f"{args}.bf16, {args}.fp16 = False, {target == 'fp16'}",
+            f"{args}.mixed_precision = {target!r}",
+            f"# on the {hw.name}: rebuild the Trainer from these arguments so accelerate sets up "
+            + ("fp16 autocast and its GradScaler" if target == "fp16" else "an fp32 run"),
+        ]
+    )
+    return rule.finding(
+        p.name,
+        f"{p.name} asks for bf16 on {hw.label}, which has no native bf16 ({cap} < sm_80): transformers refuses "
+        "it ('Your setup doesn't support bf16/gpu') and emulated bf16 is slow. Use "
+        f"{instead}.",
+        {"device": hw.label, "requested": p.requested, "declared": declared_precision(p), "fp16_overflow_types": risky},
+        [_fp32_master_fix(facts, models, f"Switch {p.name} to {instead}", code, p, target)],
+    )
+
+
+def _bf16_weights(facts: Facts, rule: Rule, m: ModelFacts) -> Finding:
+    """A model holding bf16 weights on a GPU without bf16, that no bf16 setup already covers."""
+    hw = facts.hardware
+    bf16 = _bf16_params(m)
+    risky = fp16_overflow_type(m)
+    then = (
+        f"train it in fp32 ({risky} overflows in fp16)"
+        if risky
+        else "train under torch.autocast(device_type='cuda', dtype=torch.float16) with a torch.amp.GradScaler('cuda')"
+    )
+    return rule.finding(
+        m.name,
+        f"{m.name} holds {count(len(bf16), 'bf16 parameter')} ({sum(p.numel for p in bf16):,} elements) but {hw.label} has "
+        "no native bf16: its matmuls are emulated (slow) and fused kernels refuse them. Keep fp32 master "
+        f"weights and {then}.",
+        {"device": hw.label, "bf16_params": len(bf16), "fp16_overflow_type": risky},
+        [
+            _fp32_master_fix(
+                facts,
+                [m],
+                f"Cast {count(len(bf16), 'bf16 parameter')} of {m.name} to fp32 (fp32 master weights)",
+                _cast_code(m.name) + f"\n# then {then}",
+                None,
+                "no" if risky else "fp16",
+            )
+        ],
+        severity=Severity.WARNING,
+    )
 
 
 def _flash(c: ConfigFacts) -> bool:
     return not c.is_generation_config and bool(c.attn_implementation) and "flash" in str(c.attn_implementation).lower()
 
 
-@check("flash-attention-fp32", "error")
-def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
+@check("flash-attention-fp32", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def flash_attention_fp32(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A model configured for FlashAttention whose weights are fp32 with no half-precision autocast.
 
-    What it detects
+    What it does
         ``config._attn_implementation`` (on the config or a sub-config) naming a FlashAttention kernel
         (``flash_attention_2``, ``flash_attention_3``, a hub flash kernel) on a model whose weights are
         mostly fp32, where no setup runs it under fp16/bf16 autocast. Error when a Trainer will run it in
         fp32; warning for a bare model (a training loop mpdoctor cannot see may autocast).
-    Why it matters
+    Why is this bad?
         FlashAttention kernels exist only for fp16 and bf16: "FlashAttention only support fp16 and bf16 data
         type". transformers casts fp32 queries to the autocast dtype, else to the dtype of the model's
         Linear weights, which is fp32 here, so the first forward raises.
+    Example
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flash_attention_2")
+        model.float()  # FlashAttention has no fp32 kernel
+    Use instead
+        model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="sdpa")
+        model.float()
     Severity
         Error when a Trainer will run it in fp32 (the first forward raises); warning for a bare model,
         whose loop may autocast.
-    Fix
+    Fix safety
         Switch the attention to SDPA (``eager`` for models without SDPA support) in place, on every config
         that names a flash kernel: same math in fp32. Safe. To keep FlashAttention, train under bf16/fp16
         autocast instead (``TrainingArguments(bf16=True)``).
-    Source
+    Sources
         transformers ``integrations/flash_attention.py`` (``get_target_dtype``); flash-attn
         ``flash_attn_interface`` dtype check; transformers' load-time warning "Flash Attention 2 only
         supports torch.float16 and torch.bfloat16 dtypes".
@@ -217,15 +234,14 @@ def flash_attention_fp32(facts: Facts) -> Iterator[Finding]:
             "# with torch.autocast('cuda', dtype=torch.bfloat16): ..."
         )
         kernels = sorted({str(c.attn_implementation) for c in flash})
-        yield Finding(
-            "flash-attention-fp32",
-            "error" if setups else "warning",
+        yield rule.finding(
             flash[0].path + "._attn_implementation",
             f"{m.name} uses {', '.join(kernels)} with fp32 weights and no fp16/bf16 autocast"
             + (" in its Trainer" if setups else "")
             + ": FlashAttention only supports fp16 and bf16, so the first forward raises.",
             {"attn_implementation": kernels, "main_dtype": m.tensors.main_dtype, "setups": [p.name for p in setups]},
             [Fix(f"Switch {m.name}'s attention to {fallback}", code, True, changes=specs, recipe="attention-fallback")],
+            severity=Severity.ERROR if setups else Severity.WARNING,
         )
 
 
@@ -248,28 +264,34 @@ def _half_dtype(facts: Facts, m: ModelFacts) -> str | None:
 
 
 
-@check("bnb-compute-dtype-fp32", "warning")
-def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
+@check("bnb-compute-dtype-fp32", Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
+def bnb_compute_dtype_fp32(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A bitsandbytes 4-bit model computing in fp32 while the rest of the model or the run is half precision.
 
-    What it detects
+    What it does
         ``quantization_config`` with ``load_in_4bit=True`` and ``bnb_4bit_compute_dtype=torch.float32``
         (the default), or ``Linear4bit`` layers whose ``compute_dtype`` is fp32 (read by the bitsandbytes
         integration, so hand-built 4-bit models count too), on a model whose unquantized weights are fp16/bf16, or that a setup runs under
         fp16/bf16 autocast.
-    Why it matters
+    Why is this bad?
         Each ``Linear4bit`` casts its half-precision input to fp32, dequantizes to fp32 and multiplies in
         fp32, then casts back: several times slower than a bf16/fp16 compute dtype and twice the
         activation memory. bitsandbytes warns "Input type into Linear4bit is torch.float16, but
         bnb_4bit_compute_dtype=torch.float32 (default). This will lead to slow inference or training
         speed."
+    Example
+        config = BitsAndBytesConfig(load_in_4bit=True)  # bnb_4bit_compute_dtype defaults to fp32
+        model = AutoModelForCausalLM.from_pretrained(name, quantization_config=config, dtype=torch.bfloat16)
+    Use instead
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(name, quantization_config=config, dtype=torch.bfloat16)
     Severity
         Warning: measurable slowdown and activation memory, no crash.
-    Fix
+    Fix safety
         Set ``bnb_4bit_compute_dtype`` to the half dtype in use, on the quantization config and on every
         live ``Linear4bit`` module's ``compute_dtype`` (the attribute the forward reads), in place.
         Unsafe: the 4-bit matmuls then compute in half precision.
-    Source
+    Sources
         bitsandbytes ``nn.Linear4bit.forward``; QLoRA paper (bf16 compute dtype); transformers
         ``BitsAndBytesConfig``.
     """
@@ -303,9 +325,7 @@ def bnb_compute_dtype_fp32(facts: Facts) -> Iterator[Finding]:
             ]
         )
         where = cfgs[0].path + ".quantization_config.bnb_4bit_compute_dtype" if cfgs else f"{m.name}.{slow[0].path}.compute_dtype"
-        yield Finding(
-            "bnb-compute-dtype-fp32",
-            "warning",
+        yield rule.finding(
             where,
             f"{m.name} is 4-bit quantized with bnb_4bit_compute_dtype=float32"
             + (f" on {len(slow)} Linear4bit layers" if slow else "")

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 
 from ..facts import Facts
 from ..facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts
-from ..treatment.findings import Finding
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 #: Stock torch optimizers whose moments follow the parameter dtype (``zeros_like(p)``).
@@ -38,11 +39,11 @@ def rebuild_fix(p: LightningPrecisionFacts, precision: str, title: str, cost: st
     return Fix(title, code, applicability=Applicability.DISPLAY_ONLY, recipe=f"lightning-{precision}", cost=cost)
 
 
-@check("lightning-precision-replaced", "warning")
-def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
+@check("lightning-precision-replaced", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+def lightning_precision_replaced(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Lightning runs another precision than the one requested (``16-mixed`` on a CPU runs as ``bf16-mixed``).
 
-    What it detects
+    What it does
         A Lightning ``Trainer`` / ``Fabric`` whose precision plugin runs something else than the flag asked
         for. Lightning 2.x has one such rule (its accelerator connector): ``precision="16-mixed"`` with
         ``accelerator="cpu"`` becomes ``bf16-mixed`` with the warning "You passed
@@ -50,16 +51,20 @@ def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
         `precision='bf16-mixed'` instead." The connector then overwrites its own record of the request
         (``_precision_flag``), so on a built Trainer the replacement is visible only where the request is
         known: a ``target=`` what-if (the rule applied to the target's device) or facts built by hand.
-    Why it matters
+    Why is this bad?
         The run computes in bf16 (8 significant bits) where fp16 (11) was asked: its losses and gradients
         differ measurably from the fp16 run the user meant to reproduce on a GPU, and nothing but a
         one-time warning says so. No crash: bf16 autocast trains on a CPU.
+    Example
+        trainer = L.Trainer(accelerator="cpu", precision="16-mixed")  # runs bf16 on a CPU
+    Use instead
+        trainer = L.Trainer(accelerator="cpu", precision="bf16-mixed")
     Severity
         Warning: the run trains, in another precision than asked (measurable, not ruinous).
-    Fix
+    Fix safety
         Display-only: build the Trainer with the precision that really runs (``precision="bf16-mixed"``,
         the CPU's half precision), or run ``16-mixed`` on a GPU. The plugin cannot be swapped in place.
-    Source
+    Sources
         lightning ``pytorch/trainer/connectors/accelerator_connector.py`` ``_check_and_init_precision`` and
         ``fabric/connector.py`` (2.x); Lightning-AI/pytorch-lightning PR #10033 (the CPU fallback).
     """
@@ -67,9 +72,7 @@ def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
         if p.requested is None or p.effective is None or p.requested == p.effective:
             continue
         quoted = CPU_FALLBACK_WARNING.replace("Trainer(", f"{_ctor(p)}(") if p.requested == "16-mixed" else ""
-        yield Finding(
-            "lightning-precision-replaced",
-            "warning",
+        yield rule.finding(
             p.name,
             f"{p.name} asks for precision={p.requested!r} but its {p.plugin} runs {p.effective!r} on the "
             f"{p.device or 'device'}: the run computes in another precision than asked."
@@ -87,29 +90,34 @@ def lightning_precision_replaced(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("lightning-true-half-adam", "error")
-def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
+@check("lightning-true-half-adam", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """``bf16-true`` / ``16-true`` weights updated by stock torch Adam/AdamW: the update itself is half precision.
 
-    What it detects
+    What it does
         A Lightning ``Trainer`` / ``Fabric`` running ``bf16-true`` or ``16-true`` (``HalfPrecision``: the
         module, its inputs and so the optimizer's parameters and moments are half) whose optimizer is
         ``torch.optim.Adam`` / ``AdamW``.
-    Why it matters
+    Why is this bad?
         ``16-true``: Adam's default ``eps=1e-8`` is below fp16's smallest value (6e-8) and rounds to zero,
         and a squared gradient below 2.4e-4 underflows to zero in ``exp_avg_sq``, so ``m / (sqrt(v) + eps)``
         divides by zero: the weights become inf/NaN at the first step where a gradient is small (measured
         here: one AdamW step with gradients of 1e-5 makes fp16 weights -inf). ``bf16-true``: every update smaller
         than half a bf16 ulp (about ``weight / 256``) is lost, so training stalls silently; the
         ``pure-bf16-adamw`` check measures that on the optimizer itself.
+    Example
+        trainer = L.Trainer(precision="16-true")
+        # configure_optimizers returns torch.optim.Adam(self.parameters())
+    Use instead
+        trainer = L.Trainer(precision="bf16-mixed")  # fp32 weights and Adam state, bf16 compute
     Severity
         Warning for ``bf16-true`` (updates lost, the loss stalls); error for ``16-true`` (NaN weights).
-    Fix
+    Fix safety
         Display-only: build the Trainer with ``precision="bf16-mixed"`` (fp32 weights and Adam state, bf16
         compute), or keep true-half weights with a bf16-safe optimizer (``adamw_bf16.AdamWBF16``, optimi
         with ``kahan_sum=True``). Casting the weights to fp32 in place would not do: the ``HalfPrecision``
         plugin casts every batch to half and a Linear then meets two dtypes.
-    Source
+    Sources
         Lightning docs "N-bit precision" (true half precision "may lead to unstable training");
         Lightning-AI/pytorch-lightning issue #20619 (16-true, Adam eps=1e-8, NaN at the first step); "Revisiting BFloat16 Training" (Zamirai et al.).
     """
@@ -139,9 +147,7 @@ def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
                     "with bf16 moments, so every update smaller than about weight/256 is lost and training stalls "
                     "silently."
                 )
-            yield Finding(
-                "lightning-true-half-adam",
-                "error" if fp16 else "warning",
+            yield rule.finding(
                 p.name,
                 msg,
                 {"precision": p.effective, "optimizer": o.class_path, "half_params": len(half), "eps": eps, "lr": o.defaults.get("lr")},
@@ -163,4 +169,5 @@ def lightning_true_half_adam(facts: Facts) -> Iterator[Finding]:
                         cost="no extra weight memory; the optimizer is re-created, so its state restarts",
                     ),
                 ],
+                severity=Severity.ERROR if fp16 else Severity.WARNING,
             )

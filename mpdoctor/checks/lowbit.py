@@ -7,8 +7,9 @@ from collections.abc import Iterator
 from ..facts import Facts
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP8_GEMM_CAPABILITY, MX_GEMM_CAPABILITY
-from ..treatment.findings import Finding
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 from .precision import alignment_fix
 
@@ -31,23 +32,30 @@ def _filter_code(name: str) -> str:
     )
 
 
-@check("float8-unsupported-device", "error")
-def float8_unsupported_device(facts: Facts) -> Iterator[Finding]:
+@check("float8-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao float8 training layers on a GPU without float8 tensor cores (below compute capability 8.9).
 
-    What it detects
+    What it does
         A model with ``Float8Linear`` layers (``convert_to_float8_training``, not emulated) when the live
         CUDA device or the ``target=`` profile has compute capability below 8.9 (T4, V100, A100, A10G, RTX 30xx).
-    Why it matters
+    Why is this bad?
         ``torch._scaled_mm`` needs float8 tensor cores: on an A100 or T4 the first forward raises
         ("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or 8.9"). This CPU
         runs float8 layers through a CPU ``_scaled_mm``, so the failure shows only on the GPU.
+    Example
+        # on an A100 (sm_80): no fp8 GEMMs
+        convert_to_float8_training(model)
+    Use instead
+        # on an A100: bf16 autocast
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(batch).sum()
     Severity
         Error: the first forward on that GPU raises.
-    Fix
+    Fix safety
         Train in bf16 on that GPU (build the model without ``convert_to_float8_training``), or run on an
         L4 / RTX 4090 / H100. Display only: the layers cannot be unconverted in place.
-    Source
+    Sources
         torchao ``float8`` README (hardware requirements); PyTorch ``_scaled_mm`` capability check.
     """
     hw = facts.hardware
@@ -58,9 +66,7 @@ def float8_unsupported_device(facts: Facts) -> Iterator[Finding]:
         if not layers:
             continue
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}"
-        yield Finding(
-            "float8-unsupported-device",
-            "error",
+        yield rule.finding(
             m.name,
             f"{m.name} has {len(layers)} float8 training layers ({layers[0].recipe}) but {hw.label} has no float8 "
             f"tensor cores ({cap} < sm_89): torch._scaled_mm raises at the first forward. Train in bf16 there, or use "
@@ -78,25 +84,32 @@ def float8_unsupported_device(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("float8-unaligned-dims", "error")
-def float8_unaligned_dims(facts: Facts) -> Iterator[Finding]:
+@check("float8-unaligned-dims", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def float8_unaligned_dims(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao float8 layers whose in/out features are not divisible by 16, on a GPU that runs the fp8 kernels.
 
-    What it detects
+    What it does
         ``Float8Linear`` layers with ``in_features`` (unless ``pad_inner_dim=True``) or ``out_features`` not
         divisible by 16, evaluated against the live CUDA device or the ``target=`` profile (this CPU enforces
         no alignment, so it is judged, not observed).
-    Why it matters
+    Why is this bad?
         The fp8 GEMM (``torch._scaled_mm``) requires both dimensions of each operand divisible by 16: the first
         forward or backward through such a layer raises "Expected trailing dimension of mat1 to be divisible by
         16" / "Expected both dimensions of mat2 to be divisible by 16". The token count (batch x sequence) must
         be divisible by 16 too, for the grad-weight matmul in backward.
+    Example
+        model = nn.Sequential(nn.Linear(40, 40), nn.Linear(40, 8))
+        convert_to_float8_training(model)  # 40 is not a multiple of 16
+    Use instead
+        def module_filter_fn(module, fqn):
+            return module.in_features % 16 == 0 and module.out_features % 16 == 0
+        convert_to_float8_training(model, module_filter_fn=module_filter_fn)
     Severity
         Error: the first step through such a layer raises on the GPU.
-    Fix
+    Fix safety
         Convert only aligned layers (``module_filter_fn``) or pad the model's dims to multiples of 16
         (``pad_inner_dim=True`` pads the contraction dim only). Display only: conversion happens at build time.
-    Source
+    Sources
         pytorch/ao issues #571, #1268, #3111; torchao ``Float8LinearConfig.pad_inner_dim``.
     """
     hw = facts.hardware
@@ -111,9 +124,7 @@ def float8_unaligned_dims(facts: Facts) -> Iterator[Finding]:
         if not bad:
             continue
         shown = ", ".join(f"{x.path} ({x.in_features}->{x.out_features})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
-        yield Finding(
-            "float8-unaligned-dims",
-            "error",
+        yield rule.finding(
             m.name,
             f"{len(bad)} float8 layers of {m.name} have dims not divisible by 16: {shown}. On {hw.label} the fp8 GEMM "
             "refuses them ('Expected both dimensions of mat2 to be divisible by 16'). Leave them in high precision.",
@@ -135,28 +146,34 @@ def float8_unaligned_dims(facts: Facts) -> Iterator[Finding]:
 SATURATION_WARNING = 1e-4
 
 
-@check("fp8-storage-not-upcast", "error")
-def fp8_storage_not_upcast(facts: Facts) -> Iterator[Finding]:
+@check("fp8-storage-not-upcast", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Weights stored in float8 in a stock torch layer that nothing casts up before the math.
 
-    What it detects
+    What it does
         A module holding float8 parameters of its own (``float8_e4m3fn`` ...) whose forward is torch's own
         (``nn.Linear``, ``nn.Conv*``, ``nn.Embedding``) with no forward pre-hook, no patched forward and no
         diffusers layerwise-casting hook: nothing upcasts the weight before it meets the activations. Layers
         that do upcast (``enable_layerwise_casting``, ComfyUI-style ``manual_cast`` classes, a custom forward)
         are storage, not float8 compute, and draw nothing.
-    Why it matters
+    Why is this bad?
         No plain matmul computes in float8: ``F.linear`` on a float8 weight raises "mat1 and mat2 must have the
         same dtype, but got BFloat16 and Float8_e4m3fn" (or "addmm not implemented for 'Float8_e4m3fn'").
         ``nn.Embedding`` returns float8 rows as they are, so the error comes one layer later, outside the layer
         that holds the weights.
+    Example
+        model.to(torch.float8_e4m3fn)  # weights stored in fp8, forward computes with them directly
+        model(x.to(torch.bfloat16))
+    Use instead
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        model(x.to(torch.bfloat16))
     Severity
         Error: the first forward through such a layer raises.
-    Fix
+    Fix safety
         Upcast per layer in the forward: ``model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
         compute_dtype=torch.bfloat16)`` for diffusers models, or a layer class that casts its weight
         (``F.linear(x, self.weight.to(x.dtype), self.bias)``); or load those weights in bf16. Display only.
-    Source
+    Sources
         kijai/ComfyUI-ControlNeXt-SVD #7; lodestone-rock/ComfyUI_FluxMod #27; diffusers ``enable_layerwise_casting``.
     """
     for m in facts.models:
@@ -166,9 +183,7 @@ def fp8_storage_not_upcast(facts: Facts) -> Iterator[Finding]:
         shown = ", ".join(f"{x.path or m.name} ({x.class_path.rsplit('.', 1)[-1]}: {x.storage_dtype})" for x in bad[:4])
         shown += ", ..." if len(bad) > 4 else ""
         emitting = [x.path for x in bad if x.emits_storage]
-        yield Finding(
-            "fp8-storage-not-upcast",
-            "error",
+        yield rule.finding(
             m.name,
             f"{len(bad)} layers of {m.name} store their weights in float8 and nothing casts them up before the math: "
             f"{shown}. No plain matmul computes in float8: the first forward raises 'mat1 and mat2 must have the same "
@@ -192,25 +207,32 @@ def fp8_storage_not_upcast(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("fp8-storage-trainable", "error")
-def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
+@check("fp8-storage-trainable", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """float8-stored parameters left trainable: their gradients and the optimizer step run in float8.
 
-    What it detects
+    What it does
         Parameters held in a float8 dtype with ``requires_grad=True`` (``enable_layerwise_casting`` casts every
         parameter of the layers it covers, biases and norms included; a manual ``.to(float8)`` keeps the flag).
-    Why it matters
+    Why is this bad?
         No optimizer computes in float8: ``AdamW.step()`` raises "mul_cpu_reduced_float not implemented for
         'Float8_e4m3fn'" (measured here; other kernels raise the same way on GPUs), and DDP's start-up broadcast
         raises "cat_cuda not implemented for 'Float8_e4m3fn'". Even where an update ran, float8 has 3 mantissa
         bits: almost every update would round away. Layerwise casting is a storage recipe for frozen weights.
+    Example
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters())  # trains float8 weights
+    Use instead
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        model.requires_grad_(False)
+        model = get_peft_model(model, LoraConfig(target_modules=["to_q", "to_v"]))  # train bf16 adapters
     Severity
         Error: the first optimizer step (or the DDP wrap) raises.
-    Fix
+    Fix safety
         Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
         bf16. Display only: which parameters to train is the user's choice.
-    Source
+    Sources
         huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
         ("cat_cuda" not implemented for 'Float8_e4m3fn').
     """
@@ -219,9 +241,7 @@ def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
         if not bad:
             continue
         shown = ", ".join(f"{x.path or m.name} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
-        yield Finding(
-            "fp8-storage-trainable",
-            "error",
+        yield rule.finding(
             m.name,
             f"{len(bad)} layers of {m.name} hold trainable float8 parameters: {shown}. No optimizer computes in "
             "float8: the first step raises (\"not implemented for 'Float8_e4m3fn'\"). Freeze them and train adapters "
@@ -241,26 +261,32 @@ def fp8_storage_trainable(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("fp8-storage-saturated", "warning")
-def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
+@check("fp8-storage-saturated", Severity.WARNING, Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """float8-stored weights clipped at the format's largest value, or overflowed to inf, by an unscaled cast.
 
-    What it detects
+    What it does
         float8-stored weights (see ``fp8-storage-not-upcast``) with elements at the format's largest finite
         value (e4m3fn: +-448) or inf / NaN (e5m2), counted from their bytes, and no per-tensor scale beside them.
-    Why it matters
+    Why is this bad?
         ``w.to(torch.float8_e4m3fn)`` rounds to nearest and *saturates*: every value past 448 becomes 448
         (inf too), silently. ``w.to(torch.float8_e5m2)`` overflows to inf past 57344 and the first forward turns
         NaN. Weights with a large range must be scaled before the cast (scaled-fp8 checkpoints keep a
         ``scale_weight`` per tensor).
+    Example
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)  # values above 448 saturate
+    Use instead
+        scale = 448 / layer.weight.abs().max()
+        layer.weight_scale = scale
+        layer.weight.data = (layer.weight.data * scale).to(torch.float8_e4m3fn)  # divide by scale in forward
     Severity
         Warning when clipped values are present (the layer computes with wrong weights); error for inf / NaN
         (the forward produces NaN).
-    Fix
+    Fix safety
         Re-cast from the high-precision weights with a per-tensor scale (``scale = 448 / w.abs().max()``, store
         ``(w * scale).to(float8)`` and divide by the scale in the forward), or keep that layer in bf16.
         Display only: the clipped values cannot be recovered from the float8 bytes.
-    Source
+    Sources
         pytorch/pytorch #150756 and PR #160488 (e4m3 casts saturate at 448); NVIDIA/Model-Optimizer #1633 (NaN
         bytes from unclamped e4m3 casts); ``torch.finfo(torch.float8_e4m3fn).max == 448``.
     """
@@ -270,11 +296,9 @@ def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
         if not hit:
             continue
         nonfinite = sum(x.nonfinite for x in hit)
-        severity = "error" if nonfinite else "warning"
+        severity = Severity.ERROR if nonfinite else Severity.WARNING
         shown = ", ".join(f"{x.path or m.name} ({x.storage_dtype}: {x.saturated} at max, {x.nonfinite} inf/NaN)" for x in hit[:4])
-        yield Finding(
-            "fp8-storage-saturated",
-            severity,
+        yield rule.finding(
             m.name,
             f"{len(hit)} float8-stored layers of {m.name} hold clipped weights: {shown}. An unscaled cast to e4m3 "
             "saturates at 448 and one to e5m2 overflows to inf past 57344"
@@ -291,6 +315,7 @@ def fp8_storage_saturated(facts: Facts) -> Iterator[Finding]:
                     recipe="fp8-scaled-cast",
                 )
             ],
+            severity=severity,
         )
 
 
@@ -326,26 +351,32 @@ def _launcher_env(facts: Facts) -> dict:
     return {k: v for k, v in facts.runtime.env.items() if k == ENV or k.startswith("ACCELERATE_FP8_")}
 
 
-@check("fp8-request-overridden", "warning")
-def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
+@check("fp8-request-overridden", Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The launcher asked for fp8, but another precision flag won: the run trains in bf16 (or fp16 / fp32).
 
-    What it detects
+    What it does
         ``ACCELERATE_MIXED_PRECISION=fp8`` in the environment (``accelerate launch --mixed_precision fp8`` sets
         it, with the ``ACCELERATE_FP8_*`` recipe variables) while the setup declares another precision:
         ``TrainingArguments(bf16=True)`` (transformers 5.x sets ``args.mixed_precision="bf16"`` and the
         Trainer passes it to ``Accelerator(mixed_precision=...)``; TRL's configs default ``bf16=True``), or an
         ``Accelerator(mixed_precision="bf16")`` built with an explicit argument. Setups with a DeepSpeed
         config are skipped.
-    Why it matters
+    Why is this bad?
         accelerate takes an explicit ``mixed_precision`` over the launcher's variable, silently: measured with
         accelerate 1.15 and transformers 5.23, ``accelerate launch --mixed_precision fp8`` and
         ``TrainingArguments(bf16=True)`` give ``trainer.accelerator.mixed_precision == "bf16"``, no fp8
         backend and no float8 layer after training, while the launch command, its config and the logs say
         fp8. Speed-ups and fp8 numerics measured on such a run are bf16's.
+    Example
+        args = TrainingArguments(output_dir="out", bf16=True)
+        accelerator = Accelerator(mixed_precision="fp8")  # the Trainer's bf16 wins
+    Use instead
+        args = TrainingArguments(output_dir="out", bf16=False)
+        accelerator = Accelerator(mixed_precision="fp8")
     Severity
         Warning: the run trains, but not in the precision it was launched for.
-    Fix
+    Fix safety
         Advice: the line to change (``bf16=False`` in the arguments before the Trainer is built, no
         ``mixed_precision`` argument to ``Accelerator``). Not in place, even before a Trainer exists: with
         accelerate's torchao backend (chosen first when torchao is installed) a transformers 5.23 Trainer
@@ -354,7 +385,7 @@ def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
         ``optimizer-params-not-in-model`` names it): letting fp8 through would make that run worse. In place:
         keep the flag's precision and drop the launcher's ``ACCELERATE_MIXED_PRECISION``, so nothing says fp8
         (unsafe: it overrides the launcher's choice for later Accelerators in the process).
-    Source
+    Sources
         huggingface/trl #3860 ("bf16 Option in Training Config Prevents FP8 Training"); accelerate 1.15
         ``AcceleratorState`` (an explicit ``mixed_precision`` wins over ``ACCELERATE_MIXED_PRECISION``);
         transformers 5.23 ``TrainingArguments.__post_init__`` and ``Trainer._build_accelerator_args``.
@@ -419,30 +450,38 @@ def fp8_request_overridden(facts: Facts) -> Iterator[Finding]:
             "computes_in": p.computes_in,
             "winner": winner,
         }
-        yield Finding("fp8-request-overridden", "warning", p.name, msg, evidence, fixes)
+        yield rule.finding(p.name, msg, evidence, fixes)
 
 
-@check("fp8-requested-not-on", "warning")
-def fp8_requested_not_on(facts: Facts) -> Iterator[Finding]:
+@check("fp8-requested-not-on", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A run configured for fp8 whose prepared model has no float8 layer: fp8 is not on.
 
-    What it detects
+    What it does
         An accelerator whose ``mixed_precision`` is ``"fp8"`` (``Accelerator(mixed_precision="fp8")``,
         ``accelerate launch --mixed_precision fp8``, ``ACCELERATE_MIXED_PRECISION=fp8``), and a model that
         accelerate has already prepared holding no float8 training layer (no torchao ``Float8Linear``).
-    Why it matters
+    Why is this bad?
         accelerate converts layers at ``prepare()`` through a filter: with the AO backend it skips the first and
         last Linear and every Linear whose dims are not multiples of 16, so a small or oddly shaped model ends
         up with none converted; ``convert_to_float8_training`` on a leaf Linear converts nothing. The run then
         trains in bf16 autocast while its configuration, logs and the user say fp8: measured speed-ups and
         fp8 numerics studies are of another precision.
+    Example
+        accelerator = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs()])
+        model = accelerator.prepare(model)  # no Linear passes the default filter: nothing runs in fp8
+    Use instead
+        def module_filter_fn(module, fqn):
+            return isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0
+        accelerator = Accelerator(mixed_precision="fp8",
+                                  kwargs_handlers=[AORecipeKwargs(module_filter_func=module_filter_fn)])
     Severity
         Warning: the run trains, but not in the precision it was configured for.
-    Fix
+    Fix safety
         Convert the layers you mean to run in float8 yourself before ``prepare()``
         (``convert_to_float8_training(model, module_filter_fn=...)``) or pass an ``AORecipeKwargs`` with a
         ``module_filter_func`` that accepts them; or say bf16 if that is what is wanted. Display only.
-    Source
+    Sources
         huggingface/accelerate PR #4147 (the AO filter and its first/last rule); huggingface/accelerate PR #1188
         (only dims multiple of 16 are converted); fangwei123456/spikingjelly PR #685 (a leaf Linear is not
         converted).
@@ -454,9 +493,7 @@ def fp8_requested_not_on(facts: Facts) -> Iterator[Finding]:
         if not m.accelerate_prepared or m.float8_layers:
             continue
         p = setups[0]
-        yield Finding(
-            "fp8-requested-not-on",
-            "warning",
+        yield rule.finding(
             m.name,
             f"{p.accelerator_name} is set to fp8 but {m.name}, already prepared, has no float8 layer: accelerate's "
             "filter converted none (it skips the first and last Linear and dims not divisible by 16), so every "
@@ -476,23 +513,29 @@ def fp8_requested_not_on(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("fp8-requested-unsupported-device", "error")
-def fp8_requested_unsupported_device(facts: Facts) -> Iterator[Finding]:
+@check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """fp8 training requested (accelerate, the environment) on a GPU without float8 GEMMs (below sm_89).
 
-    What it detects
+    What it does
         A precision setup whose accelerator or ``ACCELERATE_MIXED_PRECISION`` says ``fp8`` while the live CUDA
         device or the ``target=`` profile has compute capability below 8.9 (T4, V100, A100, A10G, RTX 30xx).
         Models already holding float8 layers are judged by ``float8-unsupported-device``.
-    Why it matters
+    Why is this bad?
         TransformerEngine refuses at the first fp8 autocast ("Device compute capability 8.9 or higher required
         for FP8 execution."), torchao's ``_scaled_mm`` at the first forward; Triton kernels refuse the e4m3
         type ("fp8e4nv data type is not supported on CUDA arch < 89"). This CPU enforces none of it.
+    Example
+        # on an A100 (sm_80)
+        accelerator = Accelerator(mixed_precision="fp8")
+    Use instead
+        # on an A100
+        accelerator = Accelerator(mixed_precision="bf16")
     Severity
         Error: the first fp8 step on that GPU raises.
-    Fix
+    Fix safety
         Train in bf16 there (``mixed_precision="bf16"``), or move to an L4 / RTX 4090 / H100. Display only.
-    Source
+    Sources
         NVIDIA/TransformerEngine #1159; kvcache-ai/ktransformers #934; huggingface/accelerate PR #1348
         (sm_89 as the fp8 floor).
     """
@@ -503,9 +546,7 @@ def fp8_requested_unsupported_device(facts: Facts) -> Iterator[Finding]:
         return  # float8-unsupported-device names the layers
     for p in _fp8_setups(facts):
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}"
-        yield Finding(
-            "fp8-requested-unsupported-device",
-            "error",
+        yield rule.finding(
             p.name,
             f"{p.name} asks for fp8 but {hw.label} has no float8 GEMMs ({cap} < sm_89): the first fp8 step raises "
             "('Device compute capability 8.9 or higher required for FP8 execution'). Train in bf16 there.",
@@ -526,31 +567,35 @@ def fp8_requested_unsupported_device(facts: Facts) -> Iterator[Finding]:
 MXFP8_GRAD_SQNR_DB = {"E4M3": 30.65, "E5M2": 25.37}
 
 
-@check("mxfp8-e5m2-gradients", "warning")
-def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
+@check("mxfp8-e5m2-gradients", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+def mxfp8_e5m2_gradients(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An MXFP8 recipe whose gradients are e5m2 (TransformerEngine's ``HYBRID`` format), not NVIDIA's e4m3.
 
-    What it detects
+    What it does
         A TransformerEngine fp8 recipe held by an accelerator (``TERecipeKwargs`` / ``FP8RecipeKwargs`` with
         ``use_mxfp8_block_scaling=True``) whose recipe, as TE will build it, is ``MXFP8BlockScaling`` in
         ``Format.HYBRID``: e4m3 forward, e5m2 gradients. With accelerate 1.15 that does not happen through the
         handler: ``to_kwargs()`` drops an ``fp8_format`` equal to its default ``HYBRID``, so TE's
         ``MXFP8BlockScaling()`` keeps its own default, E4M3 for every tensor. A handler that *says* HYBRID
         but runs E4M3 is reported as info (true, harmless: the recipe NVIDIA recommends runs).
-    Why it matters
+    Why is this bad?
         With per-block e8m0 scales the range comes from the scale, and e5m2's wider exponent buys nothing;
         its 2 mantissa bits cost precision. Measured with mpdoctor's MX emulation on a Gaussian gradient
         (1024 x 4096): e4m3 elements 30.65 dB SQNR, e5m2 elements 25.37 dB, 5.3 dB more noise in every
         gradient (4.4 dB on a heavy-tailed Student-t(3) gradient). NVIDIA's MXFP8 pre-training recipe uses
         e4m3 for all tensors; NeMo's MXFP8 recipe used ``hybrid`` until its training curve diverged.
+    Example
+        recipe = TERecipeKwargs(fp8_format="HYBRID", use_mxfp8_block_scaling=True)
+    Use instead
+        recipe = TERecipeKwargs(fp8_format="E4M3", use_mxfp8_block_scaling=True)
     Severity
         Warning when the recipe that runs is MXFP8 with e5m2 gradients (measurably noisier gradients); info
         when the handler's HYBRID is dropped by accelerate and E4M3 runs.
-    Fix
+    Fix safety
         ``fp8_format="E4M3"`` on the recipe. Display only: TE's recipe is built from the handler at
         ``prepare()``, and with accelerate 1.15 the handler cannot send HYBRID to MXFP8 anyway; writing E4M3
         makes the code say what runs.
-    Source
+    Sources
         NVIDIA-NeMo/Megatron-Bridge PR #638 ("MXFP8 recipe must only use E4M3 ... Using E5M2 for gradients
         causes the training curve to diverge"); ROCm/Megatron-LM PR #100; Mishra et al., "Recipes for
         Pre-training LLMs with MXFP8" (arXiv 2506.08027); TransformerEngine ``MXFP8BlockScaling`` (default
@@ -577,9 +622,7 @@ def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
             "grad_sqnr_db_e5m2": e5,
         }
         if r.runs_format == "HYBRID":
-            yield Finding(
-                "mxfp8-e5m2-gradients",
-                "warning",
+            yield rule.finding(
                 r.owner,
                 f"{r.owner} runs MXFP8 in HYBRID format: gradients are quantized to e5m2 elements under per-block "
                 f"scales, where the scale already gives the range and e5m2's 2 mantissa bits cost precision "
@@ -589,9 +632,7 @@ def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
                 [fix],
             )
         elif r.written_format == "HYBRID" and r.runs_format == "E4M3":
-            yield Finding(
-                "mxfp8-e5m2-gradients",
-                "info",
+            yield rule.finding(
                 r.owner,
                 f"{r.owner} holds fp8_format='HYBRID' (e5m2 gradients: its default, the argument or "
                 "ACCELERATE_FP8_FORMAT) with MXFP8, but accelerate passes only non-default fields to "
@@ -600,27 +641,34 @@ def mxfp8_e5m2_gradients(facts: Facts) -> Iterator[Finding]:
                 "Write fp8_format='E4M3' to say what runs.",
                 evidence,
                 [fix],
+                severity=Severity.INFO,
             )
 
 
-@check("quantized-weights-nonfinite", "error")
-def quantized_weights_nonfinite(facts: Facts) -> Iterator[Finding]:
+@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao quantized weights whose float8 data holds NaN: rows or blocks quantized with a zero scale.
 
-    What it detects
+    What it does
         Layers whose weight is a torchao quantized tensor (``Float8Tensor`` from ``quantize_(model,
         Float8WeightOnlyConfig())`` ...) with NaN / inf elements in its float8 data, counted from the bytes.
-    Why it matters
+    Why is this bad?
         The scale of a row (or block, or tensor) is ``amax / 448`` with no lower bound: an all-zero row (a pruned
         unit, a zero-initialised LoRA ``B`` merged in, padding rows of an embedding) gets scale 0 and quantizes to
         ``0 / 0 = NaN``. Every output that reads the row is NaN from the first forward on, and the loss with it.
+    Example
+        layer.weight.data[0] = 0  # an all-zero row: amax 0, scale 0
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig())  # 0 / 0 = NaN in that row
+    Use instead
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(),
+                  filter_fn=lambda m, fqn: fqn != "layer")  # keep the layer with zero rows unquantized
     Severity
         Error: the forward returns NaN.
-    Fix
+    Fix safety
         Quantize again from the high-precision weights with a scale floor (``activation_value_lb`` on the
         dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the amax),
         or leave those layers unquantized. Display only: the NaN bytes cannot be turned back into the row.
-    Source
+    Sources
         pytorch/ao #4713 (Float8Tensor zero inputs quantize to NaN) and PR #4762; pytorch/ao #3356 (NaN losses in
         LoRA + fp8 training, fixed by a scale lower bound); huggingface/kernels-community #681.
     """
@@ -629,9 +677,7 @@ def quantized_weights_nonfinite(facts: Facts) -> Iterator[Finding]:
         if not bad:
             continue
         shown = ", ".join(f"{q.path} ({q.tensor_class.rsplit('.', 1)[-1]}: {q.nonfinite} NaN)" for q in bad[:4])
-        yield Finding(
-            "quantized-weights-nonfinite",
-            "error",
+        yield rule.finding(
             m.name,
             f"{len(bad)} quantized weights of {m.name} hold NaN in their float8 data: {shown}. An all-zero row got "
             "scale amax / 448 = 0 and quantized to 0 / 0: every output reading it is NaN. Re-quantize with a scale "
@@ -651,28 +697,34 @@ def quantized_weights_nonfinite(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("block-format-unsupported-device", "error")
-def block_format_unsupported_device(facts: Facts) -> Iterator[Finding]:
+@check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """MXFP8 / NVFP4 layers that quantize their activations, on a device without block-scaled GEMMs.
 
-    What it detects
+    What it does
         Layers whose weight is a torchao block-scaled tensor (``MXTensor``, 32-element blocks; ``NVFP4Tensor``,
         16) set to quantize the activations too (``MXDynamicActivationMXWeightConfig`` ...), when the live device
         or the ``target=`` profile is a CPU or a GPU below compute capability 10.0 (anything before Blackwell
         B200). Weight-only formats dequantize and run anywhere: they draw nothing.
-    Why it matters
+    Why is this bad?
         The matmul is a block-scaled GEMM that only sm_100 kernels run: on this CPU the first forward raises
         ("Invalid scaling configuration", measured), torchao refuses NVFP4 dynamic mode below sm_100 ("NVFP4
         DYNAMIC mode is only supported on sm100+ machines", measured at ``quantize_``), and TransformerEngine
         refuses MXFP8 on other architectures ("MXFP8 (for all gemm layouts) is not supported on 12.0+
         architectures yet").
+    Example
+        # on an H100 (sm_90)
+        quantize_(model, NVFP4DynamicActivationNVFP4WeightConfig())
+    Use instead
+        # on an H100: float8, which sm_89+ runs
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig())
     Severity
         Error: the first forward raises.
-    Fix
+    Fix safety
         A weight-only config on that device (``NVFP4WeightOnlyConfig()``), float8 on sm_89+
         (``Float8DynamicActivationFloat8WeightConfig``), or a B200. Display only: quantization happens at build
         time.
-    Source
+    Sources
         NVIDIA/TransformerEngine #2304; torchao ``mx_formats`` (MX GEMMs need sm_100).
     """
     hw = facts.hardware
@@ -686,9 +738,7 @@ def block_format_unsupported_device(facts: Facts) -> Iterator[Finding]:
             continue
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else hw.kind
         kinds = sorted({q.tensor_class.rsplit(".", 1)[-1] for q in bad})
-        yield Finding(
-            "block-format-unsupported-device",
-            "error",
+        yield rule.finding(
             m.name,
             f"{len(bad)} layers of {m.name} ({', '.join(kinds)}) quantize their activations to a block format, whose "
             f"matmul only sm_100 kernels run; {hw.label} ({cap}) has none: the first forward raises. Use a weight-only "

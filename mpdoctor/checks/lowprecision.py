@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..treatment.changes import RecomputeRopeBuffers, SetGroupOption
-from ..treatment.findings import Finding, count
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity, count
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 from .optimizer import _cast_code, _cast_fix
 
@@ -19,26 +20,34 @@ FP16_EPS_UNDERFLOW = 2.0**-25
 ROPE_PHASE_WARNING = 0.5
 
 
-@check("adam-eps-underflow", "error")
-def adam_eps_underflow(facts: Facts) -> Iterator[Finding]:
+@check("adam-eps-underflow", Severity.ERROR, fix_safety=(Applicability.UNSAFE,))
+def adam_eps_underflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An Adam-family optimizer on fp16 parameters whose ``eps`` rounds to zero in fp16.
 
-    What it detects
+    What it does
         A ``torch.optim`` optimizer with an ``eps`` hyperparameter (Adam, AdamW, NAdam, RAdam, Adamax,
         Adagrad, RMSprop) whose param groups hold trainable fp16 parameters, with ``eps`` at or below
         2**-25 (the default 1e-8 is), and not ``fused`` (the fused kernels compute in fp32).
-    Why it matters
+    Why is this bad?
         The moments live in the parameter's dtype, so the update ``exp_avg / (sqrt(exp_avg_sq) + eps)``
         is computed in fp16, where ``eps = 1e-8`` rounds to 0. Every element whose gradient is exactly
         zero (embedding rows not in the batch, padding, a frozen-then-unfrozen layer) gets ``0 / 0 = NaN``
         at the first step, and the NaN spreads from there. Tiny ``exp_avg_sq`` values underflow too.
+    Example
+        model = model.half()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # eps=1e-8 is 0 in fp16
+    Use instead
+        model = model.float()  # fp32 master weights
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(**batch).loss
     Severity
         Error: the first ``step()`` writes NaN into every weight whose gradient was exactly zero.
-    Fix
+    Fix safety
         Keep fp32 master weights (cast the trainable fp16 parameters, their grads and state to fp32 in
         place; compute in fp16 with ``torch.autocast`` and a ``GradScaler``), or raise ``eps`` to 1e-4
         in every param group (keeps fp16 weights; changes the update slightly).
-    Source
+    Sources
         pytorch/pytorch #8860; afiaka87/glide-finetune #5 and PR #6 (eps 1e-4 fixes NaN in half precision);
         soumith/cudnn.torch #377; google-deepmind/optax #1754 (0/0 on zero-gradient steps).
     """
@@ -70,9 +79,7 @@ def adam_eps_underflow(facts: Facts) -> Iterator[Finding]:
             recipe="raise-eps",
             cost="no memory; the update's denominator grows by 1e-4 (slightly smaller steps for tiny gradients)",
         )
-        yield Finding(
-            "adam-eps-underflow",
-            "error",
+        yield rule.finding(
             o.name,
             f"{o.name} ({o.class_name}) updates {len(half)} trainable fp16 parameters with eps={eps:g}, which rounds "
             "to 0 in fp16: every element whose gradient is exactly zero (unused embedding rows, padding) gets "
@@ -88,28 +95,33 @@ def adam_eps_underflow(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("half-precision-rope-buffers", "warning")
-def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
+@check("half-precision-rope-buffers", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
+def half_precision_rope_buffers(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Rotary-embedding frequencies (``inv_freq``) cast to bf16/fp16, typically by ``model.to(dtype)``.
 
-    What it detects
+    What it does
         A transformers model whose rotary embedding modules hold their ``inv_freq`` buffer in bf16 or fp16,
         with the phase error that causes at the model's last position (measured against the fp32
         frequencies recomputed from the config).
-    Why it matters
+    Why is this bad?
         ``model.to(torch.bfloat16)`` / ``.half()`` casts buffers too. The modeling code computes
         ``position * inv_freq`` in fp32, but from frequencies already rounded to 8 (bf16) or 11 (fp16)
         significant bits; the error grows with the position and reaches a large fraction of a radian at a
         few thousand tokens, so long-context positions are encoded wrongly (loss curves diverge from fp32).
         ``from_pretrained(dtype=...)`` keeps these buffers fp32; a cast afterwards does not.
+    Example
+        model = AutoModelForCausalLM.from_pretrained(name)
+        model.to(torch.bfloat16)  # also casts rotary_emb.inv_freq
+    Use instead
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)  # inv_freq stays fp32
     Severity
         Warning when the phase error at the last position passes 0.5 rad; info below (short contexts).
-    Fix
+    Fix safety
         Recompute the frequencies in fp32 from the config and put them back in place (safe: the modeling
         code expects fp32 and casts cos/sin to the activation dtype itself); offered in place for the
         warning, as advice for the info. Load with ``from_pretrained(..., dtype=torch.bfloat16)`` instead
         of casting after loading.
-    Source
+    Sources
         huggingface/transformers #29496 and PR #29285 (RoPE loses precision in bf16); NVIDIA/Megatron-LM #744;
         EleutherAI/gpt-neox #1003; Modalities/modalities PR #462.
     """
@@ -118,7 +130,7 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
             continue
         worst = max(m.rope_buffers, key=lambda r: r[3])
         path, cls, dtype, err, positions = worst
-        severity = "warning" if err > ROPE_PHASE_WARNING else "info"
+        severity = Severity.WARNING if err > ROPE_PHASE_WARNING else Severity.INFO
         paths = tuple(r[0] for r in m.rope_buffers)
         where = f"{m.name}.{path}" if path else m.name
         spec = RecomputeRopeBuffers(m.inner_ref, paths, f"rotary embeddings of {m.name}")
@@ -142,21 +154,20 @@ def half_precision_rope_buffers(facts: Facts) -> Iterator[Finding]:
         )
         load = _build_in_dtype_fix(m, dtype)
         # Harmless at this context length (info): advice only, nothing to change in place.
-        fixes = [recompute, load] if severity == "warning" else [load]
-        yield Finding(
-            "half-precision-rope-buffers",
-            severity,
+        fixes = [recompute, load] if severity == Severity.WARNING else [load]
+        yield rule.finding(
             where,
             f"{count(len(paths), 'rotary embedding')} of {m.name} ({cls}) {'holds' if len(paths) == 1 else 'hold'} "
             f"inv_freq in {dtype} (model.to({dtype}) casts "
             f"buffers): position * inv_freq is off by {err:.2g} rad at position {positions - 1}"
             + (
                 ", so long-context positions are encoded wrongly."
-                if severity == "warning"
+                if severity == Severity.WARNING
                 else "; small at this context length, but the error grows with the position and is free to avoid."
             ),
             {"modules": list(paths), "class": cls, "dtype": dtype, "phase_error_rad": err, "positions": positions},
             fixes,
+            severity=severity,
         )
 
 

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..facts import Facts
+from ..facts import Facts, ModelFacts
 from ..facts.precision import PrecisionFacts, computes_in, declared_precision, native_amp_for, setup_device
 from ..treatment.changes import AlignPrecision, SetMatmulPrecision
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 ENV_VAR = "ACCELERATE_MIXED_PRECISION"
@@ -62,42 +63,60 @@ def alignment_code(facts: Facts, p: PrecisionFacts, precision: str, native: bool
     lines = ["import os", "import torch"] + ([f"# {why}"] if why else [])
     if p.env_mixed_precision not in (None, precision):
         lines.append(f"os.environ.pop({ENV_VAR!r}, None)  # stale: left by an earlier TrainingArguments or a launcher")
-    if p.args_name is not None:
-        for key, value in (flags or {}).items():
-            if p.args.get(key) != value:
-                lines.append(f"{p.args_name}.{key} = {value!r}")
-        if p.args.get("mixed_precision") != precision:
-            lines.append(f"{p.args_name}.mixed_precision = {precision!r}")
-    name = p.accelerator_name
-    if name is not None:
-        if p.accelerator_mixed_precision != precision:
-            lines.append(f"{name}.state._mixed_precision = {precision!r}  # AcceleratorState is one per process")
-        if bool(p.native_amp) != native:
-            lines.append(f"{name}.native_amp = {native!r}")
-        want = native and precision == "fp16"
-        if p.scaler_enabled and not want:
-            lines.append(f"{name}.scaler._enabled = False  # the optimizer shares this scaler")
-        elif want and not p.scaler_enabled:
-            lines.append(f"{name}.scaler = torch.amp.GradScaler({_device(facts, p)!r})")
-            lines.append(f"for opt in {name}._optimizers:  # already prepared: give them the scaler too")
-            lines.append(f"    opt.__setstate__({{'scaler': {name}.scaler}})  # sets the step-patching attributes")
+    lines += _arguments_lines(p, precision, flags)
+    if p.accelerator_name is not None:
+        lines += _accelerator_lines(facts, p, precision, native)
         for m in facts.models:
-            if m.name not in p.model_names:
-                continue
-            wrapped = m.forward_wrapped
-            if wrapped and (not native or p.accelerator_mixed_precision != precision):
-                lines.append(f"{m.name}.forward = {m.name}._original_forward; del {m.name}._original_forward")
-                wrapped = False
-            if native and not wrapped and (m.accelerate_prepared or m.forward_wrapped):
-                dtype = f"torch.{_HALF_DTYPE[precision]}"
-                lines += [
-                    "from types import MethodType",
-                    "from accelerate.utils import convert_outputs_to_fp32",
-                    f"{m.name}._original_forward = {m.name}.forward  # prepared already: accelerate will not wrap it again",
-                    f"{m.name}.forward = MethodType(convert_outputs_to_fp32(torch.autocast({_device(facts, p)!r}, "
-                    f"dtype={dtype})({m.name}.forward.__func__)), {m.name})",
-                ]
+            if m.name in p.model_names:
+                lines += _forward_lines(facts, p, m, precision, native)
     return "\n".join(lines)
+
+
+def _arguments_lines(p: PrecisionFacts, precision: str, flags: dict | None) -> list[str]:
+    """The lines setting the arguments' flags and ``mixed_precision``."""
+    if p.args_name is None:
+        return []
+    lines = [f"{p.args_name}.{key} = {value!r}" for key, value in (flags or {}).items() if p.args.get(key) != value]
+    if p.args.get("mixed_precision") != precision:
+        lines.append(f"{p.args_name}.mixed_precision = {precision!r}")
+    return lines
+
+
+def _accelerator_lines(facts: Facts, p: PrecisionFacts, precision: str, native: bool) -> list[str]:
+    """The lines bringing the accelerator's state, autocast flag and shared scaler to ``precision``."""
+    name = p.accelerator_name
+    lines = []
+    if p.accelerator_mixed_precision != precision:
+        lines.append(f"{name}.state._mixed_precision = {precision!r}  # AcceleratorState is one per process")
+    if bool(p.native_amp) != native:
+        lines.append(f"{name}.native_amp = {native!r}")
+    want = native and precision == "fp16"
+    if p.scaler_enabled and not want:
+        lines.append(f"{name}.scaler._enabled = False  # the optimizer shares this scaler")
+    elif want and not p.scaler_enabled:
+        lines.append(f"{name}.scaler = torch.amp.GradScaler({_device(facts, p)!r})")
+        lines.append(f"for opt in {name}._optimizers:  # already prepared: give them the scaler too")
+        lines.append(f"    opt.__setstate__({{'scaler': {name}.scaler}})  # sets the step-patching attributes")
+    return lines
+
+
+def _forward_lines(facts: Facts, p: PrecisionFacts, m: ModelFacts, precision: str, native: bool) -> list[str]:
+    """The lines unwrapping a prepared model's autocast forward, or wrapping it in the new precision."""
+    lines = []
+    wrapped = m.forward_wrapped
+    if wrapped and (not native or p.accelerator_mixed_precision != precision):
+        lines.append(f"{m.name}.forward = {m.name}._original_forward; del {m.name}._original_forward")
+        wrapped = False
+    if native and not wrapped and (m.accelerate_prepared or m.forward_wrapped):
+        dtype = f"torch.{_HALF_DTYPE[precision]}"
+        lines += [
+            "from types import MethodType",
+            "from accelerate.utils import convert_outputs_to_fp32",
+            f"{m.name}._original_forward = {m.name}.forward  # prepared already: accelerate will not wrap it again",
+            f"{m.name}.forward = MethodType(convert_outputs_to_fp32(torch.autocast({_device(facts, p)!r}, "
+            f"dtype={dtype})({m.name}.forward.__func__)), {m.name})",
+        ]
+    return lines
 
 
 def alignment_fix(
@@ -126,11 +145,11 @@ def alignment_fix(
 # -- checks -------------------------------------------------------------------------------------------------
 
 
-@check("precision-override", "error")
-def precision_override(facts: Facts) -> Iterator[Finding]:
+@check("precision-override", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
+def precision_override(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The precision a run computes in is not the precision its arguments ask for.
 
-    What it detects
+    What it does
         A Trainer (or ``TrainingArguments``) whose explicit ``fp16`` / ``bf16`` flags disagree with what
         accelerate will run: (a) a stale ``ACCELERATE_MIXED_PRECISION`` (left by an earlier
         ``TrainingArguments`` in the kernel, or a launcher) that turned ``fp16=False`` into
@@ -139,13 +158,19 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
         when the computed precision differs from the request; warning when only the labels differ
         (fp16 declared on a CPU computes fp32 as asked, but the stale variable will switch every later
         Trainer in the kernel to fp16 on a GPU). Setups with a DeepSpeed config are skipped.
-    Why it matters
+    Why is this bad?
         ms-swift users passing ``--fp16 false`` still trained under fp16 autocast on V100s and got NaN;
         a CPU run asked for fp16 silently trains and measures fp32.
+    Example
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "fp16"  # left from an earlier run
+        trainer = Trainer(model, TrainingArguments(output_dir="out", bf16=True), train_dataset=ds)
+    Use instead
+        os.environ.pop("ACCELERATE_MIXED_PRECISION", None)
+        trainer = Trainer(model, TrainingArguments(output_dir="out", bf16=True), train_dataset=ds)
     Severity
         Error when the run computes in another precision than asked; warning when only the labels differ
         (a stale variable that will bite a later run).
-    Fix
+    Fix safety
         Bring the accelerator (``AcceleratorState._mixed_precision``, ``native_amp``, the shared scaler, the
         autocast wrapper of already prepared models), ``args.mixed_precision`` and the environment
         variable in line with the arguments, in place, so the next ``trainer.train()`` step computes in
@@ -157,7 +182,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
         autocast 50 ms, bf16 autocast 1.8 ms), so the message points to bf16 as the CPU's half precision.
         All unsafe: each changes the numerics of the next step or a choice the user wrote, and the
         accelerator state is process-wide.
-    Source
+    Sources
         ms-swift issue #3896 / PR #3909; transformers ``TrainingArguments.__post_init__`` (reads
         ``ACCELERATE_MIXED_PRECISION``); accelerate ``Accelerator.__init__`` (fp16 on CPU: no native AMP).
     """
@@ -173,8 +198,7 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
             continue
         if declared == "fp8" and p.requested == "no" and p.env_mixed_precision == "fp8":
             continue  # fp8 is asked through the launcher (TrainingArguments has no fp8 flag): bf16=False keeps it
-        severity = "error" if computes != p.requested else "warning"
-        device = _device(facts, p)
+        severity = Severity.ERROR if computes != p.requested else Severity.WARNING
         evidence = {
             "requested": p.requested,
             "args.mixed_precision": p.args.get("mixed_precision"),
@@ -184,73 +208,87 @@ def precision_override(facts: Facts) -> Iterator[Finding]:
             "computes_in": computes,
             "device": setup_device(p, hw),
         }
-        fixes = []
         if declared != p.requested:
-            cause = (
-                f"{ENV_VAR}={p.env_mixed_precision} in the environment"
-                if p.env_mixed_precision == declared
-                else f"{'the accelerator' if p.accelerator_name else 'args.mixed_precision'} says {declared}"
-            )
-            msg = (
-                f"{p.name} asks for {_label(p.requested)} but {cause}"
-                + (
-                    f", so the next step computes in {_label(computes)}."
-                    if severity == "error"
-                    else f"; on this {setup_device(p, hw)} that still computes in {_label(computes)}, but the stale "
-                    "setting will run any later Trainer in this kernel in "
-                    f"{declared} on a GPU."
-                )
-            )
-            native = native_amp_for(p.requested, device)
-            fixes.append(
-                alignment_fix(
-                    facts,
-                    p,
-                    f"Make {p.name} run in {_label(p.requested)} as its arguments ask",
-                    p.requested,
-                    native,
-                    why=f"{p.name}: run in {_label(p.requested)} as asked",
-                    recipe="as-asked",
-                )
-            )
+            msg, fixes = _stale_setting(facts, p, declared, severity)
         else:
-            msg = (
-                f"{p.name} asks for {p.requested} but accelerate does not autocast {p.requested} on the "
-                f"{setup_device(p, hw)} (native_amp=False): the run is silently {_label(computes)}."
-                + (" On a CPU, bf16=True is the fast half precision." if setup_device(p, hw) == "cpu" else "")
+            msg, fixes = _half_not_autocast(facts, p)
+        yield rule.finding(p.name, msg, evidence, fixes, severity=severity)
+
+
+def _stale_setting(facts: Facts, p: PrecisionFacts, declared: str, severity: Severity) -> tuple[str, list[Fix]]:
+    """Message and fix when a stale setting (the environment, the accelerator) overrides the arguments."""
+    hw = facts.hardware
+    computes = p.computes_in
+    cause = (
+        f"{ENV_VAR}={p.env_mixed_precision} in the environment"
+        if p.env_mixed_precision == declared
+        else f"{'the accelerator' if p.accelerator_name else 'args.mixed_precision'} says {declared}"
+    )
+    msg = (
+        f"{p.name} asks for {_label(p.requested)} but {cause}"
+        + (
+            f", so the next step computes in {_label(computes)}."
+            if severity == Severity.ERROR
+            else f"; on this {setup_device(p, hw)} that still computes in {_label(computes)}, but the stale "
+            "setting will run any later Trainer in this kernel in "
+            f"{declared} on a GPU."
+        )
+    )
+    native = native_amp_for(p.requested, _device(facts, p))
+    fix = alignment_fix(
+        facts,
+        p,
+        f"Make {p.name} run in {_label(p.requested)} as its arguments ask",
+        p.requested,
+        native,
+        why=f"{p.name}: run in {_label(p.requested)} as asked",
+        recipe="as-asked",
+    )
+    return msg, [fix]
+
+
+def _half_not_autocast(facts: Facts, p: PrecisionFacts) -> tuple[str, list[Fix]]:
+    """Message and fixes when accelerate does not autocast the half precision asked for on this device."""
+    hw = facts.hardware
+    device = _device(facts, p)
+    msg = (
+        f"{p.name} asks for {p.requested} but accelerate does not autocast {p.requested} on the "
+        f"{setup_device(p, hw)} (native_amp=False): the run is silently {_label(p.computes_in)}."
+        + (" On a CPU, bf16=True is the fast half precision." if setup_device(p, hw) == "cpu" else "")
+    )
+    fixes = []
+    flags = {"fp16": p.requested == "fp16", "bf16": p.requested == "bf16"}
+    if p.accelerator_name is not None and p.requested in _HALF_DTYPE:
+        fixes.append(
+            alignment_fix(
+                facts,
+                p,
+                f"Enable {p.requested} autocast on the {device} as {p.name} asks"
+                + (" (with a GradScaler; fp16 matmuls are slow on most CPUs)" if p.requested == "fp16" else ""),
+                p.requested,
+                True,
+                flags,
+                why=f"torch can autocast {p.requested} on the {device}",
+                recipe="enable-autocast",
+                cost="matches what the arguments ask"
+                + ("; on most CPUs fp16 matmuls are several times slower than fp32" if device == "cpu" and p.requested == "fp16" else ""),
             )
-            flags = {"fp16": p.requested == "fp16", "bf16": p.requested == "bf16"}
-            if p.accelerator_name is not None and p.requested in _HALF_DTYPE:
-                fixes.append(
-                    alignment_fix(
-                        facts,
-                        p,
-                        f"Enable {p.requested} autocast on the {device} as {p.name} asks"
-                        + (" (with a GradScaler; fp16 matmuls are slow on most CPUs)" if p.requested == "fp16" else ""),
-                        p.requested,
-                        True,
-                        flags,
-                        why=f"torch can autocast {p.requested} on the {device}",
-                        recipe="enable-autocast",
-                        cost="matches what the arguments ask"
-                        + ("; on most CPUs fp16 matmuls are several times slower than fp32" if device == "cpu" and p.requested == "fp16" else ""),
-                    )
-                )
-            honest = {"fp16": False, "bf16": False}
-            fixes.append(
-                alignment_fix(
-                    facts,
-                    p,
-                    f"Make {p.name} say what runs: fp32 (use bf16=True for half precision on the CPU)",
-                    "no",
-                    False,
-                    honest,
-                    why="accelerate runs fp16 on the CPU as fp32",
-                    recipe="say-fp32",
-                    cost="no change to the numbers this run computes",
-                )
-            )
-        yield Finding("precision-override", severity, p.name, msg, evidence, fixes)
+        )
+    honest = {"fp16": False, "bf16": False}
+    fixes.append(
+        alignment_fix(
+            facts,
+            p,
+            f"Make {p.name} say what runs: fp32 (use bf16=True for half precision on the CPU)",
+            "no",
+            False,
+            honest,
+            why="accelerate runs fp16 on the CPU as fp32",
+            recipe="say-fp32",
+            cost="no change to the numbers this run computes",
+        )
+    )
+    return msg, fixes
 
 
 def _label(precision: str) -> str:
@@ -266,25 +304,29 @@ def _half_setup_models(facts: Facts) -> set[str]:
     return out
 
 
-@check("tf32-off", "info")
-def tf32_off(facts: Facts) -> Iterator[Finding]:
+@check("tf32-off", Severity.INFO, fix_safety=(Applicability.UNSAFE,))
+def tf32_off(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """fp32 matmuls on a GPU with TF32 tensor cores, with TF32 switched off.
 
-    What it detects
+    What it does
         On the live device or the ``target=`` profile with TF32 (Ampere and later): a model whose weights
         are mostly fp32 and that no setup runs under fp16/bf16 autocast, while
         ``torch.backends.cuda.matmul.allow_tf32`` is False and ``torch.get_float32_matmul_precision()`` is
         ``"highest"`` (PyTorch's default).
-    Why it matters
+    Why is this bad?
         fp32 matmuls then run on CUDA cores at a fraction of the tensor-core throughput (A100: 19.5 vs 156
         TFLOPS). TF32 keeps fp32's range with a 10-bit mantissa, which is ample for training.
+    Example
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls on an A100
+    Use instead
+        torch.set_float32_matmul_precision("high")  # TF32 tensor cores
     Severity
         Info: a speed opportunity on Ampere and later, never a fault.
-    Fix
+    Fix safety
         ``torch.set_float32_matmul_precision("high")`` (also sets ``allow_tf32``), process-wide and
         reversible. Unsafe: it changes matmul numerics slightly (outputs differ in the fourth significant
         digit), so it is applied only on request.
-    Source
+    Sources
         PyTorch docs "TensorFloat-32 (TF32) on Ampere (and later) devices"; ``torch.set_float32_matmul_precision``.
     """
     hw, rt = facts.hardware, facts.runtime
@@ -303,9 +345,7 @@ def tf32_off(facts: Facts) -> Iterator[Finding]:
         recipe="tf32",
         cost="several times faster fp32 matmuls; outputs differ in the fourth significant digit",
     )
-    yield Finding(
-        "tf32-off",
-        "info",
+    yield rule.finding(
         "torch.backends.cuda.matmul.allow_tf32",
         f"{', '.join(fp32)} {'runs' if len(fp32) == 1 else 'run'} fp32 matmuls on {hw.label} with TF32 off: "
         "tensor cores sit idle; TF32 is several times faster with fp32's range.",

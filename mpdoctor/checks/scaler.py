@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ScalerFacts
 from ..treatment.changes import CastParamsTo, SetAttrTo
-from ..treatment.findings import Finding, count, size_delta
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.findings import Finding, Severity, count, size_delta
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 
@@ -49,28 +50,38 @@ def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
     )
 
 
-@check("scaler-with-bf16", "error")
-def scaler_with_bf16(facts: Facts) -> Iterator[Finding]:
+@check("scaler-with-bf16", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An enabled GradScaler in a run whose gradients or autocast are bf16.
 
-    What it detects
+    What it does
         A ``GradScaler`` that is enabled while the model's trainable parameters
         (so its gradients) are bf16, or while the setup autocasts to bf16.
-    Why it matters
+    Why is this bad?
         bf16 has fp32's exponent range and needs no loss scaling. Where the
         unscale kernel has no bf16 implementation (several CUDA builds) the
         first ``scaler.step`` crashes with ``"_amp_foreach_non_finite_check_and_unscale_cuda"
         not implemented for 'BFloat16'``; where it has one, every step pays for
         scaling and unscaling for nothing. mpdoctor probes the real kernel on
         the live device: error where it fails, warning where it runs.
+    Example
+        scaler = torch.amp.GradScaler("cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        scaler.scale(loss).backward()
+    Use instead
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**batch).loss
+        loss.backward()  # bf16 needs no loss scaling
+        optimizer.step()
     Severity
         Error where the live device's unscale kernel (probed) has no bf16 path and the gradients are
         bf16: the first ``scaler.step`` crashes; warning otherwise (wasted work every step).
-    Fix
+    Fix safety
         Disable the scaler in place (``scaler._enabled = False``; the same object
         an Accelerator and its optimizer share), and build it with
         ``GradScaler(enabled=(dtype == torch.float16))`` next time.
-    Source
+    Sources
         H2O LLM Studio issue #628 / PR #673; pytorch issue #127176.
     """
     bf16_params = _trainable_dtypes(facts).get("bfloat16", 0)
@@ -99,9 +110,7 @@ def scaler_with_bf16(facts: Facts) -> Iterator[Finding]:
                 f"{sc.name} is enabled with {reason}; bf16 needs no loss scaling, so every step scales and "
                 "unscales for nothing (and crashes on CUDA builds whose unscale kernel lacks bf16)."
             )
-        yield Finding(
-            "scaler-with-bf16",
-            "error" if crashes else "warning",
+        yield rule.finding(
             sc.name,
             msg,
             {
@@ -113,28 +122,42 @@ def scaler_with_bf16(facts: Facts) -> Iterator[Finding]:
                 "device": hw.label,
             },
             [disable_scaler_fix(facts, sc, "bf16 needs no loss scaling")],
+            severity=Severity.ERROR if crashes else Severity.WARNING,
         )
 
 
-@check("fp16-trainable-params-with-scaler", "error")
-def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
+@check("fp16-trainable-params-with-scaler", Severity.ERROR, fix_safety=(Applicability.UNSAFE,))
+def fp16_trainable_params_with_scaler(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Trainable fp16 parameters under an enabled GradScaler.
 
-    What it detects
+    What it does
         An enabled ``GradScaler`` while trainable parameters are stored in fp16
         (not just computed in fp16 by autocast).
-    Why it matters
+    Why is this bad?
         ``scaler.unscale_`` refuses fp16 gradients: ``ValueError: Attempting to
         unscale FP16 gradients.`` at the first step. The AMP recipe keeps fp32
         master weights and lets autocast compute in fp16.
+    Example
+        model = model.half()
+        scaler = torch.amp.GradScaler("cuda")
+        scaler.scale(model(x).sum()).backward()
+        scaler.step(optimizer)  # ValueError: Attempting to unscale FP16 gradients.
+    Use instead
+        model = model.float()  # fp32 master weights
+        scaler = torch.amp.GradScaler("cuda")
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = model(x).sum()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     Severity
         Error: the first ``scaler.step`` raises.
-    Fix
+    Fix safety
         Cast the trainable fp16 parameters (with their grads and optimizer
         state) to fp32 in place, keeping the Parameter objects; run the forward
         under ``torch.autocast(..., dtype=torch.float16)``. Unsafe: it doubles
         their memory and changes the dtype layers compute in.
-    Source
+    Sources
         transformers issue #23165; peft issue #341.
     """
     enabled = [s for s in facts.scalers if s.enabled]
@@ -154,9 +177,7 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
             f"    if p.requires_grad and p.dtype == torch.float16:\n"
             f"        p.data = p.data.float()  # fp32 master weights; fp16 compute comes from autocast"
         )
-        yield Finding(
-            "fp16-trainable-params-with-scaler",
-            "error",
+        yield rule.finding(
             m.name,
             f"{count(len(fp16), 'trainable parameter')} of {m.name} are fp16 while {enabled[0].name} is enabled; "
             "scaler.step() will raise 'Attempting to unscale FP16 gradients.'",
@@ -178,34 +199,40 @@ def fp16_trainable_params_with_scaler(facts: Facts) -> Iterator[Finding]:
 COLLAPSE_FACTOR = 2.0**-16
 
 
-@check("scaler-scale-collapsed", "warning")
-def scaler_scale_collapsed(facts: Facts) -> Iterator[Finding]:
+@check("scaler-scale-collapsed", Severity.WARNING)
+def scaler_scale_collapsed(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A loss scale driven far below where it started.
 
-    What it detects
+    What it does
         An enabled ``GradScaler`` whose current scale is below 1, or more than
         2^16 times below its initial scale.
-    Why it matters
+    Why is this bad?
         Each step with inf/NaN gradients halves the scale and skips the
         optimizer step; a collapsed scale means the run has been skipping steps
         (repeated overflow), usually from fp16 activations past 65504 or a
         learning rate that diverged. Training silently stops learning.
+    Example
+        model.half()  # an fp16 run whose gradients overflow at every step
+        scaler.get_scale()  # 1.5e-05: the scale has halved and halved again
+    Use instead
+        model.float()
+        with torch.autocast("cuda", dtype=torch.bfloat16):  # fp32's range: no loss scaling
+            loss = model(**batch).loss
+        loss.backward()
     Severity
         Warning: steps are being skipped, so the run has stopped learning, without an error.
-    Fix
+    Fix safety
         No automatic fix: find the overflowing layer with ``mpdoctor.probe``
         (or ``%mpdoctor --probe batch``), then switch to bf16 where the hardware
         has it, or lower the learning rate.
-    Source
+    Sources
         DeepSpeed "Current loss scale already at minimum"; torch.amp.GradScaler docs.
     """
     for sc in facts.scalers:
         if not sc.enabled or sc.scale is None:
             continue
         if sc.scale < 1.0 or sc.scale < sc.init_scale * COLLAPSE_FACTOR:
-            yield Finding(
-                "scaler-scale-collapsed",
-                "warning",
+            yield rule.finding(
                 sc.name,
                 f"{sc.name}'s loss scale is {sc.scale:g} (started at {sc.init_scale:g}): steps with inf/NaN "
                 "gradients are being skipped, so the model has stopped learning.",
@@ -213,27 +240,34 @@ def scaler_scale_collapsed(facts: Facts) -> Iterator[Finding]:
             )
 
 
-@check("scaler-not-restored-on-resume", "warning")
-def scaler_not_restored_on_resume(facts: Facts) -> Iterator[Finding]:
+@check("scaler-not-restored-on-resume", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A resumed run whose GradScaler state was not restored.
 
-    What it detects
+    What it does
         An enabled ``GradScaler`` at a fresh constructor's state (scale 2^16, growth tracker 0, nothing
         loaded) beside an optimizer whose state says it has already taken N > 0 steps (its
         ``load_state_dict`` ran, the scaler's did not).
-    Why it matters
+    Why is this bad?
         The scale restarts at 65536 instead of the value the run had settled at: every step whose scaled
         gradients overflow is skipped while the scale halves back down, so the first steps after resume
         train nothing (measured: 7 skipped steps when the run had settled at 512), and the growth
         counter restarts.
+    Example
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler = torch.amp.GradScaler("cuda")  # fresh: scale 65536 again
+    Use instead
+        scaler.load_state_dict(checkpoint['scaler'])
+        # and when saving: checkpoint['scaler'] = scaler.state_dict()
     Severity
         Warning: measurable harm (skipped steps after resume), no crash. A scaler restored to exactly
         2^16 with a tracker of 0 is indistinguishable from a fresh one and harmless.
-    Fix
+    Fix safety
         Nothing to do in place (the saved scale is in the checkpoint): load it with
         ``scaler.load_state_dict(checkpoint["scaler"])`` and save ``scaler.state_dict()`` with the
         checkpoint.
-    Source
+    Sources
         PyTorch AMP examples, "Saving/Resuming"; torch.amp.GradScaler.state_dict docs.
     """
     resumed = [o for o in facts.optimizers if o.state_steps > 0]
@@ -243,9 +277,7 @@ def scaler_not_restored_on_resume(facts: Facts) -> Iterator[Finding]:
         if not sc.enabled or not sc.fresh:
             continue
         opt = max(resumed, key=lambda o: o.state_steps)
-        yield Finding(
-            "scaler-not-restored-on-resume",
-            "warning",
+        yield rule.finding(
             sc.name,
             f"{opt.name} has already taken {opt.state_steps:,} steps but {sc.name} is at a fresh constructor's state "
             f"(scale {sc.scale if sc.scale is not None else sc.init_scale:g}, growth tracker 0): if the run resumed from a "

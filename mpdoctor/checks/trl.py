@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..treatment.changes import CastParamsTo
-from ..treatment.findings import Finding
+from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
 
 _FLOATS = ("float32", "bfloat16", "float16", "float64")
@@ -38,30 +39,37 @@ def _policy_computes(facts: Facts, trainer: str, policy_dtype: str) -> str:
     return policy_dtype
 
 
-@check("trl-ref-model-dtype", "error")
-def trl_ref_model_dtype(facts: Facts) -> Iterator[Finding]:
+@check("trl-ref-model-dtype", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def trl_ref_model_dtype(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A TRL reference model held in another dtype than the policy model computes in.
 
-    What it detects
+    What it does
         A ``DPOTrainer`` / ``KTOTrainer`` / ``GRPOTrainer`` / ``RLOOTrainer`` whose ``ref_model`` parameters
         are in another floating dtype than the precision the policy model computes in (its parameter dtype,
         or the autocast dtype when the config asks for bf16/fp16 mixed precision). TRL builds its own
         reference in the policy's dtype (``ref_model_init_kwargs.setdefault("dtype", self.model.dtype)``);
         a reference passed by the user is used as it is.
-    Why it matters
+    Why is this bad?
         The loss compares the policy's log-probabilities with the reference's (DPO's implicit reward is
         ``beta * (logp_policy - logp_ref)``). With identical weights the rewards and margins must be exactly 0
         at the first step; a reference computed in another precision adds a bias to every reward from the
         first step (measured here with an fp16 copy of an fp32 policy: margins of -2.6e-4, loss 0.69328
         instead of ln 2). An fp16 reference is worse: logits beyond 65504 become inf and the rewards NaN
         (huggingface/trl#878: "tried fp32 and load reference model with float32 then seems the nan fixed").
+    Example
+        policy = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+        ref = AutoModelForCausalLM.from_pretrained(name)  # fp32
+        trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=ds)
+    Use instead
+        ref = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+        trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=ds)
     Severity
         Error for an fp16 reference under a policy that does not compute in fp16 (NaN rewards and loss);
         warning for any other mismatch (rewards biased from step 0, training goes on).
-    Fix
+    Fix safety
         Cast the reference model in place to the policy's compute dtype (the same Parameter objects; it is
         frozen, so no optimizer state follows). Costs the memory of the wider dtype.
-    Source
+    Sources
         huggingface/trl#878 (DPO NaN rewards with an fp16 reference); trl ``trainer/dpo_trainer.py``
         (``ref_model_init_kwargs.setdefault("dtype", self.model.dtype)``); RLHFlow/Online-DPO-R1#16.
     """
@@ -83,9 +91,7 @@ def trl_ref_model_dtype(facts: Facts) -> Iterator[Finding]:
             if fp16
             else "every reward carries a bias from the first step, where identical weights must give 0"
         )
-        yield Finding(
-            "trl-ref-model-dtype",
-            "error" if fp16 else "warning",
+        yield rule.finding(
             t.ref_model_name,
             f"{t.name} ({t.trainer_class}) computes the policy {t.model_name} in {_SHORT.get(computes, computes)} but "
             f"its reference {t.ref_model_name} holds {_SHORT.get(ref_dtype, ref_dtype)} weights: the reference "
@@ -107,4 +113,5 @@ def trl_ref_model_dtype(facts: Facts) -> Iterator[Finding]:
                     cost=f"the reference model's memory in {_SHORT.get(computes, computes)}",
                 )
             ],
+            severity=Severity.ERROR if fp16 else Severity.WARNING,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-#: Where the generated checks reference lives (``python -m mpdoctor checks --update-docs``).
+#: Where the generated rules reference lives (``python -m mpdoctor checks --update-docs``).
 DOCS_CHECKS = "docs/checks.md"
 
 
@@ -17,10 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="diagnose and fix a small broken training setup on the CPU")
     sub.add_parser("env", help="print versions, device and precision support")
-    checks = sub.add_parser("checks", help="list the checks")
-    checks.add_argument("--markdown", action="store_true", help="print the full checks reference in markdown")
+    checks = sub.add_parser("checks", help="list the rules: checks, runtime rules and crash families")
+    checks.add_argument("--markdown", action="store_true", help="print the checks and runtime rules reference in markdown")
     checks.add_argument("--update-docs", metavar="PATH", nargs="?", const=DOCS_CHECKS,
-                        help=f"rewrite the generated checks reference (default: {DOCS_CHECKS})")
+                        help=f"rewrite the generated rules reference (default: {DOCS_CHECKS}) and the crash "
+                        "families' page beside it (exception-families.md)")
     # The reference moved from the README to docs/checks.md; the old option rewrites it there.
     checks.add_argument("--update-readme", metavar="PATH", help=argparse.SUPPRESS)
     # argparse prints a REMAINDER argument as a bare "...", which reads as required: the usage says it is not.
@@ -47,20 +48,23 @@ def main(argv: list[str] | None = None) -> int:
 
         print(env_report())
         return 0
-    from ..checks import checks_reference, load
+    from .docs import rules_reference, update_checks_reference
 
     if args.update_docs or args.update_readme:
-        from .docs import update_checks_reference
-
         path = args.update_docs or DOCS_CHECKS
         changed = update_checks_reference(path)
-        print(f"{path}: checks reference {'updated' if changed else 'already up to date'}")
+        print(f"{path}: rules reference {'updated' if changed else 'already up to date'}")
     elif args.markdown:
-        print(checks_reference())
+        print(rules_reference())
     else:
-        from ..render.formatting import rst_to_plain
-
-        for slug, chk in sorted(load().items()):
-            print(f"{slug:<36} {chk.severity:<8} {rst_to_plain(chk.summary)}")
+        print_rules()
     return 0
 
+
+def print_rules() -> None:
+    """One line per rule of every kind, sorted by slug: slug, kind, severity (the usual one first), title."""
+    from ..render.formatting import rst_to_plain
+    from ..treatment.rules import load_rules
+
+    for slug, rule in sorted(load_rules().items()):
+        print(f"{slug:<36} {rule.kind.value:<12} {rule.severity_label:<24} {rst_to_plain(rule.title)}")

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..treatment.findings import Severity
+from ..treatment.rules import REGISTRY, Applicability, Rule, RuleKind, register
+
 #: How the cast of a dtype family is chosen (see :mod:`mpdoctor.crash.operands`).
 TO_PARAMETER = "to-parameter"  # the operand that is not a parameter takes the parameter's dtype
 TO_DESTINATION = "to-destination"  # the source takes the destination's dtype (in-place writes)
@@ -88,7 +91,7 @@ class Family:
         The fix in words (the cast, the rule, the config).
     cast : str
         How the cast is chosen for a dtype family (``TO_PARAMETER`` ...); empty otherwise.
-    rule : str
+    protocol_rule : str
         For a protocol family: the rule of the GradScaler protocol that was broken.
     code : str
         The fix as code, written with the names ``{src}``, ``{dst}`` (tensors) or
@@ -97,6 +100,11 @@ class Family:
         Check slugs whose findings explain the exception better than the family's own note.
     scan : bool
         Diagnose with a value scan.
+    mistake : str
+        Code that raises it (the rule's example).
+    runtime_rule : bool
+        The family is the crash of the runtime rule of the same slug (``amp-unscale-twice``): that rule
+        documents it, and the family registers none of its own.
     """
 
     slug: str
@@ -109,10 +117,60 @@ class Family:
     cause: str
     fix: str
     cast: str = ""
-    rule: str = ""
+    protocol_rule: str = ""
     code: str = ""
     checks: tuple[str, ...] = field(default=())
     scan: bool = False
+    mistake: str = ""
+    runtime_rule: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.runtime_rule:
+            register(_family_rule(self))
+
+    @property
+    def rule(self) -> Rule:
+        """The rule this family is an instance of: its own, or the runtime rule of the same slug."""
+        if self.runtime_rule:
+            from ..runtime.rules import RULES  # the runtime rules load only when a family's docs are read
+
+            return RULES[self.slug]
+        return REGISTRY[self.slug]
+
+
+#: What the fix of a family can do: the crash hook writes its code with the names of the failing frames.
+_FAMILY_FIX_SAFETY = (
+    "Display-only: the crash hook writes this code with the names of the failing tensors and objects read "
+    "from the frames; nothing is changed in place. A check whose finding explains the crash (the objects in "
+    "reach) may offer its own in-place fix."
+)
+
+
+def _doc_code(template: str) -> str:
+    """A family's code template with the names the docs use."""
+    return template.format(src="x", dst="destination", dtype="torch.bfloat16", scaler="scaler",
+                           optimizer="optimizer")  # fmt: skip
+
+
+def _family_rule(f: Family) -> Rule:
+    """The :class:`Rule` of kind ``crash-family`` a family is documented by."""
+    types = " / ".join(f"`{t}`" for t in f.exception_types)
+    sources = sorted({f"{ex.provenance}: {ex.where}" for ex in f.examples})
+    return Rule(
+        slug=f.slug,
+        title=f.title,
+        kind=RuleKind.CRASH_FAMILY,
+        severities=(Severity.ERROR,),
+        why=f.cause,
+        example=f.mistake,
+        use_instead=_doc_code(f.code),
+        fix_safety=(Applicability.DISPLAY_ONLY,),
+        fix_safety_note=f"{f.fix} {_FAMILY_FIX_SAFETY}",
+        sources="; ".join(sources),
+        detects=f"An exception of type {types} whose message matches one of {len(f.messages)} "
+        f"pattern{'s' if len(f.messages) > 1 else ''} ({f.kind} family; versions: {f.versions}).",
+        severity_note="Error: the run raised.",
+    )
 
 
 def _raised(text: str, where: str) -> Example:
@@ -134,6 +192,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-matmul-dtype",
         title="matmul / mm / addmm / baddbmm / addmv / dot / Linear",
+        mistake=(
+            'model = nn.Linear(8, 8).to(torch.bfloat16)\n'
+            'x = torch.randn(2, 8)  # fp32\n'
+            'model(x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(
@@ -175,6 +238,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-scalar-type-dtype",
         title="bmm / baddbmm / einsum / conv-transpose / cdist / grid_sample / loss weights / CUDA norms",
+        mistake=(
+            'x = torch.randn(2, 4, 5)  # fp32\n'
+            'torch.bmm(torch.randn(2, 3, 4, dtype=torch.bfloat16), x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(rf"expected scalar type {_FLOAT} but found {_FLOAT}",),
@@ -193,6 +260,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-conv-dtype",
         title="Conv1d/2d/3d (weight and bias)",
+        mistake=(
+            'conv = nn.Conv2d(3, 8, 3).to(torch.bfloat16)\n'
+            'x = batch["pixel_values"]  # fp32 from the image processor\n'
+            'conv(x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"Input type \(.+?\) and (?:weight|bias) type \(.+?\) should be the same",),
@@ -214,6 +286,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-norm-dtype",
         title="LayerNorm / GroupNorm / BatchNorm / InstanceNorm on the CPU",
+        mistake=(
+            'norm = nn.LayerNorm(8).to(torch.bfloat16)\n'
+            'x = torch.randn(2, 8)  # fp32, on the CPU\n'
+            'norm(x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(
@@ -237,6 +314,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-rnn-dtype",
         title="RNN / LSTM / GRU",
+        mistake=(
+            'lstm = nn.LSTM(8, 16).to(torch.bfloat16)\n'
+            'x = torch.randn(5, 2, 8)\n'
+            'lstm(x)'
+        ),
         kind=DTYPE,
         exception_types=("builtins.ValueError",),
         messages=(r"RNN input dtype \(.+?\) does not match weight dtype",),
@@ -255,6 +337,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-attention-dtype",
         title="scaled_dot_product_attention: query, key, value",
+        mistake=(
+            'x = torch.randn(1, 2, 4, 8)  # the query, fp32\n'
+            'k = v = torch.randn(1, 2, 4, 8, dtype=torch.bfloat16)\n'
+            'F.scaled_dot_product_attention(x, k, v)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"Expected query, key, and value to have the same dtype",),
@@ -273,6 +360,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-attention-mask-dtype",
         title="attention masks (SDPA, MultiheadAttention)",
+        mistake=(
+            'x = batch["attention_mask"][:, None, None, :]  # int64 from the tokenizer\n'
+            'F.scaled_dot_product_attention(q, k, v, attn_mask=x)'
+        ),
         kind=DTYPE,
         exception_types=("builtins.RuntimeError", "builtins.AssertionError"),
         messages=(
@@ -297,6 +388,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-index-put-dtype",
         title="index_put_ / x[idx] = y / masked assignment",
+        mistake=(
+            'destination = torch.zeros(4, 8)\n'
+            'x = hidden.to(torch.bfloat16)\n'
+            'destination[idx] = x'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"Index put requires the source and destination dtypes match",),
@@ -314,6 +410,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-index-add-dtype",
         title="index_add_ / index_reduce_ / index_copy_ / put_",
+        mistake=(
+            'destination = torch.zeros(4, 8)\n'
+            'destination.index_add_(0, idx, x)  # x is bf16'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(
@@ -341,6 +441,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-scatter-dtype",
         title="scatter_ / scatter_add_ / scatter_reduce_",
+        mistake=(
+            'destination = torch.zeros(2, 10)\n'
+            'destination.scatter_(1, idx, x)  # x is bf16'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"scatter\(\): Expected self\.dtype to be equal to src\.dtype",),
@@ -357,6 +461,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-masked-scatter-dtype",
         title="masked_scatter_ (multimodal embedding merges)",
+        mistake=(
+            'destination = text_embeds.to(torch.bfloat16)\n'
+            'x = image_features  # the vision tower returns fp32\n'
+            'destination.masked_scatter_(image_mask, x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"masked_scatter_?: expected self and source to have same dtypes",),
@@ -374,6 +483,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-same-type-check",
         title="embedding_bag and other ops checking argument types (per_sample_weights, weight)",
+        mistake=(
+            'bag = nn.EmbeddingBag(100, 8).to(torch.bfloat16)\n'
+            'x = torch.rand(ids.shape)  # fp32 per-sample weights\n'
+            'bag(ids, offsets, per_sample_weights=x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"Expected tensor for argument #\d+ '\w+' to have the same type as tensor for argument #\d+ '\w+'",),
@@ -393,6 +507,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-loss-dtype",
         title="loss functions: binary_cross_entropy and float targets",
+        mistake=(
+            'x = labels.double()\n'
+            'F.binary_cross_entropy(torch.sigmoid(logits), x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(rf"Found dtype {_FLOAT} but expected {_FLOAT}",),
@@ -409,6 +527,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-index-dtype",
         title="class targets and indices cast to a float dtype (nll_loss, cross_entropy, embedding, gather)",
+        mistake=(
+            'x = batch["labels"].to(torch.bfloat16)  # the whole batch cast\n'
+            'F.cross_entropy(logits, x)'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(
@@ -436,6 +558,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-fp8-promotion",
         title="float8 tensors in ordinary ops (type promotion)",
+        mistake=(
+            'x = weight.to(torch.float8_e4m3fn)\n'
+            'hidden + x  # a bf16 tensor meets a float8 one'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(r"Promotion for Float8 Types is not supported, attempted to promote \w+ and \w+",),
@@ -455,6 +581,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-scaler-bf16",
         title="_amp_foreach_non_finite_check_and_unscale_ (CUDA) with bf16 gradients",
+        mistake=(
+            'model.to(torch.bfloat16)\n'
+            'scaler = torch.amp.GradScaler("cuda")\n'
+            'scaler.scale(loss).backward()\n'
+            'scaler.step(optimizer)  # on CUDA builds without the bf16 unscale kernel'
+        ),
         kind=DTYPE,
         exception_types=("builtins.RuntimeError", "torch.AcceleratorError"),
         messages=(r"_amp_foreach_non_finite_check_and_unscale\w* ?\"? not implemented for 'BFloat16'",),
@@ -472,6 +604,11 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-amp-state-dtype",
         title="_amp_foreach_non_finite_check_and_unscale_ / _amp_update_scale_ state tensors",
+        mistake=(
+            'scaler = torch.amp.GradScaler("cuda")\n'
+            'scaler.load_state_dict(state)\n'
+            'scaler._scale = scaler._scale.half()  # the loss scale moved to fp16 with a model cast'
+        ),
         kind=DTYPE,
         exception_types=_RT,
         messages=(
@@ -496,6 +633,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-unscale-fp16",
         title="GradScaler with fp16 parameters",
+        mistake=(
+            'model.half()\n'
+            'scaler = torch.amp.GradScaler("cuda")\n'
+            'scaler.scale(model(x).sum()).backward()\n'
+            'scaler.step(optimizer)'
+        ),
         kind=PROTOCOL,
         exception_types=("builtins.ValueError",),
         messages=(r"Attempting to unscale FP16 gradients",),
@@ -505,7 +648,7 @@ FAMILIES: tuple[Family, ...] = (
         "weights: fp16 belongs in autocast, not in the trainable parameters.",
         fix="Cast the trainable parameters (with their grads and optimizer state) to fp32 and keep fp16 in "
         "torch.autocast; or drop the scaler if the run is meant to be pure half precision.",
-        rule="GradScaler unscales fp32 master gradients: the trainable parameters stay fp32, autocast runs the "
+        protocol_rule="GradScaler unscales fp32 master gradients: the trainable parameters stay fp32, autocast runs the "
         "forward in fp16.",
         code="model.float()  # fp32 master weights; then re-create the optimizer\n"
         "with torch.autocast(device_type, dtype=torch.float16):\n    loss = model(batch)",
@@ -514,6 +657,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="amp-unscale-twice",
         title="GradScaler.unscale_ called twice before update()",
+        runtime_rule=True,
         kind=PROTOCOL,
         exception_types=_RT,
         messages=(r"unscale_\(\) has already been called on this optimizer since the last update\(\)",),
@@ -525,7 +669,7 @@ FAMILIES: tuple[Family, ...] = (
         cause="unscale_ ran twice for one optimizer between two update() calls: usually unscale_ inside a "
         "gradient-accumulation loop (per micro-batch) instead of once before the real step.",
         fix="Call unscale_ once per real step, after the last micro-batch's backward and before clipping.",
-        rule="scale(loss).backward() per micro-batch -> unscale_(optimizer) at most once per real step -> clip -> "
+        protocol_rule="scale(loss).backward() per micro-batch -> unscale_(optimizer) at most once per real step -> clip -> "
         "step(optimizer) -> update()",
         code="if (i + 1) % accumulation_steps == 0:\n    {scaler}.unscale_({optimizer})\n"
         "    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n    {scaler}.step({optimizer})\n"
@@ -535,6 +679,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="amp-update-missing",
         title="GradScaler.step called again without update()",
+        runtime_rule=True,
         kind=PROTOCOL,
         exception_types=_RT,
         messages=(r"step\(\) has already been called since the last update\(\)",),
@@ -545,13 +690,19 @@ FAMILIES: tuple[Family, ...] = (
         cause="scaler.step(optimizer) ran twice for one optimizer with no scaler.update() between: update() is "
         "missing from the loop (or sits outside it).",
         fix="Call scaler.update() once per real step, after all scaler.step calls of that step.",
-        rule="step(optimizer) once per optimizer per real step, then update() once",
+        protocol_rule="step(optimizer) once per optimizer per real step, then update() once",
         code="{scaler}.step({optimizer})\n{scaler}.update()  # once per real step, after every scaler.step",
         checks=("amp-update-missing",),  # the runtime watcher's finding of the same rule, when it saw the loop
     ),
     Family(
         slug="amp-unscale-after-step",
         title="GradScaler.unscale_ after step()",
+        mistake=(
+            'scaler.scale(loss).backward()\n'
+            'scaler.step(optimizer)\n'
+            'scaler.unscale_(optimizer)  # after step: too late to clip\n'
+            'scaler.update()'
+        ),
         kind=PROTOCOL,
         exception_types=_RT,
         messages=(r"unscale_\(\) is being called after step\(\)",),
@@ -560,13 +711,18 @@ FAMILIES: tuple[Family, ...] = (
         cause="unscale_ ran after scaler.step for the same optimizer in one step: clipping (or a gradient read) "
         "placed after the step, where the gradients were already unscaled and applied.",
         fix="Move unscale_ and clipping before scaler.step.",
-        rule="unscale_(optimizer) -> clip -> step(optimizer) -> update(), in that order",
+        protocol_rule="unscale_(optimizer) -> clip -> step(optimizer) -> update(), in that order",
         code="{scaler}.unscale_({optimizer})\ntorch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)\n"
         "{scaler}.step({optimizer})\n{scaler}.update()",
     ),
     Family(
         slug="amp-no-inf-checks",
         title="GradScaler.step on an optimizer whose gradients were never scaled",
+        mistake=(
+            'loss.backward()  # not scaler.scale(loss)\n'
+            'scaler.step(optimizer)\n'
+            'scaler.update()'
+        ),
         kind=PROTOCOL,
         exception_types=("builtins.AssertionError",),
         messages=(r"No inf checks were recorded for this optimizer",),
@@ -577,12 +733,16 @@ FAMILIES: tuple[Family, ...] = (
         "parameters are frozen).",
         fix="Call scaler.scale(loss).backward() before scaler.step, on a loss that depends on the optimizer's "
         "trainable parameters.",
-        rule="scale(loss).backward() must give this optimizer's parameters gradients before step(optimizer)",
+        protocol_rule="scale(loss).backward() must give this optimizer's parameters gradients before step(optimizer)",
         code="{scaler}.scale(loss).backward()\n{scaler}.step({optimizer})\n{scaler}.update()",
     ),
     Family(
         slug="amp-update-without-step",
         title="GradScaler.update with no step or unscale since the last update",
+        mistake=(
+            'scaler.scale(loss).backward()\n'
+            'scaler.update()  # no step or unscale_ since the last update'
+        ),
         kind=PROTOCOL,
         exception_types=("builtins.AssertionError",),
         messages=(r"No inf checks were recorded prior to update",),
@@ -591,12 +751,16 @@ FAMILIES: tuple[Family, ...] = (
         cause="scaler.update() ran with no scaler.step (or unscale_) since the last update: update() called per "
         "micro-batch, or twice per step.",
         fix="Call update() once per real step, after scaler.step.",
-        rule="update() once per real step, after step(optimizer)",
+        protocol_rule="update() once per real step, after step(optimizer)",
         code="{scaler}.step({optimizer})\n{scaler}.update()  # once per real step",
     ),
     Family(
         slug="amp-closure",
         title="GradScaler.step with a closure",
+        mistake=(
+            'optimizer = torch.optim.LBFGS(model.parameters())\n'
+            'scaler.step(optimizer, closure)'
+        ),
         kind=PROTOCOL,
         exception_types=_RT,
         messages=(r"Closure use is not currently supported if GradScaler is enabled",),
@@ -608,12 +772,16 @@ FAMILIES: tuple[Family, ...] = (
         "under its scale.",
         fix="Run the forward and backward yourself, then scaler.step(optimizer) without a closure; or train "
         "without loss scaling (bf16 or fp32) for closure optimizers.",
-        rule="step(optimizer) takes no closure while the scaler is enabled",
+        protocol_rule="step(optimizer) takes no closure while the scaler is enabled",
         code="{scaler}.scale(loss).backward()\n{scaler}.step({optimizer})  # no closure\n{scaler}.update()",
     ),
     Family(
         slug="crash-lowbit-block-size",
         title="MXFP8 / NVFP4 / float8 shape rules (torchao, torch._scaled_mm)",
+        mistake=(
+            'model = nn.Sequential(nn.Linear(40, 40))\n'
+            'quantize_(model, NVFP4DynamicActivationNVFP4WeightConfig())  # 40 is not a multiple of 16'
+        ),
         kind=REFUSAL,
         exception_types=("builtins.AssertionError", "builtins.RuntimeError"),
         messages=(
@@ -643,6 +811,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-fp8-capability",
         title="fp8 / NVFP4 kernels refused on this device",
+        mistake=(
+            '# on a CPU or an A100\n'
+            'quantize_(model, Float8DynamicActivationFloat8WeightConfig())'
+        ),
         kind=REFUSAL,
         exception_types=("builtins.AssertionError", "builtins.RuntimeError"),
         messages=(
@@ -671,6 +843,10 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         slug="crash-torchao-float8-op",
         title="an unsupported op on a torchao float8 training tensor",
+        mistake=(
+            'x = hp_tensor_to_float8_dynamic(hidden, torch.float8_e4m3fn, LinearMMConfig())\n'
+            'x + residual  # only matmuls and views are defined on it'
+        ),
         kind=REFUSAL,
         exception_types=("builtins.NotImplementedError",),
         messages=(r"attempting to run aten\.\w+(?:\.\w+)?, this is not supported",),
@@ -699,15 +875,17 @@ def catalogue_markdown() -> str:
     lines = [
         "# Mixed-precision exception families",
         "",
-        "<!-- Generated from mpdoctor/crash/catalogue.py by `python -m mpdoctor.crash.catalogue "
-        "docs/exception-families.md`; a test keeps it in sync. -->",
+        "<!-- Generated from mpdoctor/crash/catalogue.py by `python -m mpdoctor checks --update-docs`; a test keeps "
+        "it in sync. -->",
         "",
         "Every dtype error torch (2.1 to 2.13), its GradScaler and torchao raise that mpdoctor's crash hook "
         "(`%load_ext mpdoctor`, `mpdoctor run`, `mpdoctor.watch`) explains: the message, where it was seen, what it "
         "means, and the cast or rule that fixes it. The hook names the two tensors of the failing op from the "
         "failing frames (module path and parameter, or the local name) and writes the cast with those names; for "
         "GradScaler's protocol errors it states the rule and the loop line. The protocol families reuse the slugs of "
-        "the runtime watcher's rules (`amp-unscale-twice`, `amp-update-missing`) where one exists.",
+        "the runtime watcher's rules (`amp-unscale-twice`, `amp-update-missing`) where one exists. Each family is a rule "
+        "(`python -m mpdoctor checks` lists it) documented with ruff's sections: Why is this bad?, Example, Use "
+        "instead, Fix safety.",
         "",
         "Provenance of each message: **raised** = a test (`tests/test_exception_families.py`) raises exactly this "
         "error from real objects on a CPU with torch 2.13 / torchao 0.18; **source** = the text is quoted from the "
@@ -730,16 +908,13 @@ def catalogue_markdown() -> str:
             lines.append(f"- {ex.provenance}: `{ex.text}` ({ex.where})")
         lines += ["", "Patterns: " + ", ".join(f"`{m}`" for m in f.messages), ""]
         lines.append(f"Versions: {f.versions}.")
-        lines += ["", f"Cause: {f.cause}", ""]
-        if f.rule:
-            lines += [f"Rule: {f.rule}", ""]
-        lines.append(f"Fix: {f.fix}")
-        if f.code:
-            code = f.code.format(src="x", dst="destination", dtype="torch.bfloat16", scaler="scaler",
-                                 optimizer="optimizer")  # fmt: skip
-            lines += ["", "```python", code, "```"]
+        if f.protocol_rule:
+            lines += ["", f"Rule: {f.protocol_rule}"]
         if f.checks:
             lines += ["", "Checks that explain it when the objects are in reach: " + ", ".join(f"`{c}`" for c in f.checks)]
+        if f.runtime_rule:
+            lines += ["", f"The runtime rule `{f.slug}` ([checks.md](checks.md)) documents this mistake; its sections:"]
+        lines += f.rule.sections_markdown(3, skip=("What it does", "Severity", "Sources"))
     return "\n".join(lines) + "\n"
 
 

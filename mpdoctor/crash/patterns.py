@@ -70,7 +70,7 @@ def _p(slug: str, types: tuple[str, ...], regex: str, checks: tuple[str, ...], m
 def _from_family(f: Family) -> Pattern:
     regex = "|".join(f"(?:{m})" for m in f.messages)
     return Pattern(f.slug, f.exception_types, re.compile(regex), f.checks, f.cause, f.fix, f.scan, f.kind, f.cast,
-                   f.rule, f.code)  # fmt: skip
+                   f.protocol_rule, f.code)  # fmt: skip
 
 
 #: The catalogue's families (``docs/exception-families.md``) first, then the other known failures.

@@ -294,17 +294,7 @@ def _empty_facts(subjects: tuple[Subject, ...], profile: DeviceProfile | None) -
 
 def _failure(where: str, exc: BaseException) -> Finding:
     """An ``internal-error`` finding, even for an exception whose message cannot be printed."""
-    try:
-        return internal_error(where, exc)
-    except Exception:
-        detail = describe_exception(exc)
-        return Finding(
-            check="internal-error",
-            severity="error",
-            subject=where,
-            message=f"mpdoctor could not complete {where}: {detail}. The rest of the report is unaffected.",
-            evidence={"exception": detail.split(":", 1)[0], "detail": detail[:300]},
-        )
+    return internal_error(where, exc)
 
 
 def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:

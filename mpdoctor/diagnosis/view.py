@@ -145,9 +145,10 @@ def _proof_view(report: Any) -> dict | None:
 
 
 def _why(slug: str) -> str:
-    from ..checks import REGISTRY
+    """The rule's "Why is this bad?", for findings of every kind: checks, runtime rules, crash families."""
+    from ..treatment.rules import rule_for
 
-    rule = REGISTRY.get(slug)
+    rule = rule_for(slug)
     return rst_to_plain(rule.why) if rule is not None else ""
 
 

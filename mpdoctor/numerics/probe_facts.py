@@ -116,7 +116,7 @@ class ProbeError:
 
 @dataclass(frozen=True)
 class ProbeFacts:
-    """Everything one probe saw; checks in :mod:`mpdoctor.checks.numerics` turn it into findings.
+    """Everything one probe saw; checks in :mod:`mpdoctor.checks.probe` turn it into findings.
 
     Attributes
     ----------

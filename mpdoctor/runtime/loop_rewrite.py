@@ -120,7 +120,7 @@ def apply_edits(source: Source, edits: Sequence[Edit]) -> str:
 
 def _template(slug: str, scaler: str, opt: str, sched: str = "") -> str:
     """The rule's corrected code with the user's names (when their own lines cannot be rewritten)."""
-    code = RULES[slug].corrected
+    code = RULES[slug].use_instead
     code = re.sub(r"\bscaler\b", scaler or "scaler", code)
     code = re.sub(r"\boptimizer\b", opt or "optimizer", code)
     code = re.sub(r"\bscheduler\b", sched or "scheduler", code)

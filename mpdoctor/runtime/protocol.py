@@ -625,7 +625,7 @@ def protocol_finding(slug: str, subject: str, where: Location | None, message: s
     rule = RULES[slug]
     at = f"{where.label}: " if where is not None else ""
     evidence = {**evidence, "where": where.label if where else None, "code": where.code if where else None}
-    fix = Fix(f"Corrected lines ({rule.title.lower()})", rule.corrected, applicability=Applicability.DISPLAY_ONLY,
+    fix = Fix(f"Corrected lines ({rule.title.lower()})", rule.use_instead, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])
 
@@ -640,7 +640,7 @@ def _print_finding(finding: Finding) -> None:
     if where and message.startswith(f"{where}: "):
         message = message[len(where) + 2 :]
     lines.append(f"  {message}")
-    lines.append("  corrected:\n" + "\n".join(f"    {x}" for x in RULES[finding.check].corrected.splitlines()))
+    lines.append("  corrected:\n" + "\n".join(f"    {x}" for x in RULES[finding.check].use_instead.splitlines()))
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
+
+class Severity(str, Enum):
+    """How bad a finding is, calibrated the same for every rule."""
+
+    #: It will crash or silently ruin the run.
+    ERROR = "error"
+    #: Measurable harm in this setup.
+    WARNING = "warning"
+    #: True but harmless here.
+    INFO = "info"
+
+
 #: Severities, most severe first. ``error``: will crash or silently train wrong.
-SEVERITIES = ("error", "warning", "info")
+SEVERITIES = tuple(s.value for s in Severity)
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
@@ -38,6 +51,9 @@ class Finding:
     fixes: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # A Severity member is stored as its plain value: renderers and JSON read a str.
+        if isinstance(self.severity, Severity):
+            self.severity = self.severity.value
         if self.severity not in SEVERITY_RANK:
             raise ValueError(f"severity must be one of {SEVERITIES}, not {self.severity!r}")
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from enum import Enum
 from typing import Any, Callable, Protocol
 
 from ..edits.steps import Change
 from ..redact import describe_exception
+from .rules import Applicability  # defined beside Rule; this import path stays
 
 #: Fixes whose undo backup would exceed this many bytes ask for ``apply(confirm=True)``.
 UNDO_BUDGET_BYTES = 2 * 2**30
@@ -33,17 +33,6 @@ class FixFailed(RuntimeError):
 
 class FixNeedsConfirmation(RuntimeError):
     """A fix would keep a backup larger than the undo budget; apply it with ``confirm=True``."""
-
-
-class Applicability(str, Enum):
-    """How a fix may be applied, as ruff classifies fixes."""
-
-    #: Keeps the meaning of the run the user intended; "Apply all safe fixes" applies it.
-    SAFE = "safe"
-    #: Changes numerics or state; applied only on an explicit request.
-    UNSAFE = "unsafe"
-    #: Nothing mpdoctor can do in place (re-create an optimizer, reload a model): the code says what to run.
-    DISPLAY_ONLY = "display-only"
 
 
 class FixDoor(Protocol):

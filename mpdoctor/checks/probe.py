@@ -1,4 +1,6 @@
-"""Checks on values: NaN/Inf in tensors, fp16 overflow risk, and what a one-batch probe saw."""
+"""Checks on what a one-batch probe saw: the first module whose output or gradient went NaN/Inf or past
+fp16's range, dtype errors and other exceptions raised in the forward or backward, and a batch entry in
+the wrong dtype."""
 
 from __future__ import annotations
 
@@ -7,193 +9,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..facts import Facts, ModelFacts
-from ..knowledge import FP16_OVERFLOW_MODEL_TYPES
-from ..treatment.changes import CastParamsTo, SetNormEps
-from ..treatment.findings import Finding
-from ..treatment.fixes import Applicability, Fix
+from ..treatment.changes import CastParamsTo
+from ..treatment.findings import Finding, Severity
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
 from . import check
+from .values import eps_fixes
 
+#: fp16's largest finite value.
 FP16_MAX = 65504.0
-
-#: Model types whose checkpoints were trained in bf16 and whose activations are known to pass 65504
-#: in fp16; one list shared with the hardware checks (sources there).
-BF16_NATIVE_MODEL_TYPES = FP16_OVERFLOW_MODEL_TYPES
-
-_KIND_WORDS = {"param": "parameter", "grad": "gradient", "optimizer_state": "optimizer-state"}
-
-
-def _fp16_reasons(facts: Facts, m: ModelFacts) -> list[str]:
-    """Why ``m`` will compute in fp16: fp16 setups, an active fp16 autocast, fp16 weights."""
-    reasons = []
-    for p in facts.precisions:
-        if p.model_names and m.name not in p.model_names:
-            continue
-        asks = (p.effective, p.requested, p.accelerator_mixed_precision, p.args.get("mixed_precision"))
-        if "fp16" in asks:
-            live = " (fp32 on this CPU, fp16 on a GPU)" if p.effective != "fp16" else ""
-            reasons.append(f"{p.name} runs fp16 mixed precision{live}")
-    if facts.runtime.autocast.get("cuda") == "float16" or facts.runtime.autocast.get("cpu") == "float16":
-        reasons.append("torch.autocast(dtype=torch.float16) is active")
-    counts = m.tensors.param_dtype_counts()
-    total = sum(counts.values())
-    if total and counts.get("float16", 0) * 2 >= total:
-        reasons.append(f"{m.name}'s weights are stored in fp16")
-    return reasons
-
-
-def _bf16_native_types(m: ModelFacts) -> list[str]:
-    return sorted({c.model_type for c in m.configs if c.model_type in BF16_NATIVE_MODEL_TYPES})
-
-
-def _scans_of(facts: Facts, name: str) -> list:
-    return [s for s in facts.scans if s.object == name]
-
-
-@check("fp16-overflow-risk", "error")
-def fp16_overflow_risk(facts: Facts) -> Iterator[Finding]:
-    """A model known to pass 65504 (or holding values past it) run, or about to run, in fp16.
-
-    What it detects
-        Statically: a model of a bf16-native family (T5/mT5, Gemma 2/3,
-        Qwen3-MoE, GPT-OSS, ...) set to compute in fp16: fp16 mixed precision
-        in a Trainer, TrainingArguments or Accelerator (also when this CPU
-        runs it as fp32: a GPU will not), an fp16 autocast, or fp16 weights.
-        With a value scan (``scan=True``): parameters holding finite values
-        past 65504 under such a setup (error), in half precision on a device
-        without bf16 where fp16 is the only half precision (warning), or
-        anywhere else (info: the model cannot be moved to fp16).
-    Why it matters
-        fp16's largest value is 65504. These checkpoints were trained in bf16,
-        whose range is fp32's; in fp16 their activations overflow to inf and
-        the loss turns NaN within a few steps (a GradScaler only skips steps
-        and collapses its scale). A weight past 65504 becomes inf the moment
-        autocast casts it.
-    Severity
-        Error when a scan shows values past fp16's range in a model that will run in fp16; warning for a
-        model type known to overflow fp16 without a scan.
-    Fix
-        Use bf16 where the hardware has it (``bf16=True`` on Ampere or newer);
-        on V100/T4, train in fp32 (Unsloth forces fp32 for several of these
-        families), or keep the overflowing modules in fp32. No automatic fix:
-        the choice changes memory and speed.
-    Source
-        transformers issue #5651 (T5DenseReluDense output 66246 > 65504), PR #10956, issue #14189;
-        google-research/text-to-text-transfer-transformer #539 ("all of our experiments use bfloat16
-        activations"); mpdoctor FIELD-CASES #2.
-    """
-    hw = facts.hardware
-    for m in facts.models:
-        families = _bf16_native_types(m)
-        reasons = _fp16_reasons(facts, m)
-        over = [
-            t for s in _scans_of(facts, m.name) for t in s.tensors if t.kind == "param" and t.fp16_overflow > 0
-        ]
-        half = m.tensors.main_dtype in ("bfloat16", "float16")
-        if reasons and (families or over):
-            severity = "error"
-        elif over and not hw.bf16_native and half:
-            severity = "warning"  # bf16 weights on a device without bf16: fp16 is the only half precision left
-        elif over:
-            severity = "info"
-        else:
-            # A bf16 family on a device without bf16 but not in fp16: bf16-unsupported already says to use fp32.
-            continue
-        parts = []
-        if families:
-            parts.append(
-                f"{m.name} is a {'/'.join(families)} model (config dtype {m.config_dtype or 'unknown'}), "
-                "a family whose activations pass fp16's 65504"
-            )
-        if over:
-            n = sum(t.fp16_overflow for t in over)
-            worst = max(over, key=lambda t: t.absmax)
-            parts.append(
-                f"{n:,} parameter values in {len(over)} tensors are past 65504 (largest {worst.absmax:.4g} in {worst.name})"
-            )
-        if reasons:
-            tail = f"but {'; '.join(reasons)}: expect inf activations and a NaN loss."
-        elif severity == "warning":
-            tail = f"and {hw.label} has no native bf16, so fp16 is the only half precision there: use fp32 on it."
-        else:
-            tail = "nothing here computes in fp16 now; it cannot be switched to fp16 without overflowing."
-        yield Finding(
-            "fp16-overflow-risk",
-            severity,
-            m.name,
-            f"{'; '.join(parts)}, {tail}",
-            {
-                "model_types": families,
-                "config_dtype": m.config_dtype,
-                "fp16_reasons": reasons,
-                "device_bf16_native": hw.bf16_native,
-                "device": hw.label,
-                "overflow_values": sum(t.fp16_overflow for t in over),
-                "overflow_tensors": [t.name for t in over[:10]],
-            },
-        )
-
-
-@check("nonfinite-values", "error")
-def nonfinite_values(facts: Facts) -> Iterator[Finding]:
-    """NaN or Inf values in parameters, gradients or optimizer state (from a value scan).
-
-    What it detects
-        With ``scan=True`` / ``%mpdoctor --scan``: any NaN or Inf in a
-        parameter, a ``.grad`` or an optimizer-state tensor, counted exactly
-        and reported per tensor kind with the first tensors affected.
-    Why it matters
-        A NaN weight makes every forward NaN; NaN in Adam's moments makes
-        every later update NaN; non-finite gradients turn the next optimizer
-        step into NaN weights unless a GradScaler skips it (then it is a warning:
-        the scaler is doing its job, until its scale collapses).
-    Severity
-        Error: NaN or Inf already in weights, grads or optimizer state poisons every later step.
-    Fix
-        No automatic fix: reload the last good checkpoint; find the layer that
-        overflows with ``mpdoctor.probe(model, batch)`` (``%mpdoctor --probe batch``),
-        then move to bf16, lower the learning rate or clip gradients.
-    Source
-        transformers ``DebugUnderflowOverflow`` docs; torch.amp.GradScaler docs.
-    """
-    scaler_on = any(s.enabled for s in facts.scalers)
-    for scan in facts.scans:
-        by_kind: dict[str, list] = {}
-        for t in scan.tensors:
-            if t.nonfinite:
-                by_kind.setdefault(t.kind, []).append(t)
-        for kind, bad in by_kind.items():
-            nan = sum(t.nan for t in bad)
-            inf = sum(t.inf for t in bad)
-            word = _KIND_WORDS.get(kind, kind)
-            listed = ", ".join(f"{t.name} ({t.nan} NaN, {t.inf} Inf)" for t in bad[:3])
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-            if kind == "grad":
-                consequence = (
-                    "the scaler will skip this step and halve its scale."
-                    if scaler_on
-                    else "without a GradScaler the next optimizer step writes NaN into the weights."
-                )
-            elif kind == "optimizer_state":
-                consequence = "every later update of these parameters is NaN."
-            else:
-                consequence = "every forward through them produces NaN."
-            yield Finding(
-                "nonfinite-values",
-                "warning" if kind == "grad" and scaler_on else "error",
-                bad[0].name,
-                f"{scan.object} holds {nan:,} NaN and {inf:,} Inf values in {len(bad)} {word} tensors: {listed}{more}; "
-                f"{consequence}",
-                {
-                    "object": scan.object,
-                    "kind": kind,
-                    "nan": nan,
-                    "inf": inf,
-                    "tensors": [{"name": t.name, "module": t.module, "nan": t.nan, "inf": t.inf} for t in bad[:20]],
-                },
-            )
-
-
-# -- probe findings -------------------------------------------------------------------------
 
 
 def _where(p, path: str) -> str:
@@ -381,29 +205,35 @@ def _half_in_use(p: Any, m: Any) -> bool:
     )
 
 
-@check("probe-nonfinite", "error")
-def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
+@check("probe-nonfinite", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The first module whose output or output gradient went NaN/Inf in a one-batch probe.
 
-    What it detects
+    What it does
         ``mpdoctor.probe(model, batch)`` runs one forward and one backward
         with hooks on every module; this names the first module, in execution
         order, whose output went non-finite (forward), else the first whose
         output gradient did (backward), with whether its inputs and its own
         weights were finite.
-    Why it matters
+    Why is this bad?
         A NaN loss tells nothing about where it started; the first module to
         produce NaN/Inf from finite inputs is where to look (a weight that is
         already inf, an fp16 activation past 65504, a softmax over -inf). In
         backward under a GradScaler, an overflow at the current scale makes the
         scaler skip the step (a warning); repeated, it collapses the scale.
+    Example
+        model.half()
+        loss = model(**batch).loss  # an activation overflows 65504: inf, then NaN
+    Use instead
+        model.to(torch.bfloat16)  # fp32's range
+        loss = model(**batch).loss
     Severity
         Error: the probe's batch produced NaN/Inf; the finding names the first module.
-    Fix
+    Fix safety
         Depends on the module: reload weights that hold inf/NaN; keep the
         module in fp32 or switch to bf16 for activation overflow; lower the
         learning rate when gradients blow up.
-    Source
+    Sources
         transformers ``DebugUnderflowOverflow`` (forward only); mpdoctor FIELD-CASES.
     """
     for p in facts.probes:
@@ -412,7 +242,7 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
             continue
         m, phase = hit
         if phase == "forward" and getattr(p, "origin", None) is not None:
-            yield _origin_finding(facts, p, m)
+            yield _origin_finding(facts, p, m, rule)
             continue
         where = _where(p, m.path)
         cause = _nonfinite_cause(p, m, phase)
@@ -429,7 +259,7 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
                 f"{where} ({m.class_name}) is the first module whose output went non-finite "
                 f"({m.out_nonfinite:,} NaN/Inf activation values) under {_precision(p)}; {because}."
             )
-            severity = "error"
+            severity = Severity.ERROR
         else:
             msg = (
                 f"The gradient at the output of {where} ({m.class_name}) is the first to go non-finite in backward "
@@ -438,13 +268,11 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
             )
             if p.loss_scale > 1.0:
                 msg += "; the GradScaler will skip this step and halve its scale; if it keeps happening the scale collapses."
-                severity = "warning"
+                severity = Severity.WARNING
             else:
                 msg += "; the next optimizer step would write NaN into the weights."
-                severity = "error"
-        yield Finding(
-            "probe-nonfinite",
-            severity,
+                severity = Severity.ERROR
+        yield rule.finding(
             where,
             msg,
             {
@@ -464,29 +292,36 @@ def probe_nonfinite(facts: Facts) -> Iterator[Finding]:
                 "why": PROBE_CAUSES[cause],
             },
             _probe_fixes(facts, p, m, cause),
+            severity=severity,
         )
 
 
-@check("probe-overflow", "warning")
-def probe_overflow(facts: Facts) -> Iterator[Finding]:
+@check("probe-overflow", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def probe_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The first module whose finite output or gradient passed fp16's 65504 in a one-batch probe.
 
-    What it detects
+    What it does
         The first module, in execution order, whose output (forward) or
         output gradient (backward) held finite values larger than 65504,
         fp16's largest number, while the probe ran in a wider dtype. A warning
         when the run computes in fp16 elsewhere (fp16 autocast or weights),
         info otherwise.
-    Why it matters
+    Why is this bad?
         Those values survive only because this op ran in bf16/fp32. In fp16,
         or on a T4/V100 where fp16 is the only half precision, they become inf
         and the loss NaN: the classic T5 / Gemma fp16 failure.
+    Example
+        model.half()
+        out = model(**batch)  # a layer's activations pass 65504
+    Use instead
+        model.to(torch.bfloat16)
+        out = model(**batch)
     Severity
         Warning: activations or gradients pass fp16's range, so an fp16 run overflows there.
-    Fix
+    Fix safety
         Keep bf16 (or fp32) for this model; where fp16 is unavoidable, keep
         this module in fp32 (``_keep_in_fp32_modules``) or rescale it.
-    Source
+    Sources
         transformers T5 fp16 overflow discussions; ``DebugUnderflowOverflow`` docs.
     """
     for p in facts.probes:
@@ -506,9 +341,7 @@ def probe_overflow(facts: Facts) -> Iterator[Finding]:
             else "gradient-overflow-scaled" if p.loss_scale > 1.0 else "gradient-overflow-fp16"
         )
         kind = "activation" if phase == "forward" else "gradient"
-        yield Finding(
-            "probe-overflow",
-            "warning" if p.fp16_in_use else "info",
+        yield rule.finding(
             where,
             f"{where} ({m.class_name}) is the first module whose {what}{scaled} passed fp16's 65504 "
             f"(abs max {_fmt(value)}, {value / FP16_MAX if value else 0:.3g}x fp16's largest value, "
@@ -524,30 +357,39 @@ def probe_overflow(facts: Facts) -> Iterator[Finding]:
                 "why": PROBE_CAUSES[cause],
             },
             _probe_fixes(facts, p, m, cause),
+            severity=Severity.WARNING if p.fp16_in_use else Severity.INFO,
         )
 
 
-@check("probe-dtype-error", "error")
-def probe_dtype_error(facts: Facts) -> Iterator[Finding]:
+@check("probe-dtype-error", Severity.ERROR, fix_safety=(Applicability.SAFE,))
+def probe_dtype_error(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A dtype mismatch raised during the probe, attributed to the module that was running.
 
-    What it detects
+    What it does
         An exception such as ``mat1 and mat2 must have the same dtype, but got
         Float and BFloat16`` or ``expected ... BFloat16 but got Float`` raised
         during the probe's forward or backward, with the module running at that
         moment (the innermost module entered and not yet finished; in backward,
         the module the gradient last reached) and its input and weight dtypes.
-    Why it matters
+    Why is this bad?
         The traceback points into torch internals or a fused kernel; the
         module and its dtypes say which weight or activation is in the wrong
         dtype (fp32 LoRA adapters on bf16 activations, a layer left in fp32
         outside autocast).
+    Example
+        model.to(torch.bfloat16)
+        model.classifier.float()
+        mpdoctor.probe(model, batch)  # the forward raises a dtype error at model.classifier
+    Use instead
+        model.to(torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(**batch)
     Severity
         Error: the probe's forward or backward raised a dtype error; the finding names the module.
-    Fix
+    Fix safety
         Cast the module's weights to the activation dtype, or run the forward
         under ``torch.autocast`` so mixed dtypes are legal.
-    Source
+    Sources
         mpdoctor FIELD-CASES #5 (Unsloth #1260, #212).
     """
     from .batch_inputs import batch_explains
@@ -560,9 +402,7 @@ def probe_dtype_error(facts: Facts) -> Iterator[Finding]:
         held = ""
         if e.module is not None:
             held = f" (inputs {','.join(e.input_dtypes) or 'n/a'}, weights {','.join(e.param_dtypes) or 'none'})"
-        yield Finding(
-            "probe-dtype-error",
-            "error",
+        yield rule.finding(
             where,
             f"{e.phase.capitalize()} raised in {where}{' (' + e.class_name + ')' if e.class_name else ''}{held} "
             f"under {_precision(p)}: {e.exception}: {e.message}",
@@ -578,23 +418,27 @@ def probe_dtype_error(facts: Facts) -> Iterator[Finding]:
         )
 
 
-@check("probe-failed", "error")
-def probe_failed(facts: Facts) -> Iterator[Finding]:
+@check("probe-failed", Severity.ERROR)
+def probe_failed(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Any other exception raised by the model during the probe, attributed to the module running.
 
-    What it detects
+    What it does
         An exception that is not a dtype mismatch (a shape error, a bad batch,
         an out-of-memory) raised during the probe's forward, loss or backward.
-    Why it matters
+    Why is this bad?
         Training would fail the same way on its first step; the module name
         is more telling than a long traceback.
+    Example
+        mpdoctor.probe(model, (input_ids, labels))  # forward() takes keyword arguments
+    Use instead
+        mpdoctor.probe(model, {"input_ids": input_ids, "labels": labels})
     Severity
         Error: the probe could not run the batch (the exception is shown).
-    Fix
+    Fix safety
         Read the message and the module; check the batch matches ``forward``'s
         signature (``probe`` passes a dict as keyword arguments, a tuple as
         positional arguments).
-    Source
+    Sources
         mpdoctor.
     """
     for p in facts.probes:
@@ -602,9 +446,7 @@ def probe_failed(facts: Facts) -> Iterator[Finding]:
         if e is None or e.is_dtype_error:
             continue
         where = _where(p, e.module) if e.module is not None else p.model
-        yield Finding(
-            "probe-failed",
-            "error",
+        yield rule.finding(
             where,
             f"The probe's {e.phase} raised in {where}: {e.exception}: {e.message}",
             {"module": e.module, "class": e.class_name, "phase": e.phase, "exception": e.exception, "message": e.message},
@@ -623,7 +465,7 @@ def _origin_fixes(facts: Facts, p, o, shown) -> list[Fix]:
     if o.cause == "inf-minus-inf":
         return _probe_fixes(facts, p, shown, "input-nonfinite")
     if o.cause == "eps-underflow":
-        fixes = list(_eps_fixes(facts, p.model, {o.module}))
+        fixes = list(eps_fixes(facts, p.model, {o.module}))
         return fixes + [_fp32_module_fix(facts, p, o.module, o.class_name)]
     code = {
         "nan-in-batch": ("Check the data: the batch already holds NaN/Inf",
@@ -644,7 +486,7 @@ def _origin_fixes(facts: Facts, p, o, shown) -> list[Fix]:
 _ORIGIN_AS_PROBE_CAUSE = {"nan-in-weights": "weights-nonfinite", "inf-minus-inf": "input-nonfinite"}
 
 
-def _origin_finding(facts: Facts, p, first) -> Finding:
+def _origin_finding(facts: Facts, p, first, rule: Rule) -> Finding:
     o = p.origin
     cause = _ORIGIN_AS_PROBE_CAUSE.get(o.cause, o.cause)
     if o.cause == "overflow" and o.dtype == "float16":
@@ -670,9 +512,7 @@ def _origin_finding(facts: Facts, p, first) -> Finding:
 
     # The op computed in o.dtype: that is what the fix judges (a half precision in play, or fp32 itself).
     at = SimpleNamespace(path=o.module, class_name=o.class_name, input_dtypes=(o.dtype,), output_dtypes=(o.dtype,))
-    return Finding(
-        "probe-nonfinite",
-        "error",
+    return rule.finding(
         where,
         msg,
         {
@@ -700,132 +540,39 @@ def _origin_finding(facts: Facts, p, first) -> Finding:
     )
 
 
-@check("batch-dtype-mismatch", "error")
-def batch_dtype_mismatch(facts: Facts) -> Iterator[Finding]:
+@check("batch-dtype-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE,))
+def batch_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A floating batch input in another dtype than the layer that receives it, with nothing autocasting.
 
-    What it detects
+    What it does
         During a probe (``mpdoctor.probe``, ``watch()``) or at a crash: a floating entry of the batch (a
         tensor, a dict / ``BatchFeature`` / ``BatchEncoding`` entry such as ``pixel_values``,
         ``input_features``, ``inputs_embeds`` or a float attention mask) whose dtype differs from the weights
         of the first layer that receives it, while no autocast is active. Names the input by its key and the
         layer by its path.
-    Why it matters
+    Why is this bad?
         Image processors and feature extractors return fp32; a model loaded in bf16/fp16 without autocast
         then raises ``Input type (float) and bias type (c10::BFloat16) should be the same`` or ``mat1 and mat2
         must have the same dtype`` at its first convolution or projection, on every step.
+    Example
+        model = AutoModelForImageClassification.from_pretrained(name, dtype=torch.bfloat16)
+        batch = processor(images, return_tensors="pt")  # pixel_values are fp32
+        model(**batch)
+    Use instead
+        batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}
+        model(**batch)
     Severity
         Error when the input reached a layer with weights of another dtype or the forward raised a dtype
         error; nothing when the model converts the input itself before any layer sees it.
-    Fix
+    Fix safety
         In place: a forward pre-hook on the model casting floating inputs (never integer ids or bool masks)
         to the compute dtype, removed by undo; or cast the dict batch's entries in place. The line to keep:
         ``batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}``.
-    Source
+    Sources
         transformers #25220 / diffusers reports of "Input type (float) and bias type (c10::Half)"; mpdoctor
         field cases (runtime-batch-nan).
     """
     from .batch_inputs import batch_findings
 
     for p in facts.probes:
-        yield from batch_findings(p)
-
-
-#: Compute dtypes an eps is judged in, by the name a ModelFacts reason uses.
-_EPS_SAFE = 1e-5
-
-
-def _eps_dtypes(facts: Facts, m: ModelFacts) -> list[str]:
-    """The half dtypes ``m`` computes its norms in: fp16 setups, autocast or weights; bf16 weights."""
-    out = ["float16"] if _fp16_reasons(facts, m) else []
-    counts = m.tensors.param_dtype_counts()
-    total = sum(counts.values())
-    if total and counts.get("bfloat16", 0) * 2 >= total:
-        out.append("bfloat16")
-    return out
-
-
-def _vanishes(eps: float, dtype: str) -> bool:
-    import torch
-
-    return eps > 0 and float(torch.tensor(eps, dtype=getattr(torch, dtype))) == 0.0
-
-
-def _eps_fixes(facts: Facts, model_name: str, paths: set[str] | None = None) -> Iterator[Fix]:
-    m = next((x for x in facts.models if x.name == model_name), None)
-    if m is None:
-        return
-    mods = tuple((path, attr) for path, _, attr, eps, _ in m.norm_eps if (paths is None or path in paths) and eps < _EPS_SAFE
-                 and any(_vanishes(eps, d) for d in ("float16",)))  # fmt: skip
-    if not mods:
-        return
-    cfgs = tuple((ref, attr) for ref, attr, eps in m.config_eps if _vanishes(eps, "float16"))
-    cfg_line = "".join(f"\n{model_name}.config.{attr} = {_EPS_SAFE:g}  # new layers built from the config too"
-                       for _, attr in cfgs)  # fmt: skip
-    yield Fix(
-        f"Set the eps of {len(mods)} normalisation layer{'s' if len(mods) != 1 else ''} to {_EPS_SAFE:g} "
-        "(representable in fp16)",
-        f"for module in {model_name}.modules():\n"
-        f"    if getattr(module, {mods[0][1]!r}, None) is not None and module.{mods[0][1]} < {_EPS_SAFE:g}:\n"
-        f"        module.{mods[0][1]} = {_EPS_SAFE:g}  # 1e-12 is 0 in fp16: 0/0 on a zero-variance row" + cfg_line,
-        changes=(SetNormEps(m.inner_ref, mods, _EPS_SAFE, cfgs, model_name),),
-        recipe="representable-eps",
-        cost="a slightly different normalisation for near-constant rows",
-    )
-
-
-@check("norm-eps-underflow", "error")
-def norm_eps_underflow(facts: Facts) -> Iterator[Finding]:
-    """A normalisation eps that is 0 in the dtype the layer computes in (1e-12 in fp16).
-
-    What it detects
-        LayerNorm / RMSNorm / GroupNorm modules (``eps``, ``variance_epsilon``) and config fields
-        (``layer_norm_eps``, ``rms_norm_eps``, ``norm_eps``) whose eps rounds to zero in the model's compute
-        dtype: fp16 (fp16 weights, an fp16 autocast or fp16 mixed precision) flushes everything below
-        about 3e-8 to 0; bf16 keeps fp32's range, so 1e-12 stays a normal number there.
-    Why it matters
-        A norm written as ``x / sqrt(var + eps)`` or ``x * rsqrt(var + eps)`` that computes in its input's
-        dtype divides by zero on any row of zero variance (padding, a constant or all-zero row): NaN,
-        then a NaN loss. torch's own LayerNorm / GroupNorm / RMSNorm kernels and norms that upcast to fp32
-        add eps in fp32, so there the eps is merely meaningless.
-    Severity
-        Error when the layer computes in the half dtype itself (its forward neither is torch's kernel nor
-        casts to fp32); info when torch's kernel or an fp32 upcast adds the eps (harmless here).
-    Fix
-        Set the eps to a representable value (1e-5) on the modules and the config, in place (undo restores
-        the old values); or keep the norm in fp32.
-    Source
-        BERT's ``layer_norm_eps=1e-12`` in fp16 (transformers discussions); mpdoctor field cases
-        (runtime-batch-nan).
-    """
-    for m in facts.models:
-        dtypes = _eps_dtypes(facts, m)
-        if not dtypes:
-            continue
-        hits = [(e, d) for e in m.norm_eps for d in dtypes if _vanishes(e[3], d)]
-        if not hits:
-            continue
-        own = [e for e, _ in hits if e[4] == "dtype"]
-        severity = "error" if own else "info"
-        shown = own or [e for e, _ in hits]
-        dtype = hits[0][1]
-        classes = sorted({e[1] for e in shown})
-        eps = sorted({e[3] for e in shown})
-        how = ("computes in its input's dtype, so a zero-variance row (padding, a constant row) gives 0/0 = NaN"
-               if own else "is torch's kernel or upcasts to fp32, which adds eps in fp32: harmless here")  # fmt: skip
-        yield Finding(
-            "norm-eps-underflow",
-            severity,
-            f"{m.name}.{shown[0][0]}" if shown[0][0] else m.name,
-            f"{len(shown)} normalisation layer{'s' if len(shown) != 1 else ''} of {m.name} ({', '.join(classes)}) "
-            f"use{'s' if len(shown) == 1 else ''} eps {', '.join(f'{e:g}' for e in eps)}, which is 0 in {dtype}; "
-            f"the layer {how}.",
-            {
-                "modules": [e[0] for e in shown][:20],
-                "eps": eps,
-                "dtype": dtype,
-                "kernel": sorted({e[4] for e in shown}),
-                "config": {attr: v for _, attr, v in m.config_eps},
-            },
-            list(_eps_fixes(facts, m.name, {e[0] for e in shown})) if own else [],
-        )
+        yield from batch_findings(p, rule)
