@@ -219,7 +219,8 @@ def test_a_grad_cast_rolled_back_by_a_later_failing_step_leaves_every_grad_as_it
         def revert(self) -> None:
             pass
 
-    fix = Fix("cast grads, then fail", "", False, lambda: [CastGrads(list(layer.parameters())), Refuse()])
+    fix = Fix("cast grads, then fail", "")
+    fix._plan = lambda: [CastGrads(list(layer.parameters())), Refuse()]  # the fault-injection hook
     before = tensor_state(layer, opt)
     with pytest.raises(FixFailed, match="refused"):
         fix.apply()

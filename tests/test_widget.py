@@ -20,7 +20,7 @@ from mpdoctor.render.html import e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
 from mpdoctor.treatment.changes import SetAttrTo
 from mpdoctor.treatment.findings import Finding
-from mpdoctor.treatment.fixes import UNDO_BUDGET_BYTES, Fix
+from mpdoctor.treatment.fixes import UNDO_BUDGET_BYTES, Applicability, Fix
 
 pytestmark = pytest.mark.colab
 
@@ -269,8 +269,7 @@ def _report_with_a_big_backup_fix(scaler: torch.amp.GradScaler):
         if scaler.is_enabled():
             fix = Fix(
                 "Disable the scaler",
-                "scaler._enabled = False",
-                True,
+                "scaler._enabled = False", applicability=Applicability.SAFE,
                 changes=(SetAttrTo(base.live.add(scaler), "_enabled", False, "scaler._enabled"),),
                 backup_bytes=UNDO_BUDGET_BYTES + 2**30,
             ).bind(base.live)

@@ -9,7 +9,7 @@ from ..facts.batch import BatchInput
 from ..treatment.changes import CastBatchItems, CastInputsHook
 from ..treatment.findings import Finding
 from ..treatment.fixes import Fix
-from ..treatment.rules import Rule
+from ..treatment.rules import Applicability, Rule
 
 #: The check slug of a batch entry whose dtype the receiving layer does not compute in.
 SLUG = "batch-dtype-mismatch"
@@ -32,8 +32,7 @@ def mismatch_fixes(
     fixes = [
         Fix(
             f"Cast {model}'s floating inputs to {dtype} at its forward (a pre-hook; ids and bool masks untouched)",
-            f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)",
-            True,
+            f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)", applicability=Applicability.SAFE,
             changes=(CastInputsHook(model_ref, dtype, model),),
             recipe="cast-inputs-hook",
             cost="one cast per floating input per step",
@@ -43,8 +42,7 @@ def mismatch_fixes(
         fixes.append(
             Fix(
                 f"Cast batch[{', '.join(repr(k) for k in keys)}] to {dtype} in place",
-                line,
-                True,
+                line, applicability=Applicability.SAFE,
                 changes=(CastBatchItems(batch_ref, tuple(keys), dtype),),
                 recipe="cast-batch",
                 cost="this batch only: the next one from the loader needs the line of code",

@@ -32,8 +32,7 @@ def cache_off_fix(m: ModelFacts):
     where = ", ".join(c.key for c in configs)
     return Fix(
         f"Set use_cache=False on {where}",
-        code,
-        safe=True,
+        code, applicability=Applicability.SAFE,
         changes=tuple(SetAttrTo(c.ref, "use_cache", False, f"{c.path}.use_cache") for c in configs),
         recipe="cache-off",
     )

@@ -39,8 +39,7 @@ def _config_code(d: DeepSpeedFacts, fp16: bool, bf16: bool) -> str:
 def _align_fix(d: DeepSpeedFacts, fp16: bool, bf16: bool, title: str) -> Fix:
     return Fix(
         title,
-        _config_code(d, fp16, bf16),
-        True,
+        _config_code(d, fp16, bf16), applicability=Applicability.SAFE,
         changes=(SetDeepSpeedPrecision(d.name, d.config_refs, d.mismatches_refs, fp16, bf16),),
         recipe="config-follows-arguments",
         cost="none: the run has not started; the config says what the arguments already say",
@@ -199,8 +198,7 @@ def deepspeed_precision_unsupported(facts: Facts, rule: Rule) -> Iterator[Findin
                 f"Switch {d.name} to {label} (DeepSpeed config, arguments and accelerator)",
                 _config_code(d, use == "fp16", use == "bf16")
                 + f"\n{d.args_name}.fp16, {d.args_name}.bf16 = {use == 'fp16'}, {use == 'bf16'}"
-                + f"\n{d.args_name}.mixed_precision = {use!r}",
-                False,
+                + f"\n{d.args_name}.mixed_precision = {use!r}", applicability=Applicability.UNSAFE,
                 changes=(spec,),
                 recipe=f"precision-{use}",
                 cost=f"numerics: {label} instead of {precision}",
@@ -330,7 +328,7 @@ def deepspeed_low_precision_reduction(facts: Facts, rule: Rule) -> Iterator[Find
             fixes = [Fix("Reduce gradients in fp32" + (" (config, then rebuild the engine)" if d.is_engine else ""), code,
                          applicability=Applicability.DISPLAY_ONLY, **fix_kw)]
         else:
-            fixes = [Fix(f"Reduce {d.name}'s gradients in fp32", code, True,
+            fixes = [Fix(f"Reduce {d.name}'s gradients in fp32", code, applicability=Applicability.SAFE,
                          changes=(SetDeepSpeedConfigKey(d.name, d.config_refs, "communication_data_type", "fp32"),), **fix_kw)]
         if narrower:
             message = (

@@ -27,8 +27,7 @@ def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
     return [
         Fix(
             f"Upcast {m.name} to fp32 (the VAE decodes in fp32; the denoiser stays fp16)",
-            f"{m.name}.to(torch.float32)  # pipelines cast the latents to the VAE's dtype before decoding",
-            False,
+            f"{m.name}.to(torch.float32)  # pipelines cast the latents to the VAE's dtype before decoding", applicability=Applicability.UNSAFE,
             changes=(spec,),
             backup_bytes=spec.backup_bytes(facts),
             recipe="vae-fp32",
@@ -164,8 +163,7 @@ def pipeline_component_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     Fix(
                         f"Cast {enc.name} to {want} (one dtype for the pipeline's encoder and denoiser)",
                         f"{enc.name}.to(torch.{want})\n# or load the pipeline with one dtype: "
-                        f"DiffusionPipeline.from_pretrained(..., torch_dtype=torch.{want})",
-                        False,
+                        f"DiffusionPipeline.from_pretrained(..., torch_dtype=torch.{want})", applicability=Applicability.UNSAFE,
                         changes=(spec,),
                         backup_bytes=spec.backup_bytes(facts),
                         recipe="pipeline-one-dtype",

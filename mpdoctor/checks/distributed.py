@@ -30,7 +30,7 @@ def _cast_fix(facts: Facts, m: ModelFacts, dtype: str, recipe: str, why: str) ->
         f"        p.data = p.data.to(torch.{dtype})"
     )
     spec = CastParamsTo(m.ref, frozenset(p.id for p in params), dtype, facts.optimizer_refs(m.tensors.param_ids), f"parameters of {m.name}")
-    return Fix(f"Cast {len(params)} parameters of {m.name} to {dtype}", code, safe, changes=(spec,),
+    return Fix(f"Cast {len(params)} parameters of {m.name} to {dtype}", code, applicability=Applicability.SAFE if safe else Applicability.UNSAFE, changes=(spec,),
                backup_bytes=spec.backup_bytes(facts), recipe=recipe)  # fmt: skip
 
 
@@ -85,7 +85,7 @@ def fsdp_mixed_dtype_unit(facts: Facts, rule: Rule) -> Iterator[Finding]:
             f"FSDP unit {u.path or '<root>'} of {u.model} holds parameters of {' and '.join(u.dtypes)} ({listed}): "
             f"its first forward will raise 'FSDP expects uniform original parameter dtype' on every rank.",
             {"unit": u.path, "version": u.version, "dtypes": list(u.dtypes), "examples": [list(e) for e in u.examples]},
-            [Fix("Cast the model to one dtype before sharding it", code, False, applicability=Applicability.DISPLAY_ONLY,
+            [Fix("Cast the model to one dtype before sharding it", code, applicability=Applicability.DISPLAY_ONLY,
                  recipe="fsdp-uniform-dtype")],  # fmt: skip
         )
     if not dist.planned_wraps:
@@ -150,7 +150,7 @@ def fsdp_reduce_in_half(facts: Facts, rule: Rule) -> Iterator[Finding]:
             f"reduction costs {extra / 2**20:.2f} MiB more traffic per rank and step (2x).",
             {"units": [u.path for u, _ in units], "reduce_dtype": reduce, "world_size": dist.world_size,
              "fp32_extra_bytes": extra},  # fmt: skip
-            [Fix("Reduce gradients in fp32", code, False, applicability=Applicability.DISPLAY_ONLY, recipe="fsdp-fp32-reduce",
+            [Fix("Reduce gradients in fp32", code, applicability=Applicability.DISPLAY_ONLY, recipe="fsdp-fp32-reduce",
                  cost="2x gradient communication")],  # fmt: skip
         )
 
@@ -210,7 +210,7 @@ def launch_world_of_one(facts: Facts, rule: Rule) -> Iterator[Finding]:
         f"nothing in DDP and the {launched} processes train {launched} independent copies.",
         {"env_world_size": dist.env_world_size, "env_rank": dist.env_rank, "world_size": dist.world_size,
          "accelerators": [a.name for a in accs]},  # fmt: skip
-        [Fix("Create the Accelerator with cpu=True inside the launched function", code, False,
+        [Fix("Create the Accelerator with cpu=True inside the launched function", code,
              applicability=Applicability.DISPLAY_ONLY, recipe="accelerator-cpu")],  # fmt: skip
     )
 
@@ -260,7 +260,7 @@ def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "An Accelerator was created in this kernel: notebook_launcher will refuse to start ('the `Accelerator` "
             "should only be initialized inside your training function').",
             {"accelerator_state_initialized": True},
-            [Fix("Reset accelerate's state and create the Accelerator inside the function", code, False,
+            [Fix("Reset accelerate's state and create the Accelerator inside the function", code,
                  applicability=Applicability.DISPLAY_ONLY, recipe="launcher-reset-state")],  # fmt: skip
         )
     if dist.cuda_initialized:
@@ -269,7 +269,7 @@ def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "CUDA is initialised in this kernel: notebook_launcher's forked workers will fail with 'Cannot re-initialize "
             "CUDA in forked subprocess'.",
             {"cuda_initialized": True},
-            [Fix("Restart the kernel and touch CUDA only inside the launched function", "# restart the kernel", False,
+            [Fix("Restart the kernel and touch CUDA only inside the launched function", "# restart the kernel",
                  applicability=Applicability.DISPLAY_ONLY, recipe="launcher-restart")],  # fmt: skip
         )
 

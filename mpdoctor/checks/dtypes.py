@@ -179,8 +179,7 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
     delta = sum(p.numel * (torch_dtype(dtype).itemsize - torch_dtype(p.dtype).itemsize) for p in params)
     return Fix(
         f"Cast {count(len(params), 'parameter')} of {count(len(paths), 'module')} of {m.name} to {dtype}",
-        code,
-        not narrowing,
+        code, applicability=Applicability.SAFE if not narrowing else Applicability.UNSAFE,
         changes=(spec,),
         backup_bytes=spec.backup_bytes(facts),
         recipe="cast-minority",
@@ -314,7 +313,7 @@ LERP_OPTIMIZERS = frozenset(
 
 def cast_grads_fix(title: str, code: str, owner: int, ids: frozenset[int], safe: bool) -> Fix:
     """A fix casting each parameter's grad to the parameter's dtype in place."""
-    return Fix(title, code, safe, changes=(CastGradsToParams(owner, ids),), recipe="cast-grads")
+    return Fix(title, code, applicability=Applicability.SAFE if safe else Applicability.UNSAFE, changes=(CastGradsToParams(owner, ids),), recipe="cast-grads")
 
 
 _GradRows = list[tuple[int, str, "str | None"]]

@@ -59,7 +59,7 @@ def _fp32_master_fix(
         live_gpu = facts.hardware.live and facts.hardware.kind == "cuda"
         device = "cuda" if what_if else "cpu" if setup.args.get("use_cpu") else (setup.device or ("cuda" if live_gpu else "cpu"))
         specs.append(align_spec(facts, setup, target, native_amp_for(target, device), {"bf16": False, "fp16": target == "fp16"}))
-    return Fix(title, code, False, changes=tuple(specs), backup_bytes=backup, recipe=f"fp32-master-{target}")
+    return Fix(title, code, applicability=Applicability.UNSAFE, changes=tuple(specs), backup_bytes=backup, recipe=f"fp32-master-{target}")
 
 
 @check("bf16-unsupported", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
@@ -240,7 +240,7 @@ def flash_attention_fp32(facts: Facts, rule: Rule) -> Iterator[Finding]:
             + (" in its Trainer" if setups else "")
             + ": FlashAttention only supports fp16 and bf16, so the first forward raises.",
             {"attn_implementation": kernels, "main_dtype": m.tensors.main_dtype, "setups": [p.name for p in setups]},
-            [Fix(f"Switch {m.name}'s attention to {fallback}", code, True, changes=specs, recipe="attention-fallback")],
+            [Fix(f"Switch {m.name}'s attention to {fallback}", code, applicability=Applicability.SAFE, changes=specs, recipe="attention-fallback")],
             severity=Severity.ERROR if setups else Severity.WARNING,
         )
 
@@ -331,5 +331,5 @@ def bnb_compute_dtype_fp32(facts: Facts, rule: Rule) -> Iterator[Finding]:
             + (f" on {len(slow)} Linear4bit layers" if slow else "")
             + f" while it runs in {half}: every 4-bit matmul upcasts to fp32 (slow, twice the activation memory).",
             {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs], "layers": len(slow)},
-            [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, False, changes=tuple(specs), recipe="bnb-compute-dtype")],
+            [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, applicability=Applicability.UNSAFE, changes=tuple(specs), recipe="bnb-compute-dtype")],
         )

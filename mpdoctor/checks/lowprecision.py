@@ -146,8 +146,7 @@ def half_precision_rope_buffers(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
         recompute = Fix(
             f"Recompute the rotary frequencies of {m.name} in fp32 ({count(len(paths), 'module')})",
-            "import transformers\n" + code,
-            safe=True,
+            "import transformers\n" + code, applicability=Applicability.SAFE,
             changes=(spec,),
             recipe="fp32-rope-buffers",
             cost="a few hundred bytes per module",

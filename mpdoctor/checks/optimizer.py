@@ -269,7 +269,7 @@ def _state_cast_fix(
         facts.subject(name).inner_ref, frozenset((i, k) for i, k, *_ in flagged), f"state tensors of {name} to their parameter's dtype"
     )
     return Fix(
-        f"Cast {count(len(flagged), 'state tensor')} of {name} to their parameter's dtype", code, widening,
+        f"Cast {count(len(flagged), 'state tensor')} of {name} to their parameter's dtype", code, applicability=Applicability.SAFE if widening else Applicability.UNSAFE,
         changes=(spec,), recipe="cast-state",
     )
 

@@ -134,8 +134,7 @@ def alignment_fix(
     """A fix bringing setup ``p`` to ``precision`` (``native`` autocast)."""
     return Fix(
         title,
-        alignment_code(facts, p, precision, native, flags, why),
-        safe,
+        alignment_code(facts, p, precision, native, flags, why), applicability=Applicability.SAFE if safe else Applicability.UNSAFE,
         changes=(align_spec(facts, p, precision, native, flags),),
         recipe=recipe or f"run-{precision}",
         cost=cost,
@@ -339,8 +338,7 @@ def tf32_off(facts: Facts, rule: Rule) -> Iterator[Finding]:
 
     fix = Fix(
         "Allow TF32 matmuls: torch.set_float32_matmul_precision('high')",
-        "import torch\ntorch.set_float32_matmul_precision('high')  # TF32 tensor cores for fp32 matmuls",
-        False,
+        "import torch\ntorch.set_float32_matmul_precision('high')  # TF32 tensor cores for fp32 matmuls", applicability=Applicability.UNSAFE,
         changes=(SetMatmulPrecision("high"),),
         recipe="tf32",
         cost="several times faster fp32 matmuls; outputs differ in the fourth significant digit",

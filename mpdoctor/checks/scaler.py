@@ -42,8 +42,7 @@ def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
         code = f"# {why}\n{scaler.name} = torch.amp.GradScaler({scaler.device!r}, enabled=False)"
     return Fix(
         f"Disable {scaler.name} (GradScaler)",
-        code,
-        safe=True,
+        code, applicability=Applicability.SAFE,
         changes=(SetAttrTo(ref, "_enabled", False, f"{scaler.name}._enabled"),),
         recipe="disable-scaler",
         cost="saves a scale and an unscale pass over the gradients every step",

@@ -106,8 +106,7 @@ def trl_ref_model_dtype(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 Fix(
                     f"Cast {t.ref_model_name} to {computes}, the precision the policy computes in",
                     f"import torch\n{t.ref_model_name}.to(torch.{computes})  # frozen: no optimizer state to follow\n"
-                    f"# or build it so: AutoModelForCausalLM.from_pretrained(..., dtype=torch.{computes})",
-                    True,
+                    f"# or build it so: AutoModelForCausalLM.from_pretrained(..., dtype=torch.{computes})", applicability=Applicability.SAFE,
                     changes=(CastParamsTo(ref.ref, ids, computes, (), "reference model parameters"),),
                     recipe="trl-ref-model-policy-dtype",
                     cost=f"the reference model's memory in {_SHORT.get(computes, computes)}",

@@ -52,17 +52,14 @@ class Fix:
         Imperative title (``"Set use_cache=False on text_config"``).
     code : str
         The Python that makes the same change, to paste where the object is created.
-    safe : bool
-        Shorthand for ``applicability``: True is :attr:`Applicability.SAFE`, False :attr:`Applicability.UNSAFE`.
-        Ignored when ``applicability`` is given.
     backup_bytes : int
         Estimated undo backup; above :data:`UNDO_BUDGET_BYTES` the title says
         so and ``apply`` needs ``confirm=True``.
     changes : tuple of ChangeSpec
         What the fix does, as plain data (:mod:`mpdoctor.treatment.changes`), resolved against the live table
         when applied.
-    applicability : Applicability, optional
-        Safe, unsafe or display-only.
+    applicability : Applicability
+        Safe, unsafe (the default: applied only on an explicit request) or display-only.
     cost : str
         What the fix costs (memory, speed), for choosing between alternatives.
     recipe : str
@@ -73,7 +70,6 @@ class Fix:
         self,
         title: str,
         code: str,
-        safe: bool = False,
         *,
         changes: Sequence[Any] = (),
         applicability: Applicability | None = None,
@@ -84,7 +80,7 @@ class Fix:
     ) -> None:
         self.slug = slug
         self.code = code
-        self.applicability = applicability or (Applicability.SAFE if safe else Applicability.UNSAFE)
+        self.applicability = applicability or Applicability.UNSAFE
         self.changes = tuple(changes)
         # Replaceable attributes, so fault-injection tests can make any step fail.
         self._plan: Callable[[], list[Change]] = self._spec_steps
