@@ -14,6 +14,12 @@ interleaved so that the machine's noise hits them alike (the best, i.e. minimum,
 
 Overhead = best time - best plain time (best of N rounds, each round running the
 three in turn). Target: probe overhead <= 0.25x DebugUnderflowOverflow's.
+``--kind gpt2``: the same on a GPT-2 (LayerNorm, GELU MLP, Conv1D projections, learned positions) of the
+same size, a model kind other than Llama. What the figures include: the probe's hooks, its statistics,
+the batch trace and the report; the NaN-origin replay runs only when a forward goes non-finite, which a
+healthy model never does, so it is measured apart: ``run_probe`` on a copy whose one MLP weight is scaled
+by 1e30 (activations overflow to inf, then NaN, with finite weights: the replay runs) against ``run_probe``
+on the healthy model, the difference being the non-finite read-out and the replay.
 ``--quick``: 2 layers, batch 2x32, 3 rounds (seconds; only checks the script works).
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
 """
@@ -56,6 +62,7 @@ def plain_step(model, batch) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kind", choices=("llama", "gpt2"), default="llama")
     args = parser.parse_args()
     from transformers.debug_utils import DebugUnderflowOverflow
 
@@ -65,7 +72,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
     repeat = 3 if args.quick else 21
     shape = dict(layers=2, seq=32, batch=2) if args.quick else dict(layers=4, seq=128, batch=4)
-    model, batch = build(**shape)
+    model, batch = (build if args.kind == "llama" else build_gpt2)(**shape)
     duo_model = copy.deepcopy(model)
     DebugUnderflowOverflow(duo_model)
     n_modules = sum(1 for _ in model.modules())
@@ -94,7 +101,7 @@ def main() -> None:
     duo_over = med["duo"] - med["plain"]
     ratio = probe_over / duo_over if duo_over > 0 else float("inf")
     hooks_ratio = hooks_over / duo_over if duo_over > 0 else float("inf")
-    print(f"{shape['layers']}-layer Llama (hidden 256, {n_modules} modules), batch {shape['batch']}x{shape['seq']}, "
+    print(f"{shape['layers']}-layer {args.kind} (hidden 256, {n_modules} modules), batch {shape['batch']}x{shape['seq']}, "
           f"fp32 CPU, 1 thread, best of {repeat}")  # fmt: skip
     print(f"  plain forward+backward                     {med['plain']:8.1f} ms")
     print(f"  mpdoctor.probe (fwd+bwd, report)           {med['probe']:8.1f} ms  overhead {probe_over:7.1f} ms")
@@ -103,7 +110,7 @@ def main() -> None:
     print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.25, with backward covered)")
     rows = [
         {
-            "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer Llama h256; "
+            "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer {args.kind} h256; "
             "the probe records backward too, DUO forward only)",
             "mpdoctor": round(probe_over, 2),
             "baseline": round(duo_over, 2),
@@ -122,8 +129,50 @@ def main() -> None:
             "unit": "ms added (best)",
         },
     ]
+    rows.append(replay_cost(model, batch, 3 if args.quick else 7))
     for r in rows:
         print("RESULT " + json.dumps(r))
+
+
+def replay_cost(model, batch, repeat: int) -> dict:
+    """``run_probe`` on a copy whose forward goes non-finite (one MLP weight scaled by 1e30, weights still
+    finite: the NaN-origin replay runs) vs on the healthy model: what a NaN adds to the probe."""
+    from mpdoctor.numerics.probe import run_probe
+
+    broken = copy.deepcopy(model)
+    linear = [m for m in broken.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
+    with torch.no_grad():
+        linear[len(linear) // 2].weight.mul_(1e30)
+    facts = run_probe(broken, batch)
+    assert facts.origin is not None, "the broken copy must trigger the NaN-origin replay"
+    best = {"healthy": float("inf"), "nan": float("inf")}
+    for _ in range(repeat):
+        for key, m in (("healthy", model), ("nan", broken)):
+            start = time.perf_counter()
+            run_probe(m, batch)
+            best[key] = min(best[key], time.perf_counter() - start)
+    extra = (best["nan"] - best["healthy"]) * 1000
+    print(f"  run_probe with a NaN (replay included) {best['nan'] * 1000:8.1f} ms vs healthy {best['healthy'] * 1000:8.1f} ms: "
+          f"the NaN's read-out and replay add {extra:.1f} ms")  # fmt: skip
+    return {
+        "figure": "run_probe on a forward that goes non-finite (NaN-origin replay included) vs on the healthy model",
+        "mpdoctor": round(best["nan"] * 1000, 1),
+        "baseline": round(best["healthy"] * 1000, 1),
+        "ratio": round(best["nan"] / best["healthy"], 2),
+        "target": "reported",
+        "met": True,
+        "unit": "ms (best)",
+    }
+
+
+def build_gpt2(layers: int = 4, hidden: int = 256, seq: int = 128, batch: int = 4):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=4, vocab_size=8192, n_positions=max(seq, 128), use_cache=False)
+    model = GPT2LMHeadModel(config).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids.clone()}
 
 
 if __name__ == "__main__":

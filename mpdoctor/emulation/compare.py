@@ -292,8 +292,8 @@ class Comparison:
         model = subject.model() if subject is not None else None
         if model is None:
             raise ValueError("the model of this comparison is gone (or it was not measured): run compare() again")
-        result = make_plan(self, model, subject.batch, subject.loss, subject.training, name,
-                           budget=budget, max_kept=max_kept, keep=keep)  # fmt: skip
+        result = make_plan(self.layers, self.rows, bool(self.attention), model, subject.batch, subject.loss,
+                           subject.training, name, budget=budget, max_kept=max_kept, keep=keep)  # fmt: skip
         self.plans[name] = result
         return result
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -29,9 +29,6 @@ from .formats import PRECISIONS, Precision, precision
 from .measurements import KERNEL_MULTIPLE, LayerResult
 from .recommendation import conversion_code, keep_literal
 from .runner import Runner
-
-if TYPE_CHECKING:
-    from .compare import Comparison
 
 #: The targets a plan can convert to (torchao has a recipe, or at least a config, for each).
 TARGETS = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4")
@@ -203,12 +200,11 @@ def risk(row: LayerResult | None) -> float:
     return max(values)
 
 
-def _ranking(c: Comparison, target: str) -> tuple[list[str], dict[str, str]]:
+def _ranking(layers: Sequence[tuple[str, int, int]], rows: Mapping[str, LayerResult], target: str) -> tuple[list[str], dict[str, str]]:
     """Linears worst first (ties in call order), and the ones the kernels refuse with why (kept whatever)."""
-    rows = {r.module: r for r in c.rows if r.precision == target}
     multiple = KERNEL_MULTIPLE.get(target)
-    forced = {p: f"dims {fin}x{fout} not multiples of {multiple}" for p, fin, fout in c.layers if multiple and (fin % multiple or fout % multiple)}
-    free = [p for p, _, _ in c.layers if p not in forced]
+    forced = {p: f"dims {fin}x{fout} not multiples of {multiple}" for p, fin, fout in layers if multiple and (fin % multiple or fout % multiple)}
+    free = [p for p, _, _ in layers if p not in forced]
     ranked = sorted(free, key=lambda p: -risk(rows.get(p)))
     return ranked, forced
 
@@ -264,9 +260,11 @@ class _Search:
         return out
 
 
-def make_plan(c: Comparison, model: torch.nn.Module, batch: Any, loss: Callable | None, training: bool, target: str,
+def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult], attention: bool,
+              model: torch.nn.Module, batch: Any, loss: Callable | None, training: bool, target: str,
               *, budget: float | None, max_kept: float | None, keep: str) -> Plan:  # fmt: skip
-    """The plan of ``Comparison.plan()`` (see this module's docstring)."""
+    """The plan of ``Comparison.plan()`` (see this module's docstring): ``layers`` are the comparison's
+    ``(path, in, out)`` Linears in call order, ``rows`` its measurements, ``attention`` whether it reached any."""
     start = time.perf_counter()
     tgt, high = precision(target), precision(keep)
     if tgt.name not in TARGETS:
@@ -275,24 +273,24 @@ def make_plan(c: Comparison, model: torch.nn.Module, batch: Any, loss: Callable 
         raise ValueError(f"plan() keeps layers in {' or '.join(KEPT)}, not {high.name}")
     if max_kept is not None and not 0.0 <= max_kept <= 1.0:
         raise ValueError(f"max_kept is a share of the Linears, between 0 and 1, not {max_kept}")
-    ranked, forced = _ranking(c, tgt.name)
-    layers = [p for p, _, _ in c.layers]
-    rows = {r.module: r for r in c.rows if r.precision == tgt.name}
+    by_path = {r.module: r for r in rows if r.precision == tgt.name}
+    ranked, forced = _ranking(layers, by_path, tgt.name)
+    paths = [p for p, _, _ in layers]
     with Runner(model, batch, loss, training) as runner:
-        search = _Search(runner, tgt, high, layers)
+        search = _Search(runner, tgt, high, paths)
         if budget is None and max_kept is None:
             budget = DEFAULT_BUDGET_SHARE * abs(search.reference_loss)
-        cap = len(ranked) if max_kept is None else max(0, min(len(ranked), math.floor(max_kept * len(layers)) - len(forced)))
+        cap = len(ranked) if max_kept is None else max(0, min(len(ranked), math.floor(max_kept * len(paths)) - len(forced)))
         all_target = search.verify(())
-        all_kept = search.verify(layers)
+        all_kept = search.verify(paths)
         k, planned = _bisect(search, list(forced), ranked, cap, budget, all_target if not forced else None)
     kept = (*forced, *ranked[:k])
-    reasons = {**forced, **{p: _why(rows.get(p)) for p in ranked[:k]}}
+    reasons = {**forced, **{p: _why(by_path.get(p)) for p in ranked[:k]}}
     return Plan(
         target=tgt.name,
         keep_precision=high.name,
         kept=tuple(kept),
-        converted=tuple(p for p in layers if p not in set(kept)),
+        converted=tuple(p for p in paths if p not in set(kept)),
         reasons=reasons,
         reference_loss=search.reference_loss,
         budget=budget,
@@ -302,7 +300,7 @@ def make_plan(c: Comparison, model: torch.nn.Module, batch: Any, loss: Callable 
         all_target=all_target,
         all_kept=all_kept,
         tried=tuple(search.tried),
-        attention=bool(c.attention),
+        attention=attention,
         seconds=time.perf_counter() - start,
         ranking=tuple(ranked),
     )
