@@ -70,9 +70,6 @@ CACHE_CHANGES_LOGITS = frozenset(
 
 # -- layers ---------------------------------------------------------------------------------------------------
 
-#: bitsandbytes 4-bit linear layers: their forward reads ``compute_dtype``.
-LINEAR_4BIT_CLASSES = frozenset({"bitsandbytes.nn.modules.Linear4bit", "bitsandbytes.nn.modules.LinearNF4", "bitsandbytes.nn.modules.LinearFP4"})
-
 # -- optimizers -----------------------------------------------------------------------------------------------
 
 def _always(_o: Any) -> bool:

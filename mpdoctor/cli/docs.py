@@ -72,4 +72,3 @@ def update_checks_reference(path: str) -> bool:
 
 #: The former names (the reference lived in the README).
 update_readme = update_checks_reference
-readme_section = reference_section

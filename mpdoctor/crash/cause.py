@@ -182,18 +182,11 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
     pattern takes its place: what the message means and the generic fix, with
     the dtypes of the tensors in the innermost frames as evidence.
     """
-    from ..redact import redact
-    from ..treatment.findings import Finding
-    from .frames import tensor_locals
-
     summary = exception_summary(exc)
     raiser = _raiser(report, frames)
     rank = {slug: i for i, slug in enumerate(pattern.checks)}
     candidates = [f for f in report.findings if f.check in rank]
-    detail = family_detail(pattern, exc, frames, namespace)
-    if detail is not None:  # user names and source lines reach the report: redacted like every user string
-        detail.evidence = {k: redact(v) if type(v) is str else v for k, v in detail.evidence.items()}
-        detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
+    detail = _redacted(family_detail(pattern, exc, frames, namespace))
     if candidates:
         # The finding about the object that raised first: of two GradScalers, the one whose unscale_ failed.
         chosen = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
@@ -202,34 +195,55 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
             cause = dataclasses.replace(cause, evidence={**cause.evidence, **detail.evidence})
         rest = [f for f in report.findings if f is not chosen]
     else:
-        try:
-            tensors = tensor_locals(frames)
-        except Exception:  # evidence is a bonus; the note stands without it
-            tensors = []
-        where = next((f for f in reversed(frames) if f.user), frames[-1] if frames else None)
-        subject = f"{where.function} ({where.filename}:{where.lineno})" if where is not None else summary.split(":")[0]
-        evidence: dict[str, Any] = {"exception": summary, "pattern": pattern.slug}
-        if tensors:
-            evidence["tensors in the failing frames"] = [redact(t) for t in tensors]
-        seen = f" In the failing frames: {'; '.join(tensors[:4])}." if tensors else ""
-        if detail is not None:
-            if "operands" in detail.evidence or "rule" in detail.evidence:  # named tensors / the rule say it all
-                evidence.pop("tensors in the failing frames", None)
-            evidence.update(detail.evidence)
-            seen = f" {detail.sentence}" if detail.sentence else seen
-            subject = detail.subject or subject
-        cause = Finding(
-            check=pattern.slug,
-            severity="error",
-            subject=redact(subject),
-            message=redact(f"{pattern.meaning}{seen} Fix: {pattern.fix}"),
-            evidence=evidence,
-        )
-        if detail is not None and detail.code:
-            cause.fixes.append(detail.fix())
+        cause = _cause_note(pattern, summary, frames, detail)
         rest = list(report.findings)
     return report.evolve(findings=(cause, *rest), cause=cause, exception=summary,
                          raised_by=raiser[0] if raiser else None)  # fmt: skip
+
+
+def _redacted(detail: Any) -> Any:
+    """User names and source lines reach the report: redacted like every user string."""
+    from ..redact import redact
+
+    if detail is not None:
+        detail.evidence = {k: redact(v) if type(v) is str else v for k, v in detail.evidence.items()}
+        detail.sentence, detail.code = redact(detail.sentence), redact(detail.code)
+    return detail
+
+
+def _cause_note(pattern: Any, summary: str, frames: list, detail: Any) -> Any:
+    """The cause built from the pattern when no check's finding explains the exception: what the message means,
+    the generic fix, the tensors of the failing frames (or the family's reading of the failing op)."""
+    from ..redact import redact
+    from ..treatment.findings import Finding
+    from .frames import tensor_locals
+
+    try:
+        tensors = tensor_locals(frames)
+    except Exception:  # evidence is a bonus; the note stands without it
+        tensors = []
+    where = next((f for f in reversed(frames) if f.user), frames[-1] if frames else None)
+    subject = f"{where.function} ({where.filename}:{where.lineno})" if where is not None else summary.split(":")[0]
+    evidence: dict[str, Any] = {"exception": summary, "pattern": pattern.slug}
+    if tensors:
+        evidence["tensors in the failing frames"] = [redact(t) for t in tensors]
+    seen = f" In the failing frames: {'; '.join(tensors[:4])}." if tensors else ""
+    if detail is not None:
+        if "operands" in detail.evidence or "rule" in detail.evidence:  # named tensors / the rule say it all
+            evidence.pop("tensors in the failing frames", None)
+        evidence.update(detail.evidence)
+        seen = f" {detail.sentence}" if detail.sentence else seen
+        subject = detail.subject or subject
+    cause = Finding(
+        check=pattern.slug,
+        severity="error",
+        subject=redact(subject),
+        message=redact(f"{pattern.meaning}{seen} Fix: {pattern.fix}"),
+        evidence=evidence,
+    )
+    if detail is not None and detail.code:
+        cause.fixes.append(detail.fix())
+    return cause
 
 
 class FamilyDetail:

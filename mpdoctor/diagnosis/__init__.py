@@ -158,48 +158,17 @@ def diagnose_subjects(
     subjects = tuple(subjects)
     ignore = tuple(ignore)
     live = Live()
-    facts, gather_failures = _gather(subjects, profile, live)
+    facts, gather_failures = _facts(subjects, profile, live, scan, distributed, timeout, ranks_from)
     failures = [*failures, *gather_failures]
-    if scan:
-        facts = _with_scan(facts, subjects)
-    if distributed:
-        from .exchange import exchange
-
-        facts = exchange(facts, timeout=timeout)
-    elif ranks_from is not None:
-        from .exchange import reattach
-
-        facts = reattach(facts, ranks_from)
     hidden: dict[str, int] = {}
     try:
         findings = run_checks(facts, ignore=ignore, hidden=hidden)
     except Exception as exc:  # run_checks isolates each check; this guards its own bookkeeping
         findings = [_failure("the checks", exc)]
-    try:
-        plan = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
-    except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
-        plan = [fx for f in findings for fx in f.fixes]
-        failures.append(_failure("the treatment plan", exc))
-    try:
-        safe_plan = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), plan)
-    except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
-        safe_plan = [fx for fx in plan if fx.safe]
-        failures.append(_failure("the safe-fixes plan", exc))
-    for fx in safe_plan:
-        if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
-            fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
+    plan, safe_plan = _plans(facts, findings, ignore, failures)
     proof = None
     if step is not None:
-        for f in findings:
-            for fx in f.fixes:
-                fx.bind(live)  # the proof applies them; the treatment is bound with the report below
-        try:
-            proof = _prove(plan, safe_plan, step, subjects)
-        except Exception as exc:  # the plan stands unproven; the report says so
-            failures.append(_failure("the check of the fixes on your step", exc))
-        else:
-            plan = [fx for fx in plan if fx.title not in proof.dropped]
-            safe_plan = [fx for fx in safe_plan if fx.title not in proof.dropped]
+        proof, plan, safe_plan = _proven(plan, safe_plan, step, subjects, findings, live, failures)
     findings = [redact_finding(f) for f in failures + findings]
     dist = getattr(facts, "distributed", None)
     # Re-planning and refresh() run on this rank alone: keep the other ranks' rows, recompute this one.
@@ -230,7 +199,57 @@ def diagnose_subjects(
     return report
 
 
-def _prove(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
+def _facts(subjects: tuple, profile: DeviceProfile | None, live: Live, scan: bool, distributed: bool,
+           timeout: float, ranks_from: Any) -> tuple[Facts, list[Finding]]:  # fmt: skip
+    """The facts of the subjects (scanned, exchanged across ranks or re-attached to them), and what failed."""
+    facts, failures = _gather(subjects, profile, live)
+    if scan:
+        facts = _with_scan(facts, subjects)
+    if distributed:
+        from .exchange import exchange
+
+        facts = exchange(facts, timeout=timeout)
+    elif ranks_from is not None:
+        from .exchange import reattach
+
+        facts = reattach(facts, ranks_from)
+    return facts, failures
+
+
+def _plans(facts: Facts, findings: list[Finding], ignore: tuple, failures: list[Finding]) -> tuple[list, list]:
+    """The plan and the safe-only plan (each falls back, with a failure noted, if planning raises)."""
+    try:
+        plan = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
+    except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
+        plan = [fx for f in findings for fx in f.fixes]
+        failures.append(_failure("the treatment plan", exc))
+    try:
+        safe_plan = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), plan)
+    except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
+        safe_plan = [fx for fx in plan if fx.safe]
+        failures.append(_failure("the safe-fixes plan", exc))
+    for fx in safe_plan:
+        if not fx.planned and fx.note.startswith("alternative"):  # the full plan prefers an unsafe fix
+            fx.note += "; Apply all safe fixes applies it (the best plan without unsafe fixes)"
+    return plan, safe_plan
+
+
+def _proven(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tuple, findings: list[Finding],
+            live: Live, failures: list[Finding]) -> tuple[Any, list, list]:  # fmt: skip
+    """The plan checked on the user's step: the proof, and both plans without the fixes it took out."""
+    for f in findings:
+        for fx in f.fixes:
+            fx.bind(live)  # the proof applies them; the treatment is bound with the report
+    try:
+        proof = _prove(plan, step, subjects)
+    except Exception as exc:  # the plan stands unproven; the report says so
+        failures.append(_failure("the check of the fixes on your step", exc))
+        return None, plan, safe_plan
+    dropped = set(proof.dropped)
+    return proof, [fx for fx in plan if fx.title not in dropped], [fx for fx in safe_plan if fx.title not in dropped]
+
+
+def _prove(plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
     """Check the plan on the user's step; the models, optimizers and scalers among the subjects are restored
     after it."""
     from .proof import prove

@@ -137,7 +137,7 @@ def _proof_view(report: Any) -> dict | None:
     proof = report.proof
     if proof is not None:
         return {"summary": proof.summary(), "verified": bool(proof.after) and proof.after[-1][1].trained,
-                "dropped": list(proof.dropped)}  # fmt: skip
+                "cured": proof.cured, "dropped": list(proof.dropped)}  # fmt: skip
     if not any(fx.changes for fx in report.fixes):
         return None
     return {"summary": "Fixes not verified (no step held): diagnose(..., step=train_step) or %mpdoctor --step "

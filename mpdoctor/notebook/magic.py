@@ -138,7 +138,6 @@ class MPDoctorMagics(Magics):
         return value, True
 
     def _run(self, args):
-        from ..diagnosis import diagnose
         from ..facts.hardware import UnknownTarget
         from ..redact import describe_exception
 
@@ -147,42 +146,13 @@ class MPDoctorMagics(Magics):
         ignore = self._ignore_list(args.ignore)
         if ignore is None:
             return None
-        target = args.target if args.target is not None else self.target
-        step = None
-        if args.step:
-            step, ok = self._lookup(self.shell.user_ns, args.step)
-            if not ok or not callable(step):
-                _print_line(f"--step {args.step}: give the name of a function of no arguments that runs one training step")
-                return None
+        step, ok = self._step(args.step)
+        if not ok:
+            return None
         try:
-            if args.names:
-                objects, labels, missing = self._resolve(args.names)
-                if missing:
-                    odd = any(not _NAME.match(m) for m in missing)
-                    # Plain names as typed; anything else quoted so the line shows exactly what was not run.
-                    shown = ", ".join(m if _NAME.match(m) else repr(m) for m in missing)
-                    note = " (give variable names: mpdoctor looks them up and evaluates nothing)" if odd else ""
-                    _print_line(f"no such variable: {shown}{note}")
-                    return None
-                report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore, step=step)
-                empty = [(labels[id(o)], o) for o in objects if not _brought_a_subject(report, labels[id(o)], o)]
-                for name, obj in dict(empty).items():
-                    _print_line(_nothing_to_inspect(name, obj))
-                if empty and not report.subjects:
-                    return None
-            else:
-                report = diagnose(
-                    namespace=self.shell.user_ns,
-                    hidden=self.shell.user_ns_hidden,
-                    target=target,
-                    scan=args.scan,
-                    ignore=ignore,
-                    step=step,
-                )
-            if args.probe:
-                report = self._probe(args.probe, report, target)
-                if report is None:
-                    return None
+            report = self._diagnosed(args, ignore, step)
+            if report is None:
+                return None
             if not args.no_history:
                 report = _add_history(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
@@ -200,12 +170,40 @@ class MPDoctorMagics(Magics):
             skip_next_display(report, self.shell.execution_count)
             _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
         if not (args.json or args.markdown):  # the exports stay parseable: no line after them
-            if args.probe:
-                _print_line(_probe_summary(report, args.probe))
-            if hidden:
-                total = sum(hidden.values())
-                each = ", ".join(f"{slug} {n}" for slug, n in sorted(hidden.items()))
-                _print_line(f"{total} finding{'s' if total != 1 else ''} hidden by the ignore list ({each})")
+            _print_footer(report, args, hidden)
+        return report
+
+    def _step(self, name: str | None) -> tuple[Any, bool]:
+        """The ``--step`` function (None without the option), and False after a line saying what is wrong."""
+        if not name:
+            return None, True
+        step, ok = self._lookup(self.shell.user_ns, name)
+        if not ok or not callable(step):
+            _print_line(f"--step {name}: give the name of a function of no arguments that runs one training step")
+            return None, False
+        return step, True
+
+    def _diagnosed(self, args: Any, ignore: list[str], step: Any) -> Any:
+        """The report of the named objects (or the namespace), probed when asked; None after a line saying why not."""
+        from ..diagnosis import diagnose
+
+        target = args.target if args.target is not None else self.target
+        if args.names:
+            objects, labels, missing = self._resolve(args.names)
+            if missing:
+                _print_line(_missing_line(missing))
+                return None
+            report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore, step=step)
+            empty = [(labels[id(o)], o) for o in objects if not _brought_a_subject(report, labels[id(o)], o)]
+            for name, obj in dict(empty).items():
+                _print_line(_nothing_to_inspect(name, obj))
+            if empty and not report.subjects:
+                return None
+        else:
+            report = diagnose(namespace=self.shell.user_ns, hidden=self.shell.user_ns_hidden, target=target,
+                              scan=args.scan, ignore=ignore, step=step)  # fmt: skip
+        if args.probe:
+            return self._probe(args.probe, report, target)
         return report
 
     def _ignore_list(self, option: str) -> list[str] | None:
@@ -301,6 +299,24 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         skip_next_display(report, self.shell.execution_count)
+
+
+def _missing_line(missing: list[str]) -> str:
+    """``no such variable: x, 'y + 1'`` (plain names as typed; anything else quoted: it was not run)."""
+    odd = any(not _NAME.match(m) for m in missing)
+    shown = ", ".join(m if _NAME.match(m) else repr(m) for m in missing)
+    note = " (give variable names: mpdoctor looks them up and evaluates nothing)" if odd else ""
+    return f"no such variable: {shown}{note}"
+
+
+def _print_footer(report: Any, args: Any, hidden: dict[str, int]) -> None:
+    """The lines after a report: the probe's summary, what the ignore list hid."""
+    if args.probe:
+        _print_line(_probe_summary(report, args.probe))
+    if hidden:
+        total = sum(hidden.values())
+        each = ", ".join(f"{slug} {n}" for slug, n in sorted(hidden.items()))
+        _print_line(f"{total} finding{'s' if total != 1 else ''} hidden by the ignore list ({each})")
 
 
 def _add_history(shell: Any, report: Any, ignore: list[str]) -> Any:

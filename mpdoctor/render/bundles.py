@@ -9,11 +9,6 @@ from typing import Any
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-def in_colab() -> bool:
-    """True inside Google Colab."""
-    return "google.colab" in sys.modules
-
-
 def widget_frontend() -> bool:
     """True when the kernel talks to a frontend that can render ipywidgets.
 

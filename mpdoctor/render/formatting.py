@@ -58,15 +58,6 @@ def rst_to_plain(text: str) -> str:
     return text.replace("``", "")
 
 
-def round_number(value: Any, digits: int = 3) -> Any:
-    """Floats to ``digits`` significant figures (``12345.678`` -> ``12300``, ``0.000123456`` -> ``0.000123``)."""
-    if isinstance(value, bool) or not isinstance(value, float):
-        return value
-    if not math.isfinite(value) or value == 0:
-        return value
-    return float(f"{value:.{digits}g}")
-
-
 def format_number(value: Any, digits: int = 3) -> str:
     """A number as people read it: ``65504.0`` -> ``"65504"``, ``1.2e+38`` stays short, NaN/inf spelled out."""
     if value is None:
@@ -249,12 +240,6 @@ def _place(name: str) -> tuple[int, str] | None:
                 column = f"{parts[i - 1]}.*" if i else "*"
             return int(part), column
     return None
-
-
-def _column(name: str) -> str:
-    """The strip column of a parameter: ``model.layers.3.mlp.up_proj.weight`` -> ``mlp.up_proj``."""
-    placed = _place(name)
-    return placed[1] if placed is not None else name.rsplit(".", 1)[0]
 
 
 def layer_strips(rows: Iterable[ParamRow], min_layers: int = STRIP_MIN_LAYERS) -> list[LayerStrip]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from html import escape
-from typing import Any
+from typing import Any, NamedTuple
 
 from .formatting import BF16_MAX, FP16_MAX, LayerStrip, ProbeBar, dtype_word, format_number
 
@@ -99,6 +99,20 @@ def layer_strip_svg(strip: LayerStrip) -> str:
 PROBE_CHART_ROWS = 60
 
 
+class _ProbeAxes(NamedTuple):
+    """Where the probe chart draws: the label column, the log10 range and the rows."""
+
+    label_w: float
+    plot_w: float
+    lo: int
+    hi: int
+    top: int
+    row: int
+
+    def x(self, v: float) -> float:
+        return self.label_w + self.plot_w * (math.log10(max(v, 10.0**self.lo)) - self.lo) / (self.hi - self.lo)
+
+
 def probe_chart_svg(bars: list[ProbeBar]) -> str:
     """Per module, its largest forward output (and backward gradient) on a log scale, with fp16's and bf16's limits.
 
@@ -109,61 +123,66 @@ def probe_chart_svg(bars: list[ProbeBar]) -> str:
     if not bars:
         return ""
     seen = [v for b in bars for v in (b.out_absmax, b.grad_absmax) if v is not None and math.isfinite(v) and v > 0]
-    lo = math.floor(math.log10(min(seen))) if seen else -3
-    lo = min(lo, 0)
-    hi = math.ceil(math.log10(BF16_MAX))
-    label_w = min(240, 6.5 * max(len(b.module) for b in bars) + 10)
-    plot_w = 420
-    row = 14
-    top = 30
-    width = label_w + plot_w + 70
-    height = top + row * len(bars) + 30
-
-    def xpos(v: float) -> float:
-        return label_w + plot_w * (math.log10(max(v, 10.0**lo)) - lo) / (hi - lo)
-
+    lo = min(math.floor(math.log10(min(seen))) if seen else -3, 0)
+    axes = _ProbeAxes(min(240, 6.5 * max(len(b.module) for b in bars) + 10), 420, lo, math.ceil(math.log10(BF16_MAX)), 30, 14)
     parts = [
         f"<text x='0' y='11' style='{TEXT}'>largest |value| per module (log scale): "
         f"<tspan style='font-weight:bold'>\u25a0</tspan> forward output, \u25ad gradient</text>"
     ]
+    parts += _probe_limits(axes, len(bars))
+    largest = max(seen or [0])
+    for i, b in enumerate(bars):
+        parts += _probe_row(axes, i, b, largest)
+    parts += _probe_axis(axes, len(bars))
+    width = axes.label_w + axes.plot_w + 70
+    height = axes.top + axes.row * len(bars) + 30
+    return _svg(width, height, "".join(parts), "largest activation per module")
+
+
+def _probe_limits(axes: _ProbeAxes, rows: int) -> list[str]:
+    """fp16's and bf16's largest finite values, as dashed vertical lines."""
+    parts = []
     for value, color, name in ((FP16_MAX, LIMIT_FP16, "fp16 max 65504"), (BF16_MAX, LIMIT_BF16, "bf16 max 3.4e38")):
-        x = xpos(value)
+        x = axes.x(value)
         parts.append(
-            f"<line x1='{x:.1f}' y1='{top - 4}' x2='{x:.1f}' y2='{top + row * len(bars)}' stroke='{color}' stroke-width='1.5' stroke-dasharray='4 2'/>"
+            f"<line x1='{x:.1f}' y1='{axes.top - 4}' x2='{x:.1f}' y2='{axes.top + axes.row * rows}' stroke='{color}' stroke-width='1.5' stroke-dasharray='4 2'/>"
         )
         anchor = "end" if value == BF16_MAX else "middle"
-        parts.append(f"<text x='{x:.1f}' y='{top - 8}' text-anchor='{anchor}' style='{TEXT};font-size:10px'>{name}</text>")
-    for i, b in enumerate(bars):
-        y = top + i * row
-        parts.append(
-            f"<text x='{label_w - 6}' y='{y + row - 4}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(b.module)}</text>"
-        )
-        for value, filled in ((b.out_absmax, True), (b.grad_absmax, False)):
-            if value is None:
-                continue
-            bad = not math.isfinite(value)
-            end = label_w + plot_w if bad else xpos(value)
-            over = bad or value > FP16_MAX
-            color = LIMIT_FP16 if over else "#1976d2"
-            h = 6 if filled else 4
-            yy = y + (1 if filled else 8)
-            style = f"fill='{color}'" if filled else f"fill='none' stroke='{color}'"
-            tip = f"{b.module} {'output' if filled else 'gradient'}: {format_number(value)}"
-            parts.append(
-                f"<rect x='{label_w}' y='{yy}' width='{max(1.0, end - label_w):.1f}' height='{h}' {style}><title>{_e(tip)}</title></rect>"
-            )
-            if filled and (over or i == 0 or value == max(seen or [0])):
-                parts.append(
-                    f"<text x='{end + 3:.1f}' y='{y + row - 4}' style='{TEXT};font-size:10px'>{_e(format_number(value))}</text>"
-                )
-    axis_y = top + row * len(bars) + 2
-    parts.append(f"<line x1='{label_w}' y1='{axis_y}' x2='{label_w + plot_w}' y2='{axis_y}' style='{RULE}'/>")
-    for p in range(lo, hi + 1):
-        if (p - lo) % 10 and p not in (0, 5):
+        parts.append(f"<text x='{x:.1f}' y='{axes.top - 8}' text-anchor='{anchor}' style='{TEXT};font-size:10px'>{name}</text>")
+    return parts
+
+
+def _probe_row(axes: _ProbeAxes, i: int, b: ProbeBar, largest: float) -> list[str]:
+    """One module: its name, its output bar (filled) and gradient bar (outlined), past-fp16 values in red."""
+    y = axes.top + i * axes.row
+    parts = [f"<text x='{axes.label_w - 6}' y='{y + axes.row - 4}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(b.module)}</text>"]
+    for value, filled in ((b.out_absmax, True), (b.grad_absmax, False)):
+        if value is None:
             continue
-        x = xpos(10.0**p)
-        parts.append(f"<text x='{x:.1f}' y='{axis_y + 13}' text-anchor='middle' style='{TEXT};font-size:10px'>1e{p}</text>")
-    return _svg(width, height, "".join(parts), "largest activation per module")
+        bad = not math.isfinite(value)
+        end = axes.label_w + axes.plot_w if bad else axes.x(value)
+        over = bad or value > FP16_MAX
+        color = LIMIT_FP16 if over else "#1976d2"
+        h, yy = (6, y + 1) if filled else (4, y + 8)
+        style = f"fill='{color}'" if filled else f"fill='none' stroke='{color}'"
+        tip = f"{b.module} {'output' if filled else 'gradient'}: {format_number(value)}"
+        parts.append(
+            f"<rect x='{axes.label_w}' y='{yy}' width='{max(1.0, end - axes.label_w):.1f}' height='{h}' {style}><title>{_e(tip)}</title></rect>"
+        )
+        if filled and (over or i == 0 or value == largest):
+            parts.append(f"<text x='{end + 3:.1f}' y='{y + axes.row - 4}' style='{TEXT};font-size:10px'>{_e(format_number(value))}</text>")
+    return parts
+
+
+def _probe_axis(axes: _ProbeAxes, rows: int) -> list[str]:
+    """The log10 axis under the rows, labelled at 1e0, 1e5 and every tenth power from the low end."""
+    axis_y = axes.top + axes.row * rows + 2
+    parts = [f"<line x1='{axes.label_w}' y1='{axis_y}' x2='{axes.label_w + axes.plot_w}' y2='{axis_y}' style='{RULE}'/>"]
+    for p in range(axes.lo, axes.hi + 1):
+        if (p - axes.lo) % 10 and p not in (0, 5):
+            continue
+        parts.append(f"<text x='{axes.x(10.0**p):.1f}' y='{axis_y + 13}' text-anchor='middle' style='{TEXT};font-size:10px'>1e{p}</text>")
+    return parts
 
 
 #: Points drawn per series; longer histories are thinned, skipped steps always kept.
@@ -178,6 +197,21 @@ def _thin(rows: list[dict]) -> list[dict]:
     return [r for i, r in enumerate(rows) if i % every == 0 or r.get("skipped") or i == len(rows) - 1]
 
 
+class _StepAxes(NamedTuple):
+    """The two panels of a scale history: steps across, ``pw`` x ``ph`` each, the loss panel at ``loss_x``."""
+
+    pw: int
+    ph: int
+    left: int
+    top: int
+    s0: float
+    s1: float
+    loss_x: int
+
+    def x(self, step: float, origin: float) -> float:
+        return origin + self.pw * (step - self.s0) / (self.s1 - self.s0)
+
+
 def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
     """One GradScaler over its steps: the loss scale on a log2 axis with skipped steps marked, beside the loss.
 
@@ -187,24 +221,27 @@ def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
     if not rows:
         return ""
     pw, ph, left, top, gap = 250, 110, 44, 22, 60
+    ax = _StepAxes(pw, ph, left, top, rows[0]["step"], max(rows[-1]["step"], rows[0]["step"] + 1), left + pw + gap + left)
+    parts = _scale_panel(ax, rows, scaler) + _loss_panel(ax, rows)
     width, height = left + pw + gap + left + pw + 10, top + ph + 34
-    s0, s1 = rows[0]["step"], max(rows[-1]["step"], rows[0]["step"] + 1)
+    return _svg(width, height, "".join(parts), f"loss scale and loss over steps of {scaler}")
 
-    def x(step: float, origin: float) -> float:
-        return origin + pw * (step - s0) / (s1 - s0)
 
+def _scale_panel(ax: _StepAxes, rows: list[dict], scaler: str) -> list[str]:
+    """The loss scale on a log2 axis, skipped steps marked (and counted in the title only when there are any)."""
     exps = [math.log2(r["scale"]) for r in rows]
     e_lo, e_hi = math.floor(min(exps)), math.ceil(max(exps))
     e_hi = e_hi if e_hi > e_lo else e_lo + 1
 
     def ys(scale: float) -> float:
-        return top + ph * (1 - (math.log2(scale) - e_lo) / (e_hi - e_lo))
+        return ax.top + ax.ph * (1 - (math.log2(scale) - e_lo) / (e_hi - e_lo))
 
     skips = sum(1 for r in rows if r.get("skipped"))
     skip_note = (
         f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
         else "no skipped step"
     )
+    left, top, ph, pw = ax.left, ax.top, ax.ph, ax.pw
     parts = [
         f"<text x='0' y='12' style='{TEXT}'>{_e(scaler)}: loss scale (log2 axis), {skip_note}</text>",
         f"<line x1='{left}' y1='{top + ph}' x2='{left + pw}' y2='{top + ph}' style='{RULE}'/>",
@@ -212,41 +249,50 @@ def scale_history_svg(rows: list[dict], scaler: str = "scaler") -> str:
     ]
     for ex in sorted({e_lo, e_hi, (e_lo + e_hi) // 2}):
         parts.append(f"<text x='{left - 4}' y='{ys(2.0**ex) + 4:.1f}' text-anchor='end' style='{TEXT};font-size:10px'>2^{ex}</text>")
-    path = " ".join(f"{'M' if i == 0 else 'L'}{x(r['step'], left):.1f},{ys(r['scale']):.1f}" for i, r in enumerate(rows))
+    path = " ".join(f"{'M' if i == 0 else 'L'}{ax.x(r['step'], left):.1f},{ys(r['scale']):.1f}" for i, r in enumerate(rows))
     parts.append(f"<path d='{path}' fill='none' stroke='#1976d2' stroke-width='1.5'/>")
     for r in rows:
         if r.get("skipped"):
-            cx, cy = x(r["step"], left), ys(r["scale"])
+            cx, cy = ax.x(r["step"], left), ys(r["scale"])
             parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' fill='{SKIP_MARK}' style='font-size:10px'>"
                          f"\u2715<title>step {_e(r['step'])}: skipped at scale {_e(format_number(r['scale']))}</title></text>")  # fmt: skip
-    for origin in (left,):
-        parts.append(f"<text x='{origin}' y='{top + ph + 14}' style='{TEXT};font-size:10px'>step {_e(s0)}</text>")
-        parts.append(f"<text x='{origin + pw}' y='{top + ph + 14}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(rows[-1]['step'])}</text>")
+    return parts + _step_labels(ax, left, rows)
+
+
+def _step_labels(ax: _StepAxes, origin: float, rows: list[dict]) -> list[str]:
+    return [
+        f"<text x='{origin}' y='{ax.top + ax.ph + 14}' style='{TEXT};font-size:10px'>step {_e(ax.s0)}</text>",
+        f"<text x='{origin + ax.pw}' y='{ax.top + ax.ph + 14}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(rows[-1]['step'])}</text>",
+    ]
+
+
+def _loss_panel(ax: _StepAxes, rows: list[dict]) -> list[str]:
+    """The finite losses over the same steps, skipped steps as faint red lines."""
     losses = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
-    lx = left + pw + gap + left
-    parts.append(f"<text x='{lx - left}' y='12' style='{TEXT}'>loss</text>")
-    parts.append(f"<line x1='{lx}' y1='{top + ph}' x2='{lx + pw}' y2='{top + ph}' style='{RULE}'/>")
-    parts.append(f"<line x1='{lx}' y1='{top}' x2='{lx}' y2='{top + ph}' style='{RULE}'/>")
-    if losses:
-        l_lo, l_hi = min(v for _, v in losses), max(v for _, v in losses)
-        l_hi = l_hi if l_hi > l_lo else l_lo + 1.0
-
-        def yl(v: float) -> float:
-            return top + ph * (1 - (v - l_lo) / (l_hi - l_lo))
-
-        for v in (l_lo, l_hi):
-            parts.append(f"<text x='{lx - 4}' y='{yl(v) + 4:.1f}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(format_number(v))}</text>")
-        path = " ".join(f"{'M' if i == 0 else 'L'}{x(s, lx):.1f},{yl(v):.1f}" for i, (s, v) in enumerate(losses))
-        parts.append(f"<path d='{path}' fill='none' stroke='#00897b' stroke-width='1.5'/>")
-        for r in rows:
-            if r.get("skipped"):
-                cx = x(r["step"], lx)
-                parts.append(f"<line x1='{cx:.1f}' y1='{top}' x2='{cx:.1f}' y2='{top + ph}' stroke='{SKIP_MARK}' stroke-opacity='0.35'/>")
-    else:
+    lx, top, ph, pw = ax.loss_x, ax.top, ax.ph, ax.pw
+    parts = [
+        f"<text x='{lx - ax.left}' y='12' style='{TEXT}'>loss</text>",
+        f"<line x1='{lx}' y1='{top + ph}' x2='{lx + pw}' y2='{top + ph}' style='{RULE}'/>",
+        f"<line x1='{lx}' y1='{top}' x2='{lx}' y2='{top + ph}' style='{RULE}'/>",
+    ]
+    if not losses:
         parts.append(f"<text x='{lx + 6}' y='{top + ph / 2:.0f}' style='{TEXT};font-size:10px'>no finite loss recorded</text>")
-    parts.append(f"<text x='{lx}' y='{top + ph + 14}' style='{TEXT};font-size:10px'>step {_e(s0)}</text>")
-    parts.append(f"<text x='{lx + pw}' y='{top + ph + 14}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(rows[-1]['step'])}</text>")
-    return _svg(width, height, "".join(parts), f"loss scale and loss over steps of {scaler}")
+        return parts + _step_labels(ax, lx, rows)
+    l_lo, l_hi = min(v for _, v in losses), max(v for _, v in losses)
+    l_hi = l_hi if l_hi > l_lo else l_lo + 1.0
+
+    def yl(v: float) -> float:
+        return top + ph * (1 - (v - l_lo) / (l_hi - l_lo))
+
+    for v in (l_lo, l_hi):
+        parts.append(f"<text x='{lx - 4}' y='{yl(v) + 4:.1f}' text-anchor='end' style='{TEXT};font-size:10px'>{_e(format_number(v))}</text>")
+    path = " ".join(f"{'M' if i == 0 else 'L'}{ax.x(s, lx):.1f},{yl(v):.1f}" for i, (s, v) in enumerate(losses))
+    parts.append(f"<path d='{path}' fill='none' stroke='#00897b' stroke-width='1.5'/>")
+    for r in rows:
+        if r.get("skipped"):
+            cx = ax.x(r["step"], lx)
+            parts.append(f"<line x1='{cx:.1f}' y1='{top}' x2='{cx:.1f}' y2='{top + ph}' stroke='{SKIP_MARK}' stroke-opacity='0.35'/>")
+    return parts + _step_labels(ax, lx, rows)
 
 
 def scale_series(history: list[dict]) -> dict[str, list[dict]]:

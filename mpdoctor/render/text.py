@@ -40,24 +40,44 @@ def header(view: ReportView) -> str:
 def render_text(view: ReportView, width: int = 100) -> str:
     """Render a report's view as plain text."""
     data = view.data
-    lines = [header(view)]
+    lines = [header(view), *_inspected_lines(data, width)]
+    lines += _findings_lines(data, view.cause_label, width)
+    if data.get("proof"):
+        lines += [""] + textwrap.wrap(data["proof"]["summary"], width, subsequent_indent="  ")
+    lines += _histogram_lines(data["histogram"])
+    lines += _precision_lines(data["precision"])
+    lines += _cache_lines(data["caches"])
+    lines += _scaler_lines(data["scalers"])
+    lines += _scan_lines(data["scan"])
+    lines += scale_history_lines(data.get("scale_history") or [])
+    return "\n".join(lines)
+
+
+def _inspected_lines(data: dict, width: int) -> list[str]:
+    """What was inspected (or watched), and the notes on what was given but is nothing to inspect."""
     subj = ", ".join(f"{s['name']} ({s['class']})" for s in data["subjects"])
     if subj or not data.get("watched"):
         subj = subj or "nothing (no model, optimizer, scaler, trainer or accelerator found)"
-        lines += textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
+        lines = textwrap.wrap(f"inspected: {subj}", width, subsequent_indent="  ")
     else:
-        lines += textwrap.wrap(f"watched: {data['watched']}", width, subsequent_indent="  ")
+        lines = textwrap.wrap(f"watched: {data['watched']}", width, subsequent_indent="  ")
     for note in data["notes"]:  # what the caller gave that is nothing to inspect
         lines += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
-    wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
-    if data["findings"]:
-        lines.append("")
-    label = view.cause_label
+    return lines
+
+
+def _findings_lines(data: dict, label: str | None, width: int) -> list[str]:
+    """Every finding with its evidence and fixes; the cause of an exception first, under its heading."""
+    findings = data["findings"]
+    if not findings:
+        return ["no problems found"]
+    lines = [""]
     if label:  # the finding that explains an exception comes first, under this heading
         lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
-    for i, f in enumerate(data["findings"]):
+    wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
+    for i, f in enumerate(findings):
         if label and i == 1:  # the cause first; the other findings under their own heading
-            lines += ["", also_found_label(len(data["findings"]) - 1)]
+            lines += ["", also_found_label(len(findings) - 1)]
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
         items = summarize_evidence(f["evidence"]) if f["evidence"] else []
@@ -65,59 +85,72 @@ def render_text(view: ReportView, width: int = 100) -> str:
             facts = "; ".join(f"{item.key}={item.summary}" for item in items)
             lines += textwrap.wrap(f"evidence: {facts}", **wrap)
         for fx in f["fixes"]:
-            state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
-            kind = fix_kind(fx, f["fixes"])
-            lines.append(f"        fix ({kind}): {singular_counts(fx['title'])}{state}")
-            if fx["cost"]:
-                lines.append(f"            cost: {fx['cost']}")
-            if fx.get("proof") and fx["planned"]:
-                lines += textwrap.wrap(fx["proof"], width, initial_indent="            ", subsequent_indent="              ")
-            if fx["note"] and not fx["planned"]:
-                lines += textwrap.wrap(f"note: {fx['note']}", width, initial_indent="            ", subsequent_indent="              ")
-            for code_line in fx["code"].splitlines():
-                lines.append(f"            {code_line}")
-    if not data["findings"]:
-        lines.append("no problems found")
-    if data.get("proof"):
-        lines += [""] + textwrap.wrap(data["proof"]["summary"], width, subsequent_indent="  ")
-    hist = data["histogram"]
-    if hist:
-        lines += ["", "dtypes"]
-        name_w = max(len(r["object"]) for r in hist)
-        for r in hist:
-            lines.append(
-                f"  {r['object']:<{name_w}}  {r['kind']:<15} {dtype_word(r['dtype']):<6}"
-                f" {r['tensors']:>4} tensor{'s' if r['tensors'] != 1 else ' '} {humanize_count(r['elements']):>6} elems"
-                f" {humanize_bytes(r['bytes']):>10}"
-                f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"
-            )
-    prec = data["precision"]
-    if prec:
-        lines += ["", "precision (requested -> effective)"]
-        for p in prec:
-            lines.append(
-                f"  {p['setup']}: requested {precision_word(p['requested'])} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
-                f" | accelerator {precision_word(p['accelerator.mixed_precision'])} (native amp {p['native_amp']})"
-                f" | scaler {p['scaler']} | effective {precision_word(p['effective'])}"
-            )
-    caches = data["caches"]
-    if caches:
-        lines += ["", "caches"]
-        for c in caches:
-            lines.append(f"  {c['path']} = {c['use_cache']}  ({'training' if c['training'] else 'eval'})")
-    scalers = data["scalers"]
-    if scalers:
-        lines += ["", "scalers"]
-        for s in scalers:
-            scale = f"{s['scale']:g}" + ("" if s["scale_initialized"] else " (initial, no step yet)")
-            tracker = "-" if s["growth_tracker"] is None else s["growth_tracker"]
-            lines.append(
-                f"  {s['name']}: {'enabled' if s['enabled'] else 'disabled'} on {s['device']} | scale {scale}"
-                f" | growth tracker {tracker}"
-            )
-    lines += _scan_lines(data["scan"])
-    lines += scale_history_lines(data.get("scale_history") or [])
-    return "\n".join(lines)
+            lines += _fix_lines(fx, f["fixes"], width)
+    return lines
+
+
+def _fix_lines(fx: dict, siblings: list[dict], width: int) -> list[str]:
+    """One fix: its kind, title and state, cost, what the user's step did after it (or why it is not planned),
+    and its code."""
+    state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
+    lines = [f"        fix ({fix_kind(fx, siblings)}): {singular_counts(fx['title'])}{state}"]
+    if fx["cost"]:
+        lines.append(f"            cost: {fx['cost']}")
+    indent = dict(width=width, initial_indent="            ", subsequent_indent="              ")
+    if fx.get("proof") and fx["planned"]:
+        lines += textwrap.wrap(fx["proof"], **indent)
+    if fx["note"] and not fx["planned"]:
+        lines += textwrap.wrap(f"note: {fx['note']}", **indent)
+    lines += [f"            {code_line}" for code_line in fx["code"].splitlines()]
+    return lines
+
+
+def _histogram_lines(hist: list[dict]) -> list[str]:
+    if not hist:
+        return []
+    lines = ["", "dtypes"]
+    name_w = max(len(r["object"]) for r in hist)
+    for r in hist:
+        lines.append(
+            f"  {r['object']:<{name_w}}  {r['kind']:<15} {dtype_word(r['dtype']):<6}"
+            f" {r['tensors']:>4} tensor{'s' if r['tensors'] != 1 else ' '} {humanize_count(r['elements']):>6} elems"
+            f" {humanize_bytes(r['bytes']):>10}"
+            f"  {'trainable' if r['trainable'] else 'frozen'}{'  meta' if r['meta'] else ''}"
+        )
+    return lines
+
+
+def _precision_lines(prec: list[dict]) -> list[str]:
+    if not prec:
+        return []
+    lines = ["", "precision (requested -> effective)"]
+    for p in prec:
+        lines.append(
+            f"  {p['setup']}: requested {precision_word(p['requested'])} | ACCELERATE_MIXED_PRECISION={p['ACCELERATE_MIXED_PRECISION']}"
+            f" | accelerator {precision_word(p['accelerator.mixed_precision'])} (native amp {p['native_amp']})"
+            f" | scaler {p['scaler']} | effective {precision_word(p['effective'])}"
+        )
+    return lines
+
+
+def _cache_lines(caches: list[dict]) -> list[str]:
+    if not caches:
+        return []
+    return ["", "caches"] + [f"  {c['path']} = {c['use_cache']}  ({'training' if c['training'] else 'eval'})" for c in caches]
+
+
+def _scaler_lines(scalers: list[dict]) -> list[str]:
+    if not scalers:
+        return []
+    lines = ["", "scalers"]
+    for s in scalers:
+        scale = f"{s['scale']:g}" + ("" if s["scale_initialized"] else " (initial, no step yet)")
+        tracker = "-" if s["growth_tracker"] is None else s["growth_tracker"]
+        lines.append(
+            f"  {s['name']}: {'enabled' if s['enabled'] else 'disabled'} on {s['device']} | scale {scale}"
+            f" | growth tracker {tracker}"
+        )
+    return lines
 
 
 _BARS = "\u2581\u2582\u2583\u2584\u2585\u2586\u2587\u2588"
@@ -136,31 +169,43 @@ def sparkline(values: list[float]) -> str:
 
 def scale_history_lines(history: list[dict]) -> list[str]:
     """Per watched GradScaler: the log2 scale and the loss as sparklines, skipped steps marked ``x``."""
-    import math
-
     series = scale_series(history)
     if not series:
         return []
     lines = ["", "loss scale and loss over steps"]
     for name, rows in series.items():
-        size = max(1, math.ceil(len(rows) / SPARK_WIDTH))
-        buckets = [rows[i : i + size] for i in range(0, len(rows), size)]
-        scales = [math.log2(max(min(r["scale"] for r in b), 1e-30)) for b in buckets]
-        marks = "".join("x" if any(r.get("skipped") for r in b) else " " for b in buckets)
-        losses = [[r["loss"] for r in b if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])] for b in buckets]
-        loss_line = "".join(sparkline([sum(x) / len(x) if x else float("nan") for x in losses if x])) if any(losses) else ""
-        skipped = sum(1 for r in rows if r.get("skipped"))
-        first, last = rows[0], rows[-1]
-        lines.append(
-            f"  {name}: {len(rows)} steps ({rows[0].get('step')}..{last.get('step')}), {skipped} skipped;"
-            f" scale {first['scale']:g} -> {last['scale']:g}"
-        )
-        lines.append(f"    scale (log2) {sparkline(scales)}")
-        lines.append(f"    skipped      {marks.rstrip() or '(none)'}")
-        if loss_line:
-            finite = [v for x in losses for v in x]
-            lines.append(f"    loss         {loss_line}  ({finite[0]:.4g} -> {finite[-1]:.4g})")
+        lines += _series_lines(name, rows)
     return lines
+
+
+def _series_lines(name: str, rows: list[dict]) -> list[str]:
+    """One scaler's steps, bucketed to :data:`SPARK_WIDTH` characters (a bucket with a skip shows the skip)."""
+    import math
+
+    size = max(1, math.ceil(len(rows) / SPARK_WIDTH))
+    buckets = [rows[i : i + size] for i in range(0, len(rows), size)]
+    scales = [math.log2(max(min(r["scale"] for r in b), 1e-30)) for b in buckets]
+    marks = "".join("x" if any(r.get("skipped") for r in b) else " " for b in buckets)
+    losses = [[r["loss"] for r in b if _finite_number(r.get("loss"))] for b in buckets]
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    first, last = rows[0], rows[-1]
+    lines = [
+        f"  {name}: {len(rows)} steps ({first.get('step')}..{last.get('step')}), {skipped} skipped;"
+        f" scale {first['scale']:g} -> {last['scale']:g}",
+        f"    scale (log2) {sparkline(scales)}",
+        f"    skipped      {marks.rstrip() or '(none)'}",
+    ]
+    if any(losses):
+        loss_line = "".join(sparkline([sum(x) / len(x) for x in losses if x]))
+        finite = [v for x in losses for v in x]
+        lines.append(f"    loss         {loss_line}  ({finite[0]:.4g} -> {finite[-1]:.4g})")
+    return lines
+
+
+def _finite_number(value: object) -> bool:
+    import math
+
+    return isinstance(value, (int, float)) and math.isfinite(value)
 
 
 #: Scan rows shown in text: the ones with something wrong, at most this many.

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetEnv, SetItem
+from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem
 from ..live.introspect import raw_attr
 
 if TYPE_CHECKING:
@@ -324,27 +324,6 @@ def simulate_attr(facts: Facts, ref: int, attr: str, value: Any) -> Facts:
 
 
 @dataclass(frozen=True)
-class SetEnvTo(ChangeSpec):
-    """Set (or, with None, remove) an environment variable."""
-
-    name: str
-    value: str | None
-
-    def bind(self, live: Live) -> list[Change]:
-        import os
-
-        return [SetEnv(self.name, self.value)] if os.environ.get(self.name) != self.value else []
-
-    def simulate(self, facts: Facts) -> Facts:
-        if self.name != "ACCELERATE_MIXED_PRECISION":
-            return facts
-        precisions = tuple(dataclasses.replace(p, env_mixed_precision=self.value) for p in facts.precisions)
-        return dataclasses.replace(facts, precisions=precisions)
-
-    def targets(self) -> dict[tuple, Any]:
-        return {("env", self.name): self.value}
-
-
 @dataclass(frozen=True)
 class AlignPrecision(ChangeSpec):
     """Bring a setup (arguments, accelerator, prepared models) to ``precision``, autocasting iff ``native``.
