@@ -12,12 +12,12 @@ the right thing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
 
-if TYPE_CHECKING:
-    from .report import Report
+#: A Report (``mpdoctor.diagnosis.report``, which holds a Treatment: not imported here, not even for annotations).
+Report = Any
 
 
 class Treatment:

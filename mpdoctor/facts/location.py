@@ -56,6 +56,33 @@ def cell_number(filename: str) -> int | None:
     return number if type(number) is int else None
 
 
+#: The filenames IPython's timing magics compile their code under (no linecache entry, no cell number).
+_TIMED_FILES = frozenset({"<timed exec>", "<timed eval>"})
+
+
+def _in_running_cell(line: int) -> Location | None:
+    """Line ``line`` of a ``%%time`` cell's body (or a ``%time`` line) as a line of the running cell."""
+    ipython = sys.modules.get("IPython")
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+        history = shell.history_manager.input_hist_raw if shell is not None else None
+        raw = history[-1] if history else None
+        count = len(history) - 1 if history else None  # In[0] is empty: the running cell is the last entry
+    except Exception:  # no shell, or no history: the code stays where IPython compiled it
+        return None
+    if type(raw) is not str or type(count) is not int:
+        return None
+    lines = raw.splitlines()
+    if lines and lines[0].lstrip().startswith("%%time"):
+        user_line = line + 1  # the body starts below the cell magic
+    else:
+        user_line = next((i for i, text in enumerate(lines, 1) if text.lstrip().startswith("%time")), 0)
+    if not 0 < user_line <= len(lines):
+        return None
+    code = re.sub(r"^\s*%{1,2}time\s*", "", lines[user_line - 1]).strip()
+    return Location(f"In[{count}]", user_line, code, count)
+
+
 def _script_name(filename: str) -> str:
     # Relative to the working directory when the script is below it (``sub/train.py``), else its basename: a
     # full path says where the clone lives, not where the loop is, and a long path can look like a token.
@@ -89,7 +116,15 @@ class Location:
 
     @classmethod
     def at(cls, file: str, line: int, code: str = "") -> Location:
-        """The location of ``line`` in ``file``, with the cell number read from the filename."""
+        """The location of ``line`` in ``file``, with the cell number read from the filename.
+
+        Code that IPython's ``%%time`` / ``%time`` compiled (``<timed exec>``) is placed in the running cell, at the
+        line the user sees (below the cell magic, or the ``%time`` line), with that line's code.
+        """
+        if file in _TIMED_FILES:
+            placed = _in_running_cell(line)
+            if placed is not None:
+                return placed
         return cls(file, line, code.strip(), cell_number(file))
 
     @property

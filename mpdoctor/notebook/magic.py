@@ -76,7 +76,9 @@ class MPDoctorMagics(Magics):
     @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
-    @argument("--no-history", action="store_true", help="Do not read the cells this kernel has run for AMP loop mistakes.")
+    @argument("--no-history", action="store_true",
+              help="Leave out what the cells this kernel ran did: their AMP loop mistakes, read or watched, and "
+                   "the exceptions the crash hook explained.")  # fmt: skip
     @argument("--step", metavar="FUNCTION", default=None,
               help="A training step of yours (a function of no arguments): each fix is checked on it, before and after, "
                    "and everything it changes is restored.")  # fmt: skip
@@ -153,11 +155,11 @@ class MPDoctorMagics(Magics):
             report = self._diagnosed(args, ignore, step)
             if report is None:
                 return None
-            if not args.no_history:
+            if not args.no_history:  # what the cells did: read from their source, watched as they ran, raised
                 report = _add_history(self.shell, report, ignore)
+                report = _with_what_the_kernel_saw(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
             report = _attach_scale_history(self.shell, report)
-            report = _with_what_the_kernel_saw(self.shell, report, ignore)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None

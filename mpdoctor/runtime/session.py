@@ -189,10 +189,10 @@ def _not_yet_shown(findings: list, crashes: list) -> list:
     one display: the crash hook explained it when the cell raised)."""
     if not crashes:
         return list(findings)
-    from ..treatment.merge import location_key
+    from ..treatment.merge import mistake_key
 
-    shown = {(c.cause.check, location_key(c.cause)) for c in crashes if c.cause is not None}
-    return [f for f in findings if (f.check, location_key(f)) not in shown]
+    shown = {mistake_key(c.cause) for c in crashes if c.cause is not None} - {None}
+    return [f for f in findings if mistake_key(f) not in shown]
 
 
 def unreported(shell: Any) -> tuple[list, list]:

@@ -324,7 +324,6 @@ def simulate_attr(facts: Facts, ref: int, attr: str, value: Any) -> Facts:
 
 
 @dataclass(frozen=True)
-@dataclass(frozen=True)
 class AlignPrecision(ChangeSpec):
     """Bring a setup (arguments, accelerator, prepared models) to ``precision``, autocasting iff ``native``.
 

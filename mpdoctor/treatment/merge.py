@@ -36,17 +36,42 @@ def location_key(finding: Finding) -> tuple[str, int] | None:
     return None
 
 
-def merged(findings: Iterable[Finding]) -> list[Finding]:
-    """``findings`` with every finding of a rule at a line already held folded into the first one (order kept).
+def line_code(finding: Finding) -> str | None:
+    """The source of the line a finding is about (``scaler.unscale_(opt)``), when its evidence says it."""
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    code = evidence.get("code")
+    if not code and isinstance(evidence.get("loop line"), str) and ": " in evidence["loop line"]:
+        code = evidence["loop line"].split(": ", 1)[1]
+    return " ".join(str(code).split()) if code else None
 
-    The kept finding gathers the evidence keys it lacks and the fixes whose code it does not already offer.
-    Findings that are not about a line of user code are kept as they are.
+
+def mistake_key(finding: Finding) -> tuple | None:
+    """What makes two findings one mistake: the rule, and the line of user code.
+
+    The line is known by its source when the evidence holds it, so a cell run again (``cell [3]`` after
+    ``cell [2]``) or read below a cell magic (``%%time`` shifts the watcher's line numbers by one) is the same
+    mistake; in notebooks by the source alone, in a script by the file and the source.
+    """
+    loc = location_key(finding)
+    if loc is None:
+        return None
+    code = line_code(finding)
+    if code is None:
+        return (finding.check, loc)
+    place = "cell" if loc[0].startswith("cell ") else loc[0]
+    return (finding.check, place, code)
+
+
+def merged(findings: Iterable[Finding]) -> list[Finding]:
+    """``findings`` with every finding of a mistake already held (:func:`mistake_key`) folded into the first one.
+
+    The kept finding (order kept) gathers the evidence keys it lacks and the fixes whose code it does not already
+    offer. Findings that are not about a line of user code are kept as they are.
     """
     out: list[Finding] = []
     index: dict[tuple, int] = {}
     for f in findings:
-        loc = location_key(f)
-        key = (f.check, loc) if loc is not None else None
+        key = mistake_key(f)
         if key is None or key not in index:
             if key is not None:
                 index[key] = len(out)
