@@ -115,3 +115,43 @@ def test_a_run_whose_every_loss_is_inf_is_told_as_soon_as_the_scale_falls_below_
     first_below_one = next(i for i, s in enumerate(scales, 1) if s < 1.0)
     assert found[0].evidence["step"] == first_below_one
     assert "every one of its" in found[0].message
+
+
+def test_watch_speaks_at_the_first_nonfinite_loss_even_when_the_scaler_skips_every_step(capsys):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(16, 8)
+    x[0, 0] = float("inf")  # one bad sample: every loss is inf, every step skipped, optimizer.step never runs
+    with mpdoctor.watch(model, opt, scaler) as w:
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert not torch.isfinite(loss) and "step" not in opt.state_dict()["state"].get(0, {})
+    events = [e["event"] for e in w.events]
+    assert events[:2] == ["nonfinite-loss", "skipped-step"], w.events
+    assert w.events[0]["step"] == 0  # no optimizer step ever ran: it was told at the scaler's first (skipped) step
+    assert w.probe_report is not None  # the batch was probed at the first step, as the README promises
+    assert "non-finite" in capsys.readouterr().out.lower() or w.probe_report.counts()["error"]
+
+
+def test_watch_stop_on_nonfinite_stops_at_a_skipped_step():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.full((4, 8), float("inf"))
+    from mpdoctor.training.watch import NonFiniteLoss
+
+    with pytest.raises(NonFiniteLoss):
+        with mpdoctor.watch(model, opt, scaler, stop_on_nonfinite=True):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()

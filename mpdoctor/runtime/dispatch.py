@@ -118,7 +118,9 @@ class _Dispatch:
         for obs in list(self.observers):
             try:
                 getattr(obs, method)(*args)
-            except Exception as exc:  # mpdoctor must never be what breaks the loop
+            except Exception as exc:  # mpdoctor must never be what breaks the loop, unless asked to stop it
+                if getattr(exc, "stops_the_run", False):  # watch(stop_on_nonfinite=True)
+                    raise
                 print(f"mpdoctor: protocol observer failed in {method}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def install(self) -> None:

@@ -243,12 +243,16 @@ class ProtocolObserver:
         names: dict[int, str] | None = None,
         models: Any = (),
         on_finding: Callable[[Finding], None] | None = None,
+        step_listener: Callable[[Any], None] | None = None,
     ) -> None:
         self.names = dict(names or {})
         self._found_names: dict[int, tuple[Any, str]] = {}
         self._series = 0  # scalers seen so far: each one's scale history is its own series
         self.models = [m for m in models if isinstance(m, torch.nn.Module)]
         self.on_finding = on_finding if on_finding is not None else _print_finding
+        #: Called with each real step's ScaleRecord after ``update()`` (``watch()`` looks at skipped steps there:
+        #: a step the scaler skips never reaches the optimizer's step hooks).
+        self.step_listener = step_listener
         self.findings: list[Finding] = []
         self.scale_history: list[ScaleRecord] = []
         self._tracks: dict[int, _ScalerTrack] = {}
@@ -536,6 +540,8 @@ class ProtocolObserver:
         record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss, track.series)
         self.scale_history.append(record)
         track.history.append(record)
+        if self.step_listener is not None:  # it handles its own failures; it raises only to stop the run on request
+            self.step_listener(record)
         track.scaled, track.skipped, track.losses, track.clips = False, False, [], []
         track.stepped = set()
         if skipped:  # the skip share only rises with a skipped step

@@ -11,6 +11,7 @@ callback can be too: attach in ``on_fit_start``, ``take_nonfinite`` in
 
 from __future__ import annotations
 
+import math
 import sys
 from types import TracebackType
 from typing import Any
@@ -74,6 +75,9 @@ def _hookable(optimizer: Any) -> Any:
 
 class NonFiniteLoss(RuntimeError):
     """Raised by :class:`watch` with ``stop_on_nonfinite=True``; ``.report`` is the probe of the batch."""
+
+    #: Raised on purpose from inside a watched call (``scaler.update()``): the wrappers let it through.
+    stops_the_run = True
 
     def __init__(self, message: str, report: Any) -> None:
         super().__init__(message)
@@ -157,7 +161,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         # The GradScaler protocol (mpdoctor.runtime.protocol): every scaler and optimizer, until close().
         from ..runtime.protocol import ProtocolObserver
 
-        self.protocol = ProtocolObserver(self._names(), models=[model]).attach()
+        self.protocol = ProtocolObserver(self._names(), models=[model], step_listener=self._after_update).attach()
 
     @property
     def report(self) -> Any:
@@ -193,6 +197,28 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         self._steps += 1
         if self.start_report is None:
             self._diagnose()
+        self._check_loss(f"optimizer step {self._steps}")
+
+    def _after_update(self, record: Any) -> None:
+        """A real step of a GradScaler: a skipped one never reaches the optimizer's hooks, so its loss is looked
+        at here (an all-inf run is told at its first step, not never); the first skip is kept in ``events``."""
+        if not record.skipped:
+            return
+        if self.start_report is None:
+            self._diagnose()
+        first_skip = not any(e["event"] == "skipped-step" for e in self.events)
+        if isinstance(record.loss, float) and not math.isfinite(record.loss):
+            # The loss the scaler scaled (computed outside the model, never passed to observe()).
+            self._watcher.observe(torch.tensor(record.loss))
+        try:
+            self._check_loss(f"{record.scaler}'s step {record.step} (skipped)")
+        finally:
+            if first_skip:
+                self.events.append({"step": record.step, "event": "skipped-step",
+                                    "detail": f"{record.scaler} skipped its step {record.step} at scale {record.scale:g}"})
+
+    def _check_loss(self, where: str) -> None:
+        """At a real step: probe the batch of the first non-finite loss seen since the last step, once."""
         found = self._watcher.take_nonfinite()
         if found is None or self._fired:
             return
@@ -203,17 +229,16 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         if self.probe and inputs is not None and isinstance(self.model, torch.nn.Module):
             try:
                 self.probe_report = count_nonfinite_loss(
-                    probe_inputs(self._watcher, self.model, inputs, scaler=self.scaler), value, f"optimizer step {self._steps}"
+                    probe_inputs(self._watcher, self.model, inputs, scaler=self.scaler), value, where
                 )
-                show(self.probe_report, f"at optimizer step {self._steps} ({detail})")
+                show(self.probe_report, f"at {where} ({detail})")
             except Exception as exc:  # mpdoctor must never be what breaks the loop
-                print(f"mpdoctor: the probe at step {self._steps} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                print(f"mpdoctor: the probe at {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         else:
-            print(f"mpdoctor: {detail} at optimizer step {self._steps} (no batch captured to probe)", file=sys.stderr)
+            print(f"mpdoctor: {detail} at {where} (no batch captured to probe)", file=sys.stderr)
         if self.stop_on_nonfinite:
             text = self.probe_report.to_text() if self.probe_report is not None else detail
-            raise NonFiniteLoss(f"mpdoctor stopped before optimizer step {self._steps}: {detail}.\n{text}",
-                                self.probe_report)  # fmt: skip
+            raise NonFiniteLoss(f"mpdoctor stopped before {where}: {detail}.\n{text}", self.probe_report)
 
     def observe(self, loss: torch.Tensor) -> torch.Tensor:
         """Record a loss computed outside the model; returns it, so ``loss = w.observe(criterion(...))`` reads well."""
