@@ -75,10 +75,13 @@ def compute_units(m: ModelFacts) -> list[Unit]:
     """The modules whose parameters meet the activations uncast (see ``mixed_param_dtypes``)."""
     patched = dict(m.tensors.patched_forwards)
     tuners = sorted(m.tensors.tuner_layers, key=len, reverse=True)
+    casts = dict(m.tensors.input_casts)
     units: list[Unit] = []
     for md in m.tensors.modules:
         if md.class_path.startswith("bitsandbytes.") or _kept_in_fp32(md.path, m.keep_in_fp32):
             continue
+        if not _is_norm(md.class_path) and _casts_its_input(casts.get(md.path), md):
+            continue  # a deliberate island: its forward (or its parent's) casts its input to its weights' dtype
         tuner = next((t for t in tuners if md.path != t and _under(md.path, t)), None)
         if tuner is not None and not _under(md.path, f"{tuner}.base_layer"):
             # A PEFT adapter: PEFT casts the input to its dtype and the sum back, unless a patched
@@ -94,6 +97,11 @@ def compute_units(m: ModelFacts) -> list[Unit]:
             continue
         units.append(Unit(md, "compute", origin))
     return units
+
+
+def _casts_its_input(kind: str | None, md: ModuleDtypes) -> bool:
+    """The source casts this module's input to its weights: to their own dtype, or to fp32 for fp32 weights."""
+    return kind == "own-dtype" or (kind == "float32" and md.dtypes == frozenset({"float32"}))
 
 
 def _elements(m: ModelFacts) -> dict[str, int]:
@@ -187,7 +195,8 @@ def _cast_minority_fix(facts: Facts, m: ModelFacts, units: list[Unit], dtype: st
     )
 
 
-@check("mixed-param-dtypes", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
+@check("mixed-param-dtypes", Severity.ERROR, Severity.WARNING, Severity.INFO,
+       fix_safety=(Applicability.SAFE, Applicability.UNSAFE))  # fmt: skip
 def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Parameters of two floating dtypes in one compute path that nothing casts between.
 
@@ -201,7 +210,11 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         from another package, as Unsloth's fused LoRA kernels are) reads the
         adapter weights itself; modules named in transformers'
         ``_keep_in_fp32_modules`` (its code casts around them); bitsandbytes
-        layers (they cast to their compute dtype); norms that return their
+        layers (they cast to their compute dtype); modules whose own forward,
+        or their parent's, casts their input to their weights' dtype (read from
+        the source: ``x.to(self.weight.dtype)``, ``x.type_as(self.weight)``,
+        ``self.gate(h.float())`` for an fp32 router or gate: a deliberate
+        island); norms that return their
         input's dtype (torch's LayerNorm / RMSNorm / GroupNorm / BatchNorm,
         Gemma's RMSNorm). Other norms count only when their weight is wider
         than the compute dtype, because ``weight * x`` then promotes the
@@ -227,8 +240,10 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model(input_ids)  # or run the forward under torch.autocast("cuda", dtype=torch.bfloat16)
     Severity
         Error for a compute module without autocast (the first matmul raises); warning for wider norms
-        without autocast, or patched forwards under autocast; nothing for PEFT adapters, autocast-
-        covered models and norms that keep their input dtype.
+        without autocast, or patched forwards under autocast; info when a probe ran the model's forward and
+        backward on the user's batch without a dtype error (the mixture is cast around: deliberate);
+        nothing for PEFT adapters, modules whose input their forward casts, autocast-covered models and
+        norms that keep their input dtype.
     Fix safety
         Cast the minority parameters of the affected modules (with their
         grads and optimizer state) to the compute dtype in place, keeping the
@@ -255,6 +270,12 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
             if not offenders:
                 continue
         severity, msg = _mixed_message(m.name, offenders, dtype, cover)
+        clean = _probe_ran_clean(facts, m.name)
+        if clean:
+            severity, msg = Severity.INFO, (
+                f"{msg} But the probe ran {m.name}'s forward and backward on your batch without a dtype error: "
+                "something casts around these modules, so the mixture is deliberate here."
+            )
         yield rule.finding(
             m.name,
             msg,
@@ -268,6 +289,12 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
             [_cast_minority_fix(facts, m, offenders, dtype)],
             severity=severity,
         )
+
+
+def _probe_ran_clean(facts: Facts, model: str) -> bool:
+    """A probe of ``model`` ran its forward and backward without an error (evidence the mixture is cast around)."""
+    return any(getattr(p, "model", None) == model and getattr(p, "error", None) is None and getattr(p, "backward", False)
+               for p in getattr(facts, "probes", ()) or ())  # fmt: skip
 
 
 def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:

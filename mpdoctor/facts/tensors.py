@@ -91,6 +91,9 @@ class ModuleTensors:
     patched_forwards: tuple[tuple[str, str], ...] = ()
     #: Paths of PEFT tuner layers (LoRA ``Linear`` ...): they cast their input to the adapter dtype.
     tuner_layers: tuple[str, ...] = ()
+    #: ``(module path, "own-dtype" | "float32")`` for modules whose input their forward, or their parent's, casts
+    #: (read from the source: a deliberate fp32 router, gate or head under a bf16 model).
+    input_casts: tuple[tuple[str, str], ...] = ()
     #: A parameter seen again under another name (tied weights): ``(position in params where it was met,
     #: module path, module class path, its name in that module, param id)``.
     tied: tuple[tuple[int, str, str, str, int], ...] = ()

@@ -15,6 +15,7 @@ import torch
 from ..facts.tensors import ModuleTensors, ParamInfo, TensorTally, dtype_name
 from ..knowledge import SHORT_DTYPE  # noqa: F401  (re-exported: the facts' name for the table)
 from ..live.introspect import class_path, class_paths, named_modules
+from .forward_source import casts_own_input, children_cast_by
 
 
 class _Tally:
@@ -199,6 +200,7 @@ class _TensorWalk:
         self.patched: list[tuple[str, str]] = []
         self.tuners: list[str] = []
         self.per_class: dict[type, tuple[str, str | None, bool]] = {}
+        self.input_casts: list[tuple[str, str]] = []
 
     def module(self, mpath: str, mod: torch.nn.Module) -> None:
         """Read one module: its class's facts, its own parameters and buffers."""
@@ -211,6 +213,7 @@ class _TensorWalk:
             self.patched.append((mpath, origin))
         if known[2]:
             self.tuners.append(mpath)
+        self._casts(mpath, mod, mdict)
         own = mdict.get("_parameters")
         if own:
             prefix = f"{mpath}." if mpath else ""
@@ -220,6 +223,20 @@ class _TensorWalk:
         bufs = mdict.get("_buffers")
         if bufs:
             self._buffers(bufs)
+
+    def _casts(self, mpath: str, mod: torch.nn.Module, mdict: dict) -> None:
+        """Modules whose input their own forward, or their parent's, casts (deliberate dtype islands)."""
+        cls = type(mod)
+        if cls.__module__.startswith("torch.nn."):
+            return  # torch's own layers never cast their input to their weights' dtype
+        kind = casts_own_input(cls)
+        if kind is not None and mdict.get("_parameters"):
+            self.input_casts.append((mpath, kind))
+        children = mdict.get("_modules")
+        if children:
+            for child, child_kind in children_cast_by(cls).items():
+                if child in children:
+                    self.input_casts.append((f"{mpath}.{child}" if mpath else child, child_kind))
 
     def _class_facts(self, mod: torch.nn.Module, mdict: dict) -> tuple[str, str | None, bool]:
         """``(class path, patched forward, is a casting layer)``, read once per class."""
@@ -292,6 +309,7 @@ class _TensorWalk:
             patched_forwards=tuple(self.patched),
             tuner_layers=tuple(self.tuners),
             tied=tuple(self.tied),
+            input_casts=tuple(dict(self.input_casts).items()),
         )
 
 
