@@ -50,7 +50,7 @@ CODE_SECTIONS = ("Example", "Use instead")
 #: Modules holding checks, imported in this order when the registry is first used.
 MODULES = (
     "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "values", "probe", "lightning", "distributed",
-    "diffusion", "lowbit", "trl", "lowprecision", "deepspeed",
+    "diffusion", "fp8_training", "quantized", "trl", "half_precision_arithmetic", "deepspeed",
 )
 
 

@@ -13,7 +13,7 @@ dequantize to the dtype of the input that reaches them.
 scaling granularity of the input cast (tensorwise / axiswise) and whether the
 grad-weight matmul stays in high precision (``rowwise_with_gw_hp``). Whether
 the device can run it (compute capability 8.9+) and which shapes its kernels
-accept (dims divisible by 16) are judged by :mod:`mpdoctor.checks.lowbit`
+accept (dims divisible by 16) are judged by :mod:`mpdoctor.checks.fp8_training`
 against the live device or the ``target=`` profile: this CPU enforces neither.
 """
 

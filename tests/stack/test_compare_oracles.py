@@ -145,7 +145,7 @@ def test_mx_e5m2_elements_equal_torchao_to_mx_e5m2_bit_for_bit(index):
 
 def test_e5m2_gradients_under_mx_block_scales_lose_5_db_against_e4m3():
     """The measured harm behind ``mxfp8-e5m2-gradients``: the figures its message quotes."""
-    from mpdoctor.checks.lowbit import MXFP8_GRAD_SQNR_DB
+    from mpdoctor.checks.fp8_training import MXFP8_GRAD_SQNR_DB
 
     def sqnr(x, q):
         return float(10 * torch.log10(x.pow(2).sum() / (x - q).pow(2).sum()))

@@ -1,4 +1,5 @@
-"""Low-bit training formats judged against the device: torchao float8 layers on GPUs and shapes their kernels refuse."""
+"""fp8 / MX training recipes judged against the device and the run: torchao float8 layers, accelerate's fp8
+requests and TransformerEngine recipes, on GPUs and shapes their kernels refuse."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
-from ..knowledge import FP8_GEMM_CAPABILITY, MX_GEMM_CAPABILITY
+from ..knowledge import FP8_GEMM_CAPABILITY
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -15,8 +16,13 @@ from .precision import alignment_fix
 
 #: Compute capability from which GPUs have float8 tensor cores (Ada L4 / RTX 4090 sm_89, Hopper H100 sm_90).
 FLOAT8_CAPABILITY = FP8_GEMM_CAPABILITY
+
+
 #: ``torch._scaled_mm`` requires both dimensions of each operand divisible by 16.
 FLOAT8_ALIGN = 16
+
+
+ENV = "ACCELERATE_MIXED_PRECISION"
 
 
 def _live_float8(m) -> list:
@@ -138,188 +144,6 @@ def float8_unaligned_dims(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 )
             ],
         )
-
-
-# -- float8 weight storage ---------------------------------------------------------------------------------
-
-#: Share of a stored float8 weight's elements at the format's largest value from which the cast clearly clipped.
-SATURATION_WARNING = 1e-4
-
-
-@check("fp8-storage-not-upcast", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
-def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """Weights stored in float8 in a stock torch layer that nothing casts up before the math.
-
-    What it does
-        A module holding float8 parameters of its own (``float8_e4m3fn`` ...) whose forward is torch's own
-        (``nn.Linear``, ``nn.Conv*``, ``nn.Embedding``) with no forward pre-hook, no patched forward and no
-        diffusers layerwise-casting hook: nothing upcasts the weight before it meets the activations. Layers
-        that do upcast (``enable_layerwise_casting``, ComfyUI-style ``manual_cast`` classes, a custom forward)
-        are storage, not float8 compute, and draw nothing.
-    Why is this bad?
-        No plain matmul computes in float8: ``F.linear`` on a float8 weight raises "mat1 and mat2 must have the
-        same dtype, but got BFloat16 and Float8_e4m3fn" (or "addmm not implemented for 'Float8_e4m3fn'").
-        ``nn.Embedding`` returns float8 rows as they are, so the error comes one layer later, outside the layer
-        that holds the weights.
-    Example
-        model.to(torch.float8_e4m3fn)  # weights stored in fp8, forward computes with them directly
-        model(x.to(torch.bfloat16))
-    Use instead
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        model(x.to(torch.bfloat16))
-    Severity
-        Error: the first forward through such a layer raises.
-    Fix safety
-        Upcast per layer in the forward: ``model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
-        compute_dtype=torch.bfloat16)`` for diffusers models, or a layer class that casts its weight
-        (``F.linear(x, self.weight.to(x.dtype), self.bias)``); or load those weights in bf16. Display only.
-    Sources
-        kijai/ComfyUI-ControlNeXt-SVD #7; lodestone-rock/ComfyUI_FluxMod #27; diffusers ``enable_layerwise_casting``.
-    """
-    for m in facts.models:
-        bad = [x for x in m.stored_layers if not x.upcast]
-        if not bad:
-            continue
-        shown = ", ".join(f"{x.path or m.name} ({x.class_path.rsplit('.', 1)[-1]}: {x.storage_dtype})" for x in bad[:4])
-        shown += ", ..." if len(bad) > 4 else ""
-        emitting = [x.path for x in bad if x.emits_storage]
-        yield rule.finding(
-            m.name,
-            f"{len(bad)} layers of {m.name} store their weights in float8 and nothing casts them up before the math: "
-            f"{shown}. No plain matmul computes in float8: the first forward raises 'mat1 and mat2 must have the same "
-            "dtype'"
-            + (f" ({', '.join(emitting[:3])} return float8 rows, so it raises one layer later)" if emitting else "")
-            + ". Cast each layer's weight up inside its forward.",
-            {
-                "layers": [(x.path, x.class_path, x.storage_dtype) for x in bad],
-                "emits_float8": emitting,
-            },
-            [
-                Fix(
-                    f"Store in float8, compute in bf16: upcast each layer of {m.name} in its forward",
-                    f"{m.name}.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)"
-                    "  # diffusers models\n# other models: a layer class whose forward does "
-                    "F.linear(x, self.weight.to(x.dtype), self.bias), or load these weights in bf16",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="fp8-storage-upcast",
-                )
-            ],
-        )
-
-
-@check("fp8-storage-trainable", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
-def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """float8-stored parameters left trainable: their gradients and the optimizer step run in float8.
-
-    What it does
-        Parameters held in a float8 dtype with ``requires_grad=True`` (``enable_layerwise_casting`` casts every
-        parameter of the layers it covers, biases and norms included; a manual ``.to(float8)`` keeps the flag).
-    Why is this bad?
-        No optimizer computes in float8: ``AdamW.step()`` raises "mul_cpu_reduced_float not implemented for
-        'Float8_e4m3fn'" (measured here; other kernels raise the same way on GPUs), and DDP's start-up broadcast
-        raises "cat_cuda not implemented for 'Float8_e4m3fn'". Even where an update ran, float8 has 3 mantissa
-        bits: almost every update would round away. Layerwise casting is a storage recipe for frozen weights.
-    Example
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        optimizer = torch.optim.AdamW(model.parameters())  # trains float8 weights
-    Use instead
-        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-        model.requires_grad_(False)
-        model = get_peft_model(model, LoraConfig(target_modules=["to_q", "to_v"]))  # train bf16 adapters
-    Severity
-        Error: the first optimizer step (or the DDP wrap) raises.
-    Fix safety
-        Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
-        bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
-        bf16. Display only: which parameters to train is the user's choice.
-    Sources
-        huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
-        ("cat_cuda" not implemented for 'Float8_e4m3fn').
-    """
-    for m in facts.models:
-        bad = [x for x in m.stored_layers if x.trainable]
-        if not bad:
-            continue
-        shown = ", ".join(f"{x.path or m.name} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
-        yield rule.finding(
-            m.name,
-            f"{len(bad)} layers of {m.name} hold trainable float8 parameters: {shown}. No optimizer computes in "
-            "float8: the first step raises (\"not implemented for 'Float8_e4m3fn'\"). Freeze them and train adapters "
-            "or layers kept in bf16.",
-            {"layers": [(x.path, x.params, x.storage_dtype) for x in bad]},
-            [
-                Fix(
-                    f"Freeze the float8-stored parameters of {m.name}",
-                    f"for p in {m.name}.parameters():\n"
-                    "    if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
-                    "        p.requires_grad_(False)  # storage only: train adapters or bf16 layers\n"
-                    "# rebuild the optimizer from the parameters that still require grad",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="freeze-fp8-storage",
-                )
-            ],
-        )
-
-
-@check("fp8-storage-saturated", Severity.WARNING, Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
-def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """float8-stored weights clipped at the format's largest value, or overflowed to inf, by an unscaled cast.
-
-    What it does
-        float8-stored weights (see ``fp8-storage-not-upcast``) with elements at the format's largest finite
-        value (e4m3fn: +-448) or inf / NaN (e5m2), counted from their bytes, and no per-tensor scale beside them.
-    Why is this bad?
-        ``w.to(torch.float8_e4m3fn)`` rounds to nearest and *saturates*: every value past 448 becomes 448
-        (inf too), silently. ``w.to(torch.float8_e5m2)`` overflows to inf past 57344 and the first forward turns
-        NaN. Weights with a large range must be scaled before the cast (scaled-fp8 checkpoints keep a
-        ``scale_weight`` per tensor).
-    Example
-        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)  # values above 448 saturate
-    Use instead
-        scale = 448 / layer.weight.abs().max()
-        layer.weight_scale = scale
-        layer.weight.data = (layer.weight.data * scale).to(torch.float8_e4m3fn)  # divide by scale in forward
-    Severity
-        Warning when clipped values are present (the layer computes with wrong weights); error for inf / NaN
-        (the forward produces NaN).
-    Fix safety
-        Re-cast from the high-precision weights with a per-tensor scale (``scale = 448 / w.abs().max()``, store
-        ``(w * scale).to(float8)`` and divide by the scale in the forward), or keep that layer in bf16.
-        Display only: the clipped values cannot be recovered from the float8 bytes.
-    Sources
-        pytorch/pytorch #150756 and PR #160488 (e4m3 casts saturate at 448); NVIDIA/Model-Optimizer #1633 (NaN
-        bytes from unclamped e4m3 casts); ``torch.finfo(torch.float8_e4m3fn).max == 448``.
-    """
-    for m in facts.models:
-        hit = [x for x in m.stored_layers if (x.saturated and not x.scaled) or x.nonfinite]
-        hit = [x for x in hit if x.nonfinite or x.saturated / max(x.elements, 1) >= SATURATION_WARNING]
-        if not hit:
-            continue
-        nonfinite = sum(x.nonfinite for x in hit)
-        severity = Severity.ERROR if nonfinite else Severity.WARNING
-        shown = ", ".join(f"{x.path or m.name} ({x.storage_dtype}: {x.saturated} at max, {x.nonfinite} inf/NaN)" for x in hit[:4])
-        yield rule.finding(
-            m.name,
-            f"{len(hit)} float8-stored layers of {m.name} hold clipped weights: {shown}. An unscaled cast to e4m3 "
-            "saturates at 448 and one to e5m2 overflows to inf past 57344"
-            + (": the forward produces NaN." if nonfinite else ": those layers compute with wrong weights.")
-            + " Scale before casting (scale = 448 / amax) or keep these layers in bf16.",
-            {"layers": [(x.path, x.storage_dtype, x.elements, x.saturated, x.nonfinite) for x in hit]},
-            [
-                Fix(
-                    "Re-cast from the high-precision weights with a per-tensor scale",
-                    "scale = 448.0 / w_hp.abs().max().clamp(min=1e-12)  # e4m3's largest value\n"
-                    "module.weight = torch.nn.Parameter((w_hp * scale).to(torch.float8_e4m3fn), requires_grad=False)\n"
-                    "module.register_buffer('scale_weight', scale.reciprocal())  # multiply back after upcasting",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="fp8-scaled-cast",
-                )
-            ],
-            severity=severity,
-        )
-
-
-# -- is fp8 actually on? ------------------------------------------------------------------------------------
 
 
 def _fp8_setups(facts: Facts) -> list:
@@ -643,117 +467,3 @@ def mxfp8_e5m2_gradients(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 [fix],
                 severity=Severity.INFO,
             )
-
-
-@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
-def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """torchao quantized weights whose float8 data holds NaN: rows or blocks quantized with a zero scale.
-
-    What it does
-        Layers whose weight is a torchao quantized tensor (``Float8Tensor`` from ``quantize_(model,
-        Float8WeightOnlyConfig())`` ...) with NaN / inf elements in its float8 data, counted from the bytes.
-    Why is this bad?
-        The scale of a row (or block, or tensor) is ``amax / 448`` with no lower bound: an all-zero row (a pruned
-        unit, a zero-initialised LoRA ``B`` merged in, padding rows of an embedding) gets scale 0 and quantizes to
-        ``0 / 0 = NaN``. Every output that reads the row is NaN from the first forward on, and the loss with it.
-    Example
-        layer.weight.data[0] = 0  # an all-zero row: amax 0, scale 0
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig())  # 0 / 0 = NaN in that row
-    Use instead
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig(),
-                  filter_fn=lambda m, fqn: fqn != "layer")  # keep the layer with zero rows unquantized
-    Severity
-        Error: the forward returns NaN.
-    Fix safety
-        Quantize again from the high-precision weights with a scale floor (``activation_value_lb`` on the
-        dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the amax),
-        or leave those layers unquantized. Display only: the NaN bytes cannot be turned back into the row.
-    Sources
-        pytorch/ao #4713 (Float8Tensor zero inputs quantize to NaN) and PR #4762; pytorch/ao #3356 (NaN losses in
-        LoRA + fp8 training, fixed by a scale lower bound); huggingface/kernels-community #681.
-    """
-    for m in facts.models:
-        bad = [q for q in m.quantized_weights if q.nonfinite]
-        if not bad:
-            continue
-        shown = ", ".join(f"{q.path} ({q.tensor_class.rsplit('.', 1)[-1]}: {q.nonfinite} NaN)" for q in bad[:4])
-        yield rule.finding(
-            m.name,
-            f"{len(bad)} quantized weights of {m.name} hold NaN in their float8 data: {shown}. An all-zero row got "
-            "scale amax / 448 = 0 and quantized to 0 / 0: every output reading it is NaN. Re-quantize with a scale "
-            "floor, or leave these layers unquantized.",
-            {"layers": [(q.path, q.tensor_class, q.storage_dtype, q.nonfinite, q.elements) for q in bad]},
-            [
-                Fix(
-                    f"Quantize {m.name} again from its high-precision weights, leaving layers with zero rows out",
-                    "from torchao.quantization import quantize_, Float8WeightOnlyConfig\n"
-                    f"quantize_({m.name}_hp, Float8WeightOnlyConfig(),\n"
-                    "          filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)\n"
-                    "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="float8-requantize",
-                )
-            ],
-        )
-
-
-@check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
-def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """MXFP8 / NVFP4 layers that quantize their activations, on a device without block-scaled GEMMs.
-
-    What it does
-        Layers whose weight is a torchao block-scaled tensor (``MXTensor``, 32-element blocks; ``NVFP4Tensor``,
-        16) set to quantize the activations too (``MXDynamicActivationMXWeightConfig`` ...), when the live device
-        or the ``target=`` profile is a CPU or a GPU below compute capability 10.0 (anything before Blackwell
-        B200). Weight-only formats dequantize and run anywhere: they draw nothing.
-    Why is this bad?
-        The matmul is a block-scaled GEMM that only sm_100 kernels run: on this CPU the first forward raises
-        ("Invalid scaling configuration", measured), torchao refuses NVFP4 dynamic mode below sm_100 ("NVFP4
-        DYNAMIC mode is only supported on sm100+ machines", measured at ``quantize_``), and TransformerEngine
-        refuses MXFP8 on other architectures ("MXFP8 (for all gemm layouts) is not supported on 12.0+
-        architectures yet").
-    Example
-        # on an H100 (sm_90)
-        quantize_(model, NVFP4DynamicActivationNVFP4WeightConfig())
-    Use instead
-        # on an H100: float8, which sm_89+ runs
-        quantize_(model, Float8DynamicActivationFloat8WeightConfig())
-    Severity
-        Error: the first forward raises.
-    Fix safety
-        A weight-only config on that device (``NVFP4WeightOnlyConfig()``), float8 on sm_89+
-        (``Float8DynamicActivationFloat8WeightConfig``), or a B200. Display only: quantization happens at build
-        time.
-    Sources
-        NVIDIA/TransformerEngine #2304; torchao ``mx_formats`` (MX GEMMs need sm_100).
-    """
-    hw = facts.hardware
-    if hw.kind == "cuda" and hw.capability is not None and tuple(hw.capability) >= MX_GEMM_CAPABILITY:
-        return
-    if hw.kind not in ("cuda", "cpu"):
-        return
-    for m in facts.models:
-        bad = [q for q in m.quantized_weights if q.dynamic_activation and q.block_size in (16, 32)]
-        if not bad:
-            continue
-        cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else hw.kind
-        kinds = sorted({q.tensor_class.rsplit(".", 1)[-1] for q in bad})
-        yield rule.finding(
-            m.name,
-            f"{len(bad)} layers of {m.name} ({', '.join(kinds)}) quantize their activations to a block format, whose "
-            f"matmul only sm_100 kernels run; {hw.label} ({cap}) has none: the first forward raises. Use a weight-only "
-            "config here, float8 on sm_89+, or a B200.",
-            {"device": hw.label, "layers": [(q.path, q.tensor_class, q.block_size) for q in bad]},
-            [
-                Fix(
-                    f"Quantize {m.name} weight-only on this device",
-                    "from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig\n"
-                    f"quantize_({m.name}_hp, NVFP4WeightOnlyConfig())  # dequantizes in the forward: runs anywhere",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="block-format-weight-only",
-                )
-            ],
-        )
-
-
-ENV = "ACCELERATE_MIXED_PRECISION"
