@@ -13,7 +13,6 @@ _ = object()
 _.__getattr__  # PEP 562: the packages' lazy names (mpdoctor, crash, emulation, numerics)
 _.__dir__  # PEP 562: dir(mpdoctor) lists the lazy names
 _.create_module  # importlib's Loader protocol (mpdoctor._moved.MovedFinder)
-_.__wrapped__  # functools' convention: inspect.unwrap and signature read the wrapped function through it
 
 # -- IPython ----------------------------------------------------------------------------------------------------
 _._repr_pretty_  # IPython's pretty printer (Report, EnvReport)
@@ -56,8 +55,6 @@ _.ghost
 _.attention_dropout  # read by transformers' attention in the forward (tests/test_compare*.py)
 _.pre_tokenizer  # read by tokenizers' Tokenizer.train_from_iterator (tests/stack/test_trl.py)
 _.cdb  # DeepSpeed's "communication initialised" global (tests/stack/test_deepspeed_configs.py)
-_.selected_index  # ipywidgets traits the front end reads (render/widget.py)
-_.disabled
 
 _.custom_attribute  # config attributes mpdoctor reads through the config's __dict__ (tests/test_security.py)
 _._attn_implementation_internal
