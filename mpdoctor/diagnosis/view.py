@@ -106,6 +106,7 @@ def hardware_view(facts: Any) -> dict:
         "bf16_native": hw.bf16_native,
         "fp16_tensor_cores": hw.fp16_tensor_cores,
         "tf32": hw.tf32,
+        "memory_gib": hw.memory_gib,
         "live": hw.live,
         "unscale_dtypes": list(hw.unscale_dtypes) if hw.unscale_dtypes is not None else None,
     }
