@@ -17,8 +17,8 @@ three in turn). Target: probe overhead <= 0.25x DebugUnderflowOverflow's.
 ``--kind gpt2``: the same on a GPT-2 (LayerNorm, GELU MLP, Conv1D projections, learned positions) of the
 same size, a model kind other than Llama. What the figures include: the probe's hooks, its statistics,
 the batch trace and the report; the NaN-origin replay runs only when a forward goes non-finite, which a
-healthy model never does, so it is measured apart: ``run_probe`` on a copy whose one MLP weight is scaled
-by 1e30 (activations overflow to inf, then NaN, with finite weights: the replay runs) against ``run_probe``
+healthy model never does, so it is measured apart: ``run_probe`` on a copy whose one Linear weight is set
+to 1e38 (activations overflow to inf, then NaN, with finite weights: the replay runs) against ``run_probe``
 on the healthy model, the difference being the non-finite read-out and the replay.
 ``--quick``: 2 layers, batch 2x32, 3 rounds (seconds; only checks the script works).
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
@@ -135,14 +135,14 @@ def main() -> None:
 
 
 def replay_cost(model, batch, repeat: int) -> dict:
-    """``run_probe`` on a copy whose forward goes non-finite (one MLP weight scaled by 1e30, weights still
+    """``run_probe`` on a copy whose forward goes non-finite (one Linear weight set to 1e38, weights still
     finite: the NaN-origin replay runs) vs on the healthy model: what a NaN adds to the probe."""
     from mpdoctor.numerics.probe import run_probe
 
     broken = copy.deepcopy(model)
     linear = [m for m in broken.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]
     with torch.no_grad():
-        linear[len(linear) // 2].weight.mul_(1e30)
+        linear[len(linear) // 2].weight.fill_(1e38)  # finite, but its outputs pass float32's max: inf, then NaN
     facts = run_probe(broken, batch)
     assert facts.origin is not None, "the broken copy must trigger the NaN-origin replay"
     best = {"healthy": float("inf"), "nan": float("inf")}

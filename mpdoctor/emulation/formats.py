@@ -76,6 +76,13 @@ def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor | None) -> Quan
     return Quantized(values=q, nonzero=nonzero, underflow=nonzero - torch.count_nonzero(q), saturated=over.sum())
 
 
+def _past(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """The mask of ``|x| > limit``; on the CPU one max first, as most tensors have no such element (no mask then)."""
+    if x.device.type == "cpu" and float(torch.linalg.vector_norm(x, float("inf"))) <= limit:
+        return torch.zeros((), dtype=torch.bool)  # reading a scalar costs no sync on the CPU
+    return x.abs() > limit
+
+
 # -- elementwise formats ---------------------------------------------------------------
 
 
@@ -87,7 +94,7 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize_cast(x: torch.Tensor, dtype: torch.dtype, count: bool = True) -> Quantized:
     """Round to bf16 or fp16 as autocast does (no scale); past the format's max counts as saturated."""
     q = round_to(x, dtype)
-    return _counts(x, q, x.abs() > torch.finfo(dtype).max if count else None)
+    return _counts(x, q, _past(x, torch.finfo(dtype).max) if count else None)
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +128,7 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3
     scaled = x * scale
     # ``amax * (fmax / amax)`` lands an ulp past fmax in about one tensor of eight (the scale is rounded to
     # float32): the amax element is not saturated for that, so only a magnitude past rounding counts.
-    over = scaled.abs() > fmax * _PAST_ROUNDING if count else None
+    over = _past(scaled, fmax * _PAST_ROUNDING) if count else None
     return _counts(x, scaled.clamp_(-fmax, fmax).to(dtype).to(torch.float32).div_(scale), over)
 
 

@@ -217,14 +217,18 @@ def _why(row: LayerResult | None) -> str:
 
 
 def grad_sqnr_db(reference: Sequence[torch.Tensor | None], got: Sequence[torch.Tensor | None]) -> float:
-    """SQNR (dB) of all parameter gradients together against the reference's (a missing gradient counts as zero)."""
+    """SQNR (dB) of all parameter gradients together against the reference's (a missing gradient counts as zero).
+
+    Two fused norms per parameter (no squared or float64 temporaries), summed in float64.
+    """
     signal = noise = 0.0
     for r, g in zip(reference, got):
         if r is None:
             continue
-        r64 = r.detach().double()
-        signal += float(r64.square().sum())
-        noise += float((r64 - (g.detach().double() if g is not None else 0.0)).square().sum())
+        norm_r = float(torch.linalg.vector_norm(r))
+        signal += norm_r * norm_r
+        norm_e = float(torch.linalg.vector_norm(g - r)) if g is not None else norm_r
+        noise += norm_e * norm_e
     if not (math.isfinite(signal) and math.isfinite(noise)):
         return math.nan
     if noise == 0:

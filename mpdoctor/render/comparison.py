@@ -89,17 +89,25 @@ def _loss_line(data: dict) -> str:
 # -- text ---------------------------------------------------------------------------------------
 
 
-def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
-    """A text table: one line per layer, one column per precision (``metric``, ``▼`` marking underflow)."""
-    title, unit, _ = METRICS[metric]
-    head = f"mpdoctor.compare: {data.get('model', 'model')} ({data.get('dtype', '?')}, {data.get('device', '?')}), reference {data.get('reference', 'fp32')}"
-    if data.get("error"):
-        return f"{head}\n  nothing compared: {data['error']}"
+def _text_notes(data: dict) -> list[str]:
+    """The plans, the loss curves, the runs that raised and the findings, one line each, indented."""
+    lines = []
+    for plan in data.get("plans", {}).values():
+        lines.extend("  " + x for x in plan_text(plan).splitlines())
+    lines.extend("  " + x for x in curves_text(data.get("curves", {})))
+    for p, msg in data.get("errors", {}).items():
+        lines.append(f"  {p}: the run raised {msg}")
+    for f in data.get("findings", []):
+        lines.append(f"  [{f['severity']}] {f['check']}: {f['message']}")
+    return lines
+
+
+def _text_grid(data: dict, metric: str, unit: str) -> tuple[list[str], list[list[str]]]:
+    """The table's header and one line of cells per layer (kept layers marked, underflow marked)."""
     layers, precisions, cells = _grid(data)
     limits = _limits(data)
-    header = ["layer", *precisions]
-    body = []
     kept = _kept(data)
+    body = []
     for layer in layers:
         line = [f"{layer} {KEPT_MARK}" if layer in kept else layer]
         for p in precisions:
@@ -110,6 +118,16 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
             mark = _underflow_mark(row, limits.get(p, 1.0))
             line.append(_fmt(row.get(metric), unit) + (f" {mark}" if mark else ""))
         body.append(line)
+    return ["layer", *precisions], body
+
+
+def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
+    """A text table: one line per layer, one column per precision (``metric``, ``▼`` marking underflow)."""
+    title, unit, _ = METRICS[metric]
+    head = f"mpdoctor.compare: {data.get('model', 'model')} ({data.get('dtype', '?')}, {data.get('device', '?')}), reference {data.get('reference', 'fp32')}"
+    if data.get("error"):
+        return f"{head}\n  nothing compared: {data['error']}"
+    header, body = _text_grid(data, metric, unit)
     widths = [max(len(str(r[i])) for r in [header, *body]) for i in range(len(header))]
     lines = [head, f"  {title} per {_sites(data)} ({unit}); ▼ = share of nonzero inputs or gradients underflowing to zero"]
     if data.get("attention") and metric == "wgrad_sqnr_db":
@@ -121,13 +139,7 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     loss = _loss_line(data)
     if loss:
         lines.append("  " + loss)
-    for plan in data.get("plans", {}).values():
-        lines.extend("  " + x for x in plan_text(plan).splitlines())
-    lines.extend("  " + x for x in curves_text(data.get("curves", {})))
-    for p, msg in data.get("errors", {}).items():
-        lines.append(f"  {p}: the run raised {msg}")
-    for f in data.get("findings", []):
-        lines.append(f"  [{f['severity']}] {f['check']}: {f['message']}")
+    lines.extend(_text_notes(data))
     if not data.get("backward", True):
         lines.append("  note: nothing required grad; forward only")
     return "\n".join(lines)
