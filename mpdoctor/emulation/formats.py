@@ -259,13 +259,6 @@ class Precision:
     rounds_output: bool
     summary: str
 
-    @property
-    def max_value(self) -> float:
-        """The element format's largest finite value (for saturation)."""
-        if self.kind == "nvfp4":
-            return E2M1_MAX
-        return float(torch.finfo(self.element).max) if self.element is not None else float("inf")
-
     def quantize(self, x: torch.Tensor, dim: int, grad: bool = False, count: bool = True) -> Quantized:
         """Quantize ``x`` (float32) as an operand contracted over ``dim``; ``grad`` for output gradients.
 
