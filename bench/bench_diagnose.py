@@ -142,7 +142,7 @@ def _moe_rows(mpdoctor, quick: bool, repeat: int) -> list[dict]:
     report = mpdoctor.diagnose(moe)
 
     def widget_cold() -> None:
-        report.__dict__.pop("_mpdoctor_layer_strips", None)  # what a first display computes
+        report._cache.clear()  # the view (layer strips, rows) and its renderings: what a first display computes
         report.widget().close()
 
     widget_cold()
