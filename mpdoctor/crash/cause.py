@@ -110,8 +110,8 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         return report
     if finding is None:
         return report
-    for fx in finding.fixes:
-        fx.bind(report.live, report.treatment)
+    # Its fixes stay bound as crash_finding bound them: the failing batch is not in a re-diagnosis at rest,
+    # so re-planning through the treatment would find them "no longer needed".
     previous = report.cause
     if previous is not None and isinstance(previous.evidence, dict):
         # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.

@@ -352,9 +352,7 @@ def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any
             extra.append(crash.cause)
     if not extra:
         return report
-    for f in extra:
-        for fx in f.fixes:
-            fx.bind(report.live, report.treatment)
+    # Their fixes stay bound as the watcher and the crash hook bound them (what they saw is not re-diagnosable).
     findings = merged([*report.findings, *extra])
     if cause is not None:
         cause = next((f for f in findings if f.check == cause.check and f.subject == cause.subject), cause)

@@ -87,15 +87,19 @@ def read_history(shell: Any, ignore: Iterable[str] = ()) -> list[Finding]:
 
 
 def live_scales(namespace: Any) -> dict[str, float]:
-    """The scale of every enabled GradScaler ``namespace`` holds by name (its ``init_scale`` before a step).
+    """The scale of every GradScaler ``namespace`` holds by name (its ``init_scale`` before a step).
 
-    Read from the scaler's own fields (no method of a user object is called).
+    Read from the scaler's own fields through ``type``'s descriptors: no method or property of a user object
+    runs, whatever its class overrides.
     """
+    from ..live.introspect import mro_paths, own_dict
+
     out: dict[str, float] = {}
-    for name, value in dict(namespace).items():
-        if not isinstance(name, str) or name.startswith("_") or "GradScaler" not in type(value).__name__:
+    items = dict.items(namespace) if type(namespace) is dict else ()
+    for name, value in items:
+        if type(name) is not str or name[:1] == "_" or not any(p.endswith(".GradScaler") for p in mro_paths(value)):
             continue
-        fields = getattr(value, "__dict__", {})
+        fields = own_dict(value)
         scale = fields.get("_scale")
         try:
             out[name] = float(scale.item()) if scale is not None else float(fields.get("_init_scale", 65536.0))

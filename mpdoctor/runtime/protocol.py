@@ -123,7 +123,7 @@ def modules_in_user_frames() -> list[tuple[str, Any]]:
             for scope in (frame.f_locals, g):
                 if type(scope) is dict:
                     for key, value in dict.items(scope):
-                        if type(key) is str and not key.startswith("_") and isinstance(value, torch.nn.Module):
+                        if type(key) is str and key[:1] != "_" and issubclass(type(value), torch.nn.Module):
                             out.setdefault(id(value), (key, value))
             return list(out.values())
         frame = frame.f_back

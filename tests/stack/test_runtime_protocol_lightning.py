@@ -47,6 +47,6 @@ def lightning_fit(clip: bool, max_steps: int = 4):
 def test_lightning_manual_optimization_draws_nothing_and_keeps_the_scale_history():
     cb, module = lightning_fit(clip=False)
     assert cb.protocol.findings == [] and len(cb.scale_history) == 4
-    assert cb.report.scale_history == cb.scale_history and not protocol_module.installed()
+    assert list(cb.report.scale_history) == list(cb.scale_history) and not protocol_module.installed()
 
 
