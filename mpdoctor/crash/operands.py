@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..compat import GRAD_SCALER_MODULES
 from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
 from .frames import _TYPE_MRO, FrameView, _locals, _qualname, class_path
 
@@ -628,7 +629,7 @@ def loop_line(frames: list[FrameView], namespace: Mapping[str, Any] | None = Non
         source = ""
     scaler_obj = optimizer_obj = None
     for view in reversed(frames):
-        if view.user or not view.module.startswith("torch.amp") and not view.module.startswith("torch.cuda.amp"):
+        if view.user or not view.module.startswith(GRAD_SCALER_MODULES):
             continue
         try:
             local = dict(_locals(view.frame))
