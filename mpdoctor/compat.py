@@ -1,7 +1,7 @@
 """The library APIs that moved between the releases mpdoctor supports, each resolved here once.
 
 The releases are those of the support matrix (``docs/support-matrix.md``): torch 2.4 to 2.14, transformers
-4.40 to 5.24, accelerate 0.30 to 1.15. Everything is resolved by looking for the API itself, never by
+4.50 to 5.24, accelerate 0.30 to 1.15. Everything is resolved by looking for the API itself, never by
 comparing version strings, so a release between two tested corners gets the right answer too.
 
 Nothing here imports a library when this module is imported (the crash hook and ``%load_ext`` import
@@ -10,9 +10,42 @@ mpdoctor before torch): the answers that need one are functions that import it w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+# -- Python -----------------------------------------------------------------------------------------------------
+
+_TYPE_DICT = type.__dict__["__dict__"].__get__
+_TYPE_MRO = type.__dict__["__mro__"].__get__
+
+
+def code_qualname(frame: Any) -> str:
+    """A frame's function as ``Class.method`` where it is a method, else its name.
+
+    ``code.co_qualname`` arrived in Python 3.11; on 3.10 the class is found from the frame's ``self`` (or
+    ``cls``): the class in its MRO whose attribute of that name holds this very code. Read through ``type``'s own
+    descriptors, so no user ``__getattr__`` or property runs.
+    """
+    code = frame.f_code
+    qualname = getattr(code, "co_qualname", None)
+    if type(qualname) is str:
+        return qualname
+    name = code.co_name
+    try:
+        local = frame.f_locals
+        owner = local.get("self", local.get("cls")) if code.co_argcount else None
+        cls = owner if isinstance(owner, type) else type(owner)
+        for c in _TYPE_MRO(cls) if owner is not None else ():
+            attr = _TYPE_DICT(c).get(name)
+            attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
+            if getattr(attr, "__code__", None) is code:
+                return f"{type.__dict__['__qualname__'].__get__(c)}.{name}"
+    except Exception:  # an unreadable frame or class: the bare name is still true
+        pass
+    return name
+
 
 # -- torch: GradScaler -----------------------------------------------------------------------------------------
 
@@ -22,6 +55,11 @@ GRAD_SCALER_CLASSES = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_
 
 #: Module prefixes of the frames a GradScaler method runs in (both classes above).
 GRAD_SCALER_MODULES = ("torch.amp", "torch.cuda.amp")
+
+
+#: The mapping types of ``nn.Module._parameters`` / ``_buffers`` / ``_modules``: an ``OrderedDict`` up to torch 2.4,
+#: a plain ``dict`` since. Read them with ``dict.items`` (no user code runs) after checking ``type(x) in`` this.
+MODULE_DICTS: tuple[type, ...] = (dict, OrderedDict)
 
 
 def grad_scaler_class() -> type:
@@ -91,9 +129,9 @@ def clip_entry_points() -> tuple[tuple[Any, str], ...]:
 def rope_init_function(rope_type: str) -> Callable[..., Any] | None:
     """The function transformers computes a rotary embedding's ``inv_freq`` with, for ``rope_type``.
 
-    ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` (transformers >= 4.42) maps a rope type to
-    ``fn(config, device) -> (inv_freq, attention_scaling)``; transformers 4.40 and 4.41 have no such table
-    (their rotary classes compute ``inv_freq`` inline), so there is nothing to call: None.
+    ``transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS`` maps a rope type to
+    ``fn(config, device) -> (inv_freq, attention_scaling)``. transformers 5.x drops ``"default"`` from the
+    table (the rotary class computes it in ``compute_default_rope_parameters``): None then.
 
     Parameters
     ----------
@@ -103,13 +141,23 @@ def rope_init_function(rope_type: str) -> Callable[..., Any] | None:
     Returns
     -------
     callable or None
-        The function, or None for an unknown type or a transformers without the table.
+        The function, or None for a type the table does not hold.
     """
-    try:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    except ImportError:
-        return None
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     return ROPE_INIT_FUNCTIONS.get(rope_type)
+
+
+def config_dtype_attribute() -> str:
+    """The attribute a transformers config keeps (and saves) its dtype under.
+
+    ``dtype`` from transformers 4.56 on (a property of ``PretrainedConfig``, with ``torch_dtype`` its deprecated
+    alias); ``torch_dtype`` before, where ``config.dtype`` is an unknown attribute that ``save_pretrained``
+    cannot even serialise.
+    """
+    from transformers import PretrainedConfig
+
+    return "dtype" if "dtype" in vars(PretrainedConfig) else "torch_dtype"
 
 
 def cache_layers(cache: Any) -> list[tuple[Any, Any]]:

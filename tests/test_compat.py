@@ -84,14 +84,11 @@ def test_the_rope_init_function_reproduces_a_rotary_embeddings_frequencies():
     config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1,
                          intermediate_size=64, vocab_size=64)
     fn = compat.rope_init_function("default")
-    try:
-        rope = modeling_llama.LlamaRotaryEmbedding(config=config)
-    except TypeError:  # transformers 4.40, 4.41: built from dim and base, with no ROPE_INIT_FUNCTIONS table
-        assert fn is None
-        return
+    rope = modeling_llama.LlamaRotaryEmbedding(config=config)
     assert fn is not None or hasattr(type(rope), "compute_default_rope_parameters")
     compute = type(rope).compute_default_rope_parameters if fn is None else fn
     assert torch.equal(compute(config)[0].float(), rope.inv_freq.float())
+    assert compat.rope_init_function("linear") is not None
     assert compat.rope_init_function("no-such-rope-type") is None
 
 
@@ -140,3 +137,16 @@ def test_the_demo_output_starts_with_mpdoctors_own_text():
                          stderr=subprocess.STDOUT, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:]
     assert run.stdout.startswith("The broken setup: a tiny Llama"), run.stdout[:1000]
+
+
+def test_the_config_dtype_attribute_is_the_one_save_pretrained_writes(tmp_path):
+    import json
+
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1, intermediate_size=64,
+                         vocab_size=64)
+    setattr(config, compat.config_dtype_attribute(), torch.bfloat16)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved[compat.config_dtype_attribute()] == "bfloat16"
