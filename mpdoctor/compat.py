@@ -36,7 +36,7 @@ def code_qualname(frame: Any) -> str:
     try:
         local = frame.f_locals
         owner = local.get("self", local.get("cls")) if code.co_argcount else None
-        cls = owner if isinstance(owner, type) else type(owner)
+        cls = owner if type(owner) is type else type(owner)  # not isinstance: it would read the user's __class__
         for c in _TYPE_MRO(cls) if owner is not None else ():
             attr = _TYPE_DICT(c).get(name)
             attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
