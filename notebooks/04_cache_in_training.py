@@ -108,7 +108,8 @@ def make_batch(length, size=4):
     return {"input_ids": ids, "labels": ids}
 
 
-from mpdoctor.compat import cache_layers  # (keys, values) per layer, in whichever layout this transformers keeps
+# (keys, values) per layer, in whichever layout the running transformers keeps its cache
+from mpdoctor.compat import cache_layers
 
 
 def cache_bytes(cache):

@@ -81,7 +81,7 @@ CORNERS: dict[str, Corner] = {
                     "reads TrainingArguments.mixed_precision, a transformers 5 attribute",
                 "tests/test_checks_precision.py::test_training_arguments_read_the_env_var_but_transformers_5_does_not_write_it_back":
                     "transformers 5's behaviour: 4.50 writes ACCELERATE_MIXED_PRECISION back",
-                "tests/test_checks_scaler_cache.py::test_transformers_5_checkpointing_sets_the_module_flag_the_fact_reads":
+                "tests/test_checks_scaler_cache.py::test_transformers_5_checkpointing_sets_the_module_flag_the_fact_reads[activation_checkpointing_enable]":
                     "activation_checkpointing_enable() is transformers 5's",
                 "tests/test_checks_scaler_cache.py::test_checkpointing_with_the_cache_on_is_info_for_transformers_which_drops_the_cache_itself":
                     "calls activation_checkpointing_enable(), transformers 5's",

@@ -544,12 +544,17 @@ def notebook_shell():
 
     shell = InteractiveShell.instance()
     before = set(shell.user_ns)
+    history = shell.history_manager
+    stored = len(history.input_hist_parsed)
     shell.run_cell("%load_ext mpdoctor", store_history=False)
     shell.run_cell("import torch, warnings; warnings.simplefilter('ignore')", store_history=False)
     yield shell
     shell.run_cell("%unload_ext mpdoctor", store_history=False)
     for name in set(shell.user_ns) - before:  # the cells' objects must not reach other tests' shells
         del shell.user_ns[name]
+    # Nor their GradScaler misuse: %mpdoctor reads the shell's cell history (blanked, so cell numbers stay).
+    for cells in (history.input_hist_parsed, history.input_hist_raw):
+        cells[stored:] = [""] * (len(cells) - stored)
 
 
 @pytest.mark.parametrize(("slug", "raise_it"), CELLS, ids=[slug for slug, _ in CELLS])
