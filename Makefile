@@ -1,5 +1,7 @@
 # Two commands from a fresh clone: `make demo` and `make test`. Each creates .venv and installs what it needs
-# (the demo only mpdoctor[demo]; the tests everything else on top).
+# (the demo only mpdoctor[demo]; the tests everything else on top). `make test` then runs the extra corners of
+# the support matrix (docs/support-matrix.md), each in its own venv: Colab's stack, the oldest and the newest
+# releases mpdoctor claims. What each corner runs and leaves out is said in tests/corners.py.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,9 +9,14 @@ COLAB_VENV := .venv-colab
 DEMO_STAMP := $(VENV)/.mpdoctor-demo-installed
 STAMP := $(VENV)/.mpdoctor-installed
 COLAB_STAMP := $(COLAB_VENV)/.mpdoctor-installed
+LAB_STAMP := $(VENV)/.mpdoctor-lab-installed
 PYTEST_ARGS ?=
+# The corners' interpreters: the lowest and the highest Python mpdoctor claims (pyenv's, where it is).
+CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
+CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
+CORNERS := main colab oldest newest
 
-.PHONY: demo test test-main test-colab lab bench bench-quick env lint checks-doc browser-deps clean
+.PHONY: demo test test-main test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
 
 # `make demo` installs what the demo needs and nothing more: mpdoctor with its `demo` extra (the `hf` extra and
 # adamw-bf16) over the pinned CPU torch. pip without -q: even that first install fetches torch, and would
@@ -41,10 +48,30 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	$(COLAB_VENV)/bin/python -m pip install --progress-bar off -c constraints-colab.txt -e ".[test]"
 	touch $@
 
+# A version corner (oldest, newest): torch alone first, then mpdoctor[test] within the corner's constraints
+# (resolving torch with the old floors in one go backtracked for over ten minutes). Any torch but the pinned
+# one is the registry's CUDA build (about 2.5 GB with its nvidia wheels, cached by pip after the first run);
+# it runs on the CPU.
+.venv-%/.mpdoctor-installed: constraints-%.txt pyproject.toml Makefile
+	@echo "== creating .venv-$* (the $* corner of the support matrix) with $(CORNER_PYTHON_$*)"
+	$(CORNER_PYTHON_$*) -m venv .venv-$*
+	.venv-$*/bin/python -m pip install -q --upgrade pip
+	@echo "== installing torch alone into .venv-$*"
+	.venv-$*/bin/python -m pip install --progress-bar off -c constraints-$*.txt torch
+	@echo "== installing mpdoctor with its test extra into .venv-$*"
+	.venv-$*/bin/python -m pip install --progress-bar off -c constraints-$*.txt -e ".[test]"
+	touch $@
+
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m mpdoctor demo
 
-test: test-main test-colab
+# Every corner runs, also after one fails (a failure in one must not hide the others); then the failures.
+test:
+	@failed=""; for corner in $(CORNERS); do \
+		$(MAKE) --no-print-directory test-$$corner || failed="$$failed $$corner"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "== make test: failed in:$$failed"; exit 1; fi; \
+	echo "== make test: every corner passed ($(CORNERS))"
 
 # The browser suite also drives classic Notebook in the Colab venv, so build it first.
 test-main: $(STAMP) $(COLAB_STAMP)
@@ -55,15 +82,24 @@ test-main: $(STAMP) $(COLAB_STAMP)
 	MPDOCTOR_NO_SKIPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
-# The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17);
-# the browser, Binder and benchmark tests need the main venv's JupyterLab, and tests/stack and tests/distributed
-# the training stack beyond transformers; they run there only.
+# The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17), less
+# what needs the main venv's stack (MPDOCTOR_CORNER=colab: tests/corners.py names it).
 test-colab: $(COLAB_STAMP)
-	$(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider --ignore=tests/stack --ignore=tests/distributed --ignore=tests/test_browser.py \
-		--ignore=tests/test_binder.py --ignore=tests/test_bench_smoke.py $(PYTEST_ARGS)
+	MPDOCTOR_CORNER=colab $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+# The oldest and the newest releases mpdoctor claims: what tests/corners.py says each must prove.
+test-oldest test-newest: test-%: .venv-%/.mpdoctor-installed
+	MPDOCTOR_CORNER=$* MPDOCTOR_NO_SKIPS=1 .venv-$*/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+
+# `make lab` installs what the notebooks import (the demo's stack, JupyterLab, bitsandbytes and torchao for
+# notebooks 07 and 10), not the test stack.
+$(LAB_STAMP): $(DEMO_STAMP) pyproject.toml constraints.txt Makefile
+	@echo "== installing JupyterLab and the notebooks' libraries into $(VENV)"
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[lab]"
+	touch $@
 
 # Jupyter refuses to start as root (containers, CI) unless told it may.
-lab: $(STAMP)
+lab: $(LAB_STAMP)
 	$(BIN)/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) notebooks/00_tour.ipynb
 
 bench: $(STAMP)
@@ -93,4 +129,4 @@ browser-deps:
 	else apt-get update -q && apt-get install -y -q chromium; fi
 
 clean:
-	rm -rf $(VENV) $(COLAB_VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) $(COLAB_VENV) .venv-oldest .venv-newest .pytest_cache build dist *.egg-info

@@ -45,6 +45,9 @@ _.batch_idx  # training_step's signature is Lightning's
 _.pytestmark  # a module's marks
 _.pytest_runtest_makereport  # conftest hooks
 _.pytest_make_collect_report
+_.pytest_ignore_collect
+_.pytest_collection_modifyitems
+_.pytest_terminal_summary
 
 # -- attributes a library reads after a test or benchmark sets them --------------------------------------------------
 _.router  # nn.Module.__setattr__ registers the submodule (bench/bench_diagnose.py)

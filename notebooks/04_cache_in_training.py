@@ -48,7 +48,7 @@ print("mpdoctor", mpdoctor.__version__)
 # - **fp16**: 5 exponent bits, 10 mantissa bits: fine precision, but a tiny range (max 65504; gradients below about 6e-8 become 0).
 # - **bf16**: fp32's 8 exponent bits (same range, max about 3.4e38), only 7 mantissa bits: coarse precision (about 2-3 decimal digits).
 #
-# **What matters here: bytes.** fp32 takes 4 bytes per number, bf16 and fp16 take 2. A KV cache holds 2 (keys and values) x layers x batch x KV heads x tokens x head_dim numbers, at 2 or 4 bytes each depending on the dtype they come out in. And accelerate's mixed-precision wrapper converts a model's outputs back to fp32 (4 bytes) by calling `.float()` on anything that has a `.dtype`.
+# **What matters here: bytes.** fp32 takes 4 bytes per number, bf16 and fp16 take 2. A KV cache holds, per layer, keys and values of batch x KV heads x tokens x head_dim numbers each, at 2 or 4 bytes each depending on the dtype they come out in (keys and values need not share one). And accelerate's mixed-precision wrapper converts a model's outputs back to fp32 (4 bytes) by calling `.float()` on anything that has a `.dtype`.
 
 # %%
 import math
@@ -108,11 +108,15 @@ def make_batch(length, size=4):
     return {"input_ids": ids, "labels": ids}
 
 
+# (keys, values) per layer, in whichever layout the running transformers keeps its cache
+from mpdoctor.compat import cache_layers
+
+
 def cache_bytes(cache):
     """Bytes held by the keys and values of a returned cache (0 for no cache)."""
     if cache is None:
         return 0
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    return sum(t.numel() * t.element_size() for pair in cache_layers(cache) for t in pair)
 
 
 print("model.config has use_cache:", hasattr(model.config, "use_cache"),
@@ -133,18 +137,21 @@ sizes = {}
 for length in (16, 64):
     out = model(**make_batch(length))
     sizes[length] = cache_bytes(out.past_key_values)
+    keys, values = cache_layers(out.past_key_values)[0]
     print(f"{length:3} tokens: {type(out.past_key_values).__name__} of {sizes[length]:,} bytes"
-          f" | keys dtype {out.past_key_values.layers[0].keys.dtype} | logits dtype {out.logits.dtype}")
+          f" | keys {keys.dtype}, values {values.dtype} | logits dtype {out.logits.dtype}")
 
+# The formula reads the dtypes this transformers release caches in: one layer's keys and values.
 t = config.text_config
-bytes_per_number = out.past_key_values.layers[0].keys.element_size()
-formula = 2 * t.num_hidden_layers * 4 * t.num_key_value_heads * 64 * t.head_dim * bytes_per_number
-print(f"2 x {t.num_hidden_layers} layers x batch 4 x {t.num_key_value_heads} KV heads x 64 tokens"
-      f" x head_dim {t.head_dim} x {bytes_per_number} bytes = {formula:,} bytes")
+key_bytes, value_bytes = keys.element_size(), values.element_size()
+formula = t.num_hidden_layers * 4 * t.num_key_value_heads * 64 * t.head_dim * (key_bytes + value_bytes)
+print(f"{t.num_hidden_layers} layers x batch 4 x {t.num_key_value_heads} KV heads x 64 tokens x head_dim {t.head_dim}"
+      f" x ({key_bytes} bytes per key + {value_bytes} per value) = {formula:,} bytes")
 
 # %% [markdown]
-# The cache grows linearly with the tokens in the batch and matches the formula exactly. Note the dtype: under
-# bf16 autocast the keys and values come out in fp32 here, 4 bytes each. With Gemma 3 1B's published
+# The cache grows linearly with the tokens in the batch and matches the formula exactly. Note the dtypes: under
+# bf16 autocast the keys come out in fp32 (4 bytes, after the fp32 rotary embedding); the values are fp32 too up
+# to transformers 5.23 and bf16 (2 bytes) from 5.24, which stores 3/4 of the bytes. With Gemma 3 1B's published
 # dimensions (26 layers, 1 KV head, head_dim 256), a batch of 8 sequences of 512 tokens returns
 # `2 * 26 * 8 * 1 * 512 * 256` numbers = 54.5 million per forward (104 MiB in bf16, 208 MiB in fp32), kept
 # alive until the output is dropped.
@@ -218,7 +225,7 @@ print("losses:", [round(x, 4) for x in losses], "| cache returned:", cache_bytes
 
 # %%
 assert sizes[64] == 4 * sizes[16] == formula and sizes[16] > 0  # linear in tokens, as the formula says
-assert bytes_per_number == 4  # the cached keys are fp32 under bf16 autocast, as the text says
+assert key_bytes == 4 and value_bytes in (2, 4)  # fp32 keys under bf16 autocast; values as the release keeps them
 assert finding.subject == "model.config.text_config.use_cache"  # the nested flag is the one that counts
 assert fix.safe and model.config.text_config.use_cache is False
 assert not report.refresh().findings_for("cache-in-training")

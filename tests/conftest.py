@@ -1,18 +1,29 @@
-"""Shared fixtures: a clean precision environment and accelerate state around every test; the skip guard.
+"""Shared fixtures: a clean precision environment and accelerate state around every test; the skip guard; the corner.
 
 With ``MPDOCTOR_NO_SKIPS=1`` in the environment (``make test`` sets it for the main venv, where the whole stack
 is installed) a skipped test, and a module skipped at collection (``pytest.importorskip`` at module level), is
 reported as a failure: a run that silently left part of the suite out cannot pass.
+
+With ``MPDOCTOR_CORNER=<name>`` (``make test`` sets it for each extra venv of the support matrix) only what
+``tests/corners.py`` says that corner runs is collected, its exclusions are deselected, and the summary names
+each exclusion with its reason.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from corners import Corner, current  # noqa: E402  (tests/ is on the path from the line above)
+
+_CORNER = current()
+_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -77,3 +88,59 @@ def pytest_make_collect_report(collector):
     report = outcome.get_result()
     if _no_skips() and report.skipped:
         _skip_as_failure(report, collector.nodeid)
+
+
+# -- the corner of the support matrix this run is (tests/corners.py) ------------------------------------------
+
+
+def _relative(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(_ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _wanted(rel: str, corner: Corner, is_dir: bool) -> bool:
+    """Whether a corner collects the file or folder ``rel`` (its ``runs``, less whole paths it excludes)."""
+    if any(rel == x or rel.startswith(x + "/") for x in corner.excluded if "::" not in x):
+        return False
+    if not corner.runs:
+        return True
+    files = {r.split("::", 1)[0] for r in corner.runs}
+    if is_dir:
+        return any(f.startswith(rel + "/") or rel == f or rel.startswith(f + "/") for f in files)
+    return any(rel == f or rel.startswith(f + "/") for f in files)
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In a corner, test modules it does not run are never imported (they may need what it lacks)."""
+    if _CORNER is None:
+        return None
+    if collection_path.is_file() and not collection_path.name.startswith("test_"):
+        return None
+    return None if _wanted(_relative(collection_path), _CORNER, collection_path.is_dir()) else True
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In a corner, deselect the tests it excludes and those outside the node ids it names."""
+    if _CORNER is None:
+        return
+    ids = [r for r in _CORNER.runs if "::" in r]
+    keep, drop = [], []
+    for item in items:
+        file = item.nodeid.split("::", 1)[0]
+        named = [r for r in ids if r.split("::", 1)[0] == file]
+        outside = bool(named) and not any(item.nodeid.startswith(r) for r in named)
+        excluded = any(item.nodeid == x or item.nodeid.startswith((x + "::", x + "[")) for x in _CORNER.excluded)
+        (drop if outside or excluded else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if _CORNER is None:
+        return
+    terminalreporter.section(f"corner {_CORNER.name}: {_CORNER.versions}")
+    for path, reason in _CORNER.excluded.items():
+        terminalreporter.line(f"excluded {path}: {reason}")

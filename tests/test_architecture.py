@@ -113,7 +113,8 @@ def test_facts_import_no_integration_no_reader_and_no_gathering(graph):
 
 def test_no_loose_module_left_at_the_top_but_the_bottom_tables(graph):
     top = sorted(m for m in graph.modules if m.count(".") == 1 and not graph.find_children(m))
-    assert top == ["mpdoctor.__main__", "mpdoctor._moved", "mpdoctor._version", "mpdoctor.knowledge", "mpdoctor.redact"]
+    assert top == ["mpdoctor.__main__", "mpdoctor._moved", "mpdoctor._version", "mpdoctor.compat", "mpdoctor.knowledge",
+                   "mpdoctor.redact"]
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

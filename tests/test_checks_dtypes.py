@@ -12,6 +12,7 @@ from setups import batch, tiny_gemma3, tiny_llama, tiny_trainer
 from setups_dtypes import assert_same_state, finite, tensor_state
 
 import mpdoctor
+from mpdoctor import compat
 from mpdoctor.checks.dtypes import compute_dtype, compute_units, widens
 from mpdoctor.edits.steps import CastGrads, Change
 from mpdoctor.treatment.fixes import Fix, FixFailed
@@ -275,7 +276,7 @@ def bf16_checkpoint(tmp_path_factory):
     """A tiny Llama saved in bf16: its config.json says dtype bfloat16."""
     path = tmp_path_factory.mktemp("bf16-llama")
     model = tiny_llama(torch.bfloat16, use_cache=False)
-    model.config.dtype = torch.bfloat16
+    setattr(model.config, compat.config_dtype_attribute(), torch.bfloat16)
     model.save_pretrained(path)
     return path
 

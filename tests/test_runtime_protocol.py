@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.utils import clip_grad, clip_grad_norm_
+from torch.nn.utils import clip_grad_norm_
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 import mpdoctor
+from mpdoctor import compat
 from mpdoctor.facts.location import cell_number
 from mpdoctor.runtime import protocol as protocol_module
 from mpdoctor.runtime.protocol import ProtocolObserver
@@ -380,7 +381,7 @@ def originals():
 
     return {
         **{n: vars(GradScaler)[n] for n in ("scale", "unscale_", "step", "update")},
-        "clip": vars(clip_grad)["_clip_grads_with_norm_"],
+        **{f"clip {n}": vars(o)[n] for o, n in ([compat.clip_helper()] if compat.clip_helper() else compat.clip_entry_points())},
         "sched": vars(LRScheduler)["step"],
     }
 

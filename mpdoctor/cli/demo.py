@@ -16,7 +16,10 @@ import torch
 
 def build_broken_setup() -> dict:
     """Return the namespace of the broken setup: model, optimizer, scaler, batch."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from ..compat import quiet_imports
+
+    with quiet_imports():  # transformers imports torchao when it is installed; its build's log lines are not ours
+        from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(

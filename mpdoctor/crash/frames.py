@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+from ..compat import MODULE_DICTS, code_qualname
 from ..live.introspect import class_path
 
 #: At most this many frames are read, innermost first.
@@ -146,8 +147,8 @@ def tensor_locals(frames: list[FrameView], frames_read: int = 3, limit: int = 8)
                 out.append(f"{where}: {name} {_tensor_text(value)}")
             elif _is_torch_module(cls):
                 params = object.__getattribute__(value, "_parameters")
-                if type(params) is dict:
-                    for pname, p in list(params.items())[:4]:
+                if type(params) in MODULE_DICTS:
+                    for pname, p in list(dict.items(params))[:4]:
                         if type(p) is torch.nn.Parameter:
                             out.append(f"{where}: {name}.{pname} {_tensor_text(p)}")
             if len(out) >= limit:
@@ -156,9 +157,7 @@ def tensor_locals(frames: list[FrameView], frames_read: int = 3, limit: int = 8)
 
 
 def _qualname(view: FrameView) -> str:
-    code = view.frame.f_code
-    qualname = getattr(code, "co_qualname", None)  # Python 3.11+
-    return qualname if type(qualname) is str else view.function
+    return code_qualname(view.frame)
 
 
 def _is_torch_module(cls: type) -> bool:

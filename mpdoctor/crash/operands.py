@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..compat import GRAD_SCALER_MODULES, MODULE_DICTS
 from ..facts.location import Location
 from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
 from .frames import _TYPE_MRO, FrameView, _locals, _qualname, class_path
@@ -208,7 +209,7 @@ def _direct_parameters(value: Any) -> list[tuple[str, Any]]:
     from ..live.introspect import own_dict
 
     params = own_dict(value).get("_parameters")
-    return [(k, v) for k, v in dict.items(params) if v is not None] if type(params) is dict else []
+    return [(k, v) for k, v in dict.items(params) if v is not None] if type(params) in MODULE_DICTS else []
 
 
 def _line_names(view: FrameView) -> set[str]:
@@ -293,7 +294,7 @@ def _tree(root: Any) -> Any:
         seen.add(id(module))
         yield path, module
         children = own_dict(module).get("_modules")
-        if type(children) is dict:
+        if type(children) in MODULE_DICTS:
             items = [(k, v) for k, v in dict.items(children) if v is not None and type(k) is str]
             stack.extend((f"{path}.{k}" if path else k, v) for k, v in reversed(items))
 
@@ -310,7 +311,7 @@ def _walk(roots: list[tuple[str, Any]], torch: Any, what: str, target: Any) -> s
             found = path if sub is target else None
             if what == "parameter":
                 params = own_dict(sub).get("_parameters")
-                name = next((k for k, v in dict.items(params) if v is target), None) if type(params) is dict else None
+                name = next((k for k, v in dict.items(params) if v is target), None) if type(params) in MODULE_DICTS else None
                 found = (f"{path}.{name}" if path else name) if name is not None else None
             if found is not None:
                 # The deepest path wins (the outermost model), then a plain root name, then the first root.
@@ -625,7 +626,7 @@ def protocol_names(frames: list[FrameView], namespace: Mapping[str, Any] | None 
     (``"scaler"`` / ``"optimizer"`` when unknown)."""
     scaler_obj = optimizer_obj = None
     for view in reversed(frames):
-        if view.user or not view.module.startswith("torch.amp") and not view.module.startswith("torch.cuda.amp"):
+        if view.user or not view.module.startswith(GRAD_SCALER_MODULES):
             continue
         try:
             local = dict(_locals(view.frame))

@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ..compat import ACCELERATE_FP8_RECIPE_ATTRS, grad_scaler
 from ..edits.steps import Change, SetAttr, SetEnv
 from ..facts.fp8_training import FP8RecipeFacts
 from ..live.introspect import class_path, own_dict, raw_attr
@@ -228,7 +229,7 @@ def _scaler_changes(live: LiveSetup, acc: Any, want_scaler: bool) -> list[Change
         return []
     handler = raw_attr(acc, "scaler_handler", None)
     kwargs = handler.to_kwargs() if handler is not None and hasattr(handler, "to_kwargs") else {}
-    new = torch.amp.GradScaler(live.device(), **kwargs)
+    new = grad_scaler(live.device(), **kwargs)
     changes: list[Change] = [SetAttr(acc, "scaler", new, f"{live.acc_name}.scaler")]
     for opt in raw_attr(acc, "_optimizers", None) or ():
         if "optimizer" in _own(opt) and _own(opt).get("scaler") is None:
@@ -282,7 +283,7 @@ HANDLER_DEFAULT_FORMAT = "HYBRID"
 #: What TE's recipes hold when they get no ``fp8_format`` (TE 2.x ``common/recipe``): ``MXFP8BlockScaling``
 #: defaults to E4M3 for every tensor, ``DelayedScaling`` to HYBRID.
 TE_DEFAULT_FORMAT = {True: "E4M3", False: "HYBRID"}
-_RECIPE_ATTRS = ("te_recipe_handler", "fp8_recipe_handler")
+_RECIPE_ATTRS = ACCELERATE_FP8_RECIPE_ATTRS
 
 
 def recipe_facts(acc: Any, name: str) -> list[FP8RecipeFacts]:

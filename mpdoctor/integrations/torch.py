@@ -7,11 +7,12 @@ Always active (mpdoctor itself imports torch). The tensor facts every model gets
 
 from __future__ import annotations
 
+from ..compat import GRAD_SCALER_CLASSES
 from . import Integration, Unwrap
 
 MODULE = "torch.nn.modules.module.Module"
 OPTIMIZER = "torch.optim.optimizer.Optimizer"
-SCALERS = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler")
+SCALERS = GRAD_SCALER_CLASSES
 
 INTEGRATION = Integration(
     name="torch",

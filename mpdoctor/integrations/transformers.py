@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..compat import rope_init_function
 from ..live.introspect import is_a, modules_where, raw_attr
 from ..readers.configs import read_configs
 from ..redact import safe_value
@@ -80,9 +81,9 @@ def rope_reference(mod: Any) -> Any:
         if rope_type == "default" and hasattr(type(mod), "compute_default_rope_parameters"):
             fn = type(mod).compute_default_rope_parameters
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            fn = ROPE_INIT_FUNCTIONS[rope_type]
+            fn = rope_init_function(rope_type)
+            if fn is None:
+                return None
         with torch.no_grad():
             inv_freq = fn(config)[0]
     except Exception:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..compat import GRAD_SCALER_CLASSES
 from ..facts.tensors import dtype_name
 from ..gathering.values import FP16_MAX, no_autocast
 from ..live.introspect import is_a
@@ -55,7 +56,7 @@ from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
 
 _TRAINER = ("transformers.trainer.Trainer",)
 _ACCELERATOR = ("accelerate.accelerator.Accelerator",)
-_SCALER = ("torch.amp.grad_scaler.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler")
+_SCALER = GRAD_SCALER_CLASSES
 
 # -- statistics ------------------------------------------------------------------------
 

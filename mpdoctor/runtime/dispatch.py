@@ -185,14 +185,18 @@ _DISPATCH = _Dispatch()
 
 
 def _targets() -> tuple[list, Callable]:
-    from torch.amp.grad_scaler import GradScaler
-    from torch.nn.utils import clip_grad
     from torch.optim.lr_scheduler import LRScheduler
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    from ..compat import clip_entry_points, clip_helper, grad_scaler_class
+
+    GradScaler = grad_scaler_class()
+    helper = clip_helper()
+    # torch >= 2.6 clips through one helper; older torch inside clip_grad_norm_, wrapped where it is looked up.
+    clips = [(*helper, _wrap_clip)] if helper else [(owner, name, _wrap_clip_norm) for owner, name in clip_entry_points()]
     wanted = [(GradScaler, "scale", _wrap_scale), (GradScaler, "unscale_", _wrap_unscale),
               (GradScaler, "step", _wrap_step), (GradScaler, "update", _wrap_update),
-              (clip_grad, "_clip_grads_with_norm_", _wrap_clip), (LRScheduler, "step", _wrap_scheduler)]  # fmt: skip
+              *clips, (LRScheduler, "step", _wrap_scheduler)]  # fmt: skip
     return wanted, register_optimizer_step_pre_hook
 
 
@@ -262,6 +266,22 @@ def _wrap_clip(original: Callable) -> Callable:
 
     _clip_grads_with_norm_.__wrapped__ = original
     return _clip_grads_with_norm_
+
+
+def _wrap_clip_norm(original: Callable) -> Callable:
+    """``clip_grad_norm_`` itself, on a torch without ``_clip_grads_with_norm_`` (2.4, 2.5)."""
+
+    def clip_grad_norm_(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _DISPATCH.observers:
+            return original(parameters, max_norm, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        total_norm = original(params, max_norm, *args, **kwargs)
+        # Told after the clip: the observer needs the norm, and clipping changes no scaler state it reads.
+        _DISPATCH.emit("on_clip", params, max_norm, total_norm, HERE)
+        return total_norm
+
+    clip_grad_norm_.__wrapped__ = original
+    return clip_grad_norm_
 
 
 def _wrap_scheduler(original: Callable) -> Callable:

@@ -206,10 +206,43 @@ def test_fp16_and_bf16_both_enabled_is_fixed_before_the_trainer_exists(tmp_path)
     assert trainer.model_wrapped.bfloat16_enabled() and trainer.state.global_step == 1
 
 
-def test_fp16_refused_on_this_cpu_is_switched_to_bf16_before_train(tmp_path):
-    """DeepSpeed refuses fp16 where its accelerator has none: on this CPU (no oneDNN fp16)
+def _onednn_fp16() -> bool:
+    """The capability DeepSpeed's CPU accelerator and mpdoctor both read: torch's oneDNN fp16 query."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
+@pytest.fixture(params=["this CPU", "forced: no oneDNN fp16", "forced: oneDNN fp16"])
+def onednn_fp16(request, monkeypatch) -> bool:
+    """Whether this CPU's oneDNN has fp16 (avx512_fp16 / AMX-FP16 CPUs do): as this machine answers, then
+    forced each way through torch's own query, which DeepSpeed's ``CPU_Accelerator.is_fp16_supported`` and
+    mpdoctor's ``device_support`` both call: every CI machine proves both answers."""
+    if request.param == "this CPU":
+        return _onednn_fp16()
+    answer = request.param == "forced: oneDNN fp16"
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: answer)
+    return answer
+
+
+def test_the_fp16_probe_is_the_one_deepspeed_reads(onednn_fp16):
+    from deepspeed.accelerator import get_accelerator
+
+    assert bool(get_accelerator().is_fp16_supported()) == onednn_fp16
+
+
+def test_fp16_where_deepspeed_refuses_it_is_switched_to_bf16_before_train(tmp_path, onednn_fp16):
+    """DeepSpeed refuses fp16 where its accelerator has none: on a CPU without oneDNN fp16,
     "ValueError: Type fp16 is not supported on your device." at train(), after the model is built. The fix
-    switches the config, the arguments and the accelerator to bf16 together, in place; undo restores them."""
+    switches the config, the arguments and the accelerator to bf16 together, in place; undo restores them.
+    Where oneDNN has fp16, DeepSpeed trains in fp16 and mpdoctor finds nothing to refuse."""
+    if onednn_fp16:
+        trainer = _trainer(training_args(zero_config(2), tmp_path, fp16=True))
+        assert not _findings(mpdoctor.diagnose(namespace={"trainer": trainer}), "deepspeed-precision-unsupported")
+        trainer.train()
+        assert trainer.model_wrapped.fp16_enabled() and trainer.state.global_step == 1
+        return
     args = training_args(zero_config(2), tmp_path, fp16=True)
     trainer = _trainer(args)
     with pytest.raises(ValueError, match="Type fp16 is not supported on your device.") as raised:

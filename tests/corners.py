@@ -1,0 +1,152 @@
+"""The support matrix's corners: what each runs and what it leaves out, with the reason. The one place that says so.
+
+``make test`` runs the whole suite in ``.venv`` (the *pinned* corner) and then each corner here in its own venv
+with ``MPDOCTOR_CORNER=<name>``: ``tests/conftest.py`` reads this table, collects only the corner's ``runs``
+and deselects its ``excluded`` tests, naming each with its reason in the summary. ``docs/support-matrix.md``
+shows the same table to users.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Corner:
+    """One corner of the support matrix.
+
+    Attributes
+    ----------
+    name : str
+        The value of ``MPDOCTOR_CORNER``, and the venv's suffix (``.venv-<name>``).
+    versions : str
+        What the corner installs, for the summary and the docs.
+    runs : tuple of str
+        Test paths (files or folders, relative to the repository) the corner collects; empty for all.
+    excluded : dict
+        Test path or node id prefix -> why this corner cannot hold it.
+    """
+
+    name: str
+    versions: str
+    runs: tuple[str, ...] = ()
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+#: What a version corner must prove: core diagnosis, the fixes, the loop watcher, the crash hook, the exception
+#: catalogue, the magic, and the compatibility module. The rest of the suite (renderers, widgets, notebooks,
+#: benchmarks, the training stack) does not depend on these versions beyond what these tests reach.
+CORE = (
+    "tests/test_compat.py",
+    "tests/test_core_api.py",
+    "tests/test_checks_dtypes.py",
+    "tests/test_checks_precision.py",
+    "tests/test_checks_scaler_cache.py",
+    "tests/test_integrations.py",
+    "tests/field/test_torch_core.py",
+    "tests/field/test_transformers_core.py",
+    "tests/field/test_peft_accelerate_core.py",
+    "tests/test_treatment.py",
+    "tests/test_fix_safety.py",
+    "tests/test_runtime_protocol.py",
+    "tests/field/test_runtime_protocol_cases.py",
+    "tests/test_crash_watch.py",
+    "tests/test_crash_hook.py",
+    "tests/test_crash_patterns.py",
+    "tests/test_exception_families.py",
+    "tests/field/test_exception_cases.py",
+    "tests/test_magic.py",
+)
+
+CORNERS: dict[str, Corner] = {
+    c.name: c
+    for c in (
+        Corner(
+            "oldest",
+            "Python 3.10, torch 2.4.0, transformers 4.50.0, accelerate 1.0.0, peft 0.13.0, IPython 7.34.0, "
+            "ipywidgets 7.6.0 (constraints-oldest.txt)",
+            runs=CORE,
+            excluded={
+                # Tests written against transformers >= 4.56 / 5.x APIs that 4.50 does not have.
+                "tests/field/test_transformers_core.py::test_from_pretrained_in_bf16_keeps_the_frequencies_fp32_and_draws_nothing":
+                    "calls from_pretrained(dtype=...), transformers >= 4.56's spelling (torch_dtype before)",
+                "tests/field/test_transformers_core.py::test_flash_attention_2_on_fp32_weights_is_named_before_the_gpu_refuses_it":
+                    "calls model.set_attn_implementation(), which transformers 4.50 does not have",
+                "tests/test_checks_dtypes.py::test_a_model_loaded_in_its_checkpoint_dtype_is_not_reported":
+                    "reads config.dtype, transformers >= 4.56's name (torch_dtype before)",
+                "tests/test_checks_precision.py::test_stale_fp16_env_reproduces_and_on_this_cpu_is_a_warning_an_error_on_a_gpu_target":
+                    "reads TrainingArguments.mixed_precision, a transformers 5 attribute",
+                "tests/test_checks_precision.py::test_lone_training_arguments_built_under_a_stale_env_are_reported_and_fixed":
+                    "reads TrainingArguments.mixed_precision, a transformers 5 attribute",
+                "tests/test_checks_precision.py::test_training_arguments_read_the_env_var_but_transformers_5_does_not_write_it_back":
+                    "transformers 5's behaviour: 4.50 writes ACCELERATE_MIXED_PRECISION back",
+                "tests/test_checks_scaler_cache.py::test_transformers_5_checkpointing_sets_the_module_flag_the_fact_reads[activation_checkpointing_enable]":
+                    "activation_checkpointing_enable() is transformers 5's",
+                "tests/test_checks_scaler_cache.py::test_checkpointing_with_the_cache_on_is_info_for_transformers_which_drops_the_cache_itself":
+                    "calls activation_checkpointing_enable(), transformers 5's",
+                "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[training_args_bf16_without_gpu]":
+                    "transformers 4.50 accepts TrainingArguments(bf16=True) without a GPU: the refusal it reproduces is 5.x's",
+                # torch 2.4 words these errors differently (test_exception_families.RAISED_ON_OTHER_TORCH) and no
+                # family of the catalogue matches its text yet: known gaps of the crash hook on torch 2.4.
+                "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[bf16_lstm_fed_fp32]":
+                    "known gap: torch 2.4's RNN message ('input must have the type torch.bfloat16, got type "
+                    "torch.float32') is matched by no family",
+                "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[rnn_bf16_fed_fp32]":
+                    "known gap: torch 2.4's RNN message is matched by no family",
+                "tests/test_exception_families.py::test_in_a_notebook_the_hook_explains_each_family_and_its_cast_makes_the_line_run[crash-rnn-dtype]":
+                    "known gap: torch 2.4's RNN message is matched by no family",
+                "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[amp_current_scale]":
+                    "known gap: torch 2.4 raises 'value cannot be converted to type at::Half without overflow' for a "
+                    "half current_scale, matched by no family",
+                "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[matmul_mv]":
+                    "torch 2.4 words torch.mv's error 'expected scalar type Float but found BFloat16': explained by the "
+                    "scalar-type family, not the matmul family the test names",
+                "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[grad_in_other_dtype]":
+                    "known gap, not yet diagnosed: no explanation on torch 2.4",
+                # The watcher on torch 2.4 / 2.5 (docs/support-matrix.md).
+                "tests/test_runtime_protocol.py::test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_is_named_at_its_line":
+                    "calls a clip_grad_norm_ imported by name before the watch: torch < 2.6 clips inside that function, "
+                    "so the watcher sees only calls through torch.nn.utils (tests/test_compat.py proves those)",
+                # Not yet diagnosed on transformers 4.50 / accelerate 1.0.
+                "tests/test_checks_dtypes.py::test_a_bf16_checkpoint_held_in_fp32_for_inference_is_info_with_an_unsafe_cast":
+                    "known gap, not yet diagnosed: no finding for a bf16 checkpoint loaded in fp32 on transformers 4.50",
+                "tests/test_checks_dtypes.py::test_fp32_master_weights_of_a_bf16_checkpoint_under_an_optimizer_are_info_without_a_fix":
+                    "known gap, not yet diagnosed: no finding for a bf16 checkpoint loaded in fp32 on transformers 4.50",
+                "tests/test_treatment.py::test_applying_every_planned_fix_in_order_leaves_a_setup_that_trains_without_errors[launcher_fp8_beaten_by_bf16]":
+                    "known gap, not yet diagnosed: the launcher's fp8 beaten by bf16 draws no finding on accelerate 1.0",
+            },
+        ),
+        Corner(
+            "newest",
+            "Python 3.13, torch 2.14.1, transformers 5.24.0, accelerate 1.15.0, peft 0.21.2, IPython 9.18.1, "
+            "ipywidgets 8.1.9 (constraints-newest.txt)",
+            runs=(*CORE, "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_and_its_claims_hold[04_cache_in_training]"),
+            excluded={},
+        ),
+        Corner(
+            "colab",
+            "Python 3.11, torch 2.13.0, transformers 5.23.0, IPython 7.34.0, ipywidgets 7.7.1, ipykernel 6.17.1 "
+            "(constraints-colab.txt)",
+            runs=(),
+            excluded={
+                "tests/stack": "the training stack beyond transformers (Lightning, DeepSpeed, torchao, ...) is "
+                "installed in .venv only",
+                "tests/distributed": "multi-process jobs of the training stack, installed in .venv only",
+                "tests/test_browser.py": "needs JupyterLab and Playwright, installed in .venv only",
+                "tests/test_binder.py": "builds Binder's environment with .venv's JupyterLab",
+                "tests/test_bench_smoke.py": "the benchmarks measure the pinned stack, in .venv",
+            },
+        ),
+    )
+}
+
+
+def current() -> Corner | None:
+    """The corner this test run is, from ``MPDOCTOR_CORNER``; None for the pinned corner (the whole suite)."""
+    name = os.environ.get("MPDOCTOR_CORNER", "")
+    if not name:
+        return None
+    if name not in CORNERS:
+        raise ValueError(f"MPDOCTOR_CORNER={name!r}: the corners are {', '.join(CORNERS)}")
+    return CORNERS[name]
