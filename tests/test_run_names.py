@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from notebook_shell import loaded_shell
 
 from mpdoctor.runtime.protocol import ProtocolObserver, modules_in_user_frames
 
@@ -48,14 +49,8 @@ for _ in range(2):
 
 @pytest.fixture
 def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    sh = InteractiveShell.instance()
-    sh.run_line_magic("load_ext", "mpdoctor")
-    yield sh
-    sh.run_line_magic("unload_ext", "mpdoctor")
-    for name in ("model", "optimizer", "amp_scaler", "fresh", "x", "loss", "r"):
-        sh.user_ns.pop(name, None)
+    with loaded_shell(("model", "optimizer", "amp_scaler", "fresh", "x", "loss", "r")) as sh:
+        yield sh
 
 
 #: Run at module level, as a notebook cell runs (its frame's locals are its globals: nothing else holds the objects).

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from notebook_shell import loaded_shell
 
 import mpdoctor
 from mpdoctor.render.svg import scale_history_svg
@@ -34,14 +35,8 @@ def steps(n, clip_before_unscale=False):
 
 @pytest.fixture
 def shell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    sh = InteractiveShell.instance()
-    sh.run_line_magic("load_ext", "mpdoctor")
-    yield sh
-    sh.run_line_magic("unload_ext", "mpdoctor")
-    for name in ("model", "optimizer", "scaler", "x", "steps", "r"):
-        sh.user_ns.pop(name, None)
+    with loaded_shell(("model", "optimizer", "scaler", "x", "steps", "r")) as sh:
+        yield sh
 
 
 def test_a_cells_report_pictures_that_cells_steps_only(shell, capsys):

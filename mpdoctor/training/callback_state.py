@@ -5,6 +5,7 @@ Neither library is imported here, so each callback module imports only its own l
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -102,3 +103,23 @@ class CallbackState:
         from ..runtime.protocol import ProtocolObserver, protocol_report
 
         return protocol_report(self.protocol or ProtocolObserver(), self.start_report)
+
+
+def show_report(report: Any, when: str, rank_zero: bool) -> None:
+    """Show a callback's report: in a notebook as the report itself, in a script through the ``mpdoctor`` logger at
+    the level of its worst finding; on another rank than 0 only a line that a failing batch was probed there."""
+    logger = logging.getLogger("mpdoctor")
+    if not rank_zero:
+        if when.startswith("at step"):  # a probe on another rank: say so, the report renders on rank 0 only
+            logger.warning("mpdoctor: non-zero rank probed a failing batch %s (see its probe_report)", when)
+        return
+    shell = ipython_shell()
+    if shell is not None:
+        from IPython.display import display
+
+        print(f"mpdoctor {when}:")
+        display(report)
+        return
+    counts = report.counts()
+    level = logging.ERROR if counts["error"] else logging.WARNING if counts["warning"] else logging.INFO
+    logger.log(level, "mpdoctor %s:\n%s", when, report.to_text())

@@ -32,8 +32,7 @@ try:  # the unified package first; the standalone ``pytorch_lightning`` where on
 except ImportError:  # pragma: no cover - depends on the installed namespace
     from pytorch_lightning.callbacks import Callback
 
-from .callback_state import CallbackState, MPDoctorAbort
-from .callback_state import ipython_shell as _ipython_shell
+from .callback_state import CallbackState, MPDoctorAbort, show_report
 
 logger = logging.getLogger("mpdoctor")
 
@@ -143,17 +142,4 @@ class MPDoctorLightningCallback(Callback, CallbackState):
     def _show(self, trainer: Any, report: Any, when: str) -> None:
         from ..diagnosis.ranks import is_rank_zero
 
-        if not getattr(trainer, "is_global_zero", True) or not is_rank_zero():
-            if when.startswith("at step"):
-                logger.warning("mpdoctor: non-zero rank probed a failing batch %s (see its probe_report)", when)
-            return
-        shell = _ipython_shell()
-        if shell is not None:
-            from IPython.display import display
-
-            print(f"mpdoctor {when}:")
-            display(report)
-            return
-        counts = report.counts()
-        level = logging.ERROR if counts["error"] else logging.WARNING if counts["warning"] else logging.INFO
-        logger.log(level, "mpdoctor %s:\n%s", when, report.to_text())
+        show_report(report, when, rank_zero=getattr(trainer, "is_global_zero", True) and is_rank_zero())

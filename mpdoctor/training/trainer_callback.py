@@ -35,12 +35,9 @@ import torch
 from transformers import TrainerCallback
 
 from ..numerics.probe import probe_inputs
-from .callback_state import CallbackState, MPDoctorAbort, ipython_shell
+from .callback_state import CallbackState, MPDoctorAbort, show_report
 
 logger = logging.getLogger("mpdoctor")
-
-
-_ipython_shell = ipython_shell
 
 
 class MPDoctorCallback(TrainerCallback, CallbackState):
@@ -169,17 +166,4 @@ class MPDoctorCallback(TrainerCallback, CallbackState):
     def _show(self, report: Any, when: str) -> None:
         from ..diagnosis.ranks import is_rank_zero
 
-        if not is_rank_zero():
-            if when.startswith("at step"):  # a probe on another rank: say so, the report renders on rank 0 only
-                logger.warning("mpdoctor: non-zero rank probed a failing batch %s (see its probe_report)", when)
-            return
-        shell = _ipython_shell()
-        if shell is not None:
-            from IPython.display import display
-
-            print(f"mpdoctor {when}:")
-            display(report)
-            return
-        counts = report.counts()
-        level = logging.ERROR if counts["error"] else logging.WARNING if counts["warning"] else logging.INFO
-        logger.log(level, "mpdoctor %s:\n%s", when, report.to_text())
+        show_report(report, when, rank_zero=is_rank_zero())
