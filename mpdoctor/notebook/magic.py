@@ -13,7 +13,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, List, Unicode
 
 from ..knowledge import GPU_PROFILES
-from ..render.frontend import skip_next_display
 
 try:
     from IPython.core.magic import no_var_expand
@@ -169,6 +168,8 @@ class MPDoctorMagics(Magics):
         try:
             self._show(report, args)
         except Exception as exc:  # a rendering failure still returns the report, shown nowhere else
+            from ..render.frontend import skip_next_display
+
             skip_next_display(report, self.shell.execution_count)
             _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
         if not (args.json or args.markdown):  # the exports stay parseable: no line after them
@@ -287,7 +288,7 @@ class MPDoctorMagics(Magics):
         return plan if plan is not None else comparison  # a plan shows its code when displayed
 
     def _show(self, report: Any, args: Any) -> None:
-        from ..render.frontend import show
+        from ..render.frontend import show, skip_next_display
 
         if args.json:
             print(report.to_json())
