@@ -102,19 +102,17 @@ CORNERS: dict[str, Corner] = {
                 "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[matmul_mv]":
                     "torch 2.4 words torch.mv's error 'expected scalar type Float but found BFloat16': explained by the "
                     "scalar-type family, not the matmul family the test names",
-                "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[grad_in_other_dtype]":
-                    "known gap, not yet diagnosed: no explanation on torch 2.4",
                 # The watcher on torch 2.4 / 2.5 (docs/support-matrix.md).
                 "tests/test_runtime_protocol.py::test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_is_named_at_its_line":
                     "calls a clip_grad_norm_ imported by name before the watch: torch < 2.6 clips inside that function, "
                     "so the watcher sees only calls through torch.nn.utils (tests/test_compat.py proves those)",
-                # Not yet diagnosed on transformers 4.50 / accelerate 1.0.
+                # What transformers 4.50 itself erases before mpdoctor can read it.
                 "tests/test_checks_dtypes.py::test_a_bf16_checkpoint_held_in_fp32_for_inference_is_info_with_an_unsafe_cast":
-                    "known gap, not yet diagnosed: no finding for a bf16 checkpoint loaded in fp32 on transformers 4.50",
+                    "transformers 4.50 loads in fp32 by default and rewrites config.torch_dtype to the dtype it loaded in: the checkpoint's bf16 is no longer on the live model for the check to read",
                 "tests/test_checks_dtypes.py::test_fp32_master_weights_of_a_bf16_checkpoint_under_an_optimizer_are_info_without_a_fix":
-                    "known gap, not yet diagnosed: no finding for a bf16 checkpoint loaded in fp32 on transformers 4.50",
+                    "transformers 4.50 loads in fp32 by default and rewrites config.torch_dtype to the dtype it loaded in: the checkpoint's bf16 is no longer on the live model for the check to read",
                 "tests/test_treatment.py::test_applying_every_planned_fix_in_order_leaves_a_setup_that_trains_without_errors[launcher_fp8_beaten_by_bf16]":
-                    "known gap, not yet diagnosed: the launcher's fp8 beaten by bf16 draws no finding on accelerate 1.0",
+                    "transformers 4.50's TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION=bf16 back over the launcher's fp8: the request is gone from the environment the check reads",
             },
         ),
         Corner(

@@ -78,7 +78,7 @@ PATTERNS: tuple[Pattern, ...] = tuple(_from_family(f) for f in FAMILIES) + (
     _p(
         "crash-grad-dtype",
         ("builtins.RuntimeError",),
-        r"attempting to assign a gradient with dtype .+ to a tensor with grad_dtype",
+        r"attempting to assign a gradient with dtype .+ to a tensor with (?:grad_)?dtype",  # torch 2.4 says "dtype", 2.13 "grad_dtype"
         ("grad-dtype-mismatch", "mixed-param-dtypes"),
         "A gradient was assigned in another dtype than its parameter (code that casts .grad to fp32 or bf16 "
         "after backward, or a parameter cast without its grad).",
