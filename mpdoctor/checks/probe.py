@@ -500,7 +500,8 @@ def _origin_finding(facts: Facts, p, first, rule: Rule) -> Finding:
         lead = (f"{where} ({o.class_name}) is the first module whose output went non-finite "
                 f"({first.out_nonfinite:,} NaN/Inf activation values); it is produced there"
                 if first.path == o.module else f"The first non-finite value is produced in {where} ({o.class_name})")  # fmt: skip
-        msg = f"{lead}{op}, computing in {o.dtype} under {_precision(p)}: {o.why}"
+        computing = f"computing in {o.dtype} under" if o.dtype else "under"  # an op with no floating output
+        msg = f"{lead}{op}, {computing} {_precision(p)}: {o.why}"
         if o.cause == "overflow":
             msg += f"; its inputs were finite (abs max {_fmt(o.detail.get('input_absmax'))})"
             if o.dtype == "float16":
