@@ -162,13 +162,13 @@ for i, (x, y) in enumerate(data):
 # %% [markdown]
 # ## mpdoctor reads the loop
 #
-# `%mpdoctor` inspects the live objects and, since this kernel ran the cells above, reads them too (IPython's history, parsed, never executed). Each finding names the cell and line as IPython numbers them (`cell [7], line 6`) and offers, as its fix, the lesson's own loop with the corrected lines. The correct loops of lesson 1 draw nothing.
+# `%mpdoctor` inspects the live objects and, since this kernel ran the cells above, reads them too (IPython's history, parsed, never executed). Each finding names the cell and line as IPython numbers them (`cell [7], line 6`) and offers, as its fix, the lesson's own loop with the corrected lines. The correct loops of lesson 1 draw nothing. The report also holds what the loop watcher saw as the cells ran and what the crash hook explained; a mistake seen by several of them is one finding. Below, the findings the cell reader placed on a line.
 
 # %%
 # report = %mpdoctor --text
 
 # %%
-loop = {f.check: f for f in report.findings if f.check.startswith("amp-")}
+loop = {f.check: f for f in report.findings if f.check.startswith("amp-") and "cell" in f.evidence}
 for f in loop.values():
     print(f"{f.severity:7} {f.check:28} {f.subject}: {f.evidence['code']}")
 

@@ -180,17 +180,6 @@ def test_what_attaches_to_a_training_run_reads_the_same_objects_at_its_old_paths
     assert old_callback.MPDoctorCallback is MPDoctorCallback and old_callback.MPDoctorAbort is MPDoctorAbort
 
 
-def test_both_callbacks_share_one_constructor():
-    import mpdoctor
-    from mpdoctor.training.callback_state import CallbackState
-
-    transformers_cb = mpdoctor.MPDoctorCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
-    lightning_cb = mpdoctor.MPDoctorLightningCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
-    for cb in (transformers_cb, lightning_cb):
-        assert type(cb).__init__ is CallbackState.__init__
-        assert (cb.stop_on_error, cb.scan, cb.ignore, cb.timeout, cb.probe) == (True, True, ("x",), 5.0, True)
-
-
 def test_a_renamed_fact_answers_at_its_old_name_with_a_warning():
     from mpdoctor.facts import TorchStateFacts
 

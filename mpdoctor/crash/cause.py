@@ -316,6 +316,7 @@ def _protocol_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | 
     subject = ""
     if line is not None:
         evidence["loop line"] = f"{line.label}: {line.code}"
+        evidence["code"] = line.code  # as the watcher's and the cell reader's findings of the same rule say it
         sentence += f" Broken at {line.label}: `{line.code}`."
         subject = line.label
     return FamilyDetail(sentence, code, "Follow the GradScaler protocol", subject, evidence)

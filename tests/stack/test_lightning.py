@@ -214,3 +214,15 @@ def test_import_mpdoctor_does_not_import_the_callback():
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.stdout.split() == ["False", "False"]
+
+
+# The Lightning callback needs Lightning: this lives with the stack tests (Colab's venv has none).
+def test_both_callbacks_share_one_constructor():
+    import mpdoctor
+    from mpdoctor.training.callback_state import CallbackState
+
+    transformers_cb = mpdoctor.MPDoctorCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
+    lightning_cb = mpdoctor.MPDoctorLightningCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
+    for cb in (transformers_cb, lightning_cb):
+        assert type(cb).__init__ is CallbackState.__init__
+        assert (cb.stop_on_error, cb.scan, cb.ignore, cb.timeout, cb.probe) == (True, True, ("x",), 5.0, True)
