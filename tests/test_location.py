@@ -56,10 +56,13 @@ def test_every_cell_of_a_session_keeps_its_own_number(shell):
 def test_ipykernels_cell_files_are_numbered_by_the_shells_own_record(shell):
     # ipykernel compiles a cell under /tmp/ipykernel_<pid>/<hash>.py and records its number in the same map
     # IPython keeps for its own names; the hash in the name is not the number.
-    fmap = shell.compile._filename_map
     kernel_file = "/tmp/ipykernel_4242/2481233512.py"
     assert cell_number(kernel_file) is None
     assert Location.at(kernel_file, 3).label == "a notebook cell, line 3"  # a cell, even unnumbered
+    fmap = getattr(shell.compile, "_filename_map", None)
+    if fmap is None:  # IPython 7.34 (Colab) keeps no such map: the cell is named, unnumbered, as above
+        assert not hasattr(type(shell.compile), "_filename_map")
+        return
     fmap[kernel_file] = 12
     try:
         assert cell_number(kernel_file) == 12
