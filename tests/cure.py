@@ -1,0 +1,196 @@
+"""The corpus's cure, proven on the user's failing step, through the API and through the widget's button.
+
+A field case "fixed in place" is cured only when the very call that raised or did harm (same function, same
+inputs) runs again after the fix and trains: a finite loss and parameters that moved (``steps.assert_step_trains``).
+A :class:`Case` holds what that proof needs: a builder of the user's objects as they stand right before the failing
+step, the step itself, what it does before the fix, the diagnosis the user runs and the slug it must name.
+
+Each proof builds the objects afresh (same builder, same seeds), as a user re-running the cell would: a step that
+wrote NaN into the weights cannot be undone by any fix, so the failure and the cure are shown on twin objects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from steps import assert_step_trains, snapshot
+
+import mpdoctor
+from mpdoctor.render.widget import ReportWidget, iter_widgets
+from mpdoctor.treatment.fixes import Applicability, Fix
+
+Namespace = dict[str, Any]
+
+
+def _namespace_diagnosis(ns: Namespace) -> Any:
+    return mpdoctor.diagnose(namespace=ns)
+
+
+def _optimizer_params(ns: Namespace) -> list[torch.Tensor]:
+    # The parameters the user's optimizer holds: what a training step must move.
+    opts = [v for v in ns.values() if isinstance(v, torch.optim.Optimizer)]
+    assert opts, "the namespace holds no optimizer: give the case its params"
+    return [p for opt in opts for group in opt.param_groups for p in group["params"]]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fixed-in-place field case, as the registry of cures holds it.
+
+    Attributes
+    ----------
+    name : str
+        The registry id, named in the fragment's ``verified on failing step`` column.
+    source : str
+        The fragment row's first source (``"pytorch/pytorch#8860"``).
+    slug : str
+        The check (or crash pattern) the diagnosis must name; its planned fixes are the cure.
+    build : callable
+        A fresh namespace: the user's objects right before the failing step.
+    step : callable
+        The failing step on that namespace (forward, backward, optimizer step); returns the loss.
+    failure : str
+        A regex the step's outcome before the fix matches (:func:`outcome`: the exception, ``loss is not finite``,
+        ``changed no parameter``, or ``trains`` for a step whose harm is measured by ``harm``).
+    diagnose : callable
+        The diagnosis the user runs on the namespace (``diagnose(namespace=...)``, a probe of the batch, ...).
+    params : callable
+        The parameters the step must move (default: every parameter of the namespace's optimizers).
+    harm : callable or None
+        Asserts the measured harm on the namespace (after the failing step), where the step itself runs.
+    healed : callable or None
+        Asserts the harm is gone after the cured step.
+    recipe : str
+        Only the planned fixes of this recipe are applied (empty: every planned fix of the slug).
+    fixed_by : str
+        The slug whose planned fix is the cure, where the plan treats two findings with one fix (empty: ``slug``).
+    first_offered : bool
+        The cure is the finding's first in-place fix rather than the report's plan: a crash report's plan
+        (``report.fixes``) leaves out the fixes of the finding that explains the exception.
+    """
+
+    name: str
+    source: str
+    slug: str
+    build: Callable[[], Namespace]
+    step: Callable[[Namespace], Any]
+    failure: str
+    diagnose: Callable[[Namespace], Any] = _namespace_diagnosis
+    params: Callable[[Namespace], list[torch.Tensor]] = _optimizer_params
+    harm: Callable[[Namespace], None] | None = None
+    healed: Callable[[Namespace], None] | None = None
+    recipe: str = ""
+    fixed_by: str = ""
+    first_offered: bool = False
+
+
+def outcome(case: Case, ns: Namespace) -> str:
+    """What the failing step does on ``ns``: the exception it raises, ``loss is not finite``,
+    ``changed no parameter`` or ``trains``."""
+    params = list(case.params(ns))
+    before = snapshot(params)
+    try:
+        loss = case.step(ns)
+    except Exception as exc:  # the reported error is the outcome being asserted
+        return f"{type(exc).__name__}: {exc}"
+    try:
+        assert_step_trains(loss, before, params)
+    except AssertionError as exc:
+        return str(exc)
+    return "trains"
+
+
+def assert_broken(case: Case) -> None:
+    """The real error or the measured harm, on a fresh namespace, before any fix."""
+    ns = case.build()
+    got = outcome(case, ns)
+    assert re.search(case.failure, got, re.S), f"{case.name}: before the fix the step gave {got!r}"
+    if case.harm is not None:
+        case.harm(ns)
+
+
+def planned(case: Case, report: Any) -> list[Fix]:
+    """The plan's in-place fixes for the case's slug (of its recipe, when the case names one)."""
+    assert report.findings_for(case.slug), f"{case.name}: {case.slug} not named; got {[f.check for f in report.findings]}"
+    if case.first_offered:
+        offered = [fx for finding in report.findings_for(case.slug) for fx in finding.fixes if fx.planned]
+        return [fx for fx in offered if fx.applicability is not Applicability.DISPLAY_ONLY][:1]
+    fixes = [
+        f
+        for f in report.fixes
+        if f.slug == (case.fixed_by or case.slug) and f.applicability is not Applicability.DISPLAY_ONLY and f.recipe.startswith(case.recipe)
+    ]
+    assert fixes, f"{case.name}: no in-place fix planned for {case.slug}: {report.fixes}"
+    return fixes
+
+
+def assert_step_trains_now(case: Case, ns: Namespace) -> None:
+    """The failing step, run again on the fixed objects, trains; the harm is gone."""
+    params = list(case.params(ns))
+    before = snapshot(params)
+    loss = case.step(ns)
+    assert_step_trains(loss, before, params)
+    if case.healed is not None:
+        case.healed(ns)
+
+
+def cure_through_api(case: Case) -> None:
+    """Diagnose, apply the planned fixes with ``fix.apply()``, run the failing step again: it trains."""
+    ns = case.build()
+    fixes = planned(case, case.diagnose(ns))
+    for i, fix in enumerate(fixes):
+        fix.apply()  # re-planned on the live objects first: one made unnecessary by an earlier fix does nothing
+        assert fix.applied or (i > 0 and fix.note), f"{case.name}: {fix} did not apply: {fix.error}"
+    assert_step_trains_now(case, ns)
+
+
+def fix_buttons(rw: ReportWidget) -> list[tuple[Fix, Any]]:
+    """Each in-place fix of the open findings with its button, in the order the widget draws them."""
+    import ipywidgets
+
+    views = rw.report.view.data["findings"]
+    fixes = [
+        fx
+        for finding, view in zip(rw.report.findings, views)
+        for fx, fv in zip(finding.fixes, view["fixes"])
+        if fv.get("applicability") != "display-only"
+    ]
+    buttons = [
+        b
+        for b in iter_widgets(rw.findings_box)
+        if isinstance(b, ipywidgets.Button) and b.description not in ("Cancel", "Undo")
+    ]
+    assert len(fixes) == len(buttons), (len(fixes), [b.description for b in buttons])
+    return list(zip(fixes, buttons))
+
+
+def click_fix(rw: ReportWidget, key: tuple[str, str, str]) -> bool:
+    """Click the button of the fix ``key`` (and confirm an unsafe one); False when no open finding offers it now."""
+    found = [(fx, b) for fx, b in fix_buttons(rw) if fx.key == key]
+    if not found:
+        return False
+    fix, button = found[0]
+    applied = len(rw.applied)
+    button.click()
+    if not fix.safe:  # the first click arms it; the second, on the same button, confirms
+        (armed,) = [b for fx, b in fix_buttons(rw) if fx.key == key and b.description.startswith("Click again to confirm")]
+        armed.click()
+    assert len(rw.applied) == applied + 1, f"the click applied nothing: {rw.status}"
+    return True
+
+
+def cure_through_widget(case: Case) -> None:
+    """Diagnose, click each planned fix's button in the widget, run the failing step again: it trains."""
+    ns = case.build()
+    report = case.diagnose(ns)
+    keys = [fix.key for fix in planned(case, report)]
+    rw = report.widget()
+    rw.confirm_delay = 0.0  # a test's second click is a confirmation, not the tail of a double-click
+    clicked = [click_fix(rw, key) for key in keys]
+    assert clicked[0], f"{case.name}: no button for the planned fix {keys[0]}"
+    assert "failed" not in rw.status, rw.status
+    assert_step_trains_now(case, ns)
