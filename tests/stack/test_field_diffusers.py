@@ -206,7 +206,7 @@ def test_pipeline_encoder_and_unet_in_different_dtypes_raise_then_one_dtype_runs
     assert severities(report)["pipeline-component-dtypes"] == "error"
     next(f for f in report.fixes if f.slug == "pipeline-component-dtypes").apply()
     assert pipe.text_encoder.dtype == torch.float16
-    images = run_pipe(pipe, torch.float16)
+    images = run_pipe(pipe, torch.float32)  # the very call that raised, with the user's fp32 embeddings
     assert torch.isfinite(images).all()
 
 

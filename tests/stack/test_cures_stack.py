@@ -1,0 +1,120 @@
+"""The stack libraries' fixed-in-place field cases (diffusers, bitsandbytes), cured on the user's own failing step:
+once through ``fix.apply()``, once through the fix's button in the widget. The same registry shape as
+``tests/test_cures.py`` (``tests/cure.py``); here because the Colab venv lacks these libraries.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+import bitsandbytes as bnb  # plain imports: tests/stack runs where the stack is pinned, a missing one must fail
+import pytest
+import torch
+from cure import Case, Namespace, assert_broken, cure_through_api, cure_through_widget
+from peft import LoraConfig, get_peft_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field tests' own builders
+
+from test_field_bnb_torchao import load_4bit  # noqa: E402
+from test_field_diffusers import lora_unet, tiny_unet, unet_step  # noqa: E402
+
+# -- diffusers ----------------------------------------------------------------------------------------
+
+
+def _fp16_lora_unet() -> Namespace:
+    unet = lora_unet().to(torch.float16)  # train_dreambooth_lora_sdxl.py --mixed_precision=fp16
+    opt = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=1e-3)
+    return {"unet": unet, "optimizer": opt, "scaler": torch.amp.GradScaler("cpu")}
+
+
+def _fp16_unet() -> Namespace:
+    unet = tiny_unet().to(torch.float16)  # train_dreambooth.py with the UNet loaded in fp16
+    return {"unet": unet, "optimizer": torch.optim.AdamW(unet.parameters(), lr=1e-4), "scaler": torch.amp.GradScaler("cpu")}
+
+
+def _unet_step(ns: Namespace) -> torch.Tensor:
+    torch.manual_seed(1)  # the same noise and embeddings each time the step runs
+    ns["optimizer"].zero_grad()
+    return unet_step(ns["unet"], ns["optimizer"], ns["scaler"])
+
+
+# -- bitsandbytes -------------------------------------------------------------------------------------
+
+
+def _qlora_fp32_compute() -> Namespace:
+    model = load_4bit(tempfile.mkdtemp(prefix="mpdoctor-cure-"), torch.float32, torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    return {"model": model, "opt": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)}
+
+
+def _lora_step(ns: Namespace) -> torch.Tensor:
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    ns["opt"].zero_grad()
+    loss = ns["model"](input_ids=ids, labels=ids).loss
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
+def _linear4bit_explicit_fp32() -> Namespace:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), bnb.nn.Linear4bit(32, 32, compute_dtype=torch.float32))
+    model = model.to(torch.bfloat16).to("cpu")
+    return {"model": model, "opt": torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)}
+
+
+def _bf16_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    loss = ns["model"](x).float().pow(2).mean()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
+def _compute_dtypes(ns: Namespace) -> set[torch.dtype]:
+    return {m.compute_dtype for m in ns["model"].modules() if isinstance(m, bnb.nn.Linear4bit)}
+
+
+def _computes_in_fp32(ns: Namespace) -> None:
+    assert _compute_dtypes(ns) == {torch.float32}, "the harm: every 4-bit matmul runs in fp32 under a bf16 model"
+
+
+def _computes_in_bf16(ns: Namespace) -> None:
+    assert _compute_dtypes(ns) == {torch.bfloat16}
+
+
+CASES: list[Case] = [
+    Case(
+        name="sdxl-lora-fp16-under-scaler", source="diffusers #10752", slug="fp16-trainable-params-with-scaler",
+        build=_fp16_lora_unet, step=_unet_step, failure="Attempting to unscale FP16 gradients",
+        fixed_by="adam-eps-underflow",  # one fp32-master-weights cast of the trainable params cures both findings
+    ),
+    Case(
+        name="dreambooth-fp16-unet-under-scaler", source="diffusers #1246", slug="fp16-trainable-params-with-scaler",
+        build=_fp16_unet, step=_unet_step, failure="Attempting to unscale FP16 gradients",
+        fixed_by="adam-eps-underflow",
+    ),
+    Case(
+        name="qlora-fp32-compute-dtype", source="h2ogpt PR #682", slug="bnb-compute-dtype-fp32",
+        build=_qlora_fp32_compute, step=_lora_step, failure="trains", harm=_computes_in_fp32, healed=_computes_in_bf16,
+    ),
+    Case(
+        name="linear4bit-explicit-fp32-compute", source="bitsandbytes PR #2077", slug="bnb-compute-dtype-fp32",
+        build=_linear4bit_explicit_fp32, step=_bf16_step, failure="trains", harm=_computes_in_fp32,
+        healed=_computes_in_bf16,
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_failing_step_fails_then_trains_after_the_planned_fix_applied_through_the_api(case: Case):
+    assert_broken(case)
+    cure_through_api(case)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_failing_step_trains_after_the_planned_fix_is_clicked_in_the_widget(case: Case):
+    cure_through_widget(case)
