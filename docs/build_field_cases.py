@@ -1,8 +1,12 @@
 """Build ``docs/field-cases.md``, the one table of the field-case corpus, from ``docs/field-cases/*.md``.
 
 Each fragment (one per area: ``core.md``, ``lightning-trl.md``, ...) holds one or more case tables whose
-header names a ``check slug`` column and a ``fixed in place / advice only`` column, and optionally a
-"Healthy recipes" section. This script concatenates the fragments in name order under a header with counts.
+header names a ``check slug`` column, a ``fixed in place / advice only`` column and, after it, a
+``verified on failing step`` column (``yes (API + widget): `case-name` `` where a test of the cure registry,
+``tests/test_cures.py`` or ``tests/stack/test_cures_stack.py``, runs the user's failing step again after the fix
+through ``fix.apply()`` and through the widget's button, and it trains; ``no: <why>`` otherwise), and optionally a
+"Healthy recipes" section. This script concatenates the fragments in name order under a header with counts and
+the cure rate: cases fixed in place whose failing step trains after the fix, out of cases fixed in place.
 
     python docs/build_field_cases.py          # rewrite docs/field-cases.md
     python docs/build_field_cases.py --check  # exit 1 when docs/field-cases.md is stale
@@ -30,10 +34,21 @@ class CaseRow:
     source: str
     slugs: tuple[str, ...]
     outcome: str
+    verified: str = ""
 
     @property
     def fixed_in_place(self) -> bool:
         return self.outcome.strip().lower().startswith("fixed")
+
+    @property
+    def cured(self) -> bool:
+        """Fixed in place, and its failing step proven to train after the fix (API and widget)."""
+        return self.fixed_in_place and self.verified.strip().lower().startswith("yes")
+
+    @property
+    def cure_names(self) -> tuple[str, ...]:
+        """The cure registry's entries the ``verified`` cell names."""
+        return tuple(_SLUG.findall(self.verified)) if self.verified.strip().lower().startswith("yes") else ()
 
 
 def _cells(line: str) -> list[str]:
@@ -52,14 +67,16 @@ def case_rows(name: str, text: str) -> list[CaseRow]:
             cols = [c.lower() for c in _cells(header)]
             slug_col = next((k for k, c in enumerate(cols) if "slug" in c), None)
             outcome_col = next((k for k, c in enumerate(cols) if "fixed" in c or "advice" in c), None)
+            verified_col = next((k for k, c in enumerate(cols) if "verified" in c), None)
             i += 2
             while i < len(lines) and lines[i].lstrip().startswith("|"):
                 if slug_col is not None:
                     cells = _cells(lines[i])
                     slug_cell = cells[slug_col] if slug_col < len(cells) else ""
                     outcome = cells[outcome_col] if outcome_col is not None and outcome_col < len(cells) else ""
+                    verified = cells[verified_col] if verified_col is not None and verified_col < len(cells) else ""
                     slugs = tuple(_SLUG.findall(slug_cell)) or tuple(s.strip() for s in slug_cell.split(",") if s.strip())
-                    rows.append(CaseRow(name, cells[0], slugs, outcome))
+                    rows.append(CaseRow(name, cells[0], slugs, outcome, verified))
                 i += 1
             continue
         i += 1
@@ -77,6 +94,7 @@ def build() -> str:
     per = {name: case_rows(name, text) for name, text in parts}
     total = sum(len(r) for r in per.values())
     fixed = sum(1 for r in per.values() for row in r if row.fixed_in_place)
+    cured = sum(1 for r in per.values() for row in r if row.cured)
     slugs = sorted({s for r in per.values() for row in r for s in row.slugs})
     out = [
         "# Field cases: real mixed-precision failures, reproduced and treated",
@@ -90,13 +108,20 @@ def build() -> str:
         f"**{total} cases** from {len(parts)} area{'' if len(parts) == 1 else 's'}: {fixed} fixed in place, {total - fixed} advice only; "
         f"{len(slugs)} distinct check slugs.",
         "",
-        "| area | cases | fixed in place | advice only |",
-        "|---|---|---|---|",
+        f"**Cure rate on the failing step: {cured} of {fixed}** cases fixed in place are proven cured: the user's "
+        "own failing step (the very call that raised or did harm) is run again after the fix, applied through "
+        "`fix.apply()` and through the widget's button, and it trains (`tests/test_cures.py`, "
+        "`tests/stack/test_cures_stack.py`). The column \"verified on failing step\" of each table says which, "
+        "and why not for the others.",
+        "",
+        "| area | cases | fixed in place | advice only | verified on failing step |",
+        "|---|---|---|---|---|",
     ]
     for name, _ in parts:
         rows = per[name]
         n_fixed = sum(1 for row in rows if row.fixed_in_place)
-        out.append(f"| {name} | {len(rows)} | {n_fixed} | {len(rows) - n_fixed} |")
+        n_cured = sum(1 for row in rows if row.cured)
+        out.append(f"| {name} | {len(rows)} | {n_fixed} | {len(rows) - n_fixed} | {n_cured} of {n_fixed} |")
     out.append("")
     for _, text in parts:
         out.append(text.rstrip())

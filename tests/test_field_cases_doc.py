@@ -54,3 +54,71 @@ def test_the_builder_reads_slugs_from_a_fragment_it_has_never_seen(builder):
     )
     (row,) = builder.case_rows("other", text)
     assert row.slugs == ("probe-nonfinite", "scaler-scale-collapsed") and not row.fixed_in_place
+
+
+TESTS = Path(__file__).resolve().parent
+REGISTRIES = (TESTS / "test_cures.py", TESTS / "stack" / "test_cures_stack.py")
+
+# The fragments this column was added to; fragments of other areas may come without it.
+VERIFIED_FRAGMENTS = (
+    "core", "deepspeed", "diffusers-bnb-torchao", "distributed", "exceptions", "lightning-trl", "low-precision",
+    "runtime-batch-nan", "runtime-loop", "runtime-protocol",
+)  # fmt: skip
+
+
+def registered_cures() -> dict[str, str]:
+    """``name -> source`` of every ``Case(...)`` in the cure registries, read from their source (the stack one
+    imports libraries this venv may lack)."""
+    import ast
+
+    out: dict[str, str] = {}
+    for path in REGISTRIES:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Case":
+                kw = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
+                out[kw["name"]] = kw["source"]
+    return out
+
+
+def test_every_row_of_the_corpus_fragments_says_whether_its_failing_step_was_verified(builder):
+    rows = [row for name, text in builder.fragments() if name in VERIFIED_FRAGMENTS for row in builder.case_rows(name, text)]
+    assert rows
+    bad = [(row.fragment, row.source[:50], row.verified) for row in rows if not row.verified.lower().startswith(("yes", "no: "))]
+    assert bad == []
+    advice = [row for row in rows if not row.fixed_in_place]
+    assert all(row.verified == "no: advice only" for row in advice), "an advice-only row cannot be verified as cured"
+
+
+def test_a_row_verified_on_its_failing_step_names_a_case_of_the_cure_registry_from_the_same_source(builder):
+    cures = registered_cures()
+    assert len(cures) >= 15
+    rows = [row for name, text in builder.fragments() for row in builder.case_rows(name, text)]
+    yes = [row for row in rows if row.verified.lower().startswith("yes")]
+    assert yes and all(row.fixed_in_place for row in yes)
+    for row in yes:
+        assert row.verified.startswith("yes (API + widget)"), row.verified
+        (name,) = row.cure_names
+        assert name in cures, f"{row.source[:50]}: no cure registered as {name!r}"
+        assert cures[name] in row.source, f"{name} is registered for {cures[name]!r}, not this row"
+    named = [n for row in yes for n in row.cure_names]
+    assert sorted(named) == sorted(set(named)), "two rows name the same cure"
+    assert set(named) == set(cures), f"registered cures no row names: {set(cures) - set(named)}"
+
+
+def test_the_header_gives_the_cure_rate_of_the_cases_fixed_in_place(builder):
+    rows = [row for name, text in builder.fragments() for row in builder.case_rows(name, text)]
+    fixed = sum(row.fixed_in_place for row in rows)
+    cured = sum(row.cured for row in rows)
+    assert 0 < cured <= fixed
+    assert f"**Cure rate on the failing step: {cured} of {fixed}**" in builder.build()
+
+
+def test_the_builder_reads_the_verified_column_after_the_outcome(builder):
+    text = (
+        "| source | symptom | check slug | fixed in place / advice only | verified on failing step |\n|---|---|---|---|---|\n"
+        "| [x#1](https://example.org) | NaN | `probe-nonfinite` | fixed in place | yes (API + widget): `some-cure` |\n"
+        "| [x#2](https://example.org) | NaN | `probe-nonfinite` | fixed in place | no: GPU-only |\n"
+    )
+    cured, not_cured = builder.case_rows("other", text)
+    assert cured.cured and cured.cure_names == ("some-cure",)
+    assert not not_cured.cured and not_cured.cure_names == () and not_cured.fixed_in_place
