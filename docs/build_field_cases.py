@@ -3,7 +3,7 @@
 Each fragment (one per area: ``core.md``, ``lightning-trl.md``, ...) holds one or more case tables whose
 header names a ``check slug`` column, a ``fixed in place / advice only`` column and, after it, a
 ``verified on failing step`` column (``yes (API + widget): `case-name` `` where a test of the cure registry,
-``tests/test_cures.py`` or ``tests/stack/test_cures_stack.py``, runs the user's failing step again after the fix
+``tests/test_cures.py``, ``tests/stack/test_cures_stack.py`` or ``tests/stack/test_cures_deepspeed.py``, runs the user's failing step again after the fix
 through ``fix.apply()`` and through the widget's button, and it trains; ``no: <why>`` otherwise), and optionally a
 "Healthy recipes" section. This script concatenates the fragments in name order under a header with counts and
 the cure rate: cases fixed in place whose failing step trains after the fix, out of cases fixed in place.
@@ -111,7 +111,7 @@ def build() -> str:
         f"**Cure rate on the failing step: {cured} of {fixed}** cases fixed in place are proven cured: the user's "
         "own failing step (the very call that raised or did harm) is run again after the fix, applied through "
         "`fix.apply()` and through the widget's button, and it trains (`tests/test_cures.py`, "
-        "`tests/stack/test_cures_stack.py`). The column \"verified on failing step\" of each table says which, "
+        "`tests/stack/test_cures_stack.py`, `tests/stack/test_cures_deepspeed.py`). The column \"verified on failing step\" of each table says which, "
         "and why not for the others.",
         "",
         "| area | cases | fixed in place | advice only | verified on failing step |",

@@ -57,7 +57,7 @@ def test_the_builder_reads_slugs_from_a_fragment_it_has_never_seen(builder):
 
 
 TESTS = Path(__file__).resolve().parent
-REGISTRIES = (TESTS / "test_cures.py", TESTS / "stack" / "test_cures_stack.py")
+REGISTRIES = (TESTS / "test_cures.py", TESTS / "stack" / "test_cures_stack.py", TESTS / "stack" / "test_cures_deepspeed.py")
 
 # The fragments this column was added to; fragments of other areas may come without it.
 VERIFIED_FRAGMENTS = (

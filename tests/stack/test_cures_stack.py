@@ -1,10 +1,12 @@
-"""The stack libraries' fixed-in-place field cases (diffusers, bitsandbytes), cured on the user's own failing step:
+"""The stack libraries' fixed-in-place field cases (diffusers, bitsandbytes, TRL), cured on the user's own failing step:
 once through ``fix.apply()``, once through the fix's button in the widget. The same registry shape as
 ``tests/test_cures.py`` (``tests/cure.py``); here because the Colab venv lacks these libraries.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -19,6 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field test
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
 from test_field_diffusers import lora_unet, tiny_unet, unet_step  # noqa: E402
+from test_trl import build_tokenizer, dpo, large_logit_policy_and_fp16_reference  # noqa: E402
+from test_trl import tiny_llama as trl_llama  # noqa: E402
 
 # -- diffusers ----------------------------------------------------------------------------------------
 
@@ -86,6 +90,54 @@ def _computes_in_bf16(ns: Namespace) -> None:
     assert _compute_dtypes(ns) == {torch.bfloat16}
 
 
+# -- TRL ----------------------------------------------------------------------------------------------
+
+
+def _dpo(policy: torch.nn.Module, reference: torch.nn.Module) -> Namespace:
+    # A real learning rate, as the reported runs had: the step must train, not only score.
+    trainer, logs = dpo(build_tokenizer(), tempfile.mkdtemp(prefix="mpdoctor-cure-"), policy, reference, learning_rate=1e-3)
+    return {"trainer": trainer, "logs": logs}
+
+
+def _dpo_fp16_reference() -> Namespace:
+    return _dpo(*large_logit_policy_and_fp16_reference(build_tokenizer()))
+
+
+def _dpo_bf16_reference() -> Namespace:
+    model = trl_llama(build_tokenizer()).to(torch.bfloat16).float()  # bf16-representable: the later cast is exact
+    return _dpo(model, copy.deepcopy(model).to(torch.bfloat16))
+
+
+def _dpo_train(ns: Namespace) -> float:
+    return ns["trainer"].train().training_loss
+
+
+def _policy_params(ns: Namespace) -> list[torch.Tensor]:
+    return [p for p in ns["trainer"].model.parameters() if p.requires_grad]
+
+
+def _first_log(ns: Namespace) -> dict:
+    return ns["logs"].logs[-1]
+
+
+def _nan_rewards(ns: Namespace) -> None:
+    assert math.isnan(_first_log(ns)["rewards/chosen"]), "the harm: NaN rewards from the fp16 reference"
+
+
+def _finite_rewards(ns: Namespace) -> None:
+    log = _first_log(ns)
+    assert log["rewards/chosen"] == 0.0 and math.isfinite(log["grad_norm"])  # identical weights at the first step
+    assert all(torch.isfinite(p).all() for p in _policy_params(ns))
+
+
+def _biased_margin(ns: Namespace) -> None:
+    assert _first_log(ns)["rewards/margins"] != 0.0, "the harm: identical weights, a non-zero margin"
+
+
+def _zero_margin(ns: Namespace) -> None:
+    assert _first_log(ns)["rewards/margins"] == 0.0
+
+
 CASES: list[Case] = [
     Case(
         name="sdxl-lora-fp16-under-scaler", source="diffusers #10752", slug="fp16-trainable-params-with-scaler",
@@ -105,6 +157,16 @@ CASES: list[Case] = [
         name="linear4bit-explicit-fp32-compute", source="bitsandbytes PR #2077", slug="bnb-compute-dtype-fp32",
         build=_linear4bit_explicit_fp32, step=_bf16_step, failure="trains", harm=_computes_in_fp32,
         healed=_computes_in_bf16,
+    ),
+    Case(
+        name="dpo-fp16-reference-nan-rewards", source="huggingface/trl#878", slug="trl-ref-model-dtype",
+        build=_dpo_fp16_reference, step=_dpo_train, params=_policy_params, failure="loss is not finite|trains",
+        harm=_nan_rewards, healed=_finite_rewards,
+    ),
+    Case(
+        name="dpo-bf16-reference-biased-margin", source="RLHFlow/Online-DPO-R1#16", slug="trl-ref-model-dtype",
+        build=_dpo_bf16_reference, step=_dpo_train, params=_policy_params, failure="trains",
+        harm=_biased_margin, healed=_zero_margin,
     ),
 ]
 

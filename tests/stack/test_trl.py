@@ -27,14 +27,19 @@ TEXTS = ["the cat sat on the mat", "a dog ran in the park", "hello world this is
 BF16_REFUSED = "Your setup doesn't support bf16/gpu"
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer trained here on ``TEXTS`` (nothing is downloaded)."""
     tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(TEXTS, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[PAD]", "[EOS]"]))
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]"
     )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
 
 
 def tiny_llama(tokenizer) -> LlamaForCausalLM:
@@ -77,7 +82,7 @@ class Logs(TrainerCallback):
             self.logs.append(dict(logs))
 
 
-def dpo(tokenizer, tmp_path, model, ref_model) -> tuple[DPOTrainer, Logs]:
+def dpo(tokenizer, tmp_path, model, ref_model, learning_rate: float = 0.0) -> tuple[DPOTrainer, Logs]:
     data = Dataset.from_dict(
         {
             "prompt": ["the cat", "a dog"],
@@ -85,8 +90,9 @@ def dpo(tokenizer, tmp_path, model, ref_model) -> tuple[DPOTrainer, Logs]:
             "rejected": [" hello world", " this is text"],
         }
     )
-    # learning_rate=0: the step measures the rewards of identical policy and reference weights (they must be 0).
-    args = DPOConfig(**common(tmp_path), use_cpu=True, bf16=False, learning_rate=0.0)
+    # learning_rate=0 (the default): the step measures the rewards of identical policy and reference weights (they
+    # must be 0); the cure registry trains with a real rate, as the reported runs did.
+    args = DPOConfig(**common(tmp_path), use_cpu=True, bf16=False, learning_rate=learning_rate)
     logs = Logs()
     trainer = DPOTrainer(
         model=model,
@@ -97,6 +103,16 @@ def dpo(tokenizer, tmp_path, model, ref_model) -> tuple[DPOTrainer, Logs]:
         callbacks=[logs],
     )
     return trainer, logs
+
+
+def large_logit_policy_and_fp16_reference(tokenizer) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """An fp32 policy whose logits pass fp16's 65504 (as a trained model's can) and its fp16 copy as reference."""
+    model = tiny_llama(tokenizer)
+    with torch.no_grad():  # large activations, as a trained model's can be; every weight fits fp16
+        model.model.norm.weight.mul_(1e4)
+        model.lm_head.weight.mul_(100)
+    model.half().float()  # weights exactly representable in fp16: the fp32 cast of the copy is exact
+    return model, copy.deepcopy(model).half()
 
 
 def slugs(report, *severities):
@@ -208,12 +224,7 @@ def test_field_fp16_reference_model_nan_rewards(tokenizer, tmp_path):
     """
 
     def pair():
-        model = tiny_llama(tokenizer)
-        with torch.no_grad():  # large activations, as a trained model's can be; every weight fits fp16
-            model.model.norm.weight.mul_(1e4)
-            model.lm_head.weight.mul_(100)
-        model.half().float()  # weights exactly representable in fp16: the fp32 cast of the copy is exact
-        return model, copy.deepcopy(model).half()
+        return large_logit_policy_and_fp16_reference(tokenizer)
 
     trainer, logs = dpo(tokenizer, tmp_path, *pair())
     trainer.train()
