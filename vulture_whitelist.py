@@ -73,6 +73,8 @@ _.ddp_fp32_vs_bf16  # a distributed worker, started by name (tests/distributed/d
 # -- fixtures requested for their effect only: the test names them and never reads the value ------------------------------
 _.te_distribution
 _.tf32_state
+_.one_rank_group  # imported into tests/stack/test_cures_deepspeed.py so pytest runs it there (autouse)
+_._no_deepspeed_env_leaks_between_tests  # the same
 
 # -- fields filled and read by name ---------------------------------------------------------------------------------------
 _.bf16_overflow  # the scan's per-tensor counts: filled by cnt.add("bf16_overflow", ...), read as row keys (diagnosis/scan_rows.py)

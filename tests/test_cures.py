@@ -345,3 +345,30 @@ def test_the_failing_step_trains_after_the_planned_fix_is_clicked_in_the_widget(
 def test_the_registry_names_each_case_once():
     names = [c.name for c in CASES]
     assert len(names) == len(set(names))
+
+
+def test_the_outcome_of_a_step_tells_a_raise_a_nan_a_frozen_step_and_a_trained_one_apart():
+    """The harness can fail: each way a step does not train is told apart from a step that trains."""
+    from cure import outcome
+
+    def case(step) -> Case:
+        return Case(name="x", source="x", slug="x", build=dict, step=step, failure="")
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 1)
+    ns = {"opt": torch.optim.SGD(lin.parameters(), lr=0.1)}
+
+    def trains(ns, scale=1.0):
+        ns["opt"].zero_grad()
+        loss = lin(torch.ones(2, 4)).pow(2).mean() * scale
+        loss.backward()
+        ns["opt"].step()
+        return loss
+
+    def raises(ns):
+        return lin(torch.ones(2, 4, dtype=torch.float16))
+
+    assert outcome(case(raises), ns).startswith("RuntimeError: ")
+    assert "changed no parameter" in outcome(case(lambda ns: lin(torch.ones(2, 4)).sum()), ns)
+    assert outcome(case(trains), ns) == "trains"
+    assert "loss is not finite" in outcome(case(lambda ns: trains(ns, float("nan"))), ns)  # last: it writes NaN

@@ -73,7 +73,10 @@ def registered_cures() -> dict[str, str]:
 
     out: dict[str, str] = {}
     for path in REGISTRIES:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        registry = [n.value for n in tree.body if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "CASES"]
+        assert len(registry) == 1, f"{path.name}: no single `CASES: list[Case] = [...]`"
+        for node in ast.walk(registry[0]):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Case":
                 kw = {k.arg: k.value.value for k in node.keywords if isinstance(k.value, ast.Constant)}
                 out[kw["name"]] = kw["source"]
