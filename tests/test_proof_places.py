@@ -181,40 +181,48 @@ def test_what_a_cell_replay_refuses_is_read_from_its_source_and_the_objects_its_
 # -- the watched loop ----------------------------------------------------------------------------------------------
 
 
-def _watched_setup():
+def _watched_setup(scaler=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     data = [torch.randn(4, 8) for _ in range(4)]
-    for x in data[:2]:  # Adam's moments exist
-        opt.zero_grad()
-        model(x).float().pow(2).mean().backward()
-        opt.step()
+    for x in data[:2]:  # Adam's moments exist, the scaler's scale and growth tracker too
+        _loop_step(model, opt, x, scaler)
     model[2].to(torch.bfloat16)
     return model, opt, data
 
 
-def _loop_step(model, opt, x):
+def _loop_step(model, opt, x, scaler=None):
     opt.zero_grad()
     loss = model(x).float().pow(2).mean()
-    loss.backward()
-    opt.step()
+    if scaler is None:
+        loss.backward()
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
     return loss
 
 
 def test_watch_proves_the_fix_on_the_batch_it_held_leaves_the_run_as_it_was_and_the_next_step_trains():
-    model, opt, data = _watched_setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    model, opt, data = _watched_setup(scaler)
     it = iter(data)
-    w = mpdoctor.watch(model, opt)
+    w = mpdoctor.watch(model, opt, scaler)
     try:
         x = next(it)
-        exc = _raised(lambda: _loop_step(model, opt, x))
+        exc = _raised(lambda: _loop_step(model, opt, x, scaler))
         assert isinstance(exc, RuntimeError) and "must have the same dtype" in str(exc)  # the real error, in the loop
-        ns = {"model": model, "opt": opt}
+        ns = {"model": model, "opt": opt, "scaler": scaler}
         before, rng, position = _values_only(fingerprint(ns)), torch.get_rng_state(), _iterator_position(it)
+        history = list(w.scale_history)
         report = w.explain(exc, exc.__traceback__)  # what leaving the watched block runs
+        # parameters, grads, Adam's moments, the scaler's scale and tracker, the RNG, the data: all as they were;
+        # the watch saw none of the proof's steps
         assert _values_only(fingerprint(ns)) == before
         assert torch.equal(torch.get_rng_state(), rng) and _iterator_position(it) == position
+        assert w.scale_history == history and w._steps == 0
         assert "mixed-param-dtypes" in {f.check for f in report.findings}
         assert report.proof.step.startswith("the watched batch") and report.proof.verified
         assert not report.proof.before.ran and "must have the same dtype" in report.proof.before.error
@@ -223,7 +231,7 @@ def test_watch_proves_the_fix_on_the_batch_it_held_leaves_the_run_as_it_was_and_
         report.fixes[0].apply()  # the proven fix, through the API
         params = list(model.parameters())
         start = snapshot(params)
-        loss = _loop_step(model, opt, next(it))  # the loop's next step, on the next batch: it trains
+        loss = _loop_step(model, opt, next(it), scaler)  # the loop's next step, on the next batch: it trains
         assert_step_trains(loss, start, params)
     finally:
         w.close()
