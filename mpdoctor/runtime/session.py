@@ -236,7 +236,13 @@ def crash_step(shell: Any) -> Any:
     filename, source = sess.crash_cell
     number = cell_number(filename)
     label = f"cell [{number}]" if number is not None else "the cell that raised"
-    held = cell_step(source, shell.user_ns, label, filename)
+    try:
+        held = cell_step(source, shell.user_ns, label, filename)
+    except Exception as exc:  # %mpdoctor still reports; its fixes are then not verified, and it says why
+        from ..diagnosis.proof import HeldStep
+        from ..redact import describe_exception
+
+        return HeldStep(lambda: None, label, refused=f"the cell could not be prepared for a replay ({describe_exception(exc)})")
     return dataclasses.replace(held, around=_beside(held.around, observers_aside))
 
 
