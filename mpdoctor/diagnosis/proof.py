@@ -70,8 +70,9 @@ class RunState:
         self.modules = _unique(modules)
         self.optimizers = _unique(optimizers)
         self.scalers = _unique(scalers)
-        self.tensors = [(t, t.data.clone(), t.grad.clone() if t.grad is not None else None)
-                        for m in self.modules for t in _module_tensors(m)]  # fmt: skip
+        # each tensor's values, and its gradient object itself: runs write into copies of it (shield), so it is
+        # put back by identity, its values and version counter never touched
+        self.tensors = [(t, t.data.clone(), t.grad) for m in self.modules for t in _module_tensors(m)]
         self.opt_state = [(o, {p: _clone(s) for p, s in o.state.items()}, [_group_options(g) for g in o.param_groups])
                           for o in self.optimizers]  # fmt: skip
         self.scaler_state = [(s, {k: _clone(v) for k, v in vars(s).items()}) for s in self.scalers]
@@ -79,14 +80,22 @@ class RunState:
         #: What else the step changes, snapshotted by its own owner (a notebook cell's namespace): has ``restore()``.
         self.extra = extra() if extra is not None else None
 
+    def shield(self) -> None:
+        """Before a run: each tensor gets a copy of its gradient, so a step (``zero_grad``, a backward that
+        accumulates) writes into the copy, never into the user's gradient tensors."""
+        for t, _, grad in self.tensors:
+            if grad is not None and t.grad is grad:
+                t.grad = grad.clone()
+
     def restore(self) -> None:
-        """Put every value back as it was when the snapshot was taken (in place where dtype and shape allow)."""
+        """Put every value back as it was when the snapshot was taken: values in place where they changed (an
+        unchanged tensor is not written: its version counter stays), gradients by identity."""
         for t, data, grad in self.tensors:
-            _put(t, "data", data)
-            if grad is None:
-                t.grad = None
-            else:
-                _put(t, "grad", grad)
+            current = t.data
+            if not (current.dtype == data.dtype and current.shape == data.shape and torch.equal(current, data)):
+                _put(t, "data", data)
+            if t.grad is not grad:
+                _set_grad(t, grad)
         for o, state, groups in self.opt_state:
             o.state.clear()
             o.state.update({p: _clone(s) for p, s in state.items()})
@@ -98,6 +107,13 @@ class RunState:
         if self.extra is not None:
             self.extra.restore()
         _set_rng_state(self.rng)
+
+
+def _set_grad(t: Any, grad: Any) -> None:
+    try:
+        t.grad = grad
+    except RuntimeError:  # the tensor's dtype or shape is not yet its own again: put the gradient's values back
+        t.grad = None if grad is None else grad.detach().clone().to(t.dtype)
 
 
 def _put(t: Any, attr: str, saved: Any) -> None:
@@ -291,6 +307,7 @@ def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimi
     after: list = []
     dropped: list = []
     try:
+        snapshot.shield()
         before = run_step(step, modules, optimizers)
         snapshot.restore()
         previous = before
@@ -327,6 +344,7 @@ def _trial(fixes: list, step: Callable[[], Any], modules: list, optimizers: list
             except Exception:  # apply_steps rolled itself back; the trial stops here
                 return None
             applied.append(fix)
+        snapshot.shield()
         return run_step(step, modules, optimizers)
     finally:
         for fix in reversed(applied):
