@@ -298,3 +298,28 @@ def test_a_probe_fix_that_leaves_the_step_failing_is_shown_as_tried_not_planned(
     assert all(fx not in report.fixes and not fx.planned and "it raised" in fx.proof for fx in tried)
     assert "Not verified on your step (the probe's batch" in report.to_text()
     assert model[1].weight.dtype == torch.bfloat16
+
+
+def test_a_cell_that_loops_over_many_steps_is_replayed_only_up_to_its_first_optimizer_step():
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    loop = "for step in range(50):\n" + "".join(f"    {line}\n" for line in _STEP_ON_BATCH.strip().splitlines()[:-1])
+    with loaded_shell(_NAMES + ("step",)) as sh:
+        sh.run_cell(_SETUP, store_history=True)
+        assert isinstance(sh.run_cell(loop, store_history=True).error_in_exec, RuntimeError)
+        steps: list = []
+        handle = register_optimizer_step_post_hook(lambda opt, args, kwargs: steps.append(opt))
+        try:
+            sh.run_cell("r = %mpdoctor net adam --json", store_history=True)
+        finally:
+            handle.remove()
+        report = sh.user_ns["r"]
+        assert report.proof.verified
+        # one optimizer step per trial that ran: the replay stopped there, not after 50
+        assert len(steps) == sum(outcome.ran for _, outcome in report.proof.after) == 1
+        report.fixes[0].apply()
+        params = list(sh.user_ns["net"].parameters())
+        start = snapshot(params)
+        sh.run_cell(loop, store_history=True)  # the user's cell: all 50 steps now
+        assert len(sh.user_ns["seen"]) == 50
+        assert_step_trains(sh.user_ns["loss"], start, params)

@@ -14,6 +14,9 @@ running it:
 - a cell that builds one of the user's models, optimizers or scalers anew (``model = Net()``): a replay would test
   a fresh object, not the one the fix changed, and rebind the name;
 - a cell that runs IPython magics or shell commands (``%time``, ``!ls``): their effects are not the cell's to undo.
+
+A replay stops after the cell's first optimizer step: a cell that trains for a thousand steps is judged on its first,
+and the proof never runs the user's loop to its end.
 """
 
 from __future__ import annotations
@@ -143,10 +146,26 @@ def _runner(tree: ast.Module, namespace: MutableMapping[str, Any], filename: str
     tail = compile(last, filename, "eval") if last is not None else None
 
     def run() -> Any:
-        exec(code, namespace)  # noqa: S102 - the user's own cell, run again in the user's namespace
-        return eval(tail, namespace) if tail is not None else None  # noqa: S307 - its last line, as IPython shows it
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        handle = register_optimizer_step_post_hook(_stop_after_the_step)
+        try:
+            exec(code, namespace)  # noqa: S102 - the user's own cell, run again in the user's namespace
+            return eval(tail, namespace) if tail is not None else None  # noqa: S307 - its last line, as IPython shows it
+        except FirstStepDone:
+            return None  # one training step is the proof; a cell that loops over a thousand is not run to its end
+        finally:
+            handle.remove()
 
     return run
+
+
+class FirstStepDone(Exception):
+    """Raised after the first optimizer step of a replayed cell: that step is what the proof judges."""
+
+
+def _stop_after_the_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
+    raise FirstStepDone
 
 
 @contextlib.contextmanager
