@@ -3,8 +3,9 @@
 Where mpdoctor holds the step that failed, the plan is checked on it: ``diagnose(..., step=fn)`` and
 ``%mpdoctor --step NAME``; the notebook cell that raised (:mod:`mpdoctor.diagnosis.replay`); the batch ``watch()``
 held when the loop raised; the probe's batch (forward and backward). Each is a :class:`HeldStep`. The step runs once
-as it is, then after each planned fix in order. A fix after which the step runs and trains is *verified*; one after which the step raises, or stops training where it trained before, is
-*tried*: taken out of the plan and shown with what happened.
+as it is, then after each planned fix in order. A fix after which the step runs and trains is *verified*; one
+after which the step raises, or stops training where it trained before, is *tried*: taken out of the plan and shown
+with what happened.
 
 The proof leaves the run exactly as it found it: every fix it applied is undone (each is exact to undo), and the
 state a step changes (parameters, gradients and buffers of the models, optimizer state and hyperparameters, the
