@@ -134,3 +134,48 @@ def one_step():
         shell.run_line_magic("unload_ext", "mpdoctor")
         for name in ("net", "adam", "batch", "one_step", "r"):
             shell.user_ns.pop(name, None)
+
+
+def test_a_held_step_that_must_not_be_replayed_is_not_run_and_every_rendering_says_why():
+    from mpdoctor.diagnosis.proof import HeldStep
+
+    model, opt, _x, train_step = _setup()
+    runs = []
+    held = HeldStep(lambda: runs.append(train_step()), "cell [7]",
+                    refused="the cell reads a data iterator (next(...), line 1)")  # fmt: skip
+    report = mpdoctor.diagnose(model, opt, step=held)
+    assert runs == [] and report.proof.before is None and not report.proof.verified
+    why = "Fixes not verified on your step (cell [7]): the cell reads a data iterator (next(...), line 1)."
+    assert why in report.to_text() and "Fixes not verified on your step (cell [7])" in report.to_html()
+    assert report.view.data["proof"]["refused"].startswith("the cell reads a data iterator")
+    assert report.fixes and report.fixes[0].proof == ""  # the plan is still offered, unproven
+
+
+def test_a_held_step_runs_inside_its_context_and_its_own_state_is_restored_after_every_run():
+    from mpdoctor.diagnosis.proof import HeldStep
+
+    model, opt, _x, train_step = _setup()
+    log: list = []
+    entered: list = []
+
+    class LogState:
+        def __init__(self):
+            self.length = len(log)
+
+        def restore(self):
+            del log[self.length :]
+
+    def step():
+        log.append("ran")
+        return train_step()
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def around():
+        entered.append(True)
+        yield
+
+    report = mpdoctor.diagnose(model, opt, step=HeldStep(step, "the held step", around=around, state=LogState))
+    assert report.proof.step == "the held step" and report.proof.verified
+    assert log == [] and len(entered) == 1 + len(report.proof.after)  # before the fixes, then after each

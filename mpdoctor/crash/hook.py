@@ -81,10 +81,23 @@ def handle_exception(
         if report is not None:
             from ..runtime.session import remember_crash
 
-            remember_crash(shell, report)
+            remember_crash(shell, report, _raising_cell(tb))
             show(report)
     except BaseException as exc:  # the traceback is already shown; the hook's failure is one line
         _print_failure(exc)
+
+
+def _raising_cell(tb: TracebackType | None) -> tuple[str, str] | None:
+    """``(filename, source)`` of the cell whose code raised: the frame ``run_code`` called, read back from the
+    ``linecache`` entry IPython made when it compiled the cell (None when it is not there)."""
+    import linecache
+
+    cell = tb.tb_next if tb is not None else None
+    if cell is None:
+        return None
+    filename = cell.tb_frame.f_code.co_filename
+    source = "".join(linecache.getlines(filename))
+    return (filename, source) if source else None
 
 
 def _from_running_code(tb: TracebackType | None) -> bool:

@@ -252,12 +252,14 @@ def _proven(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tupl
 def _prove(plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
     """Check the plan on the user's step; the models, optimizers and scalers among the subjects are restored
     after it."""
-    from .proof import prove
+    from .proof import HeldStep, prove, prove_held
 
     modules = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "model"]
     optimizers = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "optimizer"]
     scalers = [s.obj for s in subjects if s.kind == "scaler"]
     fixes = list(plan)
+    if isinstance(step, HeldStep):  # a step mpdoctor holds (a notebook cell, a watched batch): its own label and state
+        return prove_held(fixes, step, modules, optimizers, scalers)
     label = f"{getattr(step, '__name__', 'step')}()"
     return prove(fixes, step, label, modules, optimizers, scalers)
 

@@ -1,15 +1,18 @@
 """A fix is proven on the patient: the user's failing step, run before and after each planned fix.
 
-Where mpdoctor holds the step that failed (``diagnose(..., step=fn)``, ``%mpdoctor --step NAME``, the probe's batch),
-the plan is checked on it: the step runs once as it is, then after each planned fix in order. A fix after which the
-step runs and trains is *verified*; one after which the step raises, or stops training where it trained before, is
-*tried*: taken out of the plan and shown with what happened.
+Where mpdoctor holds the step that failed, the plan is checked on it: ``diagnose(..., step=fn)`` and
+``%mpdoctor --step NAME``; the notebook cell that raised (:mod:`mpdoctor.diagnosis.replay`); the batch ``watch()``
+held when the loop raised; the probe's batch (forward and backward). Each is a :class:`HeldStep`. The step runs once
+as it is, then after each planned fix in order. A fix after which the step runs and trains is *verified*; one
+after which the step raises, or stops training where it trained before, is *tried*: taken out of the plan and shown
+with what happened.
 
 The proof leaves the run exactly as it found it: every fix it applied is undone (each is exact to undo), and the
 state a step changes (parameters, gradients and buffers of the models, optimizer state and hyperparameters, the
 GradScaler's scale and trackers, torch's, Python's and NumPy's random streams) is restored from a snapshot taken
 before the first run. A step should take its batch from a variable, not from ``next(iterator)``: an iterator the
-step advances cannot be rewound.
+step advances cannot be rewound: a held step that would advance one is refused (:attr:`HeldStep.refused`) and the
+report says why its fixes are not verified.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import math
 import random
 import sys
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -62,25 +66,37 @@ class StepOutcome:
 class RunState:
     """A snapshot of what a training step changes, restorable exactly (values, dtypes and identities)."""
 
-    def __init__(self, modules: Iterable[Any], optimizers: Iterable[Any], scalers: Iterable[Any]) -> None:
+    def __init__(self, modules: Iterable[Any], optimizers: Iterable[Any], scalers: Iterable[Any],
+                 extra: Callable[[], Any] | None = None) -> None:  # fmt: skip
         self.modules = _unique(modules)
         self.optimizers = _unique(optimizers)
         self.scalers = _unique(scalers)
-        self.tensors = [(t, t.data.clone(), t.grad.clone() if t.grad is not None else None)
-                        for m in self.modules for t in _module_tensors(m)]  # fmt: skip
+        # each tensor's values, and its gradient object itself: runs write into copies of it (shield), so it is
+        # put back by identity, its values and version counter never touched
+        self.tensors = [(t, t.data.clone(), t.grad) for m in self.modules for t in _module_tensors(m)]
         self.opt_state = [(o, {p: _clone(s) for p, s in o.state.items()}, [_group_options(g) for g in o.param_groups])
                           for o in self.optimizers]  # fmt: skip
         self.scaler_state = [(s, {k: _clone(v) for k, v in vars(s).items()}) for s in self.scalers]
         self.rng = _rng_state()
+        #: What else the step changes, snapshotted by its own owner (a notebook cell's namespace): has ``restore()``.
+        self.extra = extra() if extra is not None else None
+
+    def shield(self) -> None:
+        """Before a run: each tensor gets a copy of its gradient, so a step (``zero_grad``, a backward that
+        accumulates) writes into the copy, never into the user's gradient tensors."""
+        for t, _, grad in self.tensors:
+            if grad is not None and t.grad is grad:
+                t.grad = grad.clone()
 
     def restore(self) -> None:
-        """Put every value back as it was when the snapshot was taken (in place where dtype and shape allow)."""
+        """Put every value back as it was when the snapshot was taken: values in place where they changed (an
+        unchanged tensor is not written: its version counter stays), gradients by identity."""
         for t, data, grad in self.tensors:
-            _put(t, "data", data)
-            if grad is None:
-                t.grad = None
-            else:
-                _put(t, "grad", grad)
+            current = t.data
+            if not (current.dtype == data.dtype and current.shape == data.shape and torch.equal(current, data)):
+                _put(t, "data", data)
+            if t.grad is not grad:
+                _set_grad(t, grad)
         for o, state, groups in self.opt_state:
             o.state.clear()
             o.state.update({p: _clone(s) for p, s in state.items()})
@@ -89,7 +105,16 @@ class RunState:
         for s, attrs in self.scaler_state:
             vars(s).clear()
             vars(s).update({k: _clone(v) for k, v in attrs.items()})
+        if self.extra is not None:
+            self.extra.restore()
         _set_rng_state(self.rng)
+
+
+def _set_grad(t: Any, grad: Any) -> None:
+    try:
+        t.grad = grad
+    except RuntimeError:  # the tensor's dtype or shape is not yet its own again: put the gradient's values back
+        t.grad = None if grad is None else grad.detach().clone().to(t.dtype)
 
 
 def _put(t: Any, attr: str, saved: Any) -> None:
@@ -186,6 +211,39 @@ def _number(value: Any) -> float | None:
 
 
 @dataclass(frozen=True)
+class HeldStep:
+    """A step mpdoctor holds and can run again: what runs, what it is called, what it changes.
+
+    Attributes
+    ----------
+    run : callable
+        One run of the step, no argument; returns the loss or nothing (an exception is the step failing).
+    label : str
+        What the report calls it: ``"train_step()"``, ``"cell [4]"``, ``"the watched batch"``, ``"the probe's batch"``.
+    modules, optimizers, scalers : tuple
+        Objects the step changes besides the diagnosed ones; all are snapshotted and restored.
+    around : callable or None
+        A context each run happens inside (the loop's observers stand aside while the proof runs the step).
+    state : callable or None
+        Snapshots what else the step changes (a cell's namespace) and returns an object with ``restore()``.
+    refused : str
+        Why the step must not be run again (it reads a data iterator); the plan is then not verified, and says why.
+    """
+
+    run: Callable[[], Any]
+    label: str
+    modules: tuple = ()
+    optimizers: tuple = ()
+    scalers: tuple = ()
+    around: Callable[[], AbstractContextManager] | None = field(default=None, compare=False)
+    state: Callable[[], Any] | None = field(default=None, compare=False)
+    refused: str = ""
+
+    def __call__(self) -> Any:
+        return self.run()
+
+
+@dataclass(frozen=True)
 class Proof:
     """The plan checked on the user's step.
 
@@ -199,20 +257,30 @@ class Proof:
         The step after each planned fix, applied in order.
     dropped : tuple of str
         Titles of the fixes taken out of the plan: the step raised or stopped training after them.
+    refused : str
+        Why the step was not run at all (``before`` is then None and nothing is verified).
     """
 
     step: str
-    before: StepOutcome
+    before: StepOutcome | None
     after: tuple
     dropped: tuple
+    refused: str = ""
+
+    @property
+    def verified(self) -> bool:
+        """The step ran and trained after the last fix kept in the plan."""
+        return bool(self.after) and self.after[-1][1].trained
 
     @property
     def cured(self) -> bool:
         """The step runs and trains after the plan (and did not before)."""
-        return bool(self.after) and self.after[-1][1].trained and not self.before.trained
+        return self.verified and self.before is not None and not self.before.trained
 
     def summary(self) -> str:
         """One sentence for the report's header."""
+        if self.refused or self.before is None:
+            return f"Fixes not verified on your step ({self.step}): {self.refused or 'it was not run'}."
         if not self.after:
             if self.dropped:
                 return (f"Not verified on your step ({self.step}): before the fixes {self.before.describe()}; no planned "
@@ -223,19 +291,24 @@ class Proof:
         return f"Plan {verdict} ({self.step}): before the fixes {self.before.describe()}; after them {last.describe()}."
 
 
-def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimizers: list, scalers: list) -> Proof:
+def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimizers: list, scalers: list, *,
+          around: Callable[[], AbstractContextManager] | None = None, state: Callable[[], Any] | None = None) -> Proof:
     """Run ``step`` as it is, then after each fix of ``plan`` (with the fixes kept before it), and restore everything.
 
     Each trial starts from the state the run was in: the fixes are applied, the step runs, the fixes are undone
     (exactly) and the snapshot restored. Each fix's ``proof`` says what the step did after it; a fix after which the
     step raised, or stopped training where it trained before, is taken out (``Proof.dropped``), not planned, and its
-    ``note`` says why.
+    ``note`` says why. ``around`` is a context each run of the step happens in; ``state`` snapshots what else the step
+    changes (see :class:`HeldStep`).
     """
-    snapshot = RunState(modules, optimizers, scalers)
+    snapshot = RunState(modules, optimizers, scalers, extra=state)
+    if around is not None:
+        step = _inside(step, around)
     kept: list = []
     after: list = []
     dropped: list = []
     try:
+        snapshot.shield()
         before = run_step(step, modules, optimizers)
         snapshot.restore()
         previous = before
@@ -272,6 +345,7 @@ def _trial(fixes: list, step: Callable[[], Any], modules: list, optimizers: list
             except Exception:  # apply_steps rolled itself back; the trial stops here
                 return None
             applied.append(fix)
+        snapshot.shield()
         return run_step(step, modules, optimizers)
     finally:
         for fix in reversed(applied):
@@ -284,3 +358,44 @@ def _undo(fix: Any) -> None:
         fix.undo_steps()
     except Exception:  # undo_steps reverts every step it can; what it could not is in fix.error
         pass
+
+
+def _inside(step: Callable[[], Any], around: Callable[[], AbstractContextManager]) -> Callable[[], Any]:
+    def run() -> Any:
+        with around():
+            return step()
+
+    return run
+
+
+def prove_held(plan: list, held: HeldStep, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (),
+               scalers: Iterable[Any] = ()) -> Proof:  # fmt: skip
+    """Check ``plan`` on a held step; ``modules``, ``optimizers`` and ``scalers`` (the diagnosed ones) are restored with
+    the step's own. A refused step is not run: the proof says why."""
+    if held.refused:
+        return Proof(held.label, None, (), (), refused=held.refused)
+    return prove(list(plan), held.run, held.label, _unique([*modules, *held.modules]),
+                 _unique([*optimizers, *held.optimizers]), _unique([*scalers, *held.scalers]),
+                 around=held.around, state=held.state)  # fmt: skip
+
+
+def proven_report(report: Any, held: HeldStep) -> Any:
+    """``report`` with its plan checked on ``held``: a new report (``report.evolve``) holding the proof, whose plans
+    leave out the fixes the step showed not to work. Never raises: a proof that fails leaves the report as it was.
+    """
+    plan, safe_plan = report.fixes, report.safe_fixes
+    try:
+        subjects = report.subjects
+        modules = [_inner(s) for s in subjects if s.kind == "model"]
+        optimizers = [_inner(s) for s in subjects if s.kind == "optimizer"]
+        scalers = [s.obj for s in subjects if s.kind == "scaler"]
+        proof = prove_held(plan, held, modules, optimizers, scalers)
+    except Exception as exc:  # the plan stands unproven; the report says why
+        return report.evolve(proof=Proof(held.label, None, (), (), refused=f"the check failed ({describe_exception(exc)})"))
+    dropped = set(proof.dropped)
+    return report.evolve(proof=proof, plan=[fx for fx in plan if fx.title not in dropped],
+                         safe_plan=[fx for fx in safe_plan if fx.title not in dropped])  # fmt: skip
+
+
+def _inner(subject: Any) -> Any:
+    return subject.inner if subject.inner is not None else subject.obj

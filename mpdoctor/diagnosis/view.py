@@ -137,8 +137,8 @@ def _proof_view(report: Any) -> dict | None:
     """What the report says of its fixes and the user's step: verified, tried, or no step held."""
     proof = report.proof
     if proof is not None:
-        return {"summary": proof.summary(), "verified": bool(proof.after) and proof.after[-1][1].trained,
-                "cured": proof.cured, "dropped": list(proof.dropped)}  # fmt: skip
+        return {"summary": proof.summary(), "verified": proof.verified, "cured": proof.cured,
+                "dropped": list(proof.dropped), "step": proof.step, "refused": proof.refused}  # fmt: skip
     if not any(fx.changes for fx in report.fixes):
         return None
     return {"summary": "Fixes not verified (no step held): diagnose(..., step=train_step) or %mpdoctor --step "

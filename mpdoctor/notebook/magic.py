@@ -177,9 +177,12 @@ class MPDoctorMagics(Magics):
         return report
 
     def _step(self, name: str | None) -> tuple[Any, bool]:
-        """The ``--step`` function (None without the option), and False after a line saying what is wrong."""
+        """The ``--step`` function, and False after a line saying what is wrong. Without the option: the cell that
+        raised since the last report, when the crash hook explained it (its fixes are checked by running it again)."""
         if not name:
-            return None, True
+            from ..runtime.session import crash_step
+
+            return crash_step(self.shell), True
         step, ok = self._lookup(self.shell.user_ns, name)
         if not ok or not callable(step):
             _print_line(f"--step {name}: give the name of a function of no arguments that runs one training step")

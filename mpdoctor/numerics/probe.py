@@ -630,7 +630,40 @@ def probe(
         live=live,
     )
     bind_fixes(report, live, report.treatment)
+    if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
+        from ..diagnosis.proof import proven_report
+
+        report = proven_report(report, probe_step(model, batch, setup, autocast, loss_fn, training))
     return report
+
+
+def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: Any = None,
+               loss_fn: Callable | None = None, training: bool = True) -> Any:  # fmt: skip
+    """The probe's batch as a step a fix is checked on (:class:`~mpdoctor.diagnosis.proof.HeldStep`): one forward
+    under the probe's autocast, the loss, one backward; the modules' train/eval modes are put back after each run."""
+    from ..diagnosis.proof import HeldStep
+
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+
+    def run() -> Any:
+        ctx, _, _ = _autocast_for(device, setup, autocast)
+        with torch.enable_grad(), ctx:
+            loss = loss_of(call_model(model, to_device(batch, device)), loss_fn)
+        loss.backward()
+        return loss
+
+    @contextlib.contextmanager
+    def modes() -> Any:
+        saved = [(m, m.training) for m in model.modules()]
+        model.train(training)
+        try:
+            yield
+        finally:
+            for m, was in saved:
+                m.training = was
+
+    return HeldStep(run, "the probe's batch: forward and backward", modules=(model,), around=modes)
 
 
 def probe_inputs(watcher: Any, model: torch.nn.Module, inputs: tuple[tuple, dict], name: str = "model", scaler: Any = None) -> Any:

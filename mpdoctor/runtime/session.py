@@ -18,7 +18,9 @@ signature (``post_run_cell(result)``) is IPython 7.34's and later's.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 #: ``id(shell) -> _Session`` while installed.
@@ -36,6 +38,8 @@ class _Session:
         self.reported = 0  # findings already included in a %mpdoctor report
         #: Reports the crash hook showed since the last %mpdoctor report (what it found is part of the next one).
         self.crashes: list = []
+        #: ``(filename, source)`` of the cell that raised the latest of them: ``%mpdoctor`` checks its fixes on it.
+        self.crash_cell: tuple[str, str] | None = None
         self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
 
     def start(self) -> None:
@@ -205,11 +209,65 @@ def unreported(shell: Any) -> tuple[list, list]:
     findings = list(obs.findings[sess.reported :]) if obs is not None else []
     sess.reported = len(obs.findings) if obs is not None else 0
     crashes, sess.crashes = sess.crashes, []
+    sess.crash_cell = None
     return findings, crashes
 
 
-def remember_crash(shell: Any, report: Any) -> None:
-    """Keep a report the crash hook showed, for the next ``%mpdoctor`` report of this shell."""
+def remember_crash(shell: Any, report: Any, cell: tuple[str, str] | None = None) -> None:
+    """Keep a report the crash hook showed, for the next ``%mpdoctor`` report of this shell, and ``cell``, the
+    ``(filename, source)`` of the cell that raised (None when the code that raised was not a cell's)."""
     sess = _SESSIONS.get(id(shell))
     if sess is not None:
         sess.crashes.append(report)
+        sess.crash_cell = cell
+
+
+def crash_step(shell: Any) -> Any:
+    """The cell that raised since the last ``%mpdoctor`` report, as a step its fixes are checked on
+    (:func:`mpdoctor.diagnosis.replay.cell_step`); None when no cell raised (or it is not known)."""
+    sess = _SESSIONS.get(id(shell))
+    if sess is None or not sess.crashes or sess.crash_cell is None:
+        return None
+    import dataclasses
+
+    from ..diagnosis.replay import cell_step
+    from ..facts.location import cell_number
+
+    filename, source = sess.crash_cell
+    number = cell_number(filename)
+    label = f"cell [{number}]" if number is not None else "the cell that raised"
+    try:
+        held = cell_step(source, shell.user_ns, label, filename)
+    except Exception as exc:  # %mpdoctor still reports; its fixes are then not verified, and it says why
+        from ..diagnosis.proof import HeldStep
+        from ..redact import describe_exception
+
+        return HeldStep(lambda: None, label, refused=f"the cell could not be prepared for a replay ({describe_exception(exc)})")
+    return dataclasses.replace(held, around=_beside(held.around, observers_aside))
+
+
+def _beside(first: Any, second: Any) -> Any:
+    """One context of two (``first`` may be None)."""
+    if first is None:
+        return second
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with first(), second():
+            yield
+
+    return both
+
+
+@contextlib.contextmanager
+def observers_aside() -> Iterator[None]:
+    """The protocol observers see nothing while mpdoctor runs a step of the user's again (a proof of a fix): the
+    wrappers call the originals, and neither findings nor scale history gain what the replay did."""
+    from .dispatch import _DISPATCH
+
+    saved = _DISPATCH.observers
+    _DISPATCH.observers = []
+    try:
+        yield
+    finally:
+        _DISPATCH.observers = saved

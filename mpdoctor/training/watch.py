@@ -11,8 +11,10 @@ callback can be too: attach in ``on_fit_start``, ``take_nonfinite`` in
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -151,8 +153,13 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         self._fired = False
         self._watcher = LossWatcher()
         self._handles: list[Any] = []
+        #: The latest training forward's ``(args, kwargs, autocast dtype or None)``: the batch a fix is checked on.
+        self._held: tuple[tuple, dict, Any] | None = None
+        self._proving = False  # the proof runs the step: its forwards and optimizer steps are not the loop's
         if isinstance(model, torch.nn.Module):
+            self._device = next(model.parameters(), torch.empty(0)).device.type  # where the loop's autocast is read
             self._watcher.attach(model)
+            self._handles.append(model.register_forward_pre_hook(self._hold, with_kwargs=True))
         inner = _hookable(optimizer)
         if inner is not None:
             self._handles.append(inner.register_step_pre_hook(self._before_step))
@@ -190,10 +197,75 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
 
         self.start_report = diagnose(*self._objects(), names=self._names(), target=self.target, scan=self.scan,
                                      ignore=self.ignore)  # fmt: skip
+        if not self.start_report.ok:
+            self.start_report = self._proven(self.start_report)
         if self.verbose or not self.start_report.ok:
             show(self.start_report, "before the first optimizer step")
 
+    def _hold(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Keep the inputs of a training forward (references, no copy), as they enter: a forward that raises is
+        held too."""
+        if not self._proving and module.training and torch.is_grad_enabled():
+            device = self._device
+            self._held = (args, kwargs, torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None)
+
+    def held_step(self) -> Any:
+        """The loop's step on the batch held last (:class:`~mpdoctor.diagnosis.proof.HeldStep`): forward under the
+        loop's autocast, the loss (the model's ``.loss``, else the mean of its output), backward through the scaler
+        if any, the optimizer step. None before any training forward."""
+        if self._held is None or not isinstance(self.model, torch.nn.Module):
+            return None
+        from ..diagnosis.proof import HeldStep
+        from ..numerics.harness import call_model, loss_of
+        from ..numerics.probe_facts import ForwardCall
+
+        args, kwargs, autocast = self._held
+        model, optimizer, scaler = self.model, self.optimizer, self.scaler
+        batch = ForwardCall.of(args, kwargs)
+        device = self._device
+
+        def run() -> Any:
+            if optimizer is not None:
+                optimizer.zero_grad()
+            with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+                loss = loss_of(call_model(model, batch), None)
+            if scaler is not None and optimizer is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if optimizer is not None:
+                    optimizer.step()
+            return loss
+
+        return HeldStep(run, "the watched batch: forward, loss, backward, optimizer step", modules=(model,),
+                        optimizers=(_hookable(optimizer),), scalers=(scaler,), around=self._aside)  # fmt: skip
+
+    @contextlib.contextmanager
+    def _aside(self) -> Iterator[None]:
+        """While the proof runs the step: this watch's hooks and every protocol observer look away."""
+        from ..runtime.session import observers_aside
+
+        self._proving, self._watcher.probing = True, True
+        try:
+            with observers_aside():
+                yield
+        finally:
+            self._proving, self._watcher.probing = False, False
+
+    def _proven(self, report: Any) -> Any:
+        """``report`` with its plan checked on the held batch (as it was when no batch is held)."""
+        held = self.held_step()
+        if report is None or held is None or not any(fx.changes for fx in report.fixes):
+            return report
+        from ..diagnosis.proof import proven_report
+
+        return proven_report(report, held)
+
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        if self._proving:
+            return
         self._steps += 1
         if self.start_report is None:
             self._diagnose()
@@ -250,6 +322,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         from ..crash.cause import explain
 
         report = explain(exc, tb, *self._objects(), names=self._names(), target=self.target, ignore=self.ignore)
+        report = self._proven(report)
         if report is not None:
             self.crash_report = report
             show(report, "at the crash")
