@@ -192,3 +192,16 @@ def test_diagnosing_changes_nothing_it_reads():
     before = fingerprint({"holder": holder, "model": model})
     mpdoctor.diagnose(namespace={"holder": holder, "model": model})
     assert_unchanged(before, fingerprint({"holder": holder, "model": model}), "diagnose")
+
+
+def test_an_orthogonal_weight_in_bf16_is_measured_off_orthogonal_or_refused_and_fp32_draws_nothing():
+    from torch.nn.utils.parametrizations import orthogonal
+
+    square = torch.nn.Sequential(orthogonal(torch.nn.Linear(8, 8))).to(torch.bfloat16)  # matrix_exp: runs
+    (finding,) = mpdoctor.diagnose(namespace={"model": square}).findings_for("orthogonal-parametrization-half")
+    assert finding.severity == "warning" and finding.evidence["orthogonality_error"] > 1e-4
+    wide = torch.nn.Sequential(orthogonal(torch.nn.Linear(16, 4))).to(torch.bfloat16)  # householder: refused
+    (finding,) = mpdoctor.diagnose(namespace={"model": wide}).findings_for("orthogonal-parametrization-half")
+    assert finding.severity == "error" and "not implemented for 'BFloat16'" in finding.evidence["refused"]
+    healthy = torch.nn.Sequential(orthogonal(torch.nn.Linear(8, 8)))
+    assert mpdoctor.diagnose(namespace={"model": healthy}).findings_for("orthogonal-parametrization-half") == []

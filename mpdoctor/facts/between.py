@@ -164,6 +164,38 @@ class MergedAdapter:
 
 
 @dataclass(frozen=True)
+class OrthogonalWeight:
+    """A weight under torch's ``orthogonal`` parametrization whose ``original`` is held in bf16 / fp16.
+
+    Attributes
+    ----------
+    model : str
+        The model subject.
+    path : str
+        The parametrized module's path.
+    tensor : str
+        The parametrized tensor's name (``weight``).
+    dtype : str
+        The dtype of its ``original``.
+    orthogonal_map : str
+        ``matrix_exp``, ``cayley`` or ``householder``.
+    error : float or None
+        ``max |Q Q^T - I|`` of the weight the parametrization computes now (fp32 gives about 1e-6); None when
+        torch refused to compute it.
+    refused : str
+        The refusal's message when ``error`` is None.
+    """
+
+    model: str
+    path: str
+    tensor: str
+    dtype: str
+    orthogonal_map: str
+    error: float | None
+    refused: str = ""
+
+
+@dataclass(frozen=True)
 class BetweenFacts:
     """Everything read about the places between steps."""
 
@@ -172,3 +204,4 @@ class BetweenFacts:
     metrics: tuple[MetricStates, ...] = ()
     router_biases: tuple[RouterBias, ...] = ()
     merged_adapters: tuple[MergedAdapter, ...] = ()
+    orthogonal: tuple[OrthogonalWeight, ...] = ()

@@ -18,6 +18,7 @@ from ..facts.between import (
     HalfGradReplay,
     MergedAdapter,
     MetricStates,
+    OrthogonalWeight,
     RouterBias,
 )
 from ..live import Live
@@ -205,6 +206,45 @@ def read_merged_adapters(name: str, model: Any) -> list[MergedAdapter]:
     return out
 
 
+def orthogonality_error(weight: torch.Tensor) -> float:
+    """``max |Q Q^T - I|`` over the smaller side of a (batch of) matrix, computed in fp32."""
+    q = weight.detach().float()
+    if q.shape[-2] > q.shape[-1]:
+        q = q.transpose(-2, -1)
+    eye = torch.eye(q.shape[-2], dtype=q.dtype, device=q.device)
+    return float((q @ q.transpose(-2, -1) - eye).abs().max())
+
+
+def read_orthogonal(name: str, model: Any) -> list[OrthogonalWeight]:
+    """Weights under torch's ``orthogonal`` parametrization stored in half precision, with their orthogonality error.
+
+    The weight is computed by the parametrization list only when every parametrization in it is torch's own
+    (never a user's module).
+    """
+    out = []
+    for path, module in modules_where(model, lambda cls: True):
+        lists = raw_attr(raw_attr(module, "_modules", {}).get("parametrizations"), "_modules", {}) or {}
+        for tensor, plist in lists.items():
+            steps = list(raw_attr(plist, "_modules", {}).values())
+            original = raw_attr(plist, "_parameters", {}).get("original")
+            if not isinstance(original, torch.Tensor) or original.dtype not in _HALF or original.device.type == "meta":
+                continue
+            if not any(type(p).__name__ == "_Orthogonal" for p in steps):
+                continue
+            if not all(type(p).__module__.startswith("torch.nn.utils.") for p in steps):
+                continue
+            orth = next(p for p in steps if type(p).__name__ == "_Orthogonal")
+            omap = getattr(own_dict(orth).get("orthogonal_map"), "name", str(own_dict(orth).get("orthogonal_map")))
+            error, refused = None, ""
+            try:
+                with torch.no_grad():
+                    error = orthogonality_error(plist())
+            except Exception as exc:  # torch refuses cayley / householder in half precision
+                refused = str(exc).strip().splitlines()[0][:200]
+            out.append(OrthogonalWeight(name, path, str(tensor), _HALF[original.dtype], omap, error, refused))
+    return out
+
+
 def read_between(
     subjects: Iterable[tuple[str, str, Any]], live: Live, errors: list[tuple[str, str]] | None = None
 ) -> BetweenFacts:
@@ -219,16 +259,20 @@ def read_between(
     metrics: list[MetricStates] = []
     routers: list[RouterBias] = []
     merges: list[MergedAdapter] = []
+    orthogonal: list[OrthogonalWeight] = []
     seen: set[int] = set()
     for name, kind, obj in subjects:
         if kind != "model" or not isinstance(obj, torch.nn.Module):
             continue
         try:
             _read_model(name, obj, steps, live, seen, (replays, metrics, routers, merges))
+            orthogonal.extend(read_orthogonal(name, obj))
         except Exception as exc:  # a half-built metric or adapter must not stop the report
             if errors is not None:
                 errors.append((name, f"between steps: {type(exc).__name__}: {exc}"[:500]))
-    return BetweenFacts(tuple(accumulations), tuple(replays), tuple(metrics), tuple(routers), tuple(merges))
+    return BetweenFacts(
+        tuple(accumulations), tuple(replays), tuple(metrics), tuple(routers), tuple(merges), tuple(orthogonal)
+    )
 
 
 def _read_model(name: str, obj: torch.nn.Module, steps: int, live: Live, seen: set[int], out: tuple) -> None:
