@@ -87,7 +87,13 @@ def read_grad_replay(name: str, model: Any, steps: int) -> HalfGradReplay | None
     dtype = params[0].dtype
     grads = [p.grad for p in params if p.grad is not None and p.grad.dtype in _HALF]
     if grads:
-        sample = torch.cat([g.detach().reshape(-1)[:_REPLAY_ELEMENTS].float() for g in grads])[:_REPLAY_ELEMENTS]
+        pieces, left = [], _REPLAY_ELEMENTS
+        for g in grads:  # the first elements of each grad in turn, until the replay has enough
+            if left <= 0:
+                break
+            pieces.append(g.detach().reshape(-1)[:left].float().cpu())
+            left -= pieces[-1].numel()
+        sample = torch.cat(pieces)
         measured_on = "the model's own gradients"
     else:
         sample = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 1e-3
@@ -253,7 +259,12 @@ def read_between(
     A subject that cannot be read is appended to ``errors`` as ``(name, what failed)``; the others are read.
     """
     subjects = tuple(subjects)
-    accumulations = read_accumulations((n, o) for n, _, o in subjects)
+    try:
+        accumulations = read_accumulations((n, o) for n, _, o in subjects)
+    except Exception as exc:  # a hostile object among the subjects must not stop the report
+        accumulations = ()
+        if errors is not None:
+            errors.append(("accumulation", f"between steps: {type(exc).__name__}: {exc}"[:500]))
     steps = max((a.steps for a in accumulations), default=1)
     replays: list[HalfGradReplay] = []
     metrics: list[MetricStates] = []
