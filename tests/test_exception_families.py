@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from between_steps_raisers import BETWEEN_STEPS_RAISERS
 from test_crash_patterns import scaler_with_fp16_params
 
 from mpdoctor.crash import explain
@@ -333,6 +334,7 @@ RAISERS = {
     "amp-update-without-step": [scaler_update_twice],
     "amp-closure": [scaler_closure],
 }  # fmt: skip
+RAISERS.update(BETWEEN_STEPS_RAISERS)  # linear algebra, FFT and samplers in half precision
 
 #: torchao's families: raised for real in tests/stack/test_exception_families_torchao.py (the main venv has torchao).
 TORCHAO = {"crash-lowbit-block-size", "crash-fp8-capability", "crash-torchao-float8-op"}

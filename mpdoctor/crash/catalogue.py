@@ -923,3 +923,99 @@ if __name__ == "__main__":  # python -m mpdoctor.crash.catalogue docs/exception-
 
     with open(sys.argv[1], "w", encoding="utf-8") as out:
         out.write(catalogue_markdown())
+
+
+# -- the places between steps: linear algebra, FFT and samplers that have no half-precision kernel ------------
+
+_LOW = r"'(?:BFloat16|Half)'"
+
+FAMILIES = FAMILIES + (
+    Family(
+        slug="crash-linalg-half",
+        title="torch.linalg (qr, svd, eigh, eig, solve, cholesky, inv, det, triangular solves) in bf16 / fp16",
+        mistake=(
+            'grad = torch.randn(8, 8, dtype=torch.bfloat16)\n'
+            'q, _ = torch.linalg.qr(grad)  # an orthogonalizing optimizer (SOAP, Shampoo) on bf16 grads'
+        ),
+        kind=REFUSAL,
+        exception_types=("builtins.NotImplementedError", "builtins.RuntimeError"),
+        messages=(
+            r'"(?:geqrf|orgqr|ormqr|linalg_svd|svd|linalg_eigh|linalg_eig|eig|lu|lu_factor|lu_solve|cholesky|'
+            r'cholesky_inverse|triangular_solve|linalg_householder_product)\w*" not implemented for ' + _LOW,
+            r"linalg\.\w+: Low precision dtypes not supported\. Got (?:BFloat16|Half)",
+        ),
+        examples=(
+            _raised("\"geqrf_cpu\" not implemented for 'BFloat16'", "torch 2.13 CPU: torch.linalg.qr"),
+            _raised("\"linalg_svd_cpu\" not implemented for 'BFloat16'", "torch 2.13 CPU: torch.linalg.svd"),
+            _raised("\"cholesky_cpu\" not implemented for 'Half'",
+                    "torch 2.13 CPU: torch.distributions.MultivariateNormal (its scale_tril)"),
+            _raised("\"triangular_solve_cpu\" not implemented for 'BFloat16'",
+                    "torch 2.13 CPU: torch.linalg.solve_triangular"),
+            _raised("linalg.inv: Low precision dtypes not supported. Got BFloat16", "torch 2.13 CPU: torch.linalg.inv"),
+            _report("\"geqrf_cuda\" not implemented for 'BFloat16'", "HomebrewML/HeavyBall#57 (torch.linalg.qr on CUDA)"),
+            _report("\"svd_cuda_gesvdj\" not implemented for 'BFloat16'",
+                    "arcee-ai/mergekit#304, huggingface/peft#1052 (torch.linalg.svd on CUDA)"),
+            _report("\"cholesky_cusolver\" not implemented for 'BFloat16'", "ModelCloud/GPTQModel#1777"),
+        ),  # fmt: skip
+        versions="torch 1.8-2.13 (CPU LAPACK and cuSOLVER have no 16-bit kernels)",
+        cause="A linear-algebra decomposition or solve got a bf16 / fp16 tensor: LAPACK (CPU) and cuSOLVER "
+        "(CUDA) have no 16-bit kernels, and even where a 16-bit path exists the factorization loses its answer "
+        "in 8 or 11 significant bits (an orthogonal Q that is not orthogonal, a Cholesky factor of a matrix that "
+        "rounding made indefinite).",
+        fix="Upcast the operand to fp32 for the op and cast the result back (an fp32 island): "
+        "torch.linalg.qr(x.float()), then .to(x.dtype) where the result meets half-precision tensors again.",
+        code="# torch.linalg has no bf16 / fp16 kernels: run the op in fp32, cast the result back\n"
+        "q, r = torch.linalg.qr(x.float())\nq = q.to(x.dtype)",
+    ),
+    Family(
+        slug="crash-fft-half",
+        title="torch.fft (fft, rfft, ifft2, rfftn, stft) in bf16 / fp16",
+        mistake=(
+            'x = torch.randn(4, 12, dtype=torch.bfloat16)\n'
+            'spectrum = torch.fft.rfft(x)  # a Fourier layer (FNO, FourierFT, Hyena) in a bf16 model'
+        ),
+        kind=REFUSAL,
+        exception_types=("builtins.RuntimeError",),
+        messages=(
+            r"^Unsupported dtype (?:BFloat16|Half)$",
+            r"MKL FFT doesn't support tensors? of type: (?:BFloat16|Half)",
+            r"cuFFT only supports dimensions whose sizes are powers of two when computing in half precision",
+        ),
+        examples=(
+            _raised("Unsupported dtype BFloat16", "torch 2.13 CPU: torch.fft.rfft"),
+            _raised("Unsupported dtype Half", "torch 2.13 CPU: torch.fft.fft"),
+            _raised("MKL FFT doesn't support tensors of type: BFloat16", "torch 2.13 CPU: torch.stft"),
+            _source("cuFFT only supports dimensions whose sizes are powers of two when computing in half precision, "
+                    "but got a signal size of[12]", "torch aten/src/ATen/native/cuda/SpectralOps.cpp (fp16 on CUDA)"),
+            _report("Unsupported dtype BFloat16", "pytorch/pytorch#117844, Chaos96/fourierft#17 (torch.fft.ifft2)"),
+        ),  # fmt: skip
+        versions="torch 1.8-2.13 (no complex bf16 dtype; complex32 only on CUDA for power-of-two sizes)",
+        cause="An FFT got a bf16 / fp16 tensor: torch has no complex bf16 dtype at all, and computes fp16 FFTs only "
+        "on CUDA (sm53+) for power-of-two sizes; on a CPU both are refused.",
+        fix="Run the transform in fp32 and cast the real result back: torch.fft.rfft(x.float()), then "
+        "torch.fft.irfft(...).to(x.dtype); under autocast, disable it around the FFT.",
+        code="# no bf16 FFT in torch: transform in fp32, cast the real result back\n"
+        "spectrum = torch.fft.rfft(x.float())\ny = torch.fft.irfft(spectrum, n=x.shape[-1]).to(x.dtype)",
+    ),
+    Family(
+        slug="crash-sampler-half",
+        title="torch.distributions samplers (Dirichlet, Beta, Gamma) in bf16 / fp16",
+        mistake=(
+            'concentration = torch.ones(4, dtype=torch.bfloat16)\n'
+            'torch.distributions.Dirichlet(concentration).sample()'
+        ),
+        kind=REFUSAL,
+        exception_types=("builtins.NotImplementedError",),
+        messages=(r'"(?:dirichlet|gamma|_standard_gamma|binomial|poisson)\w*" not implemented for ' + _LOW,),
+        examples=(
+            _raised("\"dirichlet\" not implemented for 'BFloat16'", "torch 2.13 CPU: Dirichlet(...).sample()"),
+            _raised("\"gamma_cpu\" not implemented for 'Half'", "torch 2.13 CPU: Gamma(...).sample()"),
+        ),  # fmt: skip
+        versions="torch 1.8-2.13",
+        cause="A distribution's sampler has no bf16 / fp16 kernel: Gamma, Beta and Dirichlet draw through "
+        "_standard_gamma / _sample_dirichlet, defined for fp32 and fp64 only.",
+        fix="Build the distribution from fp32 parameters and cast the sample back.",
+        code="# samplers have no bf16 / fp16 kernels: draw in fp32, cast the sample back\n"
+        "sample = torch.distributions.Dirichlet(concentration.float()).sample().to(concentration.dtype)",
+    ),
+)

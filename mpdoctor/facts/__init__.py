@@ -146,6 +146,8 @@ class Facts:
     deepspeed: tuple = ()
     #: mpdoctor.facts.fp8_training.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
     fp8_recipes: tuple = ()
+    #: mpdoctor.facts.between.BetweenFacts: accumulation, metric states, merged adapters, router biases.
+    between: Any = None
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -21,6 +21,7 @@ from ..facts.quantized import STORAGE_DTYPES
 from ..facts.scaler import ScalerFacts
 from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
+from ..readers.between import read_between
 from ..readers.hardware import live_profile
 from ..readers.norms import norm_epsilons
 from ..readers.optimizer import read_optimizer
@@ -177,7 +178,10 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
     except Exception as exc:
         distributed = None
         errors.append(("distributed", _summarise(exc)))
+    failed = {name for name, _ in errors}  # a subject that could not be read is reported once, not again here
+    between = read_between(((s.name, s.kind, s.obj) for s in subjects if s.name not in failed), live, errors)
     return Facts(
+        between=between,
         distributed=distributed,
         subjects=tuple(plain),
         models=tuple(models),
