@@ -134,6 +134,22 @@ CORNERS: dict[str, Corner] = {
                 "tests/test_browser.py": "needs JupyterLab and Playwright, installed in .venv only",
                 "tests/test_binder.py": "builds Binder's environment with .venv's JupyterLab",
                 "tests/test_bench_smoke.py": "the benchmarks measure the pinned stack, in .venv",
+                "tests/field/test_between_steps_cases.py::test_lightning_18620_epoch_mean_in_bf16_is_wrong_then_set_dtype_fixes_it_and_the_step_trains":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/field/test_between_steps_cases.py::test_lightning_18620_through_the_widget_button":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/field/test_between_steps_cases.py::test_xla_2425_a_bf16_running_loss_sum_stops_growing_then_is_fixed_in_place":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/field/test_between_steps_cases.py::test_healthy_twin_metric_states_kept_fp32_after_the_cast_draw_nothing":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/test_between_steps.py::test_model_half_leaves_metric_states_fp32_and_draws_nothing_but_model_to_bf16_casts_them":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/test_between_steps.py::test_a_metric_held_alone_and_inside_a_model_is_one_finding":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/test_between_steps.py::test_the_metric_fix_is_undone_exactly_and_applying_it_twice_changes_nothing_more":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
+                "tests/test_between_steps.py::test_diagnosing_changes_nothing_it_reads":
+                    "torchmetrics (Lightning's metrics library) is installed in .venv only",
             },
         ),
     )
