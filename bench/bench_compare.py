@@ -24,7 +24,7 @@ Extra memory: peak RSS during a call minus RSS before it (Linux ``VmHWM`` reset
 through ``/proc/self/clear_refs``, as ``bench_scan.py``; a 1 ms sampling thread
 elsewhere), for the plain step and for compare, quoted against the size of the
 model's fp32 weights. ``--quick``: 2 layers, batch 2x32, 2 rounds (seconds; only checks the script
-works). Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
+works). ``--cpu-time``: every timing in the process's CPU time (on a loaded machine). Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
 """
 
 from __future__ import annotations
@@ -43,13 +43,20 @@ from bench_probe import build, plain_step  # noqa: E402
 from bench_scan import peak_extra  # noqa: E402
 
 MiB = 2**20
+#: The clock of every timing: wall time, or with ``--cpu-time`` this process's CPU time (one thread, so
+#: the same work whatever else loads the machine's cores).
+CLOCK = time.perf_counter
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--llama-only", action="store_true")
+    parser.add_argument("--cpu-time", action="store_true", help="time in process CPU time (for a loaded machine; the plan rows keep the plan's own wall-clock seconds)")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     import mpdoctor
 
     torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
@@ -68,9 +75,9 @@ def main() -> None:
     for _ in range(rounds):
         for key, fn in (("plain", lambda: plain_step(model, batch)), ("compare", run_compare)):
             gc.collect()
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            best[key] = min(best[key], time.perf_counter() - start)
+            best[key] = min(best[key], CLOCK() - start)
     model.zero_grad(set_to_none=True)
     gc.collect()
     mem_plain = peak_extra(lambda: plain_step(model, batch))
@@ -133,9 +140,9 @@ def timed_ratio(plain, run, rounds: int) -> tuple[float, float]:
     for _ in range(rounds):
         for i, fn in enumerate((plain, run)):
             gc.collect()
-            start = time.perf_counter()
+            start = CLOCK()
             fn()
-            best[i] = min(best[i], time.perf_counter() - start)
+            best[i] = min(best[i], CLOCK() - start)
     return best[0], best[1]
 
 

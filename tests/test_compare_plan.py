@@ -191,3 +191,30 @@ def test_magic_plan_option_draws_the_plan_and_returns_it(shell, capsys):
     assert isinstance(shell.user_ns["p"], Plan) and shell.user_ns["p"].target == "fp8"
     shell.run_cell("%mpdoctor net --plan bf16 xb --text")
     assert "--plan bf16: plan() converts to" in capsys.readouterr().out
+
+
+def test_a_gradient_sqnr_budget_keeps_more_layers_than_the_loss_budget_and_the_verified_run_meets_it(planned):
+    """On the wide-channel model, the loss budget alone keeps the three wide layers, but fp8 anywhere downstream
+    still garbles the gradients flowing back (all parameters' gradient SQNR below 0 dB); bounding the
+    gradient SQNR as well keeps layers until the verified run meets that bound too."""
+    _, c, _ = planned
+    loss_only = c.plan("fp8", budget=BUDGET, keep="fp32")
+    assert set(loss_only.kept) == set(WIDE) and loss_only.planned.grad_sqnr_db < 0.0
+    both = c.plan("fp8", budget=BUDGET, keep="fp32", min_grad_sqnr_db=0.0)
+    assert set(WIDE) < set(both.kept)
+    assert both.within_budget and both.planned.grad_sqnr_db >= 0.0 and both.planned.loss_gap <= BUDGET
+    assert both.all_target.grad_sqnr_db < 0.0  # all-fp8 is over the gradient budget
+    # The search is verified runs: the plan is the fewest kept layers whose run met both bounds.
+    fewer = [v for v in both.tried if len(v.kept) < len(both.kept)]
+    assert fewer and all(v.grad_sqnr_db < 0.0 or v.loss_gap > BUDGET for v in fewer)
+    text = both.to_text()
+    assert "gradient SQNR >= 0 dB" in text and "within budget" in text
+    assert both.to_dict()["min_grad_sqnr_db"] == 0.0
+
+
+def test_a_gradient_budget_the_cap_cannot_meet_is_reported_over_budget(planned):
+    _, c, _ = planned
+    capped = c.plan("fp8", keep="fp32", min_grad_sqnr_db=0.0, max_kept=0.5)
+    assert len(capped.kept) == 4 and capped.budget is None
+    assert not capped.within_budget and capped.planned.grad_sqnr_db < 0.0
+    assert "OVER budget (no loss budget, at most 50% of Linears kept, gradient SQNR >= 0 dB)" in capped.to_text()

@@ -179,6 +179,8 @@ class Comparison:
             "seconds": self.seconds,
             "reached": self.reached,
             "summaries": {p: PRECISIONS[p].summary for p in self.precisions if p in PRECISIONS},
+            # Column labels: an MX precision names the scale mode its figures assume (``mxfp8 [FLOOR]``).
+            "labels": {p: PRECISIONS[p].label for p in self.precisions if p in PRECISIONS},
             "thresholds": {
                 "keep_below_db": dict(KEEP_BELOW_DB),
                 "underflow_pct": {p: underflow_limit(p) for p in self.precisions},
@@ -259,6 +261,7 @@ class Comparison:
         *,
         max_kept: float | None = None,
         keep: str = "bf16",
+        min_grad_sqnr_db: float | None = None,
     ) -> Plan:
         """A per-layer precision plan under ``target``, verified by running the mixed model end to end.
 
@@ -278,6 +281,11 @@ class Comparison:
             The largest share (0..1) of Linears kept in ``keep``.
         keep : str
             The precision of the kept layers (``bf16`` or ``fp32``).
+        min_grad_sqnr_db : float, optional
+            A gradient budget besides the loss gap: the least SQNR (dB) of all parameter gradients of the
+            planned model against fp32's. Layers are kept until both bounds hold (or ``max_kept`` is
+            reached); ``plan.planned.grad_sqnr_db`` is the verified figure. Given alone, no loss budget
+            is set by default.
 
         Returns
         -------
@@ -293,7 +301,8 @@ class Comparison:
         if model is None:
             raise ValueError("the model of this comparison is gone (or it was not measured): run compare() again")
         result = make_plan(self.layers, self.rows, bool(self.attention), model, subject.batch, subject.loss,
-                           subject.training, name, budget=budget, max_kept=max_kept, keep=keep)  # fmt: skip
+                           subject.training, name, budget=budget, max_kept=max_kept, keep=keep,
+                           min_grad_sqnr_db=min_grad_sqnr_db)  # fmt: skip
         self.plans[name] = result
         return result
 

@@ -21,6 +21,9 @@ has one (``tests/stack/test_compare_oracles.py`` checks them on the CPU):
 - ``mxfp8`` (OCP MX v1.0, torchao's ``to_mx`` with ``FLOOR`` scales): blocks of
   32 along the contraction dimension, a shared e8m0 scale
   ``2^(floor(log2(block amax)) - 8)``, e4m3 elements, saturated; gradients too.
+- ``mxfp8-rceil``: MXFP8 with RCEIL scales (torchao's MX training recipes, NVIDIA's cuBLAS):
+  ``2^ceil(log2(block amax / 448))``, so no element saturates; as torchao's
+  ``to_mx(..., scaling_mode=ScaleCalculationMode.RCEIL)``, bit for bit.
 - ``mxfp8-hybrid``: MXFP8 with e5m2 gradients (TransformerEngine's ``Format.HYBRID``): the gradient
   blocks' scale is ``2^(floor(log2(block amax)) - 15)``, as torchao's ``to_mx(x, torch.float8_e5m2, 32)``.
 - ``nvfp4``: blocks of 16, an e4m3 block scale ``block amax / 6`` divided by a
@@ -55,6 +58,9 @@ _F32_MIN_NORMAL = torch.finfo(torch.float32).tiny
 _E4M3_TINY = torch.finfo(E4M3).tiny
 #: Relative margin past a format's max that float32 rounding of a scaled value alone can make (a few ulps).
 _PAST_ROUNDING = 1.0 + 2.0**-20
+#: A float32's exponent field and sign bit, as int32 masks.
+_EXPONENT_BITS = 0x7F800000
+_SIGN_BIT = -(2**31)
 
 
 @dataclass(frozen=True)
@@ -68,19 +74,33 @@ class Quantized:
 
 
 def _counts(x: torch.Tensor, q: torch.Tensor, over: torch.Tensor | None) -> Quantized:
+    """``q`` with the counts of ``x``'s nonzeros and underflow; ``over`` is the saturated count (None: no counts)."""
     if over is None:  # counts not wanted (weights): skip four passes over the tensor
         zero = torch.zeros((), dtype=torch.int64, device=x.device)
         return Quantized(q, zero, zero, zero)
     # A zero quantizes to zero: the elements lost are the nonzeros of x less those of q (no mask allocated).
     nonzero = torch.count_nonzero(x)
-    return Quantized(values=q, nonzero=nonzero, underflow=nonzero - torch.count_nonzero(q), saturated=over.sum())
+    return Quantized(values=q, nonzero=nonzero, underflow=nonzero - torch.count_nonzero(q), saturated=over)
 
 
-def _past(x: torch.Tensor, limit: float) -> torch.Tensor:
-    """The mask of ``|x| > limit``; on the CPU one max first, as most tensors have no such element (no mask then)."""
-    if x.device.type == "cpu" and float(torch.linalg.vector_norm(x, float("inf"))) <= limit:
-        return torch.zeros((), dtype=torch.bool)  # reading a scalar costs no sync on the CPU
-    return x.abs() > limit
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` (0-d, NaN when ``x`` holds one) from one ``aminmax`` pass: on the CPU some thirty times
+    faster than ``vector_norm(x, inf)`` and ``abs().max()``, and exactly their value."""
+    if x.numel() == 0:  # aminmax refuses an empty tensor; vector_norm's max of nothing is 0
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.maximum(hi, lo.neg())
+
+
+def _count_past(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """How many elements have ``|x| > limit`` (0-d int64); on the CPU one max first, as most tensors have none.
+
+    Two comparisons counted: no ``|x|`` temporary, and ``count_nonzero`` is some four times faster than
+    summing a bool mask (which converts it to int64 first).
+    """
+    if x.device.type == "cpu" and float(abs_max(x)) <= limit:
+        return torch.zeros((), dtype=torch.int64)  # reading a scalar costs no sync on the CPU
+    return torch.count_nonzero(x > limit) + torch.count_nonzero(x < -limit)
 
 
 # -- elementwise formats ---------------------------------------------------------------
@@ -94,19 +114,45 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def quantize_cast(x: torch.Tensor, dtype: torch.dtype, count: bool = True) -> Quantized:
     """Round to bf16 or fp16 as autocast does (no scale); past the format's max counts as saturated."""
     q = round_to(x, dtype)
-    return _counts(x, q, _past(x, torch.finfo(dtype).max) if count else None)
+    return _counts(x, q, _count_past(x, torch.finfo(dtype).max) if count else None)
+
+
+def round_mantissa_(v: torch.Tensor, mantissa: int, min_exp: int) -> torch.Tensor:
+    """Round a float32 ``v`` in place to a float format of ``mantissa`` bits and smallest normal ``2^min_exp``.
+
+    Nearest even, subnormals included, the sign of zero kept: the values the cast to such a format (e4m3:
+    3 and -6; e5m2: 2 and -14; e2m1: 1 and 0) reads back as float32, bit for bit, for any ``v`` within the
+    format's range (the caller saturates first). One magic-number add per element: ``C = 2^(e + 23 -
+    mantissa)``, ``e`` the element's exponent (at least ``min_exp``), carries ``v``'s sign, and ``(v + C) - C``
+    leaves ``v`` rounded to the format's step at that exponent (float32 addition rounds to nearest even).
+    Four int and three float passes, no float8 conversion: torch's CPU cast to e4m3 is scalar and costs
+    about three times as much.
+    """
+    # Flat: on a 3-D view (blocks) the same int passes run some eight times slower on the CPU.
+    flat = v.view(-1) if v.is_contiguous() else v
+    bits = flat.view(torch.int32)
+    magic = torch.bitwise_and(bits, _EXPONENT_BITS).clamp_(min=(min_exp + 127) << 23).add_((23 - mantissa) << 23)
+    magic.bitwise_or_(torch.bitwise_and(bits, _SIGN_BIT))
+    c = magic.view(torch.float32)
+    # The sign of C is v's: copysign puts back a negative zero that (v + C) - C rounds to +0.
+    flat.add_(c).sub_(c).copysign_(c)
+    return v
 
 
 def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     """``x`` (already scaled) rounded to fp4 e2m1, nearest even, saturated at +-6 (float32 out).
 
-    The e2m1 grid is 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2);
-    ``torch.round`` rounds halves to even, which is the format's tie rule on each step.
+    The e2m1 grid is 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2): one mantissa bit, smallest
+    normal 1 (:func:`round_mantissa_`).
     """
-    a = x.abs().clamp_(max=E2M1_MAX)
-    # Dividing and multiplying by a power-of-two step is exact: one round over the tensor, in place.
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    return torch.copysign(a.div_(step).round_().mul_(step), x)
+    return round_mantissa_(x.clamp(-E2M1_MAX, E2M1_MAX), 1, 0)
+
+
+def _round_fp8_(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A saturated float32 ``v`` rounded in place to e4m3 or e5m2 and read back as float32 (as ``.to(dtype)``)."""
+    if dtype == E4M3:
+        return round_mantissa_(v, 3, -6)
+    return v.copy_(v.to(dtype))  # torch's e5m2 cast is vectorised: as fast as the magic add
 
 
 # -- scaled fp8 -------------------------------------------------------------------------
@@ -118,8 +164,8 @@ def _fp8_max(dtype: torch.dtype) -> float:
 
 def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
     """torchao's tensorwise scale: ``fmax / max(amax, 1e-12)`` in float64, then float32 (0-d)."""
-    amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float64)  # max |x| in one pass, no |x| temporary
-    return (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
+    top = abs_max(x).to(torch.float64)  # max |x| in one pass, no |x| temporary
+    return (_fp8_max(dtype) / torch.clamp(top, min=AMAX_EPS)).to(torch.float32)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
@@ -128,8 +174,8 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3
     scaled = x * scale
     # ``amax * (fmax / amax)`` lands an ulp past fmax in about one tensor of eight (the scale is rounded to
     # float32): the amax element is not saturated for that, so only a magnitude past rounding counts.
-    over = _past(scaled, fmax * _PAST_ROUNDING) if count else None
-    return _counts(x, scaled.clamp_(-fmax, fmax).to(dtype).to(torch.float32).div_(scale), over)
+    over = _count_past(scaled, fmax * _PAST_ROUNDING) if count else None
+    return _counts(x, _round_fp8_(scaled.clamp_(-fmax, fmax), dtype).div_(scale), over)
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
@@ -180,29 +226,61 @@ def mx_scale_bits(amax: torch.Tensor, max_pow2: int = E4M3_MAX_POW2) -> torch.Te
     return torch.clamp(exponent - max_pow2, min=-127, max=128) + 127
 
 
-def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32, count: bool = True) -> Quantized:
+def mx_rceil_scale_bits(amax: torch.Tensor, fmax: float) -> torch.Tensor:
+    """The biased e8m0 exponent of each block under RCEIL: ``ceil(log2(amax / fmax)) + 127``, as int32.
+
+    NVIDIA's cuBLAS rule and torchao's ``ScaleCalculationMode.RCEIL`` (``_to_mx_rceil``): the scale is the
+    power of two at or above ``amax / fmax`` (float32 division), clamped to [-127, 127]; a NaN amax gives
+    255, an infinite one 254.
+    """
+    descale = amax / fmax
+    normal = torch.clamp(torch.ceil(torch.log2(descale)), min=-127, max=127) + 127
+    return torch.where(torch.isnan(descale), 255, torch.where(torch.isinf(descale), 254, normal)).to(torch.int32)
+
+
+#: MX block-scale rules: ``floor`` (OCP MX v1.0, torchao ``to_mx``'s default) and ``rceil`` (torchao's MX
+#: training recipes, NVIDIA's cuBLAS).
+MX_SCALE_MODES = ("floor", "rceil")
+
+
+def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int = 32, count: bool = True,
+                scale_mode: str = "floor") -> Quantized:  # fmt: skip
     """MX block float8: blocks of ``block`` along ``dim``, e8m0 power-of-two scales, saturated elements.
 
     ``dtype`` is the element format: e4m3 (MXFP8 as NVIDIA's recipe runs it) or e5m2 (the gradients of an
     MXFP8 recipe in ``HYBRID`` format), each with its own largest power of two for the block scale.
+    ``scale_mode``: ``"floor"`` puts a block's amax at the format's largest power of two (elements past
+    the format's max saturate); ``"rceil"`` rounds ``amax / fmax`` up to a power of two (nothing saturates,
+    a block's small elements lose up to one more bit), as torchao's ``to_mx(..., ScaleCalculationMode.RCEIL)``.
     """
+    if scale_mode not in MX_SCALE_MODES:
+        raise ValueError(f"unknown MX scale mode {scale_mode!r}: choose from {', '.join(MX_SCALE_MODES)}")
     x = x.to(torch.float32)
     b, axis, pad = _blocks(x, dim, block)
     amax = b.abs().amax(dim=axis, keepdim=True)
-    biased = mx_scale_bits(amax, E5M2_MAX_POW2 if dtype == E5M2 else E4M3_MAX_POW2)
-    scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
     fmax = _fp8_max(dtype)
-    scaled = b / scale
-    over = scaled.abs() > fmax if count else None
+    if scale_mode == "rceil":
+        biased = mx_rceil_scale_bits(amax, fmax)
+        # torchao's reciprocal: 2^(127 - e); 1 for e = 0 (a zero block), 2^-127 for an inf amax, NaN for NaN.
+        rcp = torch.where(biased == 0, 1.0, torch.exp2(127 - biased.to(torch.float32)))
+        rcp = torch.where(biased == 254, 2.0**-127, rcp)
+        rcp = torch.where(biased == 255, float("nan"), rcp)
+        scaled = b * rcp
+    else:
+        biased = mx_scale_bits(amax, E5M2_MAX_POW2 if dtype == E5M2 else E4M3_MAX_POW2)
+        scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
+        scaled = b / scale
+    # Padding is zeros, never past the limit: the mask needs no unblocking to be counted.
+    over = _count_past(scaled, fmax) if count else None
     # torchao's get_fp_scale: 2^(biased - 127), NaN for the e8m0 NaN encoding (a block holding NaN or inf).
     dequant_scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - 127).to(torch.float32)))
-    q = scaled.clamp_(-fmax, fmax).to(dtype).to(torch.float32).mul_(dequant_scale)
-    return _counts(x, _unblock(q, dim, pad, x.shape), None if over is None else _unblock(over, dim, pad, x.shape))
+    q = _round_fp8_(scaled.clamp_(-fmax, fmax), dtype).mul_(dequant_scale)
+    return _counts(x, _unblock(q, dim, pad, x.shape), over)
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     """The per-tensor float32 scale of two-level NVFP4: ``amax / (448 * 6)`` (torchao ``per_tensor_amax_to_scale``)."""
-    return x.abs().max().to(torch.float32) / (E4M3_MAX * E2M1_MAX)
+    return abs_max(x).to(torch.float32) / (E4M3_MAX * E2M1_MAX)
 
 
 def quantize_nvfp4(
@@ -221,7 +299,7 @@ def quantize_nvfp4(
     reciprocal = (1.0 / tensor_scale) / block_scale_fp8
     scaled = b * reciprocal
     q = round_e2m1(scaled).mul_(tensor_scale * block_scale_fp8)
-    over = _unblock(scaled.abs() > E2M1_MAX, dim, pad, x.shape) if count else None
+    over = _count_past(scaled, E2M1_MAX) if count else None
     return _counts(x, _unblock(q, dim, pad, x.shape), over)
 
 
@@ -249,6 +327,9 @@ class Precision:
         bf16/fp16; float8 and block-format matmuls return the high-precision dtype).
     summary : str
         One line for reports.
+    scale_mode : str
+        How an MX block scale is chosen (``"floor"`` or ``"rceil"``: :data:`MX_SCALE_MODES`); empty for the
+        other kinds.
     """
 
     name: str
@@ -258,6 +339,7 @@ class Precision:
     block: int
     rounds_output: bool
     summary: str
+    scale_mode: str = ""
 
     def quantize(self, x: torch.Tensor, dim: int, grad: bool = False, count: bool = True) -> Quantized:
         """Quantize ``x`` (float32) as an operand contracted over ``dim``; ``grad`` for output gradients.
@@ -275,7 +357,7 @@ class Precision:
         if self.kind == "rowwise":
             return quantize_rowwise(x, dim, dtype, count)
         if self.kind == "mx":
-            return quantize_mx(x, dim, dtype, self.block, count)
+            return quantize_mx(x, dim, dtype, self.block, count, self.scale_mode or "floor")
         if self.kind == "nvfp4":
             return quantize_nvfp4(x, dim, self.block, count=count)
         raise ValueError(f"unknown precision kind {self.kind!r}")
@@ -283,6 +365,11 @@ class Precision:
     def round_output(self, y: torch.Tensor) -> torch.Tensor:
         """A matmul's float32 output as the precision returns it."""
         return round_to(y, self.element) if self.rounds_output and self.element is not None else y
+
+    @property
+    def label(self) -> str:
+        """The name with the scale mode a figure assumes, for MX: ``mxfp8 [FLOOR]``; the name otherwise."""
+        return f"{self.name} [{self.scale_mode.upper()}]" if self.scale_mode else self.name
 
     @property
     def along_contraction(self) -> bool:
@@ -298,8 +385,13 @@ PRECISIONS: dict[str, Precision] = {
         Precision("fp16", "cast", torch.float16, torch.float16, 0, True, "autocast fp16: operands and outputs rounded to float16, no loss scaling"),
         Precision("fp8", "tensorwise", E4M3, E5M2, 0, False, "float8 tensorwise (torchao default): e4m3 scale 448/amax, e5m2 gradients"),
         Precision("fp8-rowwise", "rowwise", E4M3, E4M3, 0, False, "float8 rowwise (torchao rowwise): e4m3 power-of-two scale per row"),
-        Precision("mxfp8", "mx", E4M3, E4M3, 32, False, "MXFP8: 32-element blocks, e8m0 scales, e4m3 elements and gradients"),
-        Precision("mxfp8-hybrid", "mx", E4M3, E5M2, 32, False, "MXFP8 in HYBRID format: e4m3 forward, e5m2 gradients (not NVIDIA's recipe)"),
+        Precision("mxfp8", "mx", E4M3, E4M3, 32, False,
+                  "MXFP8: 32-element blocks, e8m0 FLOOR scales (OCP MX v1.0), e4m3 elements and gradients", "floor"),
+        Precision("mxfp8-rceil", "mx", E4M3, E4M3, 32, False,
+                  "MXFP8 with RCEIL scales (torchao's MX training recipes): 32-element blocks, e8m0 scale rounded up, "
+                  "e4m3 elements and gradients", "rceil"),
+        Precision("mxfp8-hybrid", "mx", E4M3, E5M2, 32, False,
+                  "MXFP8 in HYBRID format: e4m3 forward, e5m2 gradients, FLOOR scales (not NVIDIA's recipe)", "floor"),
         Precision("nvfp4", "nvfp4", E4M3, E4M3, 16, False, "NVFP4: 16-element blocks, e4m3 block scales, per-tensor fp32 scale, e2m1"),
     )
 }

@@ -36,10 +36,10 @@ SATURATION_JUDGED = ("bf16", "fp16", "fp8", "fp8-rowwise")
 #: about 10 dB below what the format gives a plain Gaussian layer on this CPU (bf16 ~ 51, fp16 ~ 69,
 #: fp8 ~ 29 out / 25 wgrad with e5m2, rowwise ~ 29, MXFP8 ~ 25, NVFP4 ~ 17 dB; tests/test_compare.py). Attention's
 #: matmuls on Gaussian q, k, v land in the same ranges (tests/test_compare_attention.py); recommend() keeps Linears only.
-KEEP_BELOW_DB = {"bf16": 40.0, "fp16": 58.0, "fp8": 16.0, "fp8-rowwise": 18.0, "mxfp8": 15.0, "nvfp4": 8.0}
+KEEP_BELOW_DB = {"bf16": 40.0, "fp16": 58.0, "fp8": 16.0, "fp8-rowwise": 18.0, "mxfp8": 15.0, "mxfp8-rceil": 15.0, "nvfp4": 8.0}
 #: Dims real kernels need: float8 GEMMs (cuBLAS / torch._scaled_mm) want multiples of 16; block formats their block.
-KERNEL_MULTIPLE = {"fp8": 16, "fp8-rowwise": 16, "mxfp8": 32, "nvfp4": 16}
-FP8_FAMILY = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4")
+KERNEL_MULTIPLE = {"fp8": 16, "fp8-rowwise": 16, "mxfp8": 32, "mxfp8-rceil": 32, "nvfp4": 16}
+FP8_FAMILY = ("fp8", "fp8-rowwise", "mxfp8", "mxfp8-rceil", "nvfp4")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from .recommendation import conversion_code, keep_literal
 from .runner import Runner
 
 #: The targets a plan can convert to (torchao has a recipe, or at least a config, for each).
-TARGETS = ("fp8", "fp8-rowwise", "mxfp8", "nvfp4")
+TARGETS = ("fp8", "fp8-rowwise", "mxfp8", "mxfp8-rceil", "nvfp4")
 #: The precisions kept layers may stay in.
 KEPT = ("bf16", "fp32")
 #: Default loss budget when none is given: this share of the fp32 loss.
@@ -74,8 +74,10 @@ class Plan:
         The loss in fp32.
     budget : float or None
         The loss-gap budget; ``max_kept`` the share of layers that may stay high (None: no cap).
+    min_grad_sqnr_db : float or None
+        The gradient budget: the least SQNR (dB) of all parameter gradients against fp32's (None: no bound).
     within_budget : bool
-        Whether the verified plan's loss gap is within the budget.
+        Whether the verified plan's loss gap, and its gradient SQNR when bounded, are within the budget.
     planned, all_target, all_kept : Verified
         The plan, every Linear in ``target``, every Linear in ``keep_precision``: verified runs.
     tried : tuple of Verified
@@ -98,6 +100,7 @@ class Plan:
     attention: bool = False
     seconds: float = 0.0
     ranking: tuple[str, ...] = field(default=())
+    min_grad_sqnr_db: float | None = None
 
     @property
     def loss_gap(self) -> float:
@@ -120,7 +123,7 @@ class Plan:
             from torchao.float8 import Float8LinearConfig
 
             return Float8LinearConfig.from_recipe_name("tensorwise" if self.target == "fp8" else "rowwise")
-        if self.target == "mxfp8":
+        if self.target in ("mxfp8", "mxfp8-rceil"):
             from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
 
             return MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)
@@ -163,6 +166,7 @@ class Plan:
         """Plain data (what the renderers read)."""
         return {
             "target": self.target,
+            "target_label": precision(self.target).label,
             "keep_precision": self.keep_precision,
             "kept": list(self.kept),
             "converted": list(self.converted),
@@ -170,6 +174,7 @@ class Plan:
             "reference_loss": self.reference_loss,
             "budget": self.budget,
             "max_kept": self.max_kept,
+            "min_grad_sqnr_db": self.min_grad_sqnr_db,
             "within_budget": self.within_budget,
             "planned": self.planned.to_dict(),
             "all_target": self.all_target.to_dict(),
@@ -266,7 +271,8 @@ class _Search:
 
 def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult], attention: bool,
               model: torch.nn.Module, batch: Any, loss: Callable | None, training: bool, target: str,
-              *, budget: float | None, max_kept: float | None, keep: str) -> Plan:  # fmt: skip
+              *, budget: float | None, max_kept: float | None, keep: str,
+              min_grad_sqnr_db: float | None = None) -> Plan:  # fmt: skip
     """The plan of ``Comparison.plan()`` (see this module's docstring): ``layers`` are the comparison's
     ``(path, in, out)`` Linears in call order, ``rows`` its measurements, ``attention`` whether it reached any."""
     start = time.perf_counter()
@@ -282,12 +288,13 @@ def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult
     paths = [p for p, _, _ in layers]
     with Runner(model, batch, loss, training) as runner:
         search = _Search(runner, tgt, high, paths)
-        if budget is None and max_kept is None:
+        if budget is None and max_kept is None and min_grad_sqnr_db is None:
             budget = DEFAULT_BUDGET_SHARE * abs(search.reference_loss)
+        fits = _fits(budget, min_grad_sqnr_db)
         cap = len(ranked) if max_kept is None else max(0, min(len(ranked), math.floor(max_kept * len(paths)) - len(forced)))
         all_target = search.verify(())
         all_kept = search.verify(paths)
-        k, planned = _bisect(search, list(forced), ranked, cap, budget, all_target if not forced else None)
+        k, planned = _bisect(search, list(forced), ranked, cap, fits, all_target if not forced else None)
     kept = (*forced, *ranked[:k])
     reasons = {**forced, **{p: _why(by_path.get(p)) for p in ranked[:k]}}
     return Plan(
@@ -299,7 +306,7 @@ def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult
         reference_loss=search.reference_loss,
         budget=budget,
         max_kept=max_kept,
-        within_budget=budget is None or planned.loss_gap <= budget,
+        within_budget=fits is None or fits(planned),
         planned=planned,
         all_target=all_target,
         all_kept=all_kept,
@@ -307,15 +314,31 @@ def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult
         attention=attention,
         seconds=time.perf_counter() - start,
         ranking=tuple(ranked),
+        min_grad_sqnr_db=min_grad_sqnr_db,
     )
 
 
-def _bisect(search: _Search, forced: list[str], ranked: list[str], cap: int, budget: float | None,
-            none_kept: Verified | None) -> tuple[int, Verified]:  # fmt: skip
-    """The fewest of the worst-ranked layers to keep (at most ``cap``) whose mixed model is within ``budget``.
+def _fits(budget: float | None, min_grad_sqnr_db: float | None) -> Callable[[Verified], bool] | None:
+    """Whether a verified run is within the budget: its loss gap at most ``budget`` and its gradient SQNR at
+    least ``min_grad_sqnr_db`` (a NaN SQNR, a run that raised, never fits); None when nothing is bounded."""
+    if budget is None and min_grad_sqnr_db is None:
+        return None
 
-    Without a loss budget the cap itself is the plan (more layers kept never loses accuracy in the model's
-    figures). Assumes the gap shrinks as layers are kept; every answer is a run, not an inference.
+    def fits(v: Verified) -> bool:
+        if budget is not None and not v.loss_gap <= budget:
+            return False
+        return min_grad_sqnr_db is None or v.grad_sqnr_db >= min_grad_sqnr_db
+
+    return fits
+
+
+def _bisect(search: _Search, forced: list[str], ranked: list[str], cap: int, fits: Callable[[Verified], bool] | None,
+            none_kept: Verified | None) -> tuple[int, Verified]:  # fmt: skip
+    """The fewest of the worst-ranked layers to keep (at most ``cap``) whose mixed model ``fits`` the budget.
+
+    Without a budget the cap itself is the plan (more layers kept never loses accuracy in the model's
+    figures). Assumes the gap shrinks (and the gradient SQNR grows) as layers are kept; every answer is a
+    run, not an inference.
     """
 
     def run(k: int) -> Verified:
@@ -323,19 +346,19 @@ def _bisect(search: _Search, forced: list[str], ranked: list[str], cap: int, bud
             return none_kept
         return search.verify([*forced, *ranked[:k]])
 
-    if budget is None:
+    if fits is None:
         return cap, run(cap)
     low = run(0)
-    if low.loss_gap <= budget or cap == 0:
+    if fits(low) or cap == 0:
         return 0, low
     high = run(cap)
-    if high.loss_gap > budget:
+    if not fits(high):
         return cap, high  # over budget even at the cap: the best the cap allows, said so
     lo, hi, best = 0, cap, high
     while hi - lo > 1:
         mid = (lo + hi) // 2
         got = run(mid)
-        if got.loss_gap <= budget:
+        if fits(got):
             hi, best = mid, got
         else:
             lo = mid

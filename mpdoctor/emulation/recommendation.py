@@ -132,14 +132,15 @@ def conversion_code(name: str, keep: tuple[str, ...], attention: bool = False) -
             + f'config = Float8LinearConfig.from_recipe_name("{recipe}")\n'
             "convert_to_float8_training(model, config=config, module_filter_fn=module_filter_fn)\n"
         )
-    if name == "mxfp8":
+    if name in ("mxfp8", "mxfp8-rceil"):
         return (
             "import torch\n"
             "from torchao.quantization import quantize_\n"
             "from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe\n\n"
             + filt
-            + "# mpdoctor emulates FLOOR scales (OCP MX); torchao's training recipes use RCEIL\n"
-            "config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)\n"
+            + ("# mpdoctor's mxfp8 figures assume FLOOR scales (OCP MX); this recipe uses RCEIL: mxfp8-rceil's figures are its own\n"
+               if name == "mxfp8" else "# mpdoctor's mxfp8-rceil figures assume this recipe's RCEIL scales\n")
+            + "config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL)\n"
             "quantize_(model, config, filter_fn=module_filter_fn)\n"
         )
     if name == "nvfp4":

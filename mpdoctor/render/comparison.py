@@ -118,7 +118,7 @@ def _text_grid(data: dict, metric: str, unit: str) -> tuple[list[str], list[list
             mark = _underflow_mark(row, limits.get(p, 1.0))
             line.append(_fmt(row.get(metric), unit) + (f" {mark}" if mark else ""))
         body.append(line)
-    return ["layer", *precisions], body
+    return ["layer", *(data.get("labels", {}).get(p, p) for p in precisions)], body
 
 
 def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
@@ -175,9 +175,11 @@ def plan_text(plan: dict) -> str:
     limit = f"budget {budget:.3g}" if isinstance(budget, float) else "no loss budget"
     if plan.get("max_kept") is not None:
         limit += f", at most {plan['max_kept']:.0%} of Linears kept"
+    if plan.get("min_grad_sqnr_db") is not None:
+        limit += f", gradient SQNR >= {plan['min_grad_sqnr_db']:g} dB"
     verdict = "within budget" if plan.get("within_budget") else "OVER budget"
     lines = [
-        f"plan {target}: {len(kept)} of {len(kept) + len(converted)} Linears kept in {high} ({KEPT_MARK}), the rest in {target}; "
+        f"plan {plan.get('target_label', target)}: {len(kept)} of {len(kept) + len(converted)} Linears kept in {high} ({KEPT_MARK}), the rest in {target}; "
         f"verified end to end ({plan.get('runs', 0)} runs): {verdict} ({limit})",
         f"  plan:        {_gap(plan.get('planned', {}))}",
         f"  all-{target}:{' ' * max(1, 7 - len(str(target)))}{_gap(plan.get('all_target', {}))}",
@@ -268,7 +270,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
     rows = [
         "<table style='border-collapse:collapse;margin:4px 0'>",
         "<tr><th style='text-align:left;padding:2px 8px'>layer</th>"
-        + "".join(f"<th style='padding:2px 8px' title='{e(data.get('summaries', {}).get(p, ''))}'>{e(p)}</th>" for p in precisions)
+        + "".join(f"<th style='padding:2px 8px' title='{e(data.get('summaries', {}).get(p, ''))}'>{e(data.get('labels', {}).get(p, p))}</th>" for p in precisions)
         + "</tr>",
     ]
     for layer in layers:

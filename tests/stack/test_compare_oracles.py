@@ -60,6 +60,41 @@ def test_mxfp8_equals_torchao_to_mx_dequantized_bit_for_bit(index):
     assert torch.equal(bits(formats.quantize_mx(x, dim=0).values.t().contiguous()), bits(oracle_t))
 
 
+@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_mx_rceil_equals_torchao_to_mx_rceil_bit_for_bit_along_both_dims(index, dtype):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+
+    x = samples()[index]
+    rows, k = x.shape
+    for dim, t in ((1, x), (0, x.t().contiguous())):
+        scale, data = to_mx(t, dtype, 32, scaling_mode=ScaleCalculationMode.RCEIL)
+        n, m = t.shape
+        oracle = (data.float().reshape(n, m // 32, 32) * get_fp_scale(scale).unsqueeze(-1)).reshape(n, m)
+        ours = formats.quantize_mx(x, dim=dim, dtype=dtype, scale_mode="rceil").values
+        assert torch.equal(bits(ours if dim == 1 else ours.t().contiguous()), bits(oracle))
+        # The scale rounds amax / fmax up: no element of any block saturates, where FLOOR's scales clip some.
+        assert formats.quantize_mx(x, dim=dim, dtype=dtype, scale_mode="rceil").saturated == 0
+    assert formats.quantize_mx(samples()[0], dim=1, dtype=dtype).saturated > 0
+    # RCEIL and FLOOR differ: the figures of one do not stand for the other.
+    assert not torch.equal(formats.quantize_mx(x, 1, dtype, scale_mode="rceil").values, formats.quantize_mx(x, 1, dtype).values)
+
+
+def test_compare_names_the_scale_mode_of_each_mx_column_and_plan():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    c = compare(model, torch.randn(32, 64), precisions=("bf16", "mxfp8", "mxfp8-rceil"))
+    header = next(line for line in c.to_text().splitlines() if line.strip().startswith("layer"))
+    assert "mxfp8 [FLOOR]" in header and "mxfp8-rceil [RCEIL]" in header and "bf16 [" not in header
+    html = c.to_html()
+    assert ">mxfp8 [FLOOR]</th>" in html and ">mxfp8-rceil [RCEIL]</th>" in html
+    plan = c.plan("mxfp8-rceil")
+    assert plan.to_text().startswith("plan mxfp8-rceil [RCEIL]:")
+    assert "MXFP8_RCEIL" in plan.code and "assume this recipe's RCEIL scales" in plan.code
+    assert "assume FLOOR scales" in c.plan("mxfp8").code
+    assert c.losses["mxfp8-rceil"] != c.losses["mxfp8"]
+
+
 def test_mx_shared_scale_is_two_to_the_floor_log2_of_block_amax_minus_8():
     x = samples()[1]
     scale, _ = to_mx(x, torch.float8_e4m3fn, 32)
