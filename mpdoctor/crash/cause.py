@@ -110,6 +110,7 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         return report
     if finding is None:
         return report
+    finding.fixes = _at_entry_points(finding, frames, report.live)
     # Its fixes stay bound as crash_finding bound them: the failing batch is not in a re-diagnosis at rest,
     # so re-planning through the treatment would find them "no longer needed".
     previous = report.cause
@@ -117,6 +118,29 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
         finding.evidence = {**previous.evidence, **finding.evidence}
     return report.evolve(findings=(finding, *report.findings), cause=finding)
+
+
+def _at_entry_points(finding: Any, frames: list, live: Any) -> list:
+    """The finding's fixes, its input cast widened to the call the user made (``vae.decode``, ``model.generate``).
+
+    A forward pre-hook alone never runs for ``vae.decode(z)``: the fix would be "applied" and the user's
+    very call would raise again.
+    """
+    from ..checks.batch_inputs import input_cast_fix
+    from ..treatment.changes import CastInputsHook
+    from .frames import entry_points
+
+    out = []
+    for fx in finding.fixes:
+        spec = next((c for c in fx.changes if isinstance(c, CastInputsHook)), None)
+        model = live.get(spec.ref) if spec is not None and spec.ref in live else None
+        entries = entry_points(frames, model) if model is not None else ()
+        if not entries or spec.covers(*entries[0]):
+            out.append(fx)
+            continue
+        keep = finding.evidence.get("keep", "") if isinstance(finding.evidence, dict) else ""
+        out.append(input_cast_fix(spec.label, spec.ref, spec.dtype, keep, entries).bind(live))
+    return out
 
 
 def _raiser(report: Any, frames: list) -> tuple[str, str, str] | None:

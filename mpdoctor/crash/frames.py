@@ -209,3 +209,37 @@ def raising_objects(frames: list[FrameView]) -> list[Raiser]:
         seen.add(id(value))
         out.append(Raiser(value, _qualname(view)))
     return out
+
+
+#: Frames of torch's call machinery: ``module(x)`` passes through them on its way to ``forward``.
+_CALL_MACHINERY = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+
+
+def entry_points(frames: list[FrameView], model: Any) -> tuple[tuple[str, str], ...]:
+    """The call the user made into ``model``: ``((submodule path, method),)``, or ``()`` when none is on the stack.
+
+    It is the outermost frame whose ``self`` is ``model`` or one of its submodules and whose function is a
+    method of that object's class: ``vae.decode(z)`` gives ``("", "decode")`` (diffusers' ``apply_forward_hook``
+    wrapper and torch's ``no_grad`` decorator are passed over, they are not methods of the class),
+    ``model.encoder(inputs_embeds=...)`` gives ``("encoder", "forward")``, ``model(x)`` gives ``("", "forward")``.
+    ``self`` is read from the frames' locals; the module tree is walked once, through torch's own
+    ``named_modules``.
+    """
+    try:
+        paths = {id(m): path for path, m in model.named_modules()}
+    except Exception:  # a model whose tree cannot be walked names no entry
+        return ()
+    for view in frames:
+        try:
+            obj = next((v for k, v in _locals(view.frame) if k == "self"), None)
+        except Exception:
+            continue
+        if obj is None or id(obj) not in paths:
+            continue
+        name = view.function
+        if name in _CALL_MACHINERY:
+            continue
+        if not any(name in c.__dict__ for c in _TYPE_MRO(type(obj))):
+            continue  # a decorator's wrapper frame, not the method the user called
+        return ((paths[id(obj)], name),)
+    return ()
