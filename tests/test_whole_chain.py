@@ -240,21 +240,25 @@ def test_a_cast_that_leaves_the_inputs_behind_is_predicted_to_raise_and_the_plan
 
 
 class Scaled(torch.nn.Module):
-    """A bf16 projection beside a scale tensor the user kept in fp32 (set after the model's cast)."""
+    """A bf16 projection scaled by a buffer, then a bf16 head (huggingface/transformers#30709: loading with
+    ``torch_dtype=torch.bfloat16`` casts the parameters and leaves the buffers fp32)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(8, 8)
         self.head = torch.nn.Linear(8, 2)
+        self.register_buffer("scale", torch.ones(8))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.proj(x) * self.scale)
 
 
 def scaled() -> Scaled:
+    """Loaded as ``from_pretrained(torch_dtype=torch.bfloat16)`` did in the report: parameters only."""
     torch.manual_seed(0)
-    model = Scaled().to(torch.bfloat16)
-    model.register_buffer("scale", torch.ones(8))  # fp32: registered after .to(bfloat16)
+    model = Scaled()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
     return model
 
 
@@ -296,3 +300,117 @@ def test_the_plans_simulated_outcome_agrees_with_the_real_call_after_applying_it
         loss.backward()
         torch.optim.SGD(params, lr=0.1).step()
         assert_step_trains(loss, before, params)
+
+
+# -- both operands: the odd operand's other owner ---------------------------------------------------------------
+
+
+def test_the_failing_ops_operands_are_the_ones_its_own_frame_holds():
+    model, x = scaled(), torch.randn(4, 8).to(torch.bfloat16)
+    report = explain(raised(lambda: model(x)), namespace={"model": model, "x": x})
+    # Not the user's x (bf16, read on the outer line): the head's input and the head's weight met.
+    assert report.cause.evidence["operands"] == (
+        "In Linear.forward: input (fp32, [4, 8]) met model.head.weight (bf16, parameter of model.head (Linear))."
+    )
+
+
+@pytest.mark.parametrize("via", ["api", "widget"])
+def test_a_buffer_left_fp32_beside_bf16_weights_is_cast_where_it_is_held_and_the_users_call_trains(via):
+    model, x = scaled(), torch.randn(4, 8).to(torch.bfloat16)
+    exc = raised(lambda: model(x))
+    assert str(exc) == "mat1 and mat2 must have the same dtype, but got Float and BFloat16"
+    report = explain(exc, namespace={"model": model, "x": x})
+    assert report.cause.check == "crash-matmul-dtype"
+    # Casting the op's input alone (the display-only advice) leaves the buffer feeding the next call in fp32.
+    fix = report.cause.fixes[0]
+    assert fix.title.startswith("Cast model.scale to bf16")
+    old_scale = model.scale
+    if via == "api":
+        fix.apply(confirm=True)
+    else:
+        rw = report.widget()
+        rw.confirm_delay = 0.0
+        button = rw.buttons("Cast model.scale")[0]
+        button.click()
+        button.click()  # an unsafe fix asks for a confirming second click
+    assert model.scale.dtype == torch.bfloat16 and "scale" in model._buffers
+    params = list(model.parameters())
+    before = snapshot(params)
+    loss = model(x).float().square().mean()  # the user's own failing call
+    loss.backward()
+    torch.optim.SGD(params, lr=0.1).step()
+    assert_step_trains(loss, before, params)
+    fix.undo()
+    assert model._buffers["scale"] is old_scale
+
+
+def test_the_held_tensor_is_not_blamed_when_the_module_mixes_its_own_weights():
+    model, x = scaled(), torch.randn(4, 8).to(torch.bfloat16)
+    model.head.float()  # the head itself is fp32 now: the buffer is no longer the odd one out
+    model.proj.float()
+    model.head.bfloat16()
+    exc = raised(lambda: model(x))
+    report = explain(exc, namespace={"model": model, "x": x})
+    assert not [fx for fx in report.cause.fixes if fx.recipe == "cast-held-tensors"]
+
+
+def test_healthy_twin_the_whole_model_cast_buffers_included_draws_nothing():
+    torch.manual_seed(0)
+    model, x = Scaled().to(torch.bfloat16), torch.randn(4, 8).to(torch.bfloat16)
+    params = list(model.parameters())
+    before = snapshot(params)
+    loss = model(x).float().square().mean()
+    loss.backward()
+    torch.optim.SGD(params, lr=0.1).step()
+    assert_step_trains(loss, before, params)
+    report = mpdoctor.diagnose(namespace={"model": model, "x": x})
+    assert not [(f.check, f.severity) for f in report.findings if f.severity in ("error", "warning")]
+
+
+# -- an encoder-decoder: the encoder called alone, and generate ---------------------------------------------------
+
+
+def tiny_bart():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=64, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                        max_position_embeddings=32)  # fmt: skip
+    return BartForConditionalGeneration(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("entry", ["encoder", "generate"])
+def test_an_encoder_decoder_gets_the_input_cast_where_it_was_called(entry):
+    model, embeds = tiny_bart(), torch.randn(1, 5, 16)  # fp32 embeddings into a bf16 BART
+    calls = {
+        "encoder": lambda: model.get_encoder()(inputs_embeds=embeds).last_hidden_state,
+        "generate": lambda: model.generate(inputs_embeds=embeds, max_new_tokens=2, do_sample=False),
+    }
+    exc = raised(calls[entry])
+    assert "mixed dtype" in str(exc)
+    report = explain(exc, namespace={"model": model, "embeds": embeds})
+    fix = report.cause.fixes[0]
+    assert fix.changes[0].entries == ((("model.encoder", "forward"),) if entry == "encoder" else (("", "generate"),))
+    fix.apply()
+    calls[entry]()  # the user's own failing call runs
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = snapshot(params)
+    if entry == "encoder":
+        loss = calls["encoder"]().float().square().mean()
+    else:
+        loss = model(inputs_embeds=embeds, labels=torch.tensor([[3, 4, 5]])).loss
+    loss.backward()
+    torch.optim.SGD(params, lr=0.1).step()
+    assert_step_trains(loss, before, params)
+
+
+def test_the_input_cast_keeps_a_model_outputs_class():
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from mpdoctor.treatment.changes import cast_floating
+
+    out = BaseModelOutput(last_hidden_state=torch.randn(1, 2, 4))
+    cast = cast_floating({"encoder_outputs": out}, torch.bfloat16)["encoder_outputs"]
+    assert type(cast) is BaseModelOutput and cast[0].dtype == torch.bfloat16
+    assert out.last_hidden_state.dtype == torch.float32, "the caller's object is not changed"

@@ -19,6 +19,7 @@ fingerprint exactly.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem
+from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem, cast_tensor
 from ..live.introspect import raw_attr
 
 if TYPE_CHECKING:
@@ -714,6 +715,45 @@ class SetDeepSpeedConfigKey(ChangeSpec):
         return {(r, self.key): self.value for r in self.configs}
 
 
+@dataclass(frozen=True)
+class CastHeldTensors(ChangeSpec):
+    """Cast tensors a module holds beside its weights (buffers, plain tensor attributes) to ``dtype``, in place.
+
+    ``ref`` is the module, ``names`` its attributes. A buffer stays a buffer (its entry in ``_buffers`` is
+    replaced), an attribute stays an attribute; undo puts the very tensor objects back.
+    """
+
+    ref: int
+    names: tuple[str, ...]
+    dtype: str
+    label: str = "module"
+
+    def _slots(self, live: Live) -> list[tuple[dict, str]]:
+        module = live.get(self.ref)
+        buffers = object.__getattribute__(module, "_buffers")
+        own = object.__getattribute__(module, "__dict__")
+        return [(buffers if name in buffers else own, name) for name in self.names]
+
+    def bind(self, live: Live) -> list[Change]:
+        dtype, steps = torch_dtype(self.dtype), []
+        for slot, name in self._slots(live):
+            tensor = slot.get(name)
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
+                step = SetItem(slot, name, cast_tensor(tensor, dtype), f"{self.label}.{name}")
+                step.description = f"cast {self.label}.{name} to {self.dtype}"
+                steps.append(step)
+        return steps
+
+    def verify(self, live: Live) -> str | None:
+        dtype = torch_dtype(self.dtype)
+        left = [name for slot, name in self._slots(live)
+                if isinstance(slot.get(name), torch.Tensor) and slot[name].dtype != dtype]  # fmt: skip
+        return f"{', '.join(left)} still not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, name, "dtype"): self.dtype for name in self.names}
+
+
 # -- the batch at the model's boundary, and normalisation epsilons ---------------------------------------
 
 #: Marker of the input-casting pre-hook (one per model: applying twice never stacks two).
@@ -725,7 +765,18 @@ def cast_floating(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if depth < 3 and isinstance(value, dict):
-        return {k: cast_floating(v, dtype, depth + 1) for k, v in value.items()}
+        cast = {k: cast_floating(v, dtype, depth + 1) for k, v in value.items()}
+        changed = [k for k, v in value.items() if cast[k] is not v]
+        if not changed or type(value) is dict:
+            return value if not changed else cast
+        # A dict subclass keeps its class (generate hands the forward a ModelOutput read by index and by key).
+        try:
+            out = copy.copy(value)
+            for k in changed:
+                out[k] = cast[k]
+        except Exception:  # a mapping that cannot be copied passes as it came
+            return value
+        return out
     if depth < 3 and type(value) in (tuple, list):
         return type(value)(cast_floating(v, dtype, depth + 1) for v in value)
     return value
