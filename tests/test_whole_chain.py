@@ -414,3 +414,30 @@ def test_the_input_cast_keeps_a_model_outputs_class():
     cast = cast_floating({"encoder_outputs": out}, torch.bfloat16)["encoder_outputs"]
     assert type(cast) is BaseModelOutput and cast[0].dtype == torch.bfloat16
     assert out.last_hidden_state.dtype == torch.float32, "the caller's object is not changed"
+
+
+# -- the loop: watch() explains the crash of the call the loop makes -------------------------------------------------
+
+
+def test_a_watched_loop_that_calls_decode_gets_the_cast_at_decode_and_the_loop_then_trains():
+    codec = half_codec()
+    optimizer = torch.optim.SGD(codec.parameters(), lr=0.1)
+    latents = [torch.randn(2, 4) for _ in range(2)]  # the loader yields fp32 latents
+
+    def loop():
+        for z in latents:
+            optimizer.zero_grad()
+            loss = codec.decode(z).float().square().mean()
+            loss.backward()
+            optimizer.step()
+        return loss
+
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        with mpdoctor.watch(codec, optimizer, verbose=False) as w:
+            loop()
+    fix = w.crash_report.cause.fixes[0]
+    assert fix.changes[0].entries == (("", "decode"),)
+    fix.apply()
+    params = list(codec.parameters())
+    before = snapshot(params)
+    assert_step_trains(loop(), before, params)
