@@ -193,7 +193,9 @@ def _probe_after_cast(p: Any, model: Any) -> Any:
                             model_dtype=main or b.model_dtype)  # fmt: skip
         for b in inputs
     )
-    clash = [b for b in moved if b.layer is not None and b.mismatched(p.autocast)]
+    # Only a mismatch the cast creates: one the probe already saw run (a CPU LayerNorm takes fp32 into bf16) stays.
+    clash = [b for b, was in zip(moved, inputs) if b.layer is not None and b.mismatched(p.autocast)
+             and not was.mismatched(p.autocast)]  # fmt: skip
     error = p.error
     if clash and error is None:
         b = clash[0]
