@@ -106,6 +106,12 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         from ..runtime.boundary import crash_finding
 
         finding = crash_finding(slug, frames, namespace, objects, report.live)
+        if finding is None:  # a pipeline's component raised: its module and tensors are in library frames
+            from .frames import component_call
+
+            component = component_call(frames, namespace)
+            if component:
+                finding = crash_finding(slug, frames, {**namespace, **component}, objects, report.live)
     except Exception:  # the pattern's cause stands without it
         return report
     if finding is None:

@@ -165,3 +165,58 @@ def test_healthy_twin_prompt_embeds_cast_to_the_weight_dtype():
     transformer, x = tiny_sd3(), sd3_inputs(torch.bfloat16)
     trains_through(sd3_call(transformer, x), transformer)
     healthy(transformer=transformer, **x)
+
+
+# -- huggingface/diffusers PR #8391: a pipeline's __call__ reaches vae.decode with latents of another dtype -------
+
+
+def pipe_with_half_vae():
+    """Stand-in for PixArt-Sigma: a tiny StableDiffusionPipeline whose UNet makes fp32 latents and whose VAE is
+    fp16 (no force_upcast): the pipeline calls ``self.vae.decode(latents / scaling_factor)`` without a cast."""
+    from test_field_diffusers import tiny_pipe
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = tiny_pipe(force_upcast=False)
+    pipe.vae.half()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def pipe_call(pipe):
+    def call():
+        from test_field_diffusers import run_pipe
+
+        return run_pipe(pipe, torch.float32)
+
+    return call
+
+
+@pytest.mark.parametrize("via", VIAS)
+def test_a_pipeline_call_that_reaches_vae_decode_with_fp32_latents(via):
+    pipe = pipe_with_half_vae()
+    exc = raised(pipe_call(pipe))
+    assert str(exc) == "Input type (float) and bias type (c10::Half) should be the same"
+    report = explain(exc, namespace={"pipe": pipe})  # the user holds the pipeline only
+    assert report.cause.check == "batch-dtype-mismatch"
+    fix = apply_cause_fix(report, via, "Cast vae's floating inputs")
+    assert fix.changes[0].entries == (("", "decode"),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        images = pipe_call(pipe)()  # the user's own failing call
+    assert torch.isfinite(images).all()
+    latents = torch.randn(1, 4, 2, 2)  # the UNet's fp32 latents, decoded in a training step of the VAE
+    trains_through(lambda: pipe.vae.decode(latents).sample, pipe.vae)
+
+
+def test_healthy_twin_a_pipeline_in_one_dtype_runs_and_draws_nothing():
+    from test_field_diffusers import tiny_pipe
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = tiny_pipe(force_upcast=False)
+        pipe.set_progress_bar_config(disable=True)
+        assert torch.isfinite(pipe_call(pipe)()).all()
+    healthy(pipe=pipe)
