@@ -110,8 +110,9 @@ def build() -> str:
         "",
         f"**Cure rate on the failing step: {cured} of {fixed}** cases fixed in place are proven cured: the user's "
         "own failing step (the very call that raised or did harm) is run again after the fix, applied through "
-        "`fix.apply()` and through the widget's button, and it trains (`tests/test_cures.py`, "
-        "`tests/stack/test_cures_stack.py`, `tests/stack/test_cures_deepspeed.py`). The column \"verified on failing step\" of each table says which, "
+        "`fix.apply()` and through the widget's button, and it trains (the cure registry: `tests/test_cures.py`, "
+        "`tests/stack/test_cures_stack.py`, `tests/stack/test_cures_deepspeed.py`; the areas added after it name "
+        "the field tests that prove each cure). The column \"verified on failing step\" of each table says which, "
         "and why not for the others.",
         "",
         "| area | cases | fixed in place | advice only | verified on failing step |",

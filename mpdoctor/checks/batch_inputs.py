@@ -25,19 +25,41 @@ def keep_line(model: str, keys: list[str], batch_kind: str) -> str:
     return f"{name} = {name}.to({model}.dtype)  # before {model}({name})"
 
 
+def _entry_names(model: str, entries: tuple[tuple[str, str], ...]) -> list[str]:
+    """``vae.decode``, ``model.encoder``: how the user calls each entry other than the model's own forward."""
+    names = []
+    for path, method in entries:
+        call = ".".join(x for x in (model, path) if x)
+        name = call if method in ("forward", "__call__") else f"{call}.{method}"
+        if name != model and name not in names:
+            names.append(name)
+    return names
+
+
+def input_cast_fix(model: str, model_ref: int, dtype: str, line: str,
+                   entries: tuple[tuple[str, str], ...] = ()) -> Fix:  # fmt: skip
+    """The in-place input cast of ``model``: at its forward and at every entry the user calls (``entries``)."""
+    names = _entry_names(model, entries)
+    at = f"at {', '.join(names)} and its forward" if names else "at its forward"
+    code = f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)"
+    for name in names:
+        code += f"\n# and {name}: its floating arguments cast to {dtype} before each call"
+    return Fix(
+        f"Cast {model}'s floating inputs to {dtype} {at} (ids and bool masks untouched)",
+        code, applicability=Applicability.SAFE,
+        changes=(CastInputsHook(model_ref, dtype, model, tuple(entries)),),
+        recipe="cast-inputs-hook",
+        cost="one cast per floating input per call",
+    )
+
+
 def mismatch_fixes(
-    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str
+    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str,
+    entries: tuple[tuple[str, str], ...] = (),
 ) -> list[Fix]:
+    """The fixes of a batch entry in the wrong dtype: the input cast at the model's entries, the batch cast in place."""
     line = keep_line(model, keys, batch_kind)
-    fixes = [
-        Fix(
-            f"Cast {model}'s floating inputs to {dtype} at its forward (a pre-hook; ids and bool masks untouched)",
-            f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)", applicability=Applicability.SAFE,
-            changes=(CastInputsHook(model_ref, dtype, model),),
-            recipe="cast-inputs-hook",
-            cost="one cast per floating input per step",
-        )
-    ]
+    fixes = [input_cast_fix(model, model_ref, dtype, line, entries)]
     if batch_ref:
         fixes.append(
             Fix(

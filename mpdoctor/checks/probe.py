@@ -567,7 +567,10 @@ def batch_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         error; nothing when the model converts the input itself before any layer sees it.
     Fix safety
         In place: a forward pre-hook on the model casting floating inputs (never integer ids or bool masks)
-        to the compute dtype, removed by undo; or cast the dict batch's entries in place. The line to keep:
+        to the compute dtype, and, when a traceback shows the user called another entry (``vae.decode``,
+        ``model.generate``, ``model.encoder``), the same cast at that entry (a wrapper on the instance or a
+        pre-hook on the submodule), all removed by undo; or cast the dict batch's entries in place. A cast of
+        the model's weights that would leave its inputs behind is planned with this input cast. The line to keep:
         ``batch = {k: v.to(model.dtype) if v.is_floating_point() else v for k, v in batch.items()}``.
     Sources
         transformers #25220 / diffusers reports of "Input type (float) and bias type (c10::Half)"; mpdoctor

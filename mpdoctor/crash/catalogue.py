@@ -139,6 +139,13 @@ class Family:
 
 
 #: What the fix of a family can do: the crash hook writes its code with the names of the failing frames.
+#: The in-place fix a dtype family's cause offers when the odd operand comes from a tensor held beside weights.
+_HELD_FIX_SAFETY = (
+    "Unsafe, in place: when the odd operand comes from a buffer or tensor attribute that the failing line reads "
+    "(`self.scale`, left fp32 beside bf16 weights), that tensor is cast where it is held (it stays a buffer); "
+    "undo puts the very tensor back."
+)
+
 _FAMILY_FIX_SAFETY = (
     "Display-only: the crash hook writes this code with the names of the failing tensors and objects read "
     "from the frames; nothing is changed in place. A check whose finding explains the crash (the objects in "
@@ -164,8 +171,8 @@ def _family_rule(f: Family) -> Rule:
         why=f.cause,
         example=f.mistake,
         use_instead=_doc_code(f.code),
-        fix_safety=(Applicability.DISPLAY_ONLY,),
-        fix_safety_note=f"{f.fix} {_FAMILY_FIX_SAFETY}",
+        fix_safety=(Applicability.DISPLAY_ONLY, Applicability.UNSAFE) if f.kind == DTYPE else (Applicability.DISPLAY_ONLY,),
+        fix_safety_note=f"{f.fix} {_FAMILY_FIX_SAFETY}" + (f" {_HELD_FIX_SAFETY}" if f.kind == DTYPE else ""),
         sources="; ".join(sources),
         detects=f"An exception of type {types} whose message matches one of {len(f.messages)} "
         f"pattern{'s' if len(f.messages) > 1 else ''} ({f.kind} family; versions: {f.versions}).",

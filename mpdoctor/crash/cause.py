@@ -106,10 +106,17 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         from ..runtime.boundary import crash_finding
 
         finding = crash_finding(slug, frames, namespace, objects, report.live)
+        if finding is None:  # a pipeline's component raised: its module and tensors are in library frames
+            from .frames import component_call
+
+            component = component_call(frames, namespace)
+            if component:
+                finding = crash_finding(slug, frames, {**namespace, **component}, objects, report.live)
     except Exception:  # the pattern's cause stands without it
         return report
     if finding is None:
         return report
+    finding.fixes = _at_entry_points(finding, frames, report.live)
     # Its fixes stay bound as crash_finding bound them: the failing batch is not in a re-diagnosis at rest,
     # so re-planning through the treatment would find them "no longer needed".
     previous = report.cause
@@ -117,6 +124,29 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
         # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
         finding.evidence = {**previous.evidence, **finding.evidence}
     return report.evolve(findings=(finding, *report.findings), cause=finding)
+
+
+def _at_entry_points(finding: Any, frames: list, live: Any) -> list:
+    """The finding's fixes, its input cast widened to the call the user made (``vae.decode``, ``model.generate``).
+
+    A forward pre-hook alone never runs for ``vae.decode(z)``: the fix would be "applied" and the user's
+    very call would raise again.
+    """
+    from ..checks.batch_inputs import input_cast_fix
+    from ..treatment.changes import CastInputsHook
+    from .frames import entry_points
+
+    out = []
+    for fx in finding.fixes:
+        spec = next((c for c in fx.changes if isinstance(c, CastInputsHook)), None)
+        model = live.get(spec.ref) if spec is not None and spec.ref in live else None
+        entries = entry_points(frames, model) if model is not None else ()
+        if not entries or spec.covers(*entries[0]):
+            out.append(fx)
+            continue
+        keep = finding.evidence.get("keep", "") if isinstance(finding.evidence, dict) else ""
+        out.append(input_cast_fix(spec.label, spec.ref, spec.dtype, keep, entries).bind(live))
+    return out
 
 
 def _raiser(report: Any, frames: list) -> tuple[str, str, str] | None:
@@ -195,7 +225,7 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
             cause = dataclasses.replace(cause, evidence={**cause.evidence, **detail.evidence})
         rest = [f for f in report.findings if f is not chosen]
     else:
-        cause = _cause_note(pattern, summary, frames, detail)
+        cause = _cause_note(pattern, summary, frames, detail, getattr(report, "live", None))
         rest = list(report.findings)
     return report.evolve(findings=(cause, *rest), cause=cause, exception=summary,
                          raised_by=raiser[0] if raiser else None)  # fmt: skip
@@ -211,7 +241,7 @@ def _redacted(detail: Any) -> Any:
     return detail
 
 
-def _cause_note(pattern: Any, summary: str, frames: list, detail: Any) -> Any:
+def _cause_note(pattern: Any, summary: str, frames: list, detail: Any, live: Any = None) -> Any:
     """The cause built from the pattern when no check's finding explains the exception: what the message means,
     the generic fix, the tensors of the failing frames (or the family's reading of the failing op)."""
     from ..redact import redact
@@ -241,6 +271,9 @@ def _cause_note(pattern: Any, summary: str, frames: list, detail: Any) -> Any:
         message=redact(f"{pattern.meaning}{seen} Fix: {pattern.fix}"),
         evidence=evidence,
     )
+    held = detail.held_fix(live) if detail is not None else None
+    if held is not None:
+        cause.fixes.append(held)
     if detail is not None and detail.code:
         cause.fixes.append(detail.fix())
     return cause
@@ -265,6 +298,29 @@ class FamilyDetail:
 
     def __init__(self, sentence: str, code: str, title: str, subject: str, evidence: dict) -> None:
         self.sentence, self.code, self.title, self.subject, self.evidence = sentence, code, title, subject, evidence
+        #: ``(module, name, tensor names, dtype)``: the other owner of the odd operand (see ``_held_beside``).
+        self.held: tuple | None = None
+
+    def held_fix(self, live: Any) -> Any:
+        """The in-place cast of the tensors a module holds beside its weights, bound to ``live``; None without."""
+        if self.held is None or live is None:
+            return None
+        from ..treatment.changes import CastHeldTensors
+        from ..treatment.fixes import Applicability, Fix
+        from .operands import python_path, spoken
+
+        module, name, names, dtype = self.held
+        where = python_path(name)
+        listed = ", ".join(f"{where}.{n}" for n in names)
+        code = "\n".join(f"{where}.{n} = {where}.{n}.to(torch.{dtype})  # beside {where}'s {dtype} weights"
+                          for n in names)  # fmt: skip
+        return Fix(
+            f"Cast {listed} to {spoken(dtype)}, the dtype of {where}'s weights (the op's other operand follows)",
+            code, applicability=Applicability.UNSAFE,
+            changes=(CastHeldTensors(live.add(module), tuple(names), dtype, where),),
+            recipe="cast-held-tensors",
+            cost=f"rounds {listed} to {spoken(dtype)}",
+        ).bind(live)
 
     def fix(self) -> Any:
         """A display-only fix holding the code."""
@@ -301,7 +357,31 @@ def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[s
     title = f"Cast {ops.cast.name} to {spoken(ops.dtype)}"
     if ops.cast.parameter:
         title = f"Cast {ops.cast.owner.split(' (')[0]} to {spoken(ops.dtype)}"
-    return FamilyDetail(ops.sentence(), ops.code, title, "", evidence)
+    detail = FamilyDetail(ops.sentence(), ops.code, title, "", evidence)
+    if ops.keep is not None and ops.keep.parameter and not ops.cast.parameter:
+        detail.held = _held_beside(frames, namespace, ops.cast.dtype, ops.dtype)
+        if detail.held is not None:
+            evidence["held"] = f"{detail.held[1]}.{', '.join(detail.held[2])} ({ops.cast.dtype}) feeds the op"
+    return detail
+
+
+def _held_beside(frames: list, namespace: Mapping[str, Any] | None, odd: str, dtype: str) -> tuple | None:
+    """``(module, its name, tensor names, dtype)``: tensors in the odd dtype a module holds beside weights all
+    in ``dtype``, read on the failing line; casting them ends the mismatch at its source."""
+    import sys
+
+    from .operands import _module_path, _roots, held_tensors
+
+    held = held_tensors(frames, odd)
+    if held is None:
+        return None
+    module, names = held
+    floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    torch = sys.modules["torch"]
+    if not floating or any(d != getattr(torch, dtype) for d in floating):
+        return None  # the module's own weights are mixed: the odd tensor is not the only one out of step
+    name = _module_path(module, _roots(frames, namespace, torch), torch) or type(module).__name__
+    return module, name, names, dtype
 
 
 def _protocol_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail:

@@ -209,3 +209,89 @@ def raising_objects(frames: list[FrameView]) -> list[Raiser]:
         seen.add(id(value))
         out.append(Raiser(value, _qualname(view)))
     return out
+
+
+#: Frames of torch's call machinery: ``module(x)`` passes through them on its way to ``forward``.
+_CALL_MACHINERY = frozenset({"__call__", "_call_impl", "_wrapped_call_impl"})
+
+
+def entry_points(frames: list[FrameView], model: Any) -> tuple[tuple[str, str], ...]:
+    """The call the user made into ``model``: ``((submodule path, method),)``, or ``()`` when none is on the stack.
+
+    It is the outermost frame whose ``self`` is ``model`` or one of its submodules and whose function is a
+    method of that object's class: ``vae.decode(z)`` gives ``("", "decode")`` (diffusers' ``apply_forward_hook``
+    wrapper and torch's ``no_grad`` decorator are passed over, they are not methods of the class),
+    ``model.encoder(inputs_embeds=...)`` gives ``("encoder", "forward")``, ``model(x)`` gives ``("", "forward")``.
+    ``self`` is read from the frames' locals; the module tree is walked once, through torch's own
+    ``named_modules``.
+    """
+    try:
+        paths = {id(m): path for path, m in model.named_modules()}
+    except Exception:  # a model whose tree cannot be walked names no entry
+        return ()
+    for view in frames:
+        try:
+            obj = next((v for k, v in _locals(view.frame) if k == "self"), None)
+        except Exception:
+            continue
+        if obj is None or id(obj) not in paths:
+            continue
+        name = view.function
+        if name in _CALL_MACHINERY:
+            continue
+        if not any(name in c.__dict__ for c in _TYPE_MRO(type(obj))):
+            continue  # a decorator's wrapper frame, not the method the user called
+        return ((paths[id(obj)], name),)
+    return ()
+
+
+def component_call(frames: list[FrameView], namespace: Mapping[str, Any]) -> dict[str, Any]:
+    """The module a user's object called on the user's behalf, with the tensors it was called with; ``{}``.
+
+    ``pipe(...)`` raises inside ``pipe.vae.decode(latents)``: the user's namespace holds ``pipe``, not the VAE, and
+    the latents live in the pipeline's frame. This returns ``{"vae": pipe.vae, "z": latents, ...}``: the
+    outermost frame whose ``self`` is a torch module held as an attribute (or component) of a non-module object of
+    the namespace, named by that attribute, and that frame's tensor locals. Names the namespace already binds to
+    other objects are left out.
+    """
+    holders = [v for v in dict.values(dict(namespace)) if not _holds_torch_module_class(type(v))]
+    for view in frames:
+        items, module = _module_frame(view)
+        name = _attribute_name(holders, module) if module is not None else None
+        if name is None:
+            continue
+        found = {name: module}
+        found.update({k: v for k, v in items if type(k) is str and k.isidentifier() and k != "self"
+                      and class_path(type(v)) in ("torch.Tensor", "torch.nn.parameter.Parameter")})  # fmt: skip
+        return {k: v for k, v in found.items() if k not in namespace or namespace[k] is v}
+    return {}
+
+
+def _module_frame(view: FrameView) -> tuple[list[tuple[Any, Any]], Any]:
+    """The frame's locals and its ``self`` when that is a torch module entered past torch's call machinery."""
+    try:
+        items = _locals(view.frame)
+    except Exception:
+        return [], None
+    module = next((v for k, v in items if k == "self"), None)
+    if module is None or view.function in _CALL_MACHINERY or not _holds_torch_module_class(type(module)):
+        return items, None
+    return items, module
+
+
+def _attribute_name(holders: list[Any], module: Any) -> str | None:
+    """The attribute name under which one of ``holders`` keeps ``module`` (``vae`` of a pipeline), or None."""
+    return next((attr for h in holders for attr, v in _attributes(h) if v is module), None)
+
+
+def _holds_torch_module_class(cls: type) -> bool:
+    return any(class_path(c) == "torch.nn.modules.module.Module" for c in _TYPE_MRO(cls))
+
+
+def _attributes(obj: Any) -> list[tuple[str, Any]]:
+    """``obj``'s own attributes, read from its ``__dict__`` (no ``__getattr__`` runs); none for a mapping-less object."""
+    try:
+        own = object.__getattribute__(obj, "__dict__")
+    except Exception:
+        return []
+    return [(k, v) for k, v in list(dict.items(own)) if type(k) is str and k.isidentifier()] if type(own) is dict else []

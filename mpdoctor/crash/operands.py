@@ -397,6 +397,9 @@ def _pick(cands: list[_Candidate], dtype: str, prefer_param: bool | None = None,
         return (
             0 if name_re is None or name_re.search(c.name) else 1,
             0 if prefer_param is None or c.parameter == prefer_param else 1,
+            # The op's own frame holds its operands (``input`` and ``self.weight`` in Linear.forward): a tensor
+            # of that dtype named on an outer line is only an ancestor of one of them.
+            0 if c.depth == 0 else 1,
             0 if c.in_line else 1,
             c.depth,
         )
@@ -686,3 +689,47 @@ __all__ = [
     "Operand", "Operands", "failing_operands", "loop_line", "message_dtypes", "protocol_names", "refusal_subject",
     "spoken",
 ]  # fmt: skip
+
+
+# -- the other owner: a tensor a module holds beside its weights, read on the failing line ------------------------
+
+
+def held_tensors(frames: list[FrameView], dtype: str) -> tuple[Any, tuple[str, ...]] | None:
+    """The module and the names of the tensors it holds in ``dtype`` that the failing user line reads.
+
+    A mismatched op often gets its odd operand from a tensor another owner keeps: ``self.head(self.proj(x) *
+    self.scale)`` with ``scale`` a buffer left in fp32 beside bf16 weights makes the head's input fp32. The
+    innermost user frame whose ``self`` is a module is read: every ``self.<name>`` on its line that is a buffer
+    or a plain tensor attribute of that module, floating, in ``dtype``. None when there is none.
+    """
+    torch = _torch()
+    if torch is None:
+        return None
+    for view in reversed(frames):
+        if not view.user:
+            continue
+        try:
+            module = next((v for k, v in _locals(view.frame) if k == "self"), None)
+        except Exception:
+            continue
+        if module is None or not _is_module(torch, module):
+            continue
+        line = linecache.getline(view.filename, view.lineno)
+        names = []
+        for name in dict.fromkeys(re.findall(r"\bself\.([A-Za-z_]\w*)\b(?!\s*[.(\[])", line)):
+            tensor = _held(module, name)
+            if _is_tensor(torch, tensor) and _dtype_name(torch, tensor) == dtype and tensor.is_floating_point():
+                names.append(name)
+        return (module, tuple(names)) if names else None
+    return None
+
+
+def _held(module: Any, name: str) -> Any:
+    """``module``'s buffer or own attribute ``name``, read from its dicts (no ``__getattr__`` runs)."""
+    try:
+        buffers = object.__getattribute__(module, "_buffers")
+        if name in buffers:
+            return buffers[name]
+        return object.__getattribute__(module, "__dict__").get(name)
+    except Exception:
+        return None

@@ -292,3 +292,60 @@ class ForwardPreHook(Change):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+class MethodInputCast(Change):
+    """Cast the floating arguments of ``obj.<method>(...)`` before each call; undo removes exactly that wrapper.
+
+    A forward pre-hook runs only for ``module(x)``; the user who calls ``vae.decode(z)`` or
+    ``model.generate(...)`` goes around it. The wrapper is an attribute of the instance (its class and every
+    other instance are untouched) over the bound method found when the fix is applied. ``cast`` maps
+    ``(args, kwargs)`` to the cast ``(args, kwargs)``. ``marker`` names the wrapper's purpose: a second
+    application onto an already wrapped method does nothing.
+    """
+
+    def __init__(self, obj: Any, method: str, cast: Callable[[tuple, dict], tuple[tuple, dict]], marker: str,
+                 label: str) -> None:  # fmt: skip
+        self.obj, self.method, self.cast, self.marker = obj, method, cast, marker
+        self.description = label
+        self._wrapper: Any = None
+        self._had_own = False
+        self._old: Any = _UNSET
+
+    @staticmethod
+    def registered(obj: Any, method: str, marker: str) -> bool:
+        """True when ``obj``'s own ``method`` attribute is a wrapper carrying ``marker``."""
+        try:
+            own = object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return False
+        return getattr(own.get(method), "_mpdoctor_marker", None) == marker
+
+    def apply(self) -> None:
+        self._wrapper = None
+        if self.registered(self.obj, self.method, self.marker):
+            return
+        own = object.__getattribute__(self.obj, "__dict__")
+        bound = getattr(self.obj, self.method)  # the method as the user's call finds it now
+        cast = self.cast
+
+        def cast_floating_arguments(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = cast(args, kwargs)
+            return bound(*args, **kwargs)
+
+        cast_floating_arguments.__wrapped__ = bound  # type: ignore[attr-defined]  # inspect.signature sees the method's
+        cast_floating_arguments._mpdoctor_marker = self.marker  # type: ignore[attr-defined]
+        self._had_own, self._old = self.method in own, own.get(self.method, _UNSET)
+        own[self.method] = cast_floating_arguments  # the instance dict: no Module.__setattr__ bookkeeping
+        self._wrapper = cast_floating_arguments
+
+    def revert(self) -> None:
+        if self._wrapper is None:
+            return
+        own = object.__getattribute__(self.obj, "__dict__")
+        if own.get(self.method) is self._wrapper:
+            if self._had_own:
+                own[self.method] = self._old
+            else:
+                del own[self.method]
+        self._wrapper = None

@@ -19,6 +19,7 @@ fingerprint exactly.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem
+from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem, cast_tensor
 from ..live.introspect import raw_attr
 
 if TYPE_CHECKING:
@@ -146,6 +147,79 @@ _SIZES = frozenset({"float32", "float16", "bfloat16", "float64"})
 
 
 @dataclass(frozen=True)
+class PredictedDtypeError:
+    """The dtype error a simulated change makes the probed forward raise (read by the checks as a probe's error).
+
+    A cast moves a model's weights and leaves its inputs where they were: an input that reached a layer
+    unchanged and no longer matches its weights raises on the next call, as ``F.linear`` / ``conv`` do.
+    """
+
+    phase: str
+    module: str | None
+    class_name: str | None
+    exception: str
+    message: str
+    input_dtypes: tuple[str, ...] = ()
+    param_dtypes: tuple[str, ...] = ()
+
+    @property
+    def is_dtype_error(self) -> bool:
+        """Always: it is the dtype error predicted."""
+        return True
+
+
+def _main_dtype(params: Iterable[Any]) -> str | None:
+    """The dtype most floating parameters are in."""
+    counts: dict[str, int] = {}
+    for q in params:
+        if q.dtype in _SIZES:
+            counts[q.dtype] = counts.get(q.dtype, 0) + q.numel
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
+def _probe_after_cast(p: Any, model: Any) -> Any:
+    """The probe ``p`` as the batch meets ``model`` after a cast of its weights: the inputs keep their dtype."""
+    inputs = tuple(getattr(p, "boundary", ()) or ())
+    if not inputs:
+        return p
+    params = model.tensors.params
+    by_layer: dict[str, str] = {}
+    for q in params:
+        if q.dtype in _SIZES:
+            by_layer.setdefault(q.module, q.dtype)
+    main = _main_dtype(params)
+    moved = tuple(
+        dataclasses.replace(b, layer_dtype=by_layer.get(b.layer, b.layer_dtype) if b.layer is not None else None,
+                            model_dtype=main or b.model_dtype)  # fmt: skip
+        for b in inputs
+    )
+    # Only a mismatch the cast creates: one the probe already saw run (a CPU LayerNorm takes fp32 into bf16) stays.
+    clash = [b for b, was in zip(moved, inputs) if b.layer is not None and b.mismatched(p.autocast)
+             and not was.mismatched(p.autocast)]  # fmt: skip
+    error = p.error
+    if clash and error is None:
+        b = clash[0]
+        error = PredictedDtypeError(
+            "forward", b.layer, b.layer_class, "RuntimeError",
+            f"{b.key} ({b.dtype}) meets {b.layer} weights in {b.target}: the cast left the input's dtype",
+            (b.dtype,), (str(b.target),),
+        )  # fmt: skip
+    elif not clash and error is not None and error.is_dtype_error and any(b.mismatched(p.autocast) for b in inputs):
+        error = None  # the weights now match the input that raised
+    return dataclasses.replace(p, boundary=moved, error=error)
+
+
+def _probes_after_cast(facts: Facts, ids: frozenset[int]) -> Facts:
+    """Facts whose probes of the models holding parameters ``ids`` see the batch meet the cast weights."""
+    cast = {m.name: m for m in facts.models if any(q.id in ids for q in m.tensors.params)}
+    if not cast or not facts.probes:
+        return facts
+    probes = tuple(_probe_after_cast(p, cast[p.model]) if getattr(p, "model", None) in cast else p
+                   for p in facts.probes)  # fmt: skip
+    return dataclasses.replace(facts, probes=probes)
+
+
+@dataclass(frozen=True)
 class CastParamsTo(ChangeSpec):
     """Cast parameters (with their grads and every holder optimizer's full-size state) to ``dtype``, in place.
 
@@ -165,7 +239,9 @@ class CastParamsTo(ChangeSpec):
         return [CastParams(params, torch_dtype(self.dtype), holders, self.label)]
 
     def simulate(self, facts: Facts) -> Facts:
-        return _replace_params(facts, self.param_ids, self.dtype, self.dtype, grads_only=False)
+        # The inputs keep their dtype: the probed batch meets the cast weights as the next real call will.
+        cast = _replace_params(facts, self.param_ids, self.dtype, self.dtype, grads_only=False)
+        return _probes_after_cast(cast, self.param_ids)
 
     def verify(self, live: Live) -> str | None:
         dtype = torch_dtype(self.dtype)
@@ -641,6 +717,45 @@ class SetDeepSpeedConfigKey(ChangeSpec):
         return {(r, self.key): self.value for r in self.configs}
 
 
+@dataclass(frozen=True)
+class CastHeldTensors(ChangeSpec):
+    """Cast tensors a module holds beside its weights (buffers, plain tensor attributes) to ``dtype``, in place.
+
+    ``ref`` is the module, ``names`` its attributes. A buffer stays a buffer (its entry in ``_buffers`` is
+    replaced), an attribute stays an attribute; undo puts the very tensor objects back.
+    """
+
+    ref: int
+    names: tuple[str, ...]
+    dtype: str
+    label: str = "module"
+
+    def _slots(self, live: Live) -> list[tuple[dict, str]]:
+        module = live.get(self.ref)
+        buffers = object.__getattribute__(module, "_buffers")
+        own = object.__getattribute__(module, "__dict__")
+        return [(buffers if name in buffers else own, name) for name in self.names]
+
+    def bind(self, live: Live) -> list[Change]:
+        dtype, steps = torch_dtype(self.dtype), []
+        for slot, name in self._slots(live):
+            tensor = slot.get(name)
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.dtype != dtype:
+                step = SetItem(slot, name, cast_tensor(tensor, dtype), f"{self.label}.{name}")
+                step.description = f"cast {self.label}.{name} to {self.dtype}"
+                steps.append(step)
+        return steps
+
+    def verify(self, live: Live) -> str | None:
+        dtype = torch_dtype(self.dtype)
+        left = [name for slot, name in self._slots(live)
+                if isinstance(slot.get(name), torch.Tensor) and slot[name].dtype != dtype]  # fmt: skip
+        return f"{', '.join(left)} still not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, name, "dtype"): self.dtype for name in self.names}
+
+
 # -- the batch at the model's boundary, and normalisation epsilons ---------------------------------------
 
 #: Marker of the input-casting pre-hook (one per model: applying twice never stacks two).
@@ -652,7 +767,18 @@ def cast_floating(value: Any, dtype: torch.dtype, depth: int = 0) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
     if depth < 3 and isinstance(value, dict):
-        return {k: cast_floating(v, dtype, depth + 1) for k, v in value.items()}
+        cast = {k: cast_floating(v, dtype, depth + 1) for k, v in value.items()}
+        changed = [k for k, v in value.items() if cast[k] is not v]
+        if not changed or type(value) is dict:
+            return value if not changed else cast
+        # A dict subclass keeps its class (generate hands the forward a ModelOutput read by index and by key).
+        try:
+            out = copy.copy(value)
+            for k in changed:
+                out[k] = cast[k]
+        except Exception:  # a mapping that cannot be copied passes as it came
+            return value
+        return out
     if depth < 3 and type(value) in (tuple, list):
         return type(value)(cast_floating(v, dtype, depth + 1) for v in value)
     return value
@@ -685,36 +811,83 @@ def _batch_fixed(facts: Facts, keys: frozenset[str] | None, dtype: str) -> Facts
     return dataclasses.replace(facts, probes=tuple(probes))
 
 
+def cast_arguments(dtype: torch.dtype) -> Any:
+    """``(args, kwargs) -> (args, kwargs)`` with every floating tensor in ``dtype`` (for a wrapped method)."""
+
+    def cast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    return cast
+
+
+#: The calls into a module that its ``forward`` pre-hook already covers (``module(x)`` and ``forward`` itself).
+FORWARD_CALLS = frozenset({"forward", "__call__", "_call_impl", "_wrapped_call_impl"})
+
+
 @dataclass(frozen=True)
 class CastInputsHook(ChangeSpec):
-    """A forward pre-hook on the model ``ref`` casting its floating inputs to ``dtype``; undo removes it.
+    """Cast the floating inputs of the model ``ref`` to ``dtype`` at every entry point the user calls; undo removes it.
 
-    Integer ids and bool masks pass unchanged. One hook per model: a second application does nothing.
+    The model's ``forward`` gets a pre-hook (``model(x)``). ``entries`` are the other calls the user makes into
+    it, found from a traceback or a loop: ``(submodule path, method)`` pairs such as ``("", "decode")``,
+    ``("", "generate")`` or ``("encoder", "forward")``; a ``forward`` entry gets a pre-hook on that submodule,
+    any other method a wrapper on the instance (:class:`~mpdoctor.edits.steps.MethodInputCast`), since a call
+    to ``vae.decode(z)`` never runs ``vae``'s forward hooks. Integer ids and bool masks pass unchanged.
+    One cast per entry: a second application does nothing.
     """
 
     ref: int
     dtype: str
     label: str = "model"
+    entries: tuple[tuple[str, str], ...] = ()
+
+    def _entries(self) -> tuple[tuple[str, str], ...]:
+        """The model's forward, then every other entry (each once)."""
+        out = [("", "forward")]
+        for path, method in self.entries:
+            entry = (path, "forward" if method in FORWARD_CALLS else method)
+            if entry not in out:
+                out.append(entry)
+        return tuple(out)
 
     def bind(self, live: Live) -> list[Change]:
-        from ..edits.steps import ForwardPreHook
+        from ..edits.steps import ForwardPreHook, MethodInputCast
 
-        model = live.get(self.ref)
-        if ForwardPreHook.registered(model, CAST_INPUTS_MARKER):
-            return []
-        hook = cast_inputs_hook(torch_dtype(self.dtype))
-        return [ForwardPreHook(model, hook, CAST_INPUTS_MARKER, f"{self.label}: cast floating inputs to {self.dtype}")]
+        model, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        steps: list[Change] = []
+        for path, method in self._entries():
+            target = model.get_submodule(path) if path else model
+            where = f"{self.label}.{path}" if path else self.label
+            if method == "forward":
+                if not ForwardPreHook.registered(target, CAST_INPUTS_MARKER):
+                    steps.append(ForwardPreHook(target, cast_inputs_hook(dtype), CAST_INPUTS_MARKER,
+                                                f"{where}: cast floating inputs to {self.dtype}"))  # fmt: skip
+            elif not MethodInputCast.registered(target, method, CAST_INPUTS_MARKER):
+                steps.append(MethodInputCast(target, method, cast_arguments(dtype), CAST_INPUTS_MARKER,
+                                             f"{where}.{method}: cast floating arguments to {self.dtype}"))  # fmt: skip
+        return steps
 
     def simulate(self, facts: Facts) -> Facts:
         return _batch_fixed(facts, None, self.dtype)
 
-    def verify(self, live: Live) -> str | None:
-        from ..edits.steps import ForwardPreHook
+    def covers(self, path: str, method: str) -> bool:
+        """True when a call ``model.<path>.<method>(...)`` has its floating inputs cast by this change."""
+        return (path, "forward" if method in FORWARD_CALLS else method) in self._entries()
 
-        return None if ForwardPreHook.registered(live.get(self.ref), CAST_INPUTS_MARKER) else "the hook is not registered"
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import ForwardPreHook, MethodInputCast
+
+        model, missing = live.get(self.ref), []
+        for path, method in self._entries():
+            target = model.get_submodule(path) if path else model
+            on = (ForwardPreHook.registered(target, CAST_INPUTS_MARKER) if method == "forward"
+                  else MethodInputCast.registered(target, method, CAST_INPUTS_MARKER))  # fmt: skip
+            if not on:
+                missing.append(".".join(x for x in (path, method) if x))
+        return f"no input cast at {', '.join(missing)}" if missing else None
 
     def targets(self) -> dict[tuple, Any]:
-        return {(self.ref, "input-dtype"): self.dtype}
+        return {(self.ref, path, method, "input-dtype"): self.dtype for path, method in self._entries()}
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ def _greedy(
             try:
                 after_facts = _simulate(state, fx)
                 after = run(after_facts)
+                after_facts, after = _whole_chain(fx, state, current, after_facts, after, run)
             except Exception as exc:  # judged unplannable; it stays on offer as an alternative
                 unsimulated[fx.key] = f"not planned: its outcome could not be simulated ({type(exc).__name__})"
                 continue
@@ -144,8 +145,57 @@ def _greedy(
         if best is None:
             break
         _rank, fx, state, current = best
+        _take_input_casts(fx)
         chosen.append(fx)
     return chosen, unsimulated, current
+
+
+#: The check naming a floating input that meets weights of another dtype, and the recipe of its input cast.
+INPUT_MISMATCH, INPUT_CAST = "batch-dtype-mismatch", "cast-inputs-hook"
+
+
+def _input_casts(before: list[Finding], after: list[Finding]) -> tuple:
+    """The input-cast changes offered by the input mismatches that ``after`` has and ``before`` had not."""
+    had = {_key(f) for f in before if f.check == INPUT_MISMATCH}
+    out: list = []
+    for f in after:
+        if f.check != INPUT_MISMATCH or _key(f) in had:
+            continue
+        cast = next((fx for fx in f.fixes if fx.recipe == INPUT_CAST and fx.changes), None)
+        if cast is not None:
+            out.extend(c for c in cast.changes if c not in out)
+    return tuple(out)
+
+
+def _whole_chain(fx: Fix, state: Facts, before: list[Finding], after_facts: Facts, after: list[Finding],
+                 run: Callable[[Facts], list[Finding]]) -> tuple[Facts, list[Finding]]:  # fmt: skip
+    """The outcome of ``fx`` covering the inputs its casts meet: a plan never trades one dtype error for the next.
+
+    A cast of a model's weights leaves its inputs' dtype (the simulation says so); when that makes an input
+    meet weights of another dtype, the input cast those mismatches offer joins the fix (remembered on it as
+    ``pending_input_casts``, taken when the fix is chosen) and the outcome is judged with it.
+    """
+    fx.pending_input_casts = ()  # type: ignore[attr-defined]
+    extra = tuple(c for c in _input_casts(before, after) if c not in fx.changes)
+    if not extra:
+        return after_facts, after
+    for spec in extra:
+        after_facts = spec.simulate(after_facts)
+    fx.pending_input_casts = extra  # type: ignore[attr-defined]
+    return after_facts, run(after_facts)
+
+
+def _take_input_casts(fx: Fix) -> None:
+    """Make the input casts its simulation needed part of the chosen fix (its changes, title and code)."""
+    extra = getattr(fx, "pending_input_casts", ())
+    if not extra:
+        return
+    fx.changes = tuple(fx.changes) + tuple(extra)
+    dtypes = sorted({c.dtype for c in extra})
+    fx.title += f", and cast the floating inputs it meets to {', '.join(dtypes)}"
+    fx.code += "".join(f"\n{getattr(c, 'label', 'model')}.register_forward_pre_hook(cast_floating_inputs, "
+                       "with_kwargs=True)  # its inputs follow the cast" for c in extra)  # fmt: skip
+    fx.pending_input_casts = ()  # type: ignore[attr-defined]
 
 
 def plan_safe(
