@@ -68,9 +68,6 @@ class Case:
         Only the planned fixes of this recipe are applied (empty: every planned fix of the slug).
     fixed_by : str
         The slug whose planned fix is the cure, where the plan treats two findings with one fix (empty: ``slug``).
-    first_offered : bool
-        The cure is the finding's first in-place fix rather than the report's plan: a crash report's plan
-        (``report.fixes``) leaves out the fixes of the finding that explains the exception.
     """
 
     name: str
@@ -85,7 +82,6 @@ class Case:
     healed: Callable[[Namespace], None] | None = None
     recipe: str = ""
     fixed_by: str = ""
-    first_offered: bool = False
 
 
 def outcome(case: Case, ns: Namespace) -> str:
@@ -116,9 +112,6 @@ def assert_broken(case: Case) -> None:
 def planned(case: Case, report: Any) -> list[Fix]:
     """The plan's in-place fixes for the case's slug (of its recipe, when the case names one)."""
     assert report.findings_for(case.slug), f"{case.name}: {case.slug} not named; got {[f.check for f in report.findings]}"
-    if case.first_offered:
-        offered = [fx for finding in report.findings_for(case.slug) for fx in finding.fixes if fx.planned]
-        return [fx for fx in offered if fx.applicability is not Applicability.DISPLAY_ONLY][:1]
     fixes = [
         f
         for f in report.fixes

@@ -317,7 +317,7 @@ CASES: list[Case] = [
         name="fp32-embeds-into-bf16-llama-in-watch", source="QwenLM/Qwen3-VL#246", slug="batch-dtype-mismatch",
         build=_bf16_llama_fed_fp32_embeds, step=_step,
         failure=r"expected m(at)?1 and m(at)?2 to have the same dtype, but got: float != c10::BFloat16",
-        diagnose=_crash_inside_watch, first_offered=True,
+        diagnose=_crash_inside_watch,
     ),
     Case(
         name="layer-norm-eps-1e-12-fp16", source="deepspeedai/DeepSpeed#581", slug="probe-nonfinite",

@@ -117,13 +117,37 @@ def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, A
     if finding is None:
         return report
     finding.fixes = _at_entry_points(finding, frames, report.live)
+    for fx in finding.fixes:  # built beside the finding, not through a check: they carry its slug from here
+        fx.slug = fx.slug or finding.check
     # Its fixes stay bound as crash_finding bound them: the failing batch is not in a re-diagnosis at rest,
     # so re-planning through the treatment would find them "no longer needed".
     previous = report.cause
     if previous is not None and isinstance(previous.evidence, dict):
         # The failing op's two tensors and the cast (the exception family's reading) stay beside the batch entry.
         finding.evidence = {**previous.evidence, **finding.evidence}
-    return report.evolve(findings=(finding, *report.findings), cause=finding)
+    return report.evolve(findings=(finding, *report.findings), cause=finding, **_plans_led_by(report, finding))
+
+
+def _plans_led_by(report: Any, cause: Any) -> dict:
+    """The report's plans with the cause's first in-place fix at their head.
+
+    The plan was made by a diagnosis at rest, which never saw the failing batch: without this, "Apply all safe
+    fixes" would apply the rest of the plan and leave the very call that raised raising. The cause's other
+    in-place fixes stay on its finding as alternatives.
+    """
+    from ..treatment.rules import Applicability
+
+    in_place = [fx for fx in cause.fixes if fx.applicability is not Applicability.DISPLAY_ONLY]
+    if not in_place:
+        return {}
+    lead = in_place[0]
+    for other in in_place[1:]:
+        other.planned = False
+        other.note = other.note or f"an alternative to {lead.title!r}, which the plan applies"
+    plans = {"plan": (lead, *(fx for fx in report.fixes if fx is not lead))}
+    safe = [fx for fx in report.safe_fixes if fx is not lead]
+    plans["safe_plan"] = (lead, *safe) if lead.safe else tuple(safe)
+    return plans
 
 
 def _at_entry_points(finding: Any, frames: list, live: Any) -> list:
