@@ -51,6 +51,7 @@ CODE_SECTIONS = ("Example", "Use instead")
 MODULES = (
     "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "values", "probe", "lightning", "distributed",
     "diffusion", "fp8_training", "quantized", "trl", "half_precision_arithmetic", "deepspeed",
+    "averaging",
 )
 
 
