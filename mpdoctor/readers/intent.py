@@ -171,18 +171,28 @@ def closure_decay(fn: Any, depth: int = 0) -> float | None:
 
 
 def shadow_decay(obj: Any, kind: str) -> float | None:
-    """The decay of the next update (steady value: the warm-up of ema-pytorch and diffusers is not applied)."""
-    if kind == "ema-model":
-        value = raw_attr(obj, "decay", None)
-        return float(value) if isinstance(value, (int, float)) else None
-    if kind == "ema-pytorch":
-        value = raw_attr(obj, "beta", None)
+    """The decay of the next update: the warm-up schedule's value where the library has one (diffusers'
+    ``get_decay``, ema-pytorch's ``get_current_decay``), the steady decay while warm-up still copies (decay 0)."""
+    if kind in ("ema-model", "ema-pytorch"):
+        steady = raw_attr(obj, "decay" if kind == "ema-model" else "beta", None)
+        current = _current_decay(obj, kind)
+        value = current if current else steady
         return float(value) if isinstance(value, (int, float)) else None
     fn = raw_attr(obj, "multi_avg_fn", None) or raw_attr(obj, "avg_fn", None)
     if fn is not None:
         return closure_decay(fn)
     n = (raw_attr(obj, "_buffers", None) or {}).get("n_averaged")
     return float(n.item()) / (float(n.item()) + 1.0) if torch.is_tensor(n) else None  # SWA: an equal average
+
+
+def _current_decay(obj: Any, kind: str) -> float | None:
+    """The library's own schedule (pure arithmetic on its step counter), or None when it cannot be read."""
+    try:
+        if kind == "ema-model":
+            return float(obj.get_decay(int(raw_attr(obj, "optimization_step", 0)) + 1))
+        return float(obj.get_current_decay())
+    except Exception:
+        return None
 
 
 def same_dtype_update(obj: Any, kind: str) -> bool:
