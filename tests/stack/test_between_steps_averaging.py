@@ -257,3 +257,108 @@ def test_casting_the_fp32_ema_copy_to_bf16_as_the_old_mixed_dtype_fix_did_loses_
     assert moved_share(narrowed) < 0.05
     (finding,) = mpdoctor.diagnose(narrowed).findings_for("low-precision-ema")
     assert finding.severity == "error"
+
+
+# -- intent islands that need the stack: diffusers' _keep_in_fp32_modules, a torchmetrics metric ------------------
+
+
+def _tiny_wan(dtype: torch.dtype, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    kw = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+              text_dim=16, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)  # fmt: skip
+    torch.manual_seed(0)
+    WanTransformer3DModel(**kw).save_pretrained(tmp_path)
+    return WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=dtype)
+
+
+def _wan_step(model, opt) -> torch.Tensor:
+    x, t, text = torch.randn(1, 4, 1, 4, 4, dtype=BF16), torch.tensor([10]), torch.randn(1, 3, 16, dtype=BF16)
+    loss = model(x, t, text).sample.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def test_wan_keeps_scale_shift_table_fp32_on_purpose_and_draws_nothing(tmp_path):
+    """huggingface/diffusers#10992: "WanTransformer3DModel using torch_dtype=torch.bfloat16 keeps some parameters as
+    float32" (``scale_shift_table``, ``norm2``, the time embedder); the maintainers: "Yes, this is intended"
+    (``_keep_in_fp32_modules``). mpdoctor called it a mixed-param-dtypes error and offered an unsafe cast."""
+    model = _tiny_wan(BF16, tmp_path)
+    assert model.scale_shift_table.dtype == torch.float32 and model.blocks[0].scale_shift_table.dtype == torch.float32
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    params = list(model.parameters())
+    before = snapshot(params)
+    assert_step_trains(_wan_step(model, opt), before, params)  # the user's step trains with the fp32 parts
+    report = mpdoctor.diagnose(model, opt)
+    assert not [f for f in report.findings if f.severity in ("error", "warning")], report.to_text()
+
+
+def test_wan_an_fp32_layer_the_class_does_not_keep_is_still_an_accident_fixed_through_api_and_widget(tmp_path):
+    for through_widget in (False, True):
+        model = _tiny_wan(BF16, tmp_path / str(through_widget))
+        model.proj_out.float()  # not in _keep_in_fp32_modules: the next matmul meets bf16 activations
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with pytest.raises(RuntimeError, match="dtype"):
+            _wan_step(model, opt)
+        opt.zero_grad()
+        report = mpdoctor.diagnose(namespace={"transformer": model, "opt": opt})
+        (finding,) = report.findings_for("mixed-param-dtypes")
+        assert finding.severity == "error" and list(finding.evidence["modules"]) == ["proj_out"], report.to_text()
+        (fix,) = [f for f in report.fixes if f.slug == "mixed-param-dtypes"]
+        if through_widget:
+            rw = report.widget()
+            rw.confirm_delay = 0.0
+            (button,) = rw.buttons(fix.title)
+            button.click()
+            for armed in rw.buttons("Click again to confirm"):
+                armed.click()
+        else:
+            fix.apply()
+        assert model.proj_out.weight.dtype == BF16 and model.scale_shift_table.dtype == torch.float32
+        params = list(model.parameters())
+        before = snapshot(params)
+        assert_step_trains(_wan_step(model, opt), before, params)
+
+
+def test_a_torchmetrics_metric_with_an_fp32_feature_net_in_a_bf16_module_is_an_island():
+    """A metric holding a frozen network (as FID's Inception or LPIPS's VGG do) stays fp32 inside a bf16 module:
+    it runs in ``update()`` outside the forward, so it is never fed the bf16 activations."""
+    from torchmetrics import Metric
+
+    class FeatureDistance(Metric):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = torch.nn.Linear(16, 4)
+            self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+        def update(self, a: torch.Tensor, b: torch.Tensor) -> None:
+            self.total += (self.features(a.float()) - self.features(b.float())).pow(2).sum()
+
+        def compute(self) -> torch.Tensor:
+            return self.total
+
+    class Module(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _net(BF16)
+            self.metric = FeatureDistance()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+    module = Module()
+    opt = torch.optim.AdamW(module.net.parameters(), lr=1e-3)
+    params = list(module.net.parameters())
+    before = snapshot(params)
+    x = _batch(BF16)
+    out = module(x)
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    module.metric.update(out.detach(), x)
+    assert_step_trains(loss.detach(), before, params)
+    assert torch.isfinite(module.metric.compute())
+    report = mpdoctor.diagnose(module, opt)
+    assert not [f for f in report.findings if f.severity in ("error", "warning")], report.to_text()
