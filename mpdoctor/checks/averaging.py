@@ -116,6 +116,7 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
             {
                 "shadow": s.shadow_path,
                 "shadow_dtypes": list(s.shadow_dtypes),
+                "shadow_elements": s.shadow_elements,
                 "decay": s.decay,
                 "online_model": s.source,
                 "lost_share": s.lost_share,

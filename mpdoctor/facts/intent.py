@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: Island kinds: an EMA / averaged copy, a torchmetrics metric, a frozen copy of a sibling no optimizer holds, an
-#: fp32 parameter the library's ``_keep_in_fp32_modules`` names (``path`` is then the parameter's).
-ISLAND_KINDS = ("averaged-copy", "metric", "shadow-copy", "kept-in-fp32")
-
 
 @dataclass(frozen=True)
 class Island:
     """A submodule kept apart from the model's compute path on purpose, with the evidence quoted.
 
-    ``path`` is the submodule's path in the model ("" for the model itself); ``param_ids`` its parameters, so a
-    check can ask whether an optimizer holds them (a frozen copy no optimizer holds is a shadow, not a layer).
+    ``kind`` is ``"averaged-copy"`` (an EMA / averaged copy), ``"metric"`` (a torchmetrics metric),
+    ``"shadow-copy"`` (a frozen copy of a sibling) or ``"kept-in-fp32"`` (an fp32 parameter the library's
+    ``_keep_in_fp32_modules`` names; ``path`` is then the parameter's). ``path`` is the submodule's path in the
+    model ("" for the model itself); ``param_ids`` its parameters, so a check can ask whether an optimizer holds
+    them (a frozen copy no optimizer holds is a shadow, not a layer).
     """
 
     path: str

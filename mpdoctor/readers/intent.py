@@ -87,34 +87,34 @@ def _signature(mod: torch.nn.Module) -> tuple[tuple[str, tuple[int, ...]], ...]:
     return tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())
 
 
+def _floating_dtypes(mod: torch.nn.Module) -> frozenset[str]:
+    return frozenset(_dtype_name(p) for p in mod.parameters() if p.is_floating_point())
+
+
 def _frozen_copies(model: torch.nn.Module) -> list[Island]:
     """Children (of the root and of its children) that are frozen copies of a sibling in another dtype."""
     out: list[Island] = []
-    parents = [("", model)] + [(n, c) for n, c in model.named_children()]
-    for ppath, parent in parents:
+    for ppath, parent in [("", model), *model.named_children()]:
         children = [(f"{ppath}.{n}" if ppath else n, c) for n, c in parent.named_children()]
-        sigs = {path: _signature(c) for path, c in children}
-        for path, child in children:
-            params = list(child.parameters())
-            if not sigs[path] or any(p.requires_grad for p in params):
-                continue
-            dtypes = {_dtype_name(p) for p in params if p.is_floating_point()}
-            twin = next(
-                (
-                    (opath, other)
-                    for opath, other in children
-                    if opath != path and sigs[opath] == sigs[path]
-                    and {_dtype_name(p) for p in other.parameters() if p.is_floating_point()} != dtypes
-                ),
-                None,
-            )
-            if twin is not None:
-                tdt = "/".join(sorted({_dtype_name(p) for p in twin[1].parameters() if p.is_floating_point()}))
-                out.append(Island(path, "shadow-copy", (
-                    f"a frozen copy of {twin[0]} (the same {len(params)} parameters, {'/'.join(sorted(dtypes))} beside "
-                    f"{tdt}, requires_grad False)"
-                ), frozenset(id(p) for p in params)))  # fmt: skip
+        out.extend(island for island in (_copy_of_a_sibling(path, child, children) for path, child in children) if island)
     return out
+
+
+def _copy_of_a_sibling(path: str, child: torch.nn.Module, siblings: list[tuple[str, torch.nn.Module]]) -> Island | None:
+    """``child`` as a shadow copy: frozen, with a sibling of the same parameter names and shapes in another dtype."""
+    params = list(child.parameters())
+    signature = _signature(child)
+    if not signature or any(p.requires_grad for p in params):
+        return None
+    dtypes = _floating_dtypes(child)
+    for other_path, other in siblings:
+        if other_path != path and _signature(other) == signature and _floating_dtypes(other) != dtypes:
+            evidence = (
+                f"a frozen copy of {other_path} (the same {len(params)} parameters, {'/'.join(sorted(dtypes))} beside "
+                f"{'/'.join(sorted(_floating_dtypes(other)))}, requires_grad False)"
+            )
+            return Island(path, "shadow-copy", evidence, frozenset(id(p) for p in params))
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

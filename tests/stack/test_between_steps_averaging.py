@@ -82,7 +82,8 @@ def dreambooth_ema(healthy: bool) -> Setup:
     ).to(BF16)  # fmt: skip
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-3)
     ema_unet = EMAModel(unet.parameters(), decay=0.9999)
-    ema_unet.optimization_step = 2000  # a run 2000 steps in: diffusers' warm-up decay (1 + k) / (10 + k) is 0.9955
+    # A run 2000 steps in (its saved state says so): diffusers' warm-up decay (1 + k) / (10 + k) is 0.9955.
+    ema_unet.load_state_dict({**ema_unet.state_dict(), "optimization_step": 2000})
     if healthy:
         ema_unet.to(dtype=torch.float32)  # the PR's fix: the EMA in fp32 whatever weight_dtype is
     x, t = torch.randn(2, 1, 8, 8, dtype=BF16), torch.tensor([10, 500])
