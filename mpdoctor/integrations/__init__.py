@@ -31,7 +31,7 @@ KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scale
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (
     "torch", "transformers", "accelerate", "peft", "lightning", "diffusers", "bitsandbytes", "torchao", "trl",
-    "deepspeed", "averaging",
+    "deepspeed",
 )
 
 

@@ -1,7 +1,8 @@
 """EMA and weight averaging: torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``.
 
-Always active (the module wrappers are torch's; diffusers' ``EMAModel`` is a subject of kind ``averaging`` when
-the user holds one). It reads, per model, the islands kept off the compute path on purpose
+Read through the torch integration (its ``model_facts`` and ``facts``: the module wrappers are modules, and a
+diffusers ``EMAModel`` the user holds is a subject of kind ``averaging``, declared by the diffusers integration).
+It reads, per model, the islands kept off the compute path on purpose
 (:func:`mpdoctor.readers.intent.read_islands`), and per averaging object its shadow facts, measured on its own
 tensors. It also builds the live steps of the one fix its check offers: keep the shadow in fp32, with the update
 path made to accept an fp32 shadow of a low-precision model.
@@ -18,21 +19,21 @@ from ..edits.steps import CastParams, Change, SetAttr, cast_tensor
 from ..live.introspect import modules_of, raw_attr
 from ..readers.intent import (
     AVERAGING_MODULES,
-    DIFFUSERS_EMA,
     closure_decay,
     read_islands,
     read_shadow,
     shadow_kind,
     source_candidates,
 )
-from . import Integration
 
 
-def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+def model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    """The islands of a model (:class:`~mpdoctor.facts.intent.Island`): the ``islands`` field of its facts."""
     return {"islands": read_islands(inner)} if isinstance(inner, torch.nn.Module) else {}
 
 
-def _facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+def shadow_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """The ``averaging`` field of the facts: every averaging object held directly or inside a model."""
     models = [(s.name, s.inner) for s in subjects if s.kind == "model" and isinstance(s.inner, torch.nn.Module)]
     found: list[tuple[str, Any]] = [(s.name, s.obj) for s in subjects if s.kind == "averaging"]
     for name, model in list(models):
@@ -105,11 +106,3 @@ def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
                 steps.append(SetAttr(obj, attr, functools.partial(fn.func, *fn.args, **{**fn.keywords, "coerce_dtype": True}), f"{label}.{attr}"))
     return steps
 
-
-INTEGRATION = Integration(
-    name="averaging",
-    modules=("torch",),
-    kinds=((DIFFUSERS_EMA, "averaging"),),
-    model_facts=_model_facts,
-    facts=_facts,
-)

@@ -96,24 +96,30 @@ def _frozen_copies(model: torch.nn.Module) -> list[Island]:
     out: list[Island] = []
     for ppath, parent in [("", model), *model.named_children()]:
         children = [(f"{ppath}.{n}" if ppath else n, c) for n, c in parent.named_children()]
-        out.extend(island for island in (_copy_of_a_sibling(path, child, children) for path, child in children) if island)
+        frozen = [(path, c) for path, c in children if _frozen(c)]
+        if not frozen:  # the usual case: no sibling signature is computed at all
+            continue
+        signatures = {path: _signature(c) for path, c in children}
+        out.extend(island for island in (_copy_of_a_sibling(path, child, children, signatures) for path, child in frozen) if island)
     return out
 
 
-def _copy_of_a_sibling(path: str, child: torch.nn.Module, siblings: list[tuple[str, torch.nn.Module]]) -> Island | None:
-    """``child`` as a shadow copy: frozen, with a sibling of the same parameter names and shapes in another dtype."""
-    params = list(child.parameters())
-    signature = _signature(child)
-    if not signature or any(p.requires_grad for p in params):
-        return None
+def _frozen(mod: torch.nn.Module) -> bool:
+    params = list(mod.parameters())
+    return bool(params) and not any(p.requires_grad for p in params)
+
+
+def _copy_of_a_sibling(path: str, child: torch.nn.Module, siblings: list[tuple[str, torch.nn.Module]], signatures: dict) -> Island | None:
+    """``child`` (frozen) as a shadow copy: a sibling has the same parameter names and shapes in another dtype."""
     dtypes = _floating_dtypes(child)
     for other_path, other in siblings:
-        if other_path != path and _signature(other) == signature and _floating_dtypes(other) != dtypes:
+        if other_path != path and signatures[other_path] == signatures[path] and _floating_dtypes(other) != dtypes:
+            n = sum(1 for _ in child.parameters())
             evidence = (
-                f"a frozen copy of {other_path} (the same {len(params)} parameters, {'/'.join(sorted(dtypes))} beside "
+                f"a frozen copy of {other_path} (the same {n} parameters, {'/'.join(sorted(dtypes))} beside "
                 f"{'/'.join(sorted(_floating_dtypes(other)))}, requires_grad False)"
             )
-            return Island(path, "shadow-copy", evidence, frozenset(id(p) for p in params))
+            return Island(path, "shadow-copy", evidence, frozenset(id(p) for p in child.parameters()))
     return None
 
 
