@@ -214,6 +214,29 @@ def peft_lora_bf16() -> dict:
     return {"model": model, "opt": opt}
 
 
+def averaged_model_bf16() -> dict:
+    """A bf16 network and torch's EMA of it, ``AveragedModel(..., avg_fn=get_ema_avg_fn(0.999))``: the copy is
+    bf16, so its updates round away (low-precision-ema); one step and one update taken."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(torch.bfloat16)
+    ns = {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=1e-2)}
+    ns["ema"] = AveragedModel(model, avg_fn=get_ema_avg_fn(0.999))
+    _averaged_step(ns)
+    return ns
+
+
+def _averaged_step(ns: dict) -> float:
+    dtype = next(ns["model"].parameters()).dtype  # the batch follows the model, as a user's loader would
+    loss = ns["model"](torch.randn(8, 16, dtype=dtype)).float().pow(2).mean()
+    loss.backward()
+    ns["opt"].step()
+    ns["opt"].zero_grad()
+    ns["ema"].update_parameters(ns["model"])
+    return float(loss.detach())
+
+
 def healthy_fp32() -> dict:
     """Control: fp32 model without cache, AdamW with state, a disabled scaler."""
     model = tiny_llama(use_cache=False)
@@ -269,6 +292,8 @@ FIELD_CASES = [
         probe_args=lambda ns: (ns["model"], _mixed_inputs()[0].bfloat16(), None),
     ),
     Scenario("peft_lora_bf16", peft_lora_bf16, _lm_step),
+    Scenario("averaged_model_bf16", averaged_model_bf16, _averaged_step,
+             probe_args=lambda ns: (ns["model"], torch.randn(8, 16, dtype=torch.bfloat16), None)),
 ]
 
 HEALTHY = [

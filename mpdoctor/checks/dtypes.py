@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from ..facts import Facts, ModelFacts
+from ..facts.intent import Island
 from ..facts.tensors import FLOATING, ModuleDtypes
 from ..treatment.changes import CastGradsToParams, CastParamsTo, torch_dtype
 from ..treatment.findings import Finding, Severity, count, size_delta
@@ -71,8 +72,9 @@ def _kept_in_fp32(path: str, keep: tuple[str, ...]) -> bool:
     return any(f".{name}." in dotted for name in keep)
 
 
-def compute_units(m: ModelFacts) -> list[Unit]:
-    """The modules whose parameters meet the activations uncast (see ``mixed_param_dtypes``)."""
+def compute_units(m: ModelFacts, islands: tuple[Island, ...] = ()) -> list[Unit]:
+    """The modules whose parameters meet the activations uncast (see ``mixed_param_dtypes``); modules under an
+    ``islands`` path are off the compute path on purpose."""
     patched = dict(m.tensors.patched_forwards)
     tuners = sorted(m.tensors.tuner_layers, key=len, reverse=True)
     casts = dict(m.tensors.input_casts)
@@ -80,6 +82,8 @@ def compute_units(m: ModelFacts) -> list[Unit]:
     for md in m.tensors.modules:
         if md.class_path.startswith("bitsandbytes.") or _kept_in_fp32(md.path, m.keep_in_fp32):
             continue
+        if any(_under(md.path, i.path) for i in islands):
+            continue  # an averaged copy, a metric or a frozen shadow: never fed the activations
         if not _is_norm(md.class_path) and _casts_its_input(casts.get(md.path), md):
             continue  # a deliberate island: its forward (or its parent's) casts its input to its weights' dtype
         tuner = next((t for t in tuners if md.path != t and _under(md.path, t)), None)
@@ -257,11 +261,12 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
     for m in facts.models:
         if len(m.tensors.module_dtypes) < 2:
             continue  # one floating dtype in the whole model: nothing can meet another
-        units = compute_units(m)
+        islands = deliberate_islands(facts, m)
+        units = compute_units(m, islands)
         dtype = compute_dtype(m, units)
         if dtype is None:
             continue
-        offenders = _offenders(units, dtype)
+        offenders = [u for u in _offenders(units, dtype) if not _islanded(u, dtype, islands)]
         if not offenders:
             continue
         cover = autocast_cover(facts, m)
@@ -285,10 +290,24 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 "roles": {u.module.path: u.role for u in offenders},
                 "autocast": cover,
                 "patched_forwards": sorted({u.patched for u in offenders if u.patched}),
+                "islands": {i.path: i.evidence for i in islands},
             },
             [_cast_minority_fix(facts, m, offenders, dtype)],
             severity=severity,
         )
+
+
+def _islanded(u: Unit, dtype: str, islands: tuple[Island, ...]) -> bool:
+    """Every parameter of ``u`` in another dtype than ``dtype`` lies on an island (``_keep_in_fp32_modules``)."""
+    others = [f"{u.module.path}.{n}" if u.module.path else n for n, d, _ in u.module.params if d != dtype]
+    return bool(others) and all(any(_under(o, i.path) for i in islands) for o in others)
+
+
+def deliberate_islands(facts: Facts, m: ModelFacts) -> tuple[Island, ...]:
+    """The islands of ``m`` the evidence holds: averaged copies and metrics always; a frozen copy of a sibling only
+    while no optimizer holds its parameters (an optimizer that does makes it a trained layer)."""
+    held = frozenset().union(*(o.param_ids for o in facts.optimizers)) if facts.optimizers else frozenset()
+    return tuple(i for i in getattr(m, "islands", ()) if i.kind != "shadow-copy" or not (i.param_ids & held))
 
 
 def _probe_ran_clean(facts: Facts, model: str) -> bool:

@@ -107,6 +107,9 @@ class ModelFacts:
     #: ``config._name_or_path`` of a transformers model: the checkpoint it was loaded from, empty for a model
     #: built from a config (advice says ``from_pretrained`` only when there is something to load).
     loaded_from: str = ""
+    #: Submodules kept off the compute path on purpose (:class:`~mpdoctor.facts.intent.Island`): averaged copies,
+    #: metrics, frozen copies of a sibling; read by :mod:`mpdoctor.readers.intent`.
+    islands: tuple = ()
 
     @property
     def model_type(self) -> str | None:
@@ -148,6 +151,8 @@ class Facts:
     fp8_recipes: tuple = ()
     #: mpdoctor.facts.between.BetweenFacts: accumulation, metric states, merged adapters, router biases.
     between: Any = None
+    #: mpdoctor.facts.intent.ShadowFacts: EMA / weight-averaging objects and what their updates lose.
+    averaging: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -79,7 +79,7 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
 INTEGRATION = Integration(
     name="diffusers",
     modules=("diffusers",),
-    kinds=((PIPELINE, "pipeline"),),
+    kinds=((PIPELINE, "pipeline"), ("diffusers.training_utils.EMAModel", "averaging")),
     brings=((PIPELINE, COMPONENTS),),
     model_facts=_model_facts,
 )

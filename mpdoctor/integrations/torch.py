@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from ..compat import GRAD_SCALER_CLASSES
 from . import Integration, Unwrap
+from .averaging import model_facts as island_facts
+from .averaging import shadow_facts
 
 MODULE = "torch.nn.modules.module.Module"
 OPTIMIZER = "torch.optim.optimizer.Optimizer"
@@ -23,4 +25,6 @@ INTEGRATION = Integration(
         Unwrap("torch.nn.parallel.data_parallel.DataParallel", "module", ".module"),
         Unwrap("torch._dynamo.eval_frame.OptimizedModule", "_orig_mod"),
     ),
+    model_facts=island_facts,  # intent: averaged copies, metrics, frozen shadows, _keep_in_fp32_modules
+    facts=shadow_facts,  # EMA / averaging objects and what their updates lose
 )

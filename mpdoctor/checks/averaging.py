@@ -1,0 +1,183 @@
+"""Checks on what happens between steps: an EMA / weight-averaging copy whose updates round away."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..facts import Facts
+from ..facts.intent import ShadowFacts
+from ..treatment.findings import Finding, Severity, count, size_delta
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
+from ..treatment.shadow_changes import KeepShadowFp32
+from . import check
+
+#: A shadow that registers an update only where the online weight is this far (relative) from it has stopped.
+_STOPPED = 0.5
+#: Below this relative gap an update registers for ordinary training steps: no harm worth a warning.
+_NOTICEABLE = 0.01
+
+
+def _code(s: ShadowFacts) -> str:
+    if s.kind == "ema-model":
+        return f"{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
+    if s.kind == "ema-pytorch":
+        return (
+            f"{s.shadow_path}.float()  # keep the EMA copy in fp32\n"
+            f"# and build it with EMA(model, ..., coerce_dtype=True) so its lerp_ casts the online weights to the shadow's dtype"
+        )
+    lines = f"{s.shadow_path}.float()  # keep the averaged copy in fp32"
+    if s.same_dtype_update:
+        lines += (
+            f"\n# and average per tensor (torch._foreach_lerp_ takes one dtype):"
+            f"\n# AveragedModel(model, avg_fn=get_ema_avg_fn({s.decay})) instead of multi_avg_fn=get_ema_multi_avg_fn(...)"
+        )
+    return lines
+
+
+def _harm(s: ShadowFacts) -> str:
+    low = "/".join(d for d in s.shadow_dtypes if d != "float32")
+    gap = f"an update registers only where the online weight differs from the shadow by at least {s.min_gap:.0%} of its value"
+    if s.lost_share is not None:
+        return (
+            f"one real update toward {s.source} (decay {s.decay}) leaves {s.lost_share:.0%} of the "
+            f"{count(s.changed_in_fp32, 'element')} fp32 would change unchanged in {low}: {gap}"
+        )
+    return f"with decay {s.decay} in {low}, {gap}, so the average stops following the model"
+
+
+@check("low-precision-ema", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """An EMA / weight-averaging copy kept in bf16 or fp16, whose updates round away.
+
+    What it does
+        Reads every averaging object (torch's ``AveragedModel``, diffusers'
+        ``EMAModel``, ema-pytorch's ``EMA``, held directly or inside a model)
+        whose shadow tensors are bf16 or fp16, and measures what one update
+        ``s + (1 - decay) * (p - s)`` loses: on copies of the shadow and of the
+        online model's parameters, the update is computed in fp32 and rounded
+        once to the shadow's dtype; an element is lost when fp32 changes it and
+        the rounded result is the old value. Without the online model, it
+        states the exact bound: an update registers only where ``|p - s|`` is
+        at least ``eps / 4 / (1 - decay)`` of the weight.
+    Why is this bad?
+        bf16 keeps 8 significant bits: with decay 0.999 an update of a weight
+        registers only where the online weight differs from the shadow by about
+        twice its own value, so the EMA never moves from its first copy; the
+        weights saved and sampled from are the initial ones. fp16 (11 bits)
+        fails the same way at decay 0.9999.
+    Example
+        unet.to(torch.bfloat16)
+        ema_unet = EMAModel(unet.parameters(), decay=0.9999)  # shadow_params copied in bf16
+        ...
+        ema_unet.step(unet.parameters())  # rounds back to the same values
+    Use instead
+        unet.to(torch.bfloat16)
+        ema_unet = EMAModel(unet.parameters(), decay=0.9999)
+        ema_unet.to(dtype=torch.float32)  # the shadow in fp32: each update registers
+    Fix safety
+        Safe: cast the shadow tensors to fp32 in place (a widening, exact);
+        where the library's update takes one dtype on both sides (ema-pytorch
+        without ``coerce_dtype``, ``AveragedModel`` with a ``multi_avg_fn``,
+        whose ``torch._foreach_lerp_`` raises ``expected dtype float for `end`
+        but got dtype c10::BFloat16``), the fix also makes it cast the online
+        weights (``coerce_dtype=True``; the per-tensor ``avg_fn`` with the same
+        decay). Undo restores the tensors and the functions exactly.
+    Severity
+        Error when most updates are lost (measured share at least 50%, or,
+        unmeasured, an update needs a gap of half the weight); warning when an
+        update needs a gap of at least 1% of the weight.
+    Sources
+        d8ahazard/sd_dreambooth_extension pull requests #1415 and #1417 ("almost
+        all EMA weight updates get rounded down to 0"); lucidrains/ema-pytorch
+        pull request #18 and issue #36; NUS-HPC-AI-Lab/VideoSys pull request #6
+        ("use fp32 for ema model").
+    """
+    for s in facts.averaging:
+        if not s.low_elements or s.min_gap is None:
+            continue
+        measure = s.lost_share if s.lost_share is not None else s.min_gap  # measured harm first, else the exact bound
+        if measure < _NOTICEABLE:
+            continue
+        stopped = measure >= _STOPPED
+        low = "/".join(d for d in s.shadow_dtypes if d != "float32")
+        fix = Fix(
+            f"Keep the shadow of {s.name} in fp32",
+            _code(s),
+            changes=(KeepShadowFp32(s.ref, s.name),),
+            applicability=Applicability.SAFE,
+            backup_bytes=2 * s.low_elements,
+            recipe="keep-shadow-fp32",
+            cost=f"{size_delta(2 * s.low_elements)} of shadow weights",
+        )
+        yield rule.finding(
+            s.name,
+            f"{s.name} averages into {low} shadow tensors ({s.shadow_path}): {_harm(s)}.",
+            {
+                "shadow": s.shadow_path,
+                "shadow_dtypes": list(s.shadow_dtypes),
+                "shadow_elements": s.shadow_elements,
+                "decay": s.decay,
+                "online_model": s.source,
+                "lost_share": s.lost_share,
+                "changed_in_fp32": s.changed_in_fp32,
+                "min_gap": s.min_gap,
+            },
+            [fix],
+            severity=Severity.ERROR if stopped else Severity.WARNING,
+        )
+
+
+@check("ema-update-dtype-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE,))
+def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """An fp32 EMA / averaged copy of a lower-precision model whose update takes one dtype: it raises.
+
+    What it does
+        An averaging object whose update runs ``lerp_`` on the shadow and the
+        online weights as they are (ema-pytorch's ``EMA`` without
+        ``coerce_dtype``; ``AveragedModel`` with a ``multi_avg_fn``, which
+        groups the tensors for ``torch._foreach_lerp_``), while the online
+        model it follows holds another dtype than the shadow: an fp32 EMA of a
+        model DeepSpeed or ``.to(torch.bfloat16)`` made bf16.
+    Why is this bad?
+        The fp32 shadow is right (a bf16 one loses its updates), but
+        ``lerp_`` takes one dtype: the first update raises ``expected dtype
+        float for `end` but got dtype c10::BFloat16``.
+    Example
+        ema = EMA(model, beta=0.999)  # built while the model was fp32
+        model.to(torch.bfloat16)       # or DeepSpeed's bf16 engine
+        ema.update()                   # raises
+    Use instead
+        ema = EMA(model, beta=0.999, coerce_dtype=True)  # casts the online weights to the shadow's dtype
+    Fix safety
+        Safe: keep the shadow in fp32 (it already is) and make the update cast
+        the online weights (``coerce_dtype=True`` with the update functions
+        rebuilt; the per-tensor ``avg_fn`` with the same decay). Undo restores
+        the functions exactly.
+    Severity
+        Error: the update raises.
+    Sources
+        lucidrains/ema-pytorch issue #36 ("expected dtype float for `end` but
+        got dtype c10::BFloat16", with DeepSpeed bf16; "the solution is to set
+        `coerce_dtype=True`").
+    """
+    for s in facts.averaging:
+        if not s.same_dtype_update or not s.source_dtypes or set(s.source_dtypes) == set(s.shadow_dtypes):
+            continue
+        shadow, online = "/".join(s.shadow_dtypes), "/".join(s.source_dtypes)
+        fix = Fix(
+            f"Make {s.name}'s update cast the online weights",
+            _code(s),
+            changes=(KeepShadowFp32(s.ref, s.name),),
+            applicability=Applicability.SAFE,
+            backup_bytes=2 * s.low_elements,
+            recipe="keep-shadow-fp32",
+        )
+        yield rule.finding(
+            s.name,
+            f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source}, which is {online}, and its update lerps "
+            f"the two as they are: the next update raises 'expected dtype float for `end` but got dtype c10::BFloat16'.",
+            {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source, "online_dtypes": list(s.source_dtypes)},
+            [fix],
+            severity=Severity.ERROR,
+        )

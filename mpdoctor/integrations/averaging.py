@@ -1,0 +1,108 @@
+"""EMA and weight averaging: torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``.
+
+Read through the torch integration (its ``model_facts`` and ``facts``: the module wrappers are modules, and a
+diffusers ``EMAModel`` the user holds is a subject of kind ``averaging``, declared by the diffusers integration).
+It reads, per model, the islands kept off the compute path on purpose
+(:func:`mpdoctor.readers.intent.read_islands`), and per averaging object its shadow facts, measured on its own
+tensors. It also builds the live steps of the one fix its check offers: keep the shadow in fp32, with the update
+path made to accept an fp32 shadow of a low-precision model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from ..edits.steps import CastParams, Change, SetAttr, cast_tensor
+from ..live.introspect import modules_of, raw_attr
+from ..readers.intent import (
+    AVERAGING_MODULES,
+    closure_decay,
+    read_islands,
+    read_shadow,
+    shadow_kind,
+    source_candidates,
+)
+
+
+def model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
+    """The islands of a model (:class:`~mpdoctor.facts.intent.Island`): the ``islands`` field of its facts."""
+    return {"islands": read_islands(inner)} if isinstance(inner, torch.nn.Module) else {}
+
+
+def shadow_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """The ``averaging`` field of the facts: every averaging object held directly or inside a model."""
+    models = [(s.name, s.inner) for s in subjects if s.kind == "model" and isinstance(s.inner, torch.nn.Module)]
+    found: list[tuple[str, Any]] = [(s.name, s.obj) for s in subjects if s.kind == "averaging"]
+    for name, model in list(models):
+        try:
+            found.extend((f"{name}.{path}" if path else name, mod) for path, mod in modules_of(model, AVERAGING_MODULES))
+        except Exception:  # a model whose tree cannot be walked is reported once, by its own gathering
+            models.remove((name, model))
+    out, seen = [], set()
+    for name, obj in found:
+        kind = shadow_kind(obj)
+        if kind is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        try:
+            shadow = read_shadow(name, obj, kind, lambda: source_candidates(models))
+        except Exception:  # an averaging object half built or hostile: nothing to say about it
+            continue
+        if shadow is not None:
+            live.add(obj)
+            out.append(shadow)
+    return {"averaging": tuple(out)} if out else {}
+
+
+class CastListTensors(Change):
+    """Replace each floating tensor of a list (diffusers' ``EMAModel.shadow_params``) by a copy in ``dtype``.
+
+    Every copy is made before the first swap; undo puts the very tensor objects back.
+    """
+
+    def __init__(self, items: list, dtype: torch.dtype, label: str) -> None:
+        self.items, self.dtype = items, dtype
+        self.description = f"cast {label} to {str(dtype).replace('torch.', '')}"
+        self._old: list | None = None
+
+    def apply(self) -> None:
+        staged = [cast_tensor(t, self.dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.dtype else t for t in self.items]
+        self._old = list(self.items)
+        self.items[:] = staged
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.items[:] = self._old
+            self._old = None
+
+
+def _per_tensor_avg_fn(obj: Any) -> Any:
+    """The per-tensor twin of an ``AveragedModel``'s ``multi_avg_fn``: it promotes an fp32 shadow with a bf16 model
+    where ``torch._foreach_lerp_`` raises."""
+    from torch.optim.swa_utils import get_ema_avg_fn, get_swa_avg_fn
+
+    decay = closure_decay(raw_attr(obj, "multi_avg_fn", None))
+    return get_swa_avg_fn() if decay is None else get_ema_avg_fn(decay)
+
+
+def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
+    """The live steps that keep an averaging object's shadow in fp32 and let its update take the online dtype."""
+    kind = shadow_kind(obj)
+    if kind == "ema-model":
+        return [CastListTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
+    module = obj.module if kind == "averaged-model" else obj.ema_model
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    steps: list[Change] = [CastParams(params, torch.float32, (), f"shadow parameters of {label}", state=False)]
+    if kind == "averaged-model" and raw_attr(obj, "multi_avg_fn", None) is not None:
+        steps += [SetAttr(obj, "avg_fn", _per_tensor_avg_fn(obj), f"{label}.avg_fn"), SetAttr(obj, "multi_avg_fn", None, f"{label}.multi_avg_fn")]
+    if kind == "ema-pytorch" and not raw_attr(obj, "coerce_dtype", False):
+        steps += [SetAttr(obj, "coerce_dtype", True, f"{label}.coerce_dtype")]
+        for attr in ("inplace_copy", "inplace_lerp"):
+            fn = raw_attr(obj, attr, None)
+            if isinstance(fn, functools.partial):  # its update functions bound coerce_dtype when it was built
+                steps.append(SetAttr(obj, attr, functools.partial(fn.func, *fn.args, **{**fn.keywords, "coerce_dtype": True}), f"{label}.{attr}"))
+    return steps
+
