@@ -158,7 +158,8 @@ def test_mpdoctor_after_a_crash_shows_the_mistake_once_as_the_cause(shell, capsy
     shell.run_cell("r = %mpdoctor --text", store_history=True)
     report = shell.user_ns["r"]
     # this shell ran earlier lessons too: the cell that raised is reported once
-    here = [f for f in report.findings if f.check == "amp-unscale-twice" and f"cell [{crash_cell}]" in f.subject]
+    here = [f for f in report.findings
+            if f.check == "amp-unscale-twice" and f"cell [{crash_cell}]" in (f.evidence.get("where") or f.subject)]
     assert len(here) == 1, [(f.check, f.subject) for f in report.findings]
     assert report.cause is not None and report.cause.check == "amp-unscale-twice" and report.findings[0] is report.cause
     assert "no problems found" not in report.to_text()

@@ -15,24 +15,35 @@ from ..treatment.rules import Applicability, Rule
 SLUG = "batch-dtype-mismatch"
 
 
-def keep_line(model: str, keys: list[str], batch_kind: str) -> str:
-    """The line of code that keeps the batch in the model's dtype."""
+def keep_line(model: str, keys: list[str], batch_kind: str, dtype: str = "", batch: str = "batch") -> str:
+    """The line of code that keeps the batch in the model's dtype (``torch.<dtype>`` when known: a plain
+    ``nn.Module`` has no ``.dtype``)."""
+    to = f"torch.{dtype}" if dtype else f"{model}.dtype"
     if batch_kind == "mapping":
-        return (f"batch = {{k: v.to({model}.dtype) if v.is_floating_point() else v for k, v in batch.items()}}"
+        name = batch if batch.isidentifier() else "batch"
+        return (f"{name} = {{k: v.to({to}) if v.is_floating_point() else v for k, v in {name}.items()}}"
                 "  # ids and bool masks keep their dtype")  # fmt: skip
     key = keys[0] if keys else "x"
     name = key if key.isidentifier() else "x"
-    return f"{name} = {name}.to({model}.dtype)  # before {model}({name})"
+    return f"{name} = {name}.to({to})  # before {model}({name})"
+
+
+def _hook_code(model: str, dtype: str) -> str:
+    """The input-casting pre-hook as code that runs where the user's objects are (the fix applies the same)."""
+    return (f"def cast_floating_inputs(module, args, kwargs):  # every call of {model}: floating inputs to {dtype}\n"
+            f"    cast = lambda v: v.to(torch.{dtype}) if torch.is_tensor(v) and v.is_floating_point() else v\n"
+            "    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}\n"
+            f"{model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)")  # fmt: skip
 
 
 def mismatch_fixes(
-    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str
+    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str, batch: str = "batch"
 ) -> list[Fix]:
-    line = keep_line(model, keys, batch_kind)
+    line = keep_line(model, keys, batch_kind, dtype, batch)
     fixes = [
         Fix(
             f"Cast {model}'s floating inputs to {dtype} at its forward (a pre-hook; ids and bool masks untouched)",
-            f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)", applicability=Applicability.SAFE,
+            _hook_code(model, dtype), applicability=Applicability.SAFE,
             changes=(CastInputsHook(model_ref, dtype, model),),
             recipe="cast-inputs-hook",
             cost="one cast per floating input per step",

@@ -95,8 +95,26 @@ def explain(
         scan=pattern.scan if scan is None else scan,
         ignore=ignore,
     )
+    report = _with_watched_loop(report, pattern, frames)
     report = mark_cause(report, pattern, link, frames, namespace=merged)
     return _batch_cause(report, pattern.slug, frames, merged, objects)
+
+
+def _with_watched_loop(report: Any, pattern: Any, frames: list) -> Any:
+    """A protocol error the loop watcher saw happen: its finding joins the report, so the cause is the mistake it
+    named (the same finding, slug and fix the cell or script showed), not the family's generic note."""
+    if getattr(pattern, "kind", "") != "protocol" or not pattern.checks:
+        return report
+    try:
+        from ..runtime.protocol import watched_findings
+        from .operands import loop_line
+
+        line = loop_line(frames)
+        seen = watched_findings(pattern.checks, line.place) if line is not None else []
+    except Exception:  # the family's own note stands
+        return report
+    held = {id(f) for f in report.findings}
+    return report.evolve(findings=(*report.findings, *(f for f in seen if id(f) not in held))) if seen else report
 
 
 def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> Any:
@@ -192,7 +210,9 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
         chosen = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
         cause = _name_the_raiser(chosen, raiser, report) if raiser else chosen
         if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
-            cause = dataclasses.replace(cause, evidence={**cause.evidence, **detail.evidence})
+            # ...without overwriting the finding's own line: it is what makes it the mistake the loop showed.
+            extra = {k: v for k, v in detail.evidence.items() if k not in cause.evidence}
+            cause = dataclasses.replace(cause, evidence={**cause.evidence, **extra})
         rest = [f for f in report.findings if f is not chosen]
     else:
         cause = _cause_note(pattern, summary, frames, detail)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..treatment.findings import Finding
+from ..treatment.merge import mistake_key
 from .loop_interpreter import LoopMistake, LoopReader, Names
 from .loop_rewrite import corrected_code
 from .loop_source import Source, source_of
@@ -20,7 +21,7 @@ _WHAT = {
     "amp-unscale-twice": "{code} runs again before {scaler}.update() (first {first_unscale})",
     "amp-update-missing": "{code} runs again with no {scaler}.update() since its step {previous_step}",
     "amp-update-per-microbatch": "{code} runs every micro-batch while {scaler}.step runs once per accumulated step "
-    "({guarded_step}); on a micro-batch without a step, update() asserts 'No inf checks were recorded prior to update.'",
+    "({guarded_step})",
     "amp-scheduler-on-skipped-steps": "{code} steps the schedule after every {scaler}.step ({scaler_step}), also on "
     "the steps the scaler skips; harmless while no step is skipped (an fp16 run skips its first few while the scale falls)",
 }
@@ -122,7 +123,13 @@ def read_sources(
         key = (mistake.slug, mistake.at.line, mistake.at.source.code)
         latest.pop(key, None)
         latest[key] = mistake
-    findings = [to_finding(mistake, scales) for mistake in latest.values()]
+    # One mistake is one finding (treatment.merge): the same line run again in a later cell is kept at its latest.
+    by_mistake: dict = {}
+    for finding in (to_finding(mistake, scales) for mistake in latest.values()):
+        key = mistake_key(finding) or id(finding)
+        by_mistake.pop(key, None)
+        by_mistake[key] = finding
+    findings = list(by_mistake.values())
     findings.sort(key=lambda f: f.rank)  # stable: in reading order within a severity
     return findings
 

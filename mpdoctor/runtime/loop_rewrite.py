@@ -8,14 +8,13 @@ A construct the rewriter does not know falls back to the rule's corrected templa
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .loop_interpreter import LoopMistake, is_clip
 from .loop_source import Source, parse, text_of
-from .rules import RULES
+from .rules import corrected_template
 
 
 @dataclass
@@ -118,22 +117,13 @@ def apply_edits(source: Source, edits: Sequence[Edit]) -> str:
     return "\n".join(x[cut:] if x.strip() else "" for x in out).rstrip() + "\n"
 
 
-def _template(slug: str, scaler: str, opt: str, sched: str = "") -> str:
-    """The rule's corrected code with the user's names (when their own lines cannot be rewritten)."""
-    code = RULES[slug].use_instead
-    code = re.sub(r"\bscaler\b", scaler or "scaler", code)
-    code = re.sub(r"\boptimizer\b", opt or "optimizer", code)
-    code = re.sub(r"\bscheduler\b", sched or "scheduler", code)
-    return code + "\n"
-
-
 def corrected_code(mistake: LoopMistake) -> str:
     """The user's own loop with the corrected lines (the rule's template with their names when that fails)."""
     try:
         code = _corrected(mistake)
     except Exception:  # a construct the rewriter does not know: the template still names their objects
         code = None
-    return code or _template(mistake.slug, mistake.scaler, mistake.optimizer, mistake.scheduler)
+    return code or corrected_template(mistake.slug, mistake.scaler, mistake.optimizer, mistake.scheduler)
 
 
 def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
