@@ -569,7 +569,7 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
     assert f"[amp-clip-before-unscale] at cell [{number}], line 3" in line and "details when the cell ends" in line
     out = captured.out
     assert f"watched: the AMP loop as it ran (cell [{number}]): GradScaler protocol" in out
-    assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(optimizer)" in out
+    assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(opt)" in out  # the corrected lines in the cell's names
     assert "inspected: nothing" not in out
     # In a widget frontend the same report is the widget: its header says what was watched.
     from mpdoctor.render.widget import ReportWidget

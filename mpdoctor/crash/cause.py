@@ -117,6 +117,13 @@ def _with_watched_loop(report: Any, pattern: Any, frames: list) -> Any:
     return report.evolve(findings=(*report.findings, *(f for f in seen if id(f) not in held))) if seen else report
 
 
+def _line_label(frame: Any) -> str:
+    """``cell [5], line 3`` / ``train.py:42`` for a frame (never IPython's ``<ipython-input-5-...>`` filename)."""
+    from ..facts.location import Location
+
+    return Location.at(frame.filename, frame.lineno).label
+
+
 def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> Any:
     """A dtype error raised by a layer fed a batch entry of another dtype: name the entry and the layer first.
     Returns the report with that cause, or ``report`` as it was."""
@@ -243,7 +250,7 @@ def _cause_note(pattern: Any, summary: str, frames: list, detail: Any) -> Any:
     except Exception:  # evidence is a bonus; the note stands without it
         tensors = []
     where = next((f for f in reversed(frames) if f.user), frames[-1] if frames else None)
-    subject = f"{where.function} ({where.filename}:{where.lineno})" if where is not None else summary.split(":")[0]
+    subject = f"{where.function} ({_line_label(where)})" if where is not None else summary.split(":")[0]
     evidence: dict[str, Any] = {"exception": summary, "pattern": pattern.slug}
     if tensors:
         evidence["tensors in the failing frames"] = [redact(t) for t in tensors]

@@ -6,7 +6,9 @@ user's own loop with the corrected lines (:mod:`mpdoctor.runtime.loop_rewrite`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import copy
+import re
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..treatment.findings import Finding
 from ..treatment.merge import mistake_key
@@ -27,7 +29,12 @@ _WHAT = {
 }
 
 
-def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) -> Finding:
+def to_finding(
+    mistake: LoopMistake,
+    scales: Mapping[str, float] | None = None,
+    others: Sequence[LoopMistake] = (),
+    names: Names | None = None,
+) -> Finding:
     """The :class:`Finding` for a mistake: the rule's slug and severity, the cell and line, the corrected lines.
 
     ``scales`` maps scaler names to the live scaler's scale (its ``init_scale`` before its first step), when the
@@ -48,8 +55,12 @@ def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) 
     )
     scale = (scales or {}).get(mistake.scaler or "")
     scale_text = f"{scale:g} now" if scale is not None else "65536 to start, by default"
-    message = f"{at}: {what}{latent}; {_WHY.get(mistake.slug, rule.why).format(scale=scale_text)}"
-    fixed = corrected_code(mistake)  # before the evidence: rewriting a clip names the optimizer it unscales
+    why = _WHY.get(mistake.slug, rule.why).format(scale=scale_text)
+    why = re.sub(r"\bscaler\b", mistake.scaler or "scaler", why)  # the rule's words, in the user's names
+    why = re.sub(r"\boptimizer\b", mistake.optimizer or "optimizer", why)
+    message = f"{at}: {what}{latent}; {why}"
+    fixed = corrected_code(mistake, others)  # before the evidence: rewriting a clip names the optimizer it unscales
+    fixed = settled(fixed, names) if names is not None else fixed
     evidence = {
         "cell": at.place,
         "line": at.line,
@@ -64,6 +75,45 @@ def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) 
     return Finding(
         check=mistake.slug, severity=severity, subject=at.label, message=message, evidence=evidence, fixes=[fix]
     )
+
+
+#: Rounds of reading a corrected loop again: each round fixes what the previous fixes left (an unscale_ put
+#: before a clip inside an accumulation loop must then move under the guard).
+SETTLE_ROUNDS = 3
+
+
+def settled(code: str, names: Names) -> str:
+    """``code`` (a corrected loop) read again and corrected until the reader finds no mistake in it.
+
+    Parameters
+    ----------
+    code : str
+        The corrected lines.
+    names : Names
+        What the code read before bound (the scaler, the optimizer): the corrected loop names them only.
+
+    Returns
+    -------
+    str
+        The loop with every mistake the reader knows fixed, or ``code`` when a round changes nothing.
+    """
+    for _ in range(SETTLE_ROUNDS):
+        source = source_of("<corrected>", code)
+        if source is None:
+            return code
+        reader = LoopReader(copy.deepcopy(names))
+        try:
+            reader.read(source)
+        except (RecursionError, MemoryError, ValueError, TypeError, AttributeError):  # as read_sources does
+            return code
+        mistakes = [m for m in reader.finish() if m.slug != "amp-scheduler-on-skipped-steps"]  # info: kept as written
+        if not mistakes:
+            return code
+        again = corrected_code(mistakes[0], mistakes)
+        if again == code:
+            return code
+        code = again
+    return code
 
 
 #: Measured on this CPU where it differs from the shared rule's text: a 0.1 clip on scaled gradients bites on
@@ -125,7 +175,8 @@ def read_sources(
         latest[key] = mistake
     # One mistake is one finding (treatment.merge): the same line run again in a later cell is kept at its latest.
     by_mistake: dict = {}
-    for finding in (to_finding(mistake, scales) for mistake in latest.values()):
+    mistakes = list(latest.values())  # each corrected loop also fixes the other mistakes of its loop
+    for finding in (to_finding(mistake, scales, mistakes, reader.names) for mistake in mistakes):
         key = mistake_key(finding) or id(finding)
         by_mistake.pop(key, None)
         by_mistake[key] = finding

@@ -299,7 +299,7 @@ class ProtocolObserver:
             if track.steps and not track.updates and not said:
                 self._report("amp-update-missing", track.name, None,
                              f"{track.name} stepped {track.steps} time(s) and update() was never called: the scale "
-                             "never adapts, and the next scaler.step() raises 'step() has already been called since "
+                             f"never adapts, and the next {track.name}.step() raises 'step() has already been called since "
                              "the last update()'.", {"steps": track.steps})  # fmt: skip
 
     def __enter__(self) -> ProtocolObserver:
@@ -422,7 +422,7 @@ class ProtocolObserver:
             self._report("amp-update-missing", track.name, where,
                          f"{track.name}.step({opt}) is called again with no {track.name}.update() since the last "
                          "step: GradScaler raises 'step() has already been called since the last update()'. Call "
-                         "scaler.update() once after every scaler.step().", {"optimizer": opt})  # fmt: skip
+                         f"{track.name}.update() once after every {track.name}.step().", {"optimizer": opt})  # fmt: skip
         self._check_clips(track, scaler, optimizer, where)
         if track.fresh and not track.checked_resume:
             track.checked_resume = True
@@ -479,7 +479,7 @@ class ProtocolObserver:
                              f"clip_grad_norm_ ran on {self._name(optimizer, 'optimizer')}'s gradients while they "
                              f"were still multiplied by the loss scale ({scale:g}): the scaled norm {shown}{real} was compared "
                              f"with max_norm, so in real units the threshold is max_norm / scale = {limit}: steps are "
-                             "clipped far below max_norm. Call scaler.unscale_(optimizer) before clipping.",
+                             f"clipped far below max_norm. Call {track.name}.unscale_({self._name(optimizer, 'optimizer')}) before clipping.",
                              {"optimizer": self._name(optimizer, "optimizer"), "scale": scale,
                               "max_norm": clip.max_norm, "scaled_total_norm": norm,
                               "step_line": getattr(_resolve(where), "label", None)})  # fmt: skip
@@ -678,7 +678,7 @@ def protocol_finding(slug: str, subject: str, where: Location | None, message: s
     # The corrected lines in the user's names: the scaler is the subject unless the finding is about another object.
     scaler = evidence.get("scaler") or (subject if slug not in _SUBJECT_NOT_SCALER else "")
     code = corrected_template(slug, scaler, evidence.get("optimizer") or "", subject if slug in _SCHEDULER else "")
-    fix = Fix(f"Corrected lines ({rule.title.lower()})", code, applicability=Applicability.DISPLAY_ONLY,
+    fix = Fix(f"Corrected lines ({slug})", code, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])
 

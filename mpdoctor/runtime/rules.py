@@ -149,6 +149,14 @@ RULES: dict[str, Rule] = {
 }
 
 
+def in_names(text: str, scaler: str = "", optimizer: str = "", scheduler: str = "") -> str:
+    """``text`` (a rule's title or corrected lines) with ``scaler`` / ``optimizer`` / ``scheduler`` replaced by the
+    names the user gave the objects (an empty name keeps the generic word)."""
+    names = {"scaler": scaler or "scaler", "optimizer": optimizer or "optimizer", "scheduler": scheduler or "scheduler"}
+    # One pass over the three names: a user's optimizer called ``scaler`` must not be renamed twice.
+    return re.sub(r"\b(scaler|optimizer|scheduler)\b", lambda m: names[m.group(1)], text)
+
+
 def corrected_template(slug: str, scaler: str = "", optimizer: str = "", scheduler: str = "") -> str:
     """The rule's corrected lines (``use_instead``) with the names the user holds the objects by.
 
@@ -164,8 +172,4 @@ def corrected_template(slug: str, scaler: str = "", optimizer: str = "", schedul
     str
         The code, ending with a newline.
     """
-    code = RULES[slug].use_instead
-    # One pass over the three names: a user's optimizer called ``scaler`` must not be renamed twice.
-    names = {"scaler": scaler or "scaler", "optimizer": optimizer or "optimizer", "scheduler": scheduler or "scheduler"}
-    code = re.sub(r"\b(scaler|optimizer|scheduler)\b", lambda m: names[m.group(1)], code)
-    return code + "\n"
+    return in_names(RULES[slug].use_instead, scaler, optimizer, scheduler) + "\n"
