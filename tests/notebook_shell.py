@@ -8,7 +8,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def loaded_shell(names: tuple[str, ...]) -> Iterator[object]:
-    """``InteractiveShell.instance()`` after ``%load_ext mpdoctor``; unloaded and ``names`` removed after."""
+    """``InteractiveShell.instance()`` after ``%load_ext mpdoctor``; unloaded, ``names`` removed and the history
+    reset after."""
     from IPython.core.interactiveshell import InteractiveShell
 
     sh = InteractiveShell.instance()
@@ -19,3 +20,4 @@ def loaded_shell(names: tuple[str, ...]) -> Iterator[object]:
         sh.run_line_magic("unload_ext", "mpdoctor")
         for name in names:
             sh.user_ns.pop(name, None)
+        sh.reset(new_session=True)  # the next test's history starts empty: these cells hold mistakes on purpose

@@ -20,7 +20,7 @@ from mpdoctor import compat
 from mpdoctor.facts.location import cell_number
 from mpdoctor.runtime import protocol as protocol_module
 from mpdoctor.runtime.protocol import ProtocolObserver
-from mpdoctor.runtime.rules import RULES
+from mpdoctor.runtime.rules import corrected_template
 from mpdoctor.training.runner import run_script
 
 HERE = Path(__file__)
@@ -123,7 +123,7 @@ def test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_i
     assert f.severity == "error" and f.evidence["where"] == line_of("# wrong: clipped while scaled")
     assert f.evidence["code"] == "clip_grad_norm_(model.parameters(), 1.0)  # wrong: clipped while scaled"
     assert "max_norm / scale = 0.000977" in f.message
-    assert f.fixes and f.fixes[0].code == RULES["amp-clip-before-unscale"].use_instead
+    assert f.fixes and f.fixes[0].code == corrected_template("amp-clip-before-unscale", "scaler", "optimizer")  # watch() names its arguments
     assert "amp-clip-before-unscale" in [x.check for x in w.report.findings]
     assert_trains(*make(), clip=1.0)
 
@@ -569,7 +569,7 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
     assert f"[amp-clip-before-unscale] at cell [{number}], line 3" in line and "details when the cell ends" in line
     out = captured.out
     assert f"watched: the AMP loop as it ran (cell [{number}]): GradScaler protocol" in out
-    assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(optimizer)" in out
+    assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(opt)" in out  # the corrected lines in the cell's names
     assert "inspected: nothing" not in out
     # In a widget frontend the same report is the widget: its header says what was watched.
     from mpdoctor.render.widget import ReportWidget
@@ -620,7 +620,10 @@ def test_mpdoctor_run_names_the_scripts_line(tmp_path, capsys):
     code = run_script(str(script), [])
     err = capsys.readouterr().err
     assert code == 1 and "No inf checks were recorded prior to update" in err  # the real error, from update()
-    assert "train.py:8" in err and "amp-step-bypasses-scaler" in err and "optimizer.step() is called directly" in err
+    assert "train.py:8" in err and "amp-step-bypasses-scaler" in err and "bypassing scaler.step" in err
+    # told once: read before the run, and the crash tied to it
+    assert "is the amp-step-bypasses-scaler mistake at train.py:8, shown above" in err
+    assert "optimizer.step() is called directly" not in err
     assert not protocol_module.installed()
 
 

@@ -11,6 +11,7 @@ import torch
 from setups import batch, tiny_llama, train_step
 
 import mpdoctor
+from mpdoctor.crash.cause import explain
 from mpdoctor.render.formatting import fix_kind
 
 
@@ -25,7 +26,7 @@ def _bf16_head32():
 def test_counts_of_one_take_the_singular_noun_and_verb():
     model, opt, report = _bf16_head32()
     (mixed,) = report.findings_for("mixed-param-dtypes")
-    assert "lm_head (Linear: float32) holds other dtypes" in mixed.message
+    assert "model.lm_head (Linear: float32) holds other dtypes" in mixed.message
     (rope,) = report.findings_for("half-precision-rope-buffers")
     assert rope.message.startswith("1 rotary embedding of model (LlamaRotaryEmbedding) holds inv_freq")
     words = " ".join([f.message for f in report.findings] + [fx.title for f in report.findings for fx in f.fixes])
@@ -135,3 +136,62 @@ def test_a_dtype_has_the_same_name_in_the_bars_and_in_the_legend():
     assert bars and set(bars) <= {"bf16", "fp32"}, bars
     text_rows = [line.split()[2] for line in report.to_text().split("\ndtypes\n")[1].split("\n\n")[0].splitlines()]
     assert set(text_rows) == {"bf16", "fp32"}, text_rows
+
+
+# -- the small faults of issue #32, each grepped in the code and tested here --------------------------------------------
+
+
+def test_a_module_of_a_sequential_is_named_under_its_models_name_not_by_a_bare_index():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    net[1].float()
+    (mixed,) = mpdoctor.diagnose(namespace={"net": net}).findings_for("mixed-param-dtypes")
+    assert "but net.1 (Linear: float32)" in mixed.message, mixed.message
+    assert "but 1 (" not in mixed.message
+
+
+def test_the_dtype_finding_quotes_the_message_torch_really_raised():
+    model, opt, report = _bf16_head32()  # lm_head has no bias: torch's mm wording, not addmm's
+    try:
+        train_step(model, opt, batch())
+    except RuntimeError as exc:
+        raised = str(exc).split(", but got")[0]
+    else:
+        raise AssertionError("the mixed model trained")
+    (mixed,) = report.findings_for("mixed-param-dtypes")
+    assert f"'{raised}" in mixed.message, (raised, mixed.message)
+
+
+def test_a_crash_reports_cause_heading_says_cause_once_in_every_renderer():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    try:
+        net(torch.randn(2, 4))
+    except RuntimeError as exc:
+        report = explain(exc, exc.__traceback__, namespace={"net": net})
+    assert report is not None and report.cause is not None
+    html = re.sub(r"<[^>]+>", " ", report.to_html())
+    for text in (report.to_text(), html, report.to_markdown()):
+        assert not re.search(r"\bcause\s+cause\b", text), text[:400]
+
+
+def test_a_tensor_batch_in_the_wrong_dtype_is_named_with_its_dtype_in_the_evidence():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.bfloat16)
+    x = torch.randn(2, 4)
+    try:
+        net(x)
+    except RuntimeError as exc:
+        report = explain(exc, exc.__traceback__, namespace={"net": net, "x": x})
+    (found,) = report.findings_for("batch-dtype-mismatch")
+    assert found.evidence["inputs"] == {"x": "float32"}, found.evidence
+    assert "?" not in report.to_text().split("evidence:", 1)[1].split("\n")[0]
+
+
+def test_run_usage_and_help_name_the_scripts_arguments_the_same_way(capsys):
+    from mpdoctor.cli import main
+
+    try:
+        main(["run", "-h"])
+    except SystemExit:
+        pass
+    out = capsys.readouterr().out
+    assert "script [args ...]" in out and re.search(r"^\s+args\s+the script's own arguments", out, flags=re.M)
+    assert "script_args" not in out

@@ -15,14 +15,34 @@ from ..treatment.rules import Applicability, Rule
 SLUG = "batch-dtype-mismatch"
 
 
-def keep_line(model: str, keys: list[str], batch_kind: str) -> str:
-    """The line of code that keeps the batch in the model's dtype."""
+def keep_line(model: str, keys: list[str], batch_kind: str, dtype: str = "", batch: str = "batch") -> str:
+    """The line of code that keeps the batch in the model's dtype (``torch.<dtype>`` when known: a plain
+    ``nn.Module`` has no ``.dtype``)."""
+    to = f"torch.{dtype}" if dtype else f"{model}.dtype"
     if batch_kind == "mapping":
-        return (f"batch = {{k: v.to({model}.dtype) if v.is_floating_point() else v for k, v in batch.items()}}"
+        name = batch if batch.isidentifier() else "batch"
+        return (f"{name} = {{k: v.to({to}) if v.is_floating_point() else v for k, v in {name}.items()}}"
                 "  # ids and bool masks keep their dtype")  # fmt: skip
     key = keys[0] if keys else "x"
     name = key if key.isidentifier() else "x"
-    return f"{name} = {name}.to({model}.dtype)  # before {model}({name})"
+    return f"{name} = {name}.to({to})  # before {model}({name})"
+
+
+def _hook_code(model: str, dtype: str) -> str:
+    """The input-casting pre-hook as code that runs where the user's objects are (the fix applies the same)."""
+    return (f"def cast_floating_inputs(module, args, kwargs):  # every call of {model}: floating inputs to {dtype}\n"
+            f"    cast = lambda v: v.to(torch.{dtype}) if torch.is_tensor(v) and v.is_floating_point() else v\n"
+            "    return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}\n"
+            f"{model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)")  # fmt: skip
+
+
+def _entry_code(model: str, path: str, method: str) -> str:
+    """The runnable line that casts at one more entry: a submodule's forward gets the pre-hook, a method a wrapper."""
+    owner = ".".join(x for x in (model, path) if x)
+    if method in ("forward", "__call__"):
+        return "" if owner == model else f"\n{owner}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)"
+    return (f"\n{owner}.{method} = (lambda call: lambda *args, **kwargs: call(*cast_floating_inputs(None, args, kwargs)[0], "
+            f"**cast_floating_inputs(None, args, kwargs)[1]))({owner}.{method})  # {owner}.{method} casts its inputs too")
 
 
 def _entry_names(model: str, entries: tuple[tuple[str, str], ...]) -> list[str]:
@@ -36,14 +56,12 @@ def _entry_names(model: str, entries: tuple[tuple[str, str], ...]) -> list[str]:
     return names
 
 
-def input_cast_fix(model: str, model_ref: int, dtype: str, line: str,
+def input_cast_fix(model: str, model_ref: int, dtype: str,
                    entries: tuple[tuple[str, str], ...] = ()) -> Fix:  # fmt: skip
     """The in-place input cast of ``model``: at its forward and at every entry the user calls (``entries``)."""
     names = _entry_names(model, entries)
     at = f"at {', '.join(names)} and its forward" if names else "at its forward"
-    code = f"{line}\n# in place now: {model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)"
-    for name in names:
-        code += f"\n# and {name}: its floating arguments cast to {dtype} before each call"
+    code = _hook_code(model, dtype) + "".join(_entry_code(model, path, method) for path, method in entries)
     return Fix(
         f"Cast {model}'s floating inputs to {dtype} {at} (ids and bool masks untouched)",
         code, applicability=Applicability.SAFE,
@@ -54,12 +72,12 @@ def input_cast_fix(model: str, model_ref: int, dtype: str, line: str,
 
 
 def mismatch_fixes(
-    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str,
+    model: str, model_ref: int, batch_ref: int, keys: list[str], dtype: str, batch_kind: str, batch: str = "batch",
     entries: tuple[tuple[str, str], ...] = (),
 ) -> list[Fix]:
     """The fixes of a batch entry in the wrong dtype: the input cast at the model's entries, the batch cast in place."""
-    line = keep_line(model, keys, batch_kind)
-    fixes = [input_cast_fix(model, model_ref, dtype, line, entries)]
+    line = keep_line(model, keys, batch_kind, dtype, batch)
+    fixes = [input_cast_fix(model, model_ref, dtype, entries)]
     if batch_ref:
         fixes.append(
             Fix(

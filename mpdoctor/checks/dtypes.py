@@ -156,8 +156,12 @@ def autocast_cover(facts: Facts, m: ModelFacts) -> str | None:
     return None
 
 
-def _describe(units: list[Unit], limit: int = 3) -> str:
-    parts = [f"{u.module.path or '<root>'} ({_name(u.module.class_path)}: {'/'.join(sorted(u.module.dtypes))})" for u in units[:limit]]
+def _describe(units: list[Unit], limit: int = 3, owner: str = "") -> str:
+    # Module paths under the model's own name (``net.1``, not a bare ``1`` of a Sequential).
+    def named(path: str) -> str:
+        return f"{owner}.{path}" if owner and path else path or owner or "<root>"
+
+    parts = [f"{named(u.module.path)} ({_name(u.module.class_path)}: {'/'.join(sorted(u.module.dtypes))})" for u in units[:limit]]
     more = f" and {len(units) - limit} more" if len(units) > limit else ""
     return ", ".join(parts) + more
 
@@ -328,16 +332,20 @@ def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -
     compute = [u for u in offenders if u.role != "norm"]
     if compute:
         return Severity.ERROR, (
-            f"{model} computes in {dtype} but {_describe(compute)} {_hold(compute)} other "
+            f"{model} computes in {dtype} but {_describe(compute, owner=model)} {_hold(compute)} other "
             "dtypes and nothing autocasts: the first matmul that meets both raises "
-            "'mat1 and mat2 must have the same dtype' (if your loop runs the forward under torch.autocast, "
-            "diagnose inside it)."
+            f"{_MISMATCH}; if your loop runs the forward under torch.autocast, diagnose inside it."
         )
     return Severity.WARNING, (
-        f"{model} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders)} {_hold(offenders)} wider weights and nothing "
+        f"{model} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders, owner=model)} {_hold(offenders)} wider weights and nothing "
         f"autocasts: a norm that multiplies by its weight last (Llama's RMSNorm) returns the wider dtype, "
-        f"and the next {dtype} matmul raises 'mat1 and mat2 must have the same dtype'."
+        f"and the next {dtype} matmul raises {_MISMATCH}."
     )
+
+
+#: torch's two wordings of one dtype clash in a Linear (measured on torch 2.13): addmm's when it has a bias, mm's not.
+_MISMATCH = ("'mat1 and mat2 must have the same dtype' (a Linear with a bias; without one, 'expected m1 and m2 to "
+             "have the same dtype')")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]
 
     What it does
         An enabled ``GradScaler`` at a fresh constructor's state (scale 2^16, growth tracker 0, nothing
-        loaded) beside an optimizer whose state says it has already taken N > 0 steps (its
+        loaded, no loss scaled yet) beside an optimizer whose state says it has already taken N > 0 steps (its
         ``load_state_dict`` ran, the scaler's did not).
     Why is this bad?
         The scale restarts at 65536 instead of the value the run had settled at: every step whose scaled
@@ -273,7 +273,8 @@ def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]
     if not resumed:
         return
     for sc in facts.scalers:
-        if not sc.enabled or not sc.fresh:
+        # A scaler that has scaled a loss in this run (its scale is set) started here: it was not resumed.
+        if not sc.enabled or not sc.fresh or sc.scale is not None:
             continue
         opt = max(resumed, key=lambda o: o.state_steps)
         yield rule.finding(

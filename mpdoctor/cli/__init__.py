@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--scan", action="store_true", help="also scan tensor values (NaN/Inf, fp16 range) in the crash report")
     run.add_argument("--probe-on-nan", action="store_true", help="probe the batch of the first non-finite loss")
     run.add_argument("script", help="the Python script, run as __main__")
-    run.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments, passed untouched")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, metavar="args",
+                     help="the script's own arguments, passed untouched")
     args = parser.parse_args(argv)
     if args.command == "run":
         from ..training.runner import run_script

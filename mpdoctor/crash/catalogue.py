@@ -755,11 +755,14 @@ FAMILIES: tuple[Family, ...] = (
         messages=(r"No inf checks were recorded prior to update",),
         examples=(_raised("No inf checks were recorded prior to update.", "torch 2.13: GradScaler.update"),),
         versions="torch 1.6-2.13",
-        cause="scaler.update() ran with no scaler.step (or unscale_) since the last update: update() called per "
-        "micro-batch, or twice per step.",
-        fix="Call update() once per real step, after scaler.step.",
+        cause="scaler.update() ran with no scaler.step(optimizer) since the last update: the step is missing "
+        "(never called, or optimizer.step() called directly instead), or update() runs on micro-batches that take "
+        "no step.",
+        fix="Call scaler.step(optimizer) before every scaler.update(), once per real step.",
         protocol_rule="update() once per real step, after step(optimizer)",
         code="{scaler}.step({optimizer})\n{scaler}.update()  # once per real step",
+        # the watcher's finding of the loop, when it saw it: which of the three the loop did
+        checks=("amp-step-missing", "amp-step-bypasses-scaler", "amp-update-per-microbatch"),
     ),
     Family(
         slug="amp-closure",

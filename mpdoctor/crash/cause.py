@@ -95,8 +95,33 @@ def explain(
         scan=pattern.scan if scan is None else scan,
         ignore=ignore,
     )
+    report = _with_watched_loop(report, pattern, frames)
     report = mark_cause(report, pattern, link, frames, namespace=merged)
     return _batch_cause(report, pattern.slug, frames, merged, objects)
+
+
+def _with_watched_loop(report: Any, pattern: Any, frames: list) -> Any:
+    """A protocol error the loop watcher saw happen: its finding joins the report, so the cause is the mistake it
+    named (the same finding, slug and fix the cell or script showed), not the family's generic note."""
+    if getattr(pattern, "kind", "") != "protocol" or not pattern.checks:
+        return report
+    try:
+        from ..runtime.protocol import watched_findings
+        from .operands import loop_line
+
+        line = loop_line(frames)
+        seen = watched_findings(pattern.checks, line.place) if line is not None else []
+    except Exception:  # the family's own note stands
+        return report
+    held = {id(f) for f in report.findings}
+    return report.evolve(findings=(*report.findings, *(f for f in seen if id(f) not in held))) if seen else report
+
+
+def _line_label(frame: Any) -> str:
+    """``cell [5], line 3`` / ``train.py:42`` for a frame (never IPython's ``<ipython-input-5-...>`` filename)."""
+    from ..facts.location import Location
+
+    return Location.at(frame.filename, frame.lineno).label
 
 
 def _batch_cause(report: Any, slug: str, frames: list, namespace: Mapping[str, Any], objects: tuple) -> Any:
@@ -168,8 +193,7 @@ def _at_entry_points(finding: Any, frames: list, live: Any) -> list:
         if not entries or spec.covers(*entries[0]):
             out.append(fx)
             continue
-        keep = finding.evidence.get("keep", "") if isinstance(finding.evidence, dict) else ""
-        out.append(input_cast_fix(spec.label, spec.ref, spec.dtype, keep, entries).bind(live))
+        out.append(input_cast_fix(spec.label, spec.ref, spec.dtype, entries).bind(live))
     return out
 
 
@@ -246,7 +270,9 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
         chosen = min(candidates, key=lambda f: (rank[f.check], not _concerns(f, raiser), f.rank))
         cause = _name_the_raiser(chosen, raiser, report) if raiser else chosen
         if detail is not None:  # the check's finding explains it; the failing op's tensors go beside it
-            cause = dataclasses.replace(cause, evidence={**cause.evidence, **detail.evidence})
+            # ...without overwriting the finding's own line: it is what makes it the mistake the loop showed.
+            extra = {k: v for k, v in detail.evidence.items() if k not in cause.evidence}
+            cause = dataclasses.replace(cause, evidence={**cause.evidence, **extra})
         rest = [f for f in report.findings if f is not chosen]
     else:
         cause = _cause_note(pattern, summary, frames, detail, getattr(report, "live", None))
@@ -277,7 +303,7 @@ def _cause_note(pattern: Any, summary: str, frames: list, detail: Any, live: Any
     except Exception:  # evidence is a bonus; the note stands without it
         tensors = []
     where = next((f for f in reversed(frames) if f.user), frames[-1] if frames else None)
-    subject = f"{where.function} ({where.filename}:{where.lineno})" if where is not None else summary.split(":")[0]
+    subject = f"{where.function} ({_line_label(where)})" if where is not None else summary.split(":")[0]
     evidence: dict[str, Any] = {"exception": summary, "pattern": pattern.slug}
     if tensors:
         evidence["tensors in the failing frames"] = [redact(t) for t in tensors]

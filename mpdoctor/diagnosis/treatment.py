@@ -69,7 +69,7 @@ class Treatment:
         if fix.applied:
             return fix
         fix.check_applicable(confirm)
-        if fix.changes:
+        if fix.changes and not fix.bound_where_seen:
             current = self.current(fix)
             if current is None:
                 return fix  # no longer needed: current() set fix.note

@@ -145,12 +145,21 @@ def _proof_view(report: Any) -> dict | None:
                        "train_step runs your step before and after each fix.", "verified": False, "dropped": []}
 
 
-def _why(slug: str) -> str:
-    """The rule's "Why is this bad?", for findings of every kind: checks, runtime rules, crash families."""
+def _why(finding: Any) -> str:
+    """The rule's "Why is this bad?", for findings of every kind: checks, runtime rules, crash families; the
+    GradScaler and the optimizer called by the names the finding's evidence gives them."""
+    import re
+
     from ..treatment.rules import rule_for
 
-    rule = rule_for(slug)
-    return rst_to_plain(rule.why) if rule is not None else ""
+    rule = rule_for(finding.check)
+    if rule is None:
+        return ""
+    why = rst_to_plain(rule.why)
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    names = {k: evidence[k] for k in ("scaler", "optimizer") if isinstance(evidence.get(k), str) and evidence[k]}
+    # One pass: a user's optimizer called ``scaler`` is not renamed twice.
+    return re.sub(r"\b(scaler|optimizer)\b", lambda m: names.get(m.group(1), m.group(1)), why) if names else why
 
 
 def report_dict(report: Any) -> dict:
@@ -170,7 +179,7 @@ def report_dict(report: Any) -> dict:
         "watched": report.watched,
         # The plan checked on the user's step, or why it was not.
         "proof": _proof_view(report),
-        "findings": [dict(f.to_dict(), why=_why(f.check)) for f in report.findings],
+        "findings": [dict(f.to_dict(), why=_why(f)) for f in report.findings],
         "histogram": [_jsonable(r._asdict()) for r in facts.tallies],
         "precision": precision_view(facts),
         "caches": cache_view(facts),

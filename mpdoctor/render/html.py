@@ -411,7 +411,9 @@ def section(title: str, body: str) -> str:
 
 def cause_html(label: str) -> str:
     """The heading above the finding that explains an exception (``cause of RuntimeError: ...``)."""
-    return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;margin:6px 0 0'>{pill('cause', COLORS['error'])} {e(label)}</div>"
+    # The pill says "cause": the label's own "cause of " would read "cause cause of RuntimeError".
+    shown = label[len("cause of "):] if label.startswith("cause of ") else label
+    return f"<div class='mpdoctor-cause' style='{FONT};font-weight:bold;margin:6px 0 0'>{pill('cause of', COLORS['error'])} {e(shown)}</div>"
 
 
 def also_found_html(findings: list[dict]) -> str:

@@ -140,6 +140,37 @@ def _finding_key(finding: Any) -> tuple[str, str]:
     return (finding.check, finding.subject)
 
 
+def _code_only(finding: Any) -> bool:
+    """A finding whose every fix is code to write (a loop mistake): re-diagnosing the objects cannot see it go."""
+    return bool(finding.fixes) and all(fx.applicability.value == "display-only" for fx in finding.fixes)
+
+
+def carried_over(before: Any, fresh: Any) -> tuple[Any, str]:
+    """``fresh`` (a re-diagnosis of ``before``'s objects) with ``before``'s findings that only code can fix kept,
+    and a sentence saying why each other finding of ``before`` left: fixed, or superseded by another fix.
+
+    The watcher's, the cell reader's and the crash's loop findings are not in a diagnosis of the objects at rest:
+    without this they vanished from the header after "Apply all safe fixes", unfixed.
+    """
+    now = {_finding_key(f) for f in fresh.findings}
+    gone = [f for f in before.findings if _finding_key(f) not in now]
+    kept = [f for f in gone if _code_only(f)]
+    fixed = [f for f in gone if f not in kept and any(fx.applied for fx in f.fixes)]
+    superseded = [f for f in gone if f not in kept and f not in fixed]
+    if kept:
+        fresh = fresh.evolve(findings=sorted([*fresh.findings, *kept], key=lambda f: f.rank))
+
+    def listed(found: list) -> str:
+        return ", ".join(f"{f.check} on {f.subject}" for f in found)
+
+    left = [f"{label}: {listed(found)}" for label, found in (("fixed", fixed), ("superseded by another fix", superseded))
+            if found]  # fmt: skip
+    sentences = [f"Left the report: {'; '.join(left)}"] if left else []
+    if kept:
+        sentences.append(f"Only fixable in code, still shown with the code: {listed(kept)}")
+    return fresh, "".join(f". {sentence}" for sentence in sentences)
+
+
 def _fix_key(finding: Any, fix: Any) -> tuple[str, str, str]:
     return (finding.check, finding.subject, fix.title)
 
@@ -442,12 +473,12 @@ class ReportWidget:
         whether the fresh diagnosis still reports it.
         """
         try:
-            fresh = self.report.refresh()
+            fresh, departures = carried_over(self.report, self.report.refresh())
         except Exception as exc:  # the widget must stay usable whatever the objects do
             self.status = f"{action}; re-diagnosis failed: {type(exc).__name__}: {exc}"
         else:
             self.report = fresh
-            self.status = action
+            self.status = action + departures
             if watch is not None and any(_finding_key(f) == watch for f in fresh.findings):
                 self.status += ": the finding is still reported, so the fix did not take"
         self._armed.clear()  # a confirmation belongs to the report it was given on

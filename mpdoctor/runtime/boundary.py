@@ -215,7 +215,7 @@ def crash_finding(
     msg = msg.replace(
         " The forward ran only because it converts it; a GPU kernel or another layer may not.", ""
     )
-    fixes = mismatch_fixes(model_name, model_ref, batch_ref, keys, layer_dtype, kind)
+    fixes = mismatch_fixes(model_name, model_ref, batch_ref, keys, layer_dtype, kind, name)
     for fx in fixes:
         fx.bind(live)
     return Finding(
@@ -224,12 +224,12 @@ def crash_finding(
         where,
         msg + " That is what raised this error.",
         {
-            "inputs": {k: dtype_of.get(k, "?") for k in keys},
+            "inputs": {b.key: b.dtype for b in bad},  # a tensor batch's one entry is named by its variable
             "batch": name,
             "layer": path,
             "layer_class": type(layer).__name__,
             "layer_dtype": layer_dtype,
-            "keep": keep_line(model_name, keys, kind),
+            "keep": keep_line(model_name, keys, kind, layer_dtype, name),
         },
         fixes,
     )

@@ -6,9 +6,12 @@ user's own loop with the corrected lines (:mod:`mpdoctor.runtime.loop_rewrite`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import copy
+import re
+from collections.abc import Iterable, Mapping, Sequence
 
 from ..treatment.findings import Finding
+from ..treatment.merge import mistake_key
 from .loop_interpreter import LoopMistake, LoopReader, Names
 from .loop_rewrite import corrected_code
 from .loop_source import Source, source_of
@@ -20,13 +23,18 @@ _WHAT = {
     "amp-unscale-twice": "{code} runs again before {scaler}.update() (first {first_unscale})",
     "amp-update-missing": "{code} runs again with no {scaler}.update() since its step {previous_step}",
     "amp-update-per-microbatch": "{code} runs every micro-batch while {scaler}.step runs once per accumulated step "
-    "({guarded_step}); on a micro-batch without a step, update() asserts 'No inf checks were recorded prior to update.'",
+    "({guarded_step})",
     "amp-scheduler-on-skipped-steps": "{code} steps the schedule after every {scaler}.step ({scaler_step}), also on "
     "the steps the scaler skips; harmless while no step is skipped (an fp16 run skips its first few while the scale falls)",
 }
 
 
-def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) -> Finding:
+def to_finding(
+    mistake: LoopMistake,
+    scales: Mapping[str, float] | None = None,
+    others: Sequence[LoopMistake] = (),
+    names: Names | None = None,
+) -> Finding:
     """The :class:`Finding` for a mistake: the rule's slug and severity, the cell and line, the corrected lines.
 
     ``scales`` maps scaler names to the live scaler's scale (its ``init_scale`` before its first step), when the
@@ -47,8 +55,12 @@ def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) 
     )
     scale = (scales or {}).get(mistake.scaler or "")
     scale_text = f"{scale:g} now" if scale is not None else "65536 to start, by default"
-    message = f"{at}: {what}{latent}; {_WHY.get(mistake.slug, rule.why).format(scale=scale_text)}"
-    fixed = corrected_code(mistake)  # before the evidence: rewriting a clip names the optimizer it unscales
+    why = _WHY.get(mistake.slug, rule.why).format(scale=scale_text)
+    why = re.sub(r"\bscaler\b", mistake.scaler or "scaler", why)  # the rule's words, in the user's names
+    why = re.sub(r"\boptimizer\b", mistake.optimizer or "optimizer", why)
+    message = f"{at}: {what}{latent}; {why}"
+    fixed = corrected_code(mistake, others)  # before the evidence: rewriting a clip names the optimizer it unscales
+    fixed = settled(fixed, names) if names is not None else fixed
     evidence = {
         "cell": at.place,
         "line": at.line,
@@ -63,6 +75,45 @@ def to_finding(mistake: LoopMistake, scales: Mapping[str, float] | None = None) 
     return Finding(
         check=mistake.slug, severity=severity, subject=at.label, message=message, evidence=evidence, fixes=[fix]
     )
+
+
+#: Rounds of reading a corrected loop again: each round fixes what the previous fixes left (an unscale_ put
+#: before a clip inside an accumulation loop must then move under the guard).
+SETTLE_ROUNDS = 3
+
+
+def settled(code: str, names: Names) -> str:
+    """``code`` (a corrected loop) read again and corrected until the reader finds no mistake in it.
+
+    Parameters
+    ----------
+    code : str
+        The corrected lines.
+    names : Names
+        What the code read before bound (the scaler, the optimizer): the corrected loop names them only.
+
+    Returns
+    -------
+    str
+        The loop with every mistake the reader knows fixed, or ``code`` when a round changes nothing.
+    """
+    for _ in range(SETTLE_ROUNDS):
+        source = source_of("<corrected>", code)
+        if source is None:
+            return code
+        reader = LoopReader(copy.deepcopy(names))
+        try:
+            reader.read(source)
+        except (RecursionError, MemoryError, ValueError, TypeError, AttributeError):  # as read_sources does
+            return code
+        mistakes = [m for m in reader.finish() if m.slug != "amp-scheduler-on-skipped-steps"]  # info: kept as written
+        if not mistakes:
+            return code
+        again = corrected_code(mistakes[0], mistakes)
+        if again == code:
+            return code
+        code = again
+    return code
 
 
 #: Measured on this CPU where it differs from the shared rule's text: a 0.1 clip on scaled gradients bites on
@@ -122,7 +173,14 @@ def read_sources(
         key = (mistake.slug, mistake.at.line, mistake.at.source.code)
         latest.pop(key, None)
         latest[key] = mistake
-    findings = [to_finding(mistake, scales) for mistake in latest.values()]
+    # One mistake is one finding (treatment.merge): the same line run again in a later cell is kept at its latest.
+    by_mistake: dict = {}
+    mistakes = list(latest.values())  # each corrected loop also fixes the other mistakes of its loop
+    for finding in (to_finding(mistake, scales, mistakes, reader.names) for mistake in mistakes):
+        key = mistake_key(finding) or id(finding)
+        by_mistake.pop(key, None)
+        by_mistake[key] = finding
+    findings = list(by_mistake.values())
     findings.sort(key=lambda f: f.rank)  # stable: in reading order within a severity
     return findings
 

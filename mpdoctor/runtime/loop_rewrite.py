@@ -8,14 +8,15 @@ A construct the rewriter does not know falls back to the rule's corrected templa
 from __future__ import annotations
 
 import ast
-import re
+import io
+import tokenize
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .loop_interpreter import LoopMistake, is_clip
 from .loop_source import Source, parse, text_of
-from .rules import RULES
+from .rules import corrected_template
 
 
 @dataclass
@@ -85,9 +86,13 @@ def _window(source: Source, stmts: Sequence[ast.stmt]) -> tuple[int, int]:
     return min(s.lineno for s in tops), max(_end(s) for s in tops)
 
 
-def apply_edits(source: Source, edits: Sequence[Edit]) -> str:
-    """The corrected lines: the window of ``source`` holding the edits, with the edits made, dedented."""
-    lines = source.lines
+def apply_edits(source: Source, edits: Sequence[Edit], stale: Sequence[ast.stmt] = ()) -> str:
+    """The corrected lines: the window of ``source`` holding the edits, with the edits made, dedented; the
+    statements ``stale`` (the mistaken lines a fix keeps) lose their trailing comments."""
+    lines = list(source.lines)
+    for stmt in stale:
+        for n in range(stmt.lineno, _end(stmt) + 1):
+            lines[n - 1] = _without_comment(lines[n - 1])
     lo, hi = _window(source, [e.stmt for e in edits])
     before: dict[int, list[str]] = {}
     after: dict[int, list[str]] = {}
@@ -118,22 +123,18 @@ def apply_edits(source: Source, edits: Sequence[Edit]) -> str:
     return "\n".join(x[cut:] if x.strip() else "" for x in out).rstrip() + "\n"
 
 
-def _template(slug: str, scaler: str, opt: str, sched: str = "") -> str:
-    """The rule's corrected code with the user's names (when their own lines cannot be rewritten)."""
-    code = RULES[slug].use_instead
-    code = re.sub(r"\bscaler\b", scaler or "scaler", code)
-    code = re.sub(r"\boptimizer\b", opt or "optimizer", code)
-    code = re.sub(r"\bscheduler\b", sched or "scheduler", code)
-    return code + "\n"
+def corrected_code(mistake: LoopMistake, others: Sequence[LoopMistake] = ()) -> str:
+    """The user's own loop with the corrected lines (the rule's template with their names when that fails).
 
-
-def corrected_code(mistake: LoopMistake) -> str:
-    """The user's own loop with the corrected lines (the rule's template with their names when that fails)."""
+    ``others`` are the other mistakes read in the same code: those in the same window are corrected too, so the
+    loop shown fixes every known mistake at once (it never still clips before ``unscale_``). The lines a fix
+    keeps lose the user's comment about the mistake (``# mistake: ...``).
+    """
     try:
-        code = _corrected(mistake)
+        code = _corrected(mistake, others)
     except Exception:  # a construct the rewriter does not know: the template still names their objects
         code = None
-    return code or _template(mistake.slug, mistake.scaler, mistake.optimizer, mistake.scheduler)
+    return code or corrected_template(mistake.slug, mistake.scaler, mistake.optimizer, mistake.scheduler)
 
 
 def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
@@ -147,8 +148,7 @@ def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
     ]
 
 
-def _corrected(mistake: LoopMistake) -> str | None:
-    """The corrected window of the mistake's source, or None when its lines cannot be rewritten."""
+def _edits_of(mistake: LoopMistake) -> list[Edit] | None:
     stmt = _statement_of(mistake.at.source, mistake.at.node)
     rewrite = _REWRITES.get(mistake.slug)
     if stmt is None or rewrite is None:
@@ -156,31 +156,73 @@ def _corrected(mistake: LoopMistake) -> str | None:
     return rewrite(mistake, stmt)
 
 
-def _unscale_before_clip(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
+def _corrected(mistake: LoopMistake, others: Sequence[LoopMistake] = ()) -> str | None:
+    """The corrected window of the mistake's source, or None when its lines cannot be rewritten."""
+    edits = _edits_of(mistake)
+    if not edits:
+        return None
+    source = mistake.at.source
+    window = _window(source, [e.stmt for e in edits])
+    stale = {_statement_of(source, mistake.at.node)}
+    for other in others:
+        if other is mistake or other.at.source is not source or other.slug == mistake.slug:
+            continue
+        try:
+            more = _edits_of(other)
+        except Exception:  # that mistake keeps its own finding's corrected lines
+            more = None
+        if not more or not _inside(_window(source, [e.stmt for e in more]), window) or _clash(edits, more):
+            continue
+        edits = [*edits, *more]
+        stale.add(_statement_of(source, other.at.node))
+    return apply_edits(source, edits, stale=[s for s in stale if s is not None])
+
+
+def _inside(inner: tuple[int, int], outer: tuple[int, int]) -> bool:
+    return outer[0] <= inner[0] and inner[1] <= outer[1]
+
+
+def _clash(edits: Sequence[Edit], more: Sequence[Edit]) -> bool:
+    """Two fixes that touch the same statement (one moves or deletes what the other edits) are not combined."""
+    touched = {id(e.stmt) for e in edits if e.kind in ("delete", "replace")}
+    touched_more = {id(e.stmt) for e in more if e.kind in ("delete", "replace")}
+    return bool(touched & {id(e.stmt) for e in more}) or bool(touched_more & {id(e.stmt) for e in edits})
+
+
+def _unscale_before_clip(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s = mistake.at.source, mistake.at.node, mistake.scaler
     if not mistake.optimizer:  # the optimizer the scaler steps next names the unscale_
         steps = [c for c in _find_calls(source, s, "step") if c.args and c.lineno > node.lineno]
-        mistake.optimizer = text_of(steps[0].args[0]) if steps else ""
+        mistake.optimizer = text_of(steps[0].args[0]) if steps else _stepped_directly(source, node.lineno)
     if not mistake.optimizer:
         return None
     line = f"{_indent(source, stmt)}{s}.unscale_({mistake.optimizer})  # unscale first: clip the true gradients"
-    return apply_edits(source, [Edit("before", stmt, line)])
+    return [Edit("before", stmt, line)]
 
 
-def _step_through_scaler(mistake: LoopMistake, stmt: ast.stmt) -> str:
+def _stepped_directly(source: Source, after: int) -> str:
+    """The receiver of the first bare ``<optimizer>.step()`` after line ``after`` (a loop that bypasses the
+    scaler), else ``""``."""
+    calls = [n for n in ast.walk(source.tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "step" and not n.args and not n.keywords and n.lineno > after]  # fmt: skip
+    calls.sort(key=lambda c: (c.lineno, c.col_offset))
+    return text_of(calls[0].func.value) if calls else ""
+
+
+def _step_through_scaler(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s = mistake.at.source, mistake.at.node, mistake.scaler
     edits = [Edit("replace", stmt, f"{s}.step({mistake.optimizer})", node=node)]
     if not [c for c in _find_calls(source, s, "update") if c.lineno > node.lineno]:
         edits.append(Edit("after", stmt, f"{_indent(source, stmt)}{s}.update()"))
-    return apply_edits(source, edits)
+    return edits
 
 
-def _update_after_step(mistake: LoopMistake, stmt: ast.stmt) -> str:
+def _update_after_step(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source = mistake.at.source
-    return apply_edits(source, [Edit("after", stmt, f"{_indent(source, stmt)}{mistake.scaler}.update()  # once per real step")])
+    return [Edit("after", stmt, f"{_indent(source, stmt)}{mistake.scaler}.update()  # once per real step")]
 
 
-def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
+def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s, opt = mistake.at.source, mistake.at.node, mistake.scaler, mistake.optimizer
     steps = [c for c in _find_calls(source, s, "step") if text_of(c.args[0]) == opt] if opt else []
     target = next((c for c in steps if c.lineno > node.lineno), steps[0] if steps else None)
@@ -192,8 +234,8 @@ def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
         return None
     new_indent = _indent(source, target_stmt)
     lines = [line for m in moved for line in _reindent(source, m, new_indent)]
-    lines[0] += "  # once per real step, after the last micro-batch"
-    return apply_edits(source, [Edit("delete", m) for m in moved] + [Edit("before", target_stmt, "\n".join(lines))])
+    lines[0] = _without_comment(lines[0]) + "  # once per real step, after the last micro-batch"
+    return [Edit("delete", m) for m in moved] + [Edit("before", target_stmt, "\n".join(lines))]
 
 
 def _clips_after(source: Source, stmt: ast.stmt) -> list[ast.stmt]:
@@ -207,17 +249,17 @@ def _clips_after(source: Source, stmt: ast.stmt) -> list[ast.stmt]:
     return out
 
 
-def _update_with_step(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
+def _update_with_step(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source = mistake.at.source
     guarded = mistake.related.get("guarded_step")
     target_stmt = _statement_of(source, guarded.node) if guarded is not None and guarded.source is source else None
     if target_stmt is None:
         return None
     line = f"{_indent(source, target_stmt)}{mistake.scaler}.update()  # once per real step, with the step"
-    return apply_edits(source, [Edit("delete", stmt), Edit("after", target_stmt, line)])
+    return [Edit("delete", stmt), Edit("after", target_stmt, line)]
 
 
-def _schedule_on_real_steps(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
+def _schedule_on_real_steps(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, s = mistake.at.source, mistake.scaler
     step = mistake.related.get("scaler_step")
     step_stmt = _statement_of(source, step.node) if step is not None and step.source is source else None
@@ -226,13 +268,10 @@ def _schedule_on_real_steps(mistake: LoopMistake, stmt: ast.stmt) -> str | None:
     sched = mistake.scheduler or text_of(mistake.at.node.func.value)
     indent = _indent(source, stmt)
     guarded = f"{indent}if {s}.get_scale() >= scale_before:  # the step was not skipped\n{indent}    {sched}.step()"
-    return apply_edits(
-        source,
-        [
-            Edit("before", step_stmt, f"{_indent(source, step_stmt)}scale_before = {s}.get_scale()"),
-            Edit("replace", stmt, guarded),
-        ],
-    )
+    return [
+        Edit("before", step_stmt, f"{_indent(source, step_stmt)}scale_before = {s}.get_scale()"),
+        Edit("replace", stmt, guarded),
+    ]
 
 
 #: Rule slug -> how the user's lines are rewritten (the others get the rule's template with their names).
@@ -244,6 +283,18 @@ _REWRITES = {
     "amp-update-per-microbatch": _update_with_step,
     "amp-scheduler-on-skipped-steps": _schedule_on_real_steps,
 }
+
+
+def _without_comment(line: str) -> str:
+    """``line`` without its trailing ``# comment`` (a ``#`` inside a string stays)."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.rstrip("\n") + "\n").readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):  # a continuation line: left as it is
+        return line
+    comment = next((t for t in tokens if t.type == tokenize.COMMENT), None)
+    if comment is None or not line[: comment.start[1]].strip():
+        return line
+    return line[: comment.start[1]].rstrip()
 
 
 def _reindent(source: Source, stmt: ast.stmt, indent: str) -> list[str]:

@@ -25,7 +25,7 @@ import linecache
 import math
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,7 +41,7 @@ from .dispatch import (  # noqa: F401 - arm, disarm, installed, resident and set
     resident,
     settle,
 )
-from .rules import RULES
+from .rules import RULES, corrected_template
 
 if TYPE_CHECKING:  # imported where used: %load_ext arms the resident wrapper without the facts package
     from ..facts.location import Location
@@ -249,7 +249,7 @@ class ProtocolObserver:
         self._found_names: dict[int, tuple[Any, str]] = {}
         self._series = 0  # scalers seen so far: each one's scale history is its own series
         self.models = [m for m in models if isinstance(m, torch.nn.Module)]
-        self.on_finding = on_finding if on_finding is not None else _print_finding
+        self.on_finding = on_finding if on_finding is not None else print_finding
         #: Called with each real step's ScaleRecord after ``update()`` (``watch()`` looks at skipped steps there:
         #: a step the scaler skips never reaches the optimizer's step hooks).
         self.step_listener = step_listener
@@ -299,7 +299,7 @@ class ProtocolObserver:
             if track.steps and not track.updates and not said:
                 self._report("amp-update-missing", track.name, None,
                              f"{track.name} stepped {track.steps} time(s) and update() was never called: the scale "
-                             "never adapts, and the next scaler.step() raises 'step() has already been called since "
+                             f"never adapts, and the next {track.name}.step() raises 'step() has already been called since "
                              "the last update()'.", {"steps": track.steps})  # fmt: skip
 
     def __enter__(self) -> ProtocolObserver:
@@ -422,7 +422,7 @@ class ProtocolObserver:
             self._report("amp-update-missing", track.name, where,
                          f"{track.name}.step({opt}) is called again with no {track.name}.update() since the last "
                          "step: GradScaler raises 'step() has already been called since the last update()'. Call "
-                         "scaler.update() once after every scaler.step().", {"optimizer": opt})  # fmt: skip
+                         f"{track.name}.update() once after every {track.name}.step().", {"optimizer": opt})  # fmt: skip
         self._check_clips(track, scaler, optimizer, where)
         if track.fresh and not track.checked_resume:
             track.checked_resume = True
@@ -479,8 +479,9 @@ class ProtocolObserver:
                              f"clip_grad_norm_ ran on {self._name(optimizer, 'optimizer')}'s gradients while they "
                              f"were still multiplied by the loss scale ({scale:g}): the scaled norm {shown}{real} was compared "
                              f"with max_norm, so in real units the threshold is max_norm / scale = {limit}: steps are "
-                             "clipped far below max_norm. Call scaler.unscale_(optimizer) before clipping.",
-                             {"scale": scale, "max_norm": clip.max_norm, "scaled_total_norm": norm,
+                             f"clipped far below max_norm. Call {track.name}.unscale_({self._name(optimizer, 'optimizer')}) before clipping.",
+                             {"optimizer": self._name(optimizer, "optimizer"), "scale": scale,
+                              "max_norm": clip.max_norm, "scaled_total_norm": norm,
                               "step_line": getattr(_resolve(where), "label", None)})  # fmt: skip
         track.clips = [c for c in track.clips if not (c.params & mine)]
 
@@ -512,11 +513,20 @@ class ProtocolObserver:
             getattr(st.get("stage"), "name", "READY") != "READY" for st in dict.values(states)
         )
         bypassed, track.bypassed = track.bypassed, False
-        if track.scaled and not any_check and not bypassed:
+        if not (track.scaled and not any_check and not bypassed):
+            return
+        where = _resolve(where)
+        if track.steps or _calls_in_source(where, f"{track.name}.step(") is not False:
             self._report("amp-update-per-microbatch", track.name, where,
-                         f"{track.name}.update() is called with no scaler.step() since the last update (once per "
-                         "micro-batch?): GradScaler asserts 'No inf checks were recorded prior to update.'; with "
+                         f"{track.name}.update() is called with no {track.name}.step() since the last update (once "
+                         "per micro-batch): GradScaler asserts 'No inf checks were recorded prior to update.'; with "
                          "gradient accumulation, step and update once, after the last micro-batch.", {})  # fmt: skip
+        else:  # no scaler.step anywhere in the loop's code: the step is missing, not misplaced
+            self._report("amp-step-missing", track.name, where,
+                         f"{track.name}.update() is called but {track.name}.step(optimizer) is never called: the "
+                         "optimizer never steps and nothing trains; GradScaler asserts 'No inf checks were recorded "
+                         f"prior to update.'. Call {track.name}.step(optimizer) before {track.name}.update().",
+                         {})  # fmt: skip
 
     def after_update(self, scaler: Any, scale: float | None) -> None:
         track = self._track(scaler)
@@ -609,6 +619,35 @@ class ProtocolObserver:
                      {"scheduler_steps": self._sched_steps, "on_skipped_steps": self._sched_on_skipped})  # fmt: skip
 
 
+def _calls_in_source(where: Location | None, call: str) -> bool | None:
+    """Whether the file or cell of ``where`` holds ``call`` (``amp_scaler.step(``) outside a comment; None when
+    its source cannot be read."""
+    lines = linecache.getlines(where.file) if where is not None and where.file else []
+    if not lines:
+        return None
+    return any(call in line.split("#", 1)[0] for line in lines)
+
+
+def watched_findings(slugs: Collection[str], place: str) -> list[Finding]:
+    """What the attached observers saw of rules ``slugs`` in ``place`` (``train.py``, ``cell [5]``), in the order
+    seen: the crash explainer's cause for a protocol error the watcher saw happen (one mistake, one finding).
+
+    Parameters
+    ----------
+    slugs : collection of str
+        Runtime rule slugs (a crash family's ``checks``).
+    place : str
+        The failing line's :attr:`~mpdoctor.facts.location.Location.place`.
+    """
+    out: list[Finding] = []
+    for observer in list(_DISPATCH.observers):
+        for finding in getattr(observer, "findings", ()):
+            where = finding.evidence.get("where") if isinstance(finding.evidence, dict) else None
+            if finding.check in slugs and isinstance(where, str) and where.startswith((f"{place}:", f"{place},")):
+                out.append(finding)
+    return out
+
+
 def _float(value: Any) -> float | None:
     try:
         return float(value.item()) if isinstance(value, torch.Tensor) else (float(value) if value is not None else None)
@@ -623,6 +662,11 @@ def _looks_fresh(scaler: Any) -> bool:
     return looks_fresh(scaler.__dict__.get("_init_scale"), scaler.__dict__.get("_init_scale"), tracker)
 
 
+#: Rules whose finding's subject is the optimizer or the scheduler, not the scaler.
+_SCHEDULER = frozenset({"amp-scheduler-on-skipped-steps"})
+_SUBJECT_NOT_SCALER = frozenset({"amp-step-bypasses-scaler"}) | _SCHEDULER
+
+
 def protocol_finding(slug: str, subject: str, where: Location | None, message: str, evidence: dict) -> Finding:
     """A :class:`Finding` of a protocol rule at the user's line, with the corrected lines as display-only code."""
     from ..treatment.findings import Finding
@@ -631,12 +675,16 @@ def protocol_finding(slug: str, subject: str, where: Location | None, message: s
     rule = RULES[slug]
     at = f"{where.label}: " if where is not None else ""
     evidence = {**evidence, "where": where.label if where else None, "code": where.code if where else None}
-    fix = Fix(f"Corrected lines ({rule.title.lower()})", rule.use_instead, applicability=Applicability.DISPLAY_ONLY,
+    # The corrected lines in the user's names: the scaler is the subject unless the finding is about another object.
+    scaler = evidence.get("scaler") or (subject if slug not in _SUBJECT_NOT_SCALER else "")
+    code = corrected_template(slug, scaler, evidence.get("optimizer") or "", subject if slug in _SCHEDULER else "")
+    fix = Fix(f"Corrected lines ({slug})", code, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])
 
 
-def _print_finding(finding: Finding) -> None:
+def print_finding(finding: Finding) -> None:
+    """Print ``finding`` to stderr as one block: the rule, the line, the message, the corrected lines."""
     where = finding.evidence.get("where")
     code = finding.evidence.get("code")
     lines = [f"mpdoctor: {finding.severity} [{finding.check}] {RULES[finding.check].title}"]
@@ -646,7 +694,8 @@ def _print_finding(finding: Finding) -> None:
     if where and message.startswith(f"{where}: "):
         message = message[len(where) + 2 :]
     lines.append(f"  {message}")
-    lines.append("  corrected:\n" + "\n".join(f"    {x}" for x in RULES[finding.check].use_instead.splitlines()))
+    code = finding.fixes[0].code if finding.fixes else RULES[finding.check].use_instead
+    lines.append("  corrected:\n" + "\n".join(f"    {x}" for x in code.splitlines()))
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -9,6 +9,8 @@ whose scaler state was not restored is also a check at rest; both read the check
 
 from __future__ import annotations
 
+import re
+
 from ..checks.scaler import scaler_not_restored_on_resume
 from ..treatment.findings import Severity
 from ..treatment.rules import Applicability, Rule, RuleKind, register
@@ -106,6 +108,17 @@ RULES: dict[str, Rule] = {
             f"{_AMP_EXAMPLES}, 'Gradient accumulation'; {_GRAD_SCALER}.",
         ),
         _runtime(
+            "amp-step-missing",
+            Severity.ERROR,
+            "scaler.update() with no scaler.step(optimizer) in the loop",
+            'A loop that scales the loss and calls scaler.update() but never scaler.step(optimizer) (nor optimizer.step()).',
+            "the optimizer never steps, so nothing trains; GradScaler asserts 'No inf checks were recorded prior to "
+            "update.' at the first update().",
+            "scaler.scale(loss).backward()\nscaler.update()  # no scaler.step(optimizer) before it",
+            "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()",
+            f"{_AMP_EXAMPLES}, 'Typical Mixed Precision Training'; {_GRAD_SCALER}.",
+        ),
+        _runtime(
             "amp-scheduler-on-skipped-steps",
             Severity.WARNING,
             "The LR scheduler steps on skipped optimizer steps",
@@ -134,3 +147,29 @@ RULES: dict[str, Rule] = {
         scaler_not_restored_on_resume.rule,
     )
 }
+
+
+def in_names(text: str, scaler: str = "", optimizer: str = "", scheduler: str = "") -> str:
+    """``text`` (a rule's title or corrected lines) with ``scaler`` / ``optimizer`` / ``scheduler`` replaced by the
+    names the user gave the objects (an empty name keeps the generic word)."""
+    names = {"scaler": scaler or "scaler", "optimizer": optimizer or "optimizer", "scheduler": scheduler or "scheduler"}
+    # One pass over the three names: a user's optimizer called ``scaler`` must not be renamed twice.
+    return re.sub(r"\b(scaler|optimizer|scheduler)\b", lambda m: names[m.group(1)], text)
+
+
+def corrected_template(slug: str, scaler: str = "", optimizer: str = "", scheduler: str = "") -> str:
+    """The rule's corrected lines (``use_instead``) with the names the user holds the objects by.
+
+    Parameters
+    ----------
+    slug : str
+        A runtime rule's slug.
+    scaler, optimizer, scheduler : str
+        The user's names; an empty name keeps the template's (``scaler``, ``optimizer``, ``scheduler``).
+
+    Returns
+    -------
+    str
+        The code, ending with a newline.
+    """
+    return in_names(RULES[slug].use_instead, scaler, optimizer, scheduler) + "\n"

@@ -124,9 +124,14 @@ def _announce(finding: Any) -> None:
     """The line printed at the call where a rule breaks; the finding itself is shown when the cell ends."""
     where = finding.evidence.get("where")
     at = f" at {where}" if where else ""
-    from .rules import RULES
+    from .rules import RULES, in_names
 
     title = RULES[finding.check].title if finding.check in RULES else finding.check
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    # The rule's title in the user's names: the subject is the scaler unless another object is at fault.
+    about_scaler = finding.check not in ("amp-step-bypasses-scaler", "amp-scheduler-on-skipped-steps")
+    title = in_names(title, evidence.get("scaler") or (finding.subject if about_scaler else ""),
+                     evidence.get("optimizer") or "")  # fmt: skip
     print(f"mpdoctor: {finding.severity} [{finding.check}]{at}: {title} (details when the cell ends)", file=sys.stderr)
 
 

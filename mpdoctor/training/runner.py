@@ -47,9 +47,10 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
         sys.path[0] = script_dir
     else:
         sys.path.insert(0, script_dir)
-    _read_loop(path)
+    shown: set = set()  # the mistakes already printed (merge.mistake_key): one mistake is shown once
+    _read_loop(path, shown)
     watcher = _global_watcher() if probe_on_nan else None
-    protocol = _protocol_observer()
+    protocol = _protocol_observer(shown)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -58,7 +59,7 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
         tb = _script_traceback(exc.__traceback__)
         traceback.print_exception(type(exc), exc, tb)
         if not isinstance(exc, KeyboardInterrupt):
-            _explain(exc, tb, scan)
+            _explain(exc, tb, scan, shown)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     finally:
         if protocol is not None:
@@ -93,12 +94,20 @@ def _frame_module(tb: TracebackType) -> str:
     return name if type(name) is str else "?"
 
 
-def _explain(exc: BaseException, tb: TracebackType | None, scan: bool) -> None:
+def _explain(exc: BaseException, tb: TracebackType | None, scan: bool, shown: set) -> None:
+    """Print the crash report; a crash whose cause is a mistake already printed is one line naming it."""
     try:
         from ..crash.cause import explain
 
         report = explain(exc, tb, scan=True if scan else None)
-        if report is not None:
+        if report is None:
+            return
+        if _already_shown(report, shown):
+            cause = report.cause
+            where = cause.evidence.get("where") or cause.subject
+            print(f"\nmpdoctor: this {type(exc).__name__} is the {cause.check} mistake at {where}, shown above.",
+                  file=sys.stderr)  # fmt: skip
+        else:
             print(f"\n{report.to_text()}", file=sys.stderr)
     except BaseException as failure:  # the traceback is printed; the report is a bonus
         from ..redact import describe_exception
@@ -106,12 +115,25 @@ def _explain(exc: BaseException, tb: TracebackType | None, scan: bool) -> None:
         print(f"mpdoctor: could not diagnose this exception ({describe_exception(failure)})", file=sys.stderr)
 
 
-def _read_loop(path: str) -> None:
+def _already_shown(report: Any, shown: set) -> bool:
+    """The crash is a mistake printed before it ran or as it happened, and the report has no other error or
+    warning to add."""
+    from ..treatment.merge import mistake_key
+
+    if report.cause is None or mistake_key(report.cause) not in shown:
+        return False
+    return all(f is report.cause or f.severity == "info" or mistake_key(f) in shown for f in report.findings)
+
+
+def _read_loop(path: str, shown: set) -> None:
     """Read the script for AMP loop mistakes before it runs (AST only); print what it finds to stderr."""
     try:
         from ..runtime.history import format_findings, read_script
+        from ..treatment.merge import mistake_key
 
-        text = format_findings(read_script(path), os.path.basename(path))
+        findings = read_script(path)
+        shown.update(mistake_key(f) for f in findings)
+        text = format_findings(findings, os.path.basename(path))
     except Exception as failure:  # the script still runs; the reading is a bonus
         from ..redact import describe_exception
 
@@ -120,12 +142,22 @@ def _read_loop(path: str) -> None:
         print(text + "\n", file=sys.stderr, flush=True)
 
 
-def _protocol_observer() -> Any:
-    """The GradScaler protocol observer for the script's run (mpdoctor.runtime.protocol); None if unavailable."""
-    try:
-        from ..runtime.protocol import ProtocolObserver
+def _protocol_observer(shown: set) -> Any:
+    """The GradScaler protocol observer for the script's run (mpdoctor.runtime.protocol); None if unavailable.
 
-        return ProtocolObserver().attach()
+    It prints a mistake at the call where it happens, unless the reading of the script already printed it.
+    """
+    try:
+        from ..runtime.protocol import ProtocolObserver, print_finding
+        from ..treatment.merge import mistake_key
+
+        def announce(finding: Any) -> None:
+            key = mistake_key(finding)
+            if key is None or key not in shown:
+                shown.add(key)
+                print_finding(finding)
+
+        return ProtocolObserver(on_finding=announce).attach()
     except Exception as exc:  # the script runs whatever happens here
         print(f"mpdoctor run: the loop watcher is off ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None

@@ -120,6 +120,12 @@ class Fix:
         self._door = door
         return self
 
+    @property
+    def bound_where_seen(self) -> bool:
+        """True for a fix bound to the live objects with no treatment (a crash's batch, which a diagnosis at rest
+        does not hold): it is applied as bound, never re-planned."""
+        return self._live is not None and self._door is None
+
     def __repr__(self) -> str:
         state = "applied" if self.applied else ("failed" if self.error else "pending")
         return f"<Fix {self.title!r} {self.applicability.value} {state}>"
