@@ -344,7 +344,7 @@ def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any
     by several of them (the watcher, the cell reader, the crash hook) is one finding.
     """
     from ..runtime.session import unreported
-    from ..treatment.merge import merged, mistake_key
+    from ..treatment.merge import merged
 
     watched, crashes = unreported(shell)
     skip = set(ignore)
@@ -357,20 +357,29 @@ def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any
     if not extra:
         return report
     # Their fixes stay bound as the watcher and the crash hook bound them (what they saw is not re-diagnosable).
-    findings = merged([*report.findings, *extra])
-    if cause is not None:
-        key = mistake_key(cause)  # the cause may have been folded into a finding another observer made first
-        cause = next((f for f in findings if (f.check, f.subject) == (cause.check, cause.subject)
-                      or (key is not None and mistake_key(f) == key)), cause)  # fmt: skip
-        findings = [cause, *(f for f in findings if f is not cause)]
-    else:
-        findings = sorted(findings, key=lambda f: f.rank)
-    # A crash's in-place fixes stay bound to the objects it saw (its batch): they join the plans to apply.
+    findings, cause = _cause_first(merged([*report.findings, *extra]), cause)
+    return report.evolve(findings=findings, cause=cause, exception=exception, raised_by=raised_by,
+                         **_plans_with_bound_fixes(report, extra))  # fmt: skip
+
+
+def _cause_first(findings: list, cause: Any) -> tuple[list, Any]:
+    """The findings with the crash's cause first (found again when another observer's finding absorbed it)."""
+    from ..treatment.merge import mistake_key
+
+    if cause is None:
+        return sorted(findings, key=lambda f: f.rank), None
+    key = mistake_key(cause)  # the cause may have been folded into a finding another observer made first
+    cause = next((f for f in findings if (f.check, f.subject) == (cause.check, cause.subject)
+                  or (key is not None and mistake_key(f) == key)), cause)  # fmt: skip
+    return [cause, *(f for f in findings if f is not cause)], cause
+
+
+def _plans_with_bound_fixes(report: Any, extra: list) -> dict:
+    """A crash's in-place fixes stay bound to the objects it saw (its batch): they join the plans to apply."""
     bound = [f.fixes[0] for f in extra if f.fixes and f.fixes[0].changes and f.fixes[0].bound_where_seen]
     plan = [*report.fixes, *(fx for fx in bound if fx not in report.fixes)]
     safe = [*report.safe_fixes, *(fx for fx in bound if fx.safe and fx not in report.safe_fixes)]
-    return report.evolve(findings=findings, cause=cause, exception=exception, raised_by=raised_by, plan=plan,
-                         safe_plan=safe)  # fmt: skip
+    return {"plan": plan, "safe_plan": safe}
 
 
 def _attach_scale_history(shell: Any, report: Any) -> Any:
