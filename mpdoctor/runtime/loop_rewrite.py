@@ -239,11 +239,12 @@ def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
 
 
 def _clips_after(source: Source, stmt: ast.stmt) -> list[ast.stmt]:
-    """The clipping statements right after ``stmt`` in its block."""
+    """The clipping statements right after ``stmt`` in its block (``clip_grad_norm_(...)``, ``norm = clip_grad_norm_(...)``)."""
     parent = _parent_body(source, stmt)
     out: list[ast.stmt] = []
     for nxt in parent[parent.index(stmt) + 1 :] if parent is not None else []:
-        if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Call) and is_clip(nxt.value)):
+        value = nxt.value if isinstance(nxt, (ast.Expr, ast.Assign, ast.AnnAssign)) else None  # a kept norm too
+        if not (isinstance(value, ast.Call) and is_clip(value)):
             break
         out.append(nxt)
     return out
