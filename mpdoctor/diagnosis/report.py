@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..treatment.findings import Finding
-from .treatment import Treatment
+from .treatment import Treatment, carry_over
 
 if TYPE_CHECKING:
     import pandas
@@ -64,6 +64,10 @@ class Report:
         Applies, undoes and re-plans this report's fixes on the live objects.
     proof : mpdoctor.diagnosis.proof.Proof or None
         The plan checked on the user's step (``diagnose(..., step=fn)``), or None when no step was held.
+    departed : tuple of dict
+        After :meth:`refresh`: each finding of the previous report that is not in this diagnosis (``check``,
+        ``subject``, ``severity``) and ``why``: ``"fixed"``, ``"superseded"`` or ``"only fixable in code"``
+        (that one is still in :attr:`findings`, with its code). Empty for a first diagnosis.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class Report:
         notes: Iterable[str] = (),
         treatment: Treatment | None = None,
         proof: Any = None,
+        departed: Iterable[dict] = (),
     ) -> None:
         values = {
             "findings": tuple(findings),
@@ -114,6 +119,7 @@ class Report:
             "notes": tuple(notes),
             "treatment": treatment if treatment is not None else Treatment(rediagnose),
             "proof": proof,
+            "departed": tuple(dict(d) for d in departed),
         }
         for name, value in values.items():
             object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan") else name, value)
@@ -135,7 +141,7 @@ class Report:
             "subjects": self._subjects_, "live": self.live, "plan": self._plan, "hidden": self.hidden,
             "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
             "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
-            "notes": self.notes, "treatment": self.treatment, "proof": self.proof,
+            "notes": self.notes, "treatment": self.treatment, "proof": self.proof, "departed": self.departed,
         }  # fmt: skip
         unknown = set(changes) - set(current)
         if unknown:
@@ -246,9 +252,12 @@ class Report:
     def refresh(self) -> Report:
         """A new report of the same live objects, diagnosed now (with the same target, scan and ignore list).
 
-        A report built by hand, with nothing live to re-read, returns itself.
+        Each finding of this report that the new one does not find is in its :attr:`departed`, saying why it left
+        (fixed, superseded by another fix); a finding only code can fix stays, with its code. A report built by
+        hand, with nothing live to re-read, returns itself.
         """
-        return self.treatment.refresh(self)
+        fresh = self.treatment.refresh(self)
+        return self if fresh is self else carry_over(self, fresh)
 
     def apply_safe_fixes(self) -> list:
         """Apply the best plan of safe fixes (:attr:`safe_fixes`) not yet applied; return the fixes applied.

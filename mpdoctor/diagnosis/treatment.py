@@ -16,6 +16,9 @@ from typing import Any, Callable
 
 from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
 
+#: Why a finding of the last report is not in a re-diagnosis, as ``report.departed`` and ``to_dict()`` say it.
+FIXED, SUPERSEDED, CODE_ONLY, CHANGED = "fixed", "superseded", "only fixable in code", "changed outside"
+
 #: A Report (``mpdoctor.diagnosis.report``, which holds a Treatment: not imported here, not even for annotations).
 Report = Any
 
@@ -115,3 +118,47 @@ def bind_fixes(report: Any, live: Any, treatment: Treatment) -> None:
             fx.bind(live, treatment)
     for fx in (*report.fixes, *report.safe_fixes):
         fx.bind(live, treatment)
+
+
+def _finding_key(finding: Any) -> tuple[str, str]:
+    return (finding.check, finding.subject)
+
+
+def _code_only(finding: Any) -> bool:
+    """A finding whose every fix is code to write (a loop mistake): re-diagnosing the objects cannot see it go."""
+    return bool(finding.fixes) and all(fx.applicability.value == "display-only" for fx in finding.fixes)
+
+
+def why_departed(finding: Any, any_applied: bool) -> str:
+    """Why ``finding``, absent from a re-diagnosis, left.
+
+    :data:`CODE_ONLY` (it stays), :data:`FIXED` (one of its fixes was applied), :data:`SUPERSEDED` (another fix
+    of its report was), or :data:`CHANGED` (no fix was applied: the user's own code changed the objects).
+    """
+    if _code_only(finding):
+        return CODE_ONLY
+    if any(fx.applied for fx in finding.fixes):
+        return FIXED
+    return SUPERSEDED if any_applied else CHANGED
+
+
+def carry_over(before: Report, fresh: Report) -> Report:
+    """``fresh`` (a re-diagnosis of ``before``'s objects) saying why each finding of ``before`` left.
+
+    The one decision behind both ``report.refresh()`` and the widget's buttons. A finding only code can fix (the
+    watcher's, the cell reader's and the crash's loop findings, absent from a diagnosis of the objects at rest)
+    stays, with its code; every other finding gone is marked fixed (one of its own fixes was applied) or
+    superseded (another fix resolved it), or changed outside (no fix was applied: the user's code changed the
+    objects). The marks are ``fresh.departed``: one dict per finding, with ``check``, ``subject``, ``severity``
+    and ``why``.
+    """
+    now = {_finding_key(f) for f in fresh.findings}
+    gone = [f for f in before.findings if _finding_key(f) not in now]
+    kept = [f for f in gone if _code_only(f)]
+    any_applied = any(fx.applied for fx in (*before.all_fixes, *before.safe_fixes))
+    departed = tuple(
+        {"check": f.check, "subject": f.subject, "severity": f.severity, "why": why_departed(f, any_applied)}
+        for f in gone
+    )
+    findings = sorted([*fresh.findings, *kept], key=lambda f: f.rank) if kept else fresh.findings
+    return fresh.evolve(findings=findings, departed=departed)

@@ -180,6 +180,8 @@ def report_dict(report: Any) -> dict:
         # The plan checked on the user's step, or why it was not.
         "proof": _proof_view(report),
         "findings": [dict(f.to_dict(), why=_why(f)) for f in report.findings],
+        # Since the last report (after refresh()): each finding that left, and why (fixed, superseded, code only).
+        "departed": [dict(d) for d in report.departed],
         "histogram": [_jsonable(r._asdict()) for r in facts.tallies],
         "precision": precision_view(facts),
         "caches": cache_view(facts),

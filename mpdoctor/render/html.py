@@ -425,10 +425,24 @@ def also_found_html(findings: list[dict]) -> str:
     )
 
 
+def departed_html(departed: list[dict]) -> str:
+    """The "since the last report" section of a refreshed report: each finding that left, and why."""
+    if not departed:
+        return ""
+    colors = {"fixed": OK_COLOR, "superseded": "#57606a", "changed outside": "#57606a"}  # a pill's text is white: a solid grey, not MUTED
+    rows = "".join(
+        f"<div class='mpdoctor-departed'>{pill(d['why'], colors.get(d['why'], COLORS['warning']))} "
+        f"{code(d['check'])} on {code(d['subject'])}</div>"
+        for d in departed
+    )
+    return section("since the last report", rows)
+
+
 def render_html(view: ReportView) -> str:
     """Render a report's view as a self-contained HTML fragment."""
     data = view.data
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
+    parts.append(departed_html(data.get("departed") or []))
     label = view.cause_label
     if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
         parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]

@@ -41,6 +41,7 @@ def render_text(view: ReportView, width: int = 100) -> str:
     """Render a report's view as plain text."""
     data = view.data
     lines = [header(view), *_inspected_lines(data, width)]
+    lines += departed_lines(data.get("departed") or [], width)
     lines += _findings_lines(data, view.cause_label, width)
     if data.get("proof"):
         lines += [""] + textwrap.wrap(data["proof"]["summary"], width, subsequent_indent="  ")
@@ -51,6 +52,42 @@ def render_text(view: ReportView, width: int = 100) -> str:
     lines += _scan_lines(data["scan"])
     lines += scale_history_lines(data.get("scale_history") or [])
     return "\n".join(lines)
+
+
+#: How each reason a finding left reads in a sentence (the reasons are mpdoctor.diagnosis.treatment's).
+_LEFT_AS = {
+    "fixed": "fixed",
+    "superseded": "superseded by another fix",
+    "changed outside": "no longer found (changed outside mpdoctor, no fix applied)",
+}
+
+
+def departures_sentence(departed: list[dict]) -> str:
+    """One sentence per reason, saying why the findings of the last report left (empty when none did).
+
+    The widget's status line after a fix and the "since the last report" section of a refreshed report both say it.
+    """
+
+    def listed(rows: list[dict]) -> str:
+        return ", ".join(f"{d['check']} on {d['subject']}" for d in rows)
+
+    left = [f"{label}: {listed(rows)}" for why, label in _LEFT_AS.items() if (rows := [d for d in departed if d["why"] == why])]
+    sentences = [f"Left the report: {'; '.join(left)}."] if left else []
+    code_only = [d for d in departed if d["why"] not in _LEFT_AS]
+    if code_only:
+        sentences.append(f"Only fixable in code, still shown with the code: {listed(code_only)}.")
+    return " ".join(sentences)
+
+
+def departed_lines(departed: list[dict], width: int) -> list[str]:
+    """The "since the last report" section of a refreshed report: each finding that left, and why."""
+    if not departed:
+        return []
+    lines = ["", "since the last report:"]
+    for d in departed:
+        lines += textwrap.wrap(f"{_LEFT_AS.get(d['why'], d['why'])}: {d['check']}  {d['subject']}", width,
+                               initial_indent="  ", subsequent_indent="    ")  # fmt: skip
+    return lines
 
 
 def _inspected_lines(data: dict, width: int) -> list[str]:

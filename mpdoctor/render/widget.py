@@ -7,9 +7,13 @@ object. Button labels are plain text in both ipywidgets versions; no user
 string ever goes into a ``description`` of another widget (ipywidgets 7
 renders those as HTML).
 
-A click applies a fix to the live objects, then the report is re-diagnosed
-from those same objects (``Report.refresh()``), never patched from a cached
-state. Applied fixes belong to the report they came from; the widget keeps
+Before a button acts, the live objects are diagnosed again: when what the
+click would do differs from what the widget shows (a later cell cast the model
+again, the finding is gone), nothing is applied, the widget shows the fresh
+report and says "the objects changed since this report: ...", and the next
+click acts on the new text. A click applies a fix to the live objects, then the
+report is re-diagnosed from those same objects (``Report.refresh()``, which
+also says why each finding left), never patched from a cached state. Applied fixes belong to the report they came from; the widget keeps
 them in :attr:`ReportWidget.applied` so Undo works after any number of
 refreshes.
 """
@@ -49,6 +53,7 @@ from .html import (
     subjects_html,
     verdict_html,
 )
+from .text import departures_sentence
 
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 #: Tab titles of the panels, in order (short: seven of them fit on two rows at 600 px).
@@ -140,35 +145,17 @@ def _finding_key(finding: Any) -> tuple[str, str]:
     return (finding.check, finding.subject)
 
 
-def _code_only(finding: Any) -> bool:
-    """A finding whose every fix is code to write (a loop mistake): re-diagnosing the objects cannot see it go."""
-    return bool(finding.fixes) and all(fx.applicability.value == "display-only" for fx in finding.fixes)
+def _pending_titles(report: Any) -> list[str]:
+    """The safe fixes "Apply all" would re-plan on the live objects; a crash's fix, applied as it was seen, is not."""
+    return [singular_counts(fx.title) for fx in report.safe_fixes if not fx.applied and not getattr(fx, "bound_where_seen", False)]
 
 
-def carried_over(before: Any, fresh: Any) -> tuple[Any, str]:
-    """``fresh`` (a re-diagnosis of ``before``'s objects) with ``before``'s findings that only code can fix kept,
-    and a sentence saying why each other finding of ``before`` left: fixed, or superseded by another fix.
-
-    The watcher's, the cell reader's and the crash's loop findings are not in a diagnosis of the objects at rest:
-    without this they vanished from the header after "Apply all safe fixes", unfixed.
-    """
-    now = {_finding_key(f) for f in fresh.findings}
-    gone = [f for f in before.findings if _finding_key(f) not in now]
-    kept = [f for f in gone if _code_only(f)]
-    fixed = [f for f in gone if f not in kept and any(fx.applied for fx in f.fixes)]
-    superseded = [f for f in gone if f not in kept and f not in fixed]
-    if kept:
-        fresh = fresh.evolve(findings=sorted([*fresh.findings, *kept], key=lambda f: f.rank))
-
-    def listed(found: list) -> str:
-        return ", ".join(f"{f.check} on {f.subject}" for f in found)
-
-    left = [f"{label}: {listed(found)}" for label, found in (("fixed", fixed), ("superseded by another fix", superseded))
-            if found]  # fmt: skip
-    sentences = [f"Left the report: {'; '.join(left)}"] if left else []
-    if kept:
-        sentences.append(f"Only fixable in code, still shown with the code: {listed(kept)}")
-    return fresh, "".join(f". {sentence}" for sentence in sentences)
+def _plan_change(shown: list[str], now: list[str]) -> str:
+    """What differs between the safe fixes a widget shows and those a diagnosis made now would apply."""
+    gone = [t for t in shown if t not in now]
+    new = [t for t in now if t not in shown]
+    parts = ([f"no longer needed: {'; '.join(gone)}"] if gone else []) + ([f"now needed: {'; '.join(new)}"] if new else [])
+    return ", ".join(parts) or "the safe fixes changed order"
 
 
 def _fix_key(finding: Any, fix: Any) -> tuple[str, str, str]:
@@ -473,12 +460,13 @@ class ReportWidget:
         whether the fresh diagnosis still reports it.
         """
         try:
-            fresh, departures = carried_over(self.report, self.report.refresh())
+            fresh = self.report.refresh()  # says why each finding left, and keeps those only code can fix
         except Exception as exc:  # the widget must stay usable whatever the objects do
             self.status = f"{action}; re-diagnosis failed: {type(exc).__name__}: {exc}"
         else:
             self.report = fresh
-            self.status = action + departures
+            departures = departures_sentence(list(fresh.departed))
+            self.status = action + (f". {departures}" if departures else "")
             if watch is not None and any(_finding_key(f) == watch for f in fresh.findings):
                 self.status += ": the finding is still reported, so the fix did not take"
         self._armed.clear()  # a confirmation belongs to the report it was given on
@@ -506,10 +494,48 @@ class ReportWidget:
             reason += f", keeps a {fix.backup_bytes / 2**30:.1f} GiB undo backup"
         return reason
 
+    def _stale(self, what: str, fresh: Any) -> None:
+        """Show ``fresh`` (the objects as they are now) instead of acting on a report they no longer match."""
+        self.report = fresh
+        self.status = f"Nothing applied: the objects changed since this report: {what}. The report is re-diagnosed; click again to act on it"
+        self._armed.clear()  # a confirmation given on the old text confirms nothing
+        self._render()
+
+    def _changed_fix(self, finding: Any, fix: Any, fix_view: dict) -> tuple[Any, str]:
+        """A diagnosis made now, and what differs from what this widget shows of ``fix`` ("" when nothing does).
+
+        Run before a button acts: after "Run All" the objects behind an old report may have been cast again.
+        """
+        if getattr(fix, "bound_where_seen", False):  # a crash's fix, bound to the batch it saw: applied as seen
+            return self.report, ""
+        fresh = self.report.refresh()
+        if fresh is self.report:  # nothing live to re-read: the report is the state
+            return fresh, ""
+        where = f"{finding.check} on {finding.subject}"
+        now = next((f for f in fresh.findings if _finding_key(f) == _finding_key(finding)), None)
+        if now is None:
+            return fresh, f"{where} is no longer found"
+        match = next((fx for fx in now.fixes if fx.key == fix.key), None)
+        shown = singular_counts(fix_view["title"])
+        if match is None:
+            return fresh, f"“{shown}” is no longer offered for {where}"
+        if singular_counts(match.title) != shown:
+            return fresh, f"“{shown}” would now be “{singular_counts(match.title)}”"
+        return fresh, ""
+
     def _on_fix(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> None:
         offered = getattr(self.report, "all_fixes", None) or self.report.fixes
         if fix.applied or all(fix is not x for x in offered):
             return  # a stale button from a report already replaced
+        try:
+            fresh, changed = self._changed_fix(finding, fix, fix_view)
+        except Exception as exc:  # the widget must stay usable whatever the objects do
+            self.status = f"Nothing applied: re-reading the live objects failed: {type(exc).__name__}: {exc}"
+            self._render()
+            return
+        if changed:
+            self._stale(changed, fresh)
+            return
         key = _finding_key(finding)
         armed = self._armed.get(_fix_key(finding, fix))
         if armed is None and not fix.safe:
@@ -561,6 +587,16 @@ class ReportWidget:
         )
 
     def _on_apply_all(self, _button: Any = None) -> None:
+        try:
+            fresh = self.report.refresh()
+        except Exception as exc:  # the widget must stay usable whatever the objects do
+            self.status = f"Nothing applied: re-reading the live objects failed: {type(exc).__name__}: {exc}"
+            self._render()
+            return
+        shown, now = _pending_titles(self.report), _pending_titles(fresh)
+        if fresh is not self.report and now != shown:
+            self._stale(_plan_change(shown, now), fresh)
+            return
         data = self.report.view.data
         owners = {
             id(fx): (finding, view, fv)
