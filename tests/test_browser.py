@@ -430,6 +430,14 @@ def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_s
                 shot = tmp_path / f"09-cell-{cell['index']}.png"
                 locator.screenshot(path=str(shot))
                 shots.append(shot)
+                # The scaler panel holds the loss-scale chart: looked at too, and its text read.
+                report = locator.locator(".mpdoctor-widget")
+                report.locator(".lm-TabBar-tab, .p-TabBar-tab", has_text="scaler").click()
+                page.wait_for_timeout(300)
+                shot = tmp_path / f"09-cell-{cell['index']}-scaler.png"
+                report.screenshot(path=str(shot))
+                shots.append(shot)
+                cell["scaler_panel"] = report.inner_text()
         finally:
             browser.close()
 
@@ -449,8 +457,11 @@ def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_s
                 problems.append(f"cell {cell['index']}: the report does not name {slug}")
             if "scaler" not in text:
                 problems.append(f"cell {cell['index']} ({slug}): the GradScaler is not named scaler")
-            wrong = [s for s in SCALER_AS_OPTIMIZER if s in text]
+            wrong = [s for s in SCALER_AS_OPTIMIZER if s in text + cell.get("scaler_panel", "")]
             if wrong:
                 problems.append(f"cell {cell['index']} ({slug}): the scaler is called optimizer: {wrong}")
+        panel = cell.get("scaler_panel", "")
+        if slug is not None and ("No GradScaler among the inspected objects" in panel or "No tensors." in text):
+            problems.append(f"cell {cell['index']} ({slug}): a panel denies the scaler or model the finding names")
     assert shots and all(s.stat().st_size > 10_000 for s in shots)
     assert not problems, "\n".join(problems)

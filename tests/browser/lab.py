@@ -312,7 +312,11 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent.parent / "notebooks"
 def write_notebook_09(path: Path) -> Path:
     """Copy notebook 09 (the student's AMP loop) as it is, only pointed at this virtualenv's kernel."""
     nb = nbformat.read(str(next(NOTEBOOKS.glob("09_*.ipynb"))), as_version=4)
-    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "mpdoctor test venv", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": KERNEL_NAME,
+        "display_name": "mpdoctor test venv",
+        "language": "python",
+    }
     nbformat.write(nb, str(path))
     return path
 
