@@ -427,6 +427,10 @@ def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_s
                     continue
                 locator = page.locator(".jp-Notebook .jp-Cell").nth(cell["index"])
                 locator.scroll_into_view_if_needed()
+                # "why it matters" and "the same fix as code" are folded: open them, so their text is read too.
+                for report in locator.locator(".mpdoctor-widget").all():
+                    _open_everything(report)
+                cell["reports"] = [w.inner_text() for w in locator.locator(".mpdoctor-widget").all()]
                 shot = tmp_path / f"09-cell-{cell['index']}.png"
                 locator.screenshot(path=str(shot))
                 shots.append(shot)
