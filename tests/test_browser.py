@@ -344,3 +344,128 @@ def test_every_text_of_the_report_reads_in_light_and_dark_themes_at_1280_and_600
     record_property("min_contrast", measured)
     print("minimum contrast per theme and width:", measured)
     assert not failures, "\n".join(failures)
+
+
+#: Ways a report could call notebook 09's GradScaler (``scaler``) by the optimizer's name.
+SCALER_AS_OPTIMIZER = (
+    "optimizer.unscale_(",
+    "optimizer.update(",
+    "optimizer.step(optimizer",
+    "optimizer.scale(",
+    "scaler = optimizer",
+    "optimizer: loss scale",
+)
+
+
+def _cells_with_reports(page) -> list[dict]:
+    """Each cell of the open notebook: its index, type, and the text of every report widget in its output."""
+    return _js_notebook(
+        page,
+        "return nb.content.widgets.map((cell, i) => ({"
+        " index: i, type: cell.model.type,"
+        " reports: Array.from(cell.node.querySelectorAll('.mpdoctor-widget')).map((w) => w.innerText),"
+        " errors: Array.from(cell.node.querySelectorAll(\"[data-mime-type='application/vnd.jupyter.stderr']\"))"
+        "   .map((o) => o.innerText) }));",
+    )
+
+
+def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_scaler_scaler(tmp_path, record_property):
+    """Notebook 09 as it is, run top to bottom in JupyterLab: every report widget, screenshotted and read.
+
+    Each lesson's mistake cell shows exactly one report widget, which names the rule slug the
+    notebook's claims cell gives for that lesson and calls the GradScaler ``scaler`` (its name in the
+    notebook), never ``optimizer``. Screenshots ``09-cell-<n>.png`` stay in this test's directory.
+    """
+    _require_chromium()
+    import playwright.sync_api as playwright
+    from browser.lab import LabServer, lessons_of_notebook_09, write_notebook_09
+
+    root = tmp_path / "root"
+    root.mkdir()
+    name = "09_amp_loop.ipynb"
+    write_notebook_09(root / name)
+    lessons = lessons_of_notebook_09(root / name)
+    # Every cell stays in the DOM (JupyterLab 4 detaches off-screen cells by default), so all are read.
+    tracker = tmp_path / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+
+    shots: list[Path] = []
+    with LabServer(tmp_path, root) as lab, playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1600}, device_scale_factor=1)
+            page.set_default_timeout(60_000)
+            page.goto(lab.notebook_url(name))
+            page.wait_for_function(
+                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                " && window.jupyterapp.shell.currentWidget.sessionContext"
+            )
+            _js_notebook(page, "return nb.sessionContext.ready;")
+            page.wait_for_function(
+                "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
+                " return s && s.kernel && s.kernel.status === 'idle'; }"
+            )
+            _js_notebook(page, "app.shell.collapseLeft(); app.shell.collapseRight();")
+            _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
+            # The last cell checks the lesson's claims; the two raising cells are tagged raises-exception.
+            done = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="all claims hold")
+            try:
+                done.wait_for(timeout=300_000)
+            except playwright.TimeoutError:
+                errors = [c["errors"] for c in _cells_with_reports(page) if c["errors"]]
+                raise AssertionError(f"notebook 09 did not finish: {errors}") from None
+            for index, slug in lessons.items():  # child widgets render as their models arrive
+                page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".mpdoctor-widget", has_text=slug).wait_for(
+                    timeout=60_000
+                )
+            page.wait_for_timeout(500)
+
+            cells = _cells_with_reports(page)
+            for cell in cells:
+                if not cell["reports"]:
+                    continue
+                locator = page.locator(".jp-Notebook .jp-Cell").nth(cell["index"])
+                locator.scroll_into_view_if_needed()
+                # "why it matters" and "the same fix as code" are folded: open them, so their text is read too.
+                for report in locator.locator(".mpdoctor-widget").all():
+                    _open_everything(report)
+                cell["reports"] = [w.inner_text() for w in locator.locator(".mpdoctor-widget").all()]
+                shot = tmp_path / f"09-cell-{cell['index']}.png"
+                locator.screenshot(path=str(shot))
+                shots.append(shot)
+                # The scaler panel holds the loss-scale chart: looked at too, and its text read.
+                report = locator.locator(".mpdoctor-widget")
+                report.locator(".lm-TabBar-tab, .p-TabBar-tab", has_text="scaler").click()
+                page.wait_for_timeout(300)
+                shot = tmp_path / f"09-cell-{cell['index']}-scaler.png"
+                report.screenshot(path=str(shot))
+                shots.append(shot)
+                cell["scaler_panel"] = report.inner_text()
+        finally:
+            browser.close()
+
+    print("screenshots:", *shots, sep="\n  ")
+    record_property("screenshots", [str(s) for s in shots])
+    problems: list[str] = []
+    for cell in cells:
+        slug = lessons.get(cell["index"])
+        if slug is None:
+            if cell["reports"]:
+                problems.append(f"cell {cell['index']} is no mistake cell but shows {len(cell['reports'])} report(s)")
+            continue
+        if len(cell["reports"]) != 1:
+            problems.append(f"cell {cell['index']} ({slug}) shows {len(cell['reports'])} report widgets, not 1")
+        for text in cell["reports"]:
+            if slug not in text:
+                problems.append(f"cell {cell['index']}: the report does not name {slug}")
+            if "scaler" not in text:
+                problems.append(f"cell {cell['index']} ({slug}): the GradScaler is not named scaler")
+            wrong = [s for s in SCALER_AS_OPTIMIZER if s in text + cell.get("scaler_panel", "")]
+            if wrong:
+                problems.append(f"cell {cell['index']} ({slug}): the scaler is called optimizer: {wrong}")
+        panel = cell.get("scaler_panel", "")
+        if slug is not None and ("No GradScaler among the inspected objects" in panel or "No tensors." in text):
+            problems.append(f"cell {cell['index']} ({slug}): a panel denies the scaler or model the finding names")
+    assert shots and all(s.stat().st_size > 10_000 for s in shots)
+    assert not problems, "\n".join(problems)

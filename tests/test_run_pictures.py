@@ -86,6 +86,29 @@ def test_the_scaler_panel_does_not_deny_the_scaler_whose_chart_it_shows(shell, c
     assert "No GradScaler among the inspected objects" in empty.to_html()
 
 
+def test_a_watchers_report_says_it_inspected_nothing_instead_of_denying_the_model_and_scaler(shell, capsys):
+    from mpdoctor.render.widget import ReportWidget
+    from mpdoctor.runtime import session
+
+    shell.run_cell(SETUP, store_history=True)
+    # optimizer.step() straight after the scaled backward: the watcher sees it, and no scaler step ever runs.
+    shell.run_cell(
+        "optimizer.zero_grad()\nscaler.scale(model(x).pow(2).mean()).backward()\noptimizer.step()", store_history=True
+    )
+    observer = session.observer(shell)
+    report = session.cell_report(observer, observer.findings)
+    assert "amp-step-bypasses-scaler" in {f.check for f in report.findings}
+    rw = ReportWidget(report)
+    for html in (report.to_html(), rw.dtypes_panel.value, rw.scaler_panel.value):
+        assert "No GradScaler among the inspected objects" not in html and "No tensors." not in html
+        assert "loop watcher saw as the cell ran; it inspected no objects" in html
+    assert "No scaler step or update ran in it." in rw.scaler_panel.value
+    rw.close()
+    inspected = mpdoctor.diagnose(torch.nn.Linear(2, 2))  # a report of inspected objects keeps the plain words
+    assert "No GradScaler among the inspected objects" in inspected.to_html()
+    assert "inspected no objects" not in inspected.to_html()
+
+
 def test_a_run_whose_every_loss_is_inf_is_told_as_soon_as_the_scale_falls_below_one():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 1)

@@ -176,7 +176,7 @@ def finding_html(f: dict) -> str:
     )
 
 
-def histogram_html(hist: list[dict]) -> str:
+def histogram_html(hist: list[dict], watcher_only: bool = False) -> str:
     """Horizontal bars of bytes per dtype, grouped by object.
 
     Each row names the tensor kind (params, grads, buffers, optimizer state),
@@ -184,6 +184,8 @@ def histogram_html(hist: list[dict]) -> str:
     out, so nothing needs hovering. Bars are scaled within each object; rows
     wrap in a narrow window.
     """
+    if not hist and watcher_only:  # "No tensors." would deny the model the findings name
+        return f"<p style='{FONT};color:{MUTED}'>{WATCHER_ONLY} Run %mpdoctor for the live objects' dtypes.</p>"
     if not hist:
         return f"<p style='{FONT};color:{MUTED}'>No tensors.</p>"
     groups: dict[str, list[dict]] = {}
@@ -254,9 +256,22 @@ def caches_html(caches: list[dict]) -> str:
     return table_html(caches, ["path", "use_cache", "model_type", "training"], warn)
 
 
-def scalers_html(scalers: list[dict], watched: bool = False) -> str:
+def watcher_only(data: dict) -> bool:
+    """Whether the report is only what the loop watcher saw as a cell ran (it inspected no object)."""
+    return bool(data.get("watched")) and not data["subjects"]
+
+
+#: Said in an empty panel of a watcher's report: its objects were not inspected, not absent.
+WATCHER_ONLY = "This report holds what the loop watcher saw as the cell ran; it inspected no objects."
+
+
+def scalers_html(scalers: list[dict], watched: bool = False, watcher_only: bool = False) -> str:
     """GradScaler state: enabled, scale, growth tracker. ``watched``: a scale history follows (say so instead of
-    "no GradScaler" above its chart)."""
+    "no GradScaler" above its chart). ``watcher_only``: the report inspected no object, so the absence of a
+    scaler here says nothing about the user's scaler (say that instead)."""
+    if not scalers and watcher_only:
+        seen = "The scale history below is what it recorded." if watched else "No scaler step or update ran in it."
+        return f"<p style='{FONT};color:{MUTED}'>{WATCHER_ONLY} {seen} Run %mpdoctor for the live GradScaler's state.</p>"
     if not scalers:
         if watched:
             return (f"<p style='{FONT};color:{MUTED}'>The inspected objects hold no GradScaler; the scale history below "
@@ -451,14 +466,19 @@ def render_html(view: ReportView) -> str:
             parts.append(cause_html(label))
         parts += [finding_html(f) for f in data["findings"]]
     parts.append(proof_html(data))
-    parts.append(section("dtypes", histogram_html(data["histogram"])))
+    parts.append(section("dtypes", histogram_html(data["histogram"], watcher_only=watcher_only(data))))
     if view.layer_strips:
         parts.append(section("dtypes per layer", layers_html(view)))
     if data.get("scan") or data.get("probe"):
         parts.append(section("numerics", numerics_html(data)))
     parts.append(section("precision: requested vs effective", precision_html(data)))
     parts.append(section("caches", caches_html(data["caches"])))
-    parts.append(section("scalers", scalers_html(data["scalers"], watched=bool(data.get("scale_history")))))
+    parts.append(
+        section(
+            "scalers",
+            scalers_html(data["scalers"], watched=bool(data.get("scale_history")), watcher_only=watcher_only(data)),
+        )
+    )
     if data.get("scale_history"):
         parts.append(section("loss scale and loss over steps", scale_history_html(data)))
     parts.append("</div>")

@@ -52,6 +52,7 @@ from .html import (
     scalers_html,
     subjects_html,
     verdict_html,
+    watcher_only,
 )
 from .text import departures_sentence
 
@@ -356,11 +357,13 @@ class ReportWidget:
         self.findings_box.children = tuple(cards)
         for widget in old:
             _close_tree(widget)
-        self.dtypes_panel.value = histogram_html(data["histogram"])
+        self.dtypes_panel.value = histogram_html(data["histogram"], watcher_only=watcher_only(data))
         self.layers_panel.value = layers_html(rv)
         self.numerics_panel.value = numerics_html(data)
         self.caches_panel.value = caches_html(data["caches"])
-        self.scaler_panel.value = scalers_html(data["scalers"], watched=bool(data.get("scale_history"))) + scale_history_html(data)
+        self.scaler_panel.value = scalers_html(
+            data["scalers"], watched=bool(data.get("scale_history")), watcher_only=watcher_only(data)
+        ) + scale_history_html(data)
         self.precision_panel.value = precision_html(data)
         self.issue_text.value = self.report.to_markdown()
         if self._clipboard is not None:

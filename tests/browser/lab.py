@@ -304,3 +304,40 @@ def write_report_notebook(path: Path) -> Path:
     ]
     nbformat.write(nb, str(path))
     return path
+
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent.parent / "notebooks"
+
+
+def write_notebook_09(path: Path) -> Path:
+    """Copy notebook 09 (the student's AMP loop) as it is, only pointed at this virtualenv's kernel."""
+    nb = nbformat.read(str(next(NOTEBOOKS.glob("09_*.ipynb"))), as_version=4)
+    nb.metadata["kernelspec"] = {
+        "name": KERNEL_NAME,
+        "display_name": "mpdoctor test venv",
+        "language": "python",
+    }
+    nbformat.write(nb, str(path))
+    return path
+
+
+def lessons_of_notebook_09(path: Path) -> dict[int, str]:
+    """Map the index of each lesson's mistake cell to the rule slug the notebook says names it.
+
+    A lesson is a markdown heading ``## <n>. ...``; its mistake is the first code cell after it.
+    The slugs come from the notebook's own claims cell (``assert set(loop) == {...}``), which
+    lists them in lesson order.
+    """
+    import ast
+    import re
+
+    nb = nbformat.read(str(path), as_version=4)
+    claims = next(c.source for c in nb.cells if c.cell_type == "code" and "assert set(loop) ==" in c.source)
+    literal = claims.split("assert set(loop) ==", 1)[1].splitlines()[0].strip()
+    slugs = [node.value for node in ast.parse(literal, mode="eval").body.elts]
+    cells: list[int] = []
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "markdown" and re.match(r"## \d+\. ", cell.source):
+            cells.append(next(j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"))
+    assert len(cells) == len(slugs), (cells, slugs)
+    return dict(zip(cells, slugs))
