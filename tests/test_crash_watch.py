@@ -145,3 +145,20 @@ def test_a_healthy_accelerate_loop_is_silent_and_steps(capsys):
     assert shown(capsys) == ""
     assert hooks_of(model, optimizer.optimizer) == ({}, {}, {})
     accelerator.free_memory()
+
+
+def test_findings_evidence_and_fix_code_use_the_names_the_loop_holds_its_objects_by(capsys):
+    net = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    amp_scaler = torch.amp.GradScaler("cpu")
+    w = mpdoctor.watch(net, opt, amp_scaler)
+    assert w.object_names == {"model": "net", "optimizer": "opt", "scaler": "amp_scaler"}
+    net(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum().backward()
+    opt.step()
+    w.close()
+    (finding,) = w.start_report.findings_for("scaler-with-bf16")
+    assert finding.subject == "amp_scaler"
+    assert "amp_scaler" in finding.message + str(finding.evidence) + "".join(fx.code for fx in finding.fixes)
+    names = {s.name for s in w.start_report.facts.subjects}
+    assert {"net", "opt", "amp_scaler"} <= names and not {"model", "optimizer", "scaler"} & names
+    assert "amp_scaler" in shown(capsys)

@@ -322,6 +322,7 @@ CASES: list[Case] = [
     Case(
         name="layer-norm-eps-1e-12-fp16", source="deepspeedai/DeepSpeed#581", slug="probe-nonfinite",
         build=_fp16_encoder_eps_1e12, step=_encoder_step, failure="loss is not finite", recipe="representable-eps",
+        fixed_by="norm-eps-underflow",  # the probe plans the one eps fix both findings offer, under the eps check
         diagnose=lambda ns: mpdoctor.probe(ns["model"], ns["ids"], loss_fn=lambda out: out, name="model"),
     ),
     Case(

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from setups import batch, tiny_llama
+from steps import assert_step_trains, snapshot
 
 import mpdoctor
 from mpdoctor.numerics.probe_facts import PROBE_COLUMNS, ForwardCall
@@ -304,3 +305,26 @@ def test_magic_probe_runs_on_a_batch_variable():
         for name in ("model", "batch", "r"):
             shell.user_ns.pop(name, None)
         shell.run_cell("%unload_ext mpdoctor", store_history=False)
+
+
+def test_the_probes_fixes_are_planned_so_applying_them_in_order_makes_its_batch_train():
+    # An fp16 model whose first layer was left fp32, fed fp32: the cast alone would trade one dtype error for the next.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    model[2].half()
+    model[3].half()
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(x)
+    report = mpdoctor.probe(model, x)
+    assert {"mixed-param-dtypes", "probe-dtype-error"} <= {f.check for f in report.findings}
+    assert report.fixes and all(fx.planned for fx in report.fixes)
+    assert report.proof is not None and report.proof.dropped == ()
+    for fx in report.fixes:
+        fx.apply()
+    params = list(model.parameters())
+    before = snapshot(params)
+    loss = model(x).float().square().mean()
+    loss.backward()
+    torch.optim.SGD(params, lr=0.1).step()
+    assert_step_trains(loss, before, params)

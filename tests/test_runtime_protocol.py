@@ -123,7 +123,7 @@ def test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_i
     assert f.severity == "error" and f.evidence["where"] == line_of("# wrong: clipped while scaled")
     assert f.evidence["code"] == "clip_grad_norm_(model.parameters(), 1.0)  # wrong: clipped while scaled"
     assert "max_norm / scale = 0.000977" in f.message
-    assert f.fixes and f.fixes[0].code == corrected_template("amp-clip-before-unscale", "scaler", "optimizer")  # watch() names its arguments
+    assert f.fixes and f.fixes[0].code == corrected_template("amp-clip-before-unscale", "scaler", "opt")  # the names the loop holds them by
     assert "amp-clip-before-unscale" in [x.check for x in w.report.findings]
     assert_trains(*make(), clip=1.0)
 
@@ -158,7 +158,7 @@ def test_optimizer_step_bypassing_the_scaler_multiplies_the_update_by_the_scale(
     assert torch.allclose(moved, right * 1024, rtol=0.05, atol=1e-3)  # fp16 backward rounding
     f = finding(w, "amp-step-bypasses-scaler")
     assert f.evidence["where"] == line_of("# wrong: bypasses scaler.step") and "1024 times too large" in f.message
-    assert f.subject == "optimizer"
+    assert f.subject == "opt"  # the name the loop holds it by
     assert_trains(*make())
 
 

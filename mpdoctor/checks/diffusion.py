@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
-from ..treatment.changes import CastParamsTo
+from ..treatment.changes import CastInputsHook, CastParamsTo
 from ..treatment.findings import Finding, Severity, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -16,6 +16,10 @@ _ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder"
 _DENOISERS = ("unet", "transformer", "prior", "decoder")
 
 
+#: The calls a user makes into a diffusers VAE besides ``forward`` (``vae.encode(image)``, ``vae.decode(latents)``).
+_VAE_ENTRIES = (("", "encode"), ("", "decode"))
+
+
 def _fp16_ids(m: ModelFacts) -> frozenset[int]:
     return frozenset(p.id for p in m.tensors.params if p.dtype == "float16")
 
@@ -23,12 +27,16 @@ def _fp16_ids(m: ModelFacts) -> frozenset[int]:
 def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
     ids = _fp16_ids(m)
     spec = CastParamsTo(m.ref, ids, "float32", (), "fp16 VAE parameters")
+    # The user's fp16 images and latents still arrive in fp16: each entry point casts them to the upcast weights.
+    inputs = CastInputsHook(m.ref, "float32", m.name, _VAE_ENTRIES)
     extra = sum(p.numel for p in m.tensors.params if p.id in ids) * 2
     return [
         Fix(
-            f"Upcast {m.name} to fp32 (the VAE decodes in fp32; the denoiser stays fp16)",
-            f"{m.name}.to(torch.float32)  # pipelines cast the latents to the VAE's dtype before decoding", applicability=Applicability.UNSAFE,
-            changes=(spec,),
+            f"Upcast {m.name} to fp32 and cast its inputs at forward / encode / decode (the denoiser stays fp16)",
+            f"{m.name}.to(torch.float32)  # pipelines cast the latents to the VAE's dtype before decoding\n"
+            f"# and call it with fp32 inputs: {m.name}(image.float()), {m.name}.decode(latents.float())",
+            applicability=Applicability.UNSAFE,
+            changes=(spec, inputs),
             backup_bytes=spec.backup_bytes(facts),
             recipe="vae-fp32",
             cost=f"{size_delta(extra)} of VAE weights",
@@ -66,7 +74,8 @@ def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error when a probe saw the overflow (every image is black); info for the flag alone.
     Fix safety
-        Upcast the VAE to fp32 in place (the denoiser stays fp16; pipelines cast latents to the VAE's dtype),
+        Upcast the VAE to fp32 in place, its floating inputs cast to fp32 at ``forward``, ``encode`` and ``decode``
+        (the user's fp16 images and latents; the denoiser stays fp16),
         or keep it fp16 with ``force_upcast=True`` so the pipeline upcasts it to decode, or load an fp16-safe VAE.
     Sources
         diffusers ``StableDiffusionXLPipeline.__call__`` ("make sure the VAE is in float32 mode, as it

@@ -619,6 +619,7 @@ def probe(
     def again() -> Any:
         return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
 
+    plan, safe_plan = _plans(facts, findings, ignore)
     report = Report(
         findings,
         facts,
@@ -628,6 +629,8 @@ def probe(
         rediagnose=again,
         subjects=tuple(subjects),
         live=live,
+        plan=plan,
+        safe_plan=safe_plan,
     )
     bind_fixes(report, live, report.treatment)
     if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
@@ -635,6 +638,22 @@ def probe(
 
         report = proven_report(report, probe_step(model, batch, setup, autocast, loss_fn, training))
     return report
+
+
+def _plans(facts: Any, findings: list, ignore: tuple) -> tuple[list | None, list | None]:
+    """The probe's plan and safe-only plan, made like diagnose()'s (a cast joined by the input cast it needs);
+    (None, None) when planning raises, which leaves every fix on offer as before."""
+    from ..checks import run_checks
+    from ..treatment.plan import plan, plan_safe
+
+    def run(simulated: Any) -> list:
+        return run_checks(simulated, ignore=ignore)
+
+    try:
+        full = plan(facts, findings, run)
+        return full, plan_safe(facts, findings, run, full)
+    except Exception:  # an unplannable report keeps its raw offers; the proof below still checks them
+        return None, None
 
 
 def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: Any = None,

@@ -75,6 +75,14 @@ def _hookable(optimizer: Any) -> Any:
     return inner if isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "_optimizer_step_pre_hooks") else None
 
 
+def _user_names(**objects: Any) -> dict[str, str]:
+    """Per role (``model``, ``optimizer``, ``scaler``): the variable the caller's frame holds that object by, else
+    the role itself (an object built inline has no name)."""
+    from ..runtime.protocol import name_in_user_frames
+
+    return {role: (name_in_user_frames(obj) if obj is not None else None) or role for role, obj in objects.items()}
+
+
 class NonFiniteLoss(RuntimeError):
     """Raised by :class:`watch` with ``stop_on_nonfinite=True``; ``.report`` is the probe of the batch."""
 
@@ -143,6 +151,8 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         verbose: bool = False,
     ) -> None:
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
+        #: The names the calling notebook or script holds the objects by (``net``, ``opt``, ...), for findings and fix code.
+        self.object_names = _user_names(model=model, optimizer=optimizer, scaler=scaler)
         self.probe, self.stop_on_nonfinite, self.verbose = probe, stop_on_nonfinite, verbose
         self.scan, self.ignore, self.target = scan, tuple(ignore), target
         self.start_report: Any = None
@@ -183,10 +193,11 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         return list(self.protocol.scale_history)
 
     def _names(self) -> dict[int, str]:
-        names = {id(self.model): "model", id(self.optimizer): "optimizer", id(self.scaler): "scaler"}
+        own = self.object_names
+        names = {id(self.model): own["model"], id(self.optimizer): own["optimizer"], id(self.scaler): own["scaler"]}
         inner = _hookable(self.optimizer)
         if inner is not None and inner is not self.optimizer:
-            names[id(inner)] = "optimizer"  # the wrapped optimizer the hooks and the scaler see
+            names[id(inner)] = own["optimizer"]  # the wrapped optimizer the hooks and the scaler see
         return names
 
     def _objects(self) -> list[Any]:

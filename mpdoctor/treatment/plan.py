@@ -176,17 +176,43 @@ def _whole_chain(fx: Fix, state: Facts, before: list[Finding], after_facts: Fact
     ``pending_input_casts``, taken when the fix is chosen) and the outcome is judged with it.
     """
     fx.pending_input_casts = ()  # type: ignore[attr-defined]
+    fx.pending_shadows = ()  # type: ignore[attr-defined]
     extra = tuple(c for c in _input_casts(before, after) if c not in fx.changes)
-    if not extra:
+    shadows = tuple(c for c in _shadow_followers(fx, state) if c not in fx.changes)
+    if not extra and not shadows:
         return after_facts, after
-    for spec in extra:
+    for spec in extra + shadows:
         after_facts = spec.simulate(after_facts)
     fx.pending_input_casts = extra  # type: ignore[attr-defined]
+    fx.pending_shadows = shadows  # type: ignore[attr-defined]
     return after_facts, run(after_facts)
 
 
+def _shadow_followers(fx: Fix, state: Facts) -> tuple:
+    """The averaging objects (EMA, ``AveragedModel``) whose online model ``fx`` casts: each keeps its shadow in fp32
+    with an update that takes the cast model (:class:`KeepShadowFp32`), so the next ``update_parameters`` runs."""
+    from .changes import CastParamsTo
+    from .shadow_changes import KeepShadowFp32
+
+    cast = frozenset().union(*(c.param_ids for c in fx.changes if isinstance(c, CastParamsTo)))
+    if not cast:
+        return ()
+    out = []
+    for s in state.averaging:
+        followed = [m for m in state.models if s.source is not None and (s.source == m.name or s.source.startswith(m.name + "."))]
+        if any(cast & {p.id for p in m.tensors.params} for m in followed):
+            out.append(KeepShadowFp32(s.ref, s.name))
+    return tuple(out)
+
+
 def _take_input_casts(fx: Fix) -> None:
-    """Make the input casts its simulation needed part of the chosen fix (its changes, title and code)."""
+    """Make the input casts and averaged copies its simulation needed part of the chosen fix (changes, title, code)."""
+    shadows = getattr(fx, "pending_shadows", ())
+    if shadows:  # the averaged copies follow the cast, so their next update keeps running
+        fx.changes = tuple(fx.changes) + tuple(shadows)
+        fx.title += f", and keep {', '.join(c.label for c in shadows)} in fp32 so its update accepts the cast model"
+        fx.code += "".join(f"\n# {c.label}: shadow cast to fp32, its update made per-tensor" for c in shadows)
+        fx.pending_shadows = ()  # type: ignore[attr-defined]
     extra = getattr(fx, "pending_input_casts", ())
     if not extra:
         return

@@ -363,3 +363,25 @@ def test_a_torchmetrics_metric_with_an_fp32_feature_net_in_a_bf16_module_is_an_i
     assert torch.isfinite(module.metric.compute())
     report = mpdoctor.diagnose(module, opt)
     assert not [f for f in report.findings if f.severity in ("error", "warning")], report.to_text()
+
+
+def test_a_cast_of_an_averaged_model_takes_its_averaged_copy_along_so_the_next_update_and_step_run():
+    # bf16 model, bf16 EMA kept by AveragedModel's foreach update; the T4 what-if casts the model to fp32 master weights.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ema.update_parameters(model)  # the first update copies; the second one averages
+    report = mpdoctor.diagnose(model, optimizer, ema, target="T4")
+    fix = next(fx for f in report.findings_for("bf16-unsupported") if f.subject == "model" for fx in f.fixes)
+    fix.apply()
+    assert next(model.parameters()).dtype == torch.float32
+    ema.update_parameters(model)  # before: "expected dtype c10::BFloat16 for `end` but got dtype float"
+    assert all(p.dtype == torch.float32 for p in ema.module.parameters())
+    params = list(model.parameters())
+    before = snapshot(params)
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    optimizer.step()
+    assert_step_trains(loss, before, params)
+    ema.update_parameters(model)

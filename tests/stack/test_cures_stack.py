@@ -17,10 +17,12 @@ import torch
 from cure import Case, Namespace, assert_broken, cure_through_api, cure_through_widget
 from peft import LoraConfig, get_peft_model
 
+import mpdoctor
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field tests' own builders
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
-from test_field_diffusers import lora_unet, tiny_unet, unet_step  # noqa: E402
+from test_field_diffusers import lora_unet, overflowing_vae, tiny_unet, unet_step  # noqa: E402
 from test_trl import build_tokenizer, dpo, large_logit_policy_and_fp16_reference  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
@@ -99,6 +101,25 @@ def _dpo(policy: torch.nn.Module, reference: torch.nn.Module) -> Namespace:
     return {"trainer": trainer, "logs": logs}
 
 
+def _fp16_vae() -> Namespace:
+    torch.manual_seed(0)
+    vae = overflowing_vae().half()
+    image = torch.randn(1, 3, 16, 16).half()  # the user's own fp16 image, as InstantID feeds it
+    return {"vae": vae, "image": image, "optimizer": torch.optim.SGD(vae.parameters(), lr=1e-6)}
+
+
+def _vae_step(ns: Namespace) -> torch.Tensor:
+    ns["optimizer"].zero_grad()
+    loss = ns["vae"](ns["image"]).sample.float().square().mean()
+    loss.backward()
+    ns["optimizer"].step()
+    return loss
+
+
+def _probe_vae(ns: Namespace):
+    return mpdoctor.probe(ns["vae"], ns["image"], name="vae", loss_fn=lambda out: out.sample.float().mean())
+
+
 def _dpo_fp16_reference() -> Namespace:
     return _dpo(*large_logit_policy_and_fp16_reference(build_tokenizer()))
 
@@ -148,6 +169,11 @@ CASES: list[Case] = [
         name="dreambooth-fp16-unet-under-scaler", source="diffusers #1246", slug="fp16-trainable-params-with-scaler",
         build=_fp16_unet, step=_unet_step, failure="Attempting to unscale FP16 gradients",
         fixed_by="adam-eps-underflow",
+    ),
+    Case(
+        name="fp16-vae-overflow-fp16-image", source="InstantID #261", slug="vae-fp16-overflow",
+        build=_fp16_vae, step=_vae_step, failure="loss is not finite", diagnose=_probe_vae,
+        fixed_by="probe-nonfinite",  # on bf16 hardware the plan computes the VAE in bf16 (inputs cast); vae-fp32 elsewhere
     ),
     Case(
         name="qlora-fp32-compute-dtype", source="h2ogpt PR #682", slug="bnb-compute-dtype-fp32",

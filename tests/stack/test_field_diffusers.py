@@ -181,8 +181,9 @@ def test_fp16_vae_overflows_to_nan_then_upcast_vae_decodes_finite():
     upcast.apply()
     assert {p.dtype for p in vae.parameters()} == {torch.float32}
     with torch.no_grad():
-        fixed = vae(image).sample
-    assert torch.isfinite(fixed).all()
+        fixed = vae(image.half()).sample  # the user's own fp16 image: the upcast covers its input
+        decoded = vae.decode(vae.encode(image.half()).latent_dist.mode().half()).sample
+    assert torch.isfinite(fixed).all() and torch.isfinite(decoded).all()
 
 
 def test_fp16_vae_without_force_upcast_is_flagged_before_any_probe():
