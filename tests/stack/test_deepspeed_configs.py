@@ -54,7 +54,10 @@ def one_rank_group():
     # ZeRO-3 replaces torch.nn.functional.linear process-wide ("This will persist unless manually reset.")
     torch.nn.functional.linear = getattr(zero3_init, "linear_bk", torch.nn.functional.linear)
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        if ds_comm.cdb is not None:  # DeepSpeed's teardown also drops the groups it cached (its world group)
+            ds_comm.destroy_process_group()
+        else:
+            torch.distributed.destroy_process_group()
     ds_comm.cdb = None  # DeepSpeed's own "initialised" flag: the next module starts afresh
     AcceleratorState._reset_state(reset_partial_state=True)
     os.environ.clear()
