@@ -79,8 +79,9 @@ def handle_exception(
 
         report = explain(value, tb, namespace=shell.user_ns)
         if report is not None:
-            from ..runtime.session import remember_crash
+            from ..runtime.session import in_the_users_loop_report, remember_crash
 
+            report = in_the_users_loop_report(shell, report)  # the corrected lines of the user's own loop
             remember_crash(shell, report, _raising_cell(tb))
             show(report)
     except BaseException as exc:  # the traceback is already shown; the hook's failure is one line

@@ -348,7 +348,9 @@ def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any
 
     watched, crashes = unreported(shell)
     skip = set(ignore)
-    extra = [f for f in watched if f.check not in skip]
+    from ..runtime.session import users_loop_findings
+
+    extra = users_loop_findings(shell, [f for f in watched if f.check not in skip])  # the user's loop, corrected
     cause = exception = raised_by = None
     for crash in crashes:
         if crash.cause is not None and crash.cause.check not in skip:

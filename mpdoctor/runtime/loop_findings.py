@@ -7,6 +7,7 @@ user's own loop with the corrected lines (:mod:`mpdoctor.runtime.loop_rewrite`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -189,3 +190,22 @@ def read_code(code: str, file: str = "<code>") -> list[Finding]:
     """The protocol mistakes in one code string (never executed), named as lines of ``file``."""
     source = source_of(file, code)
     return read_sources([source]) if source is not None else []
+
+
+def in_the_users_loop(findings: Sequence[Finding], sources: Sequence[Source]) -> list[Finding]:
+    """``findings`` of the loop watcher, each with the user's own loop corrected where the reader finds the same
+    mistake in ``sources`` (the code that ran): the rule's template names objects the user may not have
+    (``loader``, ``loss_fn``, ``max_norm``), the reader's corrected lines are the user's, every mistake of the
+    loop fixed. One mistake keeps one fix; a finding the reader does not see keeps the template."""
+    if not findings or not sources:
+        return list(findings)
+    try:
+        read = {mistake_key(r): r for r in read_sources(sources)}
+    except Exception:  # the watcher's own lines stand
+        return list(findings)
+    read.pop(None, None)
+    out = []
+    for f in findings:
+        mine = read.get(mistake_key(f))
+        out.append(dataclasses.replace(f, fixes=list(mine.fixes)) if mine is not None and mine.fixes else f)
+    return out

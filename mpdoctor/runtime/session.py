@@ -88,7 +88,7 @@ class _Session:
             new = _not_yet_shown(obs.findings[self.seen :], self.crashes)
             self.seen = len(obs.findings)
             if new:
-                show_findings(obs, new, steps)
+                show_findings(obs, users_loop_findings(self.shell, new), steps)
 
 
 class _Pending:
@@ -133,6 +133,29 @@ def _announce(finding: Any) -> None:
     title = in_names(title, evidence.get("scaler") or (finding.subject if about_scaler else ""),
                      evidence.get("optimizer") or "")  # fmt: skip
     print(f"mpdoctor: {finding.severity} [{finding.check}]{at}: {title} (details when the cell ends)", file=sys.stderr)
+
+
+def users_loop_findings(shell: Any, findings: list) -> list:
+    """The watcher's findings with the corrected lines of the user's own loop, read from the cells that ran."""
+    try:
+        from .history import cell_sources
+        from .loop_findings import in_the_users_loop
+
+        return in_the_users_loop(findings, cell_sources(shell))
+    except Exception:  # the watcher's own lines stand
+        return findings
+
+
+def in_the_users_loop_report(shell: Any, report: Any) -> Any:
+    """``report`` (a crash's) with the watcher's findings in it given the user's own loop, corrected."""
+    from .rules import RULES
+
+    watched = [f for f in report.findings if f.check in RULES]
+    if not watched:
+        return report
+    mine = dict(zip(map(id, watched), users_loop_findings(shell, watched)))
+    cause = mine.get(id(report.cause), report.cause) if report.cause is not None else None
+    return report.evolve(findings=tuple(mine.get(id(f), f) for f in report.findings), cause=cause)
 
 
 def cell_report(observer: Any, findings: list, steps: list | None = None) -> Any:
