@@ -203,6 +203,9 @@ def test_after_apply_safe_fixes_then_refresh_each_finding_that_left_says_why_in_
         assert "since the last report" in html and html.count("mpdoctor-departed") == len(after.departed)
         assert after.to_dict()["departed"] == [dict(d) for d in after.departed]
         assert "no mixed-precision problems found" not in html
+        markdown = after.to_markdown()  # the bug-report export says it too
+        assert "Since the last report:" in markdown and "- fixed: `scaler-with-bf16` on `amp_scaler`" in markdown
+        assert "- only fixable in code: `amp-clip-before-unscale`" in markdown
 
         # The widget's status line reads the same decision.
         rw = ReportWidget(after)

@@ -6,6 +6,7 @@ from typing import Any
 
 from .data import humanize_bytes
 from .formatting import dtype_word, plural
+from .text import LEFT_AS
 from .view import ReportView
 
 
@@ -36,6 +37,11 @@ def render_markdown(view: ReportView) -> str:
         lines.append("")
     else:
         lines += ["No problems found.", ""]
+    departed = data.get("departed") or []
+    if departed:  # a refreshed report: what left since the last one, and why
+        lines += ["Since the last report:", ""]
+        lines += [f"- {LEFT_AS.get(d['why'], d['why'])}: `{d['check']}` on `{_cell(d['subject'])}`" for d in departed]
+        lines.append("")
     if data["histogram"]:
         lines += ["| object | kind | dtype | tensors | bytes | trainable |", "|---|---|---|---|---|---|"]
         for r in data["histogram"]:

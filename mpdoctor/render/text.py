@@ -55,7 +55,7 @@ def render_text(view: ReportView, width: int = 100) -> str:
 
 
 #: How each reason a finding left reads in a sentence (the reasons are mpdoctor.diagnosis.treatment's).
-_LEFT_AS = {
+LEFT_AS = {
     "fixed": "fixed",
     "superseded": "superseded by another fix",
     "changed outside": "no longer found (changed outside mpdoctor, no fix applied)",
@@ -71,9 +71,9 @@ def departures_sentence(departed: list[dict]) -> str:
     def listed(rows: list[dict]) -> str:
         return ", ".join(f"{d['check']} on {d['subject']}" for d in rows)
 
-    left = [f"{label}: {listed(rows)}" for why, label in _LEFT_AS.items() if (rows := [d for d in departed if d["why"] == why])]
+    left = [f"{label}: {listed(rows)}" for why, label in LEFT_AS.items() if (rows := [d for d in departed if d["why"] == why])]
     sentences = [f"Left the report: {'; '.join(left)}."] if left else []
-    code_only = [d for d in departed if d["why"] not in _LEFT_AS]
+    code_only = [d for d in departed if d["why"] not in LEFT_AS]
     if code_only:
         sentences.append(f"Only fixable in code, still shown with the code: {listed(code_only)}.")
     return " ".join(sentences)
@@ -85,7 +85,7 @@ def departed_lines(departed: list[dict], width: int) -> list[str]:
         return []
     lines = ["", "since the last report:"]
     for d in departed:
-        lines += textwrap.wrap(f"{_LEFT_AS.get(d['why'], d['why'])}: {d['check']}  {d['subject']}", width,
+        lines += textwrap.wrap(f"{LEFT_AS.get(d['why'], d['why'])}: {d['check']}  {d['subject']}", width,
                                initial_indent="  ", subsequent_indent="    ")  # fmt: skip
     return lines
 
