@@ -126,3 +126,19 @@ def test_after_apply_all_safe_fixes_each_finding_that_left_says_why_and_code_onl
         assert gone and all(check in rw.status for check in gone), (gone, rw.status)
         assert "fixed: " in rw.status
         assert "no mixed-precision problems found" not in rw.report.to_html()
+
+
+def test_a_crash_finding_whose_fix_is_not_applied_yet_stays_after_a_refresh_and_is_never_called_superseded():
+    with loaded_shell(NAMES) as shell:
+        crashed(shell)
+        shell.run_cell("r = %mpdoctor --text", store_history=True)
+        report = shell.user_ns["r"]
+        after = report.refresh()  # nothing applied: the diagnosis at rest cannot see the crash's batch
+        assert after.findings_for("batch-dtype-mismatch"), "the crash's finding left a refresh with its fix pending"
+        assert all(d["check"] != "batch-dtype-mismatch" for d in after.departed)
+        (fix,) = [fx for fx in after.safe_fixes if fx.recipe == "cast-inputs-hook"]  # still the one to apply
+        fix.apply()
+        net = shell.user_ns["net"]
+        before = snapshot(net.parameters())
+        assert shell.run_cell(STEP, store_history=True).success
+        assert_step_trains(shell.user_ns["loss"], before, net.parameters())

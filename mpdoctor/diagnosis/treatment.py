@@ -129,6 +129,13 @@ def _code_only(finding: Any) -> bool:
     return bool(finding.fixes) and all(fx.applicability.value == "display-only" for fx in finding.fixes)
 
 
+def _pending_where_seen(finding: Any) -> bool:
+    """A crash's finding whose fix, bound to the batch the crash saw, is not applied yet: a re-diagnosis of the
+    objects at rest cannot see that batch, so the finding has not left, it is still to treat."""
+    fixes = finding.fixes
+    return any(fx.bound_where_seen for fx in fixes) and not any(fx.applied for fx in fixes)
+
+
 def why_departed(finding: Any, any_applied: bool) -> str:
     """Why ``finding``, absent from a re-diagnosis, left.
 
@@ -147,18 +154,29 @@ def carry_over(before: Report, fresh: Report) -> Report:
 
     The one decision behind both ``report.refresh()`` and the widget's buttons. A finding only code can fix (the
     watcher's, the cell reader's and the crash's loop findings, absent from a diagnosis of the objects at rest)
-    stays, with its code; every other finding gone is marked fixed (one of its own fixes was applied) or
+    stays, with its code; so does a crash's finding whose fix, bound to the batch it saw, is not applied yet (it
+    has not left); every other finding gone is marked fixed (one of its own fixes was applied) or
     superseded (another fix resolved it), or changed outside (no fix was applied: the user's code changed the
     objects). The marks are ``fresh.departed``: one dict per finding, with ``check``, ``subject``, ``severity``
     and ``why``.
     """
     now = {_finding_key(f) for f in fresh.findings}
-    gone = [f for f in before.findings if _finding_key(f) not in now]
-    kept = [f for f in gone if _code_only(f)]
+    unseen = [f for f in before.findings if _finding_key(f) not in now]
+    pending = [f for f in unseen if not _code_only(f) and _pending_where_seen(f)]  # it never left
+    gone = [f for f in unseen if all(f is not p for p in pending)]
+    kept = [*(f for f in gone if _code_only(f)), *pending]
     any_applied = any(fx.applied for fx in (*before.all_fixes, *before.safe_fixes))
     departed = tuple(
         {"check": f.check, "subject": f.subject, "severity": f.severity, "why": why_departed(f, any_applied)}
         for f in gone
     )
     findings = sorted([*fresh.findings, *kept], key=lambda f: f.rank) if kept else fresh.findings
-    return fresh.evolve(findings=findings, departed=departed)
+    return fresh.evolve(findings=findings, departed=departed, **_plans_keeping(fresh, pending))
+
+
+def _plans_keeping(fresh: Report, pending: list) -> dict:
+    """The pending crash fixes stay in the plans, as bound: "Apply all safe fixes" still applies them."""
+    bound = [fx for f in pending for fx in f.fixes if fx.bound_where_seen and fx.planned]
+    if not bound:
+        return {}
+    return {"plan": [*fresh.fixes, *bound], "safe_plan": [*fresh.safe_fixes, *(fx for fx in bound if fx.safe)]}
