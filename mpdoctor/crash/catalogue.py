@@ -985,7 +985,7 @@ FAMILIES = FAMILIES + (
             'spectrum = torch.fft.rfft(x)  # a Fourier layer (FNO, FourierFT, Hyena) in a bf16 model'
         ),
         kind=REFUSAL,
-        exception_types=("builtins.RuntimeError",),
+        exception_types=("builtins.RuntimeError", "builtins.NotImplementedError"),  # torch 2.14 raises it as a NotImplementedError
         messages=(
             r"^Unsupported dtype (?:BFloat16|Half)$",
             r"MKL FFT doesn't support tensors? of type: (?:BFloat16|Half)",
@@ -1015,7 +1015,7 @@ FAMILIES = FAMILIES + (
             'torch.distributions.Dirichlet(concentration).sample()'
         ),
         kind=REFUSAL,
-        exception_types=("builtins.NotImplementedError",),
+        exception_types=("builtins.NotImplementedError", "builtins.RuntimeError"),  # torch 2.4 raises it as a RuntimeError
         messages=(r'"(?:dirichlet|gamma|_standard_gamma|binomial|poisson)\w*" not implemented for ' + _LOW,),
         examples=(
             _raised("\"dirichlet\" not implemented for 'BFloat16'", "torch 2.13 CPU: Dirichlet(...).sample()"),

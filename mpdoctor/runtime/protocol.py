@@ -89,6 +89,19 @@ def user_line(depth: int = 2) -> Location | None:
     return None
 
 
+#: What a function frame's ``f_locals`` is: a dict before Python 3.13, a ``FrameLocalsProxy`` from 3.13 (PEP 667).
+_FRAME_LOCALS = type((lambda: sys._getframe().f_locals)())
+
+
+def _scope_items(scope: Any) -> list:
+    """The items of a frame's locals or globals, read without running user code (no user mapping's methods)."""
+    if type(scope) is dict:
+        return list(dict.items(scope))
+    if type(scope) is _FRAME_LOCALS and _FRAME_LOCALS is not dict:
+        return list(scope.items())
+    return []
+
+
 def name_in_user_frames(obj: Any) -> str | None:
     """The variable the user's code holds ``obj`` by, in the nearest user frame (locals, then globals)."""
     try:
@@ -100,10 +113,9 @@ def name_in_user_frames(obj: Any) -> str | None:
         name = dict.get(g, "__name__") if type(g) is dict else None
         if not (type(name) is str and name.split(".", 1)[0] in _LIBRARY_PREFIXES):
             for scope in (frame.f_locals, g):
-                if type(scope) is dict:
-                    for key, value in dict.items(scope):
-                        if value is obj and type(key) is str and not key.startswith("_"):
-                            return key
+                for key, value in _scope_items(scope):
+                    if value is obj and type(key) is str and not key.startswith("_"):
+                        return key
             return None
         frame = frame.f_back
     return None
@@ -121,10 +133,9 @@ def modules_in_user_frames() -> list[tuple[str, Any]]:
         if not (type(name) is str and name.split(".", 1)[0] in _LIBRARY_PREFIXES):
             out: dict[int, tuple[str, Any]] = {}
             for scope in (frame.f_locals, g):
-                if type(scope) is dict:
-                    for key, value in dict.items(scope):
-                        if type(key) is str and key[:1] != "_" and issubclass(type(value), torch.nn.Module):
-                            out.setdefault(id(value), (key, value))
+                for key, value in _scope_items(scope):
+                    if type(key) is str and key[:1] != "_" and issubclass(type(value), torch.nn.Module):
+                        out.setdefault(id(value), (key, value))
             return list(out.values())
         frame = frame.f_back
     return []
