@@ -1,5 +1,6 @@
 """What the AMP-loop field cases share: a small regression batch, a model, an fp16 autocast loss, the one
-finding of a slug, the norm of the gradients a step applied."""
+finding of a slug, the norm of the gradients a step applied, and the notebook cells of a bf16 loop that clips
+before ``unscale_``."""
 
 from __future__ import annotations
 
@@ -29,3 +30,24 @@ def only(w, slug):
 
 def grad_norm(params) -> float:
     return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+
+
+#: A notebook cell: a bf16 model, its optimizer, a GradScaler named ``amp_scaler`` and four batches.
+BF16_SETUP_CELL = """
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(torch.bfloat16)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+amp_scaler = torch.amp.GradScaler("cpu")
+data = [torch.randn(16, 4, dtype=torch.bfloat16) for _ in range(4)]
+"""
+#: A bf16 model's loop that clips before unscale_: the clip is only fixable in code; the scaler is a safe fix at rest.
+BF16_CLIP_LOOP_CELL = """
+for x in data:
+    optimizer.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    amp_scaler.scale(loss).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    amp_scaler.step(optimizer)
+    amp_scaler.update()
+"""

@@ -351,3 +351,18 @@ def assert_unchanged(before: Fingerprint, after: Fingerprint, what: str) -> None
     if before != after:
         lines = "\n  ".join(before.diff(after))
         raise AssertionError(f"{what} changed the fingerprint:\n  {lines}")
+
+
+def values_only(fp: Fingerprint) -> dict:
+    """A fingerprint without storage pointers and version counters: a replayed step runs in-place ops, so those
+    move; every value, dtype, identity, optimizer state and random stream must come back."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("version", "ptr")}
+        if isinstance(value, (list, tuple)):
+            kept = [v for v in value if not (isinstance(v, tuple) and len(v) == 2 and v[0] in ("version", "ptr"))]
+            return type(value)(strip(v) for v in kept)
+        return value
+
+    return {k: strip(v) for k, v in dict(fp).items()}

@@ -60,6 +60,21 @@ def _js_notebook(page, body: str, arg=None):
     )
 
 
+def _open_notebook(page, url: str) -> None:
+    """Open a notebook in JupyterLab and wait until its kernel is idle."""
+    page.set_default_timeout(60_000)
+    page.goto(url)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+    )
+    _js_notebook(page, "return nb.sessionContext.ready;")
+    page.wait_for_function(
+        "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
+        " return s && s.kernel && s.kernel.status === 'idle'; }"
+    )
+
+
 def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record_property):
     _require_chromium()
     import playwright.sync_api as playwright
@@ -75,17 +90,7 @@ def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 1600}, device_scale_factor=1.5)
-            page.set_default_timeout(60_000)
-            page.goto(lab.notebook_url(NOTEBOOK))
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-            )
-            _js_notebook(page, "return nb.sessionContext.ready;")
-            page.wait_for_function(
-                "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
-                " return s && s.kernel && s.kernel.status === 'idle'; }"
-            )
+            _open_notebook(page, lab.notebook_url(NOTEBOOK))
             _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
 
             report = page.locator(".mpdoctor-widget")
@@ -275,17 +280,7 @@ def test_every_text_of_the_report_reads_in_light_and_dark_themes_at_1280_and_600
             context = browser.new_context(viewport={"width": 1280, "height": 1400}, device_scale_factor=1)
             context.grant_permissions(["clipboard-read", "clipboard-write"], origin=lab.url)
             page = context.new_page()
-            page.set_default_timeout(60_000)
-            page.goto(lab.notebook_url(NOTEBOOK))
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-            )
-            _js_notebook(page, "return nb.sessionContext.ready;")
-            page.wait_for_function(
-                "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
-                " return s && s.kernel && s.kernel.status === 'idle'; }"
-            )
+            _open_notebook(page, lab.notebook_url(NOTEBOOK))
             _js_notebook(page, "app.shell.collapseLeft(); app.shell.collapseRight();")
             _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
             report = page.locator(".mpdoctor-widget")
@@ -395,17 +390,7 @@ def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_s
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1200, "height": 1600}, device_scale_factor=1)
-            page.set_default_timeout(60_000)
-            page.goto(lab.notebook_url(name))
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.sessionContext"
-            )
-            _js_notebook(page, "return nb.sessionContext.ready;")
-            page.wait_for_function(
-                "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext.session;"
-                " return s && s.kernel && s.kernel.status === 'idle'; }"
-            )
+            _open_notebook(page, lab.notebook_url(name))
             _js_notebook(page, "app.shell.collapseLeft(); app.shell.collapseRight();")
             _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
             # The last cell checks the lesson's claims; the two raising cells are tagged raises-exception.

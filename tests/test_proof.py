@@ -6,26 +6,11 @@ import random
 
 import pytest
 import torch
-from fingerprint import fingerprint
+from fingerprint import fingerprint, values_only
 
 import mpdoctor
 
 pytestmark = pytest.mark.colab
-
-
-def _values_only(fp) -> dict:
-    """A fingerprint without storage pointers and version counters: a replayed step runs in-place ops, so those
-    move; every value, dtype, identity, optimizer state and random stream must come back."""
-
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("version", "ptr")}
-        if isinstance(value, (list, tuple)):
-            kept = [v for v in value if not (isinstance(v, tuple) and len(v) == 2 and v[0] in ("version", "ptr"))]
-            return type(value)(strip(v) for v in kept)
-        return value
-
-    return {k: strip(v) for k, v in dict(fp).items()}
 
 
 def _setup(head_dtype=torch.bfloat16, input_dtype=torch.float32):
@@ -51,9 +36,9 @@ def test_the_failing_step_raises_then_the_planned_fix_is_verified_on_it_and_noth
         train_step()  # the real error first
     ns = {"model": model, "opt": opt, "x": x}
     random.seed(1)
-    before = _values_only(fingerprint(ns))
+    before = values_only(fingerprint(ns))
     report = mpdoctor.diagnose(model, opt, step=train_step, names={id(model): "model", id(opt): "opt"})
-    assert _values_only(fingerprint(ns)) == before  # parameters, grads, optimizer state, RNG streams
+    assert values_only(fingerprint(ns)) == before  # parameters, grads, optimizer state, RNG streams
     assert report.proof is not None and not report.proof.before.ran
     assert report.proof.after and report.proof.after[-1][1].trained
     fix = report.fixes[0]
@@ -72,12 +57,12 @@ def test_a_step_with_optimizer_state_and_randomness_is_restored_exactly():
         train_step()  # Adam's moments exist, the RNG has moved
     model[2].to(torch.bfloat16)  # now it fails
     ns = {"model": model, "opt": opt, "x": x}
-    before = _values_only(fingerprint(ns))
+    before = values_only(fingerprint(ns))
     state = {k: v.clone() for k, v in opt.state[model[0].weight].items()}
     rng = torch.get_rng_state()
     report = mpdoctor.diagnose(model, opt, step=train_step)
     assert report.proof.after
-    assert _values_only(fingerprint(ns)) == before
+    assert values_only(fingerprint(ns)) == before
     for k, v in opt.state[model[0].weight].items():
         assert torch.equal(v, state[k])
     # the step drew dropout masks three times; the stream is where it was

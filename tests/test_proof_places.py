@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from fingerprint import fingerprint
+from fingerprint import fingerprint, values_only
 from notebook_shell import loaded_shell
 from steps import assert_step_trains, snapshot
 
@@ -20,21 +20,6 @@ import mpdoctor
 from mpdoctor.diagnosis.replay import refusal
 
 pytestmark = pytest.mark.colab
-
-
-def _values_only(fp) -> dict:
-    """A fingerprint without storage pointers and version counters: a replayed step runs in-place ops, so those
-    move; every value, dtype, identity, optimizer state and random stream must come back."""
-
-    def strip(value):
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items() if k not in ("version", "ptr")}
-        if isinstance(value, (list, tuple)):
-            kept = [v for v in value if not (isinstance(v, tuple) and len(v) == 2 and v[0] in ("version", "ptr"))]
-            return type(value)(strip(v) for v in kept)
-        return value
-
-    return {k: strip(v) for k, v in dict(fp).items()}
 
 
 def _iterator_position(it) -> int:
@@ -79,7 +64,7 @@ _NAMES = ("torch", "net", "adam", "data", "batches", "batch", "seen", "loss", "r
 
 
 def _state(ns: dict) -> dict:
-    return _values_only(fingerprint({k: ns[k] for k in ("net", "adam", "batch", "seen")}))
+    return values_only(fingerprint({k: ns[k] for k in ("net", "adam", "batch", "seen")}))
 
 
 # -- the crash cell ------------------------------------------------------------------------------------------------
@@ -215,12 +200,12 @@ def test_watch_proves_the_fix_on_the_batch_it_held_leaves_the_run_as_it_was_and_
         exc = _raised(lambda: _loop_step(model, opt, x, scaler))
         assert isinstance(exc, RuntimeError) and "must have the same dtype" in str(exc)  # the real error, in the loop
         ns = {"model": model, "opt": opt, "scaler": scaler}
-        before, rng, position = _values_only(fingerprint(ns)), torch.get_rng_state(), _iterator_position(it)
+        before, rng, position = values_only(fingerprint(ns)), torch.get_rng_state(), _iterator_position(it)
         history = list(w.scale_history)
         report = w.explain(exc, exc.__traceback__)  # what leaving the watched block runs
         # parameters, grads, Adam's moments, the scaler's scale and tracker, the RNG, the data: all as they were;
         # the watch saw none of the proof's steps
-        assert _values_only(fingerprint(ns)) == before
+        assert values_only(fingerprint(ns)) == before
         assert torch.equal(torch.get_rng_state(), rng) and _iterator_position(it) == position
         assert w.scale_history == history and w._steps == 0
         assert "mixed-param-dtypes" in {f.check for f in report.findings}
@@ -267,9 +252,9 @@ def test_the_probe_proves_its_fix_on_its_batch_restores_everything_and_a_trainin
         model(batch).float().mean().backward()  # the real error first
     model.eval()  # the probe runs in train mode and must put the modes back
     ns = {"model": model, "batch": batch}
-    before, rng = _values_only(fingerprint(ns)), torch.get_rng_state()
+    before, rng = values_only(fingerprint(ns)), torch.get_rng_state()
     report = mpdoctor.probe(model, batch)
-    assert _values_only(fingerprint(ns)) == before and torch.equal(torch.get_rng_state(), rng)
+    assert values_only(fingerprint(ns)) == before and torch.equal(torch.get_rng_state(), rng)
     assert {"probe-dtype-error", "mixed-param-dtypes"} <= {f.check for f in report.findings}
     assert report.proof.step == "the probe's batch: forward and backward"
     assert report.proof.verified and not report.proof.before.ran

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amp_loops import BF16_CLIP_LOOP_CELL, BF16_SETUP_CELL
 from notebook_shell import loaded_shell
 from steps import assert_step_trains, snapshot
 
@@ -85,30 +86,10 @@ def test_every_fix_code_a_crash_report_shows_runs_as_shown_and_the_step_then_tra
         assert net(torch.randn(2, 4)).dtype == torch.bfloat16  # the hook casts every call's input
 
 
-BF16_SETUP = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(torch.bfloat16)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-amp_scaler = torch.amp.GradScaler("cpu")
-data = [torch.randn(16, 4, dtype=torch.bfloat16) for _ in range(4)]
-"""
-#: A bf16 model's loop that clips before unscale_: the clip is only fixable in code; the scaler is a safe fix at rest.
-BF16_LOOP = """
-for x in data:
-    optimizer.zero_grad()
-    loss = model(x).float().pow(2).mean()
-    amp_scaler.scale(loss).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    amp_scaler.step(optimizer)
-    amp_scaler.update()
-"""
-
-
 def test_after_apply_all_safe_fixes_each_finding_that_left_says_why_and_code_only_ones_stay(capsys):
     with loaded_shell(("model", "optimizer", "amp_scaler", "data", "x", "loss", "r")) as shell:
-        shell.run_cell(BF16_SETUP, store_history=True)
-        shell.run_cell(BF16_LOOP, store_history=True)
+        shell.run_cell(BF16_SETUP_CELL, store_history=True)
+        shell.run_cell(BF16_CLIP_LOOP_CELL, store_history=True)
         shell.run_cell("r = %mpdoctor --text", store_history=True)
         report = shell.user_ns["r"]
         checks = [f.check for f in report.findings]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from amp_loops import BF16_CLIP_LOOP_CELL, BF16_SETUP_CELL
 from notebook_shell import loaded_shell
 from steps import assert_step_trains, snapshot
 
@@ -42,24 +43,6 @@ amp_scaler.update()
 """
 FP16_NAMES = ("model", "optimizer", "amp_scaler", "x", "loss", "r")
 
-BF16_SETUP = """
-import torch
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(torch.bfloat16)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-amp_scaler = torch.amp.GradScaler("cpu")
-data = [torch.randn(16, 4, dtype=torch.bfloat16) for _ in range(4)]
-"""
-#: A bf16 model's loop that clips before unscale_: the clip is only fixable in code; the scaler is a safe fix at rest.
-BF16_LOOP = """
-for x in data:
-    optimizer.zero_grad()
-    loss = model(x).float().pow(2).mean()
-    amp_scaler.scale(loss).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    amp_scaler.step(optimizer)
-    amp_scaler.update()
-"""
 BF16_NAMES = ("model", "optimizer", "amp_scaler", "data", "x", "loss", "r")
 
 
@@ -134,7 +117,7 @@ def test_an_armed_confirmation_given_before_the_objects_changed_confirms_nothing
 
 def test_an_unchanged_report_acts_on_the_first_click_of_a_safe_fix():
     with loaded_shell(BF16_NAMES) as shell:
-        shell.run_cell(BF16_SETUP, store_history=True)
+        shell.run_cell(BF16_SETUP_CELL, store_history=True)
         rw = widget(shell)
         only(rw.buttons("Disable amp_scaler")).click()
         assert shell.user_ns["amp_scaler"].is_enabled() is False  # nothing changed: one click acts
@@ -143,7 +126,7 @@ def test_an_unchanged_report_acts_on_the_first_click_of_a_safe_fix():
 
 def test_a_safe_fix_whose_finding_the_user_resolved_since_the_report_is_not_applied_and_the_widget_says_why():
     with loaded_shell(BF16_NAMES) as shell:
-        shell.run_cell(BF16_SETUP, store_history=True)
+        shell.run_cell(BF16_SETUP_CELL, store_history=True)
         rw = widget(shell)
         button = only(rw.buttons("Disable amp_scaler"))
         assert shell.run_cell("model.float()", store_history=True).success  # the user's own fix, in a later cell
@@ -161,7 +144,7 @@ def test_a_safe_fix_whose_finding_the_user_resolved_since_the_report_is_not_appl
 
 def test_apply_all_safe_fixes_re_reads_the_live_objects_and_applies_nothing_stale():
     with loaded_shell(BF16_NAMES) as shell:
-        shell.run_cell(BF16_SETUP, store_history=True)
+        shell.run_cell(BF16_SETUP_CELL, store_history=True)
         rw = widget(shell)
         apply_all = only(rw.buttons("Apply all safe fixes (1)"))
         assert shell.run_cell("model.float()", store_history=True).success
@@ -178,8 +161,8 @@ def test_apply_all_safe_fixes_re_reads_the_live_objects_and_applies_nothing_stal
 
 def test_after_apply_safe_fixes_then_refresh_each_finding_that_left_says_why_in_text_html_and_dict():
     with loaded_shell(BF16_NAMES) as shell:
-        shell.run_cell(BF16_SETUP, store_history=True)
-        shell.run_cell(BF16_LOOP, store_history=True)
+        shell.run_cell(BF16_SETUP_CELL, store_history=True)
+        shell.run_cell(BF16_CLIP_LOOP_CELL, store_history=True)
         shell.run_cell("r = %mpdoctor --text", store_history=True)
         report = shell.user_ns["r"]
         assert {"scaler-with-bf16", "amp-clip-before-unscale"} <= {f.check for f in report.findings}
@@ -216,7 +199,7 @@ def test_after_apply_safe_fixes_then_refresh_each_finding_that_left_says_why_in_
         # The user's loop, run again, trains (the clip is still before unscale_: its code is what is left to do).
         model = shell.user_ns["model"]
         before = snapshot(model.parameters())
-        assert shell.run_cell(BF16_LOOP, store_history=True).success
+        assert shell.run_cell(BF16_CLIP_LOOP_CELL, store_history=True).success
         assert_step_trains(shell.user_ns["loss"], before, model.parameters())
 
 
