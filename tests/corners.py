@@ -87,18 +87,10 @@ CORNERS: dict[str, Corner] = {
                     "calls activation_checkpointing_enable(), transformers 5's",
                 "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[training_args_bf16_without_gpu]":
                     "transformers 4.50 accepts TrainingArguments(bf16=True) without a GPU: the refusal it reproduces is 5.x's",
-                # torch 2.4 words these errors differently (test_exception_families.RAISED_ON_OTHER_TORCH) and no
-                # family of the catalogue matches its text yet: known gaps of the crash hook on torch 2.4.
-                "tests/test_crash_patterns.py::test_a_real_mixed_precision_failure_is_explained_with_its_cause_first[bf16_lstm_fed_fp32]":
-                    "known gap: torch 2.4's RNN message ('input must have the type torch.bfloat16, got type "
-                    "torch.float32') is matched by no family",
-                "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[rnn_bf16_fed_fp32]":
-                    "known gap: torch 2.4's RNN message is matched by no family",
                 "tests/test_exception_families.py::test_in_a_notebook_the_hook_explains_each_family_and_its_cast_makes_the_line_run[crash-rnn-dtype]":
-                    "known gap: torch 2.4's RNN message is matched by no family",
-                "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[amp_current_scale]":
-                    "known gap: torch 2.4 raises 'value cannot be converted to type at::Half without overflow' for a "
-                    "half current_scale, matched by no family",
+                    "torch 2.4's oneDNN has no bf16 LSTM forward on this CPU ('could not create a primitive descriptor "
+                    "for an LSTM forward propagation primitive'): the error is explained, but the cast line cannot run",
+                # torch 2.4 words this error differently (test_exception_families.RAISED_ON_OTHER_TORCH).
                 "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[matmul_mv]":
                     "torch 2.4 words torch.mv's error 'expected scalar type Float but found BFloat16': explained by the "
                     "scalar-type family, not the matmul family the test names",

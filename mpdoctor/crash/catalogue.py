@@ -328,13 +328,18 @@ FAMILIES: tuple[Family, ...] = (
         ),
         kind=DTYPE,
         exception_types=("builtins.ValueError",),
-        messages=(r"RNN input dtype \(.+?\) does not match weight dtype",),
+        messages=(
+            r"RNN input dtype \(.+?\) does not match weight dtype",
+            r"^input must have the type torch\.\w+, got type torch\.\w+$",
+        ),
         examples=(
             _raised("RNN input dtype (torch.float32) does not match weight dtype (torch.bfloat16). Convert input: "
                     "input.to(torch.bfloat16), or convert model: model.to(torch.float32)",
                     "torch 2.13: nn.LSTM / nn.GRU (LSTMCell and GRUCell raise the matmul family)"),
+            _source("input must have the type torch.bfloat16, got type torch.float32",
+                    "torch 2.4-2.12 torch/nn/modules/rnn.py: RNNBase.check_input (raised by the oldest corner's test)"),
         ),  # fmt: skip
-        versions="torch 2.13 (the Python-side check in nn.RNNBase; cells raise the matmul message)",
+        versions="torch 2.4-2.13 (the Python-side check in nn.RNNBase, worded anew in 2.13; cells raise the matmul message)",
         cause="A recurrent layer's weights and its input have different dtypes.",
         fix=f"Cast the input to the RNN's weight dtype (or the RNN to the input's), {_AUTOCAST}.",
         cast=TO_PARAMETER,
