@@ -94,10 +94,6 @@ CORNERS: dict[str, Corner] = {
                 "tests/test_exception_families.py::test_the_real_error_is_explained_with_its_tensors_and_cast_or_its_rule_and_line[matmul_mv]":
                     "torch 2.4 words torch.mv's error 'expected scalar type Float but found BFloat16': explained by the "
                     "scalar-type family, not the matmul family the test names",
-                "tests/test_crash_watch.py::test_a_crash_in_the_block_is_explained_and_still_raised_and_every_hook_is_removed":
-                    "known gap on torch 2.4: its frames of the failing Sequential show the bf16 layer's fp32 input as a "
-                    "batch entry, so the cause is named batch-dtype-mismatch at model.1 instead of mixed-param-dtypes "
-                    "(both are shown, and the plan is verified on the watched batch)",
                 # The watcher on torch 2.4 / 2.5 (docs/support-matrix.md).
                 "tests/test_runtime_protocol.py::test_clipping_before_unscale_shrinks_every_step_to_max_norm_over_scale_and_is_named_at_its_line":
                     "calls a clip_grad_norm_ imported by name before the watch: torch < 2.6 clips inside that function, "

@@ -43,6 +43,31 @@ def test_a_crash_in_the_block_is_explained_and_still_raised_and_every_hook_is_re
     assert hooks_of(model, optimizer) == ({}, {}, {})
 
 
+class _HalfHead(torch.nn.Module):
+    """An fp32 layer feeding a bf16 one inside the user's own forward, through a local activation."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 4).to(torch.bfloat16)
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return self.head(hidden)
+
+
+def test_an_activation_local_to_the_users_forward_is_not_taken_for_the_batch(capsys):
+    # The forward's local ``hidden`` is the fp32 layer's output: the mistake is the mixed model, not a batch entry.
+    model = _HalfHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 must have the same dtype"):
+        with mpdoctor.watch(model, optimizer) as w:
+            model(torch.randn(2, 4)).sum().backward()
+    assert w.crash_report.cause.check == "mixed-param-dtypes"
+    assert not w.crash_report.findings_for("batch-dtype-mismatch")
+    assert hooks_of(model, optimizer) == ({}, {}, {})
+
+
 def test_the_setup_is_diagnosed_before_the_first_optimizer_step(capsys):
     model = torch.nn.Linear(4, 4).to(torch.bfloat16)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -96,8 +96,10 @@ def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None
         for name, value in items:
             if type(name) is str:
                 merged[name] = value
-    for view in reversed(frames):
-        if not view.user:
+    kept = _module_frame_locals(frames)
+    for index in reversed(range(len(frames))):
+        view = frames[index]
+        if not view.user or kept[index] == "none":
             continue
         try:
             if namespace is not None and view.frame.f_locals is namespace:
@@ -105,6 +107,10 @@ def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None
             local_items = _locals(view.frame)
         except Exception:
             continue
+        if kept[index] == "arguments":
+            code = view.frame.f_code
+            arguments = set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
+            local_items = [(k, v) for k, v in local_items if k in arguments]
         for name, value in local_items:
             if type(name) is not str or name.startswith("_"):
                 continue
@@ -113,6 +119,28 @@ def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None
             elif merged[name] is not value:
                 merged.setdefault(f"{view.function}.{name}", value)
     return merged
+
+
+def _module_frame_locals(frames: list[FrameView]) -> list[str]:
+    """Per frame, which locals are the user's objects: ``"all"``, ``"arguments"`` or ``"none"``.
+
+    Inside a torch module's ``forward`` the locals are activations, not the user's batch: the outermost module
+    frame keeps only its arguments (the batch the user passed, ``model(x)``), the module frames inside it keep
+    nothing (an fp32 activation fed to a bf16 layer is ``mixed-param-dtypes``, not a batch entry).
+    """
+    kept: list[str] = []
+    inside = False
+    for view in frames:  # outermost first
+        try:
+            module = next((v for k, v in _locals(view.frame) if k == "self"), None)
+        except Exception:
+            module = None
+        if module is None or view.function in _CALL_MACHINERY or not _holds_torch_module_class(type(module)):
+            kept.append("all")
+            continue
+        kept.append("none" if inside else "arguments")
+        inside = True
+    return kept
 
 
 def _locals(frame: FrameType) -> list[tuple[Any, Any]]:
@@ -254,9 +282,13 @@ def component_call(frames: list[FrameView], namespace: Mapping[str, Any]) -> dic
     the namespace, named by that attribute, and that frame's tensor locals. Names the namespace already binds to
     other objects are left out.
     """
-    holders = [v for v in dict.values(dict(namespace)) if not _holds_torch_module_class(type(v))]
+    values = list(dict.values(dict(namespace)))
+    holders = [v for v in values if not _holds_torch_module_class(type(v))]
+    own = {id(v) for v in values}
     for view in frames:
         items, module = _module_frame(view)
+        if module is not None and id(module) in own:
+            continue  # the user called this module directly: its frame's tensors are the library's, not a component's
         name = _attribute_name(holders, module) if module is not None else None
         if name is None:
             continue
