@@ -211,3 +211,20 @@ def test_the_reader_takes_n_from_the_guard_literal_or_the_namespace(guard, names
 def test_a_loop_without_backward_is_not_an_accumulation_loop():
     code = "for i, x in enumerate(data):\n    if (i + 1) % 4 == 0:\n        opt.step()\n"
     assert read_loop_accumulations([source_of("In[1]", code)], {}) == {}
+
+
+def test_a_recorded_loop_setting_leaves_with_its_optimizer_and_a_step_every_batch_clears_it():
+    import gc
+
+    from mpdoctor.readers import loop_accumulation as registry
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    registry.record(opt, 4, "opt.step() every 4 backward() calls (cell [1], line 4)")
+    assert registry.recorded(opt) == registry.Accumulation("loop", "opt.step() every 4 backward() calls (cell [1], line 4)", 4)
+    registry.record(opt, 1, "opt.step() every 1 backward() calls (cell [2], line 3)")
+    assert registry.recorded(opt) is None
+    registry.record(opt, 8, "again")
+    key = id(opt)
+    del opt
+    gc.collect()
+    assert key not in registry._LOOPS

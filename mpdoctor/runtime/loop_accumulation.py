@@ -131,4 +131,7 @@ def record_cells(shell: Any) -> list[LoopAccumulation]:
     """
     from .history import cell_sources
 
-    return record_loop_accumulations(cell_sources(shell), shell.user_ns)
+    try:
+        return record_loop_accumulations(cell_sources(shell), shell.user_ns)
+    except Exception:  # a history that cannot be read: the report of the objects stands without the loop's setting
+        return []

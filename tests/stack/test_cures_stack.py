@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field test
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
 from test_field_diffusers import lora_unet, overflowing_vae, run_pipe, tiny_pipe, tiny_unet, unet_step  # noqa: E402
+from test_field_lowprecision import LAUNCHER_FP8_ENV, Net, float8_layers  # noqa: E402
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
@@ -195,7 +196,46 @@ def _runs_fp16(ns: Namespace) -> None:
     assert (args.bf16, args.fp16) == (False, True) and ns["trainer"].accelerator.mixed_precision == "fp16"
 
 
+def _bf16_arguments_under_the_launchers_fp8() -> Namespace:
+    import os
+
+    from transformers import TrainingArguments
+
+    os.environ.update(LAUNCHER_FP8_ENV)  # what `accelerate launch --mixed_precision fp8` sets (conftest restores)
+    args = TrainingArguments(tempfile.mkdtemp(prefix="mpdoctor-cure-"), bf16=True, use_cpu=True, report_to=[],
+                             max_steps=2, save_strategy="no", per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
+    return {"model": Net(), "args": args}
+
+
+def _build_trainer_and_train(ns: Namespace) -> float:
+    # trl#3860's script: the Trainer built from the model and the arguments, then train().
+    from transformers import Trainer
+
+    ns["before"] = {n: p.detach().clone() for n, p in ns["model"].named_parameters()}
+    ns["trainer"] = Trainer(model=ns["model"], args=ns["args"], train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    return ns["trainer"].train().training_loss
+
+
+def _trains_in_bf16_without_fp8(ns: Namespace) -> None:
+    trainer = ns["trainer"]
+    assert trainer.accelerator.mixed_precision == "bf16" and float8_layers(trainer.model) == 0, "the harm: no fp8 layer"
+
+
+def _trains_its_float8_layers(ns: Namespace) -> None:
+    trainer = ns["trainer"]
+    assert trainer.accelerator.mixed_precision == "fp8" and float8_layers(trainer.model) == 2
+    frozen = [n for n, p in trainer.model.named_parameters() if torch.equal(ns["before"][n], p.detach())]
+    assert frozen == [], f"the float8 layers' weights must train too: {frozen} did not move"
+
+
 CASES: list[Case] = [
+    Case(
+        name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",
+        build=_bf16_arguments_under_the_launchers_fp8, step=_build_trainer_and_train, failure="trains",
+        diagnose=lambda ns: mpdoctor.diagnose(ns["model"], ns["args"], names={id(ns["model"]): "model", id(ns["args"]): "args"}),
+        params=lambda ns: list(ns["model"].parameters()), harm=_trains_in_bf16_without_fp8,
+        healed=_trains_its_float8_layers, recipe="launcher-fp8",
+    ),
     Case(
         name="sd-pipeline-fp16-unet-fp32-text-encoder", source="sdnext #1431", slug="pipeline-component-dtypes",
         build=_pipe_with_fp16_denoiser, step=_pipe_call, failure=r"same dtype|should be the same",
