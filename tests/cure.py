@@ -2,6 +2,8 @@
 
 A field case "fixed in place" is cured only when the very call that raised or did harm (same function, same
 inputs) runs again after the fix and trains: a finite loss and parameters that moved (``steps.assert_step_trains``).
+An inference case (``kind="inference"``: a pipeline's ``pipe(...)``, a ``generate()``) trains nothing: its cure is the
+same call running and returning finite output (``assert_output_finite``).
 A :class:`Case` holds what that proof needs: a builder of the user's objects as they stand right before the failing
 step, the step itself, what it does before the fix, the diagnosis the user runs and the slug it must name.
 
@@ -68,6 +70,8 @@ class Case:
         Only the planned fixes of this recipe are applied (empty: every planned fix of the slug).
     fixed_by : str
         The slug whose planned fix is the cure, where the plan treats two findings with one fix (empty: ``slug``).
+    kind : str
+        ``"training"`` (the step must train) or ``"inference"`` (the step must run and return finite output).
     """
 
     name: str
@@ -82,22 +86,46 @@ class Case:
     healed: Callable[[Namespace], None] | None = None
     recipe: str = ""
     fixed_by: str = ""
+    kind: str = "training"
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    # An inference call's output: a tensor, a tuple / list / dict of them, or a library's output object.
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (tuple, list)):
+        return [t for v in out for t in _tensors(v)]
+    if hasattr(out, "to_tuple"):  # transformers' / diffusers' ModelOutput / BaseOutput
+        return _tensors(out.to_tuple())
+    return []
+
+
+def assert_output_finite(out: Any) -> None:
+    """Fail unless an inference call returned at least one floating tensor and every value of them is finite."""
+    floats = [t for t in _tensors(out) if t.is_floating_point()]
+    assert floats, f"the call returned no floating tensor: {type(out).__name__}"
+    assert all(bool(torch.isfinite(t).all()) for t in floats), "output is not finite"
 
 
 def outcome(case: Case, ns: Namespace) -> str:
     """What the failing step does on ``ns``: the exception it raises, ``loss is not finite``,
-    ``changed no parameter`` or ``trains``."""
-    params = list(case.params(ns))
+    ``changed no parameter``, ``output is not finite``, ``trains`` or, for an inference step, ``runs``."""
+    params = list(case.params(ns)) if case.kind == "training" else []
     before = snapshot(params)
     try:
         loss = case.step(ns)
     except Exception as exc:  # the reported error is the outcome being asserted
         return f"{type(exc).__name__}: {exc}"
     try:
-        assert_step_trains(loss, before, params)
+        if case.kind == "inference":
+            assert_output_finite(loss)
+        else:
+            assert_step_trains(loss, before, params)
     except AssertionError as exc:
         return str(exc)
-    return "trains"
+    return "runs" if case.kind == "inference" else "trains"
 
 
 def assert_broken(case: Case) -> None:
@@ -122,11 +150,15 @@ def planned(case: Case, report: Any) -> list[Fix]:
 
 
 def assert_step_trains_now(case: Case, ns: Namespace) -> None:
-    """The failing step, run again on the fixed objects, trains; the harm is gone."""
-    params = list(case.params(ns))
-    before = snapshot(params)
-    loss = case.step(ns)
-    assert_step_trains(loss, before, params)
+    """The failing step, run again on the fixed objects, trains (an inference step: runs, finite output);
+    the harm is gone."""
+    if case.kind == "inference":
+        assert_output_finite(case.step(ns))
+    else:
+        params = list(case.params(ns))
+        before = snapshot(params)
+        loss = case.step(ns)
+        assert_step_trains(loss, before, params)
     if case.healed is not None:
         case.healed(ns)
 

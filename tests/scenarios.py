@@ -157,6 +157,21 @@ def launcher_fp8_beaten_by_bf16() -> dict:
     return {"trainer": trainer}
 
 
+def launcher_fp8_arguments_before_the_trainer() -> dict:
+    """The same launcher variables (all-gather on, as the launcher sets it) with ``TrainingArguments(bf16=True)``
+    and no Trainer yet: the fix lets fp8 through in place; the step builds the Trainer from them and trains."""
+    reset_accelerate()
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"
+    os.environ["ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"] = "1"
+    return {"model": tiny_llama(use_cache=False), "args": training_args(bf16=True)}
+
+
+def _trainer_from_args_step(ns: dict) -> float:
+    from transformers import Trainer
+
+    return float(Trainer(model=ns["model"], args=ns["args"], train_dataset=TinyDataset()).train().training_loss)
+
+
 def trainer_fp16_on_cpu() -> dict:
     """Field case 2: Trainer(fp16=True, use_cpu=True): native_amp is False, the run is silently fp32."""
     reset_accelerate()
@@ -285,6 +300,7 @@ FIELD_CASES = [
     Scenario("stale_accelerate_env_fp16", stale_accelerate_env_fp16, _trainer_step),
     Scenario("trainer_fp16_on_cpu", trainer_fp16_on_cpu, _trainer_step),
     Scenario("launcher_fp8_beaten_by_bf16", launcher_fp8_beaten_by_bf16, _trainer_step),
+    Scenario("launcher_fp8_arguments_before_the_trainer", launcher_fp8_arguments_before_the_trainer, _trainer_from_args_step),
     Scenario(
         "mixed_linear_path",
         mixed_linear_path,

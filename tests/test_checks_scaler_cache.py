@@ -72,9 +72,14 @@ def test_a_scale_driven_down_by_real_fp16_overflow_is_reported():
     assert scaler.get_scale() == 0.5  # 2**16 halved seventeen times
     assert torch.equal(model.weight, weight)  # seventeen steps and the model has not moved
 
-    (finding,) = mpdoctor.diagnose(model, opt, scaler).findings_for("scaler-scale-collapsed")
+    report = mpdoctor.diagnose(model, opt, scaler)
+    (finding,) = report.findings_for("scaler-scale-collapsed")
     assert finding.severity == "warning" and finding.fixes == []
     assert finding.evidence["scale"] == 0.5 and finding.evidence["init_scale"] == 65536.0
+    # The message and its evidence write the scale alike, in the text and in the HTML.
+    assert "started at 65536" in finding.message
+    for rendered in (report.to_text(), report.to_html()):
+        assert "65,536" not in rendered and "init_scale" in rendered
 
 
 def test_a_healthy_scale_is_not_reported():

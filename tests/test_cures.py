@@ -163,6 +163,30 @@ def _train_under_autocast_then_generate(ns: Namespace) -> float:
     return loss
 
 
+def _bf16_arguments_for_a_v100() -> Namespace:
+    from setups import training_args
+
+    return {"model": tiny_llama(use_cache=False), "args": training_args(bf16=True)}  # alpaca's train.py flags
+
+
+def _trainer_train(ns: Namespace) -> float:
+    # stanford_alpaca's train.py: the Trainer built from the model and the arguments, then train().
+    from setups import TinyDataset
+
+    return T.Trainer(model=ns["model"], args=ns["args"], train_dataset=TinyDataset()).train().training_loss
+
+
+def _v100_refusal(ns: Namespace) -> None:
+    # The refusal itself is GPU-only; transformers' own test refuses bf16 here too once use_cpu is off.
+    with pytest.raises(ValueError, match="Your setup doesn't support bf16/gpu"):
+        T.TrainingArguments(output_dir=ns["args"].output_dir, bf16=True, report_to=[])
+
+
+def _fp16_arguments(ns: Namespace) -> None:
+    assert ns["args"].fp16 and not ns["args"].bf16  # what a V100 runs: fp16 autocast over fp32 master weights
+    assert {p.dtype for p in ns["model"].parameters()} == {torch.float32}
+
+
 # -- peft / accelerate core ------------------------------------------------------------------------
 
 
@@ -269,6 +293,12 @@ CASES: list[Case] = [
         fixed_by="adam-eps-underflow",  # one fp32-master-weights cast cures both findings
     ),
     Case(
+        name="bf16-arguments-on-a-v100", source="tatsu-lab/stanford_alpaca#133", slug="bf16-unsupported",
+        build=_bf16_arguments_for_a_v100, step=_trainer_train, failure="trains",  # GPU-only: trains on this CPU
+        diagnose=lambda ns: mpdoctor.diagnose(ns["model"], ns["args"], target="V100"),
+        params=lambda ns: list(ns["model"].parameters()), harm=_v100_refusal, healed=_fp16_arguments,
+    ),
+    Case(
         name="pure-bf16-adamw-frozen-weights", source="workofart/ml-by-hand PR #85", slug="pure-bf16-adamw",
         build=_pure_bf16_linear, step=_bf16_linear_step, failure="changed no parameter",
     ),
@@ -373,3 +403,18 @@ def test_the_outcome_of_a_step_tells_a_raise_a_nan_a_frozen_step_and_a_trained_o
     assert "changed no parameter" in outcome(case(lambda ns: lin(torch.ones(2, 4)).sum()), ns)
     assert outcome(case(trains), ns) == "trains"
     assert "loss is not finite" in outcome(case(lambda ns: trains(ns, float("nan"))), ns)  # last: it writes NaN
+
+
+def test_the_outcome_of_an_inference_step_tells_a_raise_and_a_non_finite_output_from_one_that_runs():
+    """An inference case's step trains nothing: it must run and return finite output, and the harness can fail."""
+    from cure import outcome
+
+    def case(step) -> Case:
+        return Case(name="x", source="x", slug="x", build=dict, step=step, failure="", kind="inference")
+
+    lin = torch.nn.Linear(4, 2).half()
+    x = torch.ones(1, 4)
+    assert outcome(case(lambda ns: lin(x)), {}).startswith("RuntimeError: ")
+    assert outcome(case(lambda ns: {"images": lin(x.half()) * float("inf")}), {}) == "output is not finite"
+    assert outcome(case(lambda ns: "no tensor"), {}).startswith("the call returned no floating tensor")
+    assert outcome(case(lambda ns: (lin(x.half()), None)), {}) == "runs"

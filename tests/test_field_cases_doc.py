@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -105,7 +106,10 @@ def test_a_row_verified_on_its_failing_step_names_a_case_of_the_cure_registry_fr
         assert cures[name] in row.source, f"{name} is registered for {cures[name]!r}, not this row"
     named = [n for row in yes for n in row.cure_names]
     assert sorted(named) == sorted(set(named)), "two rows name the same cure"
-    assert set(named) == set(cures), f"registered cures no row names: {set(cures) - set(named)}"
+    # A GPU-only refusal cannot fail on this CPU: its row stays "no" and names its registered cure (API + widget).
+    stand_ins = {n for row in rows if not row.cured and "API + widget" in row.verified for n in re.findall(r"`([a-z0-9-]+)`", row.verified)}
+    assert stand_ins <= set(cures), f"a 'no' row names an unregistered cure: {stand_ins - set(cures)}"
+    assert set(named) | stand_ins == set(cures), f"registered cures no row names: {set(cures) - set(named) - stand_ins}"
 
 
 def test_the_header_gives_the_cure_rate_of_the_cases_fixed_in_place(builder):

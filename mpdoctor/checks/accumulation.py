@@ -54,7 +54,12 @@ def half_grad_accumulation(facts: Facts, rule: Rule) -> Iterator[Finding]:
     if between is None or not between.accumulations:
         return
     setting = max(between.accumulations, key=lambda a: a.steps)
+    dtypes = {p.id: p.dtype for m in facts.models for p in m.tensors.params}
     for r in between.grad_replays:
+        # The replay was measured when the facts were read; a simulated cast since then moves params out of it.
+        half = frozenset(i for i in r.param_ids if dtypes.get(i, r.dtype) == r.dtype)
+        if not half:
+            continue
         short = _SHORT.get(r.dtype, r.dtype)
         yield rule.finding(
             r.model,
@@ -67,7 +72,7 @@ def half_grad_accumulation(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 "relative_error": round(r.relative_error, 5),
                 "measured_on": r.measured_on,
                 "setting": f"{setting.name}: {setting.setting}",
-                "params": len(r.param_ids),
+                "params": len(half),
             },
             [
                 Fix(
@@ -76,8 +81,8 @@ def half_grad_accumulation(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     f"# then run the forward under torch.autocast('cuda', dtype=torch.{r.dtype}) "
                     "(TrainingArguments(bf16=True))",
                     applicability=Applicability.UNSAFE,
-                    changes=(CastParamsTo(r.model_ref, r.param_ids, "float32",
-                                          facts.optimizer_refs(r.param_ids), "trainable parameters"),),
+                    changes=(CastParamsTo(r.model_ref, half, "float32",
+                                          facts.optimizer_refs(half), "trainable parameters"),),
                     recipe="fp32-grad-accumulation",
                     cost="the trainable parameters' memory, doubled",
                 )

@@ -8,11 +8,12 @@ from collections.abc import Iterator
 from ..facts import Facts
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP8_GEMM_CAPABILITY
+from ..treatment.changes import SetEnvVar
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
 from . import check
-from .precision import alignment_fix
+from .precision import align_spec, alignment_fix
 
 #: Compute capability from which GPUs have float8 tensor cores (Ada L4 / RTX 4090 sm_89, Hopper H100 sm_90).
 FLOAT8_CAPABILITY = FP8_GEMM_CAPABILITY
@@ -23,6 +24,8 @@ FLOAT8_ALIGN = 16
 
 
 ENV = "ACCELERATE_MIXED_PRECISION"
+#: accelerate's AO recipe reads it, default on: Float8Linear then wraps each weight in a new Parameter at prepare().
+ALL_GATHER = "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER"
 
 
 def _live_float8(m) -> list:
@@ -201,14 +204,17 @@ def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Warning: the run trains, but not in the precision it was launched for.
     Fix safety
-        Advice: the line to change (``bf16=False`` in the arguments before the Trainer is built, no
-        ``mixed_precision`` argument to ``Accelerator``). Not in place, even before a Trainer exists: with
-        accelerate's torchao backend (chosen first when torchao is installed) a transformers 5.23 Trainer
-        prepares model and optimizer together, the model's Linear layers become ``Float8Linear`` with new
-        weights after the optimizer was built, and those weights never train (measured; mpdoctor's
-        ``optimizer-params-not-in-model`` names it): letting fp8 through would make that run worse. In place:
-        keep the flag's precision and drop the launcher's ``ACCELERATE_MIXED_PRECISION``, so nothing says fp8
-        (unsafe: it overrides the launcher's choice for later Accelerators in the process).
+        While only the arguments exist (no Trainer yet) and no FSDP is set, in place (unsafe: it changes the
+        precision the next Trainer trains in): ``bf16=False``, ``fp16=False``, ``mixed_precision="fp8"`` on the
+        arguments and ``ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER=0``. The last one matters: accelerate 1.15's
+        torchao recipe turns FSDP float8 all-gather on by default (the launcher sets it too), so ``prepare()``
+        wraps each converted layer's weight in a new Parameter after the Trainer built its optimizer, and those
+        weights never train (measured; ``optimizer-params-not-in-model`` names it). Off, the Trainer built from
+        the fixed arguments trains its inner Linear layers as ``Float8Linear``. Once a Trainer or an
+        ``Accelerator(mixed_precision=...)`` exists its mode and layers are chosen: advice (the line to change,
+        then a new Trainer). The other fix keeps the flag's precision and drops the launcher's
+        ``ACCELERATE_MIXED_PRECISION``, so nothing says fp8 (unsafe: later Accelerators in the process no longer
+        default to fp8).
     Sources
         huggingface/trl #3860 ("bf16 Option in Training Config Prevents FP8 Training"); accelerate 1.15
         ``AcceleratorState`` (an explicit ``mixed_precision`` wins over ``ACCELERATE_MIXED_PRECISION``);
@@ -242,17 +248,7 @@ def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
             )
         else:
             code = "accelerator = Accelerator()  # no mixed_precision argument: the launcher's fp8 applies"
-        # Advice, not in place: with accelerate's torchao backend a Trainer converts its layers after building
-        # its optimizer (transformers 5.23, accelerate 1.15, measured), so the fp8 layers' weights would not train.
-        fixes = [
-            Fix(
-                "Let the launcher's fp8 through: no bf16/fp16 flag, no mixed_precision argument",
-                code + "\n# with accelerate's torchao backend, build the optimizer from the prepared model: "
-                "prepare() swaps Linear for Float8Linear with new weights",
-                applicability=Applicability.DISPLAY_ONLY,
-                recipe="launcher-fp8",
-            )
-        ]
+        fixes = [_fp8_through(facts, p, code)]
         device = "cpu" if p.args.get("use_cpu") else (p.device or facts.hardware.kind)
         fixes.append(
             alignment_fix(
@@ -275,6 +271,33 @@ def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "winner": winner,
         }
         yield rule.finding(p.name, msg, evidence, fixes)
+
+
+def _fp8_through(facts: Facts, p: PrecisionFacts, code: str) -> Fix:
+    """Let the launcher's fp8 reach the Trainer: in place while only the arguments exist and no FSDP is set.
+
+    accelerate 1.15's AO recipe turns FSDP float8 all-gather on by default; ``Float8Linear`` then wraps each weight
+    in a new Parameter at ``prepare()``, after the Trainer built its optimizer, and those weights never train
+    (measured). Off, the converted layers keep the optimizer's Parameters and train.
+    """
+    if p.args_name is not None and p.accelerator_name is None and not p.args.get("fsdp"):
+        return Fix(
+            "Let the launcher's fp8 through: no bf16/fp16 flag, no FSDP float8 all-gather (this run has no FSDP)",
+            "import os\n" + code + f"\nos.environ[{ALL_GATHER!r}] = '0'  # no FSDP: on, prepare() gives Float8Linear "
+            "new weights the Trainer's optimizer never holds",
+            applicability=Applicability.UNSAFE,
+            changes=(align_spec(facts, p, "fp8", False, {"bf16": False, "fp16": False}), SetEnvVar(ALL_GATHER, "0")),
+            recipe="launcher-fp8",
+            cost="the Trainer built from these arguments trains its inner Linear layers in float8 (torchao)",
+        )
+    # Advice once an Accelerator exists: its mode and layers are chosen; a new Trainer must be built.
+    return Fix(
+        "Let the launcher's fp8 through: no bf16/fp16 flag, no mixed_precision argument",
+        code + f"\nos.environ[{ALL_GATHER!r}] = '0'  # without FSDP; on, prepare() gives Float8Linear new weights "
+        "the optimizer never holds",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="launcher-fp8",
+    )
 
 
 @check("fp8-requested-not-on", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))

@@ -23,6 +23,7 @@ from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..readers.between import read_between
 from ..readers.hardware import live_profile
+from ..readers.loop_accumulation import with_loop_accumulations
 from ..readers.norms import norm_epsilons
 from ..readers.optimizer import read_optimizer
 from ..readers.scaler import read_scaler
@@ -180,6 +181,10 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
         errors.append(("distributed", _summarise(exc)))
     failed = {name for name, _ in errors}  # a subject that could not be read is reported once, not again here
     between = read_between(((s.name, s.kind, s.obj) for s in subjects if s.name not in failed), live, errors)
+    try:  # the accumulation of the user's own loop, read from its cells or counted under watch()
+        between = with_loop_accumulations(between, (s for s in subjects if s.name not in failed))
+    except Exception as exc:
+        errors.append(("accumulation", _summarise(exc)))
     return Facts(
         between=between,
         distributed=distributed,

@@ -192,7 +192,9 @@ class MPDoctorMagics(Magics):
     def _diagnosed(self, args: Any, ignore: list[str], step: Any) -> Any:
         """The report of the named objects (or the namespace), probed when asked; None after a line saying why not."""
         from ..diagnosis import diagnose
+        from ..runtime.loop_accumulation import record_cells
 
+        record_cells(self.shell)  # a hand-written loop's accumulation, read from the cells, is a setting the checks see
         target = args.target if args.target is not None else self.target
         if args.names:
             objects, labels, missing = self._resolve(args.names)

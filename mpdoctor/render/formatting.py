@@ -59,7 +59,7 @@ def rst_to_plain(text: str) -> str:
 
 
 def format_number(value: Any, digits: int = 3) -> str:
-    """A number as people read it: ``65504.0`` -> ``"65504"``, ``1.2e+38`` stays short, NaN/inf spelled out."""
+    """A number as people read it: ``70000.0`` -> ``"70,000"``, ``1.2e+38`` stays short, NaN/inf spelled out."""
     if value is None:
         return "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -149,6 +149,8 @@ class EvidenceItem(NamedTuple):
 
 
 def _plain(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e6:
+        return f"{int(value)}"  # a finding's message writes a measured value with :g (scale 65536): the evidence agrees
     if isinstance(value, float):
         return format_number(value, 4)
     if isinstance(value, (list, tuple)):

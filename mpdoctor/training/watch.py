@@ -166,10 +166,14 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         #: The latest training forward's ``(args, kwargs, autocast dtype or None)``: the batch a fix is checked on.
         self._held: tuple[tuple, dict, Any] | None = None
         self._proving = False  # the proof runs the step: its forwards and optimizer steps are not the loop's
+        self._backwards = 0  # backward() calls since the last optimizer step: the loop's accumulation
         if isinstance(model, torch.nn.Module):
             self._device = next(model.parameters(), torch.empty(0)).device.type  # where the loop's autocast is read
             self._watcher.attach(model)
             self._handles.append(model.register_forward_pre_hook(self._hold, with_kwargs=True))
+            counted = next((p for p in model.parameters() if p.requires_grad), None)
+            if counted is not None:  # one trainable parameter's grad arrives once per backward() through the model
+                self._handles.append(counted.register_post_accumulate_grad_hook(self._count_backward))
         inner = _hookable(optimizer)
         if inner is not None:
             self._handles.append(inner.register_step_pre_hook(self._before_step))
@@ -274,10 +278,28 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
 
         return proven_report(report, held)
 
+    def _count_backward(self, param: torch.Tensor) -> None:
+        if not self._proving:
+            self._backwards += 1
+
+    def _record_accumulation(self, optimizer: Any) -> None:
+        """The backward() calls since the last step, recorded as the loop's accumulation setting of ``optimizer``."""
+        n, self._backwards = self._backwards, 0
+        if n == 0:  # a step with no backward through the model (a closure, another model's loss) says nothing
+            return
+        from ..readers.loop_accumulation import record
+        from ..runtime.protocol import user_line
+
+        where = user_line(2)
+        name = self.object_names["optimizer"]
+        at = f"{where}" if where is not None else f"optimizer step {self._steps}"
+        record(optimizer, n, f"{name}.step() every {n} backward() calls ({at}, watched)")
+
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if self._proving:
             return
         self._steps += 1
+        self._record_accumulation(optimizer)
         if self.start_report is None:
             self._diagnose()
         self._check_loss(f"optimizer step {self._steps}")
@@ -287,6 +309,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         at here (an all-inf run is told at its first step, not never); the first skip is kept in ``events``."""
         if not record.skipped:
             return
+        self._backwards = 0  # a skipped step never reaches the optimizer's hook: its backward() is not accumulation
         if self.start_report is None:
             self._diagnose()
         first_skip = not any(e["event"] == "skipped-step" for e in self.events)

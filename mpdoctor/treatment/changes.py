@@ -27,7 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..edits.steps import CastGrads, CastParams, CastStateEntries, Change, SetAttr, SetItem, cast_tensor
+from ..edits.steps import (
+    CastGrads,
+    CastParams,
+    CastStateEntries,
+    Change,
+    SetAttr,
+    SetEnv,
+    SetItem,
+    cast_tensor,
+)
 from ..live.introspect import raw_attr
 
 if TYPE_CHECKING:
@@ -469,6 +478,34 @@ class AlignPrecision(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {("setup", self.setup): (self.precision, self.native)}
+
+
+@dataclass(frozen=True)
+class SetEnvVar(ChangeSpec):
+    """``os.environ[name] = value`` (None removes it); undo restores the variable as it was, or its absence."""
+
+    name: str
+    value: str | None
+
+    def bind(self, live: Live) -> list[Change]:
+        import os
+
+        return [SetEnv(self.name, self.value)] if os.environ.get(self.name) != self.value else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        env = {k: v for k, v in facts.runtime.env.items() if k != self.name}
+        if self.value is not None:
+            env[self.name] = self.value
+        return dataclasses.replace(facts, runtime=dataclasses.replace(facts.runtime, env=env))
+
+    def verify(self, live: Live) -> str | None:
+        import os
+
+        current = os.environ.get(self.name)
+        return None if current == self.value else f"{self.name} is still {current!r}"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("env", self.name): self.value}
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ import mpdoctor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field tests' own builders
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
-from test_field_diffusers import lora_unet, overflowing_vae, tiny_unet, unet_step  # noqa: E402
-from test_trl import build_tokenizer, dpo, large_logit_policy_and_fp16_reference  # noqa: E402
+from test_field_diffusers import lora_unet, overflowing_vae, run_pipe, tiny_pipe, tiny_unet, unet_step  # noqa: E402
+from test_field_lowprecision import LAUNCHER_FP8_ENV, Net, float8_layers  # noqa: E402
+from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
 # -- diffusers ----------------------------------------------------------------------------------------
@@ -44,6 +45,24 @@ def _unet_step(ns: Namespace) -> torch.Tensor:
     torch.manual_seed(1)  # the same noise and embeddings each time the step runs
     ns["optimizer"].zero_grad()
     return unet_step(ns["unet"], ns["optimizer"], ns["scaler"])
+
+
+def _pipe_with_fp16_denoiser() -> Namespace:
+    torch.manual_seed(0)
+    pipe = tiny_pipe()
+    pipe.unet.half()  # sdnext#1431: the denoiser and VAE cast, the text encoder left in fp32
+    pipe.vae.half()
+    return {"pipe": pipe}
+
+
+def _pipe_call(ns: Namespace) -> torch.Tensor:
+    # The user's inference call with their fp32 prompt embeddings, the same seed each time it runs.
+    torch.manual_seed(1)
+    return run_pipe(ns["pipe"], torch.float32)
+
+
+def _diagnose_pipe(ns: Namespace):
+    return mpdoctor.diagnose(ns["pipe"], names={id(ns["pipe"]): "pipe"})
 
 
 # -- bitsandbytes -------------------------------------------------------------------------------------
@@ -129,7 +148,7 @@ def _dpo_bf16_reference() -> Namespace:
     return _dpo(model, copy.deepcopy(model).to(torch.bfloat16))
 
 
-def _dpo_train(ns: Namespace) -> float:
+def _train(ns: Namespace) -> float:
     return ns["trainer"].train().training_loss
 
 
@@ -159,7 +178,69 @@ def _zero_margin(ns: Namespace) -> None:
     assert _first_log(ns)["rewards/margins"] == 0.0
 
 
+def _default_sft_trainer() -> Namespace:
+    # unsloth#2783: TRL's SFTConfig as its notebooks build it, bf16=True by default (use_cpu only to build it here).
+    return {"trainer": sft(build_tokenizer(), tempfile.mkdtemp(prefix="mpdoctor-cure-"))}
+
+
+def _t4_refusal(ns: Namespace) -> None:
+    from trl import SFTConfig
+
+    # The T4's refusal, reproduced on this GPU-less machine: the same config without use_cpu.
+    with pytest.raises(ValueError, match=BF16_REFUSED):
+        SFTConfig(**common(ns["trainer"].args.output_dir))
+
+
+def _runs_fp16(ns: Namespace) -> None:
+    args = ns["trainer"].args
+    assert (args.bf16, args.fp16) == (False, True) and ns["trainer"].accelerator.mixed_precision == "fp16"
+
+
+def _bf16_arguments_under_the_launchers_fp8() -> Namespace:
+    import os
+
+    from transformers import TrainingArguments
+
+    os.environ.update(LAUNCHER_FP8_ENV)  # what `accelerate launch --mixed_precision fp8` sets (conftest restores)
+    args = TrainingArguments(tempfile.mkdtemp(prefix="mpdoctor-cure-"), bf16=True, use_cpu=True, report_to=[],
+                             max_steps=2, save_strategy="no", per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
+    return {"model": Net(), "args": args}
+
+
+def _build_trainer_and_train(ns: Namespace) -> float:
+    # trl#3860's script: the Trainer built from the model and the arguments, then train().
+    from transformers import Trainer
+
+    ns["before"] = {n: p.detach().clone() for n, p in ns["model"].named_parameters()}
+    ns["trainer"] = Trainer(model=ns["model"], args=ns["args"], train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    return ns["trainer"].train().training_loss
+
+
+def _trains_in_bf16_without_fp8(ns: Namespace) -> None:
+    trainer = ns["trainer"]
+    assert trainer.accelerator.mixed_precision == "bf16" and float8_layers(trainer.model) == 0, "the harm: no fp8 layer"
+
+
+def _trains_its_float8_layers(ns: Namespace) -> None:
+    trainer = ns["trainer"]
+    assert trainer.accelerator.mixed_precision == "fp8" and float8_layers(trainer.model) == 2
+    frozen = [n for n, p in trainer.model.named_parameters() if torch.equal(ns["before"][n], p.detach())]
+    assert frozen == [], f"the float8 layers' weights must train too: {frozen} did not move"
+
+
 CASES: list[Case] = [
+    Case(
+        name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",
+        build=_bf16_arguments_under_the_launchers_fp8, step=_build_trainer_and_train, failure="trains",
+        diagnose=lambda ns: mpdoctor.diagnose(ns["model"], ns["args"], names={id(ns["model"]): "model", id(ns["args"]): "args"}),
+        params=lambda ns: list(ns["model"].parameters()), harm=_trains_in_bf16_without_fp8,
+        healed=_trains_its_float8_layers, recipe="launcher-fp8",
+    ),
+    Case(
+        name="sd-pipeline-fp16-unet-fp32-text-encoder", source="sdnext #1431", slug="pipeline-component-dtypes",
+        build=_pipe_with_fp16_denoiser, step=_pipe_call, failure=r"same dtype|should be the same",
+        diagnose=_diagnose_pipe, kind="inference",
+    ),
     Case(
         name="sdxl-lora-fp16-under-scaler", source="diffusers #10752", slug="fp16-trainable-params-with-scaler",
         build=_fp16_lora_unet, step=_unet_step, failure="Attempting to unscale FP16 gradients",
@@ -185,13 +266,19 @@ CASES: list[Case] = [
         healed=_computes_in_bf16,
     ),
     Case(
+        name="sft-default-bf16-on-a-t4", source="unslothai/unsloth#2783", slug="bf16-unsupported",
+        build=_default_sft_trainer, step=_train, params=_policy_params, failure="trains",  # GPU-only refusal
+        diagnose=lambda ns: mpdoctor.diagnose(ns["trainer"], names={id(ns["trainer"]): "trainer"}, target="T4"),
+        harm=_t4_refusal, healed=_runs_fp16,
+    ),
+    Case(
         name="dpo-fp16-reference-nan-rewards", source="huggingface/trl#878", slug="trl-ref-model-dtype",
-        build=_dpo_fp16_reference, step=_dpo_train, params=_policy_params, failure="loss is not finite|trains",
+        build=_dpo_fp16_reference, step=_train, params=_policy_params, failure="loss is not finite|trains",
         harm=_nan_rewards, healed=_finite_rewards,
     ),
     Case(
         name="dpo-bf16-reference-biased-margin", source="RLHFlow/Online-DPO-R1#16", slug="trl-ref-model-dtype",
-        build=_dpo_bf16_reference, step=_dpo_train, params=_policy_params, failure="trains",
+        build=_dpo_bf16_reference, step=_train, params=_policy_params, failure="trains",
         harm=_biased_margin, healed=_zero_margin,
     ),
 ]

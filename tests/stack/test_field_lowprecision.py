@@ -452,13 +452,14 @@ def test_accelerate_launch_fp8_with_bf16_true_trains_in_bf16_measured_with_the_r
     assert seen["fp8_backend"] == "FP8BackendType.NO" and seen["float8_layers"] == 0  # the harm: no layer in fp8
 
 
-def test_bf16_true_under_the_launchers_fp8_is_named_and_the_advice_lets_fp8_through(tmp_path, monkeypatch):
+def test_bf16_true_under_the_launchers_fp8_is_named_and_the_fix_lets_fp8_through(tmp_path, monkeypatch):
     """The same setup in process (the launcher's variables set as it sets them): mpdoctor names the flag that
-    won. The advice (``bf16=False``, ``mixed_precision="fp8"`` before the Trainer exists), taken, gives an fp8
-    Trainer; but measured with transformers 5.23 + accelerate 1.15, that Trainer's torchao backend swaps the
-    inner Linear layers for Float8Linear after building its optimizer, and their new weights never train
-    (mpdoctor's ``optimizer-params-not-in-model``, an error). That is why the advice is not applied in place;
-    the in-place fix keeps bf16 and drops the launcher's variable."""
+    won. The planned fix lets fp8 through while only the arguments exist: ``bf16=False``, ``mixed_precision="fp8"``
+    and FSDP float8 all-gather off. That last part matters, measured with transformers 5.23 + accelerate 1.15:
+    with the launcher's ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER=1 (also accelerate's default), prepare() wraps
+    the converted layers' weights in new Parameters after the Trainer built its optimizer, and they never train
+    (mpdoctor's ``optimizer-params-not-in-model``). The cure on the user's ``trainer.train()`` is
+    ``bf16-arguments-override-the-launchers-fp8`` in tests/stack/test_cures_stack.py."""
     from transformers import Trainer, TrainingArguments
 
     for k, v in LAUNCHER_FP8_ENV.items():
@@ -472,16 +473,18 @@ def test_bf16_true_under_the_launchers_fp8_is_named_and_the_advice_lets_fp8_thro
     assert "ACCELERATE_MIXED_PRECISION=fp8" in f.message and "ACCELERATE_FP8_FORMAT=HYBRID" in f.message
     assert "args.bf16=True" in f.message and "trains in bf16" in f.message and "no layer runs in fp8" in f.message
     assert "precision-override" not in severities(report)
-    advice, keep = f.fixes
-    assert advice.applicability.name == "DISPLAY_ONLY" and "args.bf16 = False" in advice.code
-    assert "args.mixed_precision = 'fp8'" in advice.code
-    # The in-place fix: keep bf16, nothing says fp8 any more; undo brings the launcher's variable back.
+    through, keep = f.fixes
+    assert through.applicability.name == "UNSAFE" and "args.bf16 = False" in through.code
+    assert "args.mixed_precision = 'fp8'" in through.code
+    assert "os.environ['ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER'] = '0'" in through.code
+    assert [fx.recipe for fx in report.fixes if fx.slug == "fp8-request-overridden"] == ["launcher-fp8"]
+    # The other fix: keep bf16, nothing says fp8 any more; undo brings the launcher's variable back.
     keep.apply()
     assert "ACCELERATE_MIXED_PRECISION" not in os.environ and args.mixed_precision == "bf16"
     assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
     keep.undo()
     assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
-    # The advice, taken by hand: fp8 reaches the Trainer's Accelerator and two layers become Float8Linear...
+    # fp8 let through by hand without turning all-gather off: two layers become Float8Linear...
     args.bf16, args.mixed_precision = False, "fp8"
     assert "fp8-request-overridden" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}))
     model = Net()
