@@ -92,13 +92,15 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi, lo.neg())
 
 
-def _count_past(x: torch.Tensor, limit: float) -> torch.Tensor:
+def _count_past(x: torch.Tensor, limit: float, top: torch.Tensor | None = None) -> torch.Tensor:
     """How many elements have ``|x| > limit`` (0-d int64); on the CPU one max first, as most tensors have none.
 
-    Two comparisons counted: no ``|x|`` temporary, and ``count_nonzero`` is some four times faster than
-    summing a bool mask (which converts it to int64 first).
+    ``top``: ``max |x|`` (per block or row) when the caller knows it: a scaled tensor's is its unscaled
+    max times the positive scale (rounding is monotonic), so no pass over ``x`` reads it. Two comparisons
+    counted: no ``|x|`` temporary, and ``count_nonzero`` is some four times faster than summing a bool
+    mask (which converts it to int64 first).
     """
-    if x.device.type == "cpu" and float(abs_max(x)) <= limit:
+    if x.device.type == "cpu" and float(abs_max(x) if top is None else top.max()) <= limit:
         return torch.zeros((), dtype=torch.int64)  # reading a scalar costs no sync on the CPU
     return torch.count_nonzero(x > limit) + torch.count_nonzero(x < -limit)
 
@@ -117,35 +119,48 @@ def quantize_cast(x: torch.Tensor, dtype: torch.dtype, count: bool = True) -> Qu
     return _counts(x, q, _count_past(x, torch.finfo(dtype).max) if count else None)
 
 
+#: Elements rounded per pass of :func:`round_mantissa_`: a chunk and its two int buffers (768 KiB) stay in
+#: a core's L2 cache through the eight passes, where a whole activation would go to memory and back each time.
+ROUND_CHUNK = 1 << 16
+
+
 def round_mantissa_(v: torch.Tensor, mantissa: int, min_exp: int) -> torch.Tensor:
     """Round a float32 ``v`` in place to a float format of ``mantissa`` bits and smallest normal ``2^min_exp``.
 
     Nearest even, subnormals included, the sign of zero kept: the values the cast to such a format (e4m3:
     3 and -6; e5m2: 2 and -14; e2m1: 1 and 0) reads back as float32, bit for bit, for any ``v`` within the
-    format's range (the caller saturates first). One magic-number add per element: ``C = 2^(e + 23 -
-    mantissa)``, ``e`` the element's exponent (at least ``min_exp``), carries ``v``'s sign, and ``(v + C) - C``
-    leaves ``v`` rounded to the format's step at that exponent (float32 addition rounds to nearest even).
-    Four int and three float passes, no float8 conversion: torch's CPU cast to e4m3 is scalar and costs
-    about three times as much.
+    format's range (the caller saturates first). One magic-number add per element on ``|v|``: ``C =
+    2^(e + 23 - mantissa)``, ``e`` the element's exponent (at least ``min_exp``), and ``(|v| + C) - C``
+    leaves ``|v|`` rounded to the format's step at that exponent (float32 addition rounds to nearest even);
+    the sign bit goes back on last, so a negative value that rounds to zero gives ``-0``. Six int and two
+    float passes, no float8 conversion (torch's CPU cast to e4m3 is scalar and costs about three times as
+    much), run chunk by chunk (:data:`ROUND_CHUNK`) with two reused int buffers.
     """
+    if not v.is_contiguous():  # a strided view: one chunk, the passes on the view itself
+        _round_chunk_(v.view(torch.int32), torch.empty_like(v, dtype=torch.int32),
+                      torch.empty_like(v, dtype=torch.int32), mantissa, min_exp)  # fmt: skip
+        return v
     # Flat: on a 3-D view (blocks) the same int passes run some eight times slower on the CPU.
-    flat = v.view(-1) if v.is_contiguous() else v
-    bits = flat.view(torch.int32)
-    magic = torch.bitwise_and(bits, _EXPONENT_BITS).clamp_(min=(min_exp + 127) << 23).add_((23 - mantissa) << 23)
-    magic.bitwise_or_(torch.bitwise_and(bits, _SIGN_BIT))
-    c = magic.view(torch.float32)
-    # The sign of C is v's: copysign puts back a negative zero that (v + C) - C rounds to +0.
-    flat.add_(c).sub_(c).copysign_(c)
+    bits = v.view(-1).view(torch.int32)
+    n = bits.numel()
+    sign = torch.empty(min(n, ROUND_CHUNK), dtype=torch.int32, device=v.device)
+    magic = torch.empty_like(sign)
+    for start in range(0, n, ROUND_CHUNK):
+        part = bits[start : start + ROUND_CHUNK]
+        k = part.numel()
+        _round_chunk_(part, sign[:k], magic[:k], mantissa, min_exp)
     return v
 
 
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (already scaled) rounded to fp4 e2m1, nearest even, saturated at +-6 (float32 out).
-
-    The e2m1 grid is 0, 0.5, 1, 1.5 (step 0.5), 2, 3 (step 1), 4, 6 (step 2): one mantissa bit, smallest
-    normal 1 (:func:`round_mantissa_`).
-    """
-    return round_mantissa_(x.clamp(-E2M1_MAX, E2M1_MAX), 1, 0)
+def _round_chunk_(bits: torch.Tensor, sign: torch.Tensor, magic: torch.Tensor, mantissa: int, min_exp: int) -> None:
+    """:func:`round_mantissa_` on one chunk of float32 bits, in place; ``sign`` and ``magic`` are scratch."""
+    torch.bitwise_and(bits, _SIGN_BIT, out=sign)
+    bits.bitwise_xor_(sign)  # |v|, in place
+    torch.bitwise_and(bits, _EXPONENT_BITS, out=magic)
+    magic.clamp_(min=(min_exp + 127) << 23).add_((23 - mantissa) << 23)
+    c = magic.view(torch.float32)
+    bits.view(torch.float32).add_(c).sub_(c)
+    bits.bitwise_or_(sign)  # the sign back, -0 included (a bitwise or: copysign is some three times slower)
 
 
 def _round_fp8_(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -162,33 +177,43 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return E4M3_MAX if dtype == E4M3 else E5M2_MAX
 
 
-def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3) -> torch.Tensor:
-    """torchao's tensorwise scale: ``fmax / max(amax, 1e-12)`` in float64, then float32 (0-d)."""
-    top = abs_max(x).to(torch.float64)  # max |x| in one pass, no |x| temporary
+def tensorwise_scale(x: torch.Tensor, dtype: torch.dtype = E4M3, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """torchao's tensorwise scale: ``fmax / max(amax, 1e-12)`` in float64, then float32 (0-d).
+
+    ``amax``: ``max |x|`` when the caller has it (else one pass over ``x`` reads it).
+    """
+    top = (abs_max(x) if amax is None else amax).to(torch.float64)  # one pass, no |x| temporary
     return (_fp8_max(dtype) / torch.clamp(top, min=AMAX_EPS)).to(torch.float32)
 
 
-def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
-    """``x * scale`` saturated to the format's max, cast to ``dtype``, divided by ``scale`` again."""
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True,
+                 amax: torch.Tensor | None = None) -> Quantized:  # fmt: skip
+    """``x * scale`` saturated to the format's max, cast to ``dtype``, divided by ``scale`` again.
+
+    ``amax``: ``max |x|`` (shaped as ``scale``) when the caller has it: the saturation count then reads
+    ``max |x * scale|`` from it, not from a pass over the scaled tensor.
+    """
     fmax = _fp8_max(dtype)
     scaled = x * scale
     # ``amax * (fmax / amax)`` lands an ulp past fmax in about one tensor of eight (the scale is rounded to
     # float32): the amax element is not saturated for that, so only a magnitude past rounding counts.
-    over = _count_past(scaled, fmax * _PAST_ROUNDING) if count else None
+    top = None if amax is None else amax * scale
+    over = _count_past(scaled, fmax * _PAST_ROUNDING, top) if count else None
     return _counts(x, _round_fp8_(scaled.clamp_(-fmax, fmax), dtype).div_(scale), over)
 
 
 def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
     """Tensorwise dynamic float8 (scale = fmax / amax): torchao's ``hp_tensor_to_float8_dynamic``."""
-    return quantize_fp8(x, tensorwise_scale(x, dtype), dtype, count)
+    amax = abs_max(x)
+    return quantize_fp8(x, tensorwise_scale(x, dtype, amax), dtype, count, amax)
 
 
 def quantize_rowwise(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, count: bool = True) -> Quantized:
     """One float8 scale per slice along ``dim`` (the contraction dim), rounded down to a power of two."""
-    amax = x.abs().amax(dim=dim, keepdim=True).to(torch.float64)
-    scale = (_fp8_max(dtype) / torch.clamp(amax, min=AMAX_EPS)).to(torch.float32)
+    amax = block_amax(x, dim)
+    scale = (_fp8_max(dtype) / torch.clamp(amax.to(torch.float64), min=AMAX_EPS)).to(torch.float32)
     scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return quantize_fp8(x, scale, dtype, count)
+    return quantize_fp8(x, scale, dtype, count, amax)
 
 
 # -- block formats ----------------------------------------------------------------------
@@ -214,6 +239,12 @@ def _blocks(x: torch.Tensor, dim: int, block: int) -> tuple[torch.Tensor, int, i
 def _unblock(q: torch.Tensor, dim: int, pad: int, shape: torch.Size) -> torch.Tensor:
     q = q.reshape(q.shape[0], -1) if dim % 2 == 1 else q.reshape(-1, q.shape[-1])
     return q[:, : shape[1]] if dim % 2 == 1 else q[: shape[0]]
+
+
+def block_amax(b: torch.Tensor, axis: int) -> torch.Tensor:
+    """``max |b|`` over ``axis`` (kept): the larger of the max and minus the min, no ``|b|`` temporary (a full
+    pass and a fresh buffer saved); ``b.abs().amax(axis)``'s value, a zero's sign aside, which no scale reads."""
+    return torch.maximum(b.amax(dim=axis, keepdim=True), b.amin(dim=axis, keepdim=True).neg_())
 
 
 def mx_scale_bits(amax: torch.Tensor, max_pow2: int = E4M3_MAX_POW2) -> torch.Tensor:
@@ -257,7 +288,7 @@ def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int
         raise ValueError(f"unknown MX scale mode {scale_mode!r}: choose from {', '.join(MX_SCALE_MODES)}")
     x = x.to(torch.float32)
     b, axis, pad = _blocks(x, dim, block)
-    amax = b.abs().amax(dim=axis, keepdim=True)
+    amax = block_amax(b, axis)
     fmax = _fp8_max(dtype)
     if scale_mode == "rceil":
         biased = mx_rceil_scale_bits(amax, fmax)
@@ -269,9 +300,13 @@ def quantize_mx(x: torch.Tensor, dim: int, dtype: torch.dtype = E4M3, block: int
     else:
         biased = mx_scale_bits(amax, E5M2_MAX_POW2 if dtype == E5M2 else E4M3_MAX_POW2)
         scale = torch.clamp((biased << 23).view(torch.float32), min=_F32_MIN_NORMAL)
-        scaled = b / scale
-    # Padding is zeros, never past the limit: the mask needs no unblocking to be counted.
-    over = _count_past(scaled, fmax) if count else None
+        # A power of two's reciprocal is exact (2^-127 to 2^126, 0 for an inf scale): the product is the
+        # quotient bit for bit, and a multiply is several times cheaper than a divide.
+        rcp = scale.reciprocal()
+        scaled = b * rcp
+    # Padding is zeros, never past the limit: the mask needs no unblocking to be counted. A block's
+    # largest scaled magnitude is its amax scaled (rounding is monotonic): no pass over ``scaled``.
+    over = _count_past(scaled, fmax, amax * rcp) if count else None
     # torchao's get_fp_scale: 2^(biased - 127), NaN for the e8m0 NaN encoding (a block holding NaN or inf).
     dequant_scale = torch.where(biased == 255, float("nan"), torch.exp2((biased - 127).to(torch.float32)))
     q = _round_fp8_(scaled.clamp_(-fmax, fmax), dtype).mul_(dequant_scale)
@@ -293,13 +328,14 @@ def quantize_nvfp4(
     # An all-zero tensor would divide by zero; its blocks quantize to zero whatever the scale.
     tensor_scale = torch.where(tensor_scale > 0, tensor_scale, torch.ones_like(tensor_scale))
     b, axis, pad = _blocks(x, dim, block)
-    amax = b.abs().amax(dim=axis, keepdim=True)
+    amax = block_amax(b, axis)
     block_scale = (amax / E2M1_MAX) / tensor_scale
     block_scale_fp8 = block_scale.clamp(min=_E4M3_TINY, max=E4M3_MAX).to(E4M3).to(torch.float32)
     reciprocal = (1.0 / tensor_scale) / block_scale_fp8
     scaled = b * reciprocal
-    q = round_e2m1(scaled).mul_(tensor_scale * block_scale_fp8)
-    over = _count_past(scaled, E2M1_MAX) if count else None
+    # Counted before the in-place saturation; a block's largest scaled magnitude is its amax scaled.
+    over = _count_past(scaled, E2M1_MAX, amax * reciprocal) if count else None
+    q = round_mantissa_(scaled.clamp_(-E2M1_MAX, E2M1_MAX), 1, 0).mul_(tensor_scale * block_scale_fp8)
     return _counts(x, _unblock(q, dim, pad, x.shape), over)
 
 
@@ -363,8 +399,8 @@ class Precision:
         raise ValueError(f"unknown precision kind {self.kind!r}")
 
     def round_output(self, y: torch.Tensor) -> torch.Tensor:
-        """A matmul's float32 output as the precision returns it."""
-        return round_to(y, self.element) if self.rounds_output and self.element is not None else y
+        """A matmul's fresh float32 output as the precision returns it, rounded in place (no second buffer)."""
+        return y.copy_(y.to(self.element)) if self.rounds_output and self.element is not None else y
 
     @property
     def label(self) -> str:

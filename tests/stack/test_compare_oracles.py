@@ -43,10 +43,17 @@ def samples() -> list[torch.Tensor]:
     odd[:, :32] = 0.0
     odd[3, 40:48] = -0.0
     odd[5, 64:96] = torch.randn(32, generator=g) * 1e-30
-    return [plain, wide, odd]
+    # Larger than two rounding chunks, the last one partial: the chunked in-place rounding meets its seams.
+    large = torch.randn(320, 512, generator=g) * torch.logspace(-9, 3, 512)
+    large[7, :64] = -0.0
+    return [plain, wide, odd, large]
 
 
-@pytest.mark.parametrize("index", range(3))
+#: Every sample's index, for the oracles run on each.
+SAMPLES = range(4)
+
+
+@pytest.mark.parametrize("index", SAMPLES)
 def test_mxfp8_equals_torchao_to_mx_dequantized_bit_for_bit(index):
     x = samples()[index]
     scale, data = to_mx(x, torch.float8_e4m3fn, 32)
@@ -60,7 +67,7 @@ def test_mxfp8_equals_torchao_to_mx_dequantized_bit_for_bit(index):
     assert torch.equal(bits(formats.quantize_mx(x, dim=0).values.t().contiguous()), bits(oracle_t))
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", SAMPLES)
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_mx_rceil_equals_torchao_to_mx_rceil_bit_for_bit_along_both_dims(index, dtype):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -104,7 +111,7 @@ def test_mx_shared_scale_is_two_to_the_floor_log2_of_block_amax_minus_8():
     assert torch.equal(torch.exp2((formats.mx_scale_bits(amax) - 127).float()), expected)
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", SAMPLES)
 def test_nvfp4_equals_torchao_to_nvfp4_with_a_per_tensor_scale_bit_for_bit(index):
     x = samples()[index]
     nv = NVFP4Tensor.to_nvfp4(x, per_tensor_scale=per_tensor_amax_to_scale(x.abs().max()))
@@ -113,7 +120,7 @@ def test_nvfp4_equals_torchao_to_nvfp4_with_a_per_tensor_scale_bit_for_bit(index
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", SAMPLES)
 def test_tensorwise_fp8_equals_hp_tensor_to_float8_dynamic_bit_for_bit(index, dtype):
     x = samples()[index]
     t = hp_tensor_to_float8_dynamic(x, dtype, LinearMMConfig())
@@ -123,7 +130,7 @@ def test_tensorwise_fp8_equals_hp_tensor_to_float8_dynamic_bit_for_bit(index, dt
     assert torch.equal(formats.tensorwise_scale(x, dtype), t._scale)
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", SAMPLES)
 def test_rowwise_fp8_equals_torchao_axiswise_power_of_two_scales_bit_for_bit(index):
     x = samples()[index]
     t = hp_tensor_to_float8_dynamic(
@@ -166,7 +173,7 @@ def test_emulated_fp8_linear_matches_torchaos_float8linear_forward_and_backward(
     assert compare(model, x, precisions=("fp8",)).row("0", "fp8").act_underflow_pct > 5
 
 
-@pytest.mark.parametrize("index", range(3))
+@pytest.mark.parametrize("index", SAMPLES)
 def test_mx_e5m2_elements_equal_torchao_to_mx_e5m2_bit_for_bit(index):
     """The gradients of an MXFP8 recipe in HYBRID format: e5m2 elements, block scale 2^(floor(log2 amax) - 15)."""
     x = samples()[index]
@@ -299,3 +306,17 @@ def test_nvfp4_equals_torchao_along_both_dimensions():
         rows, k = x.shape
         assert torch.equal(bits(formats.quantize_nvfp4(x, dim=1).values), bits(_nvfp4(x)))
         assert torch.equal(bits(formats.quantize_nvfp4(x, dim=0).values), bits(_nvfp4(x.t()).t().contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_chunked_in_place_rounding_equals_torchs_float8_cast_across_chunks_and_on_a_strided_view(dtype):
+    x = samples()[3]
+    assert x.numel() > 2 * formats.ROUND_CHUNK and x.numel() % formats.ROUND_CHUNK
+    fmax = torch.finfo(dtype).max
+    saturated = x.mul(1e3).clamp(-fmax, fmax)  # the caller saturates first; spans the format's whole range
+    mantissa, min_exp = (3, -6) if dtype == torch.float8_e4m3fn else (2, -14)
+    oracle = saturated.to(dtype).to(torch.float32)
+    assert torch.equal(bits(formats.round_mantissa_(saturated.clone(), mantissa, min_exp)), bits(oracle))
+    strided = saturated.clone().t()  # not contiguous: rounded on the view, in one piece
+    assert not strided.is_contiguous()
+    assert torch.equal(bits(formats.round_mantissa_(strided, mantissa, min_exp)), bits(oracle.t()))
