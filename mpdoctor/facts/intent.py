@@ -16,7 +16,8 @@ class Island:
     """A submodule kept apart from the model's compute path on purpose, with the evidence quoted.
 
     ``kind`` is ``"averaged-copy"`` (an EMA / averaged copy), ``"metric"`` (a torchmetrics metric),
-    ``"shadow-copy"`` (a frozen copy of a sibling) or ``"kept-in-fp32"`` (an fp32 parameter the library's
+    ``"shadow-copy"`` (a frozen copy of a sibling), ``"cast-island"`` (a submodule whose forward hooks cast its
+    input to its dtype and its output back: a ReFT intervention kept fp32) or ``"kept-in-fp32"`` (an fp32 parameter the library's
     ``_keep_in_fp32_modules`` names; ``path`` is then the parameter's). ``path`` is the submodule's path in the
     model ("" for the model itself); ``param_ids`` its parameters, so a check can ask whether an optimizer holds
     them (a frozen copy no optimizer holds is a shadow, not a layer).

@@ -2,14 +2,19 @@
 averaged copy loses in its storage dtype.
 
 An island is evidence, never a guess from names: a submodule whose class is an averaging wrapper (torch's
-``AveragedModel``, ema-pytorch's ``EMA``) or a torchmetrics ``Metric``, or a frozen copy of a sibling (the same
-parameter names and shapes in another dtype, ``requires_grad`` False: a hand-written EMA or teacher). The harm of
+``AveragedModel``, ema-pytorch's ``EMA``) or a torchmetrics ``Metric``, a frozen copy of a sibling (the same
+parameter names and shapes in another dtype, ``requires_grad`` False: a hand-written EMA or teacher), or a
+submodule whose forward hooks cast its input to its own dtype and its output back (a ReFT / pyvene intervention
+kept in fp32 under a bf16 model: the hooks' source is read, never run). The harm of
 a low-precision shadow is measured on its own tensors: one update toward the online model, exactly rounded to the
 shadow's dtype, against the same update in fp32, on a copy (the live tensors are never written).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -52,7 +57,66 @@ def read_islands(model: torch.nn.Module) -> tuple[Island, ...]:
         if not any(_under(island.path, c) for c in covered):
             islands.append(island)
     islands.extend(_kept_in_fp32(model))
+    covered = [i.path for i in islands]
+    islands.extend(i for i in _hook_islands(model) if not any(_under(i.path, c) for c in covered))
     return tuple(islands)
+
+
+#: A cast in source: ``.float()`` / ``.half()`` / ``.bfloat16()`` / ``.double()``, ``.to(torch.X)``,
+#: ``.to(dtype=torch.X)``, ``.type(torch.X)``, ``.to(<expr>.dtype)`` and ``.type_as(<expr>)`` (the last two: to a
+#: dtype read at run time, named ``"dynamic"``).
+_CAST = re.compile(
+    r"\.(float|half|bfloat16|double)\(\s*\)"
+    r"|\.(?:to|type)\(\s*(?:dtype\s*=\s*)?torch\.(float32|float|bfloat16|float16|half|float64|double)\s*[,)]"
+    r"|\.(?:to\(\s*(?:dtype\s*=\s*)?[\w.\[\]]+\.dtype\s*[,)]|type_as\()"
+)
+_CAST_NAMES = {"float": "float32", "half": "float16", "double": "float64"}
+
+
+def _hook_source(fn: Any) -> str:
+    """The source of a hook (a function, a lambda's line, a partial's function, a callable object's ``__call__``);
+    ``""`` when no file holds it. Read from the file: the hook is never called."""
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        fn = type(fn).__dict__.get("__call__")  # a callable object: its class's method holds the source
+    try:
+        return inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+def cast_targets(source: str) -> frozenset[str]:
+    """The dtypes a piece of source casts tensors to (``"dynamic"`` for a dtype read at run time)."""
+    out = set()
+    for m in _CAST.finditer(source):
+        name = m.group(1) or m.group(2)
+        out.add(_CAST_NAMES.get(name, name).replace("torch.", "") if name else "dynamic")
+    return frozenset(out)
+
+
+def _hook_islands(model: torch.nn.Module) -> list[Island]:
+    """Submodules of one floating dtype whose forward pre-hook casts the input to that dtype and whose forward hook
+    casts the output to another (or back to the input's): the cast around them is written out, so they are islands."""
+    out: list[Island] = []
+    for path, mod in named_modules(model):
+        hooks = mod.__dict__
+        pre, post = hooks.get("_forward_pre_hooks"), hooks.get("_forward_hooks")
+        if not pre or not post:
+            continue
+        dtypes = _floating_dtypes(mod)
+        if len(dtypes) != 1:
+            continue
+        (own,) = dtypes
+        into = frozenset().union(*(cast_targets(_hook_source(h)) for h in pre.values()))
+        back = frozenset().union(*(cast_targets(_hook_source(h)) for h in post.values()))
+        if (own in into or "dynamic" in into) and (back - {own}):
+            evidence = (
+                f"its forward pre-hook casts its input to {own if own in into else 'its dtype'} and its forward hook "
+                f"casts its output to {'/'.join(sorted(back - {own}))}: a {own} island cast around on purpose"
+            )
+            out.append(Island(path, "cast-island", evidence, _ids(mod)))
+    return out
 
 
 def _kept_in_fp32(model: torch.nn.Module) -> list[Island]:

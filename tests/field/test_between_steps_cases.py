@@ -630,7 +630,20 @@ def test_healthy_twin_reft_adapter_kept_fp32_draws_nothing():
     model.intervention.register_forward_hook(lambda m, args, out: out.to(torch.bfloat16))
     reft_step(model, torch.randn(4, 16, dtype=torch.bfloat16))
     report = mpdoctor.diagnose(namespace={"model": model})
-    assert report.findings_for("orthogonal-parametrization-half") == []
-    # Known false alarm, measured here: mixed-param-dtypes still calls this deliberate fp32 island (its forward
-    # casts its inputs) an error; reading that intent belongs to the fp32-island work in checks/dtypes.py.
-    assert [s for s in loud(report) if s != "mixed-param-dtypes"] == []
+    assert loud(report) == []  # mixed-param-dtypes reads the hooks' casts: an fp32 island on purpose
+    (island,) = [i for m in report.facts.models for i in m.islands if i.kind == "cast-island"]
+    assert island.path == "intervention" and "forward hook casts its output to bfloat16" in island.evidence
+
+
+def test_the_fp32_reft_adapter_without_the_casts_is_still_an_error_and_raises():
+    """The same fp32 intervention with no hook casting around it: the bf16 hidden state meets fp32 weights."""
+    model = ReftModel().to(torch.bfloat16)
+    model.intervention.float()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert "dtype" in str(raised(lambda: model(x)))
+    (finding,) = mpdoctor.diagnose(namespace={"model": model}).findings_for("mixed-param-dtypes")
+    assert finding.severity == "error" and "intervention.source" in finding.evidence["modules"]
+    # A pre-hook alone (the output left fp32) is no evidence either: the cast back is half of the island.
+    model.intervention.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+    (finding,) = mpdoctor.diagnose(namespace={"model": model}).findings_for("mixed-param-dtypes")
+    assert finding.severity == "error"
