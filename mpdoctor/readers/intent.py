@@ -202,6 +202,8 @@ def shadow_kind(obj: Any) -> str | None:
 
 def shadow_tensors(obj: Any, kind: str) -> list[torch.Tensor]:
     """The floating tensors an averaging object averages into (its shadow), in parameter order."""
+    if kind == "hand-written":  # a model the user's code averages into: its own parameters
+        return [p for p in obj.parameters() if p.is_floating_point()] if isinstance(obj, torch.nn.Module) else []
     if kind == "ema-model":
         return [t for t in (raw_attr(obj, "shadow_params", None) or ()) if torch.is_tensor(t) and t.is_floating_point()]
     copy = _copy_module(obj, kind)
@@ -216,6 +218,8 @@ def _copy_module(obj: Any, kind: str) -> torch.nn.Module | None:
 
 def shadow_path(name: str, kind: str) -> str:
     """What the user types to reach the shadow tensors."""
+    if kind == "hand-written":
+        return name
     return f"{name}.{ {'averaged-model': 'module', 'ema-pytorch': 'ema_model', 'ema-model': 'shadow_params'}[kind]}"
 
 
@@ -275,13 +279,14 @@ def same_dtype_update(obj: Any, kind: str) -> bool:
 
 
 def online_tensors(obj: Any, kind: str, candidates: Iterable[tuple[str, torch.nn.Module]], shadow: Sequence[torch.Tensor]) -> tuple[str | None, list[torch.Tensor]]:
-    """The online model an averaging object follows: its own reference (ema-pytorch), else the candidate whose
-    floating parameters match the shadow's shapes in order."""
+    """The online model an averaging object follows, by the name the user types: ema-pytorch's own reference
+    (``online_model``, a submodule or a one-item list), found among the candidates by identity; else the candidate
+    whose floating parameters match the shadow's shapes in order."""
+    candidates = list(candidates)
     if kind == "ema-pytorch":
-        online = raw_attr(obj, "online_model", None)
-        online = online[0] if isinstance(online, list) and online else online
-        if isinstance(online, torch.nn.Module):
-            return "online_model", [p for p in online.parameters() if p.is_floating_point()]
+        found = _ema_pytorch_online(obj, candidates)
+        if found is not None:
+            return found
     shapes = [tuple(t.shape) for t in shadow]
     own = {id(t) for t in shadow}
     for name, module in candidates:
@@ -289,6 +294,16 @@ def online_tensors(obj: Any, kind: str, candidates: Iterable[tuple[str, torch.nn
         if [tuple(p.shape) for p in params] == shapes and not own & {id(p) for p in params}:
             return name, params
     return None, []
+
+
+def _ema_pytorch_online(obj: Any, candidates: list[tuple[str, torch.nn.Module]]) -> tuple[str, list[torch.Tensor]] | None:
+    """ema-pytorch's ``online_model`` (a submodule, or a one-item list with ``include_online_model=False``)."""
+    online = raw_attr(obj, "online_model", None) or (raw_attr(obj, "_modules", None) or {}).get("online_model")
+    online = online[0] if isinstance(online, list) and online else online
+    if not isinstance(online, torch.nn.Module):
+        return None
+    name = next((n for n, m in candidates if m is online), None)  # the user's own name for it
+    return name or "online_model", [p for p in online.parameters() if p.is_floating_point()]
 
 
 def source_candidates(models: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
@@ -328,8 +343,11 @@ def min_gap(dtype: str, decay: float | None) -> float | None:
     return eps / 4 / (1.0 - decay)
 
 
-def read_shadow(name: str, obj: Any, kind: str, candidates: Callable[[], list[tuple[str, torch.nn.Module]]]) -> ShadowFacts | None:
-    """The facts of one averaging object; ``candidates`` yields the models it may follow (read only when needed)."""
+def read_shadow(
+    name: str, obj: Any, kind: str, candidates: Callable[[], list[tuple[str, torch.nn.Module]]], aliases: dict[str, str] | None = None
+) -> ShadowFacts | None:
+    """The facts of one averaging object; ``candidates`` yields the models it may follow (read only when needed),
+    ``aliases`` the user's own names of paths inside them (``{"ema.online_model": "net"}``)."""
     shadow = shadow_tensors(obj, kind)
     if not shadow:
         return None
@@ -354,8 +372,30 @@ def read_shadow(name: str, obj: Any, kind: str, candidates: Callable[[], list[tu
         same_dtype_update=same_dtype_update(obj, kind),
         coerce_dtype=bool(raw_attr(obj, "coerce_dtype", False)) if kind == "ema-pytorch" else None,
         source=source,
+        source_name=(aliases or {}).get(source, source) if source else None,
         source_dtypes=tuple(sorted({_dtype_name(p) for p in online})),
         lost_share=share,
         changed_in_fp32=changed,
         min_gap=min_gap(narrow, decay),
     )
+
+
+def read_hand_written(name: str, obj: torch.nn.Module, online_name: str, online: torch.nn.Module, update: Any) -> ShadowFacts | None:
+    """The facts of a model the user's code averages into (``update``: an
+    :class:`~mpdoctor.readers.ema_code.EmaUpdate`), when it is a copy of ``online`` (the same parameter shapes)."""
+    shadow = shadow_tensors(obj, "hand-written")
+    params = [p for p in online.parameters() if p.is_floating_point()]
+    if not shadow or [tuple(t.shape) for t in shadow] != [tuple(p.shape) for p in params]:
+        return None
+    dtypes = tuple(sorted({_dtype_name(t) for t in shadow}))
+    low = sum(t.numel() for t in shadow if _dtype_name(t) in LOW)
+    decay = update.decay if update.decay is not None and 0.0 < update.decay < 1.0 else None
+    share, changed = measure_update(shadow, params, decay) if low and decay is not None else (None, 0)
+    narrow = max(dtypes, key=lambda d: torch.finfo(getattr(torch, d)).eps)
+    return ShadowFacts(
+        name=name, ref=id(obj), kind="hand-written", class_path=class_path(type(obj)), shadow_path=name,
+        shadow_dtypes=dtypes, shadow_elements=sum(t.numel() for t in shadow), low_elements=low, decay=decay,
+        source=online_name, source_name=online_name, source_dtypes=tuple(sorted({_dtype_name(p) for p in params})),
+        lost_share=share, changed_in_fp32=changed, min_gap=min_gap(narrow, decay),
+        update_line=update.line, update_where=update.where, update_op=update.op,
+    )  # fmt: skip
