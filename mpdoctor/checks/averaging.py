@@ -23,6 +23,13 @@ def _code(s: ShadowFacts) -> str:
     """Python that does what the in-place fix does, with the user's names (run in the tests on a twin)."""
     if s.kind == "ema-model":
         return f"import torch\n\n{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
+    if s.kind == "hand-written" and s.class_path == "builtins.dict":
+        return (
+            f"import torch\n\n"
+            f"for k, t in {s.name}.items():\n"
+            f"    if t.is_floating_point() and t.dtype != torch.float32:\n"
+            f"        {s.name}[k] = t.float()  # the EMA's tensors in fp32"
+        ) + (_lerp_advice(s) if s.update_op == "lerp_" else "")
     cast = (
         f"import torch\n\n"
         f"for p in {s.shadow_path}.parameters():\n"
@@ -38,10 +45,7 @@ def _code(s: ShadowFacts) -> str:
             f"    setattr({s.name}, attr, functools.partial(fn.func, *fn.args, **{{**fn.keywords, 'coerce_dtype': True}}))"
         )
     if s.kind == "hand-written" and s.update_op == "lerp_" and s.update_line:
-        return (
-            f"{cast}\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
-            f"#     {_online_cast(s.update_line)}"
-        )
+        return cast + _lerp_advice(s)
     if s.kind == "averaged-model" and s.same_dtype_update:
         avg = f"get_ema_avg_fn({s.decay!r})" if s.decay is not None else "get_swa_avg_fn()"
         return (
@@ -50,6 +54,13 @@ def _code(s: ShadowFacts) -> str:
             f"{s.name}.multi_avg_fn = None"
         )
     return cast
+
+
+def _lerp_advice(s: ShadowFacts) -> str:
+    return (
+        f"\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
+        f"#     {_online_cast(s.update_line or '')}"
+    )
 
 
 def _online_cast(line: str) -> str:
@@ -81,8 +92,9 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         and a model the user's own code averages into, read from the notebook's
         cells or the script: ``ema_p.lerp_(p, 1 - decay)`` or
         ``ema_p.mul_(decay).add_(p, alpha=1 - decay)`` over
-        ``zip(ema.parameters(), model.parameters())``, the decay resolved from
-        the code or the namespace) whose shadow tensors are bf16 or fp16, and measures what one update
+        ``zip(ema.parameters(), model.parameters())``, or into a dict of
+        shadow tensors over ``model.named_parameters()``, the decay resolved
+        from the code or the namespace) whose shadow tensors are bf16 or fp16, and measures what one update
         ``s + (1 - decay) * (p - s)`` loses: on copies of the shadow and of the
         online model's parameters, the update is computed in fp32 and rounded
         once to the shadow's dtype; an element is lost when fp32 changes it and

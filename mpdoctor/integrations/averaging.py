@@ -72,6 +72,8 @@ def _hand_written(models: list[tuple[str, Any]], live: Any) -> list:
     out = []
     for update in ema_updates(code, namespace):
         shadow, online = by_name.get(update.target), by_name.get(update.online)
+        if shadow is None and type(namespace.get(update.target)) is dict:  # a dict of shadow tensors
+            shadow = namespace[update.target]
         if shadow is None or online is None or shadow is online:
             continue
         try:
@@ -118,6 +120,28 @@ class CastListTensors(Change):
             self._old = None
 
 
+class CastDictTensors(Change):
+    """Replace each floating tensor value of a dict (a hand-written EMA's shadow) by a copy in ``dtype``.
+
+    Every copy is made before the first swap; undo puts the very tensor objects back.
+    """
+
+    def __init__(self, items: dict, dtype: torch.dtype, label: str) -> None:
+        self.items, self.dtype = items, dtype
+        self.description = f"cast the tensors of {label} to {str(dtype).replace('torch.', '')}"
+        self._old: dict | None = None
+
+    def apply(self) -> None:
+        staged = {k: cast_tensor(t, self.dtype) for k, t in self.items.items() if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.dtype}
+        self._old = {k: self.items[k] for k in staged}
+        self.items.update(staged)
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.items.update(self._old)
+            self._old = None
+
+
 def _per_tensor_avg_fn(obj: Any) -> Any:
     """The per-tensor twin of an ``AveragedModel``'s ``multi_avg_fn``: it promotes an fp32 shadow with a bf16 model
     where ``torch._foreach_lerp_`` raises."""
@@ -132,6 +156,8 @@ def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
     kind = shadow_kind(obj)
     if kind == "ema-model":
         return [CastListTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
+    if kind is None and isinstance(obj, dict):  # a hand-written EMA's dict of shadow tensors
+        return [CastDictTensors(obj, torch.float32, label)]
     module = obj if kind is None else obj.module if kind == "averaged-model" else obj.ema_model  # None: hand-written
     params = [p for p in module.parameters() if p.is_floating_point()]
     steps: list[Change] = [CastParams(params, torch.float32, (), f"shadow parameters of {label}", state=False)]

@@ -55,8 +55,8 @@ def user_code() -> tuple[list[tuple[str, str]], Mapping[str, Any]]:
 
 
 def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -> list[EmaUpdate]:
-    """Every EMA update over a ``zip`` of two models' parameters in ``code`` (top level or in a function the
-    code calls with the models' names)."""
+    """Every EMA update over a ``zip`` of two models' parameters, or over one model's ``named_parameters()``
+    into a dict of shadow tensors, in ``code`` (top level or in a function the code calls with the names)."""
     trees = []
     for where, text in code:
         try:
@@ -140,15 +140,36 @@ def _zipped(loop: ast.For, bound: dict) -> dict[str, str]:
     return out
 
 
+def _named(loop: ast.For, bound: dict) -> dict[str, str]:
+    """``for n, p in model.named_parameters()`` with ``shadow[n]`` in the body: ``{"p": "model", "shadow[n]":
+    "shadow"}`` (a dict of shadow tensors keyed by parameter name)."""
+    it, target = loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "named_parameters"):
+        return {}
+    if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts)):
+        return {}
+    key, var = (e.id for e in target.elts)  # type: ignore[attr-defined]
+    owner = _name(it.func.value, bound)
+    if not owner:
+        return {}
+    out = {var: owner}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name) and node.slice.id == key:
+            out[f"{node.value.id}[{key}]"] = _name(node.value, bound) or node.value.id
+    return out
+
+
 def _tensor_var(node: ast.expr) -> str | None:
-    """``ema_p`` or ``ema_p.data``: the loop variable a tensor expression is."""
+    """``ema_p``, ``ema_p.data`` or ``shadow[n]``: the loop variable (or dict entry) a tensor expression is."""
     if isinstance(node, ast.Attribute) and node.attr == "data":
         node = node.value
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name):
+        return f"{node.value.id}[{node.slice.id}]"
     return node.id if isinstance(node, ast.Name) else None
 
 
 def _updates_in(loop: ast.For, where: str, bound: dict, namespace: Mapping[str, Any], constants: dict) -> Iterator[EmaUpdate]:
-    owners = _zipped(loop, bound)
+    owners = _zipped(loop, bound) or _named(loop, bound)
     if len(owners) < 2:
         return
     for node in ast.walk(loop):

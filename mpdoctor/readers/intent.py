@@ -202,7 +202,9 @@ def shadow_kind(obj: Any) -> str | None:
 
 def shadow_tensors(obj: Any, kind: str) -> list[torch.Tensor]:
     """The floating tensors an averaging object averages into (its shadow), in parameter order."""
-    if kind == "hand-written":  # a model the user's code averages into: its own parameters
+    if kind == "hand-written":  # a model the user's code averages into (its parameters), or a dict of tensors
+        if isinstance(obj, dict):
+            return [t for t in obj.values() if torch.is_tensor(t) and t.is_floating_point()]
         return [p for p in obj.parameters() if p.is_floating_point()] if isinstance(obj, torch.nn.Module) else []
     if kind == "ema-model":
         return [t for t in (raw_attr(obj, "shadow_params", None) or ()) if torch.is_tensor(t) and t.is_floating_point()]
@@ -380,11 +382,20 @@ def read_shadow(
     )
 
 
-def read_hand_written(name: str, obj: torch.nn.Module, online_name: str, online: torch.nn.Module, update: Any) -> ShadowFacts | None:
-    """The facts of a model the user's code averages into (``update``: an
-    :class:`~mpdoctor.readers.ema_code.EmaUpdate`), when it is a copy of ``online`` (the same parameter shapes)."""
-    shadow = shadow_tensors(obj, "hand-written")
-    params = [p for p in online.parameters() if p.is_floating_point()]
+def _paired(obj: Any, online: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The shadow tensors and the online parameters they follow, in one order (a dict is paired by name)."""
+    if isinstance(obj, dict):  # the dict's own order is the user's
+        pairs = [(obj[n], p) for n, p in online.named_parameters() if torch.is_tensor(obj.get(n)) and p.is_floating_point()]
+        if len(pairs) != len(shadow_tensors(obj, "hand-written")):
+            return [], []
+        return [s for s, _ in pairs], [p for _, p in pairs]
+    return shadow_tensors(obj, "hand-written"), [p for p in online.parameters() if p.is_floating_point()]
+
+
+def read_hand_written(name: str, obj: Any, online_name: str, online: torch.nn.Module, update: Any) -> ShadowFacts | None:
+    """The facts of a model (or a dict of tensors keyed by parameter name) the user's code averages into
+    (``update``: an :class:`~mpdoctor.readers.ema_code.EmaUpdate`), when it is a copy of ``online``."""
+    shadow, params = _paired(obj, online)
     if not shadow or [tuple(t.shape) for t in shadow] != [tuple(p.shape) for p in params]:
         return None
     dtypes = tuple(sorted({_dtype_name(t) for t in shadow}))

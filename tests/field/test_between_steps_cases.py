@@ -793,3 +793,52 @@ def test_healthy_twin_hand_written_fp32_ema_and_a_bf16_reference_copy_draw_nothi
         assert report.findings_for("low-precision-ema") == [] and loud(report) == []
     finally:
         nb.close()
+
+
+DICT_STEP = """
+shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+def train_step():
+    loss = model(torch.randn(8, 16, dtype=torch.bfloat16)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            shadow[n].mul_(decay).add_(p, alpha=1 - decay)
+    return loss.detach()
+"""
+
+
+def test_a_dict_of_bf16_shadow_tensors_loses_its_updates_then_is_fixed_in_place_and_the_step_trains():
+    """The other hand-written form: ``shadow = {n: p.detach().clone() ...}`` of a bf16 model, updated by name."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    try:
+        for cell in (SETUP.format(dtype="torch.bfloat16"), DICT_STEP):
+            assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        ns = sh.user_ns
+        shadow, step = ns["shadow"], ns["train_step"]
+
+        def moved() -> float:
+            before = {k: v.clone() for k, v in shadow.items()}
+            step()
+            return sum(int((shadow[k] != v).sum()) for k, v in before.items()) / sum(v.numel() for v in before.values())
+
+        step()
+        assert moved() < 0.05
+        objects = {k: ns[k] for k in ("model", "opt")}
+        (finding,) = mpdoctor.diagnose(namespace=objects).findings_for("low-precision-ema")
+        assert finding.subject == "shadow" and finding.evidence["lost_share"] > 0.9
+        (fix,) = finding.fixes
+        twin = {k: v.clone() for k, v in shadow.items()}
+        exec(compile(fix.code, "<fix code>", "exec"), {"shadow": twin})
+        fix.apply()
+        assert all(v.dtype == twin[k].dtype == torch.float32 and torch.equal(v, twin[k]) for k, v in shadow.items())
+        params = list(ns["model"].parameters())
+        before = snapshot(params)
+        assert_step_trains(step(), before, params)
+        assert moved() > 0.5
+    finally:
+        sh.reset(new_session=True)
