@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator
 
 from ..facts import Facts
@@ -19,20 +20,55 @@ _NOTICEABLE = 0.01
 
 
 def _code(s: ShadowFacts) -> str:
+    """Python that does what the in-place fix does, with the user's names (run in the tests on a twin)."""
     if s.kind == "ema-model":
-        return f"{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
-    if s.kind == "ema-pytorch":
+        return f"import torch\n\n{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
+    if s.kind == "hand-written" and s.class_path == "builtins.dict":
         return (
-            f"{s.shadow_path}.float()  # keep the EMA copy in fp32\n"
-            f"# and build it with EMA(model, ..., coerce_dtype=True) so its lerp_ casts the online weights to the shadow's dtype"
+            f"import torch\n\n"
+            f"for k, t in {s.name}.items():\n"
+            f"    if t.is_floating_point() and t.dtype != torch.float32:\n"
+            f"        {s.name}[k] = t.float()  # the EMA's tensors in fp32"
+        ) + (_lerp_advice(s) if s.update_op == "lerp_" else "")
+    cast = (
+        f"import torch\n\n"
+        f"for p in {s.shadow_path}.parameters():\n"
+        f"    if p.is_floating_point() and p.dtype != torch.float32:\n"
+        f"        p.data = p.data.float()  # the {'EMA' if s.kind == 'ema-pytorch' else 'averaged'} copy in fp32; the same Parameter objects"
+    )
+    if s.kind == "ema-pytorch" and not s.coerce_dtype:
+        return (
+            f"import functools\n{cast}\n"
+            f"{s.name}.coerce_dtype = True  # its update casts the online weights to the shadow's dtype\n"
+            f"for attr in ('inplace_copy', 'inplace_lerp'):  # the update functions bound coerce_dtype when EMA was built\n"
+            f"    fn = getattr({s.name}, attr)\n"
+            f"    setattr({s.name}, attr, functools.partial(fn.func, *fn.args, **{{**fn.keywords, 'coerce_dtype': True}}))"
         )
-    lines = f"{s.shadow_path}.float()  # keep the averaged copy in fp32"
-    if s.same_dtype_update:
-        lines += (
-            f"\n# and average per tensor (torch._foreach_lerp_ takes one dtype):"
-            f"\n# AveragedModel(model, avg_fn=get_ema_avg_fn({s.decay})) instead of multi_avg_fn=get_ema_multi_avg_fn(...)"
+    if s.kind == "hand-written" and s.update_op == "lerp_" and s.update_line:
+        return cast + _lerp_advice(s)
+    if s.kind == "averaged-model" and s.same_dtype_update:
+        avg = f"get_ema_avg_fn({s.decay!r})" if s.decay is not None else "get_swa_avg_fn()"
+        return (
+            f"from torch.optim.swa_utils import {avg.split('(')[0]}\n{cast}\n"
+            f"{s.name}.avg_fn = {avg}  # average per tensor: torch._foreach_lerp_ takes one dtype\n"
+            f"{s.name}.multi_avg_fn = None"
         )
-    return lines
+    return cast
+
+
+def _lerp_advice(s: ShadowFacts) -> str:
+    return (
+        f"\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
+        f"#     {_online_cast(s.update_line or '')}"
+    )
+
+
+def _online_cast(line: str) -> str:
+    """``ema_p.lerp_(p, 1 - decay)`` -> ``ema_p.lerp_(p.float(), 1 - decay)``."""
+    call = ast.parse(line, mode="eval").body
+    if isinstance(call, ast.Call) and call.args:
+        call.args[0] = ast.Call(ast.Attribute(call.args[0], "float", ast.Load()), [], [])
+    return ast.unparse(call)
 
 
 def _harm(s: ShadowFacts) -> str:
@@ -40,20 +76,25 @@ def _harm(s: ShadowFacts) -> str:
     gap = f"an update registers only where the online weight differs from the shadow by at least {s.min_gap:.0%} of its value"
     if s.lost_share is not None:
         return (
-            f"one real update toward {s.source} (decay {s.decay}) leaves {s.lost_share:.0%} of the "
+            f"one real update toward {s.source_name or s.source} (decay {s.decay}) leaves {s.lost_share:.0%} of the "
             f"{count(s.changed_in_fp32, 'element')} fp32 would change unchanged in {low}: {gap}"
         )
-    return f"with decay {s.decay} in {low}, {gap}, so the average stops following the model"
+    return f"with decay {s.decay} in {low}, {gap}, so the average stops following {s.source_name or s.source or 'the model'}"
 
 
-@check("low-precision-ema", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+@check("low-precision-ema", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An EMA / weight-averaging copy kept in bf16 or fp16, whose updates round away.
 
     What it does
         Reads every averaging object (torch's ``AveragedModel``, diffusers'
-        ``EMAModel``, ema-pytorch's ``EMA``, held directly or inside a model)
-        whose shadow tensors are bf16 or fp16, and measures what one update
+        ``EMAModel``, ema-pytorch's ``EMA``, held directly or inside a model;
+        and a model the user's own code averages into, read from the notebook's
+        cells or the script: ``ema_p.lerp_(p, 1 - decay)`` or
+        ``ema_p.mul_(decay).add_(p, alpha=1 - decay)`` over
+        ``zip(ema.parameters(), model.parameters())``, or into a dict of
+        shadow tensors over ``model.named_parameters()``, the decay resolved
+        from the code or the namespace) whose shadow tensors are bf16 or fp16, and measures what one update
         ``s + (1 - decay) * (p - s)`` loses: on copies of the shadow and of the
         online model's parameters, the update is computed in fp32 and rounded
         once to the shadow's dtype; an element is lost when fp32 changes it and
@@ -82,7 +123,11 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         whose ``torch._foreach_lerp_`` raises ``expected dtype float for `end`
         but got dtype c10::BFloat16``), the fix also makes it cast the online
         weights (``coerce_dtype=True``; the per-tensor ``avg_fn`` with the same
-        decay). Undo restores the tensors and the functions exactly.
+        decay). Undo restores the tensors and the functions exactly. For a
+        hand-written ``mul_`` / ``add_`` update the cast alone is the fix
+        (``add_`` promotes the bf16 weights into the fp32 shadow); a
+        hand-written ``lerp_`` takes one dtype, so that fix is display-only:
+        the cast, and the user's line lerping toward ``p.float()``.
     Severity
         Error when most updates are lost (measured share at least 50%, or,
         unmeasured, an update needs a gap of half the weight); warning when an
@@ -91,7 +136,8 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         d8ahazard/sd_dreambooth_extension pull requests #1415 and #1417 ("almost
         all EMA weight updates get rounded down to 0"); lucidrains/ema-pytorch
         pull request #18 and issue #36; NUS-HPC-AI-Lab/VideoSys pull request #6
-        ("use fp32 for ema model").
+        ("use fp32 for ema model"); konpatp/diffae issue #16 (a hand-written
+        EMA at decay 0.9999 in fp16).
     """
     for s in facts.averaging:
         if not s.low_elements or s.min_gap is None:
@@ -101,11 +147,13 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         stopped = measure >= _STOPPED
         low = "/".join(d for d in s.shadow_dtypes if d != "float32")
+        # A hand-written lerp_ takes one dtype: an fp32 shadow needs the user's own line changed too.
+        in_place = not (s.kind == "hand-written" and s.update_op == "lerp_")
         fix = Fix(
             f"Keep the shadow of {s.name} in fp32",
             _code(s),
-            changes=(KeepShadowFp32(s.ref, s.name),),
-            applicability=Applicability.SAFE,
+            changes=(KeepShadowFp32(s.ref, s.name),) if in_place else (),
+            applicability=Applicability.SAFE if in_place else Applicability.DISPLAY_ONLY,
             backup_bytes=2 * s.low_elements,
             recipe="keep-shadow-fp32",
             cost=f"{size_delta(2 * s.low_elements)} of shadow weights",
@@ -114,11 +162,12 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
             s.name,
             f"{s.name} averages into {low} shadow tensors ({s.shadow_path}): {_harm(s)}.",
             {
+                "update": f"{s.update_where}: {s.update_line}" if s.update_line else None,
                 "shadow": s.shadow_path,
                 "shadow_dtypes": list(s.shadow_dtypes),
                 "shadow_elements": s.shadow_elements,
                 "decay": s.decay,
-                "online_model": s.source,
+                "online_model": s.source_name or s.source,
                 "lost_share": s.lost_share,
                 "changed_in_fp32": s.changed_in_fp32,
                 "min_gap": s.min_gap,
@@ -175,9 +224,9 @@ def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
         yield rule.finding(
             s.name,
-            f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source}, which is {online}, and its update lerps "
+            f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source_name or s.source}, which is {online}, and its update lerps "
             f"the two as they are: the next update raises 'expected dtype float for `end` but got dtype c10::BFloat16'.",
-            {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source, "online_dtypes": list(s.source_dtypes)},
+            {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source_name or s.source, "online_dtypes": list(s.source_dtypes)},
             [fix],
             severity=Severity.ERROR,
         )

@@ -222,7 +222,10 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         or their parent's, casts their input to their weights' dtype (read from
         the source: ``x.to(self.weight.dtype)``, ``x.type_as(self.weight)``,
         ``self.gate(h.float())`` for an fp32 router or gate: a deliberate
-        island); norms that return their
+        island); modules of one dtype whose forward pre-hook casts their input
+        to that dtype and whose forward hook casts their output back (read from
+        the hooks' source: a ReFT intervention kept fp32); averaged copies,
+        metrics and frozen copies no optimizer holds; norms that return their
         input's dtype (torch's LayerNorm / RMSNorm / GroupNorm / BatchNorm,
         Gemma's RMSNorm). Other norms count only when their weight is wider
         than the compute dtype, because ``weight * x`` then promotes the

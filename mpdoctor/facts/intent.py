@@ -16,7 +16,8 @@ class Island:
     """A submodule kept apart from the model's compute path on purpose, with the evidence quoted.
 
     ``kind`` is ``"averaged-copy"`` (an EMA / averaged copy), ``"metric"`` (a torchmetrics metric),
-    ``"shadow-copy"`` (a frozen copy of a sibling) or ``"kept-in-fp32"`` (an fp32 parameter the library's
+    ``"shadow-copy"`` (a frozen copy of a sibling), ``"cast-island"`` (a submodule whose forward hooks cast its
+    input to its dtype and its output back: a ReFT intervention kept fp32) or ``"kept-in-fp32"`` (an fp32 parameter the library's
     ``_keep_in_fp32_modules`` names; ``path`` is then the parameter's). ``path`` is the submodule's path in the
     model ("" for the model itself); ``param_ids`` its parameters, so a check can ask whether an optimizer holds
     them (a frozen copy no optimizer holds is a shadow, not a layer).
@@ -41,7 +42,7 @@ class ShadowFacts:
 
     name: str
     ref: int
-    kind: str  # "averaged-model" (torch), "ema-model" (diffusers), "ema-pytorch"
+    kind: str  # "averaged-model" (torch), "ema-model" (diffusers), "ema-pytorch", "hand-written" (a model the code averages)
     class_path: str
     #: What the user types to reach the shadow tensors (``ema.module``, ``ema.ema_model``, ``ema.shadow_params``).
     shadow_path: str
@@ -53,8 +54,16 @@ class ShadowFacts:
     #: bf16 model then raises unless the online tensors are cast first (ema-pytorch's ``coerce_dtype``).
     same_dtype_update: bool = False
     coerce_dtype: bool | None = None
+    #: The online model as a path the facts know (a model's name, or a path inside one: ``ema.online_model``).
     source: str | None = None
+    #: The user's own name for it (``net``, where ``net = ema.online_model``): what the messages and the code say.
+    source_name: str | None = None
     source_dtypes: tuple[str, ...] = ()
     lost_share: float | None = None
     changed_in_fp32: int = 0
     min_gap: float | None = None
+    #: A hand-written update: the statement as the user wrote it, where (``cell [4]``), and its op (``lerp_``,
+    #: ``lerp_cast``, ``mul_add``: see :class:`mpdoctor.readers.ema_code.EmaUpdate`).
+    update_line: str | None = None
+    update_where: str | None = None
+    update_op: str | None = None

@@ -17,9 +17,11 @@ import torch
 
 from ..edits.steps import CastParams, Change, SetAttr, cast_tensor
 from ..live.introspect import modules_of, raw_attr
+from ..readers.ema_code import ema_updates, user_code
 from ..readers.intent import (
     AVERAGING_MODULES,
     closure_decay,
+    read_hand_written,
     read_islands,
     read_shadow,
     shadow_kind,
@@ -41,6 +43,7 @@ def shadow_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
             found.extend((f"{name}.{path}" if path else name, mod) for path, mod in modules_of(model, AVERAGING_MODULES))
         except Exception:  # a model whose tree cannot be walked is reported once, by its own gathering
             models.remove((name, model))
+    aliases = _aliases(subjects)
     out, seen = [], set()
     for name, obj in found:
         kind = shadow_kind(obj)
@@ -48,13 +51,51 @@ def shadow_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
             continue
         seen.add(id(obj))
         try:
-            shadow = read_shadow(name, obj, kind, lambda: source_candidates(models))
+            shadow = read_shadow(name, obj, kind, lambda: source_candidates(models), aliases)
         except Exception:  # an averaging object half built or hostile: nothing to say about it
             continue
         if shadow is not None:
             live.add(obj)
             out.append(shadow)
+    out.extend(s for s in _hand_written(models, live) if s.ref not in seen)
     return {"averaging": tuple(out)} if out else {}
+
+
+def _hand_written(models: list[tuple[str, Any]], live: Any) -> list:
+    """Models the user's own code averages into (``ema_p.lerp_(p, 1 - decay)`` over two models' parameters)."""
+    if not models:
+        return []
+    code, namespace = user_code()
+    if not code:
+        return []
+    by_name = dict(source_candidates(models))
+    out = []
+    for update in ema_updates(code, namespace):
+        shadow, online = by_name.get(update.target), by_name.get(update.online)
+        if shadow is None and type(namespace.get(update.target)) is dict:  # a dict of shadow tensors
+            shadow = namespace[update.target]
+        if shadow is None or online is None or shadow is online:
+            continue
+        try:
+            facts = read_hand_written(update.target, shadow, update.online, online, update)
+        except Exception:  # a model whose parameters cannot be read is reported by its own gathering
+            continue
+        if facts is not None:
+            live.add(shadow)
+            out.append(facts)
+    return out
+
+
+def _aliases(subjects: tuple) -> dict[str, str]:
+    """``path -> the user's name`` from the subjects' aliases (``"net = ema.online_model"``: ema-pytorch's ``EMA``
+    holds the online model as a submodule, so ``net`` is folded into ``ema``)."""
+    out: dict[str, str] = {}
+    for s in subjects:
+        for alias in getattr(s, "aliases", ()) or ():
+            user, sep, path = str(alias).partition(" = ")
+            if sep:
+                out.setdefault(path, user)
+    return out
 
 
 class CastListTensors(Change):
@@ -79,6 +120,28 @@ class CastListTensors(Change):
             self._old = None
 
 
+class CastDictTensors(Change):
+    """Replace each floating tensor value of a dict (a hand-written EMA's shadow) by a copy in ``dtype``.
+
+    Every copy is made before the first swap; undo puts the very tensor objects back.
+    """
+
+    def __init__(self, items: dict, dtype: torch.dtype, label: str) -> None:
+        self.items, self.dtype = items, dtype
+        self.description = f"cast the tensors of {label} to {str(dtype).replace('torch.', '')}"
+        self._old: dict | None = None
+
+    def apply(self) -> None:
+        staged = {k: cast_tensor(t, self.dtype) for k, t in self.items.items() if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.dtype}
+        self._old = {k: self.items[k] for k in staged}
+        self.items.update(staged)
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.items.update(self._old)
+            self._old = None
+
+
 def _per_tensor_avg_fn(obj: Any) -> Any:
     """The per-tensor twin of an ``AveragedModel``'s ``multi_avg_fn``: it promotes an fp32 shadow with a bf16 model
     where ``torch._foreach_lerp_`` raises."""
@@ -93,7 +156,9 @@ def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
     kind = shadow_kind(obj)
     if kind == "ema-model":
         return [CastListTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
-    module = obj.module if kind == "averaged-model" else obj.ema_model
+    if kind is None and isinstance(obj, dict):  # a hand-written EMA's dict of shadow tensors
+        return [CastDictTensors(obj, torch.float32, label)]
+    module = obj if kind is None else obj.module if kind == "averaged-model" else obj.ema_model  # None: hand-written
     params = [p for p in module.parameters() if p.is_floating_point()]
     steps: list[Change] = [CastParams(params, torch.float32, (), f"shadow parameters of {label}", state=False)]
     if kind == "averaged-model" and raw_attr(obj, "multi_avg_fn", None) is not None:

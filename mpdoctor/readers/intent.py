@@ -2,14 +2,19 @@
 averaged copy loses in its storage dtype.
 
 An island is evidence, never a guess from names: a submodule whose class is an averaging wrapper (torch's
-``AveragedModel``, ema-pytorch's ``EMA``) or a torchmetrics ``Metric``, or a frozen copy of a sibling (the same
-parameter names and shapes in another dtype, ``requires_grad`` False: a hand-written EMA or teacher). The harm of
+``AveragedModel``, ema-pytorch's ``EMA``) or a torchmetrics ``Metric``, a frozen copy of a sibling (the same
+parameter names and shapes in another dtype, ``requires_grad`` False: a hand-written EMA or teacher), or a
+submodule whose forward hooks cast its input to its own dtype and its output back (a ReFT / pyvene intervention
+kept in fp32 under a bf16 model: the hooks' source is read, never run). The harm of
 a low-precision shadow is measured on its own tensors: one update toward the online model, exactly rounded to the
 shadow's dtype, against the same update in fp32, on a copy (the live tensors are never written).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -52,7 +57,66 @@ def read_islands(model: torch.nn.Module) -> tuple[Island, ...]:
         if not any(_under(island.path, c) for c in covered):
             islands.append(island)
     islands.extend(_kept_in_fp32(model))
+    covered = [i.path for i in islands]
+    islands.extend(i for i in _hook_islands(model) if not any(_under(i.path, c) for c in covered))
     return tuple(islands)
+
+
+#: A cast in source: ``.float()`` / ``.half()`` / ``.bfloat16()`` / ``.double()``, ``.to(torch.X)``,
+#: ``.to(dtype=torch.X)``, ``.type(torch.X)``, ``.to(<expr>.dtype)`` and ``.type_as(<expr>)`` (the last two: to a
+#: dtype read at run time, named ``"dynamic"``).
+_CAST = re.compile(
+    r"\.(float|half|bfloat16|double)\(\s*\)"
+    r"|\.(?:to|type)\(\s*(?:dtype\s*=\s*)?torch\.(float32|float|bfloat16|float16|half|float64|double)\s*[,)]"
+    r"|\.(?:to\(\s*(?:dtype\s*=\s*)?[\w.\[\]]+\.dtype\s*[,)]|type_as\()"
+)
+_CAST_NAMES = {"float": "float32", "half": "float16", "double": "float64"}
+
+
+def _hook_source(fn: Any) -> str:
+    """The source of a hook (a function, a lambda's line, a partial's function, a callable object's ``__call__``);
+    ``""`` when no file holds it. Read from the file: the hook is never called."""
+    if isinstance(fn, functools.partial):
+        fn = fn.func
+    if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
+        fn = type(fn).__dict__.get("__call__")  # a callable object: its class's method holds the source
+    try:
+        return inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return ""
+
+
+def cast_targets(source: str) -> frozenset[str]:
+    """The dtypes a piece of source casts tensors to (``"dynamic"`` for a dtype read at run time)."""
+    out = set()
+    for m in _CAST.finditer(source):
+        name = m.group(1) or m.group(2)
+        out.add(_CAST_NAMES.get(name, name).replace("torch.", "") if name else "dynamic")
+    return frozenset(out)
+
+
+def _hook_islands(model: torch.nn.Module) -> list[Island]:
+    """Submodules of one floating dtype whose forward pre-hook casts the input to that dtype and whose forward hook
+    casts the output to another (or back to the input's): the cast around them is written out, so they are islands."""
+    out: list[Island] = []
+    for path, mod in named_modules(model):
+        hooks = mod.__dict__
+        pre, post = hooks.get("_forward_pre_hooks"), hooks.get("_forward_hooks")
+        if not pre or not post:
+            continue
+        dtypes = _floating_dtypes(mod)
+        if len(dtypes) != 1:
+            continue
+        (own,) = dtypes
+        into = frozenset().union(*(cast_targets(_hook_source(h)) for h in pre.values()))
+        back = frozenset().union(*(cast_targets(_hook_source(h)) for h in post.values()))
+        if (own in into or "dynamic" in into) and (back - {own}):
+            evidence = (
+                f"its forward pre-hook casts its input to {own if own in into else 'its dtype'} and its forward hook "
+                f"casts its output to {'/'.join(sorted(back - {own}))}: a {own} island cast around on purpose"
+            )
+            out.append(Island(path, "cast-island", evidence, _ids(mod)))
+    return out
 
 
 def _kept_in_fp32(model: torch.nn.Module) -> list[Island]:
@@ -138,6 +202,10 @@ def shadow_kind(obj: Any) -> str | None:
 
 def shadow_tensors(obj: Any, kind: str) -> list[torch.Tensor]:
     """The floating tensors an averaging object averages into (its shadow), in parameter order."""
+    if kind == "hand-written":  # a model the user's code averages into (its parameters), or a dict of tensors
+        if isinstance(obj, dict):
+            return [t for t in obj.values() if torch.is_tensor(t) and t.is_floating_point()]
+        return [p for p in obj.parameters() if p.is_floating_point()] if isinstance(obj, torch.nn.Module) else []
     if kind == "ema-model":
         return [t for t in (raw_attr(obj, "shadow_params", None) or ()) if torch.is_tensor(t) and t.is_floating_point()]
     copy = _copy_module(obj, kind)
@@ -152,6 +220,8 @@ def _copy_module(obj: Any, kind: str) -> torch.nn.Module | None:
 
 def shadow_path(name: str, kind: str) -> str:
     """What the user types to reach the shadow tensors."""
+    if kind == "hand-written":
+        return name
     return f"{name}.{ {'averaged-model': 'module', 'ema-pytorch': 'ema_model', 'ema-model': 'shadow_params'}[kind]}"
 
 
@@ -211,13 +281,14 @@ def same_dtype_update(obj: Any, kind: str) -> bool:
 
 
 def online_tensors(obj: Any, kind: str, candidates: Iterable[tuple[str, torch.nn.Module]], shadow: Sequence[torch.Tensor]) -> tuple[str | None, list[torch.Tensor]]:
-    """The online model an averaging object follows: its own reference (ema-pytorch), else the candidate whose
-    floating parameters match the shadow's shapes in order."""
+    """The online model an averaging object follows, by the name the user types: ema-pytorch's own reference
+    (``online_model``, a submodule or a one-item list), found among the candidates by identity; else the candidate
+    whose floating parameters match the shadow's shapes in order."""
+    candidates = list(candidates)
     if kind == "ema-pytorch":
-        online = raw_attr(obj, "online_model", None)
-        online = online[0] if isinstance(online, list) and online else online
-        if isinstance(online, torch.nn.Module):
-            return "online_model", [p for p in online.parameters() if p.is_floating_point()]
+        found = _ema_pytorch_online(obj, candidates)
+        if found is not None:
+            return found
     shapes = [tuple(t.shape) for t in shadow]
     own = {id(t) for t in shadow}
     for name, module in candidates:
@@ -225,6 +296,16 @@ def online_tensors(obj: Any, kind: str, candidates: Iterable[tuple[str, torch.nn
         if [tuple(p.shape) for p in params] == shapes and not own & {id(p) for p in params}:
             return name, params
     return None, []
+
+
+def _ema_pytorch_online(obj: Any, candidates: list[tuple[str, torch.nn.Module]]) -> tuple[str, list[torch.Tensor]] | None:
+    """ema-pytorch's ``online_model`` (a submodule, or a one-item list with ``include_online_model=False``)."""
+    online = raw_attr(obj, "online_model", None) or (raw_attr(obj, "_modules", None) or {}).get("online_model")
+    online = online[0] if isinstance(online, list) and online else online
+    if not isinstance(online, torch.nn.Module):
+        return None
+    name = next((n for n, m in candidates if m is online), None)  # the user's own name for it
+    return name or "online_model", [p for p in online.parameters() if p.is_floating_point()]
 
 
 def source_candidates(models: Iterable[tuple[str, torch.nn.Module]]) -> list[tuple[str, torch.nn.Module]]:
@@ -264,8 +345,11 @@ def min_gap(dtype: str, decay: float | None) -> float | None:
     return eps / 4 / (1.0 - decay)
 
 
-def read_shadow(name: str, obj: Any, kind: str, candidates: Callable[[], list[tuple[str, torch.nn.Module]]]) -> ShadowFacts | None:
-    """The facts of one averaging object; ``candidates`` yields the models it may follow (read only when needed)."""
+def read_shadow(
+    name: str, obj: Any, kind: str, candidates: Callable[[], list[tuple[str, torch.nn.Module]]], aliases: dict[str, str] | None = None
+) -> ShadowFacts | None:
+    """The facts of one averaging object; ``candidates`` yields the models it may follow (read only when needed),
+    ``aliases`` the user's own names of paths inside them (``{"ema.online_model": "net"}``)."""
     shadow = shadow_tensors(obj, kind)
     if not shadow:
         return None
@@ -290,8 +374,39 @@ def read_shadow(name: str, obj: Any, kind: str, candidates: Callable[[], list[tu
         same_dtype_update=same_dtype_update(obj, kind),
         coerce_dtype=bool(raw_attr(obj, "coerce_dtype", False)) if kind == "ema-pytorch" else None,
         source=source,
+        source_name=(aliases or {}).get(source, source) if source else None,
         source_dtypes=tuple(sorted({_dtype_name(p) for p in online})),
         lost_share=share,
         changed_in_fp32=changed,
         min_gap=min_gap(narrow, decay),
     )
+
+
+def _paired(obj: Any, online: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The shadow tensors and the online parameters they follow, in one order (a dict is paired by name)."""
+    if isinstance(obj, dict):  # the dict's own order is the user's
+        pairs = [(obj[n], p) for n, p in online.named_parameters() if torch.is_tensor(obj.get(n)) and p.is_floating_point()]
+        if len(pairs) != len(shadow_tensors(obj, "hand-written")):
+            return [], []
+        return [s for s, _ in pairs], [p for _, p in pairs]
+    return shadow_tensors(obj, "hand-written"), [p for p in online.parameters() if p.is_floating_point()]
+
+
+def read_hand_written(name: str, obj: Any, online_name: str, online: torch.nn.Module, update: Any) -> ShadowFacts | None:
+    """The facts of a model (or a dict of tensors keyed by parameter name) the user's code averages into
+    (``update``: an :class:`~mpdoctor.readers.ema_code.EmaUpdate`), when it is a copy of ``online``."""
+    shadow, params = _paired(obj, online)
+    if not shadow or [tuple(t.shape) for t in shadow] != [tuple(p.shape) for p in params]:
+        return None
+    dtypes = tuple(sorted({_dtype_name(t) for t in shadow}))
+    low = sum(t.numel() for t in shadow if _dtype_name(t) in LOW)
+    decay = update.decay if update.decay is not None and 0.0 < update.decay < 1.0 else None
+    share, changed = measure_update(shadow, params, decay) if low and decay is not None else (None, 0)
+    narrow = max(dtypes, key=lambda d: torch.finfo(getattr(torch, d)).eps)
+    return ShadowFacts(
+        name=name, ref=id(obj), kind="hand-written", class_path=class_path(type(obj)), shadow_path=name,
+        shadow_dtypes=dtypes, shadow_elements=sum(t.numel() for t in shadow), low_elements=low, decay=decay,
+        source=online_name, source_name=online_name, source_dtypes=tuple(sorted({_dtype_name(p) for p in params})),
+        lost_share=share, changed_in_fp32=changed, min_gap=min_gap(narrow, decay),
+        update_line=update.line, update_where=update.where, update_op=update.op,
+    )  # fmt: skip

@@ -41,7 +41,7 @@ class KeepShadowFp32(ChangeSpec):
 
     def verify(self, live: Live) -> str | None:
         obj = live.get(self.ref)
-        kind = shadow_kind(obj)
+        kind = shadow_kind(obj) or ("hand-written" if isinstance(obj, (torch.nn.Module, dict)) else None)
         left = sum(1 for t in shadow_tensors(obj, kind) if t.dtype != torch.float32) if kind else 0
         return f"{left} shadow tensors of {self.label} are not float32" if left else None
 

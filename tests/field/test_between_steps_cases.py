@@ -630,7 +630,215 @@ def test_healthy_twin_reft_adapter_kept_fp32_draws_nothing():
     model.intervention.register_forward_hook(lambda m, args, out: out.to(torch.bfloat16))
     reft_step(model, torch.randn(4, 16, dtype=torch.bfloat16))
     report = mpdoctor.diagnose(namespace={"model": model})
-    assert report.findings_for("orthogonal-parametrization-half") == []
-    # Known false alarm, measured here: mixed-param-dtypes still calls this deliberate fp32 island (its forward
-    # casts its inputs) an error; reading that intent belongs to the fp32-island work in checks/dtypes.py.
-    assert [s for s in loud(report) if s != "mixed-param-dtypes"] == []
+    assert loud(report) == []  # mixed-param-dtypes reads the hooks' casts: an fp32 island on purpose
+    (island,) = [i for m in report.facts.models for i in m.islands if i.kind == "cast-island"]
+    assert island.path == "intervention" and "forward hook casts its output to bfloat16" in island.evidence
+
+
+def test_the_fp32_reft_adapter_without_the_casts_is_still_an_error_and_raises():
+    """The same fp32 intervention with no hook casting around it: the bf16 hidden state meets fp32 weights."""
+    model = ReftModel().to(torch.bfloat16)
+    model.intervention.float()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    assert "dtype" in str(raised(lambda: model(x)))
+    (finding,) = mpdoctor.diagnose(namespace={"model": model}).findings_for("mixed-param-dtypes")
+    assert finding.severity == "error" and "intervention.source" in finding.evidence["modules"]
+    # A pre-hook alone (the output left fp32) is no evidence either: the cast back is half of the island.
+    model.intervention.register_forward_pre_hook(lambda m, args: tuple(a.float() for a in args))
+    (finding,) = mpdoctor.diagnose(namespace={"model": model}).findings_for("mixed-param-dtypes")
+    assert finding.severity == "error"
+
+
+# -- a hand-written EMA kept in bf16 ---------------------------------------------------------------------------
+
+SETUP = """
+import copy
+import torch
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to({dtype})
+ema = copy.deepcopy(model).requires_grad_(False)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+decay = 0.999
+"""
+
+STEP = """
+def train_step():
+    loss = model(torch.randn(8, 16, dtype=torch.bfloat16)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for ema_p, p in zip(ema.parameters(), model.parameters()):
+            {update}
+    return loss.detach()
+"""
+
+MUL_ADD, LERP = "ema_p.mul_(decay).add_(p, alpha=1 - decay)", "ema_p.lerp_(p, 1 - decay)"
+
+
+class Notebook:
+    """The user's cells run in a real IPython shell (history stored, as a notebook stores it)."""
+
+    def __init__(self, update: str, shadow_dtype: str = "torch.bfloat16") -> None:
+        from IPython.core.interactiveshell import InteractiveShell
+
+        self.sh = InteractiveShell.instance()
+        self.run(SETUP.format(dtype="torch.bfloat16") + f"ema.to({shadow_dtype})\n")
+        self.run(STEP.format(update=update))
+        self.ns = self.sh.user_ns
+
+    def run(self, code: str) -> None:
+        result = self.sh.run_cell(code, store_history=True)
+        if result.error_in_exec is not None:
+            raise result.error_in_exec
+
+    def objects(self) -> dict:
+        return {k: self.ns[k] for k in ("model", "ema", "opt")}
+
+    def share_moved(self) -> float:
+        """The share of the EMA's elements one of the user's steps (training step + EMA update) moves."""
+        before = [p.detach().clone() for p in self.ns["ema"].parameters()]
+        self.ns["train_step"]()
+        after = list(self.ns["ema"].parameters())
+        return sum(int((a != b).sum()) for a, b in zip(after, before)) / sum(b.numel() for b in before)
+
+    def close(self) -> None:
+        self.sh.reset(new_session=True)  # the next test starts with an empty history
+
+
+def _trains_and_keeps_updates(nb: Notebook) -> None:
+    params = list(nb.ns["model"].parameters())
+    before = snapshot(params)
+    assert_step_trains(nb.ns["train_step"](), before, params)
+    assert all(p.dtype == torch.float32 for p in nb.ns["ema"].parameters())
+    assert nb.share_moved() > 0.5  # the EMA update now registers
+
+
+def test_diffae_16_hand_written_bf16_ema_loses_its_updates_then_an_fp32_shadow_keeps_them():
+    """konpatp/diffae#16: a hand-written EMA ("the target model precision is also fp16 and the default ema decay
+    factor is 0.9999") lags. Rebuilt as a notebook: ``ema = copy.deepcopy(model)`` of a bf16 model, updated each
+    step with ``ema_p.mul_(decay).add_(p, alpha=1 - decay)`` under ``torch.no_grad()`` at decay 0.999.
+
+    https://github.com/konpatp/diffae/issues/16
+    """
+    nb = Notebook(MUL_ADD)
+    try:
+        nb.ns["train_step"]()
+        assert nb.share_moved() < 0.05  # measured: the bf16 EMA moves under 5% of its elements per update
+        report = mpdoctor.diagnose(namespace=nb.objects())
+        (finding,) = report.findings_for("low-precision-ema")
+        assert finding.severity == "error" and finding.subject == "ema" and finding.evidence["online_model"] == "model"
+        assert finding.evidence["lost_share"] > 0.9 and "ema_p.mul_(decay).add_(p, alpha=1 - decay)" in finding.evidence["update"]
+        (fix,) = [f for f in report.fixes if f.slug == "low-precision-ema"]
+        assert fix.applicability == "safe"
+
+        twin = Notebook(MUL_ADD)  # the shown code, run with the user's names, does what the in-place fix does
+        twin.ns["train_step"]()
+        exec(compile(fix.code, "<fix code>", "exec"), dict(twin.objects()))
+        fix.apply()
+        for a, b in zip(nb.ns["ema"].parameters(), twin.ns["ema"].parameters(), strict=True):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+        _trains_and_keeps_updates(nb)  # the user's own step (training and EMA update), again
+        assert mpdoctor.diagnose(namespace=nb.objects()).findings_for("low-precision-ema") == []
+    finally:
+        nb.close()
+
+
+def test_diffae_16_through_the_widget_button():
+    nb = Notebook(MUL_ADD)
+    try:
+        rw = widget(**nb.objects())
+        click(rw, "Keep the shadow of ema in fp32")
+        assert "low-precision-ema" not in {f.check for f in rw.report.findings}
+        _trains_and_keeps_updates(nb)
+    finally:
+        nb.close()
+
+
+def test_a_hand_written_bf16_lerp_ema_is_named_and_its_advised_code_run_then_the_update_keeps_its_updates():
+    """``ema_p.lerp_(p, 1 - decay)``: ``Tensor.lerp_`` takes one dtype, so an fp32 shadow needs the user's line to
+    lerp toward ``p.float()``; the fix is advice (cast + the corrected line), its code run with the user's names."""
+    nb = Notebook(LERP)
+    try:
+        nb.ns["train_step"]()
+        assert nb.share_moved() < 0.05
+        (finding,) = mpdoctor.diagnose(namespace=nb.objects()).findings_for("low-precision-ema")
+        (fix,) = finding.fixes
+        assert finding.severity == "error" and fix.applicability == "display-only"
+        assert "ema_p.lerp_(p.float(), 1 - decay)" in fix.code
+        exec(compile(fix.code, "<fix code>", "exec"), dict(nb.objects()))
+        assert "expected dtype float" in str(raised(nb.ns["train_step"]))  # the old line after the cast alone
+        nb.run(STEP.format(update="ema_p.lerp_(p.float(), 1 - decay)"))  # the line as the fix says
+        _trains_and_keeps_updates(nb)
+        assert loud(mpdoctor.diagnose(namespace=nb.objects())) == []
+    finally:
+        nb.close()
+
+
+def test_healthy_twin_hand_written_fp32_ema_and_a_bf16_reference_copy_draw_nothing():
+    for update in (MUL_ADD, "ema_p.lerp_(p.float(), 1 - decay)"):
+        nb = Notebook(update, shadow_dtype="torch.float32")
+        try:
+            nb.ns["train_step"]()
+            assert nb.share_moved() > 0.5
+            assert loud(mpdoctor.diagnose(namespace=nb.objects())) == []
+        finally:
+            nb.close()
+    # A frozen bf16 copy no code averages into (a DPO reference model, a teacher) is no EMA: nothing is said.
+    nb = Notebook("pass")
+    try:
+        nb.ns["train_step"]()
+        report = mpdoctor.diagnose(namespace=nb.objects())
+        assert report.findings_for("low-precision-ema") == [] and loud(report) == []
+    finally:
+        nb.close()
+
+
+DICT_STEP = """
+shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+def train_step():
+    loss = model(torch.randn(8, 16, dtype=torch.bfloat16)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            shadow[n].mul_(decay).add_(p, alpha=1 - decay)
+    return loss.detach()
+"""
+
+
+def test_a_dict_of_bf16_shadow_tensors_loses_its_updates_then_is_fixed_in_place_and_the_step_trains():
+    """The other hand-written form: ``shadow = {n: p.detach().clone() ...}`` of a bf16 model, updated by name."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    try:
+        for cell in (SETUP.format(dtype="torch.bfloat16"), DICT_STEP):
+            assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        ns = sh.user_ns
+        shadow, step = ns["shadow"], ns["train_step"]
+
+        def moved() -> float:
+            before = {k: v.clone() for k, v in shadow.items()}
+            step()
+            return sum(int((shadow[k] != v).sum()) for k, v in before.items()) / sum(v.numel() for v in before.values())
+
+        step()
+        assert moved() < 0.05
+        objects = {k: ns[k] for k in ("model", "opt")}
+        (finding,) = mpdoctor.diagnose(namespace=objects).findings_for("low-precision-ema")
+        assert finding.subject == "shadow" and finding.evidence["lost_share"] > 0.9
+        (fix,) = finding.fixes
+        twin = {k: v.clone() for k, v in shadow.items()}
+        exec(compile(fix.code, "<fix code>", "exec"), {"shadow": twin})
+        fix.apply()
+        assert all(v.dtype == twin[k].dtype == torch.float32 and torch.equal(v, twin[k]) for k, v in shadow.items())
+        params = list(ns["model"].parameters())
+        before = snapshot(params)
+        assert_step_trains(step(), before, params)
+        assert moved() > 0.5
+    finally:
+        sh.reset(new_session=True)

@@ -385,3 +385,55 @@ def test_a_cast_of_an_averaged_model_takes_its_averaged_copy_along_so_the_next_u
     optimizer.step()
     assert_step_trains(loss, before, params)
     ema.update_parameters(model)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_fix_code_shown_is_python_that_does_what_the_in_place_fix_does(case):
+    """The code a shadow fix shows, run with the user's names on a twin, leaves the shadow as the in-place fix does
+    (dtypes and values), and the EMA update it sets up then runs and moves the shadow as the fixed one does."""
+    build, slug, _name = CASES[case]
+    fixed, twin = build(healthy=False), build(healthy=False)
+    (fix,) = [f for f in mpdoctor.diagnose(namespace=fixed.namespace).fixes if f.slug == slug]
+    (shown,) = [f for f in mpdoctor.diagnose(namespace=twin.namespace).fixes if f.slug == slug]
+    assert shown.code == fix.code and not shown.code.lstrip().startswith("#")
+    fix.apply()
+    exec(compile(shown.code, "<fix code>", "exec"), dict(twin.namespace))  # the user's names, nothing else
+    for a, b in zip(fixed.shadow(), twin.shadow(), strict=True):
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+    fixed.update()
+    twin.update()  # before the code ran, this raised or rounded the update away
+    for a, b in zip(fixed.shadow(), twin.shadow(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    _after_fix(twin, slug)
+
+
+@pytest.mark.parametrize("include_online_model", [False, True])
+def test_a_cast_of_the_model_ema_pytorch_follows_takes_its_ema_along_and_names_it_as_the_user_does(include_online_model):
+    """ema-pytorch's ``EMA`` of a bf16 ``net``: the T4 what-if's cast of ``net`` to fp32 (bf16-unsupported) used to
+    leave ``ema.ema_model`` bf16 without ``coerce_dtype``, so ``ema.update()`` raised 'expected dtype
+    c10::BFloat16 for `end` but got dtype float'. The cast now keeps the EMA fp32 with an update that casts."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(BF16)
+    ema = EMA(net, beta=0.999, update_after_step=0, update_every=1, include_online_model=include_online_model)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    ema.update()
+    ema.step.fill_(5000)
+    report = mpdoctor.diagnose(namespace={"net": net, "ema": ema, "optimizer": optimizer}, target="T4")
+    (low,) = report.findings_for("low-precision-ema")
+    assert low.evidence["online_model"] == "net" and low.message.endswith("stops following net.")  # not online_model
+    owner = "ema" if include_online_model else "net"  # include_online_model=True folds net into ema
+    fix = next(fx for f in report.findings_for("bf16-unsupported") if f.subject == owner for fx in f.fixes)
+    assert "keep ema in fp32" in fix.title
+    fix.apply()
+    assert next(net.parameters()).dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in ema.ema_model.parameters()) and ema.coerce_dtype
+    before = [p.detach().clone() for p in ema.ema_model.parameters()]
+    params = list(net.parameters())
+    snap = snapshot(params)
+    loss = net(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    optimizer.step()
+    assert_step_trains(loss, snap, params)
+    ema.update()  # before: raised
+    moved = sum(int((a != b).sum()) for a, b in zip(ema.ema_model.parameters(), before))
+    assert moved > 0.5 * sum(b.numel() for b in before)

@@ -1,0 +1,221 @@
+"""A hand-written EMA read from the user's code: ``ema_p.lerp_(p, 1 - decay)`` or
+``ema_p.mul_(decay).add_(p, alpha=1 - decay)`` over ``zip(ema.parameters(), model.parameters())``.
+
+A deepcopy of a model updated by hand is a plain module: nothing in the object says it is an average (a DPO
+reference model or a distillation teacher looks the same). The evidence is the update in the code the user ran:
+a notebook's cells (IPython keeps them in the user namespace as ``In``, which ``sys.modules["__main__"]`` is)
+or the script ``__main__`` runs. The code is parsed, never run; names (``decay``) resolve to the values the
+namespace holds or to a constant assigned in the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EmaUpdate:
+    """One EMA update in the user's code: the shadow model's name, the online model's, the decay and the op.
+
+    ``op`` is ``"lerp_"`` (``Tensor.lerp_`` takes one dtype: an fp32 shadow needs the online weight cast),
+    ``"lerp_cast"`` (the online weight cast first: ``s.lerp_(p.float(), w)``) or ``"mul_add"`` (``mul_(d).add_(p, alpha=...)`` / ``copy_(d * s + w * p)``: promotes a bf16 weight into an fp32
+    shadow). ``line`` is the statement as written, ``where`` the cell or file it is in.
+    """
+
+    target: str
+    online: str
+    decay: float | None
+    op: str
+    line: str
+    where: str
+
+
+def user_code() -> tuple[list[tuple[str, str]], Mapping[str, Any]]:
+    """``([(where, code)], namespace)`` of the code the user ran: a notebook's cells (``In``) or ``__main__``'s
+    script. Read from ``sys.modules["__main__"]``'s dict; no IPython import, no user code run."""
+    main = sys.modules.get("__main__")
+    ns = getattr(main, "__dict__", None)
+    if not isinstance(ns, dict):
+        return [], {}
+    cells = ns.get("In")
+    if isinstance(cells, list):
+        return [(f"cell [{i}]", c) for i, c in enumerate(cells) if isinstance(c, str) and c], ns
+    path = ns.get("__file__")
+    if isinstance(path, str) and path.endswith(".py"):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                return [(path, fh.read())], ns
+        except (OSError, UnicodeDecodeError):
+            return [], ns
+    return [], ns
+
+
+def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -> list[EmaUpdate]:
+    """Every EMA update over a ``zip`` of two models' parameters, or over one model's ``named_parameters()``
+    into a dict of shadow tensors, in ``code`` (top level or in a function the code calls with the names)."""
+    trees = []
+    for where, text in code:
+        try:
+            trees.append((where, ast.parse(text)))
+        except SyntaxError:  # a cell of IPython syntax left untransformed: nothing to read in it
+            continue
+    constants = _constants(t for _, t in trees)
+    functions = {n.name: n for _, t in trees for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
+    out: list[EmaUpdate] = []
+    for where, tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.For):
+                out.extend(_updates_in(node, where, {}, namespace, constants))
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
+                fn = functions[node.func.id]
+                bound = _bind(fn, node)
+                for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
+                    out.extend(_updates_in(loop, where, bound, namespace, constants))
+    unique = {(u.target, u.online, u.op): u for u in out if u.target.split('.')[0] in namespace and u.online.split('.')[0] in namespace}
+    return list(unique.values())
+
+
+def _constants(trees: Iterator[ast.Module]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                value = _number(node.value, {}, {}, {})
+                if value is not None:
+                    out[node.targets[0].id] = value
+    return out
+
+
+def _bind(fn: ast.FunctionDef, call: ast.Call) -> dict[str, ast.expr]:
+    """The function's parameters bound to the call's arguments, defaults filling the rest."""
+    params = [a.arg for a in fn.args.args]
+    bound: dict[str, ast.expr] = dict(zip(params[len(params) - len(fn.args.defaults):], fn.args.defaults))
+    bound.update(zip(params, call.args))
+    bound.update({k.arg: k.value for k in call.keywords if k.arg})
+    return bound
+
+
+def _name(node: ast.expr, bound: dict[str, ast.expr]) -> str | None:
+    """A dotted name (``ema``, ``lit.ema_model``) through the function's bound parameters."""
+    if isinstance(node, ast.Name):
+        target = bound.get(node.id)
+        return _name(target, {}) if target is not None else node.id
+    if isinstance(node, ast.Attribute):
+        base = _name(node.value, bound)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _number(node: ast.expr, bound: dict, namespace: Mapping[str, Any], constants: dict[str, float]) -> float | None:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return float(node.value)
+    if isinstance(node, ast.Name):
+        if node.id in bound:
+            return _number(bound[node.id], {}, namespace, constants)
+        value = namespace.get(node.id, constants.get(node.id))
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Sub, ast.Add, ast.Mult)):
+        left, right = _number(node.left, bound, namespace, constants), _number(node.right, bound, namespace, constants)
+        if left is None or right is None:
+            return None
+        return left - right if isinstance(node.op, ast.Sub) else left + right if isinstance(node.op, ast.Add) else left * right
+    return None
+
+
+def _zipped(loop: ast.For, bound: dict) -> dict[str, str]:
+    """``for s, p in zip(A.parameters(), B.parameters())``: ``{"s": "A", "p": "B"}``."""
+    it, target = loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Name) and it.func.id == "zip" and isinstance(target, ast.Tuple)):
+        return {}
+    out = {}
+    for var, arg in zip(target.elts, it.args):
+        if isinstance(var, ast.Name) and isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "parameters":
+            owner = _name(arg.func.value, bound)
+            if owner:
+                out[var.id] = owner
+    return out
+
+
+def _named(loop: ast.For, bound: dict) -> dict[str, str]:
+    """``for n, p in model.named_parameters()`` with ``shadow[n]`` in the body: ``{"p": "model", "shadow[n]":
+    "shadow"}`` (a dict of shadow tensors keyed by parameter name)."""
+    it, target = loop.iter, loop.target
+    if not (isinstance(it, ast.Call) and isinstance(it.func, ast.Attribute) and it.func.attr == "named_parameters"):
+        return {}
+    if not (isinstance(target, ast.Tuple) and len(target.elts) == 2 and all(isinstance(e, ast.Name) for e in target.elts)):
+        return {}
+    key, var = (e.id for e in target.elts)  # type: ignore[attr-defined]
+    owner = _name(it.func.value, bound)
+    if not owner:
+        return {}
+    out = {var: owner}
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name) and node.slice.id == key:
+            out[f"{node.value.id}[{key}]"] = _name(node.value, bound) or node.value.id
+    return out
+
+
+def _tensor_var(node: ast.expr) -> str | None:
+    """``ema_p``, ``ema_p.data`` or ``shadow[n]``: the loop variable (or dict entry) a tensor expression is."""
+    if isinstance(node, ast.Attribute) and node.attr == "data":
+        node = node.value
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and isinstance(node.slice, ast.Name):
+        return f"{node.value.id}[{node.slice.id}]"
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _updates_in(loop: ast.For, where: str, bound: dict, namespace: Mapping[str, Any], constants: dict) -> Iterator[EmaUpdate]:
+    owners = _zipped(loop, bound) or _named(loop, bound)
+    if len(owners) < 2:
+        return
+    for node in ast.walk(loop):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        found = _lerp(node, owners) or _mul_add(node, owners)
+        if found is None:
+            continue
+        shadow, online, decay_node, weight, op = found
+        decay = _number(decay_node, bound, namespace, constants) if decay_node is not None else None
+        if decay is None and weight is not None:
+            w = _number(weight, bound, namespace, constants)
+            decay = None if w is None else 1.0 - w
+        yield EmaUpdate(owners[shadow], owners[online], decay, op, ast.unparse(node), where)
+
+
+def _lerp(node: ast.Call, owners: dict[str, str]) -> tuple | None:
+    """``s.lerp_(p, w)``: the weight ``w`` is ``1 - decay``."""
+    if node.func.attr != "lerp_" or len(node.args) != 2:
+        return None
+    end, op = node.args[0], "lerp_"
+    if isinstance(end, ast.Call) and isinstance(end.func, ast.Attribute) and end.func.attr in _CASTS:
+        end, op = end.func.value, "lerp_cast"  # ``p.float()`` / ``p.to(s.dtype)``: the update takes an fp32 shadow
+    shadow, online = _tensor_var(node.func.value), _tensor_var(end)
+    if shadow in owners and online in owners and shadow != online:
+        w = node.args[1]
+        if isinstance(w, ast.BinOp) and isinstance(w.op, ast.Sub) and isinstance(w.left, ast.Constant) and w.left.value == 1:
+            return shadow, online, w.right, None, op
+        return shadow, online, None, w, op
+    return None
+
+
+_CASTS = frozenset({"float", "to", "type_as", "double"})
+
+
+def _mul_add(node: ast.Call, owners: dict[str, str]) -> tuple | None:
+    """``s.mul_(d).add_(p, alpha=w)`` (or ``.add_(p * w)``): the decay is ``d``."""
+    inner = node.func.value
+    if node.func.attr != "add_" or not node.args or not (isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute)):
+        return None
+    if inner.func.attr != "mul_" or len(inner.args) != 1:
+        return None
+    shadow = _tensor_var(inner.func.value)
+    other = node.args[0]
+    names = {n.id for n in ast.walk(other) if isinstance(n, ast.Name)}
+    online = next((v for v in names if v in owners and v != shadow), None)
+    if shadow in owners and online is not None:
+        return shadow, online, inner.args[0], None, "mul_add"
+    return None
