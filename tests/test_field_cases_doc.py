@@ -62,7 +62,7 @@ REGISTRIES = (TESTS / "test_cures.py", TESTS / "stack" / "test_cures_stack.py", 
 
 # The fragments this column was added to; fragments of other areas may come without it.
 VERIFIED_FRAGMENTS = (
-    "core", "deepspeed", "diffusers-bnb-torchao", "distributed", "exceptions", "lightning-trl", "low-precision",
+    "core", "deepspeed", "diffusers-bnb-torchao", "exceptions", "lightning-trl", "low-precision",
     "runtime-batch-nan", "runtime-loop", "runtime-protocol",
 )  # fmt: skip
 

@@ -216,15 +216,32 @@ def _facts(subjects: tuple, profile: DeviceProfile | None, live: Live, scan: boo
     return facts, failures
 
 
+def _simulated_checks(ignore: tuple) -> Callable[[Facts], list[Finding]]:
+    """The checks the planner runs on simulated facts, this rank's row of a cross-rank exchange recomputed from them.
+
+    A cast on this rank changes its fingerprint; without the new row ``ranks-disagree`` would outlive the cast
+    that ends it, and the plan would drop that cast as "not healthier".
+    """
+    from .exchange import reattach
+
+    def run(simulated: Facts) -> list[Finding]:
+        dist = simulated.distributed
+        if dist is not None and dist.exchanged:
+            simulated = reattach(simulated, dist)
+        return run_checks(simulated, ignore=ignore)
+
+    return run
+
+
 def _plans(facts: Facts, findings: list[Finding], ignore: tuple, failures: list[Finding]) -> tuple[list, list]:
     """The plan and the safe-only plan (each falls back, with a failure noted, if planning raises)."""
     try:
-        plan = plan_treatment(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore))
+        plan = plan_treatment(facts, findings, _simulated_checks(ignore))
     except Exception as exc:  # a planning failure leaves every fix on offer, unplanned
         plan = [fx for f in findings for fx in f.fixes]
         failures.append(_failure("the treatment plan", exc))
     try:
-        safe_plan = plan_safe(facts, findings, lambda simulated: run_checks(simulated, ignore=ignore), plan)
+        safe_plan = plan_safe(facts, findings, _simulated_checks(ignore), plan)
     except Exception as exc:  # the safe plan falls back to the safe fixes of the full plan
         safe_plan = [fx for fx in plan if fx.safe]
         failures.append(_failure("the safe-fixes plan", exc))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -25,27 +26,68 @@ def _summary(report) -> dict:
     }
 
 
-def odd_rank_dtype(rank: int, world: int) -> dict:
-    """The last rank holds bf16 weights: caught before DDP, fixed in place on that rank, then DDP trains."""
-    import mpdoctor
+def cure(report, slug: str, via: str) -> list[str]:
+    """Apply this rank's planned in-place fixes of ``slug``: ``fix.apply()`` (``via="api"``) or a click on each
+    fix's button in the report's widget (``via="widget"``, the confirming second click for an unsafe fix).
 
-    model = tiny()
-    if rank == world - 1:
-        model.to(torch.bfloat16)
-    opt = torch.optim.AdamW(model.parameters())
-    before = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names={id(model): "model", id(opt): "opt"})
-    out = {"before": _summary(before), "frame_has_ranks": "ranks" in before.to_frame().columns}
-    applied = before.apply_safe_fixes()
-    out["applied"] = [fx.title for fx in applied]
-    after = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names={id(model): "model", id(opt): "opt"})
-    out["after"] = _summary(after)
+    Returns the titles applied; an agreeing rank's plan may hold none (the fix belongs to the odd rank).
+    """
+    from cure import click_fix
+
+    from mpdoctor.treatment.fixes import Applicability
+
+    fixes = [fx for fx in report.fixes if fx.slug == slug and fx.applicability is not Applicability.DISPLAY_ONLY]
+    if via == "api":
+        for fx in fixes:
+            fx.apply()
+            assert fx.applied, f"{fx.title}: {fx.error}"
+    else:
+        rw = report.widget()
+        rw.confirm_delay = 0.0  # the second click confirms; it is not the tail of a double-click
+        for fx in fixes:
+            assert click_fix(rw, fx.key), f"no button for {fx.title}"
+        assert "failed" not in rw.status, rw.status
+    return [fx.title for fx in fixes]
+
+
+def ddp_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The user's step: DDP's constructor on the (fixed) model, a forward, backward and optimizer step."""
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     before = snapshot(model.parameters())
-    loss = ddp(torch.randn(4, 8)).float().pow(2).mean()
+    dtype = next(model.parameters()).dtype
+    loss = ddp(torch.randn(4, 8, dtype=dtype)).float().pow(2).mean()
     loss.backward()
     opt.step()
-    out["step"] = step_trains(loss, before, model.parameters())
+    return step_trains(loss, before, model.parameters())
+
+
+def _ddp_cured(build, via: str, optimizer=torch.optim.AdamW) -> dict:
+    """A fresh twin of the setup from ``build()``: diagnosed across the ranks, cured ``via`` the API or the
+    widget, then DDP's constructor and a step on it."""
+    import mpdoctor
+
+    model = build()
+    opt = optimizer(model.parameters())
+    names = {id(model): "model", id(opt): "opt"}
+    report = mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names=names)
+    out = {"before": _summary(report), "frame_has_ranks": "ranks" in report.to_frame().columns,
+           "applied": cure(report, "ranks-disagree", via)}  # fmt: skip
+    if via == "api":  # the finding gone once is enough: the twin's proof is its step
+        out["after"] = _summary(mpdoctor.diagnose(model, opt, distributed=True, timeout=30, names=names))
+    out["dtype"] = str(next(model.parameters()).dtype)
+    out["step"] = ddp_step(model, opt)
     return out
+
+
+def odd_rank_dtype(rank: int, world: int, vias: tuple[str, ...] = ("api", "widget")) -> dict:
+    """The last rank holds bf16 weights: caught before DDP, fixed in place on that rank (through the API, then on a
+    twin through the widget's button), then DDP's constructor and a step train on every rank."""
+
+    def build() -> torch.nn.Module:
+        model = tiny()
+        return model.to(torch.bfloat16) if rank == world - 1 else model
+
+    return {via: _ddp_cured(build, via) for via in vias}
 
 
 def identical(rank: int, world: int) -> dict:
@@ -103,12 +145,22 @@ def absent_rank(rank: int, world: int) -> dict:
 
 
 def ddp_fp16_vs_bf16(rank: int, world: int) -> dict:
-    """The real harm: fp16 on rank 0, bf16 on rank 1; DDP's start-up broadcast overwrites rank 1 silently."""
-    model = tiny().to(torch.float16 if rank == 0 else torch.bfloat16)
+    """The real harm: fp16 on rank 0, bf16 on rank 1; DDP's start-up broadcast overwrites rank 1 silently.
+    Then, on twins of the same setup, the cure through the API and through the widget, and DDP trains."""
+
+    def build() -> torch.nn.Module:
+        return tiny().to(torch.float16 if rank == 0 else torch.bfloat16)
+
+    model = build()
     original = [p.detach().float().clone() for p in model.parameters()]
     torch.nn.parallel.DistributedDataParallel(model)
     drift = max((p.detach().float() - o).abs().max().item() for p, o in zip(model.parameters(), original))
-    return {"drift": drift, "dtype": str(next(model.parameters()).dtype)}
+    out = {"drift": drift, "dtype": str(next(model.parameters()).dtype)}
+    # SGD: AdamW's eps=1e-8 on fp16 weights is a fault of its own (adam-eps-underflow), and the plan rightly
+    # withholds a cast to fp16 that would create it; this row is about the ranks' dtypes alone.
+    sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
+    out.update({via: _ddp_cured(build, via, sgd) for via in ("api", "widget")})
+    return out
 
 
 def ddp_fp32_vs_bf16(rank: int, world: int) -> None:
@@ -160,21 +212,69 @@ def fsdp2_mixed_unit(rank: int, world: int) -> dict:
     return out
 
 
+def fsdp_step(model: torch.nn.Module, batch: dict | None = None) -> dict:
+    """The user's plain wrap, ``FSDP(model, device_id=cpu, use_orig_params=True)`` (no policy), then a forward,
+    backward and AdamW step on it; what the step did to the trainable parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    fm = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+    params = [p for p in fm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    before = snapshot(params)
+    loss = fm(**batch).loss if batch is not None else fm(torch.randn(4, 8)).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    return step_trains(loss, before, params)
+
+
+def _fsdp_cured(build, diagnose, slug: str, via: str, recheck, batch: dict | None = None) -> dict:
+    """A fresh twin from ``build()``: the user's diagnosis, the plan's fixes of ``slug`` applied ``via`` the API or
+    the widget, the diagnosis again (``recheck``), then the same plain FSDP wrap that raised, and a step."""
+    model = build()
+    report = diagnose(model)
+    out = {"report": _summary(report), "applied": cure(report, slug, via)}
+    if via == "api":  # the finding gone once is enough: the twin's proof is its step
+        out["after"] = _summary(recheck(model))
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["step"] = fsdp_step(model, batch)
+    return out
+
+
 def fsdp1_units(rank: int, world: int) -> dict:
-    """FSDP1: the real wrap error on a mixed model; the facts of a healthy wrap (policy read from _handle)."""
+    """FSDP1: the real wrap error on a mixed model, read by the crash explanation on every rank, cured in place
+    (API, and the widget on a twin) so the same plain wrap then trains; the facts of a healthy wrap (policy read
+    from _handle)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
 
     import mpdoctor
+    from mpdoctor.crash.cause import explain
+
+    def build() -> torch.nn.Module:
+        model = tiny()
+        model[2].to(torch.bfloat16)
+        return model
+
+    def explained(model: torch.nn.Module):
+        # What the crash hook does with the user's failing cell: the real exception, explained.
+        try:
+            FSDP(model, device_id=torch.device("cpu"), use_orig_params=True)
+        except ValueError as exc:
+            report = explain(exc, names={id(model): "model"})
+            assert report is not None, f"not explained: {exc}"
+            return report
+        raise AssertionError("the mixed model wrapped")
 
     out = {}
-    bad = tiny()
-    bad[2].to(torch.bfloat16)
+    bad = build()
     try:
         FSDP(bad, device_id=torch.device("cpu"), use_orig_params=True)
         out["error"] = None
     except ValueError as exc:
         out["error"] = str(exc)
+    for via in ("api", "widget"):
+        out[via] = _fsdp_cured(build, explained, "mixed-param-dtypes", via,
+                               lambda m: mpdoctor.diagnose(m, names={id(m): "model"}))  # fmt: skip
     fm = FSDP(tiny(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
               device_id=torch.device("cpu"), use_orig_params=True)  # fmt: skip
     report = mpdoctor.diagnose(fm, names={id(fm): "fm"})
@@ -187,25 +287,29 @@ def fsdp1_peft_adapters(rank: int, world: int, base_dtype: str) -> dict:
     """A half-precision base with PEFT's fp32 LoRA adapters, wrapped by FSDP1 as a Trainer with ``fsdp=...`` would.
 
     Field cases huggingface/peft#484 (fp16 base) and huggingface/trl#1723 (bf16 base): the real ValueError first,
-    then the diagnosis of the planned wrap (TrainingArguments ``fsdp="full_shard"``), the in-place cast, a wrap and a
-    training step that work.
+    then the diagnosis of the planned wrap (TrainingArguments ``fsdp="full_shard"``), the in-place cast through the
+    API and, on a twin, through the widget; after each the user's very wrap (no policy) and a training step.
     """
     import tempfile
 
     from peft import LoraConfig, get_peft_model
     from setups import tiny_llama
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision
     from transformers import TrainingArguments
 
     import mpdoctor
 
     dtype = getattr(torch, base_dtype)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, fsdp="full_shard", ddp_backend="gloo",
+                             report_to=[])  # fmt: skip
 
     def build():
         torch.manual_seed(0)
         base = tiny_llama(use_cache=False).to(dtype)
         return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    def planned(model):
+        return mpdoctor.diagnose(model, args, names={id(model): "model", id(args): "args"})
 
     out = {}
     try:
@@ -213,22 +317,7 @@ def fsdp1_peft_adapters(rank: int, world: int, base_dtype: str) -> dict:
         out["error"] = None
     except ValueError as exc:
         out["error"] = str(exc)
-    model = build()
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, fsdp="full_shard", ddp_backend="gloo",
-                             report_to=[])  # fmt: skip
-    names = {id(model): "model", id(args): "args"}
-    report = mpdoctor.diagnose(model, args, names=names)
-    out["report"] = _summary(report)
-    finding = report.findings_for("fsdp-mixed-dtype-unit")[0]
-    out["fix"] = [finding.fixes[0].title, finding.fixes[0].safe] if finding.fixes else None
-    finding.fixes[0].apply()
-    out["after"] = _summary(mpdoctor.diagnose(model, args, names=names))
-    fm = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
-              mixed_precision=MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32))  # fmt: skip
-    opt = torch.optim.AdamW([p for p in fm.parameters() if p.requires_grad], lr=1e-3)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
-    loss = fm(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    out["loss_finite"] = bool(torch.isfinite(loss))
+    for via in ("api", "widget"):
+        out[via] = _fsdp_cured(build, planned, "fsdp-mixed-dtype-unit", via, planned, {"input_ids": ids, "labels": ids})
     return out

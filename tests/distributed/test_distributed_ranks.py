@@ -5,6 +5,8 @@ Each job is bounded by a timeout (``run_ranks``); workers live in ``dist_workers
 
 from __future__ import annotations
 
+import functools
+
 import dist_workers as w
 import pytest
 from dist_harness import run_processes, run_ranks
@@ -19,11 +21,30 @@ def _ok(results: dict, world: int) -> dict:
     return {r: v for r, (_s, v) in results.items()}
 
 
+def _assert_cured_on_every_rank(out: dict, world: int, odd: int, dtype: str, vias: tuple = ("api", "widget")) -> None:
+    """Each rank named ``ranks-disagree`` on rank ``odd``; the odd rank's plan (and only it) cast its model, through
+    the API and on a twin through the widget's button; then DDP's constructor and a step trained on every rank."""
+    for via in vias:
+        for rank in range(world):
+            got = out[rank][via]
+            assert got["before"]["severities"]["ranks-disagree"] == "error", (via, rank, got["before"])
+            assert got["before"]["ranks_of"]["ranks-disagree"] == [odd]
+            assert [r["agrees"] for r in got["before"]["table"]] == [r != odd for r in range(world)]
+            assert got["frame_has_ranks"]
+            assert bool(got["applied"]) == (rank == odd), (via, rank, got["applied"])
+            assert via != "api" or "ranks-disagree" not in got["after"]["slugs"]
+            assert got["dtype"] == dtype
+            assert got["step"]["loss_finite"] and got["step"]["moved"] > 0, (via, rank, got["step"])
+
+
 def test_ddp_ranks_with_different_dtypes_corrupt_weights_silently():
-    """The harm first: fp16 on rank 0, bf16 on rank 1; DDP's constructor does not fail, it overwrites rank 1."""
-    out = _ok(run_ranks(w.ddp_fp16_vs_bf16, world=2, timeout=120), 2)
+    """The harm first: fp16 on rank 0, bf16 on rank 1; DDP's constructor does not fail, it overwrites rank 1.
+    Then the cure on twins of the setup, through the API and the widget: DDP's constructor and a step train."""
+    out = _ok(run_ranks(w.ddp_fp16_vs_bf16, world=2, timeout=180), 2)
     assert out[0]["drift"] == 0.0
     assert out[1]["drift"] > 0.0  # rank 1's bf16 weights now hold rank 0's fp16 bytes
+    odd = out[0]["api"]["before"]["ranks_of"]["ranks-disagree"][0]
+    _assert_cured_on_every_rank(out, 2, odd, "torch.float16" if odd == 1 else "torch.bfloat16")
 
 
 def test_ddp_with_fp32_and_bf16_ranks_aborts_the_bf16_rank():
@@ -46,16 +67,8 @@ def test_ddp_with_fp32_and_bf16_ranks_aborts_the_bf16_rank():
 
 
 def test_odd_rank_dtype_is_named_on_every_rank_and_fixed_in_place_before_ddp():
-    out = _ok(run_ranks(w.odd_rank_dtype, world=2, timeout=150), 2)
-    for rank in (0, 1):
-        before = out[rank]["before"]
-        assert before["severities"]["ranks-disagree"] == "error"
-        assert before["ranks_of"]["ranks-disagree"] == [1]
-        assert [r["agrees"] for r in before["table"]] == [True, False]
-        assert out[rank]["frame_has_ranks"]
-        assert "ranks-disagree" not in out[rank]["after"]["slugs"]
-        assert out[rank]["step"]["loss_finite"] and out[rank]["step"]["moved"] > 0  # DDP trains after the fix
-    assert out[1]["applied"] and out[0]["applied"] == []
+    out = _ok(run_ranks(w.odd_rank_dtype, world=2, timeout=180), 2)
+    _assert_cured_on_every_rank(out, 2, 1, "torch.float32")
 
 
 def test_identical_ranks_stay_quiet_and_the_exchange_is_small():
@@ -84,16 +97,23 @@ def test_fsdp2_mixed_unit_is_caught_before_the_first_forward_raises():
 
 
 def test_fsdp1_wrap_error_and_policy_read_from_the_handle():
-    out = _ok(run_ranks(w.fsdp1_units, world=2, timeout=150), 2)
+    """The plain FSDP1 wrap of a model with one bf16 layer raises; the crash explanation of that error names
+    ``mixed-param-dtypes`` on every rank, its cast (API, then the widget on a twin) lets the same wrap train."""
+    out = _ok(run_ranks(w.fsdp1_units, world=2, timeout=180), 2)
     for rank in (0, 1):
         assert "Must flatten tensors with uniform dtype" in out[rank]["error"]
+        for via in ("api", "widget"):
+            got = out[rank][via]
+            assert got["report"]["severities"]["mixed-param-dtypes"] == "error", (via, got["report"])
+            assert got["applied"] and got["applied"][0].endswith("to float32"), got["applied"]
+            assert via != "api" or "mixed-param-dtypes" not in got["after"]["slugs"]
+            assert got["dtypes"] == ["torch.float32"]
+            assert got["step"]["loss_finite"] and got["step"]["moved"] > 0, (via, got["step"])
         assert out[rank]["units"] == [["fsdp1", ["float32"], "bfloat16", "bfloat16"]]
         assert out[rank]["report"]["severities"] == {"fsdp-reduce-in-half": "info"}
 
 
 def test_four_ranks_one_odd():
-    out = _ok(run_ranks(w.odd_rank_dtype, world=4, timeout=240), 4)
-    for rank in range(4):
-        assert out[rank]["before"]["ranks_of"]["ranks-disagree"] == [3]
-        assert "ranks-disagree" not in out[rank]["after"]["slugs"]
-        assert out[rank]["step"]["loss_finite"] and out[rank]["step"]["moved"] > 0
+    """The same on 4 ranks, through the API (the widget's button is proven on 2 ranks)."""
+    out = _ok(run_ranks(functools.partial(w.odd_rank_dtype, vias=("api",)), world=4, timeout=300), 4)
+    _assert_cured_on_every_rank(out, 4, 3, "torch.float32", vias=("api",))

@@ -37,7 +37,10 @@ def test_fsdp_on_a_half_base_with_fp32_adapters(base, names, issue):
         assert status == "ok", f"rank {rank}: {out}"
         assert "Must flatten tensors with uniform dtype" in out["error"], issue
         assert set(out["error"].split("got ")[1].split(" and ")) == set(names.split(" and "))
-        assert out["report"]["severities"]["fsdp-mixed-dtype-unit"] == "error"
-        assert out["fix"] is not None and out["fix"][0].endswith("to float32")
-        assert "fsdp-mixed-dtype-unit" not in out["after"]["slugs"]
-        assert out["loss_finite"]
+        for via in ("api", "widget"):
+            got = out[via]
+            assert got["report"]["severities"]["fsdp-mixed-dtype-unit"] == "error", (via, got["report"])
+            assert len(got["applied"]) == 1 and got["applied"][0].endswith("to float32"), got["applied"]
+            assert via != "api" or "fsdp-mixed-dtype-unit" not in got["after"]["slugs"]
+            assert got["dtypes"] == ["torch.float32"]
+            assert got["step"]["loss_finite"] and got["step"]["moved"] > 0, (via, got["step"])

@@ -28,6 +28,15 @@ from test_deepspeed_configs import (  # noqa: E402
 )
 
 
+def _on_the_bf16_grid(model: torch.nn.Module) -> torch.nn.Module:
+    """The model's fp32 weights rounded to values bf16 holds exactly: the engine's cast of the module to bf16 then
+    changes no weight, so a parameter that moved was moved by an optimizer step, not by that cast."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
 def _trainer_params(ns: Namespace) -> list[torch.Tensor]:
     return [p for p in ns["model"].parameters() if p.requires_grad]
 
@@ -41,7 +50,7 @@ def _bf16_config_fp32_arguments() -> Namespace:
     cfg = zero_config(2, bf16={"enabled": True})  # GOT-OCR2.0's zero2.json, no --bf16 on the command line
     del cfg["fp16"]
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = _on_the_bf16_grid(tiny_llama())
     args = training_args(cfg, tempfile.mkdtemp(prefix="mpdoctor-cure-"))
     return {"trainer": Trainer(model=model, args=args, train_dataset=token_dataset()), "model": model}
 
@@ -50,7 +59,7 @@ def _fp16_config_fp16_false() -> Namespace:
     cfg = zero_config(2, fp16={"enabled": True})  # MedicalGPT's shipped json, fp16 set false by the user
     del cfg["bf16"]
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = _on_the_bf16_grid(tiny_llama())
     args = training_args(cfg, tempfile.mkdtemp(prefix="mpdoctor-cure-"))
     return {"trainer": Trainer(model=model, args=args, train_dataset=token_dataset()), "args": args, "model": model}
 
@@ -60,14 +69,44 @@ def _fp16_and_bf16_both() -> Namespace:
     AcceleratorState._reset_state(reset_partial_state=True)
     cfg = zero_config(2, fp16={"enabled": True}, bf16={"enabled": True})
     torch.manual_seed(0)
-    return {"args": training_args(copy.deepcopy(cfg), tempfile.mkdtemp(prefix="mpdoctor-cure-"), bf16=True), "model": tiny_llama()}
+    return {"args": training_args(copy.deepcopy(cfg), tempfile.mkdtemp(prefix="mpdoctor-cure-"), bf16=True), "model": _on_the_bf16_grid(tiny_llama())}
 
 
 def _fp16_where_deepspeed_has_none() -> Namespace:
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = _on_the_bf16_grid(tiny_llama())
     args = training_args(zero_config(2), tempfile.mkdtemp(prefix="mpdoctor-cure-"), fp16=True)
     return {"trainer": Trainer(model=model, args=args, train_dataset=token_dataset()), "model": model}
+
+
+class _LossInMillions(torch.nn.Module):
+    """A causal LM whose loss comes in a large unit (x1e6, a summed loss): its bf16 gradients pass fp16's 65504,
+    as the gradients in DeepSpeed #2071 did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = tiny_llama()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict:
+        return {"loss": self.lm(input_ids=input_ids, labels=labels).loss * 1e6}
+
+
+def _bf16_reduced_in_fp16() -> Namespace:
+    # DeepSpeed #2071: bf16 training, gradients all-reduced in fp16 (``communication_data_type: "fp16"``).
+    torch.manual_seed(0)
+    model = _on_the_bf16_grid(_LossInMillions())
+    args = training_args(zero_config(2, communication_data_type="fp16"), tempfile.mkdtemp(prefix="mpdoctor-cure-"), bf16=True)
+    return {"trainer": Trainer(model=model, args=args, train_dataset=token_dataset()), "model": model}
+
+
+def _step_skipped(ns: Namespace) -> None:
+    engine = ns["trainer"].model_wrapped
+    assert engine.communication_data_type == torch.float16 and engine.skipped_steps == 1, engine.skipped_steps
+
+
+def _step_taken(ns: Namespace) -> None:
+    engine = ns["trainer"].model_wrapped
+    assert engine.communication_data_type == torch.float32 and engine.skipped_steps == 0, engine.skipped_steps
 
 
 def _build_trainer_and_train(ns: Namespace) -> float:
@@ -91,6 +130,11 @@ CASES: list[Case] = [
         name="deepspeed-fp16-and-bf16-both-enabled", source="Arctic-Platform #78", slug="deepspeed-precision-mismatch",
         build=_fp16_and_bf16_both, step=_build_trainer_and_train, params=_trainer_params,
         failure="cannot be set to `bf16` when `fp16` is set in the DeepSpeed config",
+    ),
+    Case(
+        name="deepspeed-bf16-gradients-reduced-in-fp16", source="DeepSpeed #2071", slug="deepspeed-low-precision-reduction",
+        build=_bf16_reduced_in_fp16, step=_train, params=_trainer_params, failure="changed no parameter",
+        harm=_step_skipped, healed=_step_taken,
     ),
     # DeepSpeed refuses fp16 only where torch's oneDNN has none (this machine; avx512_fp16 / AMX-FP16 CPUs have it):
     # where it has, the step does not fail and there is nothing to cure.
