@@ -13,7 +13,7 @@ interleaved so that the machine's noise hits them alike (the best, i.e. minimum,
   every module's output gradient and its parameters' gradients in backward.
 
 Overhead = best time - best plain time (best of N rounds, each round running the
-three in turn). Target: probe overhead <= 0.25x DebugUnderflowOverflow's.
+three in turn). Target: probe overhead <= 0.2x DebugUnderflowOverflow's.
 ``--kind gpt2``: the same on a GPT-2 (LayerNorm, GELU MLP, Conv1D projections, learned positions) of the
 same size, a model kind other than Llama. What the figures include: the probe's hooks, its statistics,
 the batch trace and the report; the NaN-origin replay runs only when a forward goes non-finite, which a
@@ -21,6 +21,7 @@ healthy model never does, so it is measured apart: ``run_probe`` on a copy whose
 to 1e38 (activations overflow to inf, then NaN, with finite weights: the replay runs) against ``run_probe``
 on the healthy model, the difference being the non-finite read-out and the replay.
 ``--quick``: 2 layers, batch 2x32, 3 rounds (seconds; only checks the script works).
+``--cpu-time``: every timing in this process's CPU time (one torch thread), for a machine loaded by other jobs.
 Prints a table and ``RESULT {json}`` lines for bench/run_all.py.
 """
 
@@ -34,6 +35,9 @@ import json
 import time
 
 import torch
+
+#: The clock of every timing: wall time, or with ``--cpu-time`` this process's CPU time.
+CLOCK = time.perf_counter
 
 
 def build(layers: int = 4, hidden: int = 256, seq: int = 128, batch: int = 4):
@@ -63,7 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--kind", choices=("llama", "gpt2"), default="llama")
+    parser.add_argument("--cpu-time", action="store_true", help="time in process CPU time (for a loaded machine)")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.process_time
     from transformers.debug_utils import DebugUnderflowOverflow
 
     import mpdoctor
@@ -92,9 +100,9 @@ def main() -> None:
             ("duo", lambda: plain_step(duo_model, batch)),
         ):
             with contextlib.redirect_stdout(sink):  # DebugUnderflowOverflow prints when it detects something
-                start = time.perf_counter()
+                start = CLOCK()
                 fn()
-                timings[key].append(time.perf_counter() - start)
+                timings[key].append(CLOCK() - start)
     med = {k: min(v) * 1000 for k, v in timings.items()}  # the best of N: the run least disturbed by the shared machine
     probe_over = med["probe"] - med["plain"]
     hooks_over = med["hooks"] - med["plain"]
@@ -102,12 +110,12 @@ def main() -> None:
     ratio = probe_over / duo_over if duo_over > 0 else float("inf")
     hooks_ratio = hooks_over / duo_over if duo_over > 0 else float("inf")
     print(f"{shape['layers']}-layer {args.kind} (hidden 256, {n_modules} modules), batch {shape['batch']}x{shape['seq']}, "
-          f"fp32 CPU, 1 thread, best of {repeat}")  # fmt: skip
+          f"fp32 CPU, 1 thread, best of {repeat}{', CPU time' if args.cpu_time else ''}")  # fmt: skip
     print(f"  plain forward+backward                     {med['plain']:8.1f} ms")
     print(f"  mpdoctor.probe (fwd+bwd, report)           {med['probe']:8.1f} ms  overhead {probe_over:7.1f} ms")
     print(f"  mpdoctor run_probe (fwd+bwd, hooks only)   {med['hooks']:8.1f} ms  overhead {hooks_over:7.1f} ms")
     print(f"  DebugUnderflowOverflow (forward hooks)     {med['duo']:8.1f} ms  overhead {duo_over:7.1f} ms")
-    print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.25, with backward covered)")
+    print(f"  probe overhead / DebugUnderflowOverflow overhead = {ratio:.2f} (target <= 0.2, with backward covered)")
     rows = [
         {
             "figure": f"probe() overhead over fwd+bwd vs DebugUnderflowOverflow's ({shape['layers']}-layer {args.kind} h256; "
@@ -115,8 +123,8 @@ def main() -> None:
             "mpdoctor": round(probe_over, 2),
             "baseline": round(duo_over, 2),
             "ratio": round(ratio, 3),
-            "target": "ratio <= 0.25",
-            "met": ratio <= 0.25,
+            "target": "ratio <= 0.2",
+            "met": ratio <= 0.2,
             "unit": "ms added (best)",
         },
         {
@@ -124,8 +132,8 @@ def main() -> None:
             "mpdoctor": round(hooks_over, 2),
             "baseline": round(duo_over, 2),
             "ratio": round(hooks_ratio, 3),
-            "target": "ratio <= 0.25",
-            "met": hooks_ratio <= 0.25,
+            "target": "ratio <= 0.2",
+            "met": hooks_ratio <= 0.2,
             "unit": "ms added (best)",
         },
     ]
@@ -148,9 +156,9 @@ def replay_cost(model, batch, repeat: int) -> dict:
     best = {"healthy": float("inf"), "nan": float("inf")}
     for _ in range(repeat):
         for key, m in (("healthy", model), ("nan", broken)):
-            start = time.perf_counter()
+            start = CLOCK()
             run_probe(m, batch)
-            best[key] = min(best[key], time.perf_counter() - start)
+            best[key] = min(best[key], CLOCK() - start)
     extra = (best["nan"] - best["healthy"]) * 1000
     print(f"  run_probe with a NaN (replay included) {best['nan'] * 1000:8.1f} ms vs healthy {best['healthy'] * 1000:8.1f} ms: "
           f"the NaN's read-out and replay add {extra:.1f} ms")  # fmt: skip

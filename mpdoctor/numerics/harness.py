@@ -42,6 +42,27 @@ def floating_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from floating_tensors(v, depth + 1)
 
 
+def floating_list(value: Any) -> list[torch.Tensor]:
+    """:func:`floating_tensors` as a list, without a generator per container: what a hook running on every
+    module's every call uses (a lone tensor or a tuple of tensors is the common case)."""
+    out: list[torch.Tensor] = []
+    _collect(value, 0, out)
+    return out
+
+
+def _collect(value: Any, depth: int, out: list[torch.Tensor]) -> None:
+    # The same walk and order as floating_tensors (three containers deep), appending instead of yielding.
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and value.device.type != "meta":
+            out.append(value)
+    elif depth < 3 and isinstance(value, (tuple, list)):
+        for v in value:
+            _collect(v, depth + 1, out)
+    elif depth < 3 and isinstance(value, dict):
+        for v in value.values():
+            _collect(v, depth + 1, out)
+
+
 def all_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Every tensor of a batch (a ForwardCall's arguments included), three containers deep."""
     if isinstance(value, ForwardCall):

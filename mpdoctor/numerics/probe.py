@@ -40,7 +40,7 @@ from .harness import (
     Snapshot,
     call_model,
     first_line,
-    floating_tensors,
+    floating_list,
     loss_of,
     to_device,
 )
@@ -62,6 +62,17 @@ _SCALER = GRAD_SCALER_CLASSES
 
 #: Dtypes reductions (``aminmax``, ``isfinite``) are implemented for on every device; others are upcast to fp32.
 _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_PLAIN_REDUCIBLE = frozenset(_REDUCIBLE)
+#: ``dtype_name`` of each dtype seen, so the hooks do not format a string per tensor.
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def _name(dtype: torch.dtype) -> str:
+    """``dtype_name(dtype)``, computed once per dtype."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype_name(dtype)
+    return name
 
 
 def _finite_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -121,7 +132,8 @@ class _Stats:
             hit = seen.get(id(t))
             if hit is not None and hit[0] is t and hit[1] == t._version:
                 return hit[2]
-        d = _finite_view(t)
+        # A plain tensor in a reducible dtype (nearly every one) is read as is; others go through _finite_view.
+        d = t.detach() if type(t) is torch.Tensor and t.dtype in _PLAIN_REDUCIBLE else _finite_view(t)
         if d is None or d.numel() == 0:  # unreadable (packed float4) or empty: recorded as finite zeros
             self.slots.append([0.0, 0.0, 0])
             return len(self.slots) - 1
@@ -214,6 +226,7 @@ class _Recorder:
         self.grad_seen = 0
         self.last_grad: int | None = None
         self.handles: list[Any] = []
+        self.grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # one closure per module, not per tensor
         self.trace: Any = None  # runtime.boundary.BoundaryTrace: where each batch tensor enters
 
     def attach(self) -> None:
@@ -227,9 +240,10 @@ class _Recorder:
         self.handles.clear()
         self.stats.forget()
 
-    def _inputs(self, rec: _Record, args: tuple, kwargs: dict, eager: bool) -> None:
-        for t in floating_tensors((args, kwargs)):
-            if (t.device.type in self.stats.EAGER) == eager:
+    def _inputs(self, rec: _Record, args: tuple, kwargs: dict) -> None:
+        """Measure a call's CPU inputs (done only when its output went bad)."""
+        for t in floating_list((args, kwargs)):
+            if t.device.type in self.stats.EAGER:
                 rec.ins.append(self.stats.add(t))
 
     def pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -242,13 +256,15 @@ class _Recorder:
             rec = self.records[i] = _Record(len(self.records))
         rec.calls += 1
         pending = self.trace.pending if self.trace is not None else None
-        for t in floating_tensors((args, kwargs)):
-            rec.in_dt[dtype_name(t.dtype)] = None
+        in_dt = rec.in_dt
+        eager = self.stats.EAGER
+        for t in floating_list((args, kwargs)):
+            in_dt[_name(t.dtype)] = None
             if pending and id(t) in pending:
                 self.trace.receive(i, t)
-        # Accelerator inputs are measured now (queued, no sync); CPU inputs only if the output goes bad.
-        if rec.in_dt:
-            self._inputs(rec, args, kwargs, eager=False)
+            # Accelerator inputs are measured now (queued, no sync); CPU inputs only if the output goes bad.
+            if t.device.type not in eager:
+                rec.ins.append(self.stats.add(t))
         return None
 
     def post_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -270,18 +286,22 @@ class _Recorder:
             if rec is None:
                 return None
         bad = False
-        for t in floating_tensors(output):
+        stats = self.stats
+        for t in floating_list(output):
             if forward:
-                slot = self.stats.add(t)
+                slot = stats.add(t)
                 rec.outs.append(slot)
-                rec.out_dt[dtype_name(t.dtype)] = None
-                bad = bad or self.stats.bad(slot)
+                rec.out_dt[_name(t.dtype)] = None
+                bad = bad or stats.bad(slot)
             if t.requires_grad and t.grad_fn is not None:
-                self.handles.append(t.register_hook(self._grad_hook(i)))
+                hook = self.grad_hooks.get(i)
+                if hook is None:
+                    hook = self.grad_hooks[i] = self._grad_hook(i)
+                self.handles.append(t.register_hook(hook))
         if bad and forward and rec.bad_done is None:
             rec.bad_done = position
         if bad and rec.in_dt:
-            self._inputs(rec, args, kwargs, eager=True)
+            self._inputs(rec, args, kwargs)
         return None
 
     def _grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -293,7 +313,7 @@ class _Recorder:
             self.last_grad = i
             if grad is not None and grad.is_floating_point() and grad.numel() > 0:
                 rec.grads.append(self.stats.add(grad))
-                rec.grad_dt[dtype_name(grad.dtype)] = None
+                rec.grad_dt[_name(grad.dtype)] = None
 
         return hook
 
@@ -496,17 +516,24 @@ def _finish(
     """Read the statistics out once and build one record per module that ran."""
     stats = recorder.stats
     grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
-    # Gradients of each module's own parameters, through the same queued statistics.
+    own = {i: list(modules[i][1].parameters(recurse=False)) for i in recorder.records}
+    # Gradients of each module's own parameters, through the same queued statistics; a tied weight's
+    # gradient (GPT-2's wte and lm_head) is read once (``grads`` keeps every one alive, so ids are stable).
     pgrads: dict[int, list[int]] = {}
-    for i in recorder.records:
-        gs = [grad_of[id(p)] for p in modules[i][1].parameters(recurse=False) if id(p) in grad_of]
-        pgrads[i] = [stats.add(g) for g in floating_tensors(gs)]
+    read: dict[int, int] = {}
+    for i, ps in own.items():
+        slots = pgrads[i] = []
+        for g in floating_list([grad_of[id(p)] for p in ps if id(p) in grad_of]):
+            slot = read.get(id(g))
+            if slot is None:
+                slot = read[id(g)] = stats.add(g)
+            slots.append(slot)
     stats.finish()
     stats.forget()
     out: list[ModuleProbe] = []
     for i, rec in sorted(recorder.records.items(), key=lambda kv: kv[1].order):
         path, mod = modules[i]
-        own_params = list(mod.parameters(recurse=False))
+        own_params = own[i]
         out.append(
             ModuleProbe(
                 order=rec.order,
@@ -516,7 +543,7 @@ def _finish(
                 input_dtypes=tuple(rec.in_dt),
                 output_dtypes=tuple(rec.out_dt),
                 grad_dtypes=tuple(rec.grad_dt),
-                param_dtypes=tuple(dict.fromkeys(dtype_name(p.dtype) for p in own_params)),
+                param_dtypes=tuple(dict.fromkeys(_name(p.dtype) for p in own_params)),
                 in_absmax=stats.absmax(rec.ins),
                 out_absmax=stats.absmax(rec.outs),
                 grad_absmax=stats.absmax(rec.grads),
