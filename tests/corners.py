@@ -105,6 +105,8 @@ CORNERS: dict[str, Corner] = {
                     "transformers 4.50 loads in fp32 by default and rewrites config.torch_dtype to the dtype it loaded in: the checkpoint's bf16 is no longer on the live model for the check to read",
                 "tests/test_treatment.py::test_applying_every_planned_fix_in_order_leaves_a_setup_that_trains_without_errors[launcher_fp8_beaten_by_bf16]":
                     "transformers 4.50's TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION=bf16 back over the launcher's fp8: the request is gone from the environment the check reads",
+                "tests/test_treatment.py::test_applying_every_planned_fix_in_order_leaves_a_setup_that_trains_without_errors[launcher_fp8_arguments_before_the_trainer]":
+                    "transformers 4.50's TrainingArguments(bf16=True) writes ACCELERATE_MIXED_PRECISION=bf16 back over the launcher's fp8: the request is gone from the environment the check reads",
             },
         ),
         Corner(

@@ -273,14 +273,20 @@ def fp8_request_overridden(facts: Facts, rule: Rule) -> Iterator[Finding]:
         yield rule.finding(p.name, msg, evidence, fixes)
 
 
+#: Distributions accelerate accepts as an fp8 backend (read from package metadata, never imported).
+_FP8_BACKENDS = ("torchao", "transformer_engine", "msamp")
+
+
 def _fp8_through(facts: Facts, p: PrecisionFacts, code: str) -> Fix:
-    """Let the launcher's fp8 reach the Trainer: in place while only the arguments exist and no FSDP is set.
+    """Let the launcher's fp8 reach the Trainer: in place while only the arguments exist, no FSDP is set and an fp8
+    backend is installed.
 
     accelerate 1.15's AO recipe turns FSDP float8 all-gather on by default; ``Float8Linear`` then wraps each weight
     in a new Parameter at ``prepare()``, after the Trainer built its optimizer, and those weights never train
     (measured). Off, the converted layers keep the optimizer's Parameters and train.
     """
-    if p.args_name is not None and p.accelerator_name is None and not p.args.get("fsdp"):
+    backend = any(lib in facts.runtime.versions for lib in _FP8_BACKENDS)
+    if p.args_name is not None and p.accelerator_name is None and not p.args.get("fsdp") and backend:
         return Fix(
             "Let the launcher's fp8 through: no bf16/fp16 flag, no FSDP float8 all-gather (this run has no FSDP)",
             "import os\n" + code + f"\nos.environ[{ALL_GATHER!r}] = '0'  # no FSDP: on, prepare() gives Float8Linear "
@@ -290,10 +296,12 @@ def _fp8_through(facts: Facts, p: PrecisionFacts, code: str) -> Fix:
             recipe="launcher-fp8",
             cost="the Trainer built from these arguments trains its inner Linear layers in float8 (torchao)",
         )
-    # Advice once an Accelerator exists: its mode and layers are chosen; a new Trainer must be built.
+    # Advice once an Accelerator exists (its mode and layers are chosen; a new Trainer must be built), or where
+    # no fp8 backend is installed: accelerate then refuses mixed_precision="fp8" when the Trainer is built.
+    install = "" if backend else "# first: pip install torchao  (accelerate's fp8 needs torchao, transformer_engine or MS-AMP)\n"
     return Fix(
         "Let the launcher's fp8 through: no bf16/fp16 flag, no mixed_precision argument",
-        code + f"\nos.environ[{ALL_GATHER!r}] = '0'  # without FSDP; on, prepare() gives Float8Linear new weights "
+        install + code + f"\nos.environ[{ALL_GATHER!r}] = '0'  # without FSDP; on, prepare() gives Float8Linear new weights "
         "the optimizer never holds",
         applicability=Applicability.DISPLAY_ONLY,
         recipe="launcher-fp8",

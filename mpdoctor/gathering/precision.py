@@ -53,7 +53,8 @@ def _versions() -> dict:
     import sys
 
     out = {"python": sys.version.split()[0], "torch": torch.__version__}
-    for lib in ("transformers", "accelerate", "peft", "ipywidgets", "IPython"):
+    # torchao / transformer_engine / msamp: the fp8 backends accelerate needs before it accepts mixed_precision="fp8".
+    for lib in ("transformers", "accelerate", "peft", "ipywidgets", "IPython", "torchao", "transformer_engine", "msamp"):
         mod = sys.modules.get(lib)
         if mod is not None:
             out[lib] = str(getattr(mod, "__version__", "?"))
