@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterator
 
 from ..facts import Facts
@@ -10,65 +9,13 @@ from ..facts.intent import ShadowFacts
 from ..treatment.findings import Finding, Severity, count, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
-from ..treatment.shadow_changes import KeepShadowFp32
+from ..treatment.shadow_changes import KeepShadowFp32, shadow_fix_code
 from . import check
 
 #: A shadow that registers an update only where the online weight is this far (relative) from it has stopped.
 _STOPPED = 0.5
 #: Below this relative gap an update registers for ordinary training steps: no harm worth a warning.
 _NOTICEABLE = 0.01
-
-
-def _code(s: ShadowFacts) -> str:
-    """Python that does what the in-place fix does, with the user's names (run in the tests on a twin)."""
-    if s.kind == "ema-model":
-        return f"import torch\n\n{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
-    if s.kind == "hand-written" and s.class_path == "builtins.dict":
-        return (
-            f"import torch\n\n"
-            f"for k, t in {s.name}.items():\n"
-            f"    if t.is_floating_point() and t.dtype != torch.float32:\n"
-            f"        {s.name}[k] = t.float()  # the EMA's tensors in fp32"
-        ) + (_lerp_advice(s) if s.update_op == "lerp_" else "")
-    cast = (
-        f"import torch\n\n"
-        f"for p in {s.shadow_path}.parameters():\n"
-        f"    if p.is_floating_point() and p.dtype != torch.float32:\n"
-        f"        p.data = p.data.float()  # the {'EMA' if s.kind == 'ema-pytorch' else 'averaged'} copy in fp32; the same Parameter objects"
-    )
-    if s.kind == "ema-pytorch" and not s.coerce_dtype:
-        return (
-            f"import functools\n{cast}\n"
-            f"{s.name}.coerce_dtype = True  # its update casts the online weights to the shadow's dtype\n"
-            f"for attr in ('inplace_copy', 'inplace_lerp'):  # the update functions bound coerce_dtype when EMA was built\n"
-            f"    fn = getattr({s.name}, attr)\n"
-            f"    setattr({s.name}, attr, functools.partial(fn.func, *fn.args, **{{**fn.keywords, 'coerce_dtype': True}}))"
-        )
-    if s.kind == "hand-written" and s.update_op == "lerp_" and s.update_line:
-        return cast + _lerp_advice(s)
-    if s.kind == "averaged-model" and s.same_dtype_update:
-        avg = f"get_ema_avg_fn({s.decay!r})" if s.decay is not None else "get_swa_avg_fn()"
-        return (
-            f"from torch.optim.swa_utils import {avg.split('(')[0]}\n{cast}\n"
-            f"{s.name}.avg_fn = {avg}  # average per tensor: torch._foreach_lerp_ takes one dtype\n"
-            f"{s.name}.multi_avg_fn = None"
-        )
-    return cast
-
-
-def _lerp_advice(s: ShadowFacts) -> str:
-    return (
-        f"\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
-        f"#     {_online_cast(s.update_line or '')}"
-    )
-
-
-def _online_cast(line: str) -> str:
-    """``ema_p.lerp_(p, 1 - decay)`` -> ``ema_p.lerp_(p.float(), 1 - decay)``."""
-    call = ast.parse(line, mode="eval").body
-    if isinstance(call, ast.Call) and call.args:
-        call.args[0] = ast.Call(ast.Attribute(call.args[0], "float", ast.Load()), [], [])
-    return ast.unparse(call)
 
 
 def _harm(s: ShadowFacts) -> str:
@@ -151,7 +98,7 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         in_place = not (s.kind == "hand-written" and s.update_op == "lerp_")
         fix = Fix(
             f"Keep the shadow of {s.name} in fp32",
-            _code(s),
+            shadow_fix_code(s),
             changes=(KeepShadowFp32(s.ref, s.name),) if in_place else (),
             applicability=Applicability.SAFE if in_place else Applicability.DISPLAY_ONLY,
             backup_bytes=2 * s.low_elements,
@@ -216,7 +163,7 @@ def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         shadow, online = "/".join(s.shadow_dtypes), "/".join(s.source_dtypes)
         fix = Fix(
             f"Make {s.name}'s update cast the online weights",
-            _code(s),
+            shadow_fix_code(s),
             changes=(KeepShadowFp32(s.ref, s.name),),
             applicability=Applicability.SAFE,
             backup_bytes=2 * s.low_elements,

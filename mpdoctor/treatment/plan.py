@@ -192,7 +192,7 @@ def _shadow_followers(fx: Fix, state: Facts) -> tuple:
     """The averaging objects (EMA, ``AveragedModel``) whose online model ``fx`` casts: each keeps its shadow in fp32
     with an update that takes the cast model (:class:`KeepShadowFp32`), so the next ``update_parameters`` runs."""
     from .changes import CastParamsTo
-    from .shadow_changes import KeepShadowFp32
+    from .shadow_changes import KeepShadowFp32, shadow_fix_code
 
     cast = frozenset().union(*(c.param_ids for c in fx.changes if isinstance(c, CastParamsTo)))
     if not cast:
@@ -201,7 +201,7 @@ def _shadow_followers(fx: Fix, state: Facts) -> tuple:
     for s in state.averaging:
         followed = [m for m in state.models if s.source is not None and (s.source == m.name or s.source.startswith(m.name + "."))]
         if any(cast & {p.id for p in m.tensors.params} for m in followed):
-            out.append(KeepShadowFp32(s.ref, s.name))
+            out.append(KeepShadowFp32(s.ref, s.name, code=shadow_fix_code(s)))
     return tuple(out)
 
 
@@ -211,7 +211,8 @@ def _take_input_casts(fx: Fix) -> None:
     if shadows:  # the averaged copies follow the cast, so their next update keeps running
         fx.changes = tuple(fx.changes) + tuple(shadows)
         fx.title += f", and keep {', '.join(c.label for c in shadows)} in fp32 so its update accepts the cast model"
-        fx.code += "".join(f"\n# {c.label}: shadow cast to fp32, its update made per-tensor" for c in shadows)
+        fx.code += "".join(f"\n{c.code}" if c.code else f"\n# {c.label}: shadow cast to fp32, its update made per-tensor"
+                           for c in shadows)  # fmt: skip
         fx.pending_shadows = ()  # type: ignore[attr-defined]
     extra = getattr(fx, "pending_input_casts", ())
     if not extra:

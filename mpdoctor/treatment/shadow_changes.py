@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 
 from ..edits.steps import Change
 from ..facts import Facts
+from ..facts.intent import ShadowFacts
 from ..live import Live
 from ..readers.intent import min_gap, shadow_kind, shadow_tensors
 from .changes import ChangeSpec
@@ -22,6 +24,8 @@ class KeepShadowFp32(ChangeSpec):
 
     ref: int
     label: str
+    #: The Python that does the same, with the user's names (shown in the fix's code).
+    code: str = dataclasses.field(default="", compare=False)
 
     def bind(self, live: Live) -> list[Change]:
         from ..integrations.averaging import keep_shadow_fp32_steps
@@ -50,3 +54,56 @@ class KeepShadowFp32(ChangeSpec):
 
     def backup_bytes(self, facts: Facts) -> int:
         return sum(2 * s.low_elements for s in facts.averaging if s.ref == self.ref)
+
+
+def shadow_fix_code(s: ShadowFacts) -> str:
+    """Python that does what :class:`KeepShadowFp32` does to the averaging object ``s``, with the user's names (run
+    in the tests on a twin)."""
+    if s.kind == "ema-model":
+        return f"import torch\n\n{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
+    if s.kind == "hand-written" and s.class_path == "builtins.dict":
+        return (
+            f"import torch\n\n"
+            f"for k, t in {s.name}.items():\n"
+            f"    if t.is_floating_point() and t.dtype != torch.float32:\n"
+            f"        {s.name}[k] = t.float()  # the EMA's tensors in fp32"
+        ) + (_lerp_advice(s) if s.update_op == "lerp_" else "")
+    cast = (
+        f"import torch\n\n"
+        f"for p in {s.shadow_path}.parameters():\n"
+        f"    if p.is_floating_point() and p.dtype != torch.float32:\n"
+        f"        p.data = p.data.float()  # the {'EMA' if s.kind == 'ema-pytorch' else 'averaged'} copy in fp32; the same Parameter objects"
+    )
+    if s.kind == "ema-pytorch" and not s.coerce_dtype:
+        return (
+            f"import functools\n{cast}\n"
+            f"{s.name}.coerce_dtype = True  # its update casts the online weights to the shadow's dtype\n"
+            f"for attr in ('inplace_copy', 'inplace_lerp'):  # the update functions bound coerce_dtype when EMA was built\n"
+            f"    fn = getattr({s.name}, attr)\n"
+            f"    setattr({s.name}, attr, functools.partial(fn.func, *fn.args, **{{**fn.keywords, 'coerce_dtype': True}}))"
+        )
+    if s.kind == "hand-written" and s.update_op == "lerp_" and s.update_line:
+        return cast + _lerp_advice(s)
+    if s.kind == "averaged-model" and s.same_dtype_update:
+        avg = f"get_ema_avg_fn({s.decay!r})" if s.decay is not None else "get_swa_avg_fn()"
+        return (
+            f"from torch.optim.swa_utils import {avg.split('(')[0]}\n{cast}\n"
+            f"{s.name}.avg_fn = {avg}  # average per tensor: torch._foreach_lerp_ takes one dtype\n"
+            f"{s.name}.multi_avg_fn = None"
+        )
+    return cast
+
+
+def _lerp_advice(s: ShadowFacts) -> str:
+    return (
+        f"\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
+        f"#     {_online_cast(s.update_line or '')}"
+    )
+
+
+def _online_cast(line: str) -> str:
+    """``ema_p.lerp_(p, 1 - decay)`` -> ``ema_p.lerp_(p.float(), 1 - decay)``."""
+    call = ast.parse(line, mode="eval").body
+    if isinstance(call, ast.Call) and call.args:
+        call.args[0] = ast.Call(ast.Attribute(call.args[0], "float", ast.Load()), [], [])
+    return ast.unparse(call)

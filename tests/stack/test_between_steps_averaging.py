@@ -387,6 +387,30 @@ def test_a_cast_of_an_averaged_model_takes_its_averaged_copy_along_so_the_next_u
     ema.update_parameters(model)
 
 
+def _bf16_model_with_averaged_copy() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+    ema.update_parameters(model)
+    return {"model": model, "ema": ema, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+
+def test_the_code_of_a_cast_that_takes_an_averaged_copy_along_is_python_that_does_the_same():
+    """The cast's code carries the averaged copy's own lines (not a comment): run on a twin with the user's names,
+    it leaves the model and the copy as the in-place fix does, and the next update runs on both alike."""
+    fixed, twin = _bf16_model_with_averaged_copy(), _bf16_model_with_averaged_copy()
+    report = mpdoctor.diagnose(namespace=fixed, target="T4")
+    fix = next(fx for f in report.findings_for("bf16-unsupported") if f.subject == "model" for fx in f.fixes)
+    assert "keep ema in fp32" in fix.title and "# ema: shadow cast" not in fix.code
+    fix.apply()
+    exec(compile(fix.code, "<fix code>", "exec"), dict(twin))
+    for ns in (fixed, twin):
+        ns["ema"].update_parameters(ns["model"])  # without the copy's lines: "expected dtype c10::BFloat16 for `end`"
+    for a, b in zip([*fixed["model"].parameters(), *fixed["ema"].parameters()],
+                    [*twin["model"].parameters(), *twin["ema"].parameters()], strict=True):  # fmt: skip
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_fix_code_shown_is_python_that_does_what_the_in_place_fix_does(case):
     """The code a shadow fix shows, run with the user's names on a twin, leaves the shadow as the in-place fix does
