@@ -354,16 +354,35 @@ def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any
 
     extra = users_loop_findings(shell, [f for f in watched if f.check not in skip])  # the user's loop, corrected
     cause = exception = raised_by = None
+    held = list(report.findings)
     for crash in crashes:
         if crash.cause is not None and crash.cause.check not in skip:
             cause, exception, raised_by = crash.cause, crash.exception, crash.raised_by
-            extra.append(crash.cause)
-    if not extra:
+            if not _fold_into_setup_finding(held, crash.cause):
+                extra.append(crash.cause)
+    if not extra and cause is None:
         return report
     # Their fixes stay bound as the watcher and the crash hook bound them (what they saw is not re-diagnosable).
-    findings, cause = _cause_first(merged([*report.findings, *extra]), cause)
+    findings, cause = _cause_first(merged([*held, *extra]), cause)
     return report.evolve(findings=findings, cause=cause, exception=exception, raised_by=raised_by,
                          **_plans_with_bound_fixes(report, extra))  # fmt: skip
+
+
+def _fold_into_setup_finding(findings: list, cause: Any) -> bool:
+    """Fold a crash's cause into the diagnosis's finding of the same rule on the same object, in place in
+    ``findings``: the mixed model the crash raised on is the mixed model the diagnosis names, one mistake. The kept
+    finding (its planned fixes) gains the crash's evidence keys it lacks. Returns whether it was folded."""
+    import dataclasses
+
+    for i, f in enumerate(findings):
+        if (f.check, f.subject) == (cause.check, cause.subject):
+            evidence = dict(f.evidence) if isinstance(f.evidence, dict) else {}
+            if isinstance(cause.evidence, dict):
+                for k, v in cause.evidence.items():
+                    evidence.setdefault(k, v)
+            findings[i] = dataclasses.replace(f, evidence=evidence, severity=min((f, cause), key=lambda x: x.rank).severity)
+            return True
+    return False
 
 
 def _cause_first(findings: list, cause: Any) -> tuple[list, Any]:
