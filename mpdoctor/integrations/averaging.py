@@ -98,47 +98,30 @@ def _aliases(subjects: tuple) -> dict[str, str]:
     return out
 
 
-class CastListTensors(Change):
-    """Replace each floating tensor of a list (diffusers' ``EMAModel.shadow_params``) by a copy in ``dtype``.
+class CastContainerTensors(Change):
+    """Replace each floating tensor of a list or a dict (diffusers' ``EMAModel.shadow_params``, a hand-written EMA's
+    dict of shadow tensors) by a copy in ``dtype``.
 
     Every copy is made before the first swap; undo puts the very tensor objects back.
     """
 
-    def __init__(self, items: list, dtype: torch.dtype, label: str) -> None:
+    def __init__(self, items: list | dict, dtype: torch.dtype, label: str) -> None:
         self.items, self.dtype = items, dtype
         self.description = f"cast {label} to {str(dtype).replace('torch.', '')}"
-        self._old: list | None = None
-
-    def apply(self) -> None:
-        staged = [cast_tensor(t, self.dtype) if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.dtype else t for t in self.items]
-        self._old = list(self.items)
-        self.items[:] = staged
-
-    def revert(self) -> None:
-        if self._old is not None:
-            self.items[:] = self._old
-            self._old = None
-
-
-class CastDictTensors(Change):
-    """Replace each floating tensor value of a dict (a hand-written EMA's shadow) by a copy in ``dtype``.
-
-    Every copy is made before the first swap; undo puts the very tensor objects back.
-    """
-
-    def __init__(self, items: dict, dtype: torch.dtype, label: str) -> None:
-        self.items, self.dtype = items, dtype
-        self.description = f"cast the tensors of {label} to {str(dtype).replace('torch.', '')}"
         self._old: dict | None = None
 
     def apply(self) -> None:
-        staged = {k: cast_tensor(t, self.dtype) for k, t in self.items.items() if torch.is_tensor(t) and t.is_floating_point() and t.dtype != self.dtype}
+        keys = range(len(self.items)) if isinstance(self.items, list) else list(self.items)
+        staged = {k: cast_tensor(self.items[k], self.dtype) for k in keys if torch.is_tensor(self.items[k])
+                  and self.items[k].is_floating_point() and self.items[k].dtype != self.dtype}  # fmt: skip
         self._old = {k: self.items[k] for k in staged}
-        self.items.update(staged)
+        for k, t in staged.items():
+            self.items[k] = t
 
     def revert(self) -> None:
         if self._old is not None:
-            self.items.update(self._old)
+            for k, t in self._old.items():
+                self.items[k] = t
             self._old = None
 
 
@@ -155,9 +138,9 @@ def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
     """The live steps that keep an averaging object's shadow in fp32 and let its update take the online dtype."""
     kind = shadow_kind(obj)
     if kind == "ema-model":
-        return [CastListTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
+        return [CastContainerTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
     if kind is None and isinstance(obj, dict):  # a hand-written EMA's dict of shadow tensors
-        return [CastDictTensors(obj, torch.float32, label)]
+        return [CastContainerTensors(obj, torch.float32, f"the tensors of {label}")]
     module = obj if kind is None else obj.module if kind == "averaged-model" else obj.ema_model  # None: hand-written
     params = [p for p in module.parameters() if p.is_floating_point()]
     steps: list[Change] = [CastParams(params, torch.float32, (), f"shadow parameters of {label}", state=False)]
