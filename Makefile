@@ -11,10 +11,31 @@ STAMP := $(VENV)/.mpdoctor-installed
 COLAB_STAMP := $(COLAB_VENV)/.mpdoctor-installed
 LAB_STAMP := $(VENV)/.mpdoctor-lab-installed
 PYTEST_ARGS ?=
+# Each suite runs on every core, up to 4 (pytest-xdist; a file's tests stay on one worker, so its module
+# fixtures are built once), with one torch thread per worker so that the workers do not fight over the cores.
+# TEST_WORKERS=0 runs a suite in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
+PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+RUN_TESTS := $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 # The corners' interpreters: the lowest and the highest Python mpdoctor claims (pyenv's, where it is).
 CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
 CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
 CORNERS := main colab oldest newest
+# A corner's venv needs this much free disk (here and in pip's temporary directory) before it is built: a disk
+# that fills mid-install leaves pip's "No space left on device" after minutes of downloads, and a half-built venv.
+# Two corners may be built at once (make test), each about 6 GB with pip's unpacked wheels beside it.
+CORNER_FREE_GB ?= 14
+# $(call need_free_gb,GB,WHAT): stop with a clear message unless GB are free where the venv and pip's temporary
+# files go.
+define need_free_gb
+for dir in . "$${TMPDIR:-/tmp}"; do \
+	free=$$(df -Pk "$$dir" | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(1) ]; then \
+		echo "== $(2); $$free GB are free on $$dir, $(1) GB are needed. Free some space (or set CORNER_FREE_GB) and run make test again."; \
+		exit 1; \
+	fi; \
+done
+endef
 
 .PHONY: demo test test-main test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
 
@@ -53,6 +74,7 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 # one is the registry's CUDA build (about 2.5 GB with its nvidia wheels, cached by pip after the first run);
 # it runs on the CPU.
 .venv-%/.mpdoctor-installed: constraints-%.txt pyproject.toml Makefile
+	@$(call need_free_gb,$(CORNER_FREE_GB),.venv-$*: torch's CUDA build and its nvidia wheels unpack to about 6 GB)
 	@echo "== creating .venv-$* (the $* corner of the support matrix) with $(CORNER_PYTHON_$*)"
 	$(CORNER_PYTHON_$*) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install -q --upgrade pip
@@ -65,8 +87,17 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 demo: $(DEMO_STAMP)
 	$(BIN)/python -m mpdoctor demo
 
-# Every corner runs, also after one fails (a failure in one must not hide the others); then the failures.
+# The venvs are built first, two at a time (pip spends most of an install on one core: unpacking wheels), each
+# install's output kept together; then every corner runs, also after one fails (a failure in one must not hide
+# the others; a venv that failed to build fails its corner, with pip's error, when the corner retries it); then
+# the failures.
+VENV_STAMPS := $(STAMP) $(COLAB_STAMP) $(foreach c,$(filter-out main colab,$(CORNERS)),.venv-$(c)/.mpdoctor-installed)
+INSTALL_JOBS ?= 2
+
 test:
+	@echo "== make test: building the venvs, $(INSTALL_JOBS) at a time (each install's log shows when it ends)"
+	@$(MAKE) --no-print-directory -k -j$(INSTALL_JOBS) --output-sync=target $(VENV_STAMPS) || \
+		echo "== make test: a venv failed to build; its corner retries it below"
 	@failed=""; for corner in $(CORNERS); do \
 		$(MAKE) --no-print-directory test-$$corner || failed="$$failed $$corner"; \
 	done; \
@@ -79,17 +110,17 @@ test-main: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/vulture
 	$(BIN)/xenon --max-absolute C mpdoctor
-	MPDOCTOR_NO_SKIPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(RUN_TESTS) MPDOCTOR_NO_SKIPS=1 $(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
 # The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17), less
 # what needs the main venv's stack (MPDOCTOR_CORNER=colab: tests/corners.py names it).
 test-colab: $(COLAB_STAMP)
-	MPDOCTOR_CORNER=colab $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(RUN_TESTS) MPDOCTOR_CORNER=colab $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS)
 
 # The oldest and the newest releases mpdoctor claims: what tests/corners.py says each must prove.
 test-oldest test-newest: test-%: .venv-%/.mpdoctor-installed
-	MPDOCTOR_CORNER=$* MPDOCTOR_NO_SKIPS=1 .venv-$*/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS)
+	$(RUN_TESTS) MPDOCTOR_CORNER=$* MPDOCTOR_NO_SKIPS=1 .venv-$*/bin/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS)
 
 # `make lab` installs what the notebooks import (the demo's stack, JupyterLab, bitsandbytes and torchao for
 # notebooks 07 and 10), not the test stack.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 
 import torch.multiprocessing as mp
@@ -39,6 +40,11 @@ def _worker(rank: int, world: int, port: int, fn, queue, init: bool) -> None:
 
 def run_ranks(fn, world: int = 2, timeout: float = 120.0, init: bool = True) -> dict[int, tuple[str, object]]:
     """``{rank: ("ok", value) | ("error", text)}``; ranks that neither returned nor raised are missing."""
+    main = sys.modules["__main__"]
+    if not hasattr(main, "__spec__"):
+        # Under pytest-xdist (make test runs each suite on both cores) a worker's ``__main__`` is execnet's, with
+        # no ``__spec__``: spawn reads it to decide how to start the child. None is what a script run directly has.
+        main.__spec__ = None
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
