@@ -45,7 +45,8 @@ class Report:
     elapsed : float
         Seconds the diagnosis took.
     probe_table : pandas.DataFrame or None
-        Per-module table of a one-batch probe (only for ``probe()`` reports).
+        Per-module table of a one-batch probe (only for ``probe()`` reports). Made when first read: the
+        constructor also takes a function returning it.
     cause : Finding or None
         When the report explains an exception (the crash hook, ``mpdoctor run``,
         ``watch``): the finding that caused it, first in ``findings``.
@@ -103,7 +104,7 @@ class Report:
             "scan": scan,
             "ignore": tuple(ignore),
             "elapsed": elapsed,
-            "probe_table": probe_table,
+            "probe_table_": probe_table,
             "subjects_": tuple(subjects),
             "live": live,
             "plan": tuple(plan) if plan is not None else None,
@@ -122,7 +123,7 @@ class Report:
             "departed": tuple(dict(d) for d in departed),
         }
         for name, value in values.items():
-            object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan") else name, value)
+            object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan", "probe_table_") else name, value)
         object.__setattr__(self, "created", time.time())
         object.__setattr__(self, "_cache", {})
 
@@ -137,7 +138,7 @@ class Report:
         """
         current = {
             "findings": self.findings, "facts": self.facts, "target": self.target, "scan": self.scan,
-            "ignore": self.ignore, "elapsed": self.elapsed, "probe_table": self.probe_table,
+            "ignore": self.ignore, "elapsed": self.elapsed, "probe_table": self._probe_table_,
             "subjects": self._subjects_, "live": self.live, "plan": self._plan, "hidden": self.hidden,
             "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
             "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
@@ -150,6 +151,16 @@ class Report:
         return Report(**current)
 
     # -- queries -----------------------------------------------------------------------
+    @property
+    def probe_table(self) -> Any:
+        """The probe's per-module DataFrame (None outside ``probe()`` reports), made once, when first read."""
+        table = self._probe_table_
+        if callable(table):
+            if "probe_table" not in self._cache:
+                self._cache["probe_table"] = table()
+            return self._cache["probe_table"]
+        return table
+
     @property
     def subjects(self) -> tuple:
         """The inspected subjects: name, kind and the live object (``.obj``), as discovered."""

@@ -652,7 +652,7 @@ def probe(
         facts,
         ignore=ignore,
         elapsed=time.perf_counter() - start,
-        probe_table=facts_probe.table(),
+        probe_table=facts_probe.table,  # a DataFrame made when first read
         rediagnose=again,
         subjects=tuple(subjects),
         live=live,

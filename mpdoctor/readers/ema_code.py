@@ -11,8 +11,9 @@ namespace holds or to a constant assigned in the code.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,37 +57,74 @@ def user_code() -> tuple[list[tuple[str, str]], Mapping[str, Any]]:
 
 def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -> list[EmaUpdate]:
     """Every EMA update over a ``zip`` of two models' parameters, or over one model's ``named_parameters()``
-    into a dict of shadow tensors, in ``code`` (top level or in a function the code calls with the names)."""
-    trees = []
-    for where, text in code:
-        try:
-            trees.append((where, ast.parse(text)))
-        except SyntaxError:  # a cell of IPython syntax left untransformed: nothing to read in it
-            continue
-    constants = _constants(t for _, t in trees)
-    functions = {n.name: n for _, t in trees for n in ast.walk(t) if isinstance(n, ast.FunctionDef)}
+    into a dict of shadow tensors, in ``code`` (top level or in a function the code calls with the names).
+
+    Each text is parsed once per process (:func:`_parsed`): a notebook's cells are read again on every
+    diagnosis, and only the names they bind are looked up anew."""
+    if not any(op in text for _, text in code for op in _UPDATE_OPS):  # no update op written: nothing to parse
+        return []
+    parsed = [(where, tree) for where, text in code if (tree := _parsed(text)) is not None]
+    constants: dict[str, float] = {}
+    functions: dict[str, tuple[ast.FunctionDef, tuple[ast.For, ...]]] = {}
+    for _, tree in parsed:
+        constants.update(tree.constants)
+        functions.update(tree.functions)
     out: list[EmaUpdate] = []
-    for where, tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.For):
-                out.extend(_updates_in(node, where, {}, namespace, constants))
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in functions:
-                fn = functions[node.func.id]
-                bound = _bind(fn, node)
-                for loop in (n for n in ast.walk(fn) if isinstance(n, ast.For)):
+    for where, tree in parsed:
+        for loop in tree.loops:
+            out.extend(_updates_in(loop, where, {}, namespace, constants))
+        for call in tree.calls:
+            if call.func.id in functions:  # type: ignore[attr-defined]
+                fn, loops = functions[call.func.id]  # type: ignore[attr-defined]
+                bound = _bind(fn, call)
+                for loop in loops:
                     out.extend(_updates_in(loop, where, bound, namespace, constants))
     unique = {(u.target, u.online, u.op): u for u in out if u.target.split('.')[0] in namespace and u.online.split('.')[0] in namespace}
     return list(unique.values())
 
 
-def _constants(trees: Iterator[ast.Module]) -> dict[str, float]:
+#: The in-place ops every update form this module reads is written with (``lerp_``, ``mul_(...).add_(...)``).
+_UPDATE_OPS = ("lerp_", "add_")
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """What :func:`ema_updates` needs of one text: its ``for`` loops, its calls of a plain name, the functions it
+    defines (with the loops inside each) and the numeric constants it assigns."""
+
+    loops: tuple[ast.For, ...]
+    calls: tuple[ast.Call, ...]
+    functions: dict[str, tuple[ast.FunctionDef, tuple[ast.For, ...]]]
+    constants: dict[str, float]
+
+
+@functools.lru_cache(maxsize=2048)
+def _parsed(text: str) -> _Parsed | None:
+    """``text`` parsed and indexed once (the trees are only read, never changed); None when it is not Python
+    (a cell of IPython syntax left untransformed: nothing to read in it)."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return None
+    nodes = list(ast.walk(tree))
+    return _Parsed(
+        loops=tuple(n for n in nodes if isinstance(n, ast.For)),
+        calls=tuple(n for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)),
+        functions={
+            n.name: (n, tuple(x for x in ast.walk(n) if isinstance(x, ast.For)))
+            for n in nodes if isinstance(n, ast.FunctionDef)
+        },
+        constants=_constants(nodes),
+    )
+
+
+def _constants(nodes: Iterable[ast.AST]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for tree in trees:
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-                value = _number(node.value, {}, {}, {})
-                if value is not None:
-                    out[node.targets[0].id] = value
+    for node in nodes:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            value = _number(node.value, {}, {}, {})
+            if value is not None:
+                out[node.targets[0].id] = value
     return out
 
 
