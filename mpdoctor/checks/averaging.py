@@ -9,7 +9,7 @@ from ..facts.intent import ShadowFacts
 from ..treatment.findings import Finding, Severity, count, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
-from ..treatment.shadow_changes import KeepShadowFp32, shadow_fix_code
+from ..treatment.shadow_changes import KeepShadowFp32, lerp_update_code, shadow_fix_code
 from . import check
 
 #: A shadow that registers an update only where the online weight is this far (relative) from it has stopped.
@@ -124,13 +124,14 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("ema-update-dtype-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE,))
+@check("ema-update-dtype-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An fp32 EMA / averaged copy of a lower-precision model whose update takes one dtype: it raises.
 
     What it does
         An averaging object whose update runs ``lerp_`` on the shadow and the
-        online weights as they are (ema-pytorch's ``EMA`` without
+        online weights as they are (a hand-written ``ema_p.lerp_(p, 1 - decay)``
+        over ``zip(ema.parameters(), model.parameters())``; ema-pytorch's ``EMA`` without
         ``coerce_dtype``; ``AveragedModel`` with a ``multi_avg_fn``, which
         groups the tensors for ``torch._foreach_lerp_``), while the online
         model it follows holds another dtype than the shadow: an fp32 EMA of a
@@ -149,7 +150,9 @@ def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         Safe: keep the shadow in fp32 (it already is) and make the update cast
         the online weights (``coerce_dtype=True`` with the update functions
         rebuilt; the per-tensor ``avg_fn`` with the same decay). Undo restores
-        the functions exactly.
+        the functions exactly. A hand-written ``ema_p.lerp_(p, 1 - decay)``
+        (read from the cells or the script) is the user's own line: the fix is
+        display-only, their function or loop lerping toward ``p.float()``.
     Severity
         Error: the update raises.
     Sources
@@ -161,19 +164,22 @@ def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not s.same_dtype_update or not s.source_dtypes or set(s.source_dtypes) == set(s.shadow_dtypes):
             continue
         shadow, online = "/".join(s.shadow_dtypes), "/".join(s.source_dtypes)
+        hand = s.kind == "hand-written"  # the user's own lerp_: only their line can cast the online weights
         fix = Fix(
             f"Make {s.name}'s update cast the online weights",
-            shadow_fix_code(s),
-            changes=(KeepShadowFp32(s.ref, s.name),),
-            applicability=Applicability.SAFE,
-            backup_bytes=2 * s.low_elements,
+            lerp_update_code(s) if hand else shadow_fix_code(s),
+            changes=() if hand else (KeepShadowFp32(s.ref, s.name),),
+            applicability=Applicability.DISPLAY_ONLY if hand else Applicability.SAFE,
+            backup_bytes=0 if hand else 2 * s.low_elements,
             recipe="keep-shadow-fp32",
         )
+        update = f"your update ({s.update_where}: {s.update_line})" if hand else "its update"
         yield rule.finding(
             s.name,
-            f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source_name or s.source}, which is {online}, and its update lerps "
+            f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source_name or s.source}, which is {online}, and {update} lerps "
             f"the two as they are: the next update raises 'expected dtype float for `end` but got dtype c10::BFloat16'.",
-            {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source_name or s.source, "online_dtypes": list(s.source_dtypes)},
+            {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source_name or s.source,
+             "online_dtypes": list(s.source_dtypes), "update": f"{s.update_where}: {s.update_line}" if hand else None},
             [fix],
             severity=Severity.ERROR,
         )

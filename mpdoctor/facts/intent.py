@@ -67,3 +67,6 @@ class ShadowFacts:
     update_line: str | None = None
     update_where: str | None = None
     update_op: str | None = None
+    #: A hand-written ``lerp_`` update: the user's function or top-level loop holding it, runnable, with the
+    #: online weight cast to fp32 (None where it sits inside a larger loop).
+    update_fixed: str | None = None

@@ -11,6 +11,7 @@ namespace holds or to a constant assigned in the code.
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -33,6 +34,10 @@ class EmaUpdate:
     op: str
     line: str
     where: str
+    #: For a ``lerp_`` update: the user's code that holds it, runnable as it stands (the function that does the
+    #: update, or a top-level loop, bare or under a ``with``), with the online weight cast (``p.float()``);
+    #: None when the loop sits inside a larger one (a training loop: running it again would train).
+    fixed: str | None = None
 
 
 def user_code() -> tuple[list[tuple[str, str]], Mapping[str, Any]]:
@@ -72,15 +77,17 @@ def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -
     out: list[EmaUpdate] = []
     for where, tree in parsed:
         for loop in tree.loops:
-            out.extend(_updates_in(loop, where, {}, namespace, constants))
+            out.extend(_updates_in(loop, where, {}, namespace, constants, tree.blocks.get(id(loop))))
         for call in tree.calls:
             if call.func.id in functions:  # type: ignore[attr-defined]
                 fn, loops = functions[call.func.id]  # type: ignore[attr-defined]
                 bound = _bind(fn, call)
                 for loop in loops:
-                    out.extend(_updates_in(loop, where, bound, namespace, constants))
-    unique = {(u.target, u.online, u.op): u for u in out if u.target.split('.')[0] in namespace and u.online.split('.')[0] in namespace}
-    return list(unique.values())
+                    out.extend(_updates_in(loop, where, bound, namespace, constants, fn))
+    # The update of a pair that ran last is the one in force: a cell run after another (a corrected train_step, an
+    # edited loop) replaces it, while IPython keeps both texts in ``In``.
+    latest = {(u.target, u.online): u for u in out if u.target.split('.')[0] in namespace and u.online.split('.')[0] in namespace}
+    return list(latest.values())
 
 
 #: The in-place ops every update form this module reads is written with (``lerp_``, ``mul_(...).add_(...)``).
@@ -96,6 +103,8 @@ class _Parsed:
     calls: tuple[ast.Call, ...]
     functions: dict[str, tuple[ast.FunctionDef, tuple[ast.For, ...]]]
     constants: dict[str, float]
+    #: ``id(loop) -> the top-level statement`` for a loop that is one, or sits directly in a top-level ``with``.
+    blocks: dict[int, ast.stmt]
 
 
 @functools.lru_cache(maxsize=2048)
@@ -115,7 +124,21 @@ def _parsed(text: str) -> _Parsed | None:
             for n in nodes if isinstance(n, ast.FunctionDef)
         },
         constants=_constants(nodes),
+        blocks={id(loop): stmt for stmt in tree.body for loop in _runnable_loops(stmt)},
     )
+
+
+def _runnable_loops(stmt: ast.stmt) -> list[ast.For]:
+    """The loops a top-level statement holds that can be shown whole and run again: the statement itself (a
+    ``for``), those directly under a top-level ``with``, and every loop of a top-level function (run again, the
+    ``def`` only defines it)."""
+    if isinstance(stmt, ast.For):
+        return [stmt]
+    if isinstance(stmt, ast.With):
+        return [n for n in stmt.body if isinstance(n, ast.For)]
+    if isinstance(stmt, ast.FunctionDef):
+        return [n for n in ast.walk(stmt) if isinstance(n, ast.For)]
+    return []
 
 
 def _constants(nodes: Iterable[ast.AST]) -> dict[str, float]:
@@ -206,7 +229,8 @@ def _tensor_var(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _updates_in(loop: ast.For, where: str, bound: dict, namespace: Mapping[str, Any], constants: dict) -> Iterator[EmaUpdate]:
+def _updates_in(loop: ast.For, where: str, bound: dict, namespace: Mapping[str, Any], constants: dict,
+                block: ast.stmt | None = None) -> Iterator[EmaUpdate]:  # fmt: skip
     owners = _zipped(loop, bound) or _named(loop, bound)
     if len(owners) < 2:
         return
@@ -221,7 +245,29 @@ def _updates_in(loop: ast.For, where: str, bound: dict, namespace: Mapping[str, 
         if decay is None and weight is not None:
             w = _number(weight, bound, namespace, constants)
             decay = None if w is None else 1.0 - w
-        yield EmaUpdate(owners[shadow], owners[online], decay, op, ast.unparse(node), where)
+        fixed = _cast_online(block, shadow, online) if op == "lerp_" and block is not None else None
+        yield EmaUpdate(owners[shadow], owners[online], decay, op, ast.unparse(node), where, fixed)
+
+
+class _CastOnline(ast.NodeTransformer):
+    """``s.lerp_(p, w)`` -> ``s.lerp_(p.float(), w)`` for the loop's shadow and online tensors."""
+
+    def __init__(self, shadow: str, online: str) -> None:
+        self.shadow, self.online = shadow, online
+
+    def visit_Call(self, node: ast.Call) -> ast.Call:
+        self.generic_visit(node)
+        func = node.func
+        if (isinstance(func, ast.Attribute) and func.attr == "lerp_" and len(node.args) == 2
+                and _tensor_var(func.value) == self.shadow and _tensor_var(node.args[0]) == self.online):  # fmt: skip
+            node.args[0] = ast.Call(ast.Attribute(node.args[0], "float", ast.Load()), [], [])
+        return node
+
+
+def _cast_online(block: ast.stmt, shadow: str, online: str) -> str:
+    """The user's ``block`` (a function or a top-level loop) as Python, its lerp toward ``online`` cast to fp32."""
+    fixed = _CastOnline(shadow, online).visit(copy.deepcopy(block))
+    return ast.unparse(ast.fix_missing_locations(fixed))
 
 
 def _lerp(node: ast.Call, owners: dict[str, str]) -> tuple | None:

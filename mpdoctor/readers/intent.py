@@ -408,5 +408,6 @@ def read_hand_written(name: str, obj: Any, online_name: str, online: torch.nn.Mo
         shadow_dtypes=dtypes, shadow_elements=sum(t.numel() for t in shadow), low_elements=low, decay=decay,
         source=online_name, source_name=online_name, source_dtypes=tuple(sorted({_dtype_name(p) for p in params})),
         lost_share=share, changed_in_fp32=changed, min_gap=min_gap(narrow, decay),
-        update_line=update.line, update_where=update.where, update_op=update.op,
+        update_line=update.line, update_where=update.where, update_op=update.op, update_fixed=update.fixed,
+        same_dtype_update=update.op == "lerp_",  # Tensor.lerp_ takes one dtype: an fp32 shadow of a bf16 model raises
     )  # fmt: skip

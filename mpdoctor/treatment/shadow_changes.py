@@ -95,10 +95,21 @@ def shadow_fix_code(s: ShadowFacts) -> str:
 
 
 def _lerp_advice(s: ShadowFacts) -> str:
+    if s.update_fixed:
+        return (
+            f"\n\n# and your update ({s.update_where}) lerping toward the fp32 weights (Tensor.lerp_ takes one dtype),\n"
+            f"# in place of yours:\n{s.update_fixed}"
+        )
     return (
         f"\n# and in your update ({s.update_where}) lerp toward the fp32 weights (Tensor.lerp_ takes one dtype):\n"
         f"#     {_online_cast(s.update_line or '')}"
     )
+
+
+def lerp_update_code(s: ShadowFacts) -> str:
+    """Python for an fp32 hand-written EMA whose ``lerp_`` meets a lower-precision model: the user's update lerping
+    toward the fp32 weights (the shadow stays as it is)."""
+    return "import torch\n" + _lerp_advice(s)
 
 
 def _online_cast(line: str) -> str:

@@ -776,6 +776,58 @@ def test_a_hand_written_bf16_lerp_ema_is_named_and_its_advised_code_run_then_the
         nb.close()
 
 
+def test_an_fp32_hand_written_lerp_ema_of_a_bf16_model_raises_then_is_named_and_its_shown_update_trains():
+    """The EMA kept in fp32, as the advice says, with the update still ``ema_p.lerp_(p, 1 - decay)``: ``Tensor.lerp_``
+    takes one dtype, so the user's step raises. mpdoctor names it from the cells before the step runs, and shows the
+    user's own function lerping toward ``p.float()``; run as shown in the notebook, the step trains and the fp32
+    EMA keeps its updates."""
+    nb = Notebook(LERP, shadow_dtype="torch.float32")
+    try:
+        assert "expected dtype float for `end` but got dtype c10::BFloat16" in str(raised(nb.ns["train_step"]))
+        report = mpdoctor.diagnose(namespace=nb.objects())
+        (finding,) = report.findings_for("ema-update-dtype-mismatch")
+        assert finding.severity == "error" and finding.subject == "ema" and finding.evidence["online_model"] == "model"
+        assert finding.evidence["update"].endswith(LERP) and LERP in finding.message
+        assert loud(report) == ["ema-update-dtype-mismatch"]  # the fp32 copy itself is no mistake
+        (fix,) = finding.fixes
+        assert fix.applicability == "display-only" and not fix.changes
+        assert "def train_step():" in fix.code and "ema_p.lerp_(p.float(), 1 - decay)" in fix.code
+        nb.run(fix.code)  # the shown code, in a cell of the user's notebook
+        _trains_and_keeps_updates(nb)
+        assert loud(mpdoctor.diagnose(namespace=nb.objects())) == []
+    finally:
+        nb.close()
+
+
+def test_a_top_level_lerp_loop_is_shown_corrected_with_its_no_grad_and_one_inside_a_training_loop_as_a_line():
+    """A loop that is its cell's statement (bare or under ``with torch.no_grad()``) is shown whole, corrected, and runs;
+    one inside a training loop is shown as the corrected line (running the training loop again would train)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    top = "with torch.no_grad():\n    for ema_p, p in zip(ema.parameters(), model.parameters()):\n        ema_p.lerp_(p, 1 - decay)\n"
+    nested = ("for step in range(0):\n    with torch.no_grad():\n"
+              "        for ema_p, p in zip(ema.parameters(), model.parameters()):\n            ema_p.lerp_(p, 1 - decay)\n")
+    try:
+        for body, whole in ((top, True), (nested, False)):
+            sh.reset(new_session=True)
+            assert sh.run_cell(SETUP.format(dtype="torch.bfloat16") + "ema.float()\n", store_history=True).error_in_exec is None
+            sh.run_cell(body, store_history=True)
+            ns = sh.user_ns
+            (finding,) = mpdoctor.diagnose(namespace={k: ns[k] for k in ("model", "ema", "opt")}).findings_for("ema-update-dtype-mismatch")
+            (fix,) = finding.fixes
+            if whole:
+                assert "with torch.no_grad():" in fix.code and "ema_p.lerp_(p.float(), 1 - decay)" in fix.code
+                ns["model"][0].weight.data.add_(1.0)  # the online model moved: the next update must register
+                before = ns["ema"][0].weight.detach().clone()
+                assert sh.run_cell(fix.code, store_history=True).error_in_exec is None
+                assert not torch.equal(before, ns["ema"][0].weight) and ns["ema"][0].weight.dtype == torch.float32
+            else:
+                assert "#     ema_p.lerp_(p.float(), 1 - decay)" in fix.code and "for step in range" not in fix.code
+    finally:
+        sh.reset(new_session=True)
+
+
 def test_healthy_twin_hand_written_fp32_ema_and_a_bf16_reference_copy_draw_nothing():
     for update in (MUL_ADD, "ema_p.lerp_(p.float(), 1 - decay)"):
         nb = Notebook(update, shadow_dtype="torch.float32")
