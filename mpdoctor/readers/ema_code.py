@@ -4,7 +4,8 @@
 A deepcopy of a model updated by hand is a plain module: nothing in the object says it is an average (a DPO
 reference model or a distillation teacher looks the same). The evidence is the update in the code the user ran:
 a notebook's cells (IPython keeps them in the user namespace as ``In``, which ``sys.modules["__main__"]`` is)
-or the script ``__main__`` runs. The code is parsed, never run; names (``decay``) resolve to the values the
+or the script ``__main__`` runs, and the source file of a function that code calls from the user's own module
+(``from ema_utils import update_ema``). The code is parsed, never run; names (``decay``) resolve to the values the
 namespace holds or to a constant assigned in the code.
 """
 
@@ -13,7 +14,11 @@ from __future__ import annotations
 import ast
 import copy
 import functools
+import inspect
+import os
 import sys
+import textwrap
+import types
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +71,6 @@ def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -
 
     Each text is parsed once per process (:func:`_parsed`): a notebook's cells are read again on every
     diagnosis, and only the names they bind are looked up anew."""
-    if not any(op in text for _, text in code for op in _UPDATE_OPS):  # no update op written: nothing to parse
-        return []
     parsed = [(where, tree) for where, text in code if (tree := _parsed(text)) is not None]
     constants: dict[str, float] = {}
     functions: dict[str, tuple[ast.FunctionDef, tuple[ast.For, ...]]] = {}
@@ -79,11 +82,18 @@ def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -
         for loop in tree.loops:
             out.extend(_updates_in(loop, where, {}, namespace, constants, tree.blocks.get(id(loop))))
         for call in tree.calls:
-            if call.func.id in functions:  # type: ignore[attr-defined]
-                fn, loops = functions[call.func.id]  # type: ignore[attr-defined]
-                bound = _bind(fn, call)
-                for loop in loops:
-                    out.extend(_updates_in(loop, where, bound, namespace, constants, fn))
+            name = call.func.id  # type: ignore[attr-defined]
+            found = functions.get(name)
+            called_where = where
+            if found is None:  # a function imported from the user's own module (``from ema_utils import update_ema``)
+                imported = _imported(namespace.get(name))
+                if imported is None:
+                    continue
+                found, called_where = imported[:2], f"{imported[2]}, called in {where}"
+            fn, loops = found
+            bound = _bind(fn, call)
+            for loop in loops:
+                out.extend(_updates_in(loop, called_where, bound, namespace, constants, fn))
     # The update of a pair that ran last is the one in force: a cell run after another (a corrected train_step, an
     # edited loop) replaces it, while IPython keeps both texts in ``In``.
     latest = {(u.target, u.online): u for u in out if u.target.split('.')[0] in namespace and u.online.split('.')[0] in namespace}
@@ -92,6 +102,37 @@ def ema_updates(code: Sequence[tuple[str, str]], namespace: Mapping[str, Any]) -
 
 #: The in-place ops every update form this module reads is written with (``lerp_``, ``mul_(...).add_(...)``).
 _UPDATE_OPS = ("lerp_", "add_")
+
+
+def _imported(fn: Any) -> tuple[ast.FunctionDef, tuple[ast.For, ...], str] | None:
+    """``(def, its loops, "module.function (file.py:line)")`` of a plain Python function defined outside the
+    notebook or script, read from its source file (never run); None for anything else, or when its source writes
+    no update op."""
+    if not isinstance(fn, types.FunctionType):
+        return None
+    try:
+        fn = inspect.unwrap(fn)  # ``@torch.no_grad()`` wraps it in torch's own function (functools.wraps)
+    except ValueError:  # a cycle of __wrapped__
+        return None
+    if not isinstance(fn, types.FunctionType) or fn.__module__ in (None, "__main__", "builtins"):
+        return None
+    return _imported_source(fn.__code__, f"{fn.__module__}.{fn.__qualname__}")
+
+
+@functools.lru_cache(maxsize=256)
+def _imported_source(code: types.CodeType, label: str) -> tuple[ast.FunctionDef, tuple[ast.For, ...], str] | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(code))
+    except (OSError, TypeError):  # no file holds it
+        return None
+    if not any(op in source for op in _UPDATE_OPS):
+        return None
+    tree = _parsed(source)
+    fn = next((n for n in tree.functions.values()), None) if tree is not None else None
+    if fn is None:
+        return None
+    where = f"{label} ({os.path.basename(code.co_filename)}:{code.co_firstlineno})"
+    return fn[0], fn[1], where
 
 
 @dataclass(frozen=True)

@@ -862,6 +862,51 @@ def train_step():
 """
 
 
+EMA_UTILS = """
+import torch
+
+
+@torch.no_grad()
+def update_ema(ema_model, model, decay):
+    for ema_p, p in zip(ema_model.parameters(), model.parameters()):
+        ema_p.mul_(decay).add_(p, alpha=1 - decay)
+"""
+
+
+def test_an_ema_update_imported_from_the_users_own_module_is_read_from_its_file_and_fixed_in_place(tmp_path, monkeypatch):
+    """The update lives in the user's ``ema_utils.py`` (``from ema_utils import update_ema``), called from a cell:
+    its source file is read (never run), the bf16 EMA is named with the file and the cell, fixed in place, and the
+    user's step trains with the EMA's updates registering."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    (tmp_path / "ema_utils.py").write_text(EMA_UTILS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sh = InteractiveShell.instance()
+    step = STEP.replace("""with torch.no_grad():
+        for ema_p, p in zip(ema.parameters(), model.parameters()):
+            {update}""", "update_ema(ema, model, decay)")
+    try:
+        for cell in (SETUP.format(dtype="torch.bfloat16") + "from ema_utils import update_ema\n", step):
+            assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        nb = Notebook.__new__(Notebook)
+        nb.sh, nb.ns = sh, sh.user_ns
+        nb.ns["train_step"]()
+        assert nb.share_moved() < 0.05  # measured: the bf16 EMA's updates round away
+        report = mpdoctor.diagnose(namespace=nb.objects())
+        (finding,) = report.findings_for("low-precision-ema")
+        assert finding.subject == "ema" and finding.evidence["online_model"] == "model"
+        assert finding.evidence["update"].startswith("ema_utils.update_ema (ema_utils.py:5), called in cell [")
+        (fix,) = finding.fixes
+        assert fix.applicability == "safe"
+        fix.apply()
+        _trains_and_keeps_updates(nb)
+        # A helper of a library (no update op in its source) is never taken for one.
+        monkeypatch.setitem(nb.ns, "update_ema", torch.nn.init.zeros_)
+        assert mpdoctor.diagnose(namespace=nb.objects()).findings_for("low-precision-ema") == []
+    finally:
+        sh.reset(new_session=True)
+
+
 def test_a_dict_of_bf16_shadow_tensors_loses_its_updates_then_is_fixed_in_place_and_the_step_trains():
     """The other hand-written form: ``shadow = {n: p.detach().clone() ...}`` of a bf16 model, updated by name."""
     from IPython.core.interactiveshell import InteractiveShell
