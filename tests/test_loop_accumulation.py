@@ -143,6 +143,23 @@ def test_the_fix_clicked_in_the_widget_makes_the_same_loop_train(shell):
     _loop_trains(shell)
 
 
+def test_the_python_api_in_a_later_cell_sees_the_loop_as_the_magic_does(shell):
+    """``mpdoctor.diagnose()`` (no magic) in the cell after the loop: the loop cell's accumulation was recorded when
+    that cell ended, so the API names it, and its fix makes the same loop train."""
+    _run(shell, SETUP)
+    _run(shell, LOOP)
+    _run(shell, "import mpdoctor\nr = mpdoctor.diagnose()")
+    report = shell.user_ns["r"]
+    _named(report, f"cell [{shell.execution_count - 2}], line 6")
+    fix = _planned(report)
+    fix.apply()
+    assert fix.applied, fix.error
+    _loop_trains(shell)
+    _run(shell, NO_ACCUMULATION)  # the loop the user runs now steps every micro-batch: the record is cleared
+    _run(shell, "r = mpdoctor.diagnose()")
+    assert not shell.user_ns["r"].findings_for("half-grad-accumulation")
+
+
 # -- counted under watch() -----------------------------------------------------------------------------------
 
 

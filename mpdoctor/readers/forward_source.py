@@ -52,8 +52,24 @@ def casts_own_input(cls: type) -> str | None:
     An upcast to fp32 inside a module's own forward is no such evidence: Llama's RMSNorm upcasts its input for the
     variance, casts it back and multiplies by its fp32 weight, returning fp32 into the next bf16 matmul.
     """
+    try:
+        cached = _OWN_CASTS.get(cls, _UNREAD)
+    except TypeError:  # a class that cannot be weakly referenced
+        cached = _UNREAD
+    if cached is not _UNREAD:
+        return cached
     source = forward_source(cls)
-    return "own-dtype" if source and _OWN_DTYPE.search(source) else None
+    found = "own-dtype" if source and _OWN_DTYPE.search(source) else None
+    try:
+        _OWN_CASTS[cls] = found
+    except TypeError:
+        pass
+    return found
+
+
+#: ``class -> casts_own_input(class)``: read once per class, as its source is.
+_OWN_CASTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNREAD = object()
 
 
 _CHILDREN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

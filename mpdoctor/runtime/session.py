@@ -69,6 +69,7 @@ class _Session:
         return real
 
     def post_run_cell(self, result: Any = None) -> None:
+        self._record_loop_accumulation()
         obs = self.observer
         if obs is None:
             if "torch" not in sys.modules:
@@ -89,6 +90,20 @@ class _Session:
             self.seen = len(obs.findings)
             if new:
                 show_findings(obs, users_loop_findings(self.shell, new), steps)
+
+
+    def _record_loop_accumulation(self) -> None:
+        """After a cell that writes a hand-written training loop (``.backward(`` and ``.step(``), record its
+        gradient accumulation against the optimizer it steps, so that ``mpdoctor.diagnose()`` in a later cell sees
+        it as ``%mpdoctor`` does. Read from the cells' text, never run; the cells' parses are cached."""
+        manager = getattr(self.shell, "history_manager", None)
+        cells = getattr(manager, "input_hist_parsed", None)
+        last = cells[-1] if isinstance(cells, list) and cells else None
+        if not (isinstance(last, str) and ".backward(" in last and ".step(" in last):
+            return
+        from .loop_accumulation import record_cells
+
+        record_cells(self.shell)  # never raises: a history it cannot read leaves the records as they are
 
 
 class _Pending:
