@@ -270,6 +270,57 @@ def test_the_probe_proves_its_fix_on_its_batch_restores_everything_and_a_trainin
     assert_step_trains(loss, start, params)
 
 
+def test_a_gpt2_block_cast_to_bf16_is_cured_whole_its_layernorms_with_its_projections():
+    """One block of an fp32 GPT-2 cast to bf16: its LayerNorm raises first ('mixed dtype (CPU)': torch's LayerNorm
+    takes a weight as wide as its input or wider, never narrower). The cast mpdoctor plans takes the block's norms
+    along with its projections, is verified on the probe's batch, and a training step on it then trains (before,
+    it cast the 4 projections alone and the step still raised in ln_1)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).train()
+    model.transformer.h[1].to(torch.bfloat16)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    with pytest.raises(RuntimeError, match="mixed dtype \\(CPU\\): expect parameter to have scalar type of Float"):
+        model(**batch).loss.backward()  # the real error first
+    model.zero_grad(set_to_none=True)
+    report = mpdoctor.probe(model, batch)
+    (finding,) = report.findings_for("mixed-param-dtypes")
+    assert {"transformer.h.1.ln_1", "transformer.h.1.ln_2"} <= set(finding.evidence["modules"])
+    assert "mixed dtype (CPU)" in finding.message
+    assert report.proof.verified, report.to_text()
+    (fix,) = [fx for fx in report.fixes if fx.slug == "mixed-param-dtypes"]
+    assert fix.title == "Cast 12 parameters of 6 modules of model to float32"
+    fix.apply()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = snapshot(params)
+    loss = model(**batch).loss
+    loss.backward()
+    opt.step()
+    assert_step_trains(loss.detach(), start, params)
+
+
+def test_torchs_norms_with_weights_wider_than_their_input_are_its_mixed_path_and_draw_nothing():
+    """The healthy twin: a bf16 GPT-2 whose LayerNorms are kept fp32 (torch's mixed path: bf16 input, fp32 weight,
+    bf16 output) runs, and mixed-param-dtypes says nothing about the norms."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).to(torch.bfloat16).train()
+    for m in model.modules():
+        if isinstance(m, torch.nn.LayerNorm):
+            m.float()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()  # runs
+    report = mpdoctor.diagnose(namespace={"model": model})
+    assert report.findings_for("mixed-param-dtypes") == [], report.to_text()
+
+
 def test_a_probe_fix_that_leaves_the_step_failing_is_shown_as_tried_not_planned():
     # a bf16 batch into an fp32 body with a bf16 head: casting the head to fp32 leaves the batch in bf16 and the
     # first Linear still raises; the probe's trial shows it instead of offering it as the cure

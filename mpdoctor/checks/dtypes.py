@@ -49,13 +49,20 @@ _NORM_NAME = re.compile(r"Norm(\d+d)?$")
 #: Norm classes verified to return their input's dtype whatever their weight's dtype.
 _NORMS_KEEPING_INPUT_DTYPE = ("torch.nn.modules.normalization.", "torch.nn.modules.batchnorm.", "torch.nn.modules.instancenorm.")
 _GEMMA_NORM = re.compile(r"^transformers\.models\.\w+\.modeling_\w+\.Gemma\w*RMSNorm$")
+#: Of those, the ones whose kernel takes a weight as wide as its input or wider (the mixed path: bf16 input, fp32
+#: weight) and raises for a narrower one: 'mixed dtype (CPU): expect parameter to have scalar type of Float' for
+#: an fp32 input and a bf16 weight (measured on torch 2.13's CPU; nn.RMSNorm promotes instead).
+_NORMS_REFUSING_NARROWER = ("torch.nn.modules.normalization.LayerNorm", "torch.nn.modules.normalization.GroupNorm",
+                            "torch.nn.modules.batchnorm.", "torch.nn.modules.instancenorm.")  # fmt: skip
 
 
 class Unit(NamedTuple):
     """A module with direct floating parameters, as the mixed-dtype rule sees it."""
 
     module: ModuleDtypes
-    role: str  # "compute", "adapter" (behind a patched forward) or "norm" (one that may promote)
+    #: "compute", "adapter" (behind a patched forward), "norm" (one that may promote) or "native-norm" (torch's
+    #: LayerNorm / GroupNorm / BatchNorm / InstanceNorm: a weight narrower than the input raises)
+    role: str
     patched: str | None  # origin of a patched forward on the module, its parent or its tuner layer
 
 
@@ -98,6 +105,8 @@ def compute_units(m: ModelFacts, islands: tuple[Island, ...] = ()) -> list[Unit]
         if _is_norm(md.class_path):
             if not _norm_keeps_input_dtype(md.class_path):
                 units.append(Unit(md, "norm", origin))
+            elif md.class_path.startswith(_NORMS_REFUSING_NARROWER):
+                units.append(Unit(md, "native-norm", origin))
             continue
         units.append(Unit(md, "compute", origin))
     return units
@@ -117,7 +126,7 @@ def compute_dtype(m: ModelFacts, units: list[Unit]) -> str | None:
     numel = _elements(m)
     totals: dict[str, int] = {}
     for u in units:
-        if u.role == "norm":
+        if u.role in ("norm", "native-norm"):
             continue
         for pname, dtype, _ in u.module.params:
             full = f"{u.module.path}.{pname}" if u.module.path else pname
@@ -134,10 +143,14 @@ def _offenders(units: list[Unit], dtype: str) -> list[Unit]:
         others = u.module.dtypes - {dtype}
         if not others:
             continue
+        target = torch_dtype(dtype)
         if u.role == "norm":
             # A norm only harms when its weight promotes the activations past the compute dtype.
-            target = torch_dtype(dtype)
             if all(torch.promote_types(torch_dtype(d), target) == target for d in others):
+                continue
+        elif u.role == "native-norm":
+            # torch's own norm takes a wider weight (its mixed path) and raises for a narrower one.
+            if all(torch.promote_types(torch_dtype(d), target) != target for d in others):
                 continue
         out.append(u)
     return out
@@ -227,7 +240,9 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         the hooks' source: a ReFT intervention kept fp32); averaged copies,
         metrics and frozen copies no optimizer holds; norms that return their
         input's dtype (torch's LayerNorm / RMSNorm / GroupNorm / BatchNorm,
-        Gemma's RMSNorm). Other norms count only when their weight is wider
+        Gemma's RMSNorm), except torch's LayerNorm / GroupNorm / BatchNorm /
+        InstanceNorm with a weight narrower than the compute dtype, which
+        raise. Other norms count only when their weight is wider
         than the compute dtype, because ``weight * x`` then promotes the
         activations. Error for a compute module without autocast; warning
         when only such norms differ; under autocast (``torch.autocast`` now,
@@ -278,7 +293,7 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         cover = autocast_cover(facts, m)
         if cover is not None:
-            offenders = [u for u in offenders if u.patched and u.role != "norm"]
+            offenders = [u for u in offenders if u.patched and u.role not in ("norm", "native-norm")]
             if not offenders:
                 continue
         severity, msg = _mixed_message(m.name, offenders, dtype, cover)
@@ -334,10 +349,15 @@ def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -
         )
     compute = [u for u in offenders if u.role != "norm"]
     if compute:
+        native = [u for u in compute if u.role == "native-norm"]
+        norms = (
+            f"; torch's {'norm' if len(native) == 1 else 'norms'} {_describe(native, owner=model)}, narrower than "
+            f"their {dtype} input, raise 'mixed dtype (CPU): expect parameter to have scalar type of Float'"
+        ) if native else ""  # fmt: skip
         return Severity.ERROR, (
             f"{model} computes in {dtype} but {_describe(compute, owner=model)} {_hold(compute)} other "
-            "dtypes and nothing autocasts: the first matmul that meets both raises "
-            f"{_MISMATCH}; if your loop runs the forward under torch.autocast, diagnose inside it."
+            f"dtypes and nothing autocasts: the first matmul that meets both raises {_MISMATCH}{norms}; "
+            "if your loop runs the forward under torch.autocast, diagnose inside it."
         )
     return Severity.WARNING, (
         f"{model} computes in {dtype} but the {'norm' if len(offenders) == 1 else 'norms'} {_describe(offenders, owner=model)} {_hold(offenders)} wider weights and nothing "

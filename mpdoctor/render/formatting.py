@@ -121,7 +121,7 @@ def summarize_modules(modules: dict[str, Any], roles: dict[str, str] | None = No
         values = dtypes if isinstance(dtypes, (list, tuple)) else [dtypes]
         words = "/".join(dtype_word(str(d)) for d in values)
         role = roles.get(path, "")
-        groups.setdefault((model_part(path), role if role not in ("", "compute", "norm") else "", words), []).append(path)
+        groups.setdefault((model_part(path), role if role not in ("", "compute", "norm", "native-norm") else "", words), []).append(path)
     out = []
     for (kind, role, words), paths in groups.items():
         label = f"{role} {kind}" if role else kind
