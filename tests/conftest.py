@@ -121,18 +121,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None if _wanted(_relative(collection_path), _CORNER, collection_path.is_dir()) else True
 
 
-#: The files that take longest (minutes each: a JupyterLab in Chromium, Binder's environment, the benchmarks, the
-#: notebooks run top to bottom) are collected first: pytest-xdist's ``--dist loadfile`` hands files out in
-#: collection order, and one of these started last would leave the other workers idle at the end.
-_LONGEST_FIRST = ("tests/test_binder.py", "tests/test_browser.py", "tests/test_bench_smoke.py", "tests/test_notebooks.py",
-                  "tests/stack/test_stack_notebooks.py", "tests/distributed/test_callbacks.py",
-                  "tests/distributed/test_deepspeed_ranks.py")  # fmt: skip
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest files first; in a corner, deselect the tests it excludes and those outside the node ids it names."""
-    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep their order
+    """In a corner, deselect the tests it excludes and those outside the node ids it names."""
     if _CORNER is None:
         return
     ids = [r for r in _CORNER.runs if "::" in r]
