@@ -359,3 +359,65 @@ def test_a_cell_that_loops_over_many_steps_is_replayed_only_up_to_its_first_opti
         sh.run_cell(loop, store_history=True)  # the user's cell: all 50 steps now
         assert len(sh.user_ns["seen"]) == 50
         assert_step_trains(sh.user_ns["loss"], start, params)
+
+
+def _zero_output(model):
+    model.register_forward_hook(lambda m, a, out: out * 0.0)
+    return model
+
+
+def _inf_weight(model):
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    return model
+
+
+def _bf16_head(model):
+    model[1].to(torch.bfloat16)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "scaler_scale", "ran", "trained"),
+    [
+        (lambda m: m, None, True, True),  # healthy
+        (_bf16_head, None, False, False),  # raises in the head
+        (_inf_weight, None, True, False),  # non-finite loss
+        (_zero_output, None, True, False),  # every gradient zero
+        (lambda m: m, 3e38, True, False),  # the GradScaler's scale overflows the gradients
+    ],
+    ids=["healthy", "raises", "nonfinite-loss", "zero-grads", "scaled-overflow"],
+)
+def test_the_probes_own_run_is_judged_as_its_held_step_would_be(make, scaler_scale, ran, trained):
+    """The proof's "before" is the probe's own forward and backward, not a second run: judged from it, the outcome
+    is the one run_step gives on the held step itself, under the same loss scale."""
+    from mpdoctor.diagnosis.proof import run_step
+    from mpdoctor.numerics.probe import _outcome, probe_step, run_probe
+
+    torch.manual_seed(0)
+    model = make(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
+    batch = torch.randn(4, 8) * 100
+    scaler = torch.amp.GradScaler("cpu", init_scale=scaler_scale) if scaler_scale else None
+    seen = _outcome(run_probe(model, batch, scaler=scaler))
+    model.zero_grad(set_to_none=True)
+    held = run_step(probe_step(model, batch, scaler=scaler).run, [model], [])
+    assert (seen.ran, seen.trained) == (held.ran, held.trained) == (ran, trained)
+    assert (seen.error is None) == (held.error is None)
+    if not ran:
+        assert seen.error.split(":")[0] == held.error.split(":")[0] == "RuntimeError"
+    if scaler_scale:  # the held step scales its backward as the probe does: unscaled, the same step trains
+        model.zero_grad(set_to_none=True)
+        assert run_step(probe_step(model, batch).run, [model], []).trained
+
+
+def test_the_probe_runs_its_step_once_before_the_fixes_not_twice():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    model[1].to(torch.bfloat16)
+    calls = []
+    model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    report = mpdoctor.probe(model, torch.randn(4, 8))
+    trials = len(report.proof.after) + len(report.proof.dropped)
+    assert trials >= 1 and not report.proof.before.ran and report.proof.verified
+    assert len(calls) == 1 + trials  # the probe's own forward, then one per fix tried
+    assert report.proof.before.error.startswith("RuntimeError: ")

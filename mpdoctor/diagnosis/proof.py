@@ -292,14 +292,16 @@ class Proof:
 
 
 def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimizers: list, scalers: list, *,
-          around: Callable[[], AbstractContextManager] | None = None, state: Callable[[], Any] | None = None) -> Proof:
+          around: Callable[[], AbstractContextManager] | None = None, state: Callable[[], Any] | None = None,
+          before: StepOutcome | None = None) -> Proof:
     """Run ``step`` as it is, then after each fix of ``plan`` (with the fixes kept before it), and restore everything.
 
     Each trial starts from the state the run was in: the fixes are applied, the step runs, the fixes are undone
     (exactly) and the snapshot restored. Each fix's ``proof`` says what the step did after it; a fix after which the
     step raised, or stopped training where it trained before, is taken out (``Proof.dropped``), not planned, and its
     ``note`` says why. ``around`` is a context each run of the step happens in; ``state`` snapshots what else the step
-    changes (see :class:`HeldStep`).
+    changes (see :class:`HeldStep`). ``before``: the step as it was, already seen by the caller (the probe's own
+    forward and backward); it is then not run again.
     """
     snapshot = RunState(modules, optimizers, scalers, extra=state)
     if around is not None:
@@ -308,9 +310,10 @@ def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimi
     after: list = []
     dropped: list = []
     try:
-        snapshot.shield()
-        before = run_step(step, modules, optimizers)
-        snapshot.restore()
+        if before is None:
+            snapshot.shield()
+            before = run_step(step, modules, optimizers)
+            snapshot.restore()
         previous = before
         for fix in plan:
             if fix.applied or not fix.changes:
@@ -369,19 +372,22 @@ def _inside(step: Callable[[], Any], around: Callable[[], AbstractContextManager
 
 
 def prove_held(plan: list, held: HeldStep, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (),
-               scalers: Iterable[Any] = ()) -> Proof:  # fmt: skip
+               scalers: Iterable[Any] = (), before: StepOutcome | None = None) -> Proof:  # fmt: skip
     """Check ``plan`` on a held step; ``modules``, ``optimizers`` and ``scalers`` (the diagnosed ones) are restored with
-    the step's own. A refused step is not run: the proof says why."""
+    the step's own. A refused step is not run: the proof says why. ``before`` (what the step did as it was, judged
+    with no optimizer) is used only when no optimizer takes part, where :func:`run_step` would judge it the same way."""
     if held.refused:
         return Proof(held.label, None, (), (), refused=held.refused)
-    return prove(list(plan), held.run, held.label, _unique([*modules, *held.modules]),
-                 _unique([*optimizers, *held.optimizers]), _unique([*scalers, *held.scalers]),
-                 around=held.around, state=held.state)  # fmt: skip
+    optimizers = _unique([*optimizers, *held.optimizers])
+    return prove(list(plan), held.run, held.label, _unique([*modules, *held.modules]), optimizers,
+                 _unique([*scalers, *held.scalers]), around=held.around, state=held.state,
+                 before=before if not optimizers else None)  # fmt: skip
 
 
-def proven_report(report: Any, held: HeldStep) -> Any:
+def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None) -> Any:
     """``report`` with its plan checked on ``held``: a new report (``report.evolve``) holding the proof, whose plans
     leave out the fixes the step showed not to work. Never raises: a proof that fails leaves the report as it was.
+    ``before``: the step as it was, when the caller already ran it (see :func:`prove_held`).
     """
     plan, safe_plan = report.fixes, report.safe_fixes
     try:
@@ -389,7 +395,7 @@ def proven_report(report: Any, held: HeldStep) -> Any:
         modules = [_inner(s) for s in subjects if s.kind == "model"]
         optimizers = [_inner(s) for s in subjects if s.kind == "optimizer"]
         scalers = [s.obj for s in subjects if s.kind == "scaler"]
-        proof = prove_held(plan, held, modules, optimizers, scalers)
+        proof = prove_held(plan, held, modules, optimizers, scalers, before)
     except Exception as exc:  # the plan stands unproven; the report says why
         return report.evolve(proof=Proof(held.label, None, (), (), refused=f"the check failed ({describe_exception(exc)})"))
     dropped = set(proof.dropped)

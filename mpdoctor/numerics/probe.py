@@ -455,7 +455,7 @@ def run_probe(
         recorder.detach()
         snapshot.restore()
     with no_autocast():
-        records = _finish(recorder, modules, snapshot.params, new_grads)
+        records, grads_ok = _finish(recorder, modules, snapshot.params, new_grads)
     fp16_weights = any(p.dtype == torch.float16 for p in snapshot.params)
     boundary = recorder.trace.facts(model)
     origin = None
@@ -480,7 +480,13 @@ def run_probe(
         origin=origin,
         batch_kind=batch_kind,
         model_ref=id(model),
+        grads_trained=_trained(ran_backward, grads_ok, loss_value),
     )
+
+
+def _trained(ran_backward: bool, grads_ok: bool, loss: float | None) -> bool:
+    """A step with no optimizer trained: its backward ran, its loss is finite, its gradients finite and not all zero."""
+    return ran_backward and grads_ok and loss is not None and math.isfinite(loss)
 
 
 def _nan_origin(model: torch.nn.Module, batch: Any, modules: list, records: tuple, boundary: tuple, snapshot: Snapshot,
@@ -512,8 +518,9 @@ def _finish(
     modules: list[tuple[str, torch.nn.Module]],
     params: list[torch.nn.Parameter],
     grads: list[torch.Tensor | None],
-) -> tuple[ModuleProbe, ...]:
-    """Read the statistics out once and build one record per module that ran."""
+) -> tuple[tuple[ModuleProbe, ...], bool]:
+    """Read the statistics out once and build one record per module that ran; also whether every gradient the
+    backward wrote is finite and one is non-zero (each parameter's gradient is read once, whichever module uses it)."""
     stats = recorder.stats
     grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
     own = {i: list(modules[i][1].parameters(recurse=False)) for i in recorder.records}
@@ -528,7 +535,13 @@ def _finish(
             if slot is None:
                 slot = read[id(g)] = stats.add(g)
             slots.append(slot)
+    # A parameter no hooked module owns (used functionally by another one) has its gradient read too.
+    for g in floating_list([g for g in grads if g is not None]):
+        if id(g) not in read:
+            read[id(g)] = stats.add(g)
     stats.finish()
+    every = list(read.values())
+    grads_ok = bool(every) and stats.nonfinite(every) == 0 and (stats.absmax(every) or 0.0) > 0.0
     stats.forget()
     out: list[ModuleProbe] = []
     for i, rec in sorted(recorder.records.items(), key=lambda kv: kv[1].order):
@@ -557,7 +570,7 @@ def _finish(
                 grad_order=rec.grad_order,
             )
         )
-    return tuple(out)
+    return tuple(out), grads_ok
 
 
 def _nonfinite_params(params: list[torch.Tensor]) -> int:
@@ -663,8 +676,22 @@ def probe(
     if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
         from ..diagnosis.proof import proven_report
 
-        report = proven_report(report, probe_step(model, batch, setup, autocast, loss_fn, training))
+        step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
+        report = proven_report(report, step, before=_outcome(facts_probe))
     return report
+
+
+def _outcome(facts: ProbeFacts) -> Any:
+    """What the probe's own forward and backward did, judged as :func:`~mpdoctor.diagnosis.proof.run_step` judges
+    :func:`probe_step` (same autocast, same loss scale, no optimizer): the proof's "before" run, not run twice."""
+    from ..diagnosis.proof import StepOutcome
+    from ..redact import redact
+
+    if facts.error is not None:
+        return StepOutcome(False, False, redact(f"{facts.error.exception}: {facts.error.message}"[:500]))
+    if not facts.backward:  # a loss with no grad: the held step's backward raises, so it is run to say how
+        return None
+    return StepOutcome(True, facts.grads_trained, loss=facts.loss)
 
 
 def _plans(facts: Any, findings: list, ignore: tuple) -> tuple[list | None, list | None]:
@@ -684,19 +711,21 @@ def _plans(facts: Any, findings: list, ignore: tuple) -> tuple[list | None, list
 
 
 def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: Any = None,
-               loss_fn: Callable | None = None, training: bool = True) -> Any:  # fmt: skip
+               loss_fn: Callable | None = None, training: bool = True, *, scaler: Any = None) -> Any:  # fmt: skip
     """The probe's batch as a step a fix is checked on (:class:`~mpdoctor.diagnosis.proof.HeldStep`): one forward
-    under the probe's autocast, the loss, one backward; the modules' train/eval modes are put back after each run."""
+    under the probe's autocast, the loss, one backward of the loss times the probe's scale (the GradScaler's, as
+    the run's own backward); the modules' train/eval modes are put back after each run. Returns the unscaled loss."""
     from ..diagnosis.proof import HeldStep
 
     first = next(model.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
+    scale = _loss_scale(setup, scaler)
 
     def run() -> Any:
         ctx, _, _ = _autocast_for(device, setup, autocast)
         with torch.enable_grad(), ctx:
             loss = loss_of(call_model(model, to_device(batch, device)), loss_fn)
-        loss.backward()
+        (loss * scale if scale != 1.0 else loss).backward()
         return loss
 
     @contextlib.contextmanager

@@ -144,6 +144,9 @@ class ProbeFacts:
         Whether some parameters are stored in fp16.
     seconds : float
         Wall time of the probe.
+    grads_trained : bool
+        The backward ran, every gradient it wrote is finite and at least one is non-zero: what
+        :func:`mpdoctor.diagnosis.proof.run_step` calls a step with no optimizer that trained.
     """
 
     model: str
@@ -167,6 +170,7 @@ class ProbeFacts:
     batch_kind: str = "tensor"
     batch_ref: int = 0
     model_ref: int = 0
+    grads_trained: bool = False
 
     @property
     def fp16_in_use(self) -> bool:
