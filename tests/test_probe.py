@@ -328,3 +328,60 @@ def test_the_probes_fixes_are_planned_so_applying_them_in_order_makes_its_batch_
     loss.backward()
     torch.optim.SGD(params, lr=0.1).step()
     assert_step_trains(loss, before, params)
+
+
+class _AddOne(torch.nn.Module):
+    def forward(self, x):
+        return x + 1  # autograd saves nothing of an add
+
+
+class _Triple(torch.nn.Module):
+    def forward(self, x):
+        return x * 3  # nor of a product by a number
+
+
+def test_the_probe_keeps_no_activation_alive_that_the_model_itself_drops_and_still_reads_a_repeat_once():
+    """An activation autograd does not save is freed while the forward goes on, as without the probe: the probe
+    remembers what it measured by weak reference (a strong one kept every activation of the forward alive)."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _AddOne(), _Triple(), torch.nn.Linear(8, 8))
+    seen: dict = {}
+    model[1].register_forward_hook(lambda m, a, out: seen.update(added=weakref.ref(out)))
+    model[3].register_forward_pre_hook(lambda m, a: seen.update(alive=seen["added"]() is not None))
+    model(torch.randn(4, 8)).sum().backward()
+    assert seen["alive"] is False  # the model alone frees it before the last Linear runs
+    model.zero_grad(set_to_none=True)
+    report = mpdoctor.probe(model, torch.randn(4, 8))
+    assert seen["alive"] is False
+    assert not report.findings and len(report.probe_table) == 5
+
+    # the dedupe still holds: a model returning its head's output twice has it read once
+    from mpdoctor.numerics import probe as probe_module
+
+    reads = []
+    real = probe_module._Stats.add
+
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.head(x)
+            return y.sum(), y
+
+    def counting(self, t):
+        n = len(self.slots)
+        slot = real(self, t)
+        if len(self.slots) > n:
+            reads.append(t.shape)
+        return slot
+
+    probe_module._Stats.add = counting
+    try:
+        probe_module.run_probe(Twice(), torch.randn(4, 8))
+    finally:
+        probe_module._Stats.add = real
+    assert reads.count(torch.Size([4, 8])) == 2  # the head's output once in forward, its gradient once in backward

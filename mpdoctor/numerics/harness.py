@@ -32,7 +32,7 @@ BATCH_MESSAGE = "batch must be a dict of keyword arguments, a tensor or a tuple/
 def floating_tensors(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
     """Floating, strided, non-empty tensors in a module's inputs or outputs (tuples, lists, dicts, ModelOutputs)."""
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and value.device.type != "meta":
+        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and not value.is_meta:
             yield value
     elif depth < 3 and isinstance(value, (tuple, list)):
         for v in value:
@@ -53,7 +53,7 @@ def floating_list(value: Any) -> list[torch.Tensor]:
 def _collect(value: Any, depth: int, out: list[torch.Tensor]) -> None:
     # The same walk and order as floating_tensors (three containers deep), appending instead of yielding.
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and value.device.type != "meta":
+        if value.is_floating_point() and value.numel() > 0 and value.layout == torch.strided and not value.is_meta:
             out.append(value)
     elif depth < 3 and isinstance(value, (tuple, list)):
         for v in value:

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Callable
 
@@ -111,14 +112,17 @@ class _Stats:
     tensors until :meth:`finish` stacks them and reads them with one transfer.
     """
 
-    #: Device types whose scalars are read at once (no sync to avoid there).
+    #: Device types whose scalars are read at once (no sync to avoid there); the hooks test ``Tensor.is_cpu``
+    #: (a flag, where ``tensor.device`` builds an object per call).
     EAGER = frozenset({"cpu"})
 
     def __init__(self) -> None:
         self.slots: list[list] = []  # [min, max, nonfinite] as floats/ints or 0-d tensors
+        self.eager_cpu = "cpu" in self.EAGER
         self._last: tuple[Any, int, int] | None = None  # (tensor, version, slot)
         # Forward tensors measured so far: a model returning its head's logits next to the loss would
-        # read the largest activation twice. Autograd keeps most of them alive until backward anyway.
+        # read the largest activation twice. Held by weak reference: an activation autograd does not save
+        # is freed as soon as the model drops it, as without the probe (its memory is reused, not faulted in anew).
         self._seen: dict[int, tuple[Any, int, int]] | None = {}
 
     def add(self, t: torch.Tensor) -> int:
@@ -130,7 +134,7 @@ class _Stats:
         seen = self._seen
         if seen is not None:
             hit = seen.get(id(t))
-            if hit is not None and hit[0] is t and hit[1] == t._version:
+            if hit is not None and hit[0]() is t and hit[1] == t._version:
                 return hit[2]
         # A plain tensor in a reducible dtype (nearly every one) is read as is; others go through _finite_view.
         d = t.detach() if type(t) is torch.Tensor and t.dtype in _PLAIN_REDUCIBLE else _finite_view(t)
@@ -138,7 +142,7 @@ class _Stats:
             self.slots.append([0.0, 0.0, 0])
             return len(self.slots) - 1
         mn, mx = torch.aminmax(d)
-        if d.device.type in self.EAGER:
+        if d.is_cpu and self.eager_cpu:
             lo, hi = mn.item(), mx.item()
             nf = 0
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -149,7 +153,7 @@ class _Stats:
         slot = len(self.slots) - 1
         self._last = (t, t._version, slot)
         if seen is not None:
-            seen[id(t)] = self._last
+            seen[id(t)] = (weakref.ref(t), t._version, slot)
         return slot
 
     def end_forward(self) -> None:
@@ -243,7 +247,7 @@ class _Recorder:
     def _inputs(self, rec: _Record, args: tuple, kwargs: dict) -> None:
         """Measure a call's CPU inputs (done only when its output went bad)."""
         for t in floating_list((args, kwargs)):
-            if t.device.type in self.stats.EAGER:
+            if t.is_cpu and self.stats.eager_cpu:
                 rec.ins.append(self.stats.add(t))
 
     def pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -257,13 +261,13 @@ class _Recorder:
         rec.calls += 1
         pending = self.trace.pending if self.trace is not None else None
         in_dt = rec.in_dt
-        eager = self.stats.EAGER
+        eager = self.stats.eager_cpu
         for t in floating_list((args, kwargs)):
             in_dt[_name(t.dtype)] = None
             if pending and id(t) in pending:
                 self.trace.receive(i, t)
             # Accelerator inputs are measured now (queued, no sync); CPU inputs only if the output goes bad.
-            if t.device.type not in eager:
+            if not (t.is_cpu and eager):
                 rec.ins.append(self.stats.add(t))
         return None
 
@@ -523,7 +527,7 @@ def _finish(
     backward wrote is finite and one is non-zero (each parameter's gradient is read once, whichever module uses it)."""
     stats = recorder.stats
     grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
-    own = {i: list(modules[i][1].parameters(recurse=False)) for i in recorder.records}
+    own = {i: _own_params(modules[i][1]) for i in recorder.records}
     # Gradients of each module's own parameters, through the same queued statistics; a tied weight's
     # gradient (GPT-2's wte and lm_head) is read once (``grads`` keeps every one alive, so ids are stable).
     pgrads: dict[int, list[int]] = {}
@@ -571,6 +575,11 @@ def _finish(
             )
         )
     return tuple(out), grads_ok
+
+
+def _own_params(module: torch.nn.Module) -> list:
+    """A module's own parameters, each once: what ``parameters(recurse=False)`` yields, without its generators."""
+    return list(dict.fromkeys(p for p in module._parameters.values() if p is not None))
 
 
 def _nonfinite_params(params: list[torch.Tensor]) -> int:
