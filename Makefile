@@ -37,6 +37,11 @@ for dir in . "$${TMPDIR:-/tmp}"; do \
 done
 endef
 
+# pip byte-compiles every module it installs unless told not to: most of an install's CPU (the colab venv: 113 s
+# with it, 55 s without, 99 s of user time against 32). Python compiles the modules a run imports, once, on
+# first import; transformers' hundreds of model files and torch's tests never are.
+PIP_INSTALL ?= --no-compile
+
 .PHONY: demo test test-main test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
 
 # `make demo` installs what the demo needs and nothing more: mpdoctor with its `demo` extra (the `hf` extra and
@@ -48,15 +53,15 @@ $(DEMO_STAMP): pyproject.toml constraints.txt Makefile
 	@echo "== upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "== installing mpdoctor with its demo extra into $(VENV) (torch CPU, transformers, accelerate, peft, adamw-bf16)"
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[demo]"
+	$(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints.txt -e ".[demo]"
 	touch $@
 
 # `make test` adds the rest to the same venv: the test tools, JupyterLab and Playwright, the training stack, DeepSpeed.
 $(STAMP): $(DEMO_STAMP) pyproject.toml constraints.txt Makefile
 	@echo "== installing mpdoctor with its test, browser and stack extras into $(VENV) (pytest, JupyterLab, Playwright, Lightning, ...)"
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[test,browser,stack]"
+	$(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints.txt -e ".[test,browser,stack]"
 	@echo "== installing DeepSpeed (an sdist: pure Python with DS_BUILD_OPS=0, its CPU op is built on first use)"
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install --progress-bar off --no-build-isolation --no-deps -c constraints.txt deepspeed
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off --no-build-isolation --no-deps -c constraints.txt deepspeed
 	touch $@
 
 # Colab's stack (IPython 7.34, ipywidgets 7.7.1): the widget and magic tests run here too.
@@ -66,7 +71,7 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	@echo "== upgrading pip in $(COLAB_VENV)"
 	$(COLAB_VENV)/bin/python -m pip install -q --upgrade pip
 	@echo "== installing mpdoctor with its test extra on IPython 7.34 / ipywidgets 7.7.1 into $(COLAB_VENV)"
-	$(COLAB_VENV)/bin/python -m pip install --progress-bar off -c constraints-colab.txt -e ".[test]"
+	$(COLAB_VENV)/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-colab.txt -e ".[test]"
 	touch $@
 
 # A version corner (oldest, newest): torch alone first, then mpdoctor[test] within the corner's constraints
@@ -79,9 +84,9 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	$(CORNER_PYTHON_$*) -m venv .venv-$*
 	.venv-$*/bin/python -m pip install -q --upgrade pip
 	@echo "== installing torch alone into .venv-$*"
-	.venv-$*/bin/python -m pip install --progress-bar off -c constraints-$*.txt torch
+	.venv-$*/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-$*.txt torch
 	@echo "== installing mpdoctor with its test extra into .venv-$*"
-	.venv-$*/bin/python -m pip install --progress-bar off -c constraints-$*.txt -e ".[test]"
+	.venv-$*/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-$*.txt -e ".[test]"
 	touch $@
 
 demo: $(DEMO_STAMP)
@@ -126,7 +131,7 @@ test-oldest test-newest: test-%: .venv-%/.mpdoctor-installed
 # notebooks 07 and 10), not the test stack.
 $(LAB_STAMP): $(DEMO_STAMP) pyproject.toml constraints.txt Makefile
 	@echo "== installing JupyterLab and the notebooks' libraries into $(VENV)"
-	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[lab]"
+	$(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints.txt -e ".[lab]"
 	touch $@
 
 # Jupyter refuses to start as root (containers, CI) unless told it may.
