@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # TEST_WORKERS=0 runs a suite in one process.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
 PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
-RUN_TESTS := $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
+RUN_TESTS := PYTHONDONTWRITEBYTECODE= $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_THREADS=1)
 # The corners' interpreters: the lowest and the highest Python mpdoctor claims (pyenv's, where it is).
 CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
 CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
@@ -37,9 +37,11 @@ for dir in . "$${TMPDIR:-/tmp}"; do \
 done
 endef
 
-# pip byte-compiles every module it installs unless told not to: most of an install's CPU (the colab venv: 113 s
-# with it, 55 s without, 99 s of user time against 32). Python compiles the modules a run imports, once, on
-# first import; transformers' hundreds of model files and torch's tests never are.
+# The test venvs' installs do not byte-compile what they install: compiling every module is most of an install's
+# CPU (the colab venv: 113 s with it, 55 s without; 99 s of user time against 32). The suites compile what they
+# import instead, once, on first import: they run with bytecode writing on (PYTHONDONTWRITEBYTECODE emptied, as
+# some machines set it; without .pyc files every test process would compile torch again). The demo's and the
+# lab's installs compile as usual: a user's later runs must not pay for it.
 PIP_INSTALL ?= --no-compile
 
 .PHONY: demo test test-main test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
@@ -53,7 +55,7 @@ $(DEMO_STAMP): pyproject.toml constraints.txt Makefile
 	@echo "== upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install -q --upgrade pip
 	@echo "== installing mpdoctor with its demo extra into $(VENV) (torch CPU, transformers, accelerate, peft, adamw-bf16)"
-	$(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints.txt -e ".[demo]"
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[demo]"
 	touch $@
 
 # `make test` adds the rest to the same venv: the test tools, JupyterLab and Playwright, the training stack, DeepSpeed.
@@ -131,7 +133,7 @@ test-oldest test-newest: test-%: .venv-%/.mpdoctor-installed
 # notebooks 07 and 10), not the test stack.
 $(LAB_STAMP): $(DEMO_STAMP) pyproject.toml constraints.txt Makefile
 	@echo "== installing JupyterLab and the notebooks' libraries into $(VENV)"
-	$(BIN)/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints.txt -e ".[lab]"
+	$(BIN)/python -m pip install --progress-bar off -c constraints.txt -e ".[lab]"
 	touch $@
 
 # Jupyter refuses to start as root (containers, CI) unless told it may.
