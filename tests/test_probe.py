@@ -385,3 +385,44 @@ def test_the_probe_keeps_no_activation_alive_that_the_model_itself_drops_and_sti
     finally:
         probe_module._Stats.add = real
     assert reads.count(torch.Size([4, 8])) == 2  # the head's output once in forward, its gradient once in backward
+
+
+def test_the_probe_reads_each_weight_gradient_as_backward_makes_it_and_keeps_none_alive_past_its_read():
+    """The user's ``.grad`` tensors stay alive while the probe runs (they come back by identity), so a probe that
+    kept its own gradients to the end held the gradients twice: each is now read when backward has accumulated
+    it and dropped at once. The figures are those of a plain backward, and a DDP model keeps the late read."""
+    import weakref
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    x = torch.randn(8, 16)
+    model(x).mean().backward()  # the user's own gradients: the probe's backward makes the same values
+    params = list(model.parameters())
+    users = [p.grad for p in params]
+    expected = [max(m.weight.grad.abs().max().item(), m.bias.grad.abs().max().item()) for m in model]
+    made: list = []  # weak references to each gradient the probe's backward makes, in the order it makes them
+    alive_when_last_made: list = []
+
+    def watch(p):  # registered before the probe's hooks, so it runs first
+        made.append(weakref.ref(p.grad))
+        if len(made) == len(params):
+            alive_when_last_made.append(sum(ref() is not None for ref in made))
+
+    handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
+    try:
+        report = mpdoctor.probe(model, x, loss_fn=lambda out: out.mean())
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(made) == len(params)
+    assert alive_when_last_made == [1]  # only the gradient being read; the probe used to hold all 8 here
+    assert all(p.grad is g for p, g in zip(params, users))
+    table = report.probe_table.set_index("module")
+    assert [table.loc[f"model.{i}", "param_grad_absmax"] for i in range(4)] == pytest.approx(expected, rel=0, abs=0)
+    assert (table["param_grad_nonfinite"] == 0).all() and report.facts.probes[0].grads_trained
+
+    from mpdoctor.numerics.probe import _early_grads_ok
+
+    ddp_named = [("", type("DistributedDataParallel", (torch.nn.Module,), {})())]
+    assert _early_grads_ok(list(model.named_modules()), params)
+    assert not _early_grads_ok(ddp_named + list(model.named_modules()), params)

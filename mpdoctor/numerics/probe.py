@@ -125,8 +125,9 @@ class _Stats:
         # is freed as soon as the model drops it, as without the probe (its memory is reused, not faulted in anew).
         self._seen: dict[int, tuple[Any, int, int]] | None = {}
 
-    def add(self, t: torch.Tensor) -> int:
-        """Queue the statistics of ``t``; returns its slot."""
+    def add(self, t: torch.Tensor, remember: bool = True) -> int:
+        """Queue the statistics of ``t``; returns its slot. ``remember=False``: a tensor read once for sure (a
+        weight's gradient), not kept as the last one read, so nothing holds it once its owner drops it."""
         last = self._last
         # A module returning its child's output (or one gradient reaching two hooks) is measured once.
         if last is not None and last[0] is t and last[1] == t._version:
@@ -151,6 +152,8 @@ class _Stats:
         else:
             self.slots.append([mn, mx, d.numel() - torch.isfinite(d).sum()])
         slot = len(self.slots) - 1
+        if not remember:
+            return slot
         self._last = (t, t._version, slot)
         if seen is not None:
             seen[id(t)] = (weakref.ref(t), t._version, slot)
@@ -232,6 +235,8 @@ class _Recorder:
         self.handles: list[Any] = []
         self.grad_hooks: dict[int, Callable[[torch.Tensor], None]] = {}  # one closure per module, not per tensor
         self.trace: Any = None  # runtime.boundary.BoundaryTrace: where each batch tensor enters
+        # id(parameter) -> slots of its gradient, read as backward accumulates it (see read_param_grads).
+        self.param_slots: dict[int, list[int]] | None = None
 
     def attach(self) -> None:
         for _, m in self.modules:
@@ -320,6 +325,30 @@ class _Recorder:
                 rec.grad_dt[_name(grad.dtype)] = None
 
         return hook
+
+    def read_param_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Read each parameter's gradient the moment backward has accumulated it, then drop it.
+
+        The user's own ``.grad`` tensors stay alive (they are restored by identity), so a gradient the probe
+        kept until the end would double the gradients' memory for the length of the backward: on the CPU,
+        fresh pages for every weight's gradient. Read at once, each is freed before the next is made, and is
+        still in the cache when read. A gradient arriving in parts (one parameter in several reentrant
+        checkpoint segments) has each part read. Only for plain parameters of a model no distributed wrapper
+        holds (:func:`_early_grads_ok`): DDP, FSDP and DeepSpeed read ``.grad`` in their own hooks after this one.
+        """
+        slots: dict[int, list[int]] = {}
+        self.param_slots = slots
+        stats = self.stats
+
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is not None and g.is_floating_point():
+                slots.setdefault(id(p), []).append(stats.add(g, remember=False))
+            p.grad = None
+
+        for p in params:
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def running(self) -> int | None:
         """The innermost module running now (forward) or last reached by the gradient (backward)."""
@@ -433,6 +462,8 @@ def run_probe(
                 phase = "backward"
                 recorder.phase = "backward"
                 recorder.stats.end_forward()
+                if _early_grads_ok(modules, snapshot.params):
+                    recorder.read_param_grads(snapshot.params)
                 with torch.enable_grad():
                     (loss * scale if scale != 1.0 else loss).backward()
                 ran_backward = True
@@ -459,7 +490,7 @@ def run_probe(
         recorder.detach()
         snapshot.restore()
     with no_autocast():
-        records, grads_ok = _finish(recorder, modules, snapshot.params, new_grads)
+        records, grads_ok = _finish(recorder, modules, snapshot.params, new_grads, recorder.param_slots)
     fp16_weights = any(p.dtype == torch.float16 for p in snapshot.params)
     boundary = recorder.trace.facts(model)
     origin = None
@@ -522,29 +553,18 @@ def _finish(
     modules: list[tuple[str, torch.nn.Module]],
     params: list[torch.nn.Parameter],
     grads: list[torch.Tensor | None],
+    early: dict[int, list[int]] | None = None,
 ) -> tuple[tuple[ModuleProbe, ...], bool]:
     """Read the statistics out once and build one record per module that ran; also whether every gradient the
-    backward wrote is finite and one is non-zero (each parameter's gradient is read once, whichever module uses it)."""
+    backward wrote is finite and one is non-zero (each parameter's gradient is read once, whichever module uses it).
+
+    ``early``: the slots of the gradients read while backward ran (:meth:`_Recorder.read_param_grads`), by
+    parameter; the gradients in ``grads`` (those backward left in ``.grad``) are read here."""
     stats = recorder.stats
-    grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
+    early = early or {}
     own = {i: _own_params(modules[i][1]) for i in recorder.records}
-    # Gradients of each module's own parameters, through the same queued statistics; a tied weight's
-    # gradient (GPT-2's wte and lm_head) is read once (``grads`` keeps every one alive, so ids are stable).
-    pgrads: dict[int, list[int]] = {}
-    read: dict[int, int] = {}
-    for i, ps in own.items():
-        slots = pgrads[i] = []
-        for g in floating_list([grad_of[id(p)] for p in ps if id(p) in grad_of]):
-            slot = read.get(id(g))
-            if slot is None:
-                slot = read[id(g)] = stats.add(g)
-            slots.append(slot)
-    # A parameter no hooked module owns (used functionally by another one) has its gradient read too.
-    for g in floating_list([g for g in grads if g is not None]):
-        if id(g) not in read:
-            read[id(g)] = stats.add(g)
+    pgrads, every = _param_grad_slots(stats, own, params, grads, early)
     stats.finish()
-    every = list(read.values())
     grads_ok = bool(every) and stats.nonfinite(every) == 0 and (stats.absmax(every) or 0.0) > 0.0
     stats.forget()
     out: list[ModuleProbe] = []
@@ -575,6 +595,44 @@ def _finish(
             )
         )
     return tuple(out), grads_ok
+
+
+def _param_grad_slots(stats: _Stats, own: dict[int, list], params: list, grads: list,
+                      early: dict[int, list[int]]) -> tuple[dict[int, list[int]], list[int]]:  # fmt: skip
+    """The slots of each module's own parameters' gradients (read during backward, or now from ``grads``), and
+    the slots of every gradient. A tied weight's gradient (GPT-2's wte and lm_head) is read once (``grads`` keeps
+    every one alive, so ids are stable)."""
+    grad_of = {id(p): g for p, g in zip(params, grads) if g is not None}
+    pgrads: dict[int, list[int]] = {}
+    read: dict[int, int] = {}
+    for i, ps in own.items():
+        slots = pgrads[i] = []
+        for p in ps:
+            slots.extend(early.get(id(p), ()))
+        for g in floating_list([grad_of[id(p)] for p in ps if id(p) in grad_of]):
+            slot = read.get(id(g))
+            if slot is None:
+                slot = read[id(g)] = stats.add(g)
+            slots.append(slot)
+    # A parameter no hooked module owns (used functionally by another one) has its gradient read too.
+    for g in floating_list([g for g in grads if g is not None]):
+        if id(g) not in read:
+            read[id(g)] = stats.add(g)
+    return pgrads, list(read.values()) + [slot for slots in early.values() for slot in slots]
+
+
+#: Wrappers whose own autograd hooks read ``.grad`` after the probe's post-accumulate hooks run.
+_GRAD_READERS = frozenset({"DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine", "PipelineModule"})
+
+
+def _early_grads_ok(modules: list[tuple[str, torch.nn.Module]], params: list[torch.nn.Parameter]) -> bool:
+    """Whether the gradients may be read and dropped as backward makes them: plain parameters (no DTensor,
+    no FSDP2 shard) of a model no DDP / FSDP / DeepSpeed module holds, on a torch with post-accumulate hooks."""
+    if not hasattr(torch.Tensor, "register_post_accumulate_grad_hook"):
+        return False
+    if any(type(m).__name__ in _GRAD_READERS or type(m).__name__.startswith("FSDP") for _, m in modules):
+        return False
+    return all(type(p) is torch.nn.Parameter for p in params)
 
 
 def _own_params(module: torch.nn.Module) -> list:
