@@ -17,8 +17,8 @@ import torch
 from cure import click_fix
 from notebook_shell import loaded_shell
 
+from mpdoctor.readers.loop_source import source_of
 from mpdoctor.runtime.loop_accumulation import read_loop_accumulations
-from mpdoctor.runtime.loop_source import source_of
 
 SETUP = """import torch
 torch.manual_seed(0)
@@ -245,3 +245,140 @@ def test_a_recorded_loop_setting_leaves_with_its_optimizer_and_a_step_every_batc
     del opt
     gc.collect()
     assert key not in registry._LOOPS
+
+
+# -- in a script: read from its code (python train.py), counted as it runs (mpdoctor run) --------------------
+
+#: A script's loop as people write it: the accumulation from argparse, the guard on a counter the static reader
+#: cannot follow (``micro == args.accum``), then the script's own diagnosis; the fix is applied, and the same loop
+#: runs again. Prints one JSON line.
+SCRIPT = '''import argparse, json, sys
+import torch
+import mpdoctor
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--accum", type=int, default=4)
+parser.add_argument("--dtype", default="bfloat16")
+args = parser.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(getattr(torch, args.dtype))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = [(torch.randn(8, 64), torch.randn(8, 1)) for _ in range(8)]
+
+
+def train():
+    micro, losses = 0, []
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) / args.accum
+        loss.backward()
+        micro += 1
+        if GUARD:
+            optimizer.step()
+            optimizer.zero_grad()
+            micro = 0
+        losses.append(loss.item())
+    return losses
+
+
+train()
+report = mpdoctor.diagnose(model, optimizer)
+found = report.findings_for("half-grad-accumulation")
+out = {"findings": [[f.check, f.severity] for f in report.findings],
+       "setting": found[0].evidence["setting"] if found else None,
+       "steps": found[0].evidence["accumulation_steps"] if found else None}
+if found:
+    (fix,) = [f for f in report.fixes if f.slug == "half-grad-accumulation"]
+    fix.apply()
+    out["applied"] = fix.applied
+    before = [p.detach().clone() for p in model.parameters()]
+    losses = train()
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["trained"] = all(map(lambda v: v == v, losses)) and all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+out["backward_wrapped"] = hasattr(torch.autograd.backward, "__wrapped__")
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _script_result(tmp_path, guard: str, *args: str, run: bool = False) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.replace("GUARD", guard))
+    cmd = [sys.executable, "-m", "mpdoctor", "run", str(script), *args] if run else [sys.executable, str(script), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_a_plain_script_calling_diagnose_is_read_for_its_loop_named_at_its_line_fixed_and_trains(tmp_path):
+    """``python train.py``: nothing watches the loop; ``diagnose()`` reads the script it is called from, the guard's
+    divisor an argparse attribute (``args.accum``, read from the namespace without running code)."""
+    out = _script_result(tmp_path, "(len(train.__code__.co_varnames) and (micro % args.accum == 0))")
+    assert out["setting"] is None  # a guard the reader does not follow is not guessed at
+    out = _script_result(tmp_path, "micro % args.accum == 0")
+    assert out["steps"] == 4 and out["setting"] == "loop: optimizer.step() every 4 backward() calls (train.py:23)"
+    assert ["half-grad-accumulation", "warning"] in out["findings"]
+    assert out["applied"] and out["dtypes"] == ["torch.float32"] and out["trained"] and not out["backward_wrapped"]
+
+
+def test_mpdoctor_run_counts_the_loops_backward_calls_per_step_whatever_its_guard_and_the_fix_trains(tmp_path):
+    """``mpdoctor run train.py``: the backward() calls per optimizer step are counted as the script runs, so a guard
+    the code reader cannot follow is still known; the count outranks the reading; torch.autograd.backward is put back."""
+    out = _script_result(tmp_path, "(len(train.__code__.co_varnames) and (micro % args.accum == 0))", run=True)
+    assert out["steps"] == 4 and out["setting"].startswith("loop: optimizer.step() every 4 backward() calls (")
+    assert out["setting"].endswith("train.py:23, counted)"), out["setting"]
+    assert out["applied"] and out["dtypes"] == ["torch.float32"] and out["trained"]
+    assert out["backward_wrapped"]  # while the script runs (the last test shows close() puts it back)
+    out = _script_result(tmp_path, "micro % args.accum == 0", "--accum", "2", run=True)
+    assert out["steps"] == 2 and out["setting"].endswith(", counted)")
+
+
+def test_healthy_twins_in_a_script_draw_nothing(tmp_path):
+    """fp32 weights under bf16 autocast (fp32 grads): the same loops, run plainly and under ``mpdoctor run``."""
+    for run in (False, True):
+        out = _script_result(tmp_path, "micro % args.accum == 0", "--dtype", "float32", run=run)
+        assert out["setting"] is None
+        assert not [f for f in out["findings"] if f[1] in ("error", "warning")], out
+
+
+def test_the_counter_skips_nested_backward_calls_and_proofs_and_leaves_torch_as_it_found_it():
+    """Reentrant checkpointing calls backward() once per checkpointed segment inside the outer one: one per
+    micro-batch is counted. A step mpdoctor runs to prove a fix is not the loop's. close() restores torch."""
+    from torch.utils.checkpoint import checkpoint
+
+    from mpdoctor.diagnosis.proof import run_step
+    from mpdoctor.readers.loop_accumulation import recorded
+    from mpdoctor.runtime.backward_count import BackwardCounter
+
+    real = torch.autograd.backward
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def forward(x):
+        for layer in model:
+            x = checkpoint(layer, x, use_reentrant=True)
+        return x
+
+    counter = BackwardCounter().attach()
+    try:
+        assert torch.autograd.backward is not real
+        for i in range(6):
+            forward(torch.randn(4, 8, requires_grad=True)).sum().backward()
+            if (i + 1) % 3 == 0:
+                opt.step()
+                opt.zero_grad()
+        assert recorded(opt).steps == 3 and counter.recorded == [("opt", 3), ("opt", 3)]
+
+        def proof_step():  # one backward and a step, as a proof runs it
+            forward(torch.randn(4, 8, requires_grad=True)).sum().backward()
+            opt.step()
+
+        assert run_step(proof_step, [model], [opt]).trained
+        assert recorded(opt).steps == 3 and counter.backwards == 0
+    finally:
+        counter.close()
+    assert torch.autograd.backward is real

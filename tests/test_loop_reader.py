@@ -691,8 +691,8 @@ def test_a_while_loop_and_a_scaled_loss_bound_to_a_name():
 
 
 def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
+    from mpdoctor.readers.loop_source import source_of
     from mpdoctor.runtime.loop_findings import read_sources
-    from mpdoctor.runtime.loop_source import source_of
 
     deep = source_of("In[1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
     assert deep is not None  # it parses

@@ -93,6 +93,7 @@ def diagnose(
     start = time.perf_counter()
     if not objects and namespace is None:
         namespace = _callers_namespace()
+    _read_callers_script()
     try:
         subjects = discover(objects, namespace=namespace, hidden=hidden, names=names)
     except Exception as exc:  # discovery is defensive; this is the last line
@@ -117,6 +118,20 @@ def _callers_namespace() -> dict[str, Any] | None:
         return {**frame.f_globals, **frame.f_locals}
     except Exception:  # no frame introspection (another interpreter): nothing to inspect
         return None
+
+
+def _read_callers_script() -> None:
+    """In a script (``python train.py``), the gradient accumulation of its hand-written loop, read from its code
+    (:func:`~mpdoctor.readers.loop_accumulation.record_script_loops`); nothing for mpdoctor's own calls."""
+    try:
+        frame = sys._getframe(2)  # 0: this function, 1: diagnose(), 2: its caller
+        if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0]:
+            return
+    except Exception:
+        return
+    from ..readers.loop_accumulation import record_script_loops
+
+    record_script_loops(frame)
 
 
 def _not_inspected(objects: tuple, names: Mapping[int, str] | None) -> list[str]:

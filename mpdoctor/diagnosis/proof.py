@@ -178,14 +178,27 @@ def _set_rng_state(state: dict) -> None:
         sys.modules["numpy"].random.set_state(state["numpy"])
 
 
+#: Steps mpdoctor is running to prove a fix, now (a count: a proof inside a proof's step is still one).
+_PROVING = [0]
+
+
+def is_proving() -> bool:
+    """Whether the code running now is a step mpdoctor runs to prove a fix: what watches the user's loop
+    (:class:`~mpdoctor.runtime.backward_count.BackwardCounter`) does not count it as the loop's."""
+    return _PROVING[0] > 0
+
+
 def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterable[Any]) -> StepOutcome:
     """Run ``step()`` once and judge whether it trained (it never raises)."""
     params = [p for m in _unique(modules) for p in m.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
+    _PROVING[0] += 1
     try:
         returned = step()
     except Exception as exc:  # the step's failure is the outcome
         return StepOutcome(False, False, describe_exception(exc))
+    finally:
+        _PROVING[0] -= 1
     loss = _number(returned)
     if loss is not None and not math.isfinite(loss):
         return StepOutcome(True, False, loss=loss)

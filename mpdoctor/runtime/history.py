@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from ..readers.loop_source import Source, relevant, source_of
 from ..treatment.findings import Finding
 from .loop_findings import read_sources
-from .loop_source import Source, relevant, source_of
 from .rules import RULES
 
 

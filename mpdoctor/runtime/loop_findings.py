@@ -11,11 +11,11 @@ import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..readers.loop_source import Source, source_of
 from ..treatment.findings import Finding
 from ..treatment.merge import mistake_key
 from .loop_interpreter import LoopMistake, LoopReader, Names
 from .loop_rewrite import corrected_code
-from .loop_source import Source, source_of
 from .rules import RULES
 
 _WHAT = {

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..facts.location import Location
-from .loop_source import Source, dotted, text_of, unparse
+from ..readers.loop_source import Source, dotted, text_of, unparse
 
 #: The methods the protocol is made of (any other attribute call is not looked at).
 _PROTOCOL_ATTRS = frozenset({"backward", "unscale_", "step", "update"})

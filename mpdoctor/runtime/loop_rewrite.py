@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..readers.loop_source import Source, parse, text_of
 from .loop_interpreter import LoopMistake, is_clip
-from .loop_source import Source, parse, text_of
 from .rules import corrected_template
 
 

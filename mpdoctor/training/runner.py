@@ -50,7 +50,8 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
     shown: set = set()  # the mistakes already printed (merge.mistake_key): one mistake is shown once
     _read_loop(path, shown)
     watcher = _global_watcher() if probe_on_nan else None
-    protocol = _protocol_observer(shown)
+    counter = _backward_counter()
+    protocol = _protocol_observer(shown, counter)
     try:
         runpy.run_path(path, run_name="__main__")
     except SystemExit as exc:
@@ -64,6 +65,8 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
     finally:
         if protocol is not None:
             protocol.close()
+        if counter is not None:
+            counter.close()
         if watcher is not None:
             watcher.close()
         sys.argv = saved_argv
@@ -142,10 +145,22 @@ def _read_loop(path: str, shown: set) -> None:
         print(text + "\n", file=sys.stderr, flush=True)
 
 
-def _protocol_observer(shown: set) -> Any:
+def _backward_counter() -> Any:
+    """The script's gradient accumulation, counted as it runs (mpdoctor.runtime.backward_count); None if unavailable."""
+    try:
+        from ..runtime.backward_count import BackwardCounter
+
+        return BackwardCounter().attach()
+    except Exception as exc:  # the script runs whatever happens here
+        print(f"mpdoctor run: the accumulation counter is off ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return None
+
+
+def _protocol_observer(shown: set, counter: Any = None) -> Any:
     """The GradScaler protocol observer for the script's run (mpdoctor.runtime.protocol); None if unavailable.
 
-    It prints a mistake at the call where it happens, unless the reading of the script already printed it.
+    It prints a mistake at the call where it happens, unless the reading of the script already printed it. A step
+    a GradScaler skips tells ``counter`` that its ``backward()`` calls were not accumulation.
     """
     try:
         from ..runtime.protocol import ProtocolObserver, print_finding
@@ -157,7 +172,11 @@ def _protocol_observer(shown: set) -> Any:
                 shown.add(key)
                 print_finding(finding)
 
-        return ProtocolObserver(on_finding=announce).attach()
+        def stepped(record: Any) -> None:
+            if counter is not None and record.skipped:
+                counter.skipped()
+
+        return ProtocolObserver(on_finding=announce, step_listener=stepped).attach()
     except Exception as exc:  # the script runs whatever happens here
         print(f"mpdoctor run: the loop watcher is off ({type(exc).__name__}: {exc})", file=sys.stderr)
         return None

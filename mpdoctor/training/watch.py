@@ -293,7 +293,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         where = user_line(2)
         name = self.object_names["optimizer"]
         at = f"{where}" if where is not None else f"optimizer step {self._steps}"
-        record(optimizer, n, f"{name}.step() every {n} backward() calls ({at}, watched)")
+        record(optimizer, n, f"{name}.step() every {n} backward() calls ({at}, watched)", counted=True)
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         if self._proving:
