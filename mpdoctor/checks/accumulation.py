@@ -26,7 +26,9 @@ def half_grad_accumulation(facts: Facts, rule: Rule) -> Iterator[Finding]:
         Finds trainable parameters held in bf16 / fp16 (so autograd writes and sums their ``.grad`` in that
         dtype) while the run accumulates several micro-batches per optimizer step
         (``TrainingArguments.gradient_accumulation_steps``, ``Accelerator(gradient_accumulation_steps=...)``,
-        Lightning's ``accumulate_grad_batches``), and measures the relative error of the accumulated gradient
+        Lightning's ``accumulate_grad_batches``, or a hand-written loop: its ``optimizer.step()`` guard read from
+        the notebook's cells or the script that calls ``diagnose()``, or its ``backward()`` calls per step counted
+        by ``watch()`` and ``mpdoctor run``), and measures the relative error of the accumulated gradient
         against the same sum in fp32: on the model's own ``.grad`` when it has one, else on a representative
         gradient.
     Why is this bad?
