@@ -21,6 +21,9 @@ RUN_TESTS := PYTHONDONTWRITEBYTECODE= $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_
 CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
 CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
 CORNERS := main colab oldest newest
+# What a corner installs beside mpdoctor[test], for the tests only it collects (tests/corners.py, CORNER_ONLY):
+# timm's EMA, whose torchvision must match the corner's torch.
+CORNER_EXTRAS_newest := timm torchvision
 # A corner's venv needs this much free disk (here and in pip's temporary directory) before it is built: a disk
 # that fills mid-install leaves pip's "No space left on device" after minutes of downloads, and a half-built venv.
 # Two corners may be built at once (make test), each about 6 GB with pip's unpacked wheels beside it.
@@ -89,6 +92,7 @@ $(COLAB_STAMP): pyproject.toml constraints-colab.txt Makefile
 	.venv-$*/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-$*.txt torch
 	@echo "== installing mpdoctor with its test extra into .venv-$*"
 	.venv-$*/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-$*.txt -e ".[test]"
+	$(if $(CORNER_EXTRAS_$*),.venv-$*/bin/python -m pip install $(PIP_INSTALL) --progress-bar off -c constraints-$*.txt $(CORNER_EXTRAS_$*))
 	touch $@
 
 demo: $(DEMO_STAMP)

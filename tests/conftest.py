@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from corners import Corner, current  # noqa: E402  (tests/ is on the path from the line above)
+from corners import CORNER_ONLY, Corner, current  # noqa: E402  (tests/ is on the path from the line above)
 
 _CORNER = current()
 _ROOT = Path(__file__).resolve().parents[1]
@@ -112,8 +112,17 @@ def _wanted(rel: str, corner: Corner, is_dir: bool) -> bool:
     return any(rel == f or rel.startswith(f + "/") for f in files)
 
 
+def _only_elsewhere(rel: str) -> bool:
+    """Whether ``rel`` lies under a path only another corner collects (``CORNER_ONLY``)."""
+    name = _CORNER.name if _CORNER is not None else None
+    return any((rel == path or rel.startswith(path + "/")) and owner != name for path, (owner, _) in CORNER_ONLY.items())
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """In a corner, test modules it does not run are never imported (they may need what it lacks)."""
+    """In a corner, test modules it does not run are never imported (they may need what it lacks); a path only
+    another corner collects is never imported here (the pinned corner included)."""
+    if _only_elsewhere(_relative(collection_path)):
+        return True
     if _CORNER is None:
         return None
     if collection_path.is_file() and not collection_path.name.startswith("test_"):
@@ -139,6 +148,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    here = _CORNER.name if _CORNER is not None else None
+    for path, (owner, reason) in CORNER_ONLY.items():
+        if owner != here:
+            terminalreporter.line(f"not collected here: {path} runs in the {owner} corner ({reason})")
     if _CORNER is None:
         return
     terminalreporter.section(f"corner {_CORNER.name}: {_CORNER.versions}")

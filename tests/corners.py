@@ -59,6 +59,17 @@ CORE = (
     "tests/test_magic.py",
 )
 
+#: Test paths only one corner collects: what it holds needs a library only that corner installs. ``path -> (corner,
+#: why)``; every other corner (the pinned one included) leaves the path out and names it in its summary.
+CORNER_ONLY: dict[str, tuple[str, str]] = {
+    "tests/corner_newest": (
+        "newest",
+        "timm imports torchvision, and the torchvision beside the pinned torch 2.13.0+cpu is a CUDA build that does "
+        "not import ('operator torchvision::nms does not exist'); the newest corner's torch 2.14.1 and torchvision "
+        "0.29.1 are a matching pair",
+    ),
+}
+
 CORNERS: dict[str, Corner] = {
     c.name: c
     for c in (
@@ -112,8 +123,9 @@ CORNERS: dict[str, Corner] = {
         Corner(
             "newest",
             "Python 3.13, torch 2.14.1, transformers 5.24.0, accelerate 1.15.0, peft 0.21.2, IPython 9.18.1, "
-            "ipywidgets 8.1.9 (constraints-newest.txt)",
-            runs=(*CORE, "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_and_its_claims_hold[04_cache_in_training]"),
+            "ipywidgets 8.1.9, timm 1.0.31 with torchvision 0.29.1 (constraints-newest.txt)",
+            runs=(*CORE, "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_and_its_claims_hold[04_cache_in_training]",
+                  "tests/corner_newest"),
             excluded={},
         ),
         Corner(

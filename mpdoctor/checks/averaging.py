@@ -35,7 +35,8 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
 
     What it does
         Reads every averaging object (torch's ``AveragedModel``, diffusers'
-        ``EMAModel``, ema-pytorch's ``EMA``, held directly or inside a model;
+        ``EMAModel``, ema-pytorch's ``EMA``, timm's ``ModelEmaV2`` / ``ModelEmaV3``,
+        held directly or inside a model;
         and a model the user's own code averages into, read from the notebook's
         cells or the script: ``ema_p.lerp_(p, 1 - decay)`` or
         ``ema_p.mul_(decay).add_(p, alpha=1 - decay)`` over
@@ -53,7 +54,10 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         registers only where the online weight differs from the shadow by about
         twice its own value, so the EMA never moves from its first copy; the
         weights saved and sampled from are the initial ones. fp16 (11 bits)
-        fails the same way at decay 0.9999.
+        fails the same way at decay 0.9999. timm's ``ModelEmaV3`` rounds a
+        bf16 shadow's updates stochastically (its default): they register in
+        expectation, and it is not reported; an fp16 shadow, or
+        ``stochastic_rounding=False``, is.
     Example
         unet.to(torch.bfloat16)
         ema_unet = EMAModel(unet.parameters(), decay=0.9999)  # shadow_params copied in bf16
@@ -89,6 +93,8 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
     for s in facts.averaging:
         if not s.low_elements or s.min_gap is None:
             continue
+        if s.stochastic_rounding and set(s.shadow_dtypes) <= {"bfloat16", "float32"}:
+            continue  # each bf16 update is rounded stochastically: it registers in expectation
         measure = s.lost_share if s.lost_share is not None else s.min_gap  # measured harm first, else the exact bound
         if measure < _NOTICEABLE:
             continue

@@ -2,7 +2,7 @@
 
 An :class:`Island` is a part of a model that is not on its compute path at all (an EMA / averaged copy, a metric,
 a frozen copy of a sibling), read from the live objects by :mod:`mpdoctor.readers.intent`. A :class:`ShadowFacts`
-is one EMA or weight-averaging object (torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``)
+is one EMA or weight-averaging object (torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``, timm's ``ModelEmaV3``)
 with what one of its updates loses in its storage dtype, measured on its own tensors.
 """
 
@@ -42,7 +42,7 @@ class ShadowFacts:
 
     name: str
     ref: int
-    kind: str  # "averaged-model" (torch), "ema-model" (diffusers), "ema-pytorch", "hand-written" (a model the code averages)
+    kind: str  # "averaged-model" (torch), "ema-model" (diffusers), "ema-pytorch", "timm", "hand-written" (a model the code averages)
     class_path: str
     #: What the user types to reach the shadow tensors (``ema.module``, ``ema.ema_model``, ``ema.shadow_params``).
     shadow_path: str
@@ -54,6 +54,9 @@ class ShadowFacts:
     #: bf16 model then raises unless the online tensors are cast first (ema-pytorch's ``coerce_dtype``).
     same_dtype_update: bool = False
     coerce_dtype: bool | None = None
+    #: The library rounds a bf16 shadow's update stochastically (timm's ``ModelEmaV3``): updates register in
+    #: expectation, so round-to-nearest's lost share does not apply to its bf16 tensors.
+    stochastic_rounding: bool = False
     #: The online model as a path the facts know (a model's name, or a path inside one: ``ema.online_model``).
     source: str | None = None
     #: The user's own name for it (``net``, where ``net = ema.online_model``): what the messages and the code say.

@@ -1,4 +1,4 @@
-"""EMA and weight averaging: torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``.
+"""EMA and weight averaging: torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``, timm's ``ModelEmaV3``.
 
 Read through the torch integration (its ``model_facts`` and ``facts``: the module wrappers are modules, and a
 diffusers ``EMAModel`` the user holds is a subject of kind ``averaging``, declared by the diffusers integration).
@@ -141,7 +141,7 @@ def keep_shadow_fp32_steps(obj: Any, label: str) -> list[Change]:
         return [CastContainerTensors(obj.shadow_params, torch.float32, f"the shadow parameters of {label}")]
     if kind is None and isinstance(obj, dict):  # a hand-written EMA's dict of shadow tensors
         return [CastContainerTensors(obj, torch.float32, f"the tensors of {label}")]
-    module = obj if kind is None else obj.module if kind == "averaged-model" else obj.ema_model  # None: hand-written
+    module = obj if kind is None else obj.ema_model if kind == "ema-pytorch" else obj.module  # None: hand-written
     params = [p for p in module.parameters() if p.is_floating_point()]
     steps: list[Change] = [CastParams(params, torch.float32, (), f"shadow parameters of {label}", state=False)]
     if kind == "averaged-model" and raw_attr(obj, "multi_avg_fn", None) is not None:

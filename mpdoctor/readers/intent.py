@@ -2,7 +2,7 @@
 averaged copy loses in its storage dtype.
 
 An island is evidence, never a guess from names: a submodule whose class is an averaging wrapper (torch's
-``AveragedModel``, ema-pytorch's ``EMA``) or a torchmetrics ``Metric``, a frozen copy of a sibling (the same
+``AveragedModel``, ema-pytorch's ``EMA``, timm's ``ModelEmaV2`` / ``ModelEmaV3``) or a torchmetrics ``Metric``, a frozen copy of a sibling (the same
 parameter names and shapes in another dtype, ``requires_grad`` False: a hand-written EMA or teacher), or a
 submodule whose forward hooks cast its input to its own dtype and its output back (a ReFT / pyvene intervention
 kept in fp32 under a bf16 model: the hooks' source is read, never run). The harm of
@@ -27,6 +27,8 @@ from ..live.introspect import class_path, modules_of, named_modules, raw_attr
 AVERAGING_MODULES = {
     "torch.optim.swa_utils.AveragedModel": "averaged-model",
     "ema_pytorch.ema_pytorch.EMA": "ema-pytorch",
+    "timm.utils.model_ema.ModelEmaV2": "timm",
+    "timm.utils.model_ema.ModelEmaV3": "timm",
 }
 #: diffusers' EMA: not a module, its shadow is a list of tensors (``shadow_params``).
 DIFFUSERS_EMA = "diffusers.training_utils.EMAModel"
@@ -193,7 +195,7 @@ def _copy_of_a_sibling(path: str, child: torch.nn.Module, siblings: list[tuple[s
 
 
 def shadow_kind(obj: Any) -> str | None:
-    """The shadow kind of an averaging object (``averaged-model``, ``ema-pytorch``, ``ema-model``), or None."""
+    """The shadow kind of an averaging object (``averaged-model``, ``ema-pytorch``, ``timm``, ``ema-model``), or None."""
     path = class_path(type(obj))
     if path == DIFFUSERS_EMA:
         return "ema-model"
@@ -213,16 +215,16 @@ def shadow_tensors(obj: Any, kind: str) -> list[torch.Tensor]:
 
 
 def _copy_module(obj: Any, kind: str) -> torch.nn.Module | None:
-    """The averaged module inside a wrapper: ``AveragedModel.module``, ``EMA.ema_model``."""
+    """The averaged module inside a wrapper: ``AveragedModel.module``, timm's ``ModelEmaV3.module``, ``EMA.ema_model``."""
     modules = raw_attr(obj, "_modules", None) or {}
-    return modules.get("module" if kind == "averaged-model" else "ema_model")
+    return modules.get("ema_model" if kind == "ema-pytorch" else "module")
 
 
 def shadow_path(name: str, kind: str) -> str:
     """What the user types to reach the shadow tensors."""
     if kind == "hand-written":
         return name
-    return f"{name}.{ {'averaged-model': 'module', 'ema-pytorch': 'ema_model', 'ema-model': 'shadow_params'}[kind]}"
+    return f"{name}.{ {'averaged-model': 'module', 'timm': 'module', 'ema-pytorch': 'ema_model', 'ema-model': 'shadow_params'}[kind]}"
 
 
 def closure_decay(fn: Any, depth: int = 0) -> float | None:
@@ -249,6 +251,9 @@ def closure_decay(fn: Any, depth: int = 0) -> float | None:
 def shadow_decay(obj: Any, kind: str) -> float | None:
     """The decay of the next update: the warm-up schedule's value where the library has one (diffusers'
     ``get_decay``, ema-pytorch's ``get_current_decay``), the steady decay while warm-up still copies (decay 0)."""
+    if kind == "timm":  # the steady decay (its warm-up schedule needs the step the user passes to update())
+        value = raw_attr(obj, "decay", None)
+        return float(value) if isinstance(value, (int, float)) else None
     if kind in ("ema-model", "ema-pytorch"):
         steady = raw_attr(obj, "decay" if kind == "ema-model" else "beta", None)
         current = _current_decay(obj, kind)
@@ -269,6 +274,12 @@ def _current_decay(obj: Any, kind: str) -> float | None:
         return float(obj.get_current_decay())
     except Exception:
         return None
+
+
+def stochastic_rounding(obj: Any, kind: str) -> bool:
+    """The library rounds each update of a bf16 shadow stochastically (timm's ``ModelEmaV3``, on by default from
+    timm 1.0.26): an update below bf16's resolution still registers, in expectation."""
+    return kind == "timm" and raw_attr(obj, "stochastic_rounding", False) is True
 
 
 def same_dtype_update(obj: Any, kind: str) -> bool:
@@ -373,6 +384,7 @@ def read_shadow(
         decay=decay,
         same_dtype_update=same_dtype_update(obj, kind),
         coerce_dtype=bool(raw_attr(obj, "coerce_dtype", False)) if kind == "ema-pytorch" else None,
+        stochastic_rounding=stochastic_rounding(obj, kind),
         source=source,
         source_name=(aliases or {}).get(source, source) if source else None,
         source_dtypes=tuple(sorted({_dtype_name(p) for p in online})),
