@@ -288,13 +288,6 @@ _KEYS = {
 }
 
 
-def _reference(rows: tuple) -> str:
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.digest] = counts.get(r.digest, 0) + 1
-    return max(counts, key=lambda d: (counts[d], -min(r.rank for r in rows if r.digest == d)))
-
-
 @check("ranks-disagree", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
 def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The ranks of one job disagree on dtypes, precision, scaler, autocast, environment or versions.
@@ -320,7 +313,10 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
         environment, device and versions.
     Fix safety
         On the odd ranks, cast the parameters to the majority's dtype (offered in place on
-        those ranks); make every rank build its objects from the same code and arguments.
+        those ranks); with no majority (one fp16 rank, one bf16 rank), to the dtype with the
+        widest range among the ranks (fp32, then bf16, then fp16), which every rank can take
+        without overflow and AdamW's eps survives. Make every rank build its objects from the
+        same code and arguments.
     Sources
         torch ``nn/parallel/distributed.py`` (``_sync_module_states``); reproduced on 2 gloo
         processes (tests/distributed).
@@ -328,7 +324,7 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
     dist = facts.distributed
     if dist is None or not dist.exchanged or len({r.digest for r in dist.ranks}) < 2:
         return
-    ref = _reference(dist.ranks)
+    ref = dist.reference
     ref_fp = next((r.fingerprint for r in dist.ranks if r.digest == ref and r.fingerprint is not None), None)
     if ref_fp is None:
         return
@@ -339,11 +335,14 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         fixes = _match_majority_fixes(facts, ref_fp) if key == "params" and dist.rank in odd else []
         names = ", ".join(str(r) for r in odd)
+        tie = dist.tied
+        follow = (f" No majority: the plan casts them to the dtypes of rank {min(r.rank for r in dist.ranks if r.digest == ref)}, "
+                  "the widest range among the ranks (fp32, then bf16, then fp16)") if tie and key == "params" else ""  # fmt: skip
         yield rule.finding(
             f"ranks {names}" if len(odd) > 1 else f"rank {names}",
             f"Rank{'s' if len(odd) > 1 else ''} {names} of {dist.world_size} disagree{'' if len(odd) > 1 else 's'} with "
-            f"the others on {key}: {why}.",
-            {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size},
+            f"the others on {key}: {why}.{follow}{'.' if follow else ''}",
+            {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size, "tie": tie},
             fixes,
             severity=severity,
         )

@@ -250,10 +250,7 @@ class Report:
         dist = getattr(self.facts, "distributed", None)
         if dist is None or not dist.exchanged:
             return []
-        counts: dict[str, int] = {}
-        for r in dist.ranks:
-            counts[r.digest] = counts.get(r.digest, 0) + 1
-        common = max(counts, key=lambda d: (counts[d], -min(x.rank for x in dist.ranks if x.digest == d))) if counts else None
+        common = dist.reference
         rows = [{"rank": r.rank, "digest": r.digest, "agrees": r.digest == common, "answered": True,
                  "fingerprint": r.fingerprint} for r in dist.ranks]  # fmt: skip
         rows += [{"rank": r, "digest": None, "agrees": False, "answered": False, "fingerprint": None} for r in dist.absent]

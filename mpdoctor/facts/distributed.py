@@ -94,3 +94,37 @@ class DistributedFacts:
     def distributed(self) -> bool:
         """True when this process is one of several."""
         return self.world_size > 1
+
+    @property
+    def reference(self) -> str | None:
+        """The digest the ranks are compared with: the majority's; with no majority, the one whose parameter dtypes
+        have the widest range (fp32, then bf16, then fp16: a cast every rank can take), then the lowest rank's.
+        Every rank computes the same answer from the same exchanged rows. None before an exchange."""
+        counts: dict[str, int] = {}
+        cost: dict[str, int] = {}
+        for r in self.ranks:
+            counts[r.digest] = counts.get(r.digest, 0) + 1
+            cost.setdefault(r.digest, _tie_cost(r.fingerprint))
+        if not counts:
+            return None
+        return max(counts, key=lambda d: (counts[d], -cost[d], -min(r.rank for r in self.ranks if r.digest == d)))
+
+    @property
+    def tied(self) -> bool:
+        """No majority: another digest holds as many ranks as the reference (the tie-break chose it)."""
+        counts: dict[str, int] = {}
+        for r in self.ranks:
+            counts[r.digest] = counts.get(r.digest, 0) + 1
+        ref = self.reference
+        return ref is not None and sum(1 for n in counts.values() if n == counts[ref]) > 1
+
+
+#: Parameter dtypes by how safely every rank can be cast to them: fp32 widens exactly; bf16 keeps fp32's range,
+#: so fp16 -> bf16 overflows nowhere and AdamW's eps stays representable; fp16 last.
+_TIE_ORDER = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+
+def _tie_cost(fingerprint: dict | None) -> int:
+    """How far a rank's parameter dtypes are from the widest range (its worst model's)."""
+    params = (fingerprint or {}).get("params") or {}
+    return max((_TIE_ORDER.get(d, len(_TIE_ORDER)) for dtypes in params.values() for d in dtypes), default=0)

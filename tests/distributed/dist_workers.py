@@ -156,11 +156,21 @@ def ddp_fp16_vs_bf16(rank: int, world: int) -> dict:
     torch.nn.parallel.DistributedDataParallel(model)
     drift = max((p.detach().float() - o).abs().max().item() for p, o in zip(model.parameters(), original))
     out = {"drift": drift, "dtype": str(next(model.parameters()).dtype)}
-    # SGD: AdamW's eps=1e-8 on fp16 weights is a fault of its own (adam-eps-underflow), and the plan rightly
-    # withholds a cast to fp16 that would create it; this row is about the ranks' dtypes alone.
+    # SGD: this row is about the ranks' dtypes alone (AdamW's own fp16 fault: ddp_fp16_vs_bf16_adamw).
     sgd = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     out.update({via: _ddp_cured(build, via, sgd) for via in ("api", "widget")})
     return out
+
+
+def ddp_fp16_vs_bf16_adamw(rank: int, world: int) -> dict:
+    """fp16 on rank 0, bf16 on rank 1, each with AdamW: no majority. Casting the bf16 rank to fp16 would put
+    AdamW's eps=1e-8 on fp16 weights (``adam-eps-underflow``, an error of its own), so the plan follows the wider
+    range: rank 0 to bf16. Cured on twins through the API and the widget; DDP's constructor and a step train."""
+
+    def build() -> torch.nn.Module:
+        return tiny().to(torch.float16 if rank == 0 else torch.bfloat16)
+
+    return {via: _ddp_cured(build, via, functools.partial(torch.optim.AdamW, lr=1e-3)) for via in ("api", "widget")}
 
 
 def ddp_fp32_vs_bf16(rank: int, world: int) -> None:

@@ -47,6 +47,17 @@ def test_ddp_ranks_with_different_dtypes_corrupt_weights_silently():
     _assert_cured_on_every_rank(out, 2, odd, "torch.float16" if odd == 1 else "torch.bfloat16")
 
 
+def test_with_no_majority_the_plan_follows_the_wider_range_so_adamw_ranks_get_a_plan_and_train():
+    """fp16 on rank 0, bf16 on rank 1, AdamW on both: a tie. The plan casts rank 0 to bf16 (bf16 keeps fp32's
+    range, and AdamW's eps stays representable), on every rank the same answer; the step trains on both."""
+    out = _ok(run_ranks(w.ddp_fp16_vs_bf16_adamw, world=2, timeout=180), 2)
+    assert out[0]["api"]["before"]["ranks_of"]["ranks-disagree"] == [0] == out[1]["api"]["before"]["ranks_of"]["ranks-disagree"]
+    _assert_cured_on_every_rank(out, 2, 0, "torch.bfloat16")
+    for rank in (0, 1):  # the tie going to fp16 traded the finding for adam-eps-underflow (an error) on both ranks
+        after = out[rank]["api"]["after"]["severities"]
+        assert not [slug for slug, sev in after.items() if sev in ("error", "warning")], (rank, after)
+
+
 def test_ddp_with_fp32_and_bf16_ranks_aborts_the_bf16_rank():
     """The real failure without mpdoctor: fp32 weights on rank 0, bf16 on rank 1, each in its own process.
 
