@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
+from ..facts.distributed import DistributedFacts
 from ..facts.tensors import FLOATING
 from ..treatment.changes import CastParamsTo, torch_dtype
 from ..treatment.findings import Finding, Severity
@@ -335,17 +336,23 @@ def ranks_disagree(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         fixes = _match_majority_fixes(facts, ref_fp) if key == "params" and dist.rank in odd else []
         names = ", ".join(str(r) for r in odd)
-        tie = dist.tied
-        follow = (f" No majority: the plan casts them to the dtypes of rank {min(r.rank for r in dist.ranks if r.digest == ref)}, "
-                  "the widest range among the ranks (fp32, then bf16, then fp16)") if tie and key == "params" else ""  # fmt: skip
         yield rule.finding(
             f"ranks {names}" if len(odd) > 1 else f"rank {names}",
             f"Rank{'s' if len(odd) > 1 else ''} {names} of {dist.world_size} disagree{'' if len(odd) > 1 else 's'} with "
-            f"the others on {key}: {why}.{follow}{'.' if follow else ''}",
-            {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size, "tie": tie},
+            f"the others on {key}: {why}.{_tie_note(dist, ref) if key == 'params' else ''}",
+            {"ranks": odd, "topic": key, "values": values, "world_size": dist.world_size, "tie": dist.tied},
             fixes,
             severity=severity,
         )
+
+
+def _tie_note(dist: DistributedFacts, ref: str) -> str:
+    """With no majority, which rank's dtypes the plan follows and why; empty otherwise."""
+    if not dist.tied:
+        return ""
+    follow = min(r.rank for r in dist.ranks if r.digest == ref)
+    return (f" No majority: the plan casts them to the dtypes of rank {follow}, the widest range among the ranks "
+            "(fp32, then bf16, then fp16).")  # fmt: skip
 
 
 def _odd_groups(ranks: tuple, ref: str) -> dict[str, tuple[list[int], dict | None]]:
