@@ -140,6 +140,12 @@ CORNERS: dict[str, Corner] = {
                 "tests/test_browser.py": "needs JupyterLab and Playwright, installed in .venv only",
                 "tests/test_binder.py": "builds Binder's environment with .venv's JupyterLab",
                 "tests/test_bench_smoke.py": "the benchmarks measure the pinned stack, in .venv",
+                "tests/test_loop_accumulation.py::test_a_plain_script_calling_diagnose_is_read_for_its_loop_named_at_its_line_fixed_and_trains":
+                    "runs a script in a subprocess (python train.py): no IPython or ipywidgets in it, nothing Colab's stack changes",
+                "tests/test_loop_accumulation.py::test_mpdoctor_run_counts_the_loops_backward_calls_per_step_whatever_its_guard_and_the_fix_trains":
+                    "runs a script in a subprocess (mpdoctor run): no IPython or ipywidgets in it, nothing Colab's stack changes",
+                "tests/test_loop_accumulation.py::test_healthy_twins_in_a_script_draw_nothing":
+                    "runs scripts in subprocesses: no IPython or ipywidgets in them, nothing Colab's stack changes",
                 "tests/field/test_between_steps_cases.py::test_lightning_18620_epoch_mean_in_bf16_is_wrong_then_set_dtype_fixes_it_and_the_step_trains":
                     "torchmetrics (Lightning's metrics library) is installed in .venv only",
                 "tests/field/test_between_steps_cases.py::test_lightning_18620_through_the_widget_button":
