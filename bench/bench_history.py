@@ -73,7 +73,8 @@ def main() -> None:
     args = parser.parse_args()
     from IPython.core.interactiveshell import InteractiveShell
 
-    from mpdoctor.runtime import loop_rewrite, loop_source
+    from mpdoctor.readers import loop_source
+    from mpdoctor.runtime import loop_rewrite
     from mpdoctor.runtime.history import read_history
 
     shell = InteractiveShell.instance()
