@@ -6,7 +6,6 @@ user's own loop with the corrected lines (:mod:`mpdoctor.runtime.loop_rewrite`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -102,12 +101,15 @@ def settled(code: str, names: Names) -> str:
         source = source_of("<corrected>", code)
         if source is None:
             return code
-        reader = LoopReader(copy.deepcopy(names))
+        reader = LoopReader(names.copy())
         try:
             reader.read(source)
         except (RecursionError, MemoryError, ValueError, TypeError, AttributeError):  # as read_sources does
             return code
-        mistakes = [m for m in reader.finish() if m.slug != "amp-scheduler-on-skipped-steps"]  # info: kept as written
+        # The corrected lines' own mistakes: the functions of other cells are neither read on their own nor
+        # rewritten here (a mistake inside a function the loop calls is that function's cell's to correct).
+        mistakes = [m for m in reader.finish(standalone=False)
+                    if m.slug != "amp-scheduler-on-skipped-steps" and m.at.source is source]  # info: kept as written  # fmt: skip
         if not mistakes:
             return code
         again = corrected_code(mistakes[0], mistakes)
