@@ -108,26 +108,31 @@ def diagnose(
     )
 
 
+def _user_caller() -> Any:
+    """The frame of the code that called ``diagnose()``, or None when that is mpdoctor itself (an internal call)
+    or frames cannot be read (another interpreter)."""
+    try:
+        frame = sys._getframe(3)  # 0: this function, 1: its caller here, 2: diagnose(), 3: diagnose()'s caller
+        return None if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0] else frame
+    except Exception:
+        return None
+
+
 def _callers_namespace() -> dict[str, Any] | None:
     """The globals and locals of the code that called ``diagnose()`` (locals win), or None when that is
     mpdoctor itself (an internal call with nothing to inspect inspects nothing)."""
+    frame = _user_caller()
     try:
-        frame = sys._getframe(2)  # 0: this function, 1: diagnose(), 2: its caller
-        if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0]:
-            return None
-        return {**frame.f_globals, **frame.f_locals}
-    except Exception:  # no frame introspection (another interpreter): nothing to inspect
+        return {**frame.f_globals, **frame.f_locals} if frame is not None else None
+    except Exception:  # unreadable scopes: nothing to inspect
         return None
 
 
 def _read_callers_script() -> None:
     """In a script (``python train.py``), the gradient accumulation of its hand-written loop, read from its code
     (:func:`~mpdoctor.readers.loop_accumulation.record_script_loops`); nothing for mpdoctor's own calls."""
-    try:
-        frame = sys._getframe(2)  # 0: this function, 1: diagnose(), 2: its caller
-        if str(frame.f_globals.get("__name__", "")).split(".")[0] == __name__.split(".")[0]:
-            return
-    except Exception:
+    frame = _user_caller()
+    if frame is None:
         return
     from ..readers.loop_accumulation import record_script_loops
 
