@@ -69,17 +69,39 @@ def test_a_step_with_optimizer_state_and_randomness_is_restored_exactly():
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_a_fix_that_trades_one_dtype_error_for_the_next_is_tried_not_planned():
+def test_a_fix_that_leaves_the_failure_as_it_was_is_not_called_verified():
     # bf16 batch, fp32 body, bf16 head: casting the head to fp32 (the model's compute dtype) leaves the batch in
-    # bf16, and the first Linear still raises. The proof shows it instead of offering it as the cure.
+    # bf16, and the first Linear still raises. The cast stays offered (the head is a real mistake), but nothing
+    # says it cures the step.
     model, opt, x, train_step = _setup(input_dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="dtype"):
         train_step()
     report = mpdoctor.diagnose(model, opt, step=train_step)
-    cast = [fx for f in report.findings for fx in f.fixes if fx.proof.startswith("tried")]
-    assert cast, [(fx.title, fx.proof) for f in report.findings for fx in f.fixes]
-    assert all(fx not in report.fixes and not fx.planned for fx in cast)
-    assert "Not verified on your step" in report.to_text()
+    cast = [fx for f in report.findings for fx in f.fixes if fx.changes]
+    assert cast and all(fx.proof.startswith("not verified on your step: applied alone, it raised") for fx in cast)
+    assert not report.proof.verified and not report.proof.plan.ran
+    assert "Plan not verified on your step (train_step())" in report.to_text()
+    assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
+
+
+def test_a_fix_that_breaks_a_step_that_trained_is_tried_not_planned():
+    # The user's step feeds the bf16 head a bf16 input on purpose: it trains. Casting the head to fp32 (the
+    # model's compute dtype) makes that step raise, so the proof takes the cast out of the plan and says why.
+    model, opt, x, _ = _setup()
+
+    def train_step():
+        opt.zero_grad()
+        h = model[1](model[0](x))
+        loss = model[2](h.to(torch.bfloat16)).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    report = mpdoctor.diagnose(model, opt, step=train_step)
+    assert report.proof.before.trained
+    tried = [fx for f in report.findings for fx in f.fixes if fx.proof.startswith("tried on your step")]
+    assert tried and all("it raised RuntimeError" in fx.proof and not fx.planned for fx in tried)
+    assert all(fx not in report.fixes for fx in tried) and report.proof.dropped
     assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
 
 

@@ -209,9 +209,10 @@ def test_watch_proves_the_fix_on_the_batch_it_held_leaves_the_run_as_it_was_and_
         assert torch.equal(torch.get_rng_state(), rng) and _iterator_position(it) == position
         assert w.scale_history == history and w._steps == 0
         assert "mixed-param-dtypes" in {f.check for f in report.findings}
-        assert report.proof.step.startswith("the watched batch") and report.proof.verified
+        # mpdoctor's own step on the held batch, not the user's loop: checked, never called verified on the user's step
+        assert report.proof.step.startswith("the watched batch") and report.proof.checked and not report.proof.verified
         assert not report.proof.before.ran and "must have the same dtype" in report.proof.before.error
-        assert "Plan verified on your step (the watched batch" in report.to_text()
+        assert "Plan not verified on your step: checked on mpdoctor's own step on the watched batch" in report.to_text()
 
         report.fixes[0].apply()  # the proven fix, through the API
         params = list(model.parameters())
@@ -235,7 +236,7 @@ def test_the_watched_block_that_raises_shows_its_proven_fix_and_the_proof_runs_n
     with pytest.raises(RuntimeError), mpdoctor.watch(model, opt) as w:
         for x in data[2:]:
             _loop_step(model, opt, x)
-    assert w.crash_report.proof.verified
+    assert w.crash_report.proof.checked and not w.crash_report.proof.verified
     assert w._steps == 0, "the proof's optimizer steps are not the loop's"
     assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
 
@@ -257,9 +258,9 @@ def test_the_probe_proves_its_fix_on_its_batch_restores_everything_and_a_trainin
     assert values_only(fingerprint(ns)) == before and torch.equal(torch.get_rng_state(), rng)
     assert {"probe-dtype-error", "mixed-param-dtypes"} <= {f.check for f in report.findings}
     assert report.proof.step == "the probe's batch: forward and backward"
-    assert report.proof.verified and not report.proof.before.ran
-    assert "Plan verified on your step (the probe's batch" in report.to_text()
-    assert report.view.data["proof"]["verified"] is True
+    assert report.proof.checked and not report.proof.verified and not report.proof.before.ran
+    assert "Plan not verified on your step: checked on the probe's forward and backward" in report.to_text()
+    assert report.view.data["proof"]["verified"] is False and report.view.data["proof"]["checked"] is True
 
     report.fixes[0].apply()
     model.train()
@@ -290,7 +291,7 @@ def test_a_gpt2_block_cast_to_bf16_is_cured_whole_its_layernorms_with_its_projec
     (finding,) = report.findings_for("mixed-param-dtypes")
     assert {"transformer.h.1.ln_1", "transformer.h.1.ln_2"} <= set(finding.evidence["modules"])
     assert "mixed dtype (CPU)" in finding.message
-    assert report.proof.verified, report.to_text()
+    assert report.proof.checked, report.to_text()
     (fix,) = [fx for fx in report.fixes if fx.slug == "mixed-param-dtypes"]
     assert fix.title == "Cast 12 parameters of 6 modules of model to float32"
     fix.apply()
@@ -321,7 +322,7 @@ def test_torchs_norms_with_weights_wider_than_their_input_are_its_mixed_path_and
     assert report.findings_for("mixed-param-dtypes") == [], report.to_text()
 
 
-def test_a_probe_fix_that_leaves_the_step_failing_is_shown_as_tried_not_planned():
+def test_a_probe_fix_that_leaves_the_step_failing_is_not_called_a_cure():
     # a bf16 batch into an fp32 body with a bf16 head: casting the head to fp32 leaves the batch in bf16 and the
     # first Linear still raises; the probe's trial shows it instead of offering it as the cure
     torch.manual_seed(0)
@@ -329,10 +330,11 @@ def test_a_probe_fix_that_leaves_the_step_failing_is_shown_as_tried_not_planned(
     model[1].to(torch.bfloat16)
     batch = torch.randn(4, 8, dtype=torch.bfloat16)
     report = mpdoctor.probe(model, batch)
-    tried = [fx for f in report.findings for fx in f.fixes if fx.proof.startswith("tried")]
-    assert tried, [(fx.title, fx.proof) for f in report.findings for fx in f.fixes]
-    assert all(fx not in report.fixes and not fx.planned and "it raised" in fx.proof for fx in tried)
-    assert "Not verified on your step (the probe's batch" in report.to_text()
+    cast = report.findings_for("mixed-param-dtypes")[0].fixes[0]
+    assert cast.proof.startswith("not verified (checked on the probe's forward and backward on your batch"), cast.proof
+    assert "it raised RuntimeError: mat1 and mat2 must have the same dtype" in cast.proof
+    assert not report.proof.checked and not report.proof.verified
+    assert "Plan not verified on your step: checked on the probe's forward and backward" in report.to_text()
     assert model[1].weight.dtype == torch.bfloat16
 
 
@@ -418,6 +420,6 @@ def test_the_probe_runs_its_step_once_before_the_fixes_not_twice():
     model.register_forward_pre_hook(lambda m, a: calls.append(1))
     report = mpdoctor.probe(model, torch.randn(4, 8))
     trials = len(report.proof.after) + len(report.proof.dropped)
-    assert trials >= 1 and not report.proof.before.ran and report.proof.verified
+    assert trials >= 1 and not report.proof.before.ran and report.proof.checked
     assert len(calls) == 1 + trials  # the probe's own forward, then one per fix tried
     assert report.proof.before.error.startswith("RuntimeError: ")

@@ -88,9 +88,10 @@ def handle_exception(
         _print_failure(exc)
 
 
-def _raising_cell(tb: TracebackType | None) -> tuple[str, str] | None:
-    """``(filename, source)`` of the cell whose code raised: the frame ``run_code`` called, read back from the
-    ``linecache`` entry IPython made when it compiled the cell (None when it is not there)."""
+def _raising_cell(tb: TracebackType | None) -> tuple[str, str, int] | None:
+    """``(filename, source, line)`` of the cell whose code raised: the frame ``run_code`` called, read back from the
+    ``linecache`` entry IPython made when it compiled the cell (None when it is not there), and the cell's line
+    that was running."""
     import linecache
 
     cell = tb.tb_next if tb is not None else None
@@ -98,7 +99,7 @@ def _raising_cell(tb: TracebackType | None) -> tuple[str, str] | None:
         return None
     filename = cell.tb_frame.f_code.co_filename
     source = "".join(linecache.getlines(filename))
-    return (filename, source) if source else None
+    return (filename, source, cell.tb_lineno) if source else None
 
 
 def _from_running_code(tb: TracebackType | None) -> bool:

@@ -278,7 +278,7 @@ def _proven(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tupl
         for fx in f.fixes:
             fx.bind(live)  # the proof applies them; the treatment is bound with the report
     try:
-        proof = _prove(plan, step, subjects)
+        proof = _prove(plan, safe_plan, step, subjects)
     except Exception as exc:  # the plan stands unproven; the report says so
         failures.append(_failure("the check of the fixes on your step", exc))
         return None, plan, safe_plan
@@ -286,19 +286,15 @@ def _proven(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tupl
     return proof, [fx for fx in plan if fx.title not in dropped], [fx for fx in safe_plan if fx.title not in dropped]
 
 
-def _prove(plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
-    """Check the plan on the user's step; the models, optimizers and scalers among the subjects are restored
-    after it."""
-    from .proof import HeldStep, prove, prove_held
+def _prove(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tuple) -> Any:
+    """Check the plan (and the safe plan, as one action) on the user's step; the models, optimizers and scalers
+    among the subjects are restored after it."""
+    from .proof import prove_held, step_as_held
 
     modules = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "model"]
     optimizers = [s.inner if s.inner is not None else s.obj for s in subjects if s.kind == "optimizer"]
     scalers = [s.obj for s in subjects if s.kind == "scaler"]
-    fixes = list(plan)
-    if isinstance(step, HeldStep):  # a step mpdoctor holds (a notebook cell, a watched batch): its own label and state
-        return prove_held(fixes, step, modules, optimizers, scalers)
-    label = f"{getattr(step, '__name__', 'step')}()"
-    return prove(fixes, step, label, modules, optimizers, scalers)
+    return prove_held(list(plan), step_as_held(step), modules, optimizers, scalers, safe_plan=safe_plan)
 
 
 def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: Live) -> tuple[Facts, list[Finding]]:

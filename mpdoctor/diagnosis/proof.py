@@ -21,6 +21,7 @@ import copy
 import math
 import random
 import sys
+import types
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -40,18 +41,23 @@ class StepOutcome:
     ran : bool
         It returned without raising.
     trained : bool
-        It ran, every trainable parameter stayed finite and at least one changed (an optimizer step happened), or,
-        for a step with no optimizer (the probe's forward and backward), every gradient is finite and one is non-zero.
+        All of: it ran; the loss it returned (if any) is finite; gradients reached the trainable parameters and
+        some are non-zero; an optimizer step applied them (a parameter that received a non-zero gradient changed);
+        every trainable parameter stayed finite. A step with no optimizer (the probe's forward and backward) trains
+        when its gradients are finite and one is non-zero.
     error : str or None
         The exception it raised, one line.
     loss : float or None
         What the step returned, when it returned a number or a scalar tensor.
+    why : str
+        Why a step that ran did not train (``"no gradient reached the parameters"``); empty when it trained.
     """
 
     ran: bool
     trained: bool
     error: str | None = None
     loss: float | None = None
+    why: str = ""
 
     def describe(self) -> str:
         """One phrase: ``"it ran and trained (loss 0.42)"``, ``"it raised RuntimeError: ..."``."""
@@ -60,7 +66,7 @@ class StepOutcome:
         loss = f" (loss {self.loss:.4g})" if self.loss is not None else ""
         if self.trained:
             return f"it ran and trained{loss}"
-        return f"it ran but did not train{loss}: no parameter changed, or one became inf/NaN"
+        return f"it ran, but {self.why or 'it did not train'}{loss}"
 
 
 class RunState:
@@ -73,8 +79,13 @@ class RunState:
         self.scalers = _unique(scalers)
         # each tensor's values, and its gradient object itself: runs write into copies of it (shield), so it is
         # put back by identity, its values and version counter never touched
-        self.tensors = [(t, t.data.clone(), t.grad) for m in self.modules for t in _module_tensors(m)]
+        self.tensors = [(t, t.data.clone(), t.grad, t.requires_grad) for m in self.modules for t in _module_tensors(m)]
+        self.modes = [(sub, sub.training) for m in self.modules for sub in _submodules(m)]
+        self.schedulers = _scheduler_states(self.optimizers)
         self.opt_state = [(o, {p: _clone(s) for p, s in o.state.items()}, [_group_options(g) for g in o.param_groups])
+                          for o in self.optimizers]  # fmt: skip
+        # the optimizer's own flags (a scheduler's wrapper sets ``_opt_called`` on the first step), and which exist
+        self.opt_flags = [(o, set(vars(o)), {k: v for k, v in vars(o).items() if type(v) in (bool, int, float, str)})
                           for o in self.optimizers]  # fmt: skip
         self.scaler_state = [(s, {k: _clone(v) for k, v in vars(s).items()}) for s in self.scalers]
         self.rng = _rng_state()
@@ -84,30 +95,70 @@ class RunState:
     def shield(self) -> None:
         """Before a run: each tensor gets a copy of its gradient, so a step (``zero_grad``, a backward that
         accumulates) writes into the copy, never into the user's gradient tensors."""
-        for t, _, grad in self.tensors:
+        for t, _, grad, _ in self.tensors:
             if grad is not None and t.grad is grad:
                 t.grad = grad.clone()
 
     def restore(self) -> None:
         """Put every value back as it was when the snapshot was taken: values in place where they changed (an
         unchanged tensor is not written: its version counter stays), gradients by identity."""
-        for t, data, grad in self.tensors:
+        for t, data, grad, requires_grad in self.tensors:
             current = t.data
             if not (current.dtype == data.dtype and current.shape == data.shape and torch.equal(current, data)):
                 _put(t, "data", data)
             if t.grad is not grad:
                 _set_grad(t, grad)
+            if t.requires_grad != requires_grad and t.is_leaf:
+                t.requires_grad_(requires_grad)
+        for sub, training in self.modes:
+            if sub.training != training:
+                sub.train(training)
+        for scheduler, saved in self.schedulers:
+            scheduler.load_state_dict(copy.deepcopy(saved))
         for o, state, groups in self.opt_state:
             o.state.clear()
             o.state.update({p: _clone(s) for p, s in state.items()})
             for g, options in zip(o.param_groups, groups):
                 g.update(_clone(options))
+        for o, names, flags in self.opt_flags:
+            for k in set(vars(o)) - names:
+                delattr(o, k)
+            vars(o).update(flags)
         for s, attrs in self.scaler_state:
             vars(s).clear()
             vars(s).update({k: _clone(v) for k, v in attrs.items()})
         if self.extra is not None:
             self.extra.restore()
         _set_rng_state(self.rng)
+
+
+def _submodules(module: Any) -> list:
+    try:
+        return list(module.modules())
+    except Exception:  # a module whose tree cannot be walked keeps its modes as they are
+        return []
+
+
+def _scheduler_states(optimizers: list) -> list:
+    """``(scheduler, state_dict)`` of each learning-rate scheduler that drives one of ``optimizers``: a step that
+    calls ``scheduler.step()`` moves it, and the proof puts it back."""
+    if not optimizers:
+        return []
+    import gc
+
+    from torch.optim import lr_scheduler
+
+    kinds = tuple(k for k in (getattr(lr_scheduler, "LRScheduler", None), getattr(lr_scheduler, "_LRScheduler", None),
+                              getattr(lr_scheduler, "ReduceLROnPlateau", None)) if k is not None)  # fmt: skip
+    ids = {id(o) for o in optimizers}
+    out = []
+    for obj in gc.get_objects():
+        if kinds and issubclass(type(obj), kinds) and id(getattr(obj, "optimizer", None)) in ids:
+            try:
+                out.append((obj, copy.deepcopy(obj.state_dict())))
+            except Exception:  # a scheduler whose state cannot be copied is left to the step
+                continue
+    return out
 
 
 def _set_grad(t: Any, grad: Any) -> None:
@@ -188,10 +239,41 @@ def is_proving() -> bool:
     return _PROVING[0] > 0
 
 
+class _Gradients:
+    """What backward delivered to each trainable parameter during one run: read by hooks as each gradient is made
+    (a step that zeroes its gradients after the optimizer step leaves no ``.grad`` to read afterwards)."""
+
+    def __init__(self, params: list) -> None:
+        self.reached: set[int] = set()  # parameters that received a gradient
+        self.nonzero: set[int] = set()  # ... a finite, non-zero one
+        self.handles = []
+        for i, p in enumerate(params):
+            try:
+                self.handles.append(p.register_hook(self._reader(i)))
+            except RuntimeError:  # a parameter torch does not let hooks on: its .grad is read after the run
+                continue
+
+    def _reader(self, i: int) -> Callable[[Any], None]:
+        def read(grad: Any) -> None:
+            self.reached.add(i)
+            try:
+                if bool(grad.any()) and bool(torch.isfinite(grad).any()):
+                    self.nonzero.add(i)
+            except Exception:  # a gradient that cannot be read (a sparse or meta tensor) counts as reaching
+                self.nonzero.add(i)
+
+        return read
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
 def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterable[Any]) -> StepOutcome:
-    """Run ``step()`` once and judge whether it trained (it never raises)."""
+    """Run ``step()`` once and judge whether it trained (see :class:`StepOutcome`); it never raises."""
     params = [p for m in _unique(modules) for p in m.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
+    seen = _Gradients(params)
     _PROVING[0] += 1
     try:
         returned = step()
@@ -199,17 +281,34 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
         return StepOutcome(False, False, describe_exception(exc))
     finally:
         _PROVING[0] -= 1
+        seen.remove()
     loss = _number(returned)
+    for i, p in enumerate(params):  # gradients made outside the hooks' reach (a step that ran no backward now)
+        g = p.grad
+        if i not in seen.reached and g is not None and g.dtype.is_floating_point:
+            seen.reached.add(i)
+            if bool(g.any()) and bool(torch.isfinite(g).any()):
+                seen.nonzero.add(i)
+    why = _not_trained(params, before, seen, loss, bool(_unique(optimizers)))
+    return StepOutcome(True, not why, loss=loss, why=why)
+
+
+def _not_trained(params: list, before: list, seen: _Gradients, loss: float | None, has_optimizer: bool) -> str:
+    """Why a step that ran did not train (``""`` when it did)."""
     if loss is not None and not math.isfinite(loss):
-        return StepOutcome(True, False, loss=loss)
+        return "its loss is inf/NaN"
     if any(not bool(torch.isfinite(p.detach()).all()) for p in params):
-        return StepOutcome(True, False, loss=loss)
-    if _unique(optimizers) or not params:
-        changed = any(p.dtype != b.dtype or not torch.equal(p.detach(), b) for p, b in zip(params, before))
-        return StepOutcome(True, changed, loss=loss)
-    grads = [p.grad for p in params if p.grad is not None]
-    trained = bool(grads) and all(bool(torch.isfinite(g).all()) for g in grads) and any(bool(g.any()) for g in grads)
-    return StepOutcome(True, trained, loss=loss)
+        return "a parameter became inf/NaN"
+    if not params:
+        return "no parameter of the diagnosed models is trainable"
+    if not seen.nonzero:
+        return "no gradient reached the parameters" if not seen.reached else "every gradient was zero or inf/NaN"
+    if not has_optimizer:
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None)
+        return "" if finite else "a gradient is inf/NaN"
+    moved = any(p.dtype != before[i].dtype or not torch.equal(p.detach(), before[i]) for i, p in enumerate(params)
+                if i in seen.nonzero)  # fmt: skip
+    return "" if moved else "no optimizer step applied the gradients (a step skipped, or none taken)"
 
 
 def _number(value: Any) -> float | None:
@@ -241,6 +340,9 @@ class HeldStep:
         Snapshots what else the step changes (a cell's namespace) and returns an object with ``restore()``.
     refused : str
         Why the step must not be run again (it reads a data iterator); the plan is then not verified, and says why.
+    stand_in : str
+        Set when ``run`` is not the user's own step but mpdoctor's on the user's batch (the probe's forward and
+        backward, the watched batch): what it runs. A proof on it checks, and never says "verified on your step".
     """
 
     run: Callable[[], Any]
@@ -251,6 +353,7 @@ class HeldStep:
     around: Callable[[], AbstractContextManager] | None = field(default=None, compare=False)
     state: Callable[[], Any] | None = field(default=None, compare=False)
     refused: str = ""
+    stand_in: str = ""
 
     def __call__(self) -> Any:
         return self.run()
@@ -263,15 +366,26 @@ class Proof:
     Attributes
     ----------
     step : str
-        What the step is (``"train_step()"``, ``"the probe's batch"``).
-    before : StepOutcome
+        What the step is (``"train_step()"``, ``"cell [4]"``).
+    before : StepOutcome or None
         The step as it was, before any fix.
     after : tuple of (fix title, StepOutcome)
-        The step after each planned fix, applied in order.
+        The step after each fix kept in the plan, applied alone (as a user clicking that one fix would).
     dropped : tuple of str
-        Titles of the fixes taken out of the plan: the step raised or stopped training after them.
+        Titles of the fixes taken out of the plan: they could not be applied, or they made a step that ran (or
+        trained) fail.
     refused : str
         Why the step was not run at all (``before`` is then None and nothing is verified).
+    plan : StepOutcome or None
+        The step after the whole plan, every kept fix applied together: what "Apply" of the plan gives.
+    safe : StepOutcome or None
+        The step after the safe plan alone ("Apply all safe fixes" as one action); None when no fix is safe or
+        the safe plan is the whole plan.
+    beyond_safe : tuple of str
+        The fixes of the plan the safe plan leaves out (what else the cure takes when the safe plan alone fails).
+    stand_in : str
+        Set when the step that ran is not the user's own (mpdoctor's forward and backward on a held batch): what
+        ran instead. Nothing is then "verified on your step".
     """
 
     step: str
@@ -279,11 +393,26 @@ class Proof:
     after: tuple
     dropped: tuple
     refused: str = ""
+    plan: StepOutcome | None = None
+    safe: StepOutcome | None = None
+    beyond_safe: tuple = ()
+    stand_in: str = ""
+
+    @property
+    def checked(self) -> bool:
+        """The step that ran (the user's own, or mpdoctor's stand-in for it) ran and trained after the whole plan."""
+        return self.plan is not None and self.plan.trained
 
     @property
     def verified(self) -> bool:
-        """The step ran and trained after the last fix kept in the plan."""
-        return bool(self.after) and self.after[-1][1].trained
+        """The user's own step ran and trained after the whole plan, applied together."""
+        return not self.stand_in and self.plan is not None and self.plan.trained
+
+    @property
+    def safe_verified(self) -> bool:
+        """The user's own step ran and trained after the safe plan alone (the whole plan, when it is all safe)."""
+        outcome = self.safe if self.safe is not None else (self.plan if not self.beyond_safe else None)
+        return not self.stand_in and outcome is not None and outcome.trained
 
     @property
     def cured(self) -> bool:
@@ -291,64 +420,145 @@ class Proof:
         return self.verified and self.before is not None and not self.before.trained
 
     def summary(self) -> str:
-        """One sentence for the report's header."""
+        """One or two sentences for the report's header."""
         if self.refused or self.before is None:
             return f"Fixes not verified on your step ({self.step}): {self.refused or 'it was not run'}."
-        if not self.after:
+        if self.plan is None:
             if self.dropped:
                 return (f"Not verified on your step ({self.step}): before the fixes {self.before.describe()}; no planned "
                         f"fix made it run and train (tried: {'; '.join(self.dropped)}).")  # fmt: skip
             return f"Checked on your step ({self.step}): {self.before.describe()}; no fix to try."
-        last = self.after[-1][1]
-        verdict = "verified on your step" if last.trained else "not verified on your step"
-        return f"Plan {verdict} ({self.step}): before the fixes {self.before.describe()}; after them {last.describe()}."
+        together = "it" if len(self.after) == 1 else f"all {len(self.after)} of them, applied together"
+        if self.stand_in:
+            return (f"Plan not verified on your step: checked on {self.stand_in} ({self.step}), not on your loop's "
+                    f"code: before the fixes {self.before.describe()}; after {together}, {self.plan.describe()}.")  # fmt: skip
+        verdict = "verified on your step" if self.plan.trained else "not verified on your step"
+        text = f"Plan {verdict} ({self.step}): before the fixes {self.before.describe()}; after {together}, {self.plan.describe()}."
+        if self.safe is None and self.beyond_safe and self.plan.trained:
+            text += f" No safe fix cures it on its own: it takes {'; '.join(self.beyond_safe)}."
+        elif self.safe is not None:
+            if self.safe.trained:
+                text += " Apply all safe fixes, on its own: verified, " + self.safe.describe() + "."
+            else:
+                text += (f" Apply all safe fixes on its own does not cure it: after it, {self.safe.describe()}; "
+                         f"it also takes: {'; '.join(self.beyond_safe)}.")  # fmt: skip
+        return text
 
 
 def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimizers: list, scalers: list, *,
           around: Callable[[], AbstractContextManager] | None = None, state: Callable[[], Any] | None = None,
-          before: StepOutcome | None = None) -> Proof:
-    """Run ``step`` as it is, then after each fix of ``plan`` (with the fixes kept before it), and restore everything.
+          before: StepOutcome | None = None, safe_plan: list | None = None, stand_in: str = "") -> Proof:
+    """Run ``step`` as it is, then after each fix of ``plan`` alone, then after the whole plan and after the safe
+    plan (each as one action), and restore everything after every run.
 
-    Each trial starts from the state the run was in: the fixes are applied, the step runs, the fixes are undone
-    (exactly) and the snapshot restored. Each fix's ``proof`` says what the step did after it; a fix after which the
-    step raised, or stopped training where it trained before, is taken out (``Proof.dropped``), not planned, and its
-    ``note`` says why. ``around`` is a context each run of the step happens in; ``state`` snapshots what else the step
-    changes (see :class:`HeldStep`). ``before``: the step as it was, already seen by the caller (the probe's own
-    forward and backward); it is then not run again.
+    Each trial starts from the state the run was in: its fixes are applied, the step runs, the fixes are undone
+    (exactly) and the snapshot restored. A fix is taken out (``Proof.dropped``, not planned, its ``note`` says why)
+    when it cannot be applied, when the step fails the same way after it (it did not reach the failure), or when
+    a step that ran (or trained) no longer does after it. Each fix's ``proof`` says what ran: the fix alone, or the
+    whole plan, naming the other fixes it took. ``around`` is a context each run of the step happens in; ``state``
+    snapshots what else the step changes (see :class:`HeldStep`). ``before``: the step as it was, already seen by
+    the caller (the probe's own forward and backward); it is then not run again. ``stand_in``: what ran, when it is
+    not the user's own step (nothing is then labelled verified on it).
     """
     snapshot = RunState(modules, optimizers, scalers, extra=state)
-    if around is not None:
-        step = _inside(step, around)
-    kept: list = []
-    after: list = []
-    dropped: list = []
+    trials = _Trials(_inside(step, around) if around is not None else step, modules, optimizers, snapshot)
     try:
         if before is None:
-            snapshot.shield()
-            before = run_step(step, modules, optimizers)
-            snapshot.restore()
-        previous = before
+            before = trials.run([])
+        kept, dropped, alone = trials.each_alone(plan, before)
+        together = alone[id(kept[0])] if len(kept) == 1 else trials.run(kept) if kept else None
+        safe_fixes, safe = trials.safe_plan(safe_plan or [], kept, dropped, alone)
+    finally:
+        snapshot.restore()
+    _record_labels(kept, dropped, safe_fixes, alone, together, safe, stand_in, before)
+    beyond = tuple(fx.title for fx in kept if not _among(fx, safe_fixes))
+    return Proof(label, before, tuple((fx.title, alone[id(fx)]) for fx in kept), tuple(fx.title for fx in dropped),
+                 plan=together, safe=safe, beyond_safe=beyond, stand_in=stand_in)  # fmt: skip
+
+
+def _record_labels(kept: list, dropped: list, safe_fixes: list, alone: dict, together: StepOutcome | None,
+                   safe: StepOutcome | None, stand_in: str, before: StepOutcome) -> None:  # fmt: skip
+    """Each fix's ``proof`` (and a dropped fix's ``note``): what ran with it, nothing more."""
+    for fix in kept:
+        fix.error = None  # a trial's roll-back is the proof's to tell, not a failed apply
+        fix.proof = _label(fix, alone[id(fix)], together, kept, stand_in, before)
+    for fix in safe_fixes:
+        if not _among(fix, kept) and safe is not None:  # tried only within the safe plan
+            fix.error = None
+            fix.proof = _label(fix, StepOutcome(False, False, "not tried alone"), safe, safe_fixes, stand_in, before)
+    for fix in dropped:
+        fix.error = None
+        fix.planned = False
+        fix.note = f"not planned: {fix.proof}"
+
+
+class _Trials:
+    """Runs of the step after given fixes, each from the state the run was in (everything restored after it)."""
+
+    def __init__(self, step: Callable[[], Any], modules: list, optimizers: list, snapshot: RunState) -> None:
+        self.step, self.modules, self.optimizers, self.snapshot = step, modules, optimizers, snapshot
+
+    def run(self, fixes: list) -> StepOutcome | None:
+        """The step after ``fixes``, applied in order (None when one would not apply)."""
+        return _trial(fixes, self.step, self.modules, self.optimizers, self.snapshot)
+
+    def each_alone(self, plan: list, before: StepOutcome) -> tuple[list, list, dict]:
+        """Each fix of ``plan`` tried alone: ``(kept, dropped, outcome by id(fix))``; a fix that would not apply or
+        harms the step is dropped, its ``proof`` saying what happened."""
+        kept, dropped, alone = [], [], {}
         for fix in plan:
             if fix.applied or not fix.changes:
                 continue
-            outcome = _trial([*kept, fix], step, modules, optimizers, snapshot)
-            fix.error = None  # a trial's roll-back is the proof's to tell, not a failed apply
-            if outcome is None or not outcome.ran or (previous.trained and not outcome.trained):
+            outcome = self.run([fix])
+            if _worse(before, outcome):
                 fix.proof = ("tried on your step: it could not be applied" if outcome is None
                              else f"tried on your step: after it, {outcome.describe()}")  # fmt: skip
                 dropped.append(fix)
                 continue
-            fix.proof = (f"verified on your step: after it, {outcome.describe()}" if outcome.trained
-                         else f"checked on your step: after it, {outcome.describe()}")  # fmt: skip
             kept.append(fix)
-            after.append((fix.title, outcome))
-            previous = outcome
-    finally:
-        snapshot.restore()
-    for fix in dropped:
-        fix.planned = False
-        fix.note = f"not planned: {fix.proof}"
-    return Proof(label, before, tuple(after), tuple(fx.title for fx in dropped))
+            alone[id(fix)] = outcome
+        return kept, dropped, alone
+
+    def safe_plan(self, safe_plan: list, kept: list, dropped: list, alone: dict) -> tuple[list, StepOutcome | None]:
+        """The safe plan's fixes still on offer, and the step after all of them applied as one action ("Apply all
+        safe fixes"); None when it is the whole plan (already run) or empty."""
+        fixes = [fx for fx in safe_plan if not fx.applied and fx.changes and not _among(fx, dropped)]
+        if not fixes or (len(fixes) == len(kept) and all(_among(fx, kept) for fx in fixes)):
+            return fixes, None
+        if len(fixes) == 1 and id(fixes[0]) in alone:
+            return fixes, alone[id(fixes[0])]
+        return fixes, self.run(fixes)
+
+
+def _among(fix: Any, fixes: list) -> bool:
+    return any(fix is other for other in fixes)
+
+
+def _worse(before: StepOutcome, outcome: StepOutcome | None) -> bool:
+    """A fix that harms the step: it would not apply, or a step that ran (or trained) no longer does after it."""
+    if outcome is None:
+        return True
+    return (before.ran and not outcome.ran) or (before.trained and not outcome.trained)
+
+
+def _label(fix: Any, alone: StepOutcome, together: StepOutcome | None, kept: list, stand_in: str,
+           before: StepOutcome) -> str:  # fmt: skip
+    """What a fix's proof claims: only what ran."""
+    where = f"checked on {stand_in}, not your step" if stand_in else "on your step"
+    verdict = "checked" if stand_in else "verified"
+    if alone.trained:
+        return f"{verdict} {where}: applied alone, {alone.describe()}"
+    others = [fx.title for fx in kept if fx is not fix]
+    tried = "" if alone.error == "not tried alone" else f"applied alone, {alone.describe()}; "
+    if together is not None and together.trained and others:
+        if alone.ran == before.ran and alone.error == before.error and tried:  # alone, the step fails as before
+            return (f"not what your step needs ({where}): applied alone, it fails as before; the plan with it "
+                    f"({'; '.join(others)}) ran and trained")  # fmt: skip
+        return f"{verdict} {where} together with {'; '.join(others)}: {tried}with them, {together.describe()}"
+    unverified = f"not verified ({where})" if stand_in else f"not verified {where}"
+    if together is not None and others:
+        return f"{unverified}: {tried}with {'; '.join(others)}, {together.describe()}"
+    return f"{unverified}: applied alone, {alone.describe()}"
 
 
 def _trial(fixes: list, step: Callable[[], Any], modules: list, optimizers: list, snapshot: RunState) -> StepOutcome | None:
@@ -385,16 +595,95 @@ def _inside(step: Callable[[], Any], around: Callable[[], AbstractContextManager
 
 
 def prove_held(plan: list, held: HeldStep, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (),
-               scalers: Iterable[Any] = (), before: StepOutcome | None = None) -> Proof:  # fmt: skip
+               scalers: Iterable[Any] = (), before: StepOutcome | None = None,
+               safe_plan: Iterable[Any] | None = None) -> Proof:  # fmt: skip
     """Check ``plan`` on a held step; ``modules``, ``optimizers`` and ``scalers`` (the diagnosed ones) are restored with
     the step's own. A refused step is not run: the proof says why. ``before`` (what the step did as it was, judged
     with no optimizer) is used only when no optimizer takes part, where :func:`run_step` would judge it the same way."""
     if held.refused:
-        return Proof(held.label, None, (), (), refused=held.refused)
+        return Proof(held.label, None, (), (), refused=held.refused, stand_in=held.stand_in)
     optimizers = _unique([*optimizers, *held.optimizers])
     return prove(list(plan), held.run, held.label, _unique([*modules, *held.modules]), optimizers,
                  _unique([*scalers, *held.scalers]), around=held.around, state=held.state,
-                 before=before if not optimizers else None)  # fmt: skip
+                 before=before if not optimizers else None, safe_plan=list(safe_plan) if safe_plan is not None else None,
+                 stand_in=held.stand_in)  # fmt: skip
+
+
+def step_as_held(step: Callable[[], Any]) -> HeldStep:
+    """A function of the user's (``diagnose(step=fn)``, ``%mpdoctor --step fn``) as a held step: refused, with the
+    reason, when running it again would take the user's next batch (it, or a function it calls, reads an
+    iterator). A :class:`HeldStep` is returned as it is."""
+    if isinstance(step, HeldStep):
+        return step
+    label = f"{getattr(step, '__name__', 'step')}()"
+    reader = iterator_reader(step)
+    if reader:
+        return HeldStep(step, label, refused=(
+            f"{reader} reads a data iterator (next(...)); run again, it would take your next batch. Read the batch "
+            "into a variable outside the step (batch = next(it)) and check a step that uses it"))
+    return HeldStep(step, label)
+
+
+def iterator_reader(function: Any, depth: int = 3) -> str:
+    """The name of ``function``, or of a function it calls through its globals (up to ``depth`` calls deep), that
+    reads a data stream: its code calls ``next`` (or ``iter``) and a global or closure variable it uses holds an
+    iterator or a DataLoader. ``""`` when none does. Read from the code objects and the bound values, never run:
+    ``next(model.parameters())`` reads no data stream and is not one."""
+    seen: set[int] = set()
+
+    def visit(fn: Any, level: int) -> str:
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) in seen or level > depth:
+            return ""
+        seen.add(id(code))
+        names = _code_names(code)
+        globs = getattr(fn, "__globals__", None)
+        globs = globs if type(globs) is dict else {}
+        if names & {"next", "__next__", "iter"} and any(is_data_stream(v) for v in _bound_values(fn, names, globs)):
+            return f"{getattr(fn, '__name__', 'the step')}()"
+        for name in sorted(names):
+            value = globs.get(name)
+            if type(value) is types.FunctionType:
+                found = visit(value, level + 1)
+                if found:
+                    return found
+        return ""
+
+    return visit(function, 0)
+
+
+def _bound_values(fn: Any, names: set[str], globs: dict) -> list:
+    """The values of the globals ``names`` reaches and of the function's closure cells."""
+    values = [globs[n] for n in names if n in globs]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+def is_data_stream(value: Any) -> bool:
+    """An iterator (its class has ``__next__``: iterating it consumes it) or a DataLoader-like loader."""
+    if value is None:
+        return False
+    classes = _mro(value)
+    if any("__next__" in vars(c) for c in classes if c is not object):
+        return True
+    return any(c.__name__.endswith("DataLoader") or c is torch.utils.data.IterableDataset for c in classes)
+
+
+def _mro(value: Any) -> tuple:
+    return type.__dict__["__mro__"].__get__(type(value))  # the class's own MRO: no user __getattr__ runs
+
+
+def _code_names(code: Any) -> set[str]:
+    """The global and attribute names a code object and the code nested in it (closures, comprehensions) use."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names |= _code_names(const)
+    return names
 
 
 def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None) -> Any:
@@ -408,7 +697,7 @@ def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None
         modules = [_inner(s) for s in subjects if s.kind == "model"]
         optimizers = [_inner(s) for s in subjects if s.kind == "optimizer"]
         scalers = [s.obj for s in subjects if s.kind == "scaler"]
-        proof = prove_held(plan, held, modules, optimizers, scalers, before)
+        proof = prove_held(plan, held, modules, optimizers, scalers, before, safe_plan)
     except Exception as exc:  # the plan stands unproven; the report says why
         return report.evolve(proof=Proof(held.label, None, (), (), refused=f"the check failed ({describe_exception(exc)})"))
     dropped = set(proof.dropped)

@@ -15,8 +15,9 @@ running it:
   a fresh object, not the one the fix changed, and rebind the name;
 - a cell that runs IPython magics or shell commands (``%time``, ``!ls``): their effects are not the cell's to undo.
 
-A replay stops after the cell's first optimizer step: a cell that trains for a thousand steps is judged on its first,
-and the proof never runs the user's loop to its end.
+A replay runs the cell through the line that raised, then stops at the next optimizer step (or right after that line,
+when a step ran before it): a cell that raises after its optimizer step (an evaluation after the update) is judged
+on that line too, and a cell that trains for a thousand steps is not run to its end.
 """
 
 from __future__ import annotations
@@ -24,18 +25,20 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import types
 from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import torch
 
-from .proof import HeldStep, _put
+from .proof import HeldStep, _put, is_data_stream, iterator_reader
 
 #: Names bound in a notebook namespace by IPython itself, never the cell's doing.
 _SHELL_NAMES = frozenset({"_", "__", "___", "_i", "_ii", "_iii", "_oh", "_ih", "_dh", "In", "Out", "exit", "quit"})
 
 
-def cell_step(source: str, namespace: MutableMapping[str, Any], label: str, filename: str = "<cell>") -> HeldStep:
+def cell_step(source: str, namespace: MutableMapping[str, Any], label: str, filename: str = "<cell>",
+              line: int | None = None) -> HeldStep:
     """The cell ``source`` as a held step running in ``namespace`` (refused, with the reason, when it must not be replayed).
 
     Parameters
@@ -48,6 +51,9 @@ def cell_step(source: str, namespace: MutableMapping[str, Any], label: str, file
         What the report calls the step (``"cell [4]"``).
     filename : str
         The name the code is compiled under (the cell's, so a traceback of the replay reads as the cell's).
+    line : int, optional
+        The cell's line that raised. The replay runs through it: it stops at the first optimizer step taken once
+        that line has run (or right after the line, when a step came before it), else at the cell's end.
     """
     try:
         tree = ast.parse(source)
@@ -56,7 +62,7 @@ def cell_step(source: str, namespace: MutableMapping[str, Any], label: str, file
     why = refusal(tree, namespace)
     if why:
         return HeldStep(_nothing, label, refused=why)
-    run = _runner(tree, namespace, filename)
+    run = _runner(tree, namespace, filename, line)
     names = _names_read(tree)
     return HeldStep(run, label, around=_silenced, state=lambda: NamespaceState(namespace, names))
 
@@ -73,9 +79,15 @@ def refusal(tree: ast.Module, namespace: MutableMapping[str, Any]) -> str:
         if isinstance(node, ast.Call) and _called_name(node) in ("next", "iter"):
             return (f"the cell reads a data iterator ({_called_name(node)}(...), line {node.lineno}); replaying it "
                     "would hand your next batch to the check")  # fmt: skip
+        helper = namespace.get(_called_name(node)) if isinstance(node, ast.Call) else None
+        if type(helper) is types.FunctionType:
+            reader = iterator_reader(helper)
+            if reader:
+                return (f"the cell calls {reader}, which reads a data iterator (line {node.lineno}); replaying it "
+                        "would hand your next batch to the check")  # fmt: skip
         iterated = _iterated(node)
         if iterated is not None:
-            name = next((n for n in _names_in(iterated) if _is_data_stream(namespace.get(n))), None)
+            name = next((n for n in _names_in(iterated) if is_data_stream(namespace.get(n))), None)
             if name is not None:
                 return (f"the cell reads a data iterator (a loop over {name}, line {node.lineno}); replaying it "
                         "would hand your next batch to the check")  # fmt: skip
@@ -112,20 +124,6 @@ def _bound_names(node: ast.AST) -> list[str]:
     return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
 
 
-def _mro(value: Any) -> tuple:
-    return type.__dict__["__mro__"].__get__(type(value))  # the class's own MRO: no user __getattr__ runs
-
-
-def _is_data_stream(value: Any) -> bool:
-    """An iterator (it has ``__next__``: iterating it consumes it) or a DataLoader-like loader."""
-    if value is None:
-        return False
-    classes = _mro(value)
-    if any("__next__" in vars(c) for c in classes if c is not object):
-        return True
-    return any(c.__name__.endswith("DataLoader") or c is torch.utils.data.IterableDataset for c in classes)
-
-
 def _is_training_object(value: Any) -> bool:
     from ..compat import grad_scaler_class
 
@@ -136,36 +134,81 @@ def _names_read(tree: ast.Module) -> frozenset[str]:
     return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name))
 
 
-def _runner(tree: ast.Module, namespace: MutableMapping[str, Any], filename: str) -> Callable[[], Any]:
-    """Run the cell's statements in ``namespace``; the value of its last line when that is an expression (as IPython
-    displays it), so the proof reads the loss a cell ends with."""
-    body, last = tree.body, None
+#: The name the replay binds, for the duration of one run, to the marker it places after the cell's failing line.
+_MARKER = "__mpdoctor_failing_line_ran__"
+
+
+def _runner(tree: ast.Module, namespace: MutableMapping[str, Any], filename: str, line: int | None) -> Callable[[], Any]:
+    """Run the cell's statements in ``namespace`` through its failing ``line``; the value of its last line when
+    that is an expression (as IPython displays it), so the proof reads the loss a cell ends with."""
+    body, last = list(tree.body), None
     if body and isinstance(body[-1], ast.Expr):
         body, last = body[:-1], ast.Expression(body[-1].value)
-    code = compile(ast.Module(body=body, type_ignores=[]), filename, "exec")
+    marked = line is not None and _mark_after(body, line)
+    code = compile(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])), filename, "exec")
     tail = compile(last, filename, "eval") if last is not None else None
 
     def run() -> Any:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        handle = register_optimizer_step_post_hook(_stop_after_the_step)
+        progress = _Progress(needs_line=marked)
+        handle = register_optimizer_step_post_hook(progress.stepped)
+        namespace[_MARKER] = progress.line_ran
         try:
             exec(code, namespace)  # noqa: S102 - the user's own cell, run again in the user's namespace
             return eval(tail, namespace) if tail is not None else None  # noqa: S307 - its last line, as IPython shows it
-        except FirstStepDone:
-            return None  # one training step is the proof; a cell that loops over a thousand is not run to its end
+        except FailingLinePassed:
+            return None  # the cell ran through the line that failed and one training step: that is the proof
         finally:
             handle.remove()
+            namespace.pop(_MARKER, None)
 
     return run
 
 
-class FirstStepDone(Exception):
-    """Raised after the first optimizer step of a replayed cell: that step is what the proof judges."""
+def _mark_after(body: list, line: int) -> bool:
+    """Place a call of the marker right after the innermost statement of ``body`` (nested blocks included) that
+    holds ``line``; whether one was found."""
+    for i, stmt in enumerate(body):
+        if not (stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno)):
+            continue
+        for block in _blocks(stmt):
+            if _mark_after(block, line):
+                return True
+        call = ast.Expr(ast.Call(ast.Name(_MARKER, ast.Load()), [], []))
+        body.insert(i + 1, ast.copy_location(call, stmt))
+        return True
+    return False
 
 
-def _stop_after_the_step(optimizer: Any, args: tuple, kwargs: dict) -> None:
-    raise FirstStepDone
+def _blocks(stmt: ast.stmt) -> list[list]:
+    """The statement lists nested in ``stmt`` (bodies, else branches, handlers, match cases)."""
+    blocks = [getattr(stmt, a) for a in ("body", "orelse", "finalbody") if isinstance(getattr(stmt, a, None), list)]
+    blocks += [h.body for h in getattr(stmt, "handlers", ())]
+    blocks += [c.body for c in getattr(stmt, "cases", ())]
+    return [b for b in blocks if b and isinstance(b[0], ast.stmt)]
+
+
+class FailingLinePassed(Exception):
+    """Raised once a replayed cell has run its failing line and an optimizer step: what the proof judges has run,
+    and a cell that trains for a thousand steps is not run to its end."""
+
+
+class _Progress:
+    """Where one replay is: whether the failing line has run, whether an optimizer step has."""
+
+    def __init__(self, needs_line: bool) -> None:
+        self.line, self.steps = not needs_line, 0
+
+    def line_ran(self) -> None:
+        self.line = True
+        if self.steps:
+            raise FailingLinePassed
+
+    def stepped(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self.steps += 1
+        if self.line:
+            raise FailingLinePassed
 
 
 @contextlib.contextmanager

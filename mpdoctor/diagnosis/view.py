@@ -137,7 +137,8 @@ def _proof_view(report: Any) -> dict | None:
     """What the report says of its fixes and the user's step: verified, tried, or no step held."""
     proof = report.proof
     if proof is not None:
-        return {"summary": proof.summary(), "verified": proof.verified, "cured": proof.cured,
+        return {"summary": proof.summary(), "verified": proof.verified, "cured": proof.cured, "checked": proof.checked,
+                "safe_verified": proof.safe_verified, "stand_in": proof.stand_in,
                 "dropped": list(proof.dropped), "step": proof.step, "refused": proof.refused}  # fmt: skip
     if not any(fx.changes for fx in report.fixes):
         return None

@@ -151,7 +151,7 @@ class MPDoctorMagics(Magics):
         if not ok:
             return None
         try:
-            report = self._diagnosed(args, ignore, step)
+            report = self._diagnosed(args, ignore)
             if report is None:
                 return None
             if not args.no_history:  # what the cells did: read from their source, watched as they ran, raised
@@ -159,6 +159,8 @@ class MPDoctorMagics(Magics):
                 report = _with_what_the_kernel_saw(self.shell, report, ignore)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
             report = _attach_scale_history(self.shell, report)
+            if step is not None and not args.probe:  # the report is whole: its plan is what the proof checks
+                report = _proven(report, step)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -189,8 +191,9 @@ class MPDoctorMagics(Magics):
             return None, False
         return step, True
 
-    def _diagnosed(self, args: Any, ignore: list[str], step: Any) -> Any:
-        """The report of the named objects (or the namespace), probed when asked; None after a line saying why not."""
+    def _diagnosed(self, args: Any, ignore: list[str]) -> Any:
+        """The report of the named objects (or the namespace), probed when asked; None after a line saying why not.
+        No step is proven here: the proof runs on the assembled report (:func:`_proven`)."""
         from ..diagnosis import diagnose
         from ..runtime.loop_accumulation import record_cells
 
@@ -201,7 +204,7 @@ class MPDoctorMagics(Magics):
             if missing:
                 _print_line(_missing_line(missing))
                 return None
-            report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore, step=step)
+            report = diagnose(*objects, names=labels, target=target, scan=args.scan, ignore=ignore)
             empty = [(labels[id(o)], o) for o in objects if not _brought_a_subject(report, labels[id(o)], o)]
             for name, obj in dict(empty).items():
                 _print_line(_nothing_to_inspect(name, obj))
@@ -209,7 +212,7 @@ class MPDoctorMagics(Magics):
                 return None
         else:
             report = diagnose(namespace=self.shell.user_ns, hidden=self.shell.user_ns_hidden, target=target,
-                              scan=args.scan, ignore=ignore, step=step)  # fmt: skip
+                              scan=args.scan, ignore=ignore)
         if args.probe:
             return self._probe(args.probe, report, target)
         return report
@@ -403,6 +406,14 @@ def _plans_with_bound_fixes(report: Any, extra: list) -> dict:
     plan = [*report.fixes, *(fx for fx in bound if fx not in report.fixes)]
     safe = [*report.safe_fixes, *(fx for fx in bound if fx.safe and fx not in report.safe_fixes)]
     return {"plan": plan, "safe_plan": safe}
+
+
+def _proven(report: Any, step: Any) -> Any:
+    """The assembled report with its plan, and its safe plan as one action, checked on ``step`` (the ``--step``
+    function, or the cell that raised): nothing joins the plan after this."""
+    from ..diagnosis.proof import proven_report, step_as_held
+
+    return proven_report(report, step_as_held(step))
 
 
 def _attach_scale_history(shell: Any, report: Any) -> Any:

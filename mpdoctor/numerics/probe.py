@@ -805,7 +805,8 @@ def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: 
             for m, was in saved:
                 m.training = was
 
-    return HeldStep(run, "the probe's batch: forward and backward", modules=(model,), around=modes)
+    return HeldStep(run, "the probe's batch: forward and backward", modules=(model,), around=modes,
+                    stand_in="the probe's forward and backward on your batch (no optimizer step)")
 
 
 def probe_inputs(watcher: Any, model: torch.nn.Module, inputs: tuple[tuple, dict], name: str = "model", scaler: Any = None) -> Any:

@@ -39,7 +39,7 @@ class _Session:
         #: Reports the crash hook showed since the last %mpdoctor report (what it found is part of the next one).
         self.crashes: list = []
         #: ``(filename, source)`` of the cell that raised the latest of them: ``%mpdoctor`` checks its fixes on it.
-        self.crash_cell: tuple[str, str] | None = None
+        self.crash_cell: tuple[str, str, int] | None = None
         self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
 
     def start(self) -> None:
@@ -256,9 +256,10 @@ def unreported(shell: Any) -> tuple[list, list]:
     return findings, crashes
 
 
-def remember_crash(shell: Any, report: Any, cell: tuple[str, str] | None = None) -> None:
+def remember_crash(shell: Any, report: Any, cell: tuple[str, str, int] | None = None) -> None:
     """Keep a report the crash hook showed, for the next ``%mpdoctor`` report of this shell, and ``cell``, the
-    ``(filename, source)`` of the cell that raised (None when the code that raised was not a cell's)."""
+    ``(filename, source, line that raised)`` of the cell that raised (None when the code that raised was not a
+    cell's)."""
     sess = _SESSIONS.get(id(shell))
     if sess is not None:
         sess.crashes.append(report)
@@ -276,11 +277,11 @@ def crash_step(shell: Any) -> Any:
     from ..diagnosis.replay import cell_step
     from ..facts.location import cell_number
 
-    filename, source = sess.crash_cell
+    filename, source, line = sess.crash_cell
     number = cell_number(filename)
     label = f"cell [{number}]" if number is not None else "the cell that raised"
     try:
-        held = cell_step(source, shell.user_ns, label, filename)
+        held = cell_step(source, shell.user_ns, label, filename, line)
     except Exception as exc:  # %mpdoctor still reports; its fixes are then not verified, and it says why
         from ..diagnosis.proof import HeldStep
         from ..redact import describe_exception

@@ -255,7 +255,9 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
             return loss
 
         return HeldStep(run, "the watched batch: forward, loss, backward, optimizer step", modules=(model,),
-                        optimizers=(_hookable(optimizer),), scalers=(scaler,), around=self._aside)  # fmt: skip
+                        optimizers=(_hookable(optimizer),), scalers=(scaler,), around=self._aside,
+                        stand_in="mpdoctor's own step on the watched batch (forward, the model's .loss or the mean of "
+                                 "its output, backward, optimizer step)")  # fmt: skip
 
     @contextlib.contextmanager
     def _aside(self) -> Iterator[None]:

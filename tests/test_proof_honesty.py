@@ -1,0 +1,289 @@
+"""What is labelled "verified" is what the user gets, and the run is left as it was.
+
+Each scenario is one a user can write: the real error first, then the report, then what its labels claim held
+against the user's own step run again after exactly what the label names. The fingerprints cover what a proof
+must put back: parameters, gradients, ``requires_grad``, train/eval modes, optimizer state, LR schedulers, RNG
+streams, data iterators.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fingerprint import fingerprint, values_only
+from notebook_shell import loaded_shell
+from steps import assert_step_trains, snapshot
+
+import mpdoctor
+from mpdoctor.diagnosis.proof import iterator_reader, run_step
+
+pytestmark = pytest.mark.colab
+
+
+def _bf16_head_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 1))
+    model[2].to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, opt, torch.randn(4, 8)
+
+
+# -- "trained" means an optimizer step applied non-zero gradients ---------------------------------------------------
+
+
+def test_a_step_whose_gradients_are_all_zero_ran_but_did_not_train_even_when_weight_decay_moves_the_weights():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randn(3, 4)
+
+    def zero_grad_step():
+        opt.zero_grad()
+        (model(x) * 0.0).sum().backward()  # every gradient is zero
+        opt.step()  # AdamW's decay still moves the weights
+
+    w = model.weight.detach().clone()
+    outcome = run_step(zero_grad_step, [model], [opt])
+    assert not torch.equal(model.weight.detach(), w)  # the weights moved: the old "some parameter changed" said trained
+    assert outcome.ran and not outcome.trained
+    assert outcome.describe() == "it ran, but every gradient was zero or inf/NaN"
+
+
+def test_a_step_that_zeroes_its_gradients_after_the_update_still_trained():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+
+    def step():
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)  # no .grad is left to read after the step
+
+    assert run_step(step, [model], [opt]).trained
+
+
+def test_a_step_with_no_optimizer_step_or_nan_parameters_did_not_train():
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+
+    def no_update():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+
+    outcome = run_step(no_update, [model], [opt])
+    assert not outcome.trained and "no optimizer step applied the gradients" in outcome.why
+
+    def nan_update():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            model.bias.fill_(float("nan"))
+
+    outcome = run_step(nan_update, [model], [opt])
+    assert not outcome.trained and outcome.why == "a parameter became inf/NaN"
+
+
+# -- labels: each fix alone, the plan and the safe plan each as one action -------------------------------------------
+
+
+def test_a_fixs_label_claims_only_what_ran_alone_and_the_plan_is_proven_as_one_action():
+    model, opt, x = _bf16_head_setup()
+
+    def train_step():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(RuntimeError, match="same dtype"):
+        train_step()
+    report = mpdoctor.diagnose(model, opt, step=train_step)
+    proof = report.proof
+    assert proof.verified and proof.plan.trained
+    for title, alone in proof.after:
+        fix = next(fx for fx in report.fixes if fx.title == title)
+        if fix.proof.startswith("verified on your step: applied alone"):
+            assert alone.trained  # the label says alone: alone it trained
+        else:
+            assert "together with" in fix.proof  # otherwise it names what else it took
+    # The user does exactly what the plan's label names, on fresh objects: the step runs and trains.
+    model2, opt2, _ = _bf16_head_setup()
+    report2 = mpdoctor.diagnose(model2, opt2, step=lambda: None)  # same plan on the twin (no proof needed)
+    for fx in report2.fixes:
+        fx.apply()
+    params = list(model2.parameters())
+    start = snapshot(params)
+    opt2.zero_grad()
+    loss = model2(x).float().pow(2).mean()
+    loss.backward()
+    opt2.step()
+    assert_step_trains(loss, start, params)
+
+
+def test_a_safe_plan_that_alone_does_not_cure_says_so_and_names_what_else_it_takes():
+    from mpdoctor.diagnosis.proof import prove
+
+    model, opt, x = _bf16_head_setup()
+    scaler = torch.amp.GradScaler("cpu")
+
+    def train_step():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    report = mpdoctor.diagnose(model, opt, scaler)
+    (cast,) = report.findings_for("mixed-param-dtypes")[0].fixes
+    (disable,) = report.findings_for("scaler-with-bf16")[0].fixes
+    assert cast.changes and disable.changes
+    # The safe plan is the scaler's fix alone: it does not reach the failing matmul.
+    proof = prove([cast, disable], train_step, "train_step()", [model], [opt], [scaler], safe_plan=[disable])
+    assert proof.verified and not proof.safe_verified and not proof.safe.ran
+    assert proof.dropped == () and proof.beyond_safe == (cast.title,)
+    summary = proof.summary()
+    assert "Apply all safe fixes on its own does not cure it: after it, it raised RuntimeError" in summary
+    assert summary.endswith(f"it also takes: {cast.title}.")
+    assert disable.proof.startswith("not what your step needs")  # alone, the step fails as before
+    # No safe fix at all: the report says none cures it and what it takes.
+    proof = prove([cast], train_step, "train_step()", [model], [opt], [scaler], safe_plan=[])
+    assert proof.verified and f"No safe fix cures it on its own: it takes {cast.title}." in proof.summary()
+    # With the cast as the safe plan, Apply all safe fixes is the plan, and verified with it.
+    proof = prove([cast], train_step, "train_step()", [model], [opt], [scaler], safe_plan=[cast])
+    assert proof.verified and proof.safe_verified and proof.beyond_safe == ()
+    assert model[2].weight.dtype == torch.bfloat16 and scaler.is_enabled()  # every trial undone
+
+
+# -- the cell replay runs through the line that failed ----------------------------------------------------------------
+
+_CELL_SETUP = """
+import torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+adam = torch.optim.Adam(net.parameters(), lr=1e-2)
+batch = torch.randn(4, 8)
+probe_w = torch.randn(8, 2)
+net[1].to(torch.bfloat16)
+"""
+
+# The update, then an evaluation that raises on its own (a bf16 batch against an fp32 weight, outside any model):
+# curing the head lets the step run, and the cell still raises after opt.step().
+_RAISES_AFTER_THE_STEP = """
+adam.zero_grad()
+loss = net(batch).float().pow(2).mean()
+loss.backward()
+adam.step()
+score = batch.to(torch.bfloat16) @ probe_w
+"""
+
+
+def test_a_cell_that_raises_after_its_optimizer_step_is_not_called_verified(capsys):
+    with loaded_shell(("torch", "net", "adam", "batch", "probe_w", "loss", "score", "r", "_")) as sh:
+        sh.run_cell(_CELL_SETUP, store_history=True)
+        assert isinstance(sh.run_cell(_RAISES_AFTER_THE_STEP, store_history=True).error_in_exec, RuntimeError)
+        sh.run_cell("r = %mpdoctor net adam --text", store_history=True)
+        report = sh.user_ns["r"]
+        proof = report.proof
+        assert proof.before is not None and not proof.before.ran
+        assert not proof.verified and proof.plan is not None and not proof.plan.ran
+        assert "Plan not verified on your step (cell [" in capsys.readouterr().out
+        # What the proof said is what the user gets: the plan applied, the cell still raises after its step.
+        for fx in report.fixes:
+            fx.apply()
+        assert isinstance(sh.run_cell(_RAISES_AFTER_THE_STEP, store_history=True).error_in_exec, RuntimeError)
+
+
+def test_a_cell_replay_puts_back_requires_grad_modes_and_a_helper_that_reads_an_iterator_is_refused():
+    setup = _CELL_SETUP + "net.eval()\nnet[0].weight.requires_grad_(False)\n"
+    cell = "net.train()\nnet[0].weight.requires_grad_(True)\nloss = net(batch).float().pow(2).mean()\nloss.backward()\n"
+    with loaded_shell(("torch", "net", "adam", "batch", "probe_w", "loss", "r", "_")) as sh:
+        sh.run_cell(setup, store_history=True)
+        assert isinstance(sh.run_cell(cell, store_history=True).error_in_exec, RuntimeError)
+        net = sh.user_ns["net"]
+        net.eval()
+        net[0].weight.requires_grad_(False)  # as it was before the cell
+        sh.run_cell("r = %mpdoctor net adam --text", store_history=True)
+        assert sh.user_ns["r"].proof.before is not None  # the cell was replayed
+        assert not net.training and not net[0].training and not net[0].weight.requires_grad
+
+        helper = "it = iter([torch.randn(4, 8) for _ in range(7)])\ndef get_batch():\n    return next(it)\n"
+        sh.run_cell(helper, store_history=True)
+        reads = "x = get_batch()\nloss = net(x).float().pow(2).mean()\nloss.backward()\n"
+        assert isinstance(sh.run_cell(reads, store_history=True).error_in_exec, RuntimeError)
+        left = len(list(sh.user_ns["it"].__reduce__()[1][0])) - sh.user_ns["it"].__reduce__()[-1]
+        sh.run_cell("r = %mpdoctor net adam --text", store_history=True)
+        proof = sh.user_ns["r"].proof
+        assert "the cell calls get_batch(), which reads a data iterator" in proof.refused and proof.before is None
+        assert len(list(sh.user_ns["it"].__reduce__()[1][0])) - sh.user_ns["it"].__reduce__()[-1] == left
+
+
+# -- diagnose(step=fn): refused when it reads an iterator, the run put back when it runs ------------------------------
+
+
+def test_diagnose_step_refuses_a_step_that_reads_an_iterator_and_moves_nothing():
+    model, opt, _ = _bf16_head_setup()
+    it = iter([torch.randn(4, 8) for _ in range(7)])
+
+    def train_step():
+        opt.zero_grad()
+        model(next(it)).float().pow(2).mean().backward()
+        opt.step()
+
+    assert iterator_reader(train_step) == "train_step()"
+    assert iterator_reader(lambda: next(model.parameters())) == ""  # no data stream: not one
+    report = mpdoctor.diagnose(model, opt, step=train_step)
+    assert "train_step() reads a data iterator" in report.proof.refused and not report.proof.verified
+    assert it.__reduce__()[-1] == 0  # no item taken
+    assert "Fixes not verified on your step (train_step())" in report.to_text()
+
+
+def test_diagnose_step_leaves_the_scheduler_modes_and_requires_grad_as_they_were():
+    model, opt, x = _bf16_head_setup()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        sched.step()
+    model.eval()
+    model[0].bias.requires_grad_(False)
+
+    def train_step():
+        model.train()
+        model[0].bias.requires_grad_(True)
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss
+
+    ns = {"model": model, "opt": opt}
+    before = values_only(fingerprint(ns))
+    epoch, lr = sched.last_epoch, opt.param_groups[0]["lr"]
+    report = mpdoctor.diagnose(model, opt, step=train_step)
+    assert report.proof.verified
+    assert values_only(fingerprint(ns)) == before
+    assert (sched.last_epoch, opt.param_groups[0]["lr"]) == (epoch, lr)
+    assert not model.training and not any(m.training for m in model.modules())
+    assert not model[0].bias.requires_grad
+
+
+# -- stand-in steps: checked, never "verified on your step" -----------------------------------------------------------
+
+
+def test_a_step_mpdoctor_builds_itself_is_checked_and_never_labelled_verified():
+    from mpdoctor.diagnosis.proof import HeldStep, prove_held
+
+    model, opt, x = _bf16_head_setup()
+
+    def stand_in():
+        opt.zero_grad()
+        model(x).float().mean().backward()
+        opt.step()
+
+    report = mpdoctor.diagnose(model, opt)
+    held = HeldStep(stand_in, "the held batch", stand_in="mpdoctor's own step on the held batch")
+    proof = prove_held(report.fixes, held, [model], [opt])
+    assert proof.checked and not proof.verified and not proof.safe_verified
+    assert proof.summary().startswith("Plan not verified on your step: checked on mpdoctor's own step")
+    assert all(not fx.proof.startswith("verified") for fx in report.fixes)
