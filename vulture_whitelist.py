@@ -79,3 +79,4 @@ _._no_deepspeed_env_leaks_between_tests  # the same
 # -- fields filled and read by name ---------------------------------------------------------------------------------------
 _.bf16_overflow  # the scan's per-tensor counts: filled by cnt.add("bf16_overflow", ...), read as row keys (diagnosis/scan_rows.py)
 _.bf16_underflow
+_.starts  # _Round.starts: called by the marks replay.py places in the cell it replays

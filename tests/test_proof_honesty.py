@@ -287,3 +287,91 @@ def test_a_step_mpdoctor_builds_itself_is_checked_and_never_labelled_verified():
     assert proof.checked and not proof.verified and not proof.safe_verified
     assert proof.summary().startswith("Plan not verified on your step: checked on mpdoctor's own step")
     assert all(not fx.proof.startswith("verified") for fx in report.fixes)
+
+
+def test_two_cures_of_one_failure_that_undo_each_other_are_not_planned_together():
+    from mpdoctor.diagnosis.proof import prove
+    from mpdoctor.live import Live
+    from mpdoctor.treatment.changes import CastInputsHook, CastParamsTo
+    from mpdoctor.treatment.fixes import Fix
+    from mpdoctor.treatment.rules import Applicability
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    net[1].to(torch.bfloat16)
+    adam = torch.optim.Adam(net.parameters(), lr=1e-2)
+    batch = torch.randn(4, 8)
+
+    def step():
+        adam.zero_grad()
+        loss = net(batch).float().pow(2).mean()
+        loss.backward()
+        adam.step()
+        return loss
+
+    live = Live()
+    head = frozenset(id(p) for p in net[1].parameters())
+    cast_head = Fix("Cast net[1] to float32", "net[1].float()", applicability=Applicability.UNSAFE,
+                    changes=(CastParamsTo(live.add(net), head, "float32", label="net[1]"),))  # fmt: skip
+    cast_inputs = Fix("Cast net[1]'s inputs to bfloat16", "...", applicability=Applicability.SAFE,
+                      changes=(CastInputsHook(live.add(net[1]), "bfloat16", "net[1]"),))  # fmt: skip
+    for fx in (cast_head, cast_inputs):
+        fx.bind(live)
+    proof = prove([cast_head, cast_inputs], step, "step()", [net], [adam], [], safe_plan=[cast_inputs])
+    # Each cures the step alone; together the fp32 head meets bf16 inputs. The second is left out of the plan,
+    # and Apply all safe fixes (the input cast alone) is proven on its own.
+    assert [outcome.trained for _, outcome in proof.after] == [True]
+    assert proof.left_out == (cast_inputs.title,) and proof.verified and proof.safe_verified
+    plan, safe_plan = proof.plans([cast_head, cast_inputs], [cast_inputs])
+    assert plan == [cast_head] and safe_plan == [cast_inputs]
+    assert net[1].weight.dtype == torch.bfloat16 and not net[1]._forward_pre_hooks  # every trial undone
+    # What the labels name, done by the user: the safe plan alone, then the step trains.
+    cast_inputs.apply()
+    params = list(net.parameters())
+    start = snapshot(params)
+    assert_step_trains(step(), start, params)
+
+
+def test_ipythons_output_variables_never_name_a_patient():
+    setup = _CELL_SETUP.replace("net[1].to(torch.bfloat16)\n", "")
+    cell = "adam.zero_grad()\nloss = net(batch).float().pow(2).mean()\nloss.backward()\nadam.step()\n"
+    with loaded_shell(("torch", "net", "adam", "batch", "probe_w", "loss", "r", "_", "__", "___", "Out")) as sh:
+        sh.run_cell(setup, store_history=True)
+        sh.run_cell("net[1].to(torch.bfloat16)", store_history=True)  # displayed: _ and Out[n] hold net[1]
+        assert sh.user_ns["_"] is sh.user_ns["net"][1]
+        assert isinstance(sh.run_cell(cell, store_history=True).error_in_exec, RuntimeError)
+        sh.run_cell("r = %mpdoctor --text", store_history=True)
+        report = sh.user_ns["r"]
+        shell_names = {"_", "__", "___", "Out", "In"}
+        assert not any(f.subject.split(".")[0].split("[")[0] in shell_names or f.subject.startswith("_")
+                       for f in report.findings), [f.subject for f in report.findings]  # fmt: skip
+        assert report.proof.verified
+        report.apply_safe_fixes()
+        params = list(sh.user_ns["net"].parameters())
+        start = snapshot(params)
+        result = sh.run_cell(cell, store_history=True)
+        assert result.error_in_exec is None
+        assert_step_trains(sh.user_ns["loss"], start, params)
+
+
+def test_a_cell_whose_failing_line_comes_after_its_optimizer_step_is_replayed_through_that_line():
+    # The training step is healthy; the evaluation after the update raises (a bf16 model fed the fp32 batch).
+    setup = _CELL_SETUP.replace("net[1].to(torch.bfloat16)\n", "") + "judge = torch.nn.Linear(8, 1).to(torch.bfloat16)\n"
+    cell = ("adam.zero_grad()\nloss = net(batch).pow(2).mean()\nloss.backward()\nadam.step()\n"
+            "score = judge(batch)\n")  # fmt: skip
+    with loaded_shell(("torch", "net", "adam", "batch", "probe_w", "judge", "loss", "score", "r", "_")) as sh:
+        sh.run_cell(setup, store_history=True)
+        assert isinstance(sh.run_cell(cell, store_history=True).error_in_exec, RuntimeError)
+        sh.run_cell("r = %mpdoctor --text", store_history=True)
+        report = sh.user_ns["r"]
+        proof = report.proof
+        assert proof.before is not None and not proof.before.ran  # the replay reached the evaluation and raised
+        (cause,) = report.findings_for("batch-dtype-mismatch")
+        assert cause.subject == "judge" and proof.verified
+        # The claim holds on the user's cell, run again after the plan: the update and the evaluation both run.
+        for fx in report.fixes:
+            fx.apply()
+        params = list(sh.user_ns["net"].parameters())
+        start = snapshot(params)
+        assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        assert_step_trains(sh.user_ns["loss"], start, params)

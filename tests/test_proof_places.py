@@ -338,7 +338,7 @@ def test_a_probe_fix_that_leaves_the_step_failing_is_not_called_a_cure():
     assert model[1].weight.dtype == torch.bfloat16
 
 
-def test_a_cell_that_loops_over_many_steps_is_replayed_only_up_to_its_first_optimizer_step():
+def test_a_cell_that_loops_over_many_steps_is_replayed_for_one_round_through_its_failing_line():
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     loop = "for step in range(50):\n" + "".join(f"    {line}\n" for line in _STEP_ON_BATCH.strip().splitlines()[:-1])
@@ -353,7 +353,7 @@ def test_a_cell_that_loops_over_many_steps_is_replayed_only_up_to_its_first_opti
             handle.remove()
         report = sh.user_ns["r"]
         assert report.proof.verified
-        # one optimizer step per trial that ran: the replay stopped there, not after 50
+        # one round per trial that ran: the replay stopped as the failing line came round again, not after 50
         assert len(steps) == sum(outcome.ran for _, outcome in report.proof.after) == 1
         report.fixes[0].apply()
         params = list(sh.user_ns["net"].parameters())

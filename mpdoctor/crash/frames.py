@@ -79,23 +79,26 @@ def _module_name(frame: FrameType) -> str:
     return name if type(name) is str else "?"
 
 
+#: IPython's own bindings in a notebook namespace besides the ``_``-prefixed ones (``_``, ``__``, ``_5``, ``_i``):
+#: output and input histories and the shell's helpers. They never name a user's object.
+_SHELL_BINDINGS = frozenset({"In", "Out", "exit", "quit", "get_ipython"})
+
+
+def is_shell_name(name: str) -> bool:
+    """Whether ``name`` is one IPython binds (``_``, ``__``, ``___``, ``_5``, ``Out``, ...) or a private one: a
+    patient is never called by it (an output variable that happens to hold a submodule is not the user's name)."""
+    return name.startswith("_") or name in _SHELL_BINDINGS
+
+
 def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One namespace of the user's objects: ``namespace`` first, then user frames, innermost first.
 
     An object already named keeps its first name (discovery reports each
     object once); a local whose name another object took is qualified with
-    its function (``train.model``). Names starting with ``_`` are skipped, as
-    discovery does.
+    its function (``train.model``). Names starting with ``_`` and IPython's own
+    (``Out``, ``In``) are skipped, as discovery does.
     """
-    merged: dict[str, Any] = {}
-    if namespace is not None:
-        try:
-            items = list(dict.items(namespace)) if dict in _TYPE_MRO(type(namespace)) else list(namespace.items())
-        except Exception:
-            items = []
-        for name, value in items:
-            if type(name) is str:
-                merged[name] = value
+    merged = _user_bindings(namespace)
     kept = _module_frame_locals(frames)
     for index in reversed(range(len(frames))):
         view = frames[index]
@@ -112,13 +115,24 @@ def frame_namespace(frames: list[FrameView], namespace: Mapping[str, Any] | None
             arguments = set(code.co_varnames[: code.co_argcount + code.co_kwonlyargcount])
             local_items = [(k, v) for k, v in local_items if k in arguments]
         for name, value in local_items:
-            if type(name) is not str or name.startswith("_"):
+            if type(name) is not str or is_shell_name(name):
                 continue
             if name not in merged:
                 merged[name] = value
             elif merged[name] is not value:
                 merged.setdefault(f"{view.function}.{name}", value)
     return merged
+
+
+def _user_bindings(namespace: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The namespace's names of the user's own (IPython's bindings left out), read without running its code."""
+    if namespace is None:
+        return {}
+    try:
+        items = list(dict.items(namespace)) if dict in _TYPE_MRO(type(namespace)) else list(namespace.items())
+    except Exception:
+        return {}
+    return {name: value for name, value in items if type(name) is str and not is_shell_name(name)}
 
 
 def _module_frame_locals(frames: list[FrameView]) -> list[str]:

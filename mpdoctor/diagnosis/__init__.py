@@ -282,8 +282,7 @@ def _proven(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tupl
     except Exception as exc:  # the plan stands unproven; the report says so
         failures.append(_failure("the check of the fixes on your step", exc))
         return None, plan, safe_plan
-    dropped = set(proof.dropped)
-    return proof, [fx for fx in plan if fx.title not in dropped], [fx for fx in safe_plan if fx.title not in dropped]
+    return (proof, *proof.plans(plan, safe_plan))
 
 
 def _prove(plan: list, safe_plan: list, step: Callable[[], Any], subjects: tuple) -> Any:

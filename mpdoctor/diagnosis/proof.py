@@ -386,6 +386,9 @@ class Proof:
     stand_in : str
         Set when the step that ran is not the user's own (mpdoctor's forward and backward on a held batch): what
         ran instead. Nothing is then "verified on your step".
+    left_out : tuple of str
+        Fixes that work alone but not with the fixes planned before them (two cures of one failure, each undoing
+        the other): left out of the plan, still in the safe plan when they are safe.
     """
 
     step: str
@@ -397,6 +400,14 @@ class Proof:
     safe: StepOutcome | None = None
     beyond_safe: tuple = ()
     stand_in: str = ""
+    left_out: tuple = ()
+
+    def plans(self, plan: list, safe_plan: list) -> tuple[list, list]:
+        """``plan`` and ``safe_plan`` as the proof leaves them: without the fixes it dropped, and the plan without
+        those it left out."""
+        dropped, left_out = set(self.dropped), set(self.left_out)
+        return ([fx for fx in plan if fx.title not in dropped and fx.title not in left_out],
+                [fx for fx in safe_plan if fx.title not in dropped])  # fmt: skip
 
     @property
     def checked(self) -> bool:
@@ -466,14 +477,15 @@ def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimi
         if before is None:
             before = trials.run([])
         kept, dropped, alone = trials.each_alone(plan, before)
-        together = alone[id(kept[0])] if len(kept) == 1 else trials.run(kept) if kept else None
+        kept, left_out, together = trials.together(kept, alone, before)
         safe_fixes, safe = trials.safe_plan(safe_plan or [], kept, dropped, alone)
     finally:
         snapshot.restore()
     _record_labels(kept, dropped, safe_fixes, alone, together, safe, stand_in, before)
     beyond = tuple(fx.title for fx in kept if not _among(fx, safe_fixes))
     return Proof(label, before, tuple((fx.title, alone[id(fx)]) for fx in kept), tuple(fx.title for fx in dropped),
-                 plan=together, safe=safe, beyond_safe=beyond, stand_in=stand_in)  # fmt: skip
+                 plan=together, safe=safe, beyond_safe=beyond, stand_in=stand_in,
+                 left_out=tuple(fx.title for fx in left_out))  # fmt: skip
 
 
 def _record_labels(kept: list, dropped: list, safe_fixes: list, alone: dict, together: StepOutcome | None,
@@ -518,6 +530,26 @@ class _Trials:
             kept.append(fix)
             alone[id(fix)] = outcome
         return kept, dropped, alone
+
+    def together(self, kept: list, alone: dict, before: StepOutcome) -> tuple[list, list, StepOutcome | None]:
+        """The plan built up in order: each fix joins when the step with it and the fixes before it is no worse
+        than without it. ``(plan, left out, the step after the whole plan)``; a fix left out says why."""
+        plan: list = []
+        left_out: list = []
+        current = before
+        for fix in kept:
+            outcome = alone[id(fix)] if not plan else self.run([*plan, fix])
+            if plan and _worse(current, outcome):
+                with_them = "; ".join(fx.title for fx in plan)
+                fix.proof = (f"left out of the plan: applied alone, {alone[id(fix)].describe()}; with {with_them}, "
+                             + ("it could not be applied" if outcome is None else outcome.describe()))  # fmt: skip
+                fix.planned = False
+                fix.note = f"not planned: {fix.proof}"
+                left_out.append(fix)
+                continue
+            plan.append(fix)
+            current = outcome
+        return plan, left_out, (current if plan else None)
 
     def safe_plan(self, safe_plan: list, kept: list, dropped: list, alone: dict) -> tuple[list, StepOutcome | None]:
         """The safe plan's fixes still on offer, and the step after all of them applied as one action ("Apply all
@@ -700,9 +732,8 @@ def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None
         proof = prove_held(plan, held, modules, optimizers, scalers, before, safe_plan)
     except Exception as exc:  # the plan stands unproven; the report says why
         return report.evolve(proof=Proof(held.label, None, (), (), refused=f"the check failed ({describe_exception(exc)})"))
-    dropped = set(proof.dropped)
-    return report.evolve(proof=proof, plan=[fx for fx in plan if fx.title not in dropped],
-                         safe_plan=[fx for fx in safe_plan if fx.title not in dropped])  # fmt: skip
+    plan, safe_plan = proof.plans(plan, safe_plan)
+    return report.evolve(proof=proof, plan=plan, safe_plan=safe_plan)
 
 
 def _inner(subject: Any) -> Any:

@@ -15,9 +15,9 @@ running it:
   a fresh object, not the one the fix changed, and rebind the name;
 - a cell that runs IPython magics or shell commands (``%time``, ``!ls``): their effects are not the cell's to undo.
 
-A replay runs the cell through the line that raised, then stops at the next optimizer step (or right after that line,
-when a step ran before it): a cell that raises after its optimizer step (an evaluation after the update) is judged
-on that line too, and a cell that trains for a thousand steps is not run to its end.
+A replay runs the cell through the line that raised and on, to the cell's end, or until that line is about to run a
+second time (the next iteration of the loop that holds it): a cell that raises after its optimizer step (an
+evaluation after the update) is judged on all of it, and a loop of a thousand steps is judged on one round.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def cell_step(source: str, namespace: MutableMapping[str, Any], label: str, file
     filename : str
         The name the code is compiled under (the cell's, so a traceback of the replay reads as the cell's).
     line : int, optional
-        The cell's line that raised. The replay runs through it: it stops at the first optimizer step taken once
-        that line has run (or right after the line, when a step came before it), else at the cell's end.
+        The cell's line that raised. The replay runs through it and on, to the cell's end or until the line is
+        about to run again (the next iteration of the loop that holds it). Without it, the whole cell runs.
     """
     try:
         tree = ast.parse(source)
@@ -134,51 +134,52 @@ def _names_read(tree: ast.Module) -> frozenset[str]:
     return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name))
 
 
-#: The name the replay binds, for the duration of one run, to the marker it places after the cell's failing line.
-_MARKER = "__mpdoctor_failing_line_ran__"
+#: The name the replay binds, for the duration of one run, to the marks it places around the cell's failing line.
+_MARKER = "__mpdoctor_failing_line__"
 
 
 def _runner(tree: ast.Module, namespace: MutableMapping[str, Any], filename: str, line: int | None) -> Callable[[], Any]:
-    """Run the cell's statements in ``namespace`` through its failing ``line``; the value of its last line when
-    that is an expression (as IPython displays it), so the proof reads the loss a cell ends with."""
+    """Run the cell's statements in ``namespace`` through its failing ``line`` and the rest of that round; the value
+    of its last line when that is an expression (as IPython displays it), so the proof reads the loss a cell ends
+    with."""
     body, last = list(tree.body), None
     if body and isinstance(body[-1], ast.Expr):
         body, last = body[:-1], ast.Expression(body[-1].value)
-    marked = line is not None and _mark_after(body, line)
+    if line is not None:
+        _mark_around(body, line)
     code = compile(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])), filename, "exec")
     tail = compile(last, filename, "eval") if last is not None else None
 
     def run() -> Any:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        progress = _Progress(needs_line=marked)
-        handle = register_optimizer_step_post_hook(progress.stepped)
-        namespace[_MARKER] = progress.line_ran
+        namespace[_MARKER] = _Round()
         try:
             exec(code, namespace)  # noqa: S102 - the user's own cell, run again in the user's namespace
             return eval(tail, namespace) if tail is not None else None  # noqa: S307 - its last line, as IPython shows it
-        except FailingLinePassed:
-            return None  # the cell ran through the line that failed and one training step: that is the proof
+        except FailingLineAgain:
+            return None  # one round through the failing line ran; a loop of a thousand steps is not run to its end
         finally:
-            handle.remove()
             namespace.pop(_MARKER, None)
 
     return run
 
 
-def _mark_after(body: list, line: int) -> bool:
-    """Place a call of the marker right after the innermost statement of ``body`` (nested blocks included) that
-    holds ``line``; whether one was found."""
+def _mark_around(body: list, line: int) -> bool:
+    """Place a mark before and after the innermost statement of ``body`` (nested blocks included) that holds
+    ``line``; whether one was found."""
     for i, stmt in enumerate(body):
         if not (stmt.lineno <= line <= (stmt.end_lineno or stmt.lineno)):
             continue
         for block in _blocks(stmt):
-            if _mark_after(block, line):
+            if _mark_around(block, line):
                 return True
-        call = ast.Expr(ast.Call(ast.Name(_MARKER, ast.Load()), [], []))
-        body.insert(i + 1, ast.copy_location(call, stmt))
+        body[i:i + 1] = [_mark(stmt, "starts"), stmt, _mark(stmt, "ran")]
         return True
     return False
+
+
+def _mark(stmt: ast.stmt, event: str) -> ast.stmt:
+    call = ast.Call(ast.Attribute(ast.Name(_MARKER, ast.Load()), event, ast.Load()), [], [])
+    return ast.copy_location(ast.Expr(call), stmt)
 
 
 def _blocks(stmt: ast.stmt) -> list[list]:
@@ -189,26 +190,23 @@ def _blocks(stmt: ast.stmt) -> list[list]:
     return [b for b in blocks if b and isinstance(b[0], ast.stmt)]
 
 
-class FailingLinePassed(Exception):
-    """Raised once a replayed cell has run its failing line and an optimizer step: what the proof judges has run,
-    and a cell that trains for a thousand steps is not run to its end."""
+class FailingLineAgain(Exception):
+    """Raised when a replayed cell is about to run its failing line a second time: the round through it (the rest
+    of the cell, or of the loop's iteration, after it) has run, and that is what the proof judges."""
 
 
-class _Progress:
-    """Where one replay is: whether the failing line has run, whether an optimizer step has."""
+class _Round:
+    """Where one replay is: whether the failing line has run."""
 
-    def __init__(self, needs_line: bool) -> None:
-        self.line, self.steps = not needs_line, 0
+    def __init__(self) -> None:
+        self.done = False
 
-    def line_ran(self) -> None:
-        self.line = True
-        if self.steps:
-            raise FailingLinePassed
+    def starts(self) -> None:
+        if self.done:
+            raise FailingLineAgain
 
-    def stepped(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        self.steps += 1
-        if self.line:
-            raise FailingLinePassed
+    def ran(self) -> None:
+        self.done = True
 
 
 @contextlib.contextmanager
