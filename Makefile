@@ -20,7 +20,7 @@ RUN_TESTS := PYTHONDONTWRITEBYTECODE= $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_
 # The corners' interpreters: the lowest and the highest Python mpdoctor claims (pyenv's, where it is).
 CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
 CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
-CORNERS := main colab oldest newest
+CORNERS := main kernels colab oldest newest
 # What a corner installs beside mpdoctor[test], for the tests only it collects (tests/corners.py, CORNER_ONLY):
 # timm's EMA, whose torchvision must match the corner's torch.
 CORNER_EXTRAS_newest := timm torchvision
@@ -47,7 +47,7 @@ endef
 # lab's installs compile as usual: a user's later runs must not pay for it.
 PIP_INSTALL ?= --no-compile
 
-.PHONY: demo test test-main test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
+.PHONY: demo test test-main test-kernels test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
 
 # `make demo` installs what the demo needs and nothing more: mpdoctor with its `demo` extra (the `hf` extra and
 # adamw-bf16) over the pinned CPU torch. pip without -q: even that first install fetches torch, and would
@@ -102,7 +102,7 @@ demo: $(DEMO_STAMP)
 # install's output kept together; then every corner runs, also after one fails (a failure in one must not hide
 # the others; a venv that failed to build fails its corner, with pip's error, when the corner retries it); then
 # the failures.
-VENV_STAMPS := $(STAMP) $(COLAB_STAMP) $(foreach c,$(filter-out main colab,$(CORNERS)),.venv-$(c)/.mpdoctor-installed)
+VENV_STAMPS := $(STAMP) $(COLAB_STAMP) $(foreach c,$(filter-out main kernels colab,$(CORNERS)),.venv-$(c)/.mpdoctor-installed)
 INSTALL_JOBS ?= 2
 
 test:
@@ -122,6 +122,18 @@ test-main: $(STAMP) $(COLAB_STAMP)
 	$(BIN)/vulture
 	$(BIN)/xenon --max-absolute C mpdoctor
 	$(RUN_TESTS) MPDOCTOR_NO_SKIPS=1 $(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
+
+# The numerics-sensitive tests (KERNELS in tests/corners.py) again in .venv under forced CPU kernels, whatever this
+# CPU has: torch's ATen capability and oneDNN's ISA held to the same level, lowest first. A test that holds only on
+# the kernels of the machine it was written on (AVX512-BF16, AMX) fails here, not on a user's machine.
+KERNEL_CAPABILITIES := default:SSE41 avx2:AVX2
+test-kernels: $(STAMP)
+	@for pair in $(KERNEL_CAPABILITIES); do \
+		cap=$${pair%%:*}; isa=$${pair##*:}; \
+		echo "== kernels: ATEN_CPU_CAPABILITY=$$cap ONEDNN_MAX_CPU_ISA=$$isa"; \
+		$(RUN_TESTS) ATEN_CPU_CAPABILITY=$$cap ONEDNN_MAX_CPU_ISA=$$isa MPDOCTOR_CORNER=kernels MPDOCTOR_NO_SKIPS=1 \
+			$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS) || exit 1; \
+	done
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
 # The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17), less

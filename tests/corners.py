@@ -70,6 +70,41 @@ CORNER_ONLY: dict[str, tuple[str, str]] = {
     ),
 }
 
+#: The numerics-sensitive tests: they compute in bf16 / fp16 / fp8 on this CPU and compare what came out (the field
+#: cases' measured harm, the emulation's oracles, the probe's ranges, the proof's "trained"). Which kernels a CPU
+#: has (AVX512-BF16, AMX, AVX2 only) changes their roundings; the ``kernels`` corner runs them again under forced
+#: capabilities, so a test that holds only on the developer's kernels fails here, not on a user's machine.
+KERNELS = (
+    "tests/test_kernels.py",
+    "tests/field",
+    "tests/stack/test_field_lowprecision.py",
+    "tests/stack/test_field_bnb_torchao.py",
+    "tests/stack/test_field_diffusers.py",
+    "tests/stack/test_bf16_update_loss.py",
+    "tests/stack/test_compare_oracles.py",
+    "tests/stack/test_compare_plan_torchao.py",
+    "tests/stack/test_lowprecision_healthy.py",
+    "tests/stack/test_lowprecision_readers.py",
+    "tests/test_compare.py",
+    "tests/test_compare_attention.py",
+    "tests/test_compare_plan.py",
+    "tests/test_compare_steps.py",
+    "tests/test_probe.py",
+    "tests/test_nan_origin.py",
+    "tests/test_scan.py",
+    "tests/test_cures.py",
+    "tests/test_healthy_recipes.py",
+    "tests/test_checks_optimizer.py",
+    "tests/test_between_steps.py",
+    "tests/test_proof.py",
+    "tests/test_proof_places.py",
+    "tests/test_proof_honesty.py",
+)
+
+#: The forced CPU capabilities the ``kernels`` corner runs under: ``ATEN_CPU_CAPABILITY`` with oneDNN limited to
+#: match (``ONEDNN_MAX_CPU_ISA``), so neither torch's own kernels nor oneDNN's use what the CPU has beyond it.
+KERNEL_CAPABILITIES = {"default": "SSE41", "avx2": "AVX2"}
+
 CORNERS: dict[str, Corner] = {
     c.name: c
     for c in (
@@ -126,6 +161,13 @@ CORNERS: dict[str, Corner] = {
             "ipywidgets 8.1.9, timm 1.0.31 with torchvision 0.29.1 (constraints-newest.txt)",
             runs=(*CORE, "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_and_its_claims_hold[04_cache_in_training]",
                   "tests/corner_newest"),
+            excluded={},
+        ),
+        Corner(
+            "kernels",
+            "the pinned venv under forced CPU kernels, each in turn: ATEN_CPU_CAPABILITY=default with "
+            "ONEDNN_MAX_CPU_ISA=SSE41, and ATEN_CPU_CAPABILITY=avx2 with ONEDNN_MAX_CPU_ISA=AVX2",
+            runs=KERNELS,
             excluded={},
         ),
         Corner(
