@@ -231,14 +231,23 @@ def _raised(fn) -> BaseException:
     raise AssertionError("the step did not raise")
 
 
-def test_the_watched_block_that_raises_shows_its_proven_fix_and_the_proof_runs_no_optimizer_hook_of_the_loop():
+def test_the_watched_block_that_raises_is_proven_on_its_own_loop_body_and_the_proof_runs_no_optimizer_hook_of_the_loop():
     model, opt, data = _watched_setup()
     with pytest.raises(RuntimeError), mpdoctor.watch(model, opt) as w:
         for x in data[2:]:
             _loop_step(model, opt, x)
-    assert w.crash_report.proof.checked and not w.crash_report.proof.verified
+    proof = w.crash_report.proof
+    # The proof ran the user's own loop body (this block's `_loop_step(model, opt, x)`) on the batch that raised.
+    assert proof.step.startswith("your loop's body (test_proof_places.py:") and proof.verified
+    assert not proof.before.ran and "must have the same dtype" in proof.before.error
     assert w._steps == 0, "the proof's optimizer steps are not the loop's"
     assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
+    # What it verified, done by the user: the plan applied, the loop's step on the same batch trains.
+    for fx in w.crash_report.fixes:
+        fx.apply()
+    params = list(model.parameters())
+    start = snapshot(params)
+    assert_step_trains(_loop_step(model, opt, data[2]), start, params)
 
 
 # -- the probe's batch ---------------------------------------------------------------------------------------------

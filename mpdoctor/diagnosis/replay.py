@@ -25,8 +25,10 @@ from __future__ import annotations
 import ast
 import contextlib
 import io
+import linecache
 import types
 from collections.abc import Callable, Iterable, MutableMapping
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -71,29 +73,30 @@ def _nothing() -> None:
     return None
 
 
-def refusal(tree: ast.Module, namespace: MutableMapping[str, Any]) -> str:
-    """Why a cell must not be replayed (``""`` when it may), read from its syntax tree and the names it uses."""
+def refusal(tree: ast.Module, namespace: MutableMapping[str, Any], what: str = "the cell") -> str:
+    """Why a cell (or ``what`` else: ``"the loop's body"``) must not be replayed (``""`` when it may), read from its
+    syntax tree and the names it uses."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and _called_name(node) == "get_ipython":
-            return f"the cell runs IPython magics or shell commands (line {node.lineno}), which a replay cannot undo"
+            return f"{what} runs IPython magics or shell commands (line {node.lineno}), which a replay cannot undo"
         if isinstance(node, ast.Call) and _called_name(node) in ("next", "iter"):
-            return (f"the cell reads a data iterator ({_called_name(node)}(...), line {node.lineno}); replaying it "
+            return (f"{what} reads a data iterator ({_called_name(node)}(...), line {node.lineno}); replaying it "
                     "would hand your next batch to the check")  # fmt: skip
         helper = namespace.get(_called_name(node)) if isinstance(node, ast.Call) else None
         if type(helper) is types.FunctionType:
             reader = iterator_reader(helper)
             if reader:
-                return (f"the cell calls {reader}, which reads a data iterator (line {node.lineno}); replaying it "
+                return (f"{what} calls {reader}, which reads a data iterator (line {node.lineno}); replaying it "
                         "would hand your next batch to the check")  # fmt: skip
         iterated = _iterated(node)
         if iterated is not None:
             name = next((n for n in _names_in(iterated) if is_data_stream(namespace.get(n))), None)
             if name is not None:
-                return (f"the cell reads a data iterator (a loop over {name}, line {node.lineno}); replaying it "
+                return (f"{what} reads a data iterator (a loop over {name}, line {node.lineno}); replaying it "
                         "would hand your next batch to the check")  # fmt: skip
         for target in _bound_names(node):
             if _is_training_object(namespace.get(target)):
-                return (f"the cell builds {target} anew (line {node.lineno}); a replay would check a fresh object, "
+                return (f"{what} builds {target} anew (line {node.lineno}); a replay would check a fresh object, "
                         "not the one the fix changes")  # fmt: skip
     return ""
 
@@ -224,7 +227,9 @@ class NamespaceState:
     def __init__(self, namespace: MutableMapping[str, Any], names: Iterable[str]) -> None:
         self.namespace = namespace
         self.bindings = {k: v for k, v in namespace.items() if k not in _SHELL_NAMES}
-        self.contents = [(v, _contents(v)) for k, v in self.bindings.items() if type(v) in (list, dict, set)]
+        # the user's own lists, dicts and sets; never a module's dunders (``__builtins__`` is the builtins' dict)
+        self.contents = [(v, _contents(v)) for k, v in self.bindings.items()
+                         if type(v) in (list, dict, set) and not k.startswith("__")]  # fmt: skip
         self.tensors = [(v, v.detach().clone()) for k, v in self.bindings.items()
                         if k in names and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]  # fmt: skip
 
@@ -237,6 +242,8 @@ class NamespaceState:
             if k not in ns or ns[k] is not v:
                 ns[k] = v
         for container, saved in self.contents:
+            if _same_contents(container, saved):
+                continue  # untouched: not rewritten (clearing drops references a finalizer may still need)
             container.clear()
             if isinstance(container, dict):
                 container.update(saved)
@@ -248,5 +255,70 @@ class NamespaceState:
             _put(tensor, "data", saved)
 
 
+def _same_contents(container: Any, saved: Any) -> bool:
+    """Whether a container holds the very objects it held (identity, not equality: no user ``__eq__`` runs)."""
+    if len(container) != len(saved):
+        return False
+    if isinstance(container, dict):
+        return all(k in saved and saved[k] is v for k, v in dict.items(container))
+    if isinstance(container, list):
+        return all(a is b for a, b in zip(container, saved))
+    return {id(x) for x in container} == {id(x) for x in saved}
+
+
 def _contents(container: Any) -> Any:
     return dict(container) if isinstance(container, dict) else list(container) if isinstance(container, list) else set(container)
+
+
+def loop_step(tb: TracebackType | None) -> HeldStep | None:
+    """The user's own loop body around the line that raised, as a step the proof runs again (``watch()``).
+
+    ``tb`` starts at the frame that ran the watched block (what ``__exit__`` receives). Its line that raised lies
+    in a loop's body: the innermost loop around it whose body takes an optimizer step (else the innermost). The
+    body runs again in that frame's namespace, with the loop's variables as they were when it raised (the batch
+    that failed); a module's or a cell's namespace is restored after each run, a function's is a copy. None when
+    the source or the loop cannot be read back (the proof then runs mpdoctor's stand-in step, and says so).
+    """
+    if tb is None:
+        return None
+    frame, line = tb.tb_frame, tb.tb_lineno
+    filename = frame.f_code.co_filename
+    source = "".join(linecache.getlines(filename, frame.f_globals))
+    try:
+        loop = _loop_around(ast.parse(source), line) if source else None
+    except SyntaxError:
+        return None
+    if loop is None:
+        return None
+    from ..facts.location import Location
+
+    body = ast.Module(body=list(loop.body), type_ignores=[])
+    first, last = loop.body[0].lineno, loop.body[-1].end_lineno or loop.body[-1].lineno
+    label = f"your loop's body ({Location.at(filename, first).label} to line {last}) on the batch it raised on"
+    globs = frame.f_globals
+    namespace = globs if frame.f_locals is globs else {**globs, **dict(frame.f_locals)}
+    why = refusal(body, namespace, "the loop's body")
+    if why:
+        return HeldStep(_nothing, label, refused=why)
+    code = compile(body, filename, "exec")
+
+    def run() -> None:
+        exec(code, namespace)  # noqa: S102 - the user's own loop body, run again where it ran
+
+    names = _names_read(body)
+    return HeldStep(run, label, around=_silenced, state=lambda: NamespaceState(namespace, names))
+
+
+def _loop_around(tree: ast.Module, line: int) -> ast.stmt | None:
+    """The loop whose body holds ``line``: the innermost whose body takes an optimizer step, else the innermost."""
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While, ast.AsyncFor)) and n.body
+             and n.body[0].lineno <= line <= (n.body[-1].end_lineno or n.body[-1].lineno)]  # fmt: skip
+    loops.sort(key=lambda n: n.body[0].lineno, reverse=True)  # innermost first
+    stepping = [n for n in loops if _takes_a_step(n.body)]
+    return stepping[0] if stepping else (loops[0] if loops else None)
+
+
+def _takes_a_step(body: list) -> bool:
+    """Whether a loop body calls ``<something>.step(...)`` (an optimizer's, a scaler's) itself."""
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "step"
+               for stmt in body for n in ast.walk(stmt))  # fmt: skip

@@ -259,6 +259,26 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
                         stand_in="mpdoctor's own step on the watched batch (forward, the model's .loss or the mean of "
                                  "its output, backward, optimizer step)")  # fmt: skip
 
+    def _loop_body(self, tb: TracebackType | None) -> Any:
+        """The loop body that raised, as a held step with this watch's objects and its observers aside; None when
+        its source cannot be read back."""
+        import dataclasses
+
+        from ..diagnosis.replay import loop_step
+
+        held = loop_step(tb)
+        if held is None:
+            return None
+        silenced = held.around
+
+        @contextlib.contextmanager
+        def around() -> Iterator[None]:
+            with self._aside(), silenced():
+                yield
+
+        return dataclasses.replace(held, modules=(self.model,), optimizers=(_hookable(self.optimizer),),
+                                   scalers=(self.scaler,), around=around)  # fmt: skip
+
     @contextlib.contextmanager
     def _aside(self) -> Iterator[None]:
         """While the proof runs the step: this watch's hooks and every protocol observer look away."""
@@ -271,9 +291,10 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         finally:
             self._proving, self._watcher.probing = False, False
 
-    def _proven(self, report: Any) -> Any:
-        """``report`` with its plan checked on the held batch (as it was when no batch is held)."""
-        held = self.held_step()
+    def _proven(self, report: Any, tb: TracebackType | None = None) -> Any:
+        """``report`` with its plan checked on the user's own loop body that raised (``tb``: the watched block's
+        traceback), else on mpdoctor's stand-in step on the held batch; as it was when neither can run."""
+        held = self._loop_body(tb) or self.held_step()
         if report is None or held is None or not any(fx.changes for fx in report.fixes):
             return report
         from ..diagnosis.proof import proven_report
@@ -358,7 +379,7 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         from ..crash.cause import explain
 
         report = explain(exc, tb, *self._objects(), names=self._names(), target=self.target, ignore=self.ignore)
-        report = self._proven(report)
+        report = self._proven(report, tb)
         if report is not None:
             self.crash_report = report
             show(report, "at the crash")
