@@ -287,3 +287,42 @@ def test_false_alarms_the_healthy_recipe_of_each_island_kind_trains_and_draws_no
     assert_step_trains(loss.detach(), before, params)
     report = mpdoctor.diagnose(model, opt)
     assert not _loud(report), report.to_text()
+
+
+class _FrozenOnThePath(torch.nn.Module):
+    """A frozen bf16 copy of ``body`` that the forward calls (written with ``s`` for ``self``): on the path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(s, x):  # noqa: N805 - the user's own spelling of self
+        return s.head(s.frozen(s.body(x)))
+
+
+def test_a_frozen_copy_the_forward_calls_is_not_an_island_it_is_diagnosed_and_its_proven_fix_trains():
+    torch.manual_seed(0)
+    net = _FrozenOnThePath()
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(4, 8)
+
+    def step():
+        opt.zero_grad()
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(RuntimeError, match="same dtype"):
+        step()  # the real error: the forward meets the frozen copy's bf16
+    report = mpdoctor.diagnose(net, opt, step=step)
+    (finding,) = report.findings_for("mixed-param-dtypes")
+    assert finding.severity == "error" and "frozen" in finding.message
+    assert report.proof.verified
+    for fx in report.fixes:
+        fx.apply()
+    params = [p for p in net.parameters() if p.requires_grad]
+    start = snapshot(params)
+    assert_step_trains(step(), start, params)

@@ -12,9 +12,11 @@ shadow's dtype, against the same update in fp32, on a copy (the live tensors are
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import re
+import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -162,12 +164,52 @@ def _frozen_copies(model: torch.nn.Module) -> list[Island]:
     out: list[Island] = []
     for ppath, parent in [("", model), *model.named_children()]:
         children = [(f"{ppath}.{n}" if ppath else n, c) for n, c in parent.named_children()]
-        frozen = [(path, c) for path, c in children if _frozen(c)]
+        frozen = [(path, c) for path, c in children if _frozen(c) and not _called_by(parent, path.rsplit(".", 1)[-1])]
         if not frozen:  # the usual case: no sibling signature is computed at all
             continue
         signatures = {path: _signature(c) for path, c in children}
         out.extend(island for island in (_copy_of_a_sibling(path, child, children, signatures) for path, child in frozen) if island)
     return out
+
+
+def _called_by(parent: torch.nn.Module, name: str) -> bool:
+    """Whether ``parent``'s forward runs its child ``name``: a container's children are its forward path, and a
+    forward that reads ``self.<name>`` (or walks its children) calls it. A frozen copy on that path is not an
+    island: the forward meets its dtype (it raises, or casts). Read from the source, never run; a source that
+    cannot be read says no."""
+    if isinstance(parent, (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)):
+        return True
+    names = _forward_names(type(parent))
+    return name in names or bool(names & _ALL_CHILDREN)
+
+
+#: What a forward reads on ``self`` to run every child.
+_ALL_CHILDREN = frozenset({"children", "named_children", "modules", "named_modules", "_modules"})
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_names(cls: type) -> frozenset[str]:
+    """The attribute names a class's forward reads on its first argument (``self.head``, ``getattr(self, "head")``)."""
+    forward = getattr(cls, "forward", None)
+    if forward is None or getattr(forward, "__module__", "").startswith("torch.nn"):
+        return frozenset()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    fn = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if fn is None or not fn.args.args:
+        return frozenset()
+    me = fn.args.args[0].arg
+    names = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
+            names.add(node.attr)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):  # fmt: skip
+            names.add(node.args[1].value)
+    return frozenset(names)
 
 
 def _frozen(mod: torch.nn.Module) -> bool:
