@@ -130,6 +130,18 @@ def low_precision_ema(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
+#: The shadow dtypes a cast to fp32 cures.
+LOW_DTYPES = frozenset({"bfloat16", "float16"})
+#: How torch's ``lerp_`` names a dtype in its error (``c10::toString`` of the scalar type).
+_TORCH_DTYPE_WORDS = {"float32": "float", "float64": "double", "bfloat16": "c10::BFloat16", "float16": "c10::Half"}
+
+
+def lerp_error(shadow: str, online: str) -> str:
+    """The error ``shadow_tensor.lerp_(online_tensor, w)`` raises, as torch words it."""
+    word = _TORCH_DTYPE_WORDS
+    return f"expected dtype {word.get(shadow, shadow)} for `end` but got dtype {word.get(online, online)}"
+
+
 @check("ema-update-dtype-mismatch", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An fp32 EMA / averaged copy of a lower-precision model whose update takes one dtype: it raises.
@@ -170,20 +182,23 @@ def ema_update_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not s.same_dtype_update or not s.source_dtypes or set(s.source_dtypes) == set(s.shadow_dtypes):
             continue
         shadow, online = "/".join(s.shadow_dtypes), "/".join(s.source_dtypes)
-        hand = s.kind == "hand-written"  # the user's own lerp_: only their line can cast the online weights
+        # A low-precision shadow of an fp32 model: the shadow cast to fp32 (in place) makes the update's two dtypes
+        # one, the user's line unchanged. An fp32 shadow of a low-precision model: only the update can cast.
+        low_shadow = set(s.shadow_dtypes) <= LOW_DTYPES and set(s.source_dtypes) == {"float32"}
+        hand = s.kind == "hand-written" and not low_shadow  # the user's own lerp_: only their line can cast
         fix = Fix(
-            f"Make {s.name}'s update cast the online weights",
-            lerp_update_code(s) if hand else shadow_fix_code(s),
+            f"Keep {s.name}'s shadow in fp32" if low_shadow else f"Make {s.name}'s update cast the online weights",
+            lerp_update_code(s) if hand else shadow_fix_code(s, with_update=not low_shadow),
             changes=() if hand else (KeepShadowFp32(s.ref, s.name),),
             applicability=Applicability.DISPLAY_ONLY if hand else Applicability.SAFE,
             backup_bytes=0 if hand else 2 * s.low_elements,
             recipe="keep-shadow-fp32",
         )
-        update = f"your update ({s.update_where}: {s.update_line})" if hand else "its update"
+        update = f"your update ({s.update_where}: {s.update_line})" if s.kind == "hand-written" else "its update"
         yield rule.finding(
             s.name,
             f"{s.name} keeps a {shadow} shadow ({s.shadow_path}) of {s.source_name or s.source}, which is {online}, and {update} lerps "
-            f"the two as they are: the next update raises 'expected dtype float for `end` but got dtype c10::BFloat16'.",
+            f"the two as they are: the next update raises {lerp_error(s.shadow_dtypes[0], s.source_dtypes[0])!r}.",
             {"shadow": s.shadow_path, "shadow_dtypes": list(s.shadow_dtypes), "online_model": s.source_name or s.source,
              "online_dtypes": list(s.source_dtypes), "update": f"{s.update_where}: {s.update_line}" if hand else None},
             [fix],

@@ -56,9 +56,10 @@ class KeepShadowFp32(ChangeSpec):
         return sum(2 * s.low_elements for s in facts.averaging if s.ref == self.ref)
 
 
-def shadow_fix_code(s: ShadowFacts) -> str:
+def shadow_fix_code(s: ShadowFacts, with_update: bool = True) -> str:
     """Python that does what :class:`KeepShadowFp32` does to the averaging object ``s``, with the user's names (run
-    in the tests on a twin)."""
+    in the tests on a twin). ``with_update=False``: the cast alone, without advice on a hand-written ``lerp_`` (the
+    online model is fp32 already, so the user's line is right once the shadow is)."""
     if s.kind == "ema-model":
         return f"import torch\n\n{s.name}.to(dtype=torch.float32)  # EMAModel.to casts its shadow_params; step() promotes the bf16 parameters"
     if s.kind == "hand-written" and s.class_path == "builtins.dict":
@@ -67,7 +68,7 @@ def shadow_fix_code(s: ShadowFacts) -> str:
             f"for k, t in {s.name}.items():\n"
             f"    if t.is_floating_point() and t.dtype != torch.float32:\n"
             f"        {s.name}[k] = t.float()  # the EMA's tensors in fp32"
-        ) + (_lerp_advice(s) if s.update_op == "lerp_" else "")
+        ) + (_lerp_advice(s) if s.update_op == "lerp_" and with_update else "")
     cast = (
         f"import torch\n\n"
         f"for p in {s.shadow_path}.parameters():\n"
@@ -83,7 +84,7 @@ def shadow_fix_code(s: ShadowFacts) -> str:
             f"    setattr({s.name}, attr, functools.partial(fn.func, *fn.args, **{{**fn.keywords, 'coerce_dtype': True}}))"
         )
     if s.kind == "hand-written" and s.update_op == "lerp_" and s.update_line:
-        return cast + _lerp_advice(s)
+        return cast + _lerp_advice(s) if with_update else cast
     if s.kind == "averaged-model" and s.same_dtype_update:
         avg = f"get_ema_avg_fn({s.decay!r})" if s.decay is not None else "get_swa_avg_fn()"
         return (

@@ -974,3 +974,31 @@ def test_a_dict_of_bf16_shadow_tensors_loses_its_updates_then_is_fixed_in_place_
         assert moved() > 0.5
     finally:
         sh.reset(new_session=True)
+
+
+def test_a_bf16_lerp_ema_of_an_fp32_model_quotes_its_real_error_and_its_in_place_cast_makes_the_step_run():
+    """The other direction of ``ema-update-dtype-mismatch``: the shadow is the bf16 one, the model fp32. The message
+    quotes the error ``lerp_`` really raises (the dtypes in its order), and the fix is the shadow cast to fp32 in
+    place: the user's ``ema_p.lerp_(p, 1 - decay)`` then meets one dtype, unchanged."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    sh = InteractiveShell.instance()
+    step = STEP.replace("dtype=torch.bfloat16", "dtype=torch.float32").format(update=LERP)
+    try:
+        for cell in (SETUP.format(dtype="torch.float32") + "ema.to(torch.bfloat16)\n", step):
+            assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        ns = sh.user_ns
+        error = str(raised(ns["train_step"]))
+        assert error == "expected dtype c10::BFloat16 for `end` but got dtype float"
+        report = mpdoctor.diagnose(namespace={k: ns[k] for k in ("model", "ema", "opt")})
+        (finding,) = report.findings_for("ema-update-dtype-mismatch")
+        assert repr(error) in finding.message
+        (fix,) = finding.fixes
+        assert fix.applicability == "safe" and fix.changes and "lerp_(p.float()" not in fix.code
+        fix.apply()
+        assert all(p.dtype == torch.float32 for p in ns["ema"].parameters())
+        params = list(ns["model"].parameters())
+        before = snapshot(params)
+        assert_step_trains(ns["train_step"](), before, params)
+    finally:
+        sh.reset(new_session=True)
