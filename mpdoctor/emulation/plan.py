@@ -135,7 +135,7 @@ class Plan:
     def code(self) -> str:
         """torchao code converting exactly the planned Linears (the kept ones named in ``keep``)."""
         head = f"# mpdoctor plan: {self.target}, {len(self.kept)} of {len(self.kept) + len(self.converted)} Linears kept in {self.keep_precision}; "
-        head += f"verified loss gap {self.planned.loss_gap:.4g} vs fp32 (all-{self.target}: {self.all_target.loss_gap:.4g})\n"
+        head += f"emulated loss gap {self.planned.loss_gap:.4g} vs fp32 (all-{self.target}: {self.all_target.loss_gap:.4g}); not run on {self.target} kernels\n"
         return head + conversion_code(self.target, self.kept, self.attention)
 
     @property
@@ -154,7 +154,7 @@ class Plan:
             "from accelerate import Accelerator\n"
             "from accelerate.utils import AORecipeKwargs\n"
             "from torchao.float8 import Float8LinearConfig\n\n"
-            f"{keep_line}  # verified by mpdoctor: stay in high precision\n\n"
+            f"{keep_line}  # kept in high precision by mpdoctor's plan (checked in emulation, not on fp8 kernels)\n\n"
             "def module_filter_fn(module, fqn):\n"
             "    return isinstance(module, torch.nn.Linear) and fqn not in keep\n\n"
             f'config = Float8LinearConfig.from_recipe_name("{recipe}")\n'

@@ -167,6 +167,25 @@ def _gap(v: dict) -> str:
     return f"loss gap {g}, gradient SQNR {_fmt(sqnr, 'dB')} dB"
 
 
+#: What a plan's figures come from: mpdoctor's emulation, not low-precision kernels (``mpdoctor/emulation``).
+EMULATED = "emulated (the formats' rounding in fp32 on this CPU, one batch, forward and backward, no optimizer step)"
+#: A gradient SQNR below this is mostly noise: said beside any verdict, bounded or not.
+NOISY_GRAD_SQNR_DB = 0.0
+
+
+def plan_verdict(plan: dict) -> str:
+    """What a plan's check ran and found: "emulated ... : within the loss budget", never "verified" (no real
+    low-precision kernel ran), and what was not bounded when it is bad (a gradient SQNR under 0 dB)."""
+    runs = plan.get("runs", 0)
+    bounded = [what for what, key in (("loss", "budget"), ("gradient", "min_grad_sqnr_db")) if plan.get(key) is not None]
+    within = "within" if plan.get("within_budget") else "OVER"
+    verdict = f"{EMULATED}, {runs} runs: " + (f"{within} the {' and '.join(bounded)} budget" if bounded else "no budget")
+    sqnr = plan.get("planned", {}).get("grad_sqnr_db")
+    if plan.get("min_grad_sqnr_db") is None and isinstance(sqnr, float) and sqnr < NOISY_GRAD_SQNR_DB:
+        verdict += f"; its gradient SQNR is {sqnr:.1f} dB, not bounded: the gradients are more noise than signal"
+    return verdict
+
+
 def plan_text(plan: dict) -> str:
     """A plan in three lines: what is kept, its verified figures next to all-target and all-kept."""
     target, high = plan.get("target"), plan.get("keep_precision")
@@ -177,10 +196,9 @@ def plan_text(plan: dict) -> str:
         limit += f", at most {plan['max_kept']:.0%} of Linears kept"
     if plan.get("min_grad_sqnr_db") is not None:
         limit += f", gradient SQNR >= {plan['min_grad_sqnr_db']:g} dB"
-    verdict = "within budget" if plan.get("within_budget") else "OVER budget"
     lines = [
         f"plan {plan.get('target_label', target)}: {len(kept)} of {len(kept) + len(converted)} Linears kept in {high} ({KEPT_MARK}), the rest in {target}; "
-        f"verified end to end ({plan.get('runs', 0)} runs): {verdict} ({limit})",
+        f"{plan_verdict(plan)} ({limit})",
         f"  plan:        {_gap(plan.get('planned', {}))}",
         f"  all-{target}:{' ' * max(1, 7 - len(str(target)))}{_gap(plan.get('all_target', {}))}",
         f"  all-{high}:{' ' * max(1, 7 - len(str(high)))}{_gap(plan.get('all_kept', {}))}",
@@ -333,7 +351,7 @@ def _plans_html(data: dict) -> list[str]:
     out = []
     for plan in data.get("plans", {}).values():
         target, high = plan.get("target"), plan.get("keep_precision")
-        verdict = "within budget" if plan.get("within_budget") else "over budget"
+        verdict = plan_verdict(plan)
         cells = "".join(
             f"<td style='padding:2px 8px;text-align:right'>{e(label)}: {e(_gap(plan.get(key, {})))}</td>"
             for label, key in (("plan", "planned"), (f"all-{target}", "all_target"), (f"all-{high}", "all_kept"))
@@ -341,7 +359,7 @@ def _plans_html(data: dict) -> list[str]:
         out.append(
             f"<table style='border-collapse:collapse;margin:4px 0'><tr><td style='padding:2px 8px'><b>{KEPT_MARK} plan {e(target)}</b>: "
             f"{len(plan.get('kept', []))} of {len(plan.get('kept', [])) + len(plan.get('converted', []))} Linears kept in {e(high)}, "
-            f"verified end to end, {e(verdict)}</td>{cells}</tr></table>"
+            f"{e(verdict)}</td>{cells}</tr></table>"
         )
     return out
 
