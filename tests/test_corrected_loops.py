@@ -74,6 +74,12 @@ for i, (x, y) in enumerate(data):
         {OPTIMIZER}.zero_grad()
     {SCALER}.update()  # mistake: every micro-batch
 """,
+    "bypass-without-update": f"""\
+for x, y in data:
+    {OPTIMIZER}.zero_grad()
+    {SCALER}.scale(loss_fn(model(x), y)).backward()
+    {OPTIMIZER}.step()  # mistake: bypasses the scaler, and nothing updates its scale
+""",
     "clip-and-bypass": f"""\
 for x, y in data:
     {OPTIMIZER}.zero_grad()

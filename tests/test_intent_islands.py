@@ -326,3 +326,35 @@ def test_a_frozen_copy_the_forward_calls_is_not_an_island_it_is_diagnosed_and_it
     params = [p for p in net.parameters() if p.requires_grad]
     start = snapshot(params)
     assert_step_trains(step(), start, params)
+
+
+class _CopyThroughAHelper(torch.nn.Module):
+    """A frozen bf16 copy the forward reaches through a method of its own, and a trainable bf16 twin it never calls
+    in forward (a value head the user calls as ``net.value(x)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8).to(torch.bfloat16).requires_grad_(False)
+        self.value_head = torch.nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self._through(self.body(x))
+
+    def _through(self, h):
+        return self.frozen(h)
+
+    def value(self, x):
+        return self.value_head(x)
+
+
+def test_a_frozen_copy_reached_through_a_helper_and_a_trainable_twin_are_both_on_the_compute_path():
+    net = _CopyThroughAHelper()
+    x = torch.randn(4, 8)
+    for call in (net, net.value):
+        with pytest.raises(RuntimeError, match="same dtype"):
+            call(x)  # the real errors: the frozen copy in forward, the trainable twin in value()
+    report = mpdoctor.diagnose(net)
+    assert not [i for i in report.facts.models[0].islands if i.path in ("frozen", "value_head")]
+    (finding,) = report.findings_for("mixed-param-dtypes")
+    assert finding.severity == "error"

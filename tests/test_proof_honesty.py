@@ -375,3 +375,35 @@ def test_a_cell_whose_failing_line_comes_after_its_optimizer_step_is_replayed_th
         start = snapshot(params)
         assert sh.run_cell(cell, store_history=True).error_in_exec is None
         assert_step_trains(sh.user_ns["loss"], start, params)
+
+
+def test_a_plan_after_which_the_step_runs_without_training_is_not_verified():
+    model, opt, x = _bf16_head_setup()
+
+    def step():  # no gradient ever reaches a parameter: the loss is a constant of them
+        opt.zero_grad()
+        loss = (model(x).float() * 0.0).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with pytest.raises(RuntimeError, match="same dtype"):
+        step()
+    report = mpdoctor.diagnose(model, opt, step=step)
+    proof = report.proof
+    assert proof.plan is not None and proof.plan.ran and not proof.plan.trained
+    assert not proof.verified and "every gradient was zero" in proof.plan.why
+    assert "Plan not verified on your step (step())" in report.to_text()
+
+
+def test_a_cell_replay_puts_back_a_tensor_the_cell_changes_in_place():
+    cell = "batch.mul_(2.0)\nadam.zero_grad()\nloss = net(batch).float().pow(2).mean()\nloss.backward()\nadam.step()\n"
+    with loaded_shell(("torch", "net", "adam", "batch", "probe_w", "loss", "r", "_")) as sh:
+        sh.run_cell(_CELL_SETUP, store_history=True)
+        assert isinstance(sh.run_cell(cell, store_history=True).error_in_exec, RuntimeError)
+        batch = sh.user_ns["batch"]
+        seen = batch.clone()  # doubled once, by the user's own run
+        sh.run_cell("r = %mpdoctor net adam --text", store_history=True)
+        proof = sh.user_ns["r"].proof
+        assert proof.before is not None and proof.after  # replayed, before and after the fix
+        assert sh.user_ns["batch"] is batch and torch.equal(batch, seen)

@@ -189,27 +189,42 @@ _ALL_CHILDREN = frozenset({"children", "named_children", "modules", "named_modul
 
 @functools.lru_cache(maxsize=256)
 def _forward_names(cls: type) -> frozenset[str]:
-    """The attribute names a class's forward reads on its first argument (``self.head``, ``getattr(self, "head")``)."""
-    forward = getattr(cls, "forward", None)
-    if forward is None or getattr(forward, "__module__", "").startswith("torch.nn"):
-        return frozenset()
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return frozenset()
-    fn = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
-    if fn is None or not fn.args.args:
-        return frozenset()
-    me = fn.args.args[0].arg
-    names = set()
-    for node in ast.walk(fn):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == me:
-            names.add(node.attr)
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-              and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):  # fmt: skip
-            names.add(node.args[1].value)
+    """The attribute names a class's forward reads on its first argument (``self.head``, ``getattr(self, "head")``),
+    following the class's own methods it calls (``self._run(x)``), a few deep."""
+    names: set[str] = set()
+    pending, seen = ["forward"], set()
+    while pending and len(seen) < 16:
+        method = pending.pop()
+        seen.add(method)
+        read = _method_names(cls, method)
+        names |= read
+        pending.extend(n for n in read if n not in seen and callable(getattr(cls, n, None)))
     return frozenset(names)
+
+
+def _method_names(cls: type, method: str) -> set[str]:
+    """The attribute names one method of ``cls`` reads on its first argument, from its source (empty when the
+    source cannot be read, or the method is torch's own)."""
+    fn = getattr(cls, method, None)
+    if fn is None or getattr(fn, "__module__", "").startswith("torch.nn"):
+        return set()
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return set()
+    node = tree.body[0] if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+    if node is None or not node.args.args:
+        return set()
+    me = node.args.args[0].arg
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == me} | {n.args[1].value for n in ast.walk(node) if _getattr_of(n, me)}  # fmt: skip
+
+
+def _getattr_of(node: ast.AST, me: str) -> bool:
+    """``getattr(<me>, "<name>")``."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
+            and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str))  # fmt: skip
 
 
 def _frozen(mod: torch.nn.Module) -> bool:

@@ -1,0 +1,135 @@
+"""The proof's own mutations: each one a defect the proof once had or could have, each killed by the suite.
+
+Every mutation below changes one piece of mpdoctor's proof, replay, intent or loop-rewrite code in a copy of the
+package, then runs the tests named beside it against that copy (in a fresh interpreter that imports the copy, not
+the installed package). The mutation must be killed: those tests fail. A mutation whose text is no longer in the
+code fails here too, so the list follows the code.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # under mpdoctor/
+    old: str
+    new: str
+    killers: tuple[str, ...]  # test node ids (or files) that must fail on it
+
+
+MUTATIONS = (
+    Mutation("trials are not restored between fixes", "diagnosis/proof.py",
+             "        for fix in reversed(applied):\n            _undo(fix)\n        snapshot.restore()",
+             "        for fix in reversed(applied):\n            _undo(fix)",
+             ("tests/test_proof_honesty.py::test_a_safe_plan_that_alone_does_not_cure_says_so_and_names_what_else_it_takes",
+              "tests/test_proof_honesty.py::test_two_cures_of_one_failure_that_undo_each_other_are_not_planned_together")),
+    Mutation("a fix after which training stops is kept", "diagnosis/proof.py",
+             "return (before.ran and not outcome.ran) or (before.trained and not outcome.trained)",
+             "return False",
+             ("tests/test_proof.py::test_a_fix_that_breaks_a_step_that_trained_is_tried_not_planned",)),
+    Mutation("Proof.verified ignores .trained", "diagnosis/proof.py",
+             "return not self.stand_in and self.plan is not None and self.plan.trained",
+             "return not self.stand_in and self.plan is not None",
+             ("tests/test_proof_honesty.py::test_a_plan_after_which_the_step_runs_without_training_is_not_verified",)),
+    Mutation("NaN parameters count as trained", "diagnosis/proof.py",
+             '        return "a parameter became inf/NaN"\n',
+             "        pass\n",
+             ("tests/test_proof_honesty.py::test_a_step_with_no_optimizer_step_or_nan_parameters_did_not_train",)),
+    Mutation("all-zero gradients count as trained", "diagnosis/proof.py",
+             '        return "no gradient reached the parameters" if not seen.reached else "every gradient was zero or inf/NaN"\n',
+             "        pass\n",
+             ("tests/test_proof_honesty.py::test_a_step_whose_gradients_are_all_zero_ran_but_did_not_train_even_when_weight_decay_moves_the_weights",)),
+    Mutation("namespace tensors are not restored", "diagnosis/replay.py",
+             '        for tensor, saved in self.tensors:\n            _put(tensor, "data", saved)',
+             "        pass",
+             ("tests/test_proof_honesty.py::test_a_cell_replay_puts_back_a_tensor_the_cell_changes_in_place",)),
+    Mutation("modes and requires_grad are not restored", "diagnosis/proof.py",
+             "        for sub, training in self.modes:\n            if sub.training != training:\n                sub.train(training)",
+             "        pass",
+             ("tests/test_proof_honesty.py::test_diagnose_step_leaves_the_scheduler_modes_and_requires_grad_as_they_were",)),
+    Mutation("LR schedulers are not restored", "diagnosis/proof.py",
+             "            scheduler.load_state_dict(copy.deepcopy(saved))",
+             "            pass",
+             ("tests/test_proof_honesty.py::test_diagnose_step_leaves_the_scheduler_modes_and_requires_grad_as_they_were",)),
+    Mutation("the cell replay stops at the first optimizer step", "diagnosis/replay.py",
+             "        namespace[_MARKER] = _Round()\n",
+             "        namespace[_MARKER] = _Round()\n        __import__('torch.optim.optimizer').optim.optimizer"
+             ".register_optimizer_step_post_hook(lambda *a: (_ for _ in ()).throw(FailingLineAgain()))\n",
+             ("tests/test_proof_honesty.py::test_a_cell_whose_failing_line_comes_after_its_optimizer_step_is_replayed_through_that_line",)),
+    Mutation("a step reading an iterator is not refused", "diagnosis/proof.py",
+             "    reader = iterator_reader(step)\n",
+             '    reader = ""\n',
+             ("tests/test_proof_honesty.py::test_diagnose_step_refuses_a_step_that_reads_an_iterator_and_moves_nothing",)),
+    Mutation("the frozen check ignores requires_grad", "readers/intent.py",
+             "    return bool(params) and not any(p.requires_grad for p in params)",
+             "    return bool(params)",
+             ("tests/test_intent_islands.py::test_a_frozen_copy_reached_through_a_helper_and_a_trainable_twin_are_both_on_the_compute_path",)),
+    Mutation("_keep_in_fp32 islands are dropped", "readers/intent.py",
+             "    islands.extend(_kept_in_fp32(model))\n",
+             "",
+             ("tests/stack/test_between_steps_averaging.py",)),
+    Mutation("a fix is labelled verified whatever the outcome", "diagnosis/proof.py",
+             '    return f"{unverified}: applied alone, {alone.describe()}"',
+             '    return f"verified {where}: applied alone, {alone.describe()}"',
+             ("tests/test_proof.py::test_a_fix_that_leaves_the_failure_as_it_was_is_not_called_verified",)),
+    Mutation("the summary always says verified", "diagnosis/proof.py",
+             'verdict = "verified on your step" if self.plan.trained else "not verified on your step"',
+             'verdict = "verified on your step"',
+             ("tests/test_proof.py::test_a_fix_that_leaves_the_failure_as_it_was_is_not_called_verified",)),
+    Mutation("a stand-in step is labelled verified", "diagnosis/proof.py",
+             '    verdict = "checked" if stand_in else "verified"\n',
+             '    verdict = "verified"\n',
+             ("tests/test_proof_honesty.py::test_a_step_mpdoctor_builds_itself_is_checked_and_never_labelled_verified",)),
+    # (the same line in _step_through_scaler is covered twice: the corrected loop read again adds the update)
+    Mutation("scaler.update() is not inserted in a corrected loop", "runtime/loop_rewrite.py",
+             '    return [Edit("after", stmt, f"{_indent(source, stmt)}{mistake.scaler}.update()  # once per real step")]',
+             "    return []",
+             ("tests/test_corrected_loops.py::test_every_corrected_loop_the_reader_shows_runs_and_trains_and_keeps_no_mistake",)),
+    Mutation("IPython's output variables name a patient", "crash/frames.py",
+             "    return name.startswith(\"_\") or name in _SHELL_BINDINGS",
+             "    return False",
+             ("tests/test_proof_honesty.py::test_ipythons_output_variables_never_name_a_patient",)),
+)
+
+#: Runs pytest in a fresh interpreter that imports mpdoctor from the mutated copy: the installed package is an
+#: editable install whose finder would import the repository's own code, so its finder is taken out first.
+_RUNNER = """
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+sys.path.insert(0, sys.argv[1])
+import pytest
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
+def test_each_mutation_of_the_proof_is_killed_by_the_suite(mutation, tmp_path):
+    copy = tmp_path / "mutant"
+    shutil.copytree(ROOT / "mpdoctor", copy / "mpdoctor", ignore=shutil.ignore_patterns("__pycache__"))
+    target = copy / "mpdoctor" / mutation.path
+    text = target.read_text(encoding="utf-8")
+    assert text.count(mutation.old) == 1, f"the mutation's text is not (once) in mpdoctor/{mutation.path}"
+    target.write_text(text.replace(mutation.old, mutation.new), encoding="utf-8")
+    run = subprocess.run(
+        [sys.executable, "-c", _RUNNER, str(copy), "-x", "-q", "-p", "no:cacheprovider",
+         "--rootdir", str(ROOT), *mutation.killers],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert "mutant/mpdoctor" in _imported_from(copy), "the mutated copy was not the package imported"
+    assert run.returncode == 1, f"{mutation.name}: survived (exit {run.returncode})\n{run.stdout[-3000:]}"
+
+
+def _imported_from(copy: Path) -> str:
+    code = _RUNNER.replace("import pytest\nsys.exit(pytest.main(sys.argv[2:]))", "import mpdoctor\nprint(mpdoctor.__file__)")
+    return subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, check=True).stdout
