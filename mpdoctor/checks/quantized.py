@@ -77,7 +77,7 @@ def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("fp8-storage-trainable", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-storage-trainable", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
 def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """float8-stored parameters left trainable: their gradients and the optimizer step run in float8.
 
@@ -97,7 +97,9 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model.requires_grad_(False)
         model = get_peft_model(model, LoraConfig(target_modules=["to_q", "to_v"]))  # train bf16 adapters
     Severity
-        Error: the first optimizer step (or the DDP wrap) raises.
+        Error when an optimizer holds the model's parameters: its first step (or the DDP wrap) raises. Info when
+        none does (inference on float8-stored weights, ``requires_grad`` left at its default): nothing raises
+        until an optimizer is built over them, and freezing them only saves autograd's bookkeeping.
     Fix safety
         Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
@@ -111,12 +113,16 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not bad:
             continue
         shown = ", ".join(f"{x.path or m.name} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
+        trained = any(o.param_ids & m.tensors.param_ids for o in facts.optimizers)
+        consequence = ("the first step raises" if trained else
+                       "no optimizer holds them now, so nothing raises yet (inference is unharmed); an optimizer built "
+                       "over them would raise at its first step")  # fmt: skip
         yield rule.finding(
             m.name,
             f"{len(bad)} layers of {m.name} hold trainable float8 parameters: {shown}. No optimizer computes in "
-            "float8: the first step raises (\"not implemented for 'Float8_e4m3fn'\"). Freeze them and train adapters "
+            f"float8: {consequence} (\"not implemented for 'Float8_e4m3fn'\"). Freeze them and train adapters "
             "or layers kept in bf16.",
-            {"layers": [(x.path, x.params, x.storage_dtype) for x in bad]},
+            {"layers": [(x.path, x.params, x.storage_dtype) for x in bad], "held_by_an_optimizer": trained},
             [
                 Fix(
                     f"Freeze the float8-stored parameters of {m.name}",
@@ -128,6 +134,7 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     recipe="freeze-fp8-storage",
                 )
             ],
+            severity=Severity.ERROR if trained else Severity.INFO,
         )
 
 
