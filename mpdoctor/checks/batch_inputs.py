@@ -145,9 +145,17 @@ def batch_findings(p: Any, rule: Rule) -> Iterator[Finding]:
             "keep": keep_line(p.model, [b.key for b in bad], kind),
         },
         mismatch_fixes(
-            p.model, getattr(p, "model_ref", 0), getattr(p, "batch_ref", 0), [b.key for b in bad], dtype, kind
+            p.model, getattr(p, "model_ref", 0), getattr(p, "batch_ref", 0), [b.key for b in bad], dtype, kind,
+            entries=receiving_layers(bad, dtype),
         ),
     )
+
+
+def receiving_layers(bad: list, dtype: str) -> tuple[tuple[str, str], ...]:
+    """``(path, "forward")`` of each layer that met a mistyped input and computes in ``dtype``: the cast sits where
+    the failure is, so it holds for every way the user reaches that layer (``model.generate``, ``vae.encode``, a
+    submodule called directly), not only for the model's own forward."""
+    return tuple(dict.fromkeys((b.layer, "forward") for b in bad if b.layer and b.target == dtype))
 
 
 def batch_explains(p: Any) -> bool:

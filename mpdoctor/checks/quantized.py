@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts
 from ..knowledge import MX_GEMM_CAPABILITY
+from ..treatment.changes import FreezeParams
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -77,7 +78,7 @@ def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("fp8-storage-trainable", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-storage-trainable", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE,))
 def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """float8-stored parameters left trainable: their gradients and the optimizer step run in float8.
 
@@ -103,7 +104,8 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Fix safety
         Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
-        bf16. Display only: which parameters to train is the user's choice.
+        bf16. Unsafe, applied in place on request: those weights stop training (an optimizer that holds them
+        skips them); which parameters to train instead is the user's choice.
     Sources
         huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
         ("cat_cuda" not implemented for 'Float8_e4m3fn').
@@ -114,6 +116,7 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         shown = ", ".join(f"{x.path or m.name} ({', '.join(x.params)})" for x in bad[:4]) + (", ..." if len(bad) > 4 else "")
         trained = any(o.param_ids & m.tensors.param_ids for o in facts.optimizers)
+        stored = frozenset(p.id for p in m.tensors.params if p.dtype.startswith("float8") and p.requires_grad)
         consequence = ("the first step raises" if trained else
                        "no optimizer holds them now, so nothing raises yet (inference is unharmed); an optimizer built "
                        "over them would raise at its first step")  # fmt: skip
@@ -129,9 +132,11 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     f"for p in {m.name}.parameters():\n"
                     "    if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):\n"
                     "        p.requires_grad_(False)  # storage only: train adapters or bf16 layers\n"
-                    "# rebuild the optimizer from the parameters that still require grad",
-                    applicability=Applicability.DISPLAY_ONLY,
+                    "# an optimizer holding them skips them (their .grad stays None): it trains the rest",
+                    changes=(FreezeParams(m.ref, stored, f"float8-stored parameters of {m.name}"),),
+                    applicability=Applicability.UNSAFE,
                     recipe="freeze-fp8-storage",
+                    cost="those weights stop training; the rest trains as before",
                 )
             ],
             severity=Severity.ERROR if trained else Severity.INFO,

@@ -321,11 +321,8 @@ def _cause_note(pattern: Any, summary: str, frames: list, detail: Any, live: Any
         message=redact(f"{pattern.meaning}{seen} Fix: {pattern.fix}"),
         evidence=evidence,
     )
-    held = detail.held_fix(live) if detail is not None else None
-    if held is not None:
-        cause.fixes.append(held)
-    if detail is not None and detail.code:
-        cause.fixes.append(detail.fix())
+    if detail is not None:
+        cause.fixes.extend(detail.fixes(live))
     return cause
 
 
@@ -350,6 +347,39 @@ class FamilyDetail:
         self.sentence, self.code, self.title, self.subject, self.evidence = sentence, code, title, subject, evidence
         #: ``(module, name, tensor names, dtype)``: the other owner of the odd operand (see ``_held_beside``).
         self.held: tuple | None = None
+        #: The operand to cast when it is a parameter whose module was found (:class:`~.operands.Operand`), and
+        #: the dtype it takes: the in-place cast of exactly that tensor.
+        self.parameter: tuple | None = None
+
+    def parameter_fix(self, live: Any) -> Any:
+        """The in-place cast of the parameter the op met in the wrong dtype and of its twins (the same attribute of
+        every module of that class in the model: they run the same forward, and would raise next), bound to
+        ``live``; None when the operand is not such a parameter. An upcast of a float8 store is exact (safe); any
+        other cast changes what the weights hold (unsafe)."""
+        if self.parameter is None or live is None:
+            return None
+        from ..treatment.changes import CastParamsTo
+        from ..treatment.fixes import Applicability, Fix
+        from .operands import spoken
+
+        operand, dtype = self.parameter
+        attr = operand.name.rpartition(".")[2]
+        owner = operand.root if operand.root is not None else operand.module
+        twins = _parameter_twins(owner, operand, attr)
+        cls = type(operand.module).__name__
+        exact = operand.dtype.startswith("float8") and dtype in ("bfloat16", "float16", "float32")
+        code = (f"for module in {_root_name(operand)}.modules():  # every {cls}: they run the same forward\n"
+                f"    if type(module).__name__ == {cls!r} and module.{attr}.dtype == torch.{operand.dtype}:\n"
+                f"        module.{attr}.data = module.{attr}.data.to(torch.{dtype})  # the same Parameter")  # fmt: skip
+        return Fix(
+            f"Cast {attr} of every {cls} ({len(twins)} tensor{'s' if len(twins) != 1 else ''}, "
+            f"{operand.name} the op met) to {spoken(dtype)} in place",
+            code,
+            applicability=Applicability.SAFE if exact else Applicability.UNSAFE,
+            changes=(CastParamsTo(live.add(owner), frozenset(twins), dtype, f"{attr} of every {cls}"),),
+            recipe="cast-operand-parameter",
+            cost=f"{attr} held in {spoken(dtype)}" + (" (an exact upcast)" if exact else ""),
+        ).bind(live)
 
     def held_fix(self, live: Any) -> Any:
         """The in-place cast of the tensors a module holds beside its weights, bound to ``live``; None without."""
@@ -372,11 +402,32 @@ class FamilyDetail:
             cost=f"rounds {listed} to {spoken(dtype)}",
         ).bind(live)
 
+    def fixes(self, live: Any) -> list:
+        """The cause's fixes, in place first: the tensors held beside the weights, else the parameter the op met
+        (and its twins); then the code as display-only advice."""
+        exact = self.held_fix(live)
+        if exact is None:
+            exact = self.parameter_fix(live)
+        return [fx for fx in (exact, self.fix() if self.code else None) if fx is not None]
+
     def fix(self) -> Any:
         """A display-only fix holding the code."""
         from ..treatment.fixes import Applicability, Fix
 
         return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe="crash-cast")
+
+
+def _parameter_twins(owner: Any, operand: Any, attr: str) -> list[int]:
+    """Ids of the parameter ``attr`` of every module of ``operand.module``'s class under ``owner``, in its dtype."""
+    cls = type(operand.module)
+    twins = [id(p) for m in owner.modules() if type(m) is cls
+             for name, p in m.named_parameters(recurse=False) if name == attr and str(p.dtype) == f"torch.{operand.dtype}"]
+    return twins or [id(operand.tensor)]
+
+
+def _root_name(operand: Any) -> str:
+    """The user's name of the model the operand lies in (``model`` of ``model.blocks.0.table``)."""
+    return operand.name.split(".", 1)[0] if operand.root is not None else "module"
 
 
 def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail | None:
@@ -408,6 +459,8 @@ def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[s
     if ops.cast.parameter:
         title = f"Cast {ops.cast.owner.split(' (')[0]} to {spoken(ops.dtype)}"
     detail = FamilyDetail(ops.sentence(), ops.code, title, "", evidence)
+    if ops.cast.parameter and ops.cast.module is not None and ops.cast.tensor is not None:
+        detail.parameter = (ops.cast, ops.dtype)
     if ops.keep is not None and ops.keep.parameter and not ops.cast.parameter:
         detail.held = _held_beside(frames, namespace, ops.cast.dtype, ops.dtype)
         if detail.held is not None:

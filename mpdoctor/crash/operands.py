@@ -22,7 +22,7 @@ import linecache
 import re
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..compat import GRAD_SCALER_MODULES, MODULE_DICTS
@@ -106,6 +106,10 @@ class Operand:
         For a parameter: the module's path and class (``model.0 (Linear)``).
     user_named : bool
         True when the name comes from the user's namespace or code, not the library's frame.
+    tensor, module, root : object or None
+        For a parameter whose module was found: the live parameter, the module that holds it and the user's
+        model it lies in (an in-place cast of exactly that tensor, and of its twins, is then possible). Not
+        compared, not shown.
     """
 
     name: str
@@ -114,6 +118,9 @@ class Operand:
     parameter: bool = False
     owner: str = ""
     user_named: bool = True
+    tensor: Any = field(default=None, compare=False, repr=False)
+    module: Any = field(default=None, compare=False, repr=False)
+    root: Any = field(default=None, compare=False, repr=False)
 
     def describe(self) -> str:
         """``model.0.weight (bf16, parameter of model.0 Linear)`` / ``hidden_states (fp32, [2, 4])``."""
@@ -375,8 +382,10 @@ def _operand(c: _Candidate, frames: list[FrameView], namespace: Mapping[str, Any
         path = _module_path(c.module, roots, torch)
         cls = class_path(type(c.module)).rsplit(".", 1)[-1]
         if path is not None:
-            return Operand(f"{path}.{c.param_name}", c.dtype, c.shape, True, f"{path} ({cls})", True)
-        return Operand(c.name, c.dtype, c.shape, True, f"a {cls}", c.user)
+            root = next((r for n, r in roots if path == n or path.startswith(n + ".")), None)
+            return Operand(f"{path}.{c.param_name}", c.dtype, c.shape, True, f"{path} ({cls})", True, c.tensor, c.module,
+                           root)  # fmt: skip
+        return Operand(c.name, c.dtype, c.shape, True, f"a {cls}", c.user, c.tensor, c.module)
     if c.parameter:
         path = _walk(roots, torch, "parameter", c.tensor)
         if path is not None:

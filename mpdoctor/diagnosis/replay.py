@@ -294,7 +294,8 @@ def loop_step(tb: TracebackType | None) -> HeldStep | None:
 
     body = ast.Module(body=list(loop.body), type_ignores=[])
     first, last = loop.body[0].lineno, loop.body[-1].end_lineno or loop.body[-1].lineno
-    label = f"your loop's body ({Location.at(filename, first).label} to line {last}) on the batch it raised on"
+    lines = Location.at(filename, first).label + (f" to line {last}" if last != first else "")
+    label = f"your loop's body ({lines}) on the batch it raised on"
     globs = frame.f_globals
     namespace = globs if frame.f_locals is globs else {**globs, **dict(frame.f_locals)}
     why = refusal(body, namespace, "the loop's body")

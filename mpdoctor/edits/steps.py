@@ -61,6 +61,24 @@ class SetAttr(Change):
             setattr(self.obj, self.attr, self._old)
 
 
+class SetRequiresGrad(Change):
+    """``p.requires_grad_(flag)`` on each parameter; undo puts each one's flag back."""
+
+    def __init__(self, params: Sequence[Any], flag: bool, label: str) -> None:
+        self.params, self.flag = list(params), flag
+        self.description = f"{label}: requires_grad={flag}"
+        self._old: list[bool] = []
+
+    def apply(self) -> None:
+        self._old = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(self.flag)
+
+    def revert(self) -> None:
+        for p, old in zip(self.params, self._old):
+            p.requires_grad_(old)
+
+
 class SetEnv(Change):
     """Set (or, with None, remove) an environment variable."""
 

@@ -43,4 +43,7 @@ class BatchInput:
 
     def mismatched(self, autocast: str | None) -> bool:
         """True when nothing autocasts and the receiving layer computes in another dtype."""
-        return autocast is None and self.floating and self.target is not None and self.dtype != self.target
+        # A layer holding float8 weights computes in the dtype it upcasts them to, never in float8: its input is
+        # not "in the wrong dtype" for being bf16 (the float8 checks read such storage).
+        return (autocast is None and self.floating and self.target is not None and self.dtype != self.target
+                and not self.target.startswith("float8"))

@@ -215,7 +215,8 @@ def crash_finding(
     msg = msg.replace(
         " The forward ran only because it converts it; a GPU kernel or another layer may not.", ""
     )
-    fixes = mismatch_fixes(model_name, model_ref, batch_ref, keys, layer_dtype, kind, name)
+    fixes = mismatch_fixes(model_name, model_ref, batch_ref, keys, layer_dtype, kind, name,
+                           entries=((path, "forward"),) if path else ())  # the layer that raised: every entry reaches it
     for fx in fixes:
         fx.bind(live)
     return Finding(

@@ -35,6 +35,7 @@ from ..edits.steps import (
     SetAttr,
     SetEnv,
     SetItem,
+    SetRequiresGrad,
     cast_tensor,
 )
 from ..live.introspect import raw_attr
@@ -262,6 +263,47 @@ class CastParamsTo(ChangeSpec):
 
     def backup_bytes(self, facts: Facts) -> int:
         return _param_bytes(facts, self.param_ids, self.dtype)
+
+
+@dataclass(frozen=True)
+class FreezeParams(ChangeSpec):
+    """``requires_grad_(False)`` on the parameters ``param_ids`` of the model ``owner``; undo restores each flag.
+
+    An optimizer that holds them skips a parameter whose ``.grad`` stays None, so it needs no rebuilding: it
+    trains what still requires grad.
+    """
+
+    owner: int
+    param_ids: frozenset[int]
+    label: str = "parameters"
+
+    def bind(self, live: Live) -> list[Change]:
+        params = [p for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad]
+        return [SetRequiresGrad(params, False, self.label)] if params else []
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            hit = [p for p in m.tensors.params if p.id in self.param_ids]
+            if not hit:
+                models.append(m)
+                continue
+            params = tuple(p._replace(requires_grad=False) if p.id in self.param_ids else p for p in m.tensors.params)
+            frozen = {p.name for p in hit}
+            layers = tuple(
+                dataclasses.replace(x, trainable=False)
+                if all((f"{x.path}.{n}" if x.path else n) in frozen for n in x.params) else x
+                for x in getattr(m, "stored_layers", ())
+            )  # fmt: skip
+            models.append(dataclasses.replace(m, tensors=dataclasses.replace(m.tensors, params=params), stored_layers=layers))
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        left = sum(1 for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad)
+        return f"{left} {self.label} still require grad" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(pid, "requires_grad"): False for pid in self.param_ids}
 
 
 @dataclass(frozen=True)
