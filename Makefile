@@ -20,7 +20,7 @@ RUN_TESTS := PYTHONDONTWRITEBYTECODE= $(if $(filter 0,$(TEST_WORKERS)),,OMP_NUM_
 # The corners' interpreters: the lowest and the highest Python mpdoctor claims (pyenv's, where it is).
 CORNER_PYTHON_oldest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10.*/bin/python) python3.10)
 CORNER_PYTHON_newest ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.13.*/bin/python) python3.13)
-CORNERS := main kernels colab oldest newest
+CORNERS := main kernels corpus colab oldest newest
 # What a corner installs beside mpdoctor[test], for the tests only it collects (tests/corners.py, CORNER_ONLY):
 # timm's EMA, whose torchvision must match the corner's torch.
 CORNER_EXTRAS_newest := timm torchvision
@@ -47,7 +47,7 @@ endef
 # lab's installs compile as usual: a user's later runs must not pay for it.
 PIP_INSTALL ?= --no-compile
 
-.PHONY: demo test test-main test-kernels test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
+.PHONY: demo test test-main test-kernels test-corpus test-colab test-oldest test-newest lab bench bench-quick env lint checks-doc browser-deps clean
 
 # `make demo` installs what the demo needs and nothing more: mpdoctor with its `demo` extra (the `hf` extra and
 # adamw-bf16) over the pinned CPU torch. pip without -q: even that first install fetches torch, and would
@@ -102,7 +102,7 @@ demo: $(DEMO_STAMP)
 # install's output kept together; then every corner runs, also after one fails (a failure in one must not hide
 # the others; a venv that failed to build fails its corner, with pip's error, when the corner retries it); then
 # the failures.
-VENV_STAMPS := $(STAMP) $(COLAB_STAMP) $(foreach c,$(filter-out main kernels colab,$(CORNERS)),.venv-$(c)/.mpdoctor-installed)
+VENV_STAMPS := $(STAMP) $(COLAB_STAMP) $(foreach c,$(filter-out main kernels corpus colab,$(CORNERS)),.venv-$(c)/.mpdoctor-installed)
 INSTALL_JOBS ?= 2
 
 test:
@@ -134,6 +134,12 @@ test-kernels: $(STAMP)
 		$(RUN_TESTS) ATEN_CPU_CAPABILITY=$$cap ONEDNN_MAX_CPU_ISA=$$isa MPDOCTOR_CORNER=kernels MPDOCTOR_NO_SKIPS=1 \
 			$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS) || exit 1; \
 	done
+
+# The public field corpus (../shared/field-corpus, beside the clone as CI lays it) as a ratchet: every harness
+# runs, and a case named or cured in docs/field-corpus-counts.json that is not now, or a healthy recipe that
+# alarms, fails the run (tests/corpus_ratchet.py; --record writes a better run as the record).
+test-corpus: $(STAMP)
+	$(BIN)/python tests/corpus_ratchet.py
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
 # The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17), less

@@ -28,6 +28,19 @@ def _bf16_head_setup(seed: int = 0):
     return model, opt, torch.randn(4, 8)
 
 
+def _step(model, opt, x, loss_of=lambda out: out.float().pow(2).mean()):
+    """The user's training step on ``x``: zero the gradients, forward, the loss, backward, the optimizer step."""
+
+    def step():
+        opt.zero_grad()
+        loss = loss_of(model(x))
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 # -- "trained" means an optimizer step applied non-zero gradients ---------------------------------------------------
 
 
@@ -90,12 +103,7 @@ def test_a_step_with_no_optimizer_step_or_nan_parameters_did_not_train():
 def test_a_fixs_label_claims_only_what_ran_alone_and_the_plan_is_proven_as_one_action():
     model, opt, x = _bf16_head_setup()
 
-    def train_step():
-        opt.zero_grad()
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
+    train_step = _step(model, opt, x)
 
     with pytest.raises(RuntimeError, match="same dtype"):
         train_step()
@@ -128,12 +136,7 @@ def test_a_safe_plan_that_alone_does_not_cure_says_so_and_names_what_else_it_tak
     model, opt, x = _bf16_head_setup()
     scaler = torch.amp.GradScaler("cpu")
 
-    def train_step():
-        opt.zero_grad()
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
+    train_step = _step(model, opt, x)
 
     report = mpdoctor.diagnose(model, opt, scaler)
     (cast,) = report.findings_for("mixed-param-dtypes")[0].fixes
@@ -380,12 +383,7 @@ def test_a_cell_whose_failing_line_comes_after_its_optimizer_step_is_replayed_th
 def test_a_plan_after_which_the_step_runs_without_training_is_not_verified():
     model, opt, x = _bf16_head_setup()
 
-    def step():  # no gradient ever reaches a parameter: the loss is a constant of them
-        opt.zero_grad()
-        loss = (model(x).float() * 0.0).sum()
-        loss.backward()
-        opt.step()
-        return loss
+    step = _step(model, opt, x, lambda out: (out.float() * 0.0).sum())  # no gradient reaches a parameter
 
     with pytest.raises(RuntimeError, match="same dtype"):
         step()
