@@ -81,3 +81,25 @@ def test_a_float8_parameter_met_in_arithmetic_is_upcast_in_place_with_its_twins_
     assert torch.isfinite(model(x).float()).all()  # both blocks run: the twin would have raised next
     fix.undo()
     assert [b.table.dtype for b in model] == [torch.float8_e4m3fn] * 2
+
+
+class Energy(torch.nn.Module):
+    """A squared magnitude: fine in fp32, past fp16's 65504 for activations of a few hundred."""
+
+    def forward(self, x):
+        return (x * 300.0).pow(2).mean(dim=-1, keepdim=True)
+
+
+def test_a_module_that_overflows_in_fp16_is_kept_in_fp32_in_place_and_the_forward_turns_finite():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Energy()).to(torch.float16)
+    batch = torch.randn(4, 8, dtype=torch.float16)
+    assert torch.isinf(model(batch)).any()  # the measured harm: fp16 overflows in model.1
+    report = mpdoctor.probe(model, batch)
+    fix = next(fx for f in report.findings for fx in f.fixes if fx.recipe == "fp32-module")
+    assert fix.title.startswith("Keep model.1 (Energy) in fp32 with autocast off inside it") and fix.changes
+    fix.apply(confirm=True)
+    out = model(batch)
+    assert torch.isfinite(out).all() and model[0].weight.dtype == torch.float16  # only model.1 changed
+    fix.undo()
+    assert torch.isinf(model(batch)).any() and "forward" not in vars(model[1])

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..facts import Facts, ModelFacts
-from ..treatment.changes import CastParamsTo
+from ..treatment.changes import CastParamsTo, KeepModuleFp32
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -129,10 +129,23 @@ def _fp32_module_fix(facts: Facts, p, path: str, class_name: str) -> Fix:
         "        args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]\n"
         "        return _forward(*args, **kwargs)\n"
         "module.forward = forward_fp32  # the modules after it must run under autocast (they get fp32 inputs)",
-        applicability=Applicability.DISPLAY_ONLY,
+        changes=_keep_fp32_changes(facts, p, path, dev),
+        applicability=Applicability.UNSAFE,
         recipe="fp32-module",
         cost="this module's weights and activations at fp32 size and speed",
     )
+
+
+def _keep_fp32_changes(facts: Facts, p, path: str, device: str) -> tuple:
+    """The in-place change of :func:`_fp32_module_fix`, when the probed model is among the facts (by its ref)."""
+    ref = getattr(p, "model_ref", 0)
+    model = next((m for m in facts.models if m.ref == ref), None) if ref else None
+    if model is None:
+        return ()
+    ids = frozenset(x.id for x in model.tensors.params
+                    if not path or x.module == path or x.module.startswith(path + "."))  # fmt: skip
+    label = f"{p.model}.{path}" if path else p.model
+    return (KeepModuleFp32(ref, path, ids, device, facts.optimizer_refs(ids), label),)
 
 
 def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:

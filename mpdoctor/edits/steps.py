@@ -8,6 +8,7 @@ these; :class:`mpdoctor.treatment.fixes.Fix` runs them atomically.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
@@ -323,8 +324,10 @@ class MethodInputCast(Change):
     """
 
     def __init__(self, obj: Any, method: str, cast: Callable[[tuple, dict], tuple[tuple, dict]], marker: str,
-                 label: str) -> None:  # fmt: skip
+                 label: str, context: Callable[[], Any] | None = None) -> None:  # fmt: skip
         self.obj, self.method, self.cast, self.marker = obj, method, cast, marker
+        #: A context each call runs in (autocast turned off inside a module kept in fp32), or None.
+        self.context = context
         self.description = label
         self._wrapper: Any = None
         self._had_own = False
@@ -345,11 +348,12 @@ class MethodInputCast(Change):
             return
         own = object.__getattribute__(self.obj, "__dict__")
         bound = getattr(self.obj, self.method)  # the method as the user's call finds it now
-        cast = self.cast
+        cast, context = self.cast, self.context or contextlib.nullcontext
 
         def cast_floating_arguments(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = cast(args, kwargs)
-            return bound(*args, **kwargs)
+            with context():
+                args, kwargs = cast(args, kwargs)
+                return bound(*args, **kwargs)
 
         cast_floating_arguments.__wrapped__ = bound  # type: ignore[attr-defined]  # inspect.signature sees the method's
         cast_floating_arguments._mpdoctor_marker = self.marker  # type: ignore[attr-defined]

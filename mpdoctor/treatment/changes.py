@@ -970,6 +970,61 @@ class CastInputsHook(ChangeSpec):
 
 
 @dataclass(frozen=True)
+class KeepModuleFp32(ChangeSpec):
+    """Keep the submodule ``path`` of the model ``ref`` in fp32 with autocast off inside it, in place.
+
+    Its parameters are cast to fp32 (the same Parameter objects, the holders' optimizer state with them) and its
+    ``forward`` is wrapped on the instance: floating inputs to fp32 and autocast off for ``device`` while it runs
+    (what ``_keep_in_fp32_modules`` gives a class). The modules after it keep autocasting. Undo removes the wrapper
+    and casts the parameters back exactly.
+    """
+
+    ref: int
+    path: str
+    param_ids: frozenset[int]
+    device: str = "cpu"
+    holders: tuple[int, ...] = ()
+    label: str = "module"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import MethodInputCast
+
+        model = live.get(self.ref)
+        module = model.get_submodule(self.path) if self.path else model
+        holders = [live.get(r) for r in self.holders if r in live]
+        device = self.device
+        steps: list[Change] = [CastParams(_params_of(module, self.param_ids), torch.float32, holders, self.label)]
+        if not MethodInputCast.registered(module, "forward", KEEP_FP32_MARKER):
+            steps.append(MethodInputCast(module, "forward", cast_arguments(torch.float32), KEEP_FP32_MARKER,
+                                         f"{self.label}: fp32 inputs, autocast off inside",
+                                         context=lambda: torch.autocast(device, enabled=False)))  # fmt: skip
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        return _replace_params(facts, self.param_ids, "float32", "float32", grads_only=False)
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import MethodInputCast
+
+        model = live.get(self.ref)
+        module = model.get_submodule(self.path) if self.path else model
+        if not MethodInputCast.registered(module, "forward", KEEP_FP32_MARKER):
+            return f"{self.label}'s forward is not kept in fp32"
+        left = sum(1 for p in _params_of(module, self.param_ids) if p.dtype != torch.float32)
+        return f"{left} parameters of {self.label} are not float32" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(pid, "dtype"): "float32" for pid in self.param_ids}
+
+    def backup_bytes(self, facts: Facts) -> int:
+        return _param_bytes(facts, self.param_ids, "float32")
+
+
+#: Marker of the fp32-with-autocast-off wrapper (one per module).
+KEEP_FP32_MARKER = "mpdoctor-keep-fp32"
+
+
+@dataclass(frozen=True)
 class CastBatchItems(ChangeSpec):
     """Cast the floating entries ``keys`` of a dict batch (``dict``, ``BatchFeature``, ``BatchEncoding``) in place."""
 
