@@ -350,6 +350,32 @@ class FamilyDetail:
         #: The operand to cast when it is a parameter whose module was found (:class:`~.operands.Operand`), and
         #: the dtype it takes: the in-place cast of exactly that tensor.
         self.parameter: tuple | None = None
+        #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
+        #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
+        self.convert: tuple | None = None
+
+    def convert_fix(self, live: Any) -> Any:
+        """The in-place conversion back of the layers a block format refused, bound to ``live``; None without."""
+        if self.convert is None or live is None:
+            return None
+        from ..treatment.changes import ConvertBack
+        from ..treatment.fixes import Applicability, Fix
+        from .operands import python_path
+
+        model, name, paths, block, optimizers = self.convert
+        shown = ", ".join(f"{name}.{p}" for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
+        code = "\n".join(f"{python_path(name + '.' + p)}.weight = torch.nn.Parameter({python_path(name + '.' + p)}.weight._data)  # a dim "
+                         f"not a multiple of {block}: high precision (rebuild the optimizer over the new weights)"
+                         for p in paths)  # fmt: skip
+        return Fix(
+            f"Take {shown} out of the low-precision recipe ({len(paths)} layer{'s' if len(paths) != 1 else ''} "
+            f"whose dims are not multiples of its block of {block}): back to torch's layer, in place",
+            code + f"\n# or at conversion time: a filter that skips layers whose dims are not multiples of {block}",
+            applicability=Applicability.UNSAFE,
+            changes=(ConvertBack(live.add(model), tuple(paths), f"layers of {name}", tuple(live.add(o) for o in optimizers)),),
+            recipe="convert-back",
+            cost="those layers compute in their weights' dtype (bf16/fp32) instead of the block format",
+        ).bind(live)
 
     def parameter_fix(self, live: Any) -> Any:
         """The in-place cast of the parameter the op met in the wrong dtype and of its twins (the same attribute of
@@ -408,6 +434,8 @@ class FamilyDetail:
         exact = self.held_fix(live)
         if exact is None:
             exact = self.parameter_fix(live)
+        if exact is None:
+            exact = self.convert_fix(live)
         return [fx for fx in (exact, self.fix() if self.code else None) if fx is not None]
 
     def fix(self) -> Any:
@@ -506,7 +534,7 @@ def _protocol_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | 
 
 
 def _refusal_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail:
-    from .operands import loop_line, refusal_subject
+    from .operands import loop_line, refusal_subject, refused_layers
 
     refused = refusal_subject(frames, namespace)
     line = loop_line(frames)
@@ -518,6 +546,9 @@ def _refusal_detail(pattern: Any, frames: list, namespace: Mapping[str, Any] | N
     if line is not None:
         evidence["line"] = f"{line.label}: {line.code}"
         parts.append(f"At {line.label}: `{line.code}`.")
-    return FamilyDetail(" ".join(parts), pattern.code, "Keep these layers out of the low-precision recipe"
-                        if pattern.slug.endswith("block-size") else "Use a precision this device runs", "",
-                        evidence)  # fmt: skip
+    detail = FamilyDetail(" ".join(parts), pattern.code, "Keep these layers out of the low-precision recipe"
+                          if pattern.slug.endswith("block-size") else "Use a precision this device runs", "",
+                          evidence)  # fmt: skip
+    if pattern.slug.endswith("block-size"):
+        detail.convert = refused_layers(frames, namespace)
+    return detail

@@ -694,9 +694,59 @@ def refusal_subject(frames: list[FrameView], namespace: Mapping[str, Any] | None
     return None
 
 
+def refused_layers(frames: list[FrameView], namespace: Mapping[str, Any] | None = None) -> tuple | None:
+    """``(model, its name, paths, block, optimizers)``: the layers of a model converted to a low-precision recipe
+    (a torchao layer class, or a weight wrapped in a torchao tensor subclass) with a weight dimension that is not a
+    multiple of the block the failing frame checked (they are what the format refuses), and the optimizers of the
+    namespace. None when the block or such a layer is out of reach."""
+    torch = _torch()
+    block = _block_size(frames)
+    if torch is None or block is None:
+        return None
+    roots = _roots(frames, namespace, torch)
+    optimizers = [v for v in (dict.values(namespace) if type(namespace) is dict else ())
+                  if isinstance(v, torch.optim.Optimizer)]  # fmt: skip
+    for name, model in roots:
+        paths = [p for p, m in model.named_modules() if _converted(m) and _off_block(m, block)]
+        if paths:
+            return model, name, paths, block, optimizers
+    return None
+
+
+def _converted(module: Any) -> bool:
+    """A layer a low-precision recipe converted: a torchao class, or a torchao tensor subclass as its weight."""
+    weight = own_params(module).get("weight")
+    return type(module).__module__.startswith("torchao") or type(weight).__module__.startswith("torchao")
+
+
+def own_params(module: Any) -> dict:
+    try:
+        return dict(object.__getattribute__(module, "_parameters"))
+    except Exception:
+        return {}
+
+
+def _block_size(frames: list[FrameView]) -> int | None:
+    """The block size the failing frame checked against (``block_size`` among its locals)."""
+    for view in reversed(frames):
+        try:
+            value = dict(_locals(view.frame)).get("block_size")
+        except Exception:
+            continue
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
+def _off_block(module: Any, block: int) -> bool:
+    weight = getattr(module, "weight", None)
+    shape = tuple(getattr(weight, "shape", ()))
+    return bool(shape) and any(d % block for d in shape)
+
+
 __all__ = [
     "Operand", "Operands", "failing_operands", "loop_line", "message_dtypes", "protocol_names", "refusal_subject",
-    "spoken",
+    "refused_layers", "spoken",
 ]  # fmt: skip
 
 

@@ -80,6 +80,51 @@ class SetRequiresGrad(Change):
             p.requires_grad_(old)
 
 
+class SetClass(Change):
+    """``obj.__class__ = cls`` (a converted layer back to the torch class it was converted from); undo puts the
+    converted class back. The instance, its parameters and every reference to it stay the same objects."""
+
+    def __init__(self, obj: Any, cls: type, label: str) -> None:
+        self.obj, self.cls = obj, cls
+        self.description = f"{label}: back to {cls.__module__}.{cls.__qualname__}"
+        self._old: Any = None
+
+    def apply(self) -> None:
+        self._old = type(self.obj)
+        self.obj.__class__ = self.cls
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.obj.__class__ = self._old
+
+
+class SwapParameter(Change):
+    """``module.<name>`` becomes ``new``, and every optimizer that held the old Parameter holds ``new`` instead, its
+    state moved with it; undo puts the old Parameter back everywhere. For a weight a library wrapped in a tensor
+    subclass (torchao's low-precision training wrappers), ``new`` is the plain tensor it wraps."""
+
+    def __init__(self, module: Any, name: str, new: Any, optimizers: Iterable[Any], label: str) -> None:
+        self.module, self.name, self.new, self.optimizers = module, name, new, list(optimizers)
+        self.description = f"{label}: a plain Parameter in place of the wrapped one"
+        self._old: Any = None
+
+    def _swap(self, old: Any, new: Any) -> None:
+        object.__getattribute__(self.module, "_parameters")[self.name] = new
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["params"] = [new if p is old else p for p in group["params"]]
+            if old in opt.state:
+                opt.state[new] = opt.state.pop(old)
+
+    def apply(self) -> None:
+        self._old = object.__getattribute__(self.module, "_parameters")[self.name]
+        self._swap(self._old, self.new)
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self._swap(self.new, self._old)
+
+
 class SetEnv(Change):
     """Set (or, with None, remove) an environment variable."""
 

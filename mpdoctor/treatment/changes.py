@@ -33,9 +33,11 @@ from ..edits.steps import (
     CastStateEntries,
     Change,
     SetAttr,
+    SetClass,
     SetEnv,
     SetItem,
     SetRequiresGrad,
+    SwapParameter,
     cast_tensor,
 )
 from ..live.introspect import raw_attr
@@ -304,6 +306,65 @@ class FreezeParams(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(pid, "requires_grad"): False for pid in self.param_ids}
+
+
+@dataclass(frozen=True)
+class ConvertBack(ChangeSpec):
+    """Take the layers ``paths`` of the model ``ref`` out of a low-precision recipe: each converted layer (torchao's
+    ``MXLinear``, ``Float8Linear``, subclasses of ``nn.Linear`` that keep its parameters) goes back to the torch
+    class it was converted from, in place; undo converts it again."""
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "layers"
+    holders: tuple[int, ...] = ()
+
+    def bind(self, live: Live) -> list[Change]:
+        model = live.get(self.ref)
+        holders = [live.get(r) for r in self.holders if r in live]
+        steps: list[Change] = []
+        for path in self.paths:
+            module = model.get_submodule(path) if path else model
+            base = torch_base_class(type(module))
+            if base is not None and base is not type(module):
+                steps.append(SetClass(module, base, f"{self.label}: {path}"))
+            for name, p in list(object.__getattribute__(module, "_parameters").items()):
+                inner = wrapped_tensor(p)
+                if inner is not None:
+                    plain = torch.nn.Parameter(inner.detach(), requires_grad=p.requires_grad)
+                    steps.append(SwapParameter(module, name, plain, holders, f"{self.label}: {path}.{name}"))
+        return steps
+
+    def verify(self, live: Live) -> str | None:
+        model = live.get(self.ref)
+        left = [p for p in self.paths if _still_converted(model.get_submodule(p))]
+        return f"{', '.join(left)} still converted" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "class"): "torch" for path in self.paths}
+
+
+def wrapped_tensor(p: Any) -> Any:
+    """The plain tensor a library's low-precision wrapper subclass holds (torchao's training weight wrappers keep it
+    as ``_data``), or None for a plain tensor."""
+    if p is None or type(p).__module__.startswith("torch") and not type(p).__module__.startswith("torchao"):
+        return None
+    inner = getattr(p, "_data", None)
+    return inner if isinstance(inner, torch.Tensor) and type(inner) in (torch.Tensor, torch.nn.Parameter) else None
+
+
+def _still_converted(module: Any) -> bool:
+    base = torch_base_class(type(module))
+    wrapped = any(wrapped_tensor(p) is not None for p in object.__getattribute__(module, "_parameters").values())
+    return wrapped or (base is not None and base is not type(module))
+
+
+def torch_base_class(cls: type) -> type | None:
+    """The first class of ``cls``'s MRO that is torch's own layer (``torch.nn.Linear`` for torchao's ``MXLinear``)."""
+    for base in cls.__mro__:
+        if base.__module__.startswith("torch.nn.modules") and base is not torch.nn.Module:
+            return base
+    return None
 
 
 @dataclass(frozen=True)
@@ -837,6 +898,10 @@ class CastHeldTensors(ChangeSpec):
 
 # -- the batch at the model's boundary, and normalisation epsilons ---------------------------------------
 
+#: Methods through which a model is called besides ``forward`` that run its layers directly (diffusers'
+#: autoencoders: ``vae.encode(x)``, ``vae.decode(z)``): an input cast covers them too when the model's class has them.
+ENTRY_METHODS = ("encode", "decode")
+
 #: Marker of the input-casting pre-hook (one per model: applying twice never stacks two).
 CAST_INPUTS_MARKER = "mpdoctor-cast-floating-inputs"
 
@@ -929,12 +994,19 @@ class CastInputsHook(ChangeSpec):
                 out.append(entry)
         return tuple(out)
 
+    def _live_entries(self, model: Any) -> tuple[tuple[str, str], ...]:
+        """The entries, and the model's own entry methods besides forward (an autoencoder's ``encode`` and
+        ``decode``): the user reaches the model through them as often as through ``model(x)``."""
+        own = tuple(("", name) for name in ENTRY_METHODS
+                    if callable(getattr(type(model), name, None)) and ("", name) not in self._entries())  # fmt: skip
+        return self._entries() + own
+
     def bind(self, live: Live) -> list[Change]:
         from ..edits.steps import ForwardPreHook, MethodInputCast
 
         model, dtype = live.get(self.ref), torch_dtype(self.dtype)
         steps: list[Change] = []
-        for path, method in self._entries():
+        for path, method in self._live_entries(model):
             target = model.get_submodule(path) if path else model
             where = f"{self.label}.{path}" if path else self.label
             if method == "forward":
@@ -957,7 +1029,7 @@ class CastInputsHook(ChangeSpec):
         from ..edits.steps import ForwardPreHook, MethodInputCast
 
         model, missing = live.get(self.ref), []
-        for path, method in self._entries():
+        for path, method in self._live_entries(model):
             target = model.get_submodule(path) if path else model
             on = (ForwardPreHook.registered(target, CAST_INPUTS_MARKER) if method == "forward"
                   else MethodInputCast.registered(target, method, CAST_INPUTS_MARKER))  # fmt: skip
