@@ -132,3 +132,30 @@ def test_checkpointing_with_the_cache_on_in_a_custom_module_is_a_warning():
     (finding,) = mpdoctor.diagnose(CheckpointedBlock()).findings_for("gradient-checkpointing-with-cache")
     assert finding.severity == "warning"
     assert finding.subject == "model.config.use_cache"
+
+
+def test_apply_all_safe_fixes_keeps_the_scaler_an_fp16_loop_needs_beside_an_unrelated_bf16_module():
+    """An fp16 autocast loop over an fp32 net needs its GradScaler; an unrelated bf16 module in the run made
+    "Disable scaler" a safe fix, and "Apply all safe fixes" turned the scaler off. It is unsafe now: the scaler
+    stays on, and the fp16 loop keeps its loss scaling."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    side = torch.nn.Linear(4, 4).to(torch.bfloat16)  # trained elsewhere, in bf16
+    opt = torch.optim.SGD([*net.parameters(), *side.parameters()], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    report = mpdoctor.diagnose(net, side, opt, scaler, names={id(net): "net", id(side): "side", id(opt): "opt",
+                                                              id(scaler): "scaler"})  # fmt: skip
+    (finding,) = report.findings_for("scaler-with-bf16")
+    (fix,) = finding.fixes
+    assert not fix.safe and "only if no fp16 autocast runs" in fix.title and "fp32 parameter elements" in finding.message
+    report.apply_safe_fixes()
+    assert scaler.is_enabled()
+    x = torch.randn(4, 8)
+    before = [p.detach().clone() for p in net.parameters()]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = net(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() in (1024.0, 2048.0, 512.0) and torch.isfinite(loss)
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(net.parameters(), before))

@@ -24,8 +24,22 @@ def _bf16_setups(facts: Facts) -> list[str]:
     return [p.name for p in facts.precisions if p.computes_in == "bf16"]
 
 
-def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
-    """The safe fix shared by scaler checks: turn the scaler off in place.
+def _parts_a_scaler_may_serve(facts: Facts, bf16_setups: list[str]) -> str:
+    """What in the run an enabled GradScaler may still be needed for (``""`` when nothing): trainable fp16
+    parameters, an fp16 setup, or trainable fp32 parameters beside the bf16 ones with no bf16 setup saying how they
+    compute (a loop's fp16 autocast over them needs the scaler, and is not among the objects)."""
+    trainable = _trainable_dtypes(facts)
+    fp16_setups = [p.name for p in facts.precisions if p.computes_in == "fp16"]
+    if trainable.get("float16") or fp16_setups:
+        return "fp16 parameters or an fp16 setup (" + ", ".join(fp16_setups or ["fp16 parameters"]) + ")"
+    if trainable.get("float32") and not bf16_setups:
+        return f"{trainable['float32']:,} fp32 parameter elements"
+    return ""
+
+
+def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str, safe: bool = True) -> Fix:
+    """The fix shared by scaler checks: turn the scaler off in place (unsafe when ``safe`` is False: something the
+    scaler may still serve is in the run).
 
     The GradScaler object is shared (an Accelerator and its AcceleratedOptimizer
     hold the same one), so it is mutated rather than rebound.
@@ -41,15 +55,15 @@ def disable_scaler_fix(facts: Facts, scaler: ScalerFacts, why: str) -> Fix:
     else:
         code = f"# {why}\n{scaler.name} = torch.amp.GradScaler({scaler.device!r}, enabled=False)"
     return Fix(
-        f"Disable {scaler.name} (GradScaler)",
-        code, applicability=Applicability.SAFE,
+        f"Disable {scaler.name} (GradScaler)" + ("" if safe else " (only if no fp16 autocast runs)"),
+        code, applicability=Applicability.SAFE if safe else Applicability.UNSAFE,
         changes=(SetAttrTo(ref, "_enabled", False, f"{scaler.name}._enabled"),),
         recipe="disable-scaler",
         cost="saves a scale and an unscale pass over the gradients every step",
     )
 
 
-@check("scaler-with-bf16", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+@check("scaler-with-bf16", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE, Applicability.UNSAFE))
 def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An enabled GradScaler in a run whose gradients or autocast are bf16.
 
@@ -79,7 +93,10 @@ def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Fix safety
         Disable the scaler in place (``scaler._enabled = False``; the same object
         an Accelerator and its optimizer share), and build it with
-        ``GradScaler(enabled=(dtype == torch.float16))`` next time.
+        ``GradScaler(enabled=(dtype == torch.float16))`` next time. Safe only when
+        nothing the scaler may serve is in the run; with trainable fp16 or fp32
+        parameters beside the bf16 ones (an fp16 autocast over them needs the
+        scaler) it is unsafe: applied only on an explicit request.
     Sources
         H2O LLM Studio issue #628 / PR #673; pytorch issue #127176.
     """
@@ -88,6 +105,7 @@ def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
     if not bf16_params and not setups:
         return
     hw = facts.hardware
+    others = _parts_a_scaler_may_serve(facts, setups)
     for sc in facts.scalers:
         if not sc.enabled:
             continue
@@ -99,6 +117,11 @@ def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
         # bf16 autocast over fp32 weights gives fp32 grads: only wasted work, whatever the kernel.
         crashes = bool(bf16_params) and not kernel_ok
         reason = f"{bf16_params:,} trainable bf16 parameter elements" if bf16_params else f"bf16 autocast in {', '.join(setups)}"
+        if others:  # the scaler may serve fp16 compute over them: turning it off is the user's call, not a safe one
+            msg_tail = (f" But {others} are trained too, and an fp16 autocast over them needs this scaler: disable it "
+                        "only if nothing runs in fp16.")  # fmt: skip
+        else:
+            msg_tail = ""
         if crashes:
             msg = (
                 f"{sc.name} is enabled with {reason}; on {hw.label} the unscale kernel has no bf16 implementation, "
@@ -108,7 +131,7 @@ def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
             msg = (
                 f"{sc.name} is enabled with {reason}; bf16 needs no loss scaling, so every step scales and "
                 "unscales for nothing (and crashes on CUDA builds whose unscale kernel lacks bf16)."
-            )
+            ) + msg_tail
         yield rule.finding(
             sc.name,
             msg,
@@ -120,7 +143,7 @@ def scaler_with_bf16(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 "unscale_kernel_bf16": kernel_ok if hw.unscale_dtypes is not None or not hw.live else None,
                 "device": hw.label,
             },
-            [disable_scaler_fix(facts, sc, "bf16 needs no loss scaling")],
+            [disable_scaler_fix(facts, sc, "bf16 needs no loss scaling", safe=not others)],
             severity=Severity.ERROR if crashes else Severity.WARNING,
         )
 
