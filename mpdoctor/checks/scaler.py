@@ -20,6 +20,20 @@ def _trainable_dtypes(facts: Facts) -> dict[str, int]:
     return counts
 
 
+def _optimized_dtypes(facts: Facts) -> dict[str, int]:
+    """Trainable parameter elements by dtype, of the parameters some optimizer holds (all trainable ones when the
+    run has no optimizer): a model no optimizer steps is not what a scaler serves."""
+    held = frozenset().union(*(o.param_ids for o in facts.optimizers)) if facts.optimizers else None
+    if held is None:
+        return _trainable_dtypes(facts)
+    counts: dict[str, int] = {}
+    for m in facts.models:
+        for p in m.tensors.params:
+            if p.requires_grad and p.id in held:
+                counts[p.dtype] = counts.get(p.dtype, 0) + p.numel
+    return counts
+
+
 def _bf16_setups(facts: Facts) -> list[str]:
     return [p.name for p in facts.precisions if p.computes_in == "bf16"]
 
@@ -27,8 +41,9 @@ def _bf16_setups(facts: Facts) -> list[str]:
 def _parts_a_scaler_may_serve(facts: Facts, bf16_setups: list[str]) -> str:
     """What in the run an enabled GradScaler may still be needed for (``""`` when nothing): trainable fp16
     parameters, an fp16 setup, or trainable fp32 parameters beside the bf16 ones with no bf16 setup saying how they
-    compute (a loop's fp16 autocast over them needs the scaler, and is not among the objects)."""
-    trainable = _trainable_dtypes(facts)
+    compute (a loop's fp16 autocast over them needs the scaler, and is not among the objects). Only parameters an
+    optimizer holds count: a model no optimizer steps is not what the scaler serves."""
+    trainable = _optimized_dtypes(facts)
     fp16_setups = [p.name for p in facts.precisions if p.computes_in == "fp16"]
     if trainable.get("float16") or fp16_setups:
         return "fp16 parameters or an fp16 setup (" + ", ".join(fp16_setups or ["fp16 parameters"]) + ")"
