@@ -405,3 +405,27 @@ def test_a_cell_replay_puts_back_a_tensor_the_cell_changes_in_place():
         proof = sh.user_ns["r"].proof
         assert proof.before is not None and proof.after  # replayed, before and after the fix
         assert sh.user_ns["batch"] is batch and torch.equal(batch, seen)
+
+
+def test_under_watch_a_loss_line_that_still_raises_after_the_plan_is_not_called_verified():
+    """The plan cures the forward (a bf16 head in an fp32 net) but the user's own loss line raises whatever the
+    model does (a half-precision input to BCE against fp32 targets). watch() replays that loop body, so the plan
+    is "not verified", where a stand-in step (the mean of the output) would have passed."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    net[1].to(torch.bfloat16)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = [(torch.randn(4, 8), torch.rand(4, 1)) for _ in range(3)]
+    with pytest.raises(RuntimeError), mpdoctor.watch(net, opt) as w:
+        for x, y in data:
+            opt.zero_grad()
+            out = net(x).float()
+            loss = F.binary_cross_entropy(torch.sigmoid(out).half(), y)
+            loss.backward()
+            opt.step()
+    proof = w.crash_report.proof
+    assert proof.step.startswith("your loop's body (") and not proof.before.ran
+    assert proof.plan is not None and not proof.plan.ran and "expected" in proof.plan.error.lower()
+    assert not proof.verified and "Plan verified" not in w.crash_report.to_text()
