@@ -78,14 +78,19 @@ def test_a_forward_hook_alone_never_runs_for_decode_which_is_why_the_fix_covers_
     codec, z = half_codec(), torch.randn(2, 4)
     exc, report = decode_crash(codec, z)
     assert str(exc).startswith("mat1 and mat2 must have the same dtype")
-    # The forward-only input cast (what was offered before) leaves the user's call failing.
-    forward_only = CastInputsHook(id(codec), "bfloat16", "codec")
-    steps = forward_only.bind(report.live)
+    # A forward pre-hook alone (what was offered before) leaves the user's call failing: decode never runs it.
+    handle = codec.register_forward_pre_hook(lambda module, args: tuple(a.to(torch.bfloat16) for a in args))
+    assert str(raised(lambda: codec.decode(z))).startswith("mat1 and mat2 must have the same dtype")
+    handle.remove()
+    # The input cast covers the model's own entry methods even when no traceback named them.
+    own_entries = CastInputsHook(report.live.add(codec), "bfloat16", "codec")
+    steps = own_entries.bind(report.live)
     for s in steps:
         s.apply()
-    assert str(raised(lambda: codec.decode(z))).startswith("mat1 and mat2 must have the same dtype")
+    assert codec.decode(z).dtype == torch.bfloat16
     for s in reversed(steps):
         s.revert()
+    assert str(raised(lambda: codec.decode(z))).startswith("mat1 and mat2 must have the same dtype")
 
     cause = report.cause
     assert cause.check == "batch-dtype-mismatch"

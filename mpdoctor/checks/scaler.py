@@ -42,12 +42,13 @@ def _parts_a_scaler_may_serve(facts: Facts, bf16_setups: list[str]) -> str:
     """What in the run an enabled GradScaler may still be needed for (``""`` when nothing): trainable fp16
     parameters, an fp16 setup, or trainable fp32 parameters beside the bf16 ones with no bf16 setup saying how they
     compute (a loop's fp16 autocast over them needs the scaler, and is not among the objects). Only parameters an
-    optimizer holds count: a model no optimizer steps is not what the scaler serves."""
+    optimizer holds count: a model no optimizer steps is not what the scaler serves. With no optimizer among the
+    diagnosed objects, fp32 parameters are not counted (nothing says they train); fp16 ones always are."""
     trainable = _optimized_dtypes(facts)
     fp16_setups = [p.name for p in facts.precisions if p.computes_in == "fp16"]
     if trainable.get("float16") or fp16_setups:
         return "fp16 parameters or an fp16 setup (" + ", ".join(fp16_setups or ["fp16 parameters"]) + ")"
-    if trainable.get("float32") and not bf16_setups:
+    if trainable.get("float32") and not bf16_setups and facts.optimizers:
         return f"{trainable['float32']:,} fp32 parameter elements"
     return ""
 
