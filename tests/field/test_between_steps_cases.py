@@ -182,7 +182,7 @@ def delta_lost(model, base_dtype, bases=None):
         bases = {n: m.base_layer.weight.detach().double().clone() for n, m in lora_layers(rebuilt)}
     num = den = 0.0
     for name, layer in lora_layers(model):
-        a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+        a, b = layer.lora_A["default"].weight.detach().double(), layer.lora_B["default"].weight.detach().double()
         delta = (b @ a) * layer.scaling["default"]
         realized = layer.base_layer.weight.detach().double() - bases[name]
         num += float((realized - delta).norm() ** 2)
