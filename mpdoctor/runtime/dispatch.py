@@ -202,6 +202,7 @@ def _targets() -> tuple[list, Callable]:
 
 def _wrap_scale(original: Callable) -> Callable:
     def scale(self: Any, outputs: Any) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if _DISPATCH.observers and _enabled(self):
             if _DISPATCH.lazy:
                 _DISPATCH.complete()
@@ -214,6 +215,7 @@ def _wrap_scale(original: Callable) -> Callable:
 
 def _wrap_unscale(original: Callable) -> Callable:
     def unscale_(self: Any, optimizer: Any) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if _DISPATCH.observers and _enabled(self):
             _DISPATCH.emit("on_unscale", self, optimizer, HERE)
         return original(self, optimizer)
@@ -224,6 +226,7 @@ def _wrap_unscale(original: Callable) -> Callable:
 
 def _wrap_step(original: Callable) -> Callable:
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if not (_DISPATCH.observers and _enabled(self)):
             return original(self, optimizer, *args, **kwargs)
         _DISPATCH.emit("on_step", self, optimizer, HERE)
@@ -241,6 +244,7 @@ def _wrap_step(original: Callable) -> Callable:
 
 def _wrap_update(original: Callable) -> Callable:
     def update(self: Any, new_scale: Any = None) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if not (_DISPATCH.observers and _enabled(self)):
             return original(self, new_scale)
         _DISPATCH.emit("on_update", self, HERE)
@@ -258,6 +262,7 @@ def _wrap_update(original: Callable) -> Callable:
 
 def _wrap_clip(original: Callable) -> Callable:
     def _clip_grads_with_norm_(parameters: Any, max_norm: Any, total_norm: Any, foreach: Any = None) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if _DISPATCH.observers:
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             _DISPATCH.emit("on_clip", params, max_norm, total_norm, HERE)
@@ -272,6 +277,7 @@ def _wrap_clip_norm(original: Callable) -> Callable:
     """``clip_grad_norm_`` itself, on a torch without ``_clip_grads_with_norm_`` (2.4, 2.5)."""
 
     def clip_grad_norm_(parameters: Any, max_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if not _DISPATCH.observers:
             return original(parameters, max_norm, *args, **kwargs)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
@@ -286,6 +292,7 @@ def _wrap_clip_norm(original: Callable) -> Callable:
 
 def _wrap_scheduler(original: Callable) -> Callable:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # IPython 8+ leaves this wrapper out of the user's traceback
         if _DISPATCH.observers:
             _DISPATCH.emit("on_scheduler_step", self, HERE)
         return original(self, *args, **kwargs)

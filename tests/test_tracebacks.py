@@ -1,0 +1,40 @@
+"""What mpdoctor attaches to a run stays out of the user's tracebacks.
+
+With ``%load_ext mpdoctor`` the GradScaler's methods are wrapped (``mpdoctor/runtime/dispatch.py``), so every
+scaler traceback passed through a wrapper. Each wrapper marks its frame with ``__tracebackhide__``, which IPython 8
+and later honour: the user's traceback shows their cell and torch's frames, not mpdoctor's. (IPython 7.34, Colab's,
+ignores the mark: ``tests/corners.py`` names this test's exclusion there.)
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from notebook_shell import loaded_shell
+
+pytestmark = pytest.mark.colab
+
+_SETUP = """
+import torch
+model = torch.nn.Linear(4, 4).half()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+"""
+
+_STEP = """
+opt.zero_grad()
+scaler.scale(model(torch.ones(2, 4, dtype=torch.float16)).float().sum()).backward()
+scaler.step(opt)
+"""
+
+
+def test_a_gradscaler_traceback_shows_the_users_cell_and_torch_not_mpdoctors_wrappers(capsys):
+    with loaded_shell(("torch", "model", "opt", "scaler")) as sh:
+        sh.run_cell(_SETUP, store_history=True)
+        result = sh.run_cell(_STEP, store_history=True)
+        assert isinstance(result.error_in_exec, ValueError)  # the real error: fp16 gradients under the scaler
+        out = capsys.readouterr()
+        text = re.sub(r"\x1b\[[0-9;]*m", "", out.out + out.err)
+        assert "Attempting to unscale FP16 gradients" in text and "grad_scaler.py" in text
+        assert "dispatch.py" not in text and "mpdoctor/runtime" not in text
