@@ -135,9 +135,11 @@ test-kernels: $(STAMP)
 			$(BIN)/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS) || exit 1; \
 	done
 
-# The public field corpus (../shared/field-corpus, beside the clone as CI lays it) as a ratchet: every harness
-# runs, and a case named or cured in docs/field-corpus-counts.json that is not now, or a healthy recipe that
-# alarms, fails the run (tests/corpus_ratchet.py; --record writes a better run as the record).
+# The project's field corpus as a ratchet: every harness runs, and a case named or cured in
+# docs/field-corpus-counts.json that is not now, or a healthy recipe that alarms, fails the run
+# (tests/corpus_ratchet.py; --record writes a better run as the record). The corpus is not in the repository: the
+# developers and CI keep it beside the clone (../shared/field-corpus); a clone without it prints NOT RUN and claims
+# nothing, and under CI (CI=true) its absence fails (docs/field-corpus.md).
 test-corpus: $(STAMP)
 	$(BIN)/python tests/corpus_ratchet.py
 

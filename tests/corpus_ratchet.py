@@ -8,14 +8,16 @@ low-precision) with ``--json``, then, case by case, against ``docs/field-corpus-
 - the totals are printed beside the recorded ones.
 
 It fails on any regression and says which case. ``--record`` writes the counts of this run as the new record
-(after an improvement; a regression is never recorded over). The corpus lives beside the repository, as CI lays
-it; without it nothing is run and the run says so and fails, so a missing corpus is never counted as passing.
+(after an improvement; a regression is never recorded over). The corpus is not part of the repository: the
+project's developers and CI keep it beside the clone (``../shared/field-corpus``). A user's clone has none: the
+run then says "NOT RUN" and claims nothing (under CI, ``CI=true``, a missing corpus fails the run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -85,8 +87,11 @@ def main() -> int:
     ap.add_argument("--record", action="store_true", help="write this run's counts as the record")
     args = ap.parse_args()
     if not CORPUS.is_dir():
-        print(f"== corpus: {CORPUS} is not there: the public corpus was not run (CI lays it beside the clone)")
-        return 1
+        # The corpus is the project's measuring set, kept beside the repository, not shipped in it: a user's clone
+        # has none. Under CI its absence is a failure; elsewhere the run says plainly that nothing was measured.
+        print(f"== corpus: NOT RUN: {CORPUS} is not there (the project's field corpus lives beside its repository "
+              "and is not part of a clone); nothing was measured, nothing is claimed")
+        return 1 if os.environ.get("CI") else 0
     with tempfile.TemporaryDirectory() as tmp:
         now: dict = {}
         for name in SETS:
