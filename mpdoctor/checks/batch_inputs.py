@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 from ..facts.batch import BatchInput
+from ..facts.location import python_path
 from ..treatment.changes import CastBatchItems, CastInputsHook
 from ..treatment.findings import Finding
 from ..treatment.fixes import Fix
@@ -37,14 +37,9 @@ def _hook_code(model: str, dtype: str) -> str:
             f"{model}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)")  # fmt: skip
 
 
-def _python_path(path: str) -> str:
-    """``net.0.attn`` -> ``net[0].attn``: a module path as Python that reaches it."""
-    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
-
-
 def _entry_code(model: str, path: str, method: str) -> str:
     """The runnable line that casts at one more entry: a submodule's forward gets the pre-hook, a method a wrapper."""
-    owner = _python_path(".".join(x for x in (model, path) if x))
+    owner = python_path(".".join(x for x in (model, path) if x))
     if method in ("forward", "__call__"):
         return "" if owner == model else f"\n{owner}.register_forward_pre_hook(cast_floating_inputs, with_kwargs=True)"
     return (f"\n{owner}.{method} = (lambda call: lambda *args, **kwargs: call(*cast_floating_inputs(None, args, kwargs)[0], "

@@ -358,9 +358,9 @@ class FamilyDetail:
         """The in-place conversion back of the layers a block format refused, bound to ``live``; None without."""
         if self.convert is None or live is None:
             return None
+        from ..facts.location import python_path
         from ..treatment.changes import ConvertBack
         from ..treatment.fixes import Applicability, Fix
-        from .operands import python_path
 
         model, name, paths, block, optimizers = self.convert
         shown = ", ".join(f"{name}.{p}" for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
@@ -411,9 +411,10 @@ class FamilyDetail:
         """The in-place cast of the tensors a module holds beside its weights, bound to ``live``; None without."""
         if self.held is None or live is None:
             return None
+        from ..facts.location import python_path
         from ..treatment.changes import CastHeldTensors
         from ..treatment.fixes import Applicability, Fix
-        from .operands import python_path, spoken
+        from .operands import spoken
 
         module, name, names, dtype = self.held
         where = python_path(name)

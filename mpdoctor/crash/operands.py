@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..compat import GRAD_SCALER_MODULES, MODULE_DICTS
-from ..facts.location import Location
+from ..facts.location import Location, python_path
 from .catalogue import AMP_STATE, FP8_UPCAST, INDEX_LONG, MASK, TO_DESTINATION, TO_EXPECTED, TO_PARAMETER
 from .frames import _TYPE_MRO, FrameView, _locals, _qualname, class_path
 
@@ -454,11 +454,6 @@ def _receiver(view: FrameView | None) -> str | None:
     if m is None:
         m = re.search(r"([A-Za-z_][\w.]*)\s*\[[^\]]*\]\s*=[^=]", line)
     return m.group(1).rsplit(".", 1)[-1] if m else None
-
-
-def python_path(path: str) -> str:
-    """``model.layers.0.mlp`` -> ``model.layers[0].mlp``: a module path as Python that reaches it."""
-    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
 
 
 def _cast_code(cast: Operand, dtype: str, template: str, keep: Operand | None) -> str:

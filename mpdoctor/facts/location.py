@@ -145,3 +145,8 @@ class Location:
 
     def __str__(self) -> str:
         return self.label
+
+
+def python_path(path: str) -> str:
+    """``model.layers.0.mlp`` -> ``model.layers[0].mlp``: a module path as Python that reaches it."""
+    return re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", path)
