@@ -200,6 +200,14 @@ def allowed_env() -> dict[str, str]:
     return {k: redact(os.environ[k]) for k in ENV_ALLOWLIST if k in os.environ}
 
 
+def _redacted_fix(fix: Any) -> Any:
+    """``fix``, or another with its title and code redacted when they quote token-like text (a fix is a value)."""
+    title, code = redact(fix.title), redact(fix.code)
+    if (title, code) == (fix.title, fix.code):
+        return fix
+    return fix.replace(title=redact(fix._given_title), code=code)
+
+
 def redact_finding(finding: Any) -> Any:
     """Redact token-like text in a finding at the source, so every export (to_frame too) is clean.
 
@@ -209,8 +217,7 @@ def redact_finding(finding: Any) -> Any:
         finding.subject = redact(finding.subject)
         finding.message = redact(finding.message)
         finding.evidence = _redact_deep(finding.evidence)
-        for fix in finding.fixes:
-            fix.title, fix.code = redact(fix.title), redact(fix.code)
+        finding.fixes = [_redacted_fix(fix) for fix in finding.fixes]
     except Exception:  # a finding that cannot be redacted is still shown
         pass
     return finding

@@ -42,7 +42,7 @@ def test_the_failing_step_raises_then_the_planned_fix_is_verified_on_it_and_noth
     assert report.proof is not None and not report.proof.before.ran
     assert report.proof.after and report.proof.after[-1][1].trained
     fix = report.fixes[0]
-    assert fix.proof.startswith("verified on your step")
+    assert report.proof.label(fix).startswith("verified on your step")
     assert "Plan verified on your step (train_step())" in report.to_text()
     # the verified fix, applied for real, makes the user's own step run and train
     fix.apply()
@@ -78,7 +78,7 @@ def test_a_fix_that_leaves_the_failure_as_it_was_is_not_called_verified():
         train_step()
     report = mpdoctor.diagnose(model, opt, step=train_step)
     cast = [fx for f in report.findings for fx in f.fixes if fx.changes]
-    assert cast and all(fx.proof.startswith("not verified on your step: applied alone, it raised") for fx in cast)
+    assert cast and all(report.proof.label(fx).startswith("not verified on your step: applied alone, it raised") for fx in cast)
     assert not report.proof.verified and not report.proof.plan.ran
     assert "Plan not verified on your step (train_step())" in report.to_text()
     assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
@@ -99,8 +99,11 @@ def test_a_fix_that_breaks_a_step_that_trained_is_tried_not_planned():
 
     report = mpdoctor.diagnose(model, opt, step=train_step)
     assert report.proof.before.trained
-    tried = [fx for f in report.findings for fx in f.fixes if fx.proof.startswith("tried on your step")]
-    assert tried and all("it raised RuntimeError" in fx.proof and not fx.planned for fx in tried)
+    tried = [fx for f in report.findings for fx in f.fixes if report.proof.label(fx).startswith("tried on your step")]
+    assert tried and all("it raised RuntimeError" in report.proof.label(fx) for fx in tried)
+    shown = [fx_view for f in report.view.data["findings"] for fx_view in f["fixes"]
+             if fx_view["proof"].startswith("tried on your step")]  # fmt: skip
+    assert len(shown) == len(tried) and all(not v["planned"] and v["note"].startswith("not planned: tried") for v in shown)
     assert all(fx not in report.fixes for fx in tried) and report.proof.dropped
     assert model[2].weight.dtype == torch.bfloat16  # the trial was undone
 
@@ -155,7 +158,7 @@ def test_a_held_step_that_must_not_be_replayed_is_not_run_and_every_rendering_sa
     why = "Fixes not verified on your step (cell [7]): the cell reads a data iterator (next(...), line 1)."
     assert why in report.to_text() and "Fixes not verified on your step (cell [7])" in report.to_html()
     assert report.view.data["proof"]["refused"].startswith("the cell reads a data iterator")
-    assert report.fixes and report.fixes[0].proof == ""  # the plan is still offered, unproven
+    assert report.fixes and report.proof.label(report.fixes[0]) == ""  # the plan is still offered, unproven
 
 
 def test_a_held_step_runs_inside_its_context_and_its_own_state_is_restored_after_every_run():

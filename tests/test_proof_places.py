@@ -90,7 +90,7 @@ def test_the_cell_that_raised_is_replayed_to_prove_the_fix_then_the_widget_appli
         assert report.proof.step == f"cell [{cell}]"
         assert not report.proof.before.ran and report.proof.verified
         assert f"Plan verified on your step (cell [{cell}])" in capsys.readouterr().out
-        assert report.fixes[0].proof.startswith("verified on your step")
+        assert report.proof.label(report.fixes[0]).startswith("verified on your step")
         # the replay left everything as it was: parameters, grads, Adam's moments, the list the cell appends to,
         # the random streams, and no name the replay bound (loss) is left behind
         assert _state(ns) == before and ns["seen"] == []
@@ -340,8 +340,9 @@ def test_a_probe_fix_that_leaves_the_step_failing_is_not_called_a_cure():
     batch = torch.randn(4, 8, dtype=torch.bfloat16)
     report = mpdoctor.probe(model, batch)
     cast = report.findings_for("mixed-param-dtypes")[0].fixes[0]
-    assert cast.proof.startswith("not verified (checked on the probe's forward and backward on your batch"), cast.proof
-    assert "it raised RuntimeError: mat1 and mat2 must have the same dtype" in cast.proof
+    label = report.proof.label(cast)  # the proof's record of the cast, kept by the report, not by the fix
+    assert label.startswith("not verified (checked on the probe's forward and backward on your batch"), label
+    assert "it raised RuntimeError: mat1 and mat2 must have the same dtype" in label
     assert not report.proof.checked and not report.proof.verified
     assert "Plan not verified on your step: checked on the probe's forward and backward" in report.to_text()
     assert model[1].weight.dtype == torch.bfloat16

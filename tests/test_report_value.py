@@ -168,3 +168,24 @@ print("rendered", len(text), len(html), len(md))
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("rendered")
+
+
+def test_a_fix_is_a_value_its_title_code_and_changes_are_fixed_and_replace_makes_another():
+    model = bf16_model()
+    scaler, opt = stepped(model)
+    report = mpdoctor.diagnose(model, opt, scaler)
+    fix = next(fx for fx in report.all_fixes if fx.changes)
+    for name, value in (("title", "x"), ("code", "pass"), ("changes", ()), ("applicability", fix.applicability),
+                        ("recipe", "other"), ("cost", "free")):  # fmt: skip
+        with pytest.raises(AttributeError, match="a Fix is a value"):
+            setattr(fix, name, value)
+    # Its address (check, finding) is written once, when it is filed, never moved.
+    assert fix.slug and fix.finding_subject
+    fix.slug = fix.slug  # the same address: nothing moves
+    with pytest.raises(AttributeError, match="a Fix is a value"):
+        fix.finding_subject = "another object"
+    other = fix.replace(title="Another title")
+    assert other is not fix and other.title == "Another title" and other.changes == fix.changes
+    assert other.key[:2] == fix.key[:2] and not other.applied and fix.title != "Another title"
+    with pytest.raises(TypeError, match="Fix has no value"):
+        fix.replace(proof="verified")

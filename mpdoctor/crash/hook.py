@@ -79,9 +79,12 @@ def handle_exception(
 
         report = explain(value, tb, namespace=shell.user_ns)
         if report is not None:
-            from ..runtime.session import in_the_users_loop_report, remember_crash
+            from ..runtime.assembly import Observed, assemble
+            from ..runtime.session import remember_crash, users_loop_findings
 
-            report = in_the_users_loop_report(shell, report)  # the corrected lines of the user's own loop
+            # Assembled as every report is: the corrected lines of the user's own loop. Its plan is proven by the
+            # next %mpdoctor, which replays this cell (until then its fixes say "not verified").
+            report = assemble(report, Observed(in_users_loop=lambda found: users_loop_findings(shell, found)))
             remember_crash(shell, report, _raising_cell(tb))
             show(report)
     except BaseException as exc:  # the traceback is already shown; the hook's failure is one line

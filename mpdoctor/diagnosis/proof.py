@@ -51,6 +51,9 @@ class StepOutcome:
         What the step returned, when it returned a number or a scalar tensor.
     why : str
         Why a step that ran did not train (``"no gradient reached the parameters"``); empty when it trained.
+    at : str
+        The innermost module whose forward was running when the step raised (its name among the diagnosed models,
+        else its class): the same error raised by another module is another failure.
     """
 
     ran: bool
@@ -58,6 +61,11 @@ class StepOutcome:
     error: str | None = None
     loss: float | None = None
     why: str = ""
+    at: str = ""
+
+    def fails_as(self, other: StepOutcome) -> bool:
+        """It raised as ``other`` did: the same error, in the same module."""
+        return not self.ran and not other.ran and self.error == other.error and self.at == other.at
 
     def describe(self) -> str:
         """One phrase: ``"it ran and trained (loss 0.42)"``, ``"it raised RuntimeError: ..."``."""
@@ -274,14 +282,16 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
     params = [p for m in _unique(modules) for p in m.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
     seen = _Gradients(params)
+    running = _Running(modules)
     _PROVING[0] += 1
     try:
         returned = step()
     except Exception as exc:  # the step's failure is the outcome
-        return StepOutcome(False, False, describe_exception(exc))
+        return StepOutcome(False, False, describe_exception(exc), at=running.innermost())
     finally:
         _PROVING[0] -= 1
         seen.remove()
+        running.remove()
     loss = _number(returned)
     for i, p in enumerate(params):  # gradients made outside the hooks' reach (a step that ran no backward now)
         g = p.grad
@@ -291,6 +301,38 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
                 seen.nonzero.add(i)
     why = _not_trained(params, before, seen, loss, bool(_unique(optimizers)))
     return StepOutcome(True, not why, loss=loss, why=why)
+
+
+class _Running:
+    """The modules whose forward is running, innermost last, through torch's global module hooks (a forward that
+    raises never reaches its post-hook, so the innermost one left is where the step raised). Removed after the run."""
+
+    def __init__(self, modules: Iterable[Any]) -> None:
+        self.names = {id(sub): f"{i}.{name}" if name else str(i)
+                      for i, model in enumerate(_unique(modules)) for name, sub in model.named_modules()}  # fmt: skip
+        self.stack: list = []
+        hooks = torch.nn.modules.module
+        self.handles = (hooks.register_module_forward_pre_hook(self._enter),
+                        hooks.register_module_forward_hook(self._leave))  # fmt: skip
+
+    def _enter(self, module: Any, args: Any) -> None:
+        self.stack.append(module)
+
+    def _leave(self, module: Any, args: Any, output: Any) -> None:
+        while self.stack:
+            if self.stack.pop() is module:
+                break
+
+    def innermost(self) -> str:
+        if not self.stack:
+            return ""
+        module = self.stack[-1]
+        return self.names.get(id(module), type(module).__name__)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.stack.clear()
 
 
 def _not_trained(params: list, before: list, seen: _Gradients, loss: float | None, has_optimizer: bool) -> str:
@@ -389,6 +431,12 @@ class Proof:
     left_out : tuple of str
         Fixes that work alone but not with the fixes planned before them (two cures of one failure, each undoing
         the other): left out of the plan, still in the safe plan when they are safe.
+    labels : tuple of (Fix, str)
+        What the proof says of each fix it ran: the record is the proof's, keyed by the fix (a fix is a value and
+        carries no label): :meth:`label`. A report whose plan is not this proof's has no proof, so no labels.
+    needs : tuple of (Fix, tuple of Fix)
+        Each fix verified only together with others, and the group that ran (it among them, in order): its label
+        names them, and the report's treatment applies the group when the fix is applied (:meth:`prerequisites`).
     """
 
     step: str
@@ -401,6 +449,23 @@ class Proof:
     beyond_safe: tuple = ()
     stand_in: str = ""
     left_out: tuple = ()
+    labels: tuple = ()
+    needs: tuple = ()
+
+    def label(self, fix: Any) -> str:
+        """What this proof ran with ``fix`` and what the step did ("" for a fix it did not run)."""
+        return next((text for fx, text in self.labels if fx is fix), "")
+
+    def prerequisites(self, fix: Any) -> tuple:
+        """``fix`` and the fixes it was verified with, in the order they ran: what applying it applies (() for a
+        fix verified alone)."""
+        return next((needed for fx, needed in self.needs if fx is fix), ())
+
+    def not_planned(self, fix: Any) -> str:
+        """Why the proof took ``fix`` out of the plan ("" when it did not)."""
+        if fix.title in self.dropped or fix.title in self.left_out:
+            return f"not planned: {self.label(fix)}"
+        return ""
 
     def plans(self, plan: list, safe_plan: list) -> tuple[list, list]:
         """``plan`` and ``safe_plan`` as the proof leaves them: without the fixes it dropped, and the plan without
@@ -481,27 +546,37 @@ def prove(plan: list, step: Callable[[], Any], label: str, modules: list, optimi
         safe_fixes, safe = trials.safe_plan(safe_plan or [], kept, dropped, alone)
     finally:
         snapshot.restore()
-    _record_labels(kept, dropped, safe_fixes, alone, together, safe, stand_in, before)
+    labels = _labels(kept, safe_fixes, alone, together, safe, stand_in, before, trials.labels)
     beyond = tuple(fx.title for fx in kept if not _among(fx, safe_fixes))
     return Proof(label, before, tuple((fx.title, alone[id(fx)]) for fx in kept), tuple(fx.title for fx in dropped),
                  plan=together, safe=safe, beyond_safe=beyond, stand_in=stand_in,
-                 left_out=tuple(fx.title for fx in left_out))  # fmt: skip
+                 left_out=tuple(fx.title for fx in left_out), labels=labels,
+                 needs=_prerequisites(labels, kept, safe_fixes))  # fmt: skip
 
 
-def _record_labels(kept: list, dropped: list, safe_fixes: list, alone: dict, together: StepOutcome | None,
-                   safe: StepOutcome | None, stand_in: str, before: StepOutcome) -> None:  # fmt: skip
-    """Each fix's ``proof`` (and a dropped fix's ``note``): what ran with it, nothing more."""
+def _labels(kept: list, safe_fixes: list, alone: dict, together: StepOutcome | None, safe: StepOutcome | None,
+            stand_in: str, before: StepOutcome, taken_out: dict) -> tuple:  # fmt: skip
+    """The proof's record of each fix it ran, ``(fix, label)``: what ran with it, nothing more. ``taken_out``: the
+    labels of the fixes the trials dropped or left out, by ``id``."""
+    labels = {id(fx): (fx, text) for fx, text in taken_out.values()}
     for fix in kept:
-        fix.error = None  # a trial's roll-back is the proof's to tell, not a failed apply
-        fix.proof = _label(fix, alone[id(fix)], together, kept, stand_in, before)
+        labels[id(fix)] = (fix, _label(fix, alone[id(fix)], together, kept, stand_in, before))
     for fix in safe_fixes:
-        if not _among(fix, kept) and safe is not None:  # tried only within the safe plan
-            fix.error = None
-            fix.proof = _label(fix, StepOutcome(False, False, "not tried alone"), safe, safe_fixes, stand_in, before)
-    for fix in dropped:
-        fix.error = None
-        fix.planned = False
-        fix.note = f"not planned: {fix.proof}"
+        if not _among(fix, kept) and id(fix) not in labels and safe is not None:  # tried only within the safe plan
+            tried = _label(fix, StepOutcome(False, False, "not tried alone"), safe, safe_fixes, stand_in, before)
+            labels[id(fix)] = (fix, tried)
+    return tuple(labels.values())
+
+
+def _prerequisites(labels: tuple, kept: list, safe_fixes: list) -> tuple:
+    """``(fix, group)`` for each fix whose label claims it only together with other fixes (alone, the step did not
+    train; with them, it did): the fixes that ran, in order, it among them, which applying it applies, so that
+    what the user gets is what ran."""
+    out = []
+    for fix, text in labels:
+        if " together with " in text and "(applying it applies them too" in text:
+            out.append((fix, tuple(kept if _among(fix, kept) else safe_fixes)))  # the fix among them, in run order
+    return tuple(out)
 
 
 class _Trials:
@@ -509,6 +584,8 @@ class _Trials:
 
     def __init__(self, step: Callable[[], Any], modules: list, optimizers: list, snapshot: RunState) -> None:
         self.step, self.modules, self.optimizers, self.snapshot = step, modules, optimizers, snapshot
+        #: What the trials say of the fixes they took out, ``id(fix) -> (fix, label)``.
+        self.labels: dict[int, tuple[Any, str]] = {}
 
     def run(self, fixes: list) -> StepOutcome | None:
         """The step after ``fixes``, applied in order (None when one would not apply)."""
@@ -523,8 +600,8 @@ class _Trials:
                 continue
             outcome = self.run([fix])
             if _worse(before, outcome):
-                fix.proof = ("tried on your step: it could not be applied" if outcome is None
-                             else f"tried on your step: after it, {outcome.describe()}")  # fmt: skip
+                self.labels[id(fix)] = (fix, "tried on your step: it could not be applied" if outcome is None
+                                        else f"tried on your step: after it, {outcome.describe()}")  # fmt: skip
                 dropped.append(fix)
                 continue
             kept.append(fix)
@@ -541,10 +618,9 @@ class _Trials:
             outcome = alone[id(fix)] if not plan else self.run([*plan, fix])
             if plan and _worse(current, outcome):
                 with_them = "; ".join(fx.title for fx in plan)
-                fix.proof = (f"left out of the plan: applied alone, {alone[id(fix)].describe()}; with {with_them}, "
-                             + ("it could not be applied" if outcome is None else outcome.describe()))  # fmt: skip
-                fix.planned = False
-                fix.note = f"not planned: {fix.proof}"
+                self.labels[id(fix)] = (fix, f"left out of the plan: applied alone, {alone[id(fix)].describe()}; with "
+                                        f"{with_them}, " + ("it could not be applied" if outcome is None
+                                                            else outcome.describe()))  # fmt: skip
                 left_out.append(fix)
                 continue
             plan.append(fix)
@@ -576,18 +652,19 @@ def _worse(before: StepOutcome, outcome: StepOutcome | None) -> bool:
 def _label(fix: Any, alone: StepOutcome, together: StepOutcome | None, kept: list, stand_in: str,
            before: StepOutcome) -> str:  # fmt: skip
     """What a fix's proof claims: only what ran."""
-    where = f"checked on {stand_in}, not your step" if stand_in else "on your step"
+    where = f"on {stand_in}, not your step" if stand_in else "on your step"
     verdict = "checked" if stand_in else "verified"
     if alone.trained:
         return f"{verdict} {where}: applied alone, {alone.describe()}"
     others = [fx.title for fx in kept if fx is not fix]
     tried = "" if alone.error == "not tried alone" else f"applied alone, {alone.describe()}; "
     if together is not None and together.trained and others:
-        if alone.ran == before.ran and alone.error == before.error and tried:  # alone, the step fails as before
+        if (alone.fails_as(before) or (alone.ran and before.ran and not before.trained)) and tried:  # as before
             return (f"not what your step needs ({where}): applied alone, it fails as before; the plan with it "
                     f"({'; '.join(others)}) ran and trained")  # fmt: skip
-        return f"{verdict} {where} together with {'; '.join(others)}: {tried}with them, {together.describe()}"
-    unverified = f"not verified ({where})" if stand_in else f"not verified {where}"
+        return (f"{verdict} {where} together with {'; '.join(others)}: {tried}with them, {together.describe()} "
+                "(applying it applies them too, in that order)")  # fmt: skip
+    unverified = f"not verified (checked {where})" if stand_in else f"not verified {where}"
     if together is not None and others:
         return f"{unverified}: {tried}with {'; '.join(others)}, {together.describe()}"
     return f"{unverified}: applied alone, {alone.describe()}"
@@ -595,27 +672,21 @@ def _label(fix: Any, alone: StepOutcome, together: StepOutcome | None, kept: lis
 
 def _trial(fixes: list, step: Callable[[], Any], modules: list, optimizers: list, snapshot: RunState) -> StepOutcome | None:
     """Apply ``fixes`` in order, run the step, undo them and restore the snapshot; None when a fix would not apply."""
-    applied: list = []
+    from ..treatment.fixes import revert_steps
+
+    applied: list = []  # the steps each fix took, recorded here and never on the fix (a value)
     try:
         for fix in fixes:
             try:
-                fix.apply_steps()
-            except Exception:  # apply_steps rolled itself back; the trial stops here
+                applied.append(fix.tried_steps())
+            except Exception:  # tried_steps rolled itself back; the trial stops here
                 return None
-            applied.append(fix)
         snapshot.shield()
         return run_step(step, modules, optimizers)
     finally:
-        for fix in reversed(applied):
-            _undo(fix)
+        for steps in reversed(applied):
+            revert_steps(steps)  # reverts every step it can; the snapshot restores the rest
         snapshot.restore()
-
-
-def _undo(fix: Any) -> None:
-    try:
-        fix.undo_steps()
-    except Exception:  # undo_steps reverts every step it can; what it could not is in fix.error
-        pass
 
 
 def _inside(step: Callable[[], Any], around: Callable[[], AbstractContextManager]) -> Callable[[], Any]:

@@ -124,6 +124,8 @@ class Report:
         }
         for name, value in values.items():
             object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan", "probe_table_") else name, value)
+        if proof is not None:  # a fix verified with others applies them: the treatment keeps what the proof found
+            values["treatment"].learn(proof)
         object.__setattr__(self, "created", time.time())
         object.__setattr__(self, "_cache", {})
 
@@ -148,7 +150,11 @@ class Report:
         if unknown:
             raise TypeError(f"Report has no field {sorted(unknown)}")
         current.update(changes)
-        return Report(**current)
+        evolved = Report(**current)
+        if evolved.proof is not None and "proof" not in changes and not _same_plans(self, evolved):
+            # A proof is of one plan: a report whose plan changed after it holds no proof (its fixes unverified).
+            object.__setattr__(evolved, "proof", None)
+        return evolved
 
     # -- queries -----------------------------------------------------------------------
     @property
@@ -365,3 +371,11 @@ class Report:
         from ..render.frontend import show
 
         show(self)
+
+
+def _same_plans(one: Report, other: Report) -> bool:
+    """The two reports plan the same fixes, in the same order (the plan and the safe plan)."""
+    def same(a: list, b: list) -> bool:
+        return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+    return same(one.fixes, other.fixes) and same(one.safe_fixes, other.safe_fixes)

@@ -37,6 +37,22 @@ class Treatment:
         self.source = source
         #: Fixes applied through this treatment, oldest first (what :meth:`undo` walks back).
         self.applied: list[Fix] = []
+        #: What the last proof said each fix needs first: ``id(fix) -> (fix, prerequisites)``
+        #: (:meth:`mpdoctor.diagnosis.proof.Proof.prerequisites`).
+        self.needs: dict[int, tuple[Fix, tuple]] = {}
+        #: The fixes applied with each fix applied as a group: ``id(fix) -> (fix, group)``.
+        self.groups: dict[int, tuple[Fix, tuple]] = {}
+
+    def learn(self, proof: Any) -> None:
+        """Keep the prerequisites ``proof`` found (it replaces what an earlier proof said of the same fixes)."""
+        for fix, needed in getattr(proof, "needs", ()):
+            self.needs[id(fix)] = (fix, tuple(needed))
+
+    def prerequisites(self, fix: Fix) -> tuple:
+        """``fix`` and the fixes it was verified with, in the order they ran (its proof names them): what applying
+        ``fix`` applies; () for a fix verified alone."""
+        entry = self.needs.get(id(fix))
+        return entry[1] if entry is not None and entry[0] is fix else ()
 
     @property
     def live(self) -> bool:
@@ -72,13 +88,39 @@ class Treatment:
         if fix.applied:
             return fix
         fix.check_applicable(confirm)
+        group = [fx for fx in self.prerequisites(fix) if not fx.applied]
+        if group and any(fx is not fix for fx in group):
+            return self._with_prerequisites(fix, group, confirm)
+        return self._apply_one(fix)
+
+    def _apply_one(self, fix: Fix) -> Fix:
+        """Re-plan ``fix`` against the live objects, then apply it in place (atomically)."""
+        changes = None
         if fix.changes and not fix.bound_where_seen:
             current = self.current(fix)
             if current is None:
                 return fix  # no longer needed: current() set fix.note
-            fix.changes = current.changes
-        fix.apply_steps()
+            if current.changes != fix.changes:  # the same treatment, re-planned against the objects as they are now
+                changes = current.changes
+        fix.apply_steps(changes)
         self.applied.append(fix)
+        return fix
+
+    def _with_prerequisites(self, fix: Fix, group: list[Fix], confirm: bool) -> Fix:
+        """Apply ``group`` (``fix`` and the fixes it was verified with, in the order that ran) as one action: when
+        one fails, those applied here are undone, newest first, and the failure raised."""
+        done: list[Fix] = []
+        try:
+            for member in group:
+                member.check_applicable(confirm)
+                self._apply_one(member)
+                if member.applied:
+                    done.append(member)
+        except BaseException:
+            for member in reversed(done):
+                self.undo(member)
+            raise
+        self.groups[id(fix)] = (fix, tuple(done))  # undoing fix undoes what applying it applied
         return fix
 
     def undo(self, fix: Fix | None = None) -> Fix | None:
@@ -87,9 +129,12 @@ class Treatment:
             fix = next((fx for fx in reversed(self.applied) if fx.applied), None)
             if fix is None:
                 return None
-        fix.undo_steps()
-        if fix in self.applied:
-            self.applied.remove(fix)
+        group = self.groups.pop(id(fix), None)
+        members = group[1] if group is not None and group[0] is fix else (fix,)
+        for member in reversed(members):
+            member.undo_steps()
+            if member in self.applied:
+                self.applied.remove(member)
         return fix
 
     def apply_safe(self, fixes: list[Fix]) -> list[Fix]:

@@ -163,6 +163,21 @@ def _why(finding: Any) -> str:
     return re.sub(r"\b(scaler|optimizer)\b", lambda m: names.get(m.group(1), m.group(1)), why) if names else why
 
 
+def _finding_view(report: Any, finding: Any) -> dict:
+    """A finding as data, each fix with what this report's proof says of it: the label is the proof's record,
+    kept by the report that holds the proof, never written onto the fix (a fix in two reports has two records)."""
+    data = dict(finding.to_dict(), why=_why(finding))
+    proof = report.proof
+    for fx, fix_data in zip(finding.fixes, data["fixes"]):
+        fix_data["proof"] = proof.label(fx) if proof is not None else ""
+        # What applying it applies besides it: the fixes it was verified with (its label names them).
+        fix_data["applies_with"] = [o.title for o in proof.prerequisites(fx) if o is not fx] if proof is not None else []
+        taken_out = proof.not_planned(fx) if proof is not None else ""
+        if taken_out:
+            fix_data["planned"], fix_data["note"] = False, taken_out
+    return data
+
+
 def report_dict(report: Any) -> dict:
     """The whole report as a JSON-serialisable, redacted dict."""
     facts = report.facts
@@ -180,7 +195,7 @@ def report_dict(report: Any) -> dict:
         "watched": report.watched,
         # The plan checked on the user's step, or why it was not.
         "proof": _proof_view(report),
-        "findings": [dict(f.to_dict(), why=_why(f)) for f in report.findings],
+        "findings": [_finding_view(report, f) for f in report.findings],
         # Since the last report (after refresh()): each finding that left, and why (fixed, superseded, code only).
         "departed": [dict(d) for d in report.departed],
         "histogram": [_jsonable(r._asdict()) for r in facts.tallies],

@@ -154,13 +154,8 @@ class MPDoctorMagics(Magics):
             report = self._diagnosed(args, ignore)
             if report is None:
                 return None
-            if not args.no_history:  # what the cells did: read from their source, watched as they ran, raised
-                report = _add_history(self.shell, report, ignore)
-                report = _with_what_the_kernel_saw(self.shell, report, ignore)
+            report = _assembled(self.shell, report, args, ignore, step)
             hidden = {} if args.probe else _hidden_counts(report, ignore)
-            report = _attach_scale_history(self.shell, report)
-            if step is not None and not args.probe:  # the report is whole: its plan is what the proof checks
-                report = _proven(report, step)
         except UnknownTarget as exc:
             _print_line(str(exc))
             return None
@@ -193,7 +188,7 @@ class MPDoctorMagics(Magics):
 
     def _diagnosed(self, args: Any, ignore: list[str]) -> Any:
         """The report of the named objects (or the namespace), probed when asked; None after a line saying why not.
-        No step is proven here: the proof runs on the assembled report (:func:`_proven`)."""
+        No step is proven here: the proof runs on the assembled report (:func:`_assembled`)."""
         from ..diagnosis import diagnose
         from ..runtime.loop_accumulation import record_cells
 
@@ -330,100 +325,27 @@ def _print_footer(report: Any, args: Any, hidden: dict[str, int]) -> None:
         _print_line(f"{total} finding{'s' if total != 1 else ''} hidden by the ignore list ({each})")
 
 
-def _add_history(shell: Any, report: Any, ignore: list[str]) -> Any:
-    """Add what the cells this kernel ran say about the AMP loop (read, never run) to the report."""
+def _assembled(shell: Any, report: Any, args: Any, ignore: list[str], step: Any) -> Any:
+    """The report whole (:func:`mpdoctor.runtime.assembly.assemble`): what the cells did, read from their source
+    (unless ``--no-history``), watched as they ran and raised; the scale history; then the plan proven on ``step``
+    (the ``--step`` function, or the cell that raised; not with ``--probe``, whose report holds its own check)."""
+    from ..runtime.assembly import assemble
+    from ..runtime.session import observed
+
+    code = None if args.no_history else _read_code(shell, ignore)
+    return assemble(report, observed(shell, ignore, code), None if args.probe else step)
+
+
+def _read_code(shell: Any, ignore: list[str]) -> list:
+    """What the cells this kernel ran say about the AMP loop (read, never run); [] after a line saying why not."""
     from ..redact import describe_exception
-    from ..runtime.history import add_to_report, read_history
+    from ..runtime.history import read_history
 
     try:
-        return add_to_report(report, read_history(shell), ignore)
+        return read_history(shell)
     except Exception as exc:  # the report of the objects stands without it
         _print_line(f"could not read the cell history ({describe_exception(exc)})")
-        return report
-
-
-def _with_what_the_kernel_saw(shell: Any, report: Any, ignore: list[str]) -> Any:
-    """The report with what the loop watcher and the crash hook found since the last ``%mpdoctor`` report.
-
-    A crash's cause comes first (the report then reads as the explanation of that exception); one mistake seen
-    by several of them (the watcher, the cell reader, the crash hook) is one finding.
-    """
-    from ..runtime.session import unreported
-    from ..treatment.merge import merged
-
-    watched, crashes = unreported(shell)
-    skip = set(ignore)
-    from ..runtime.session import users_loop_findings
-
-    extra = users_loop_findings(shell, [f for f in watched if f.check not in skip])  # the user's loop, corrected
-    cause = exception = raised_by = None
-    held = list(report.findings)
-    for crash in crashes:
-        if crash.cause is not None and crash.cause.check not in skip:
-            cause, exception, raised_by = crash.cause, crash.exception, crash.raised_by
-            if not _fold_into_setup_finding(held, crash.cause):
-                extra.append(crash.cause)
-    if not extra and cause is None:
-        return report
-    # Their fixes stay bound as the watcher and the crash hook bound them (what they saw is not re-diagnosable).
-    findings, cause = _cause_first(merged([*held, *extra]), cause)
-    return report.evolve(findings=findings, cause=cause, exception=exception, raised_by=raised_by,
-                         **_plans_with_bound_fixes(report, extra))  # fmt: skip
-
-
-def _fold_into_setup_finding(findings: list, cause: Any) -> bool:
-    """Fold a crash's cause into the diagnosis's finding of the same rule on the same object, in place in
-    ``findings``: the mixed model the crash raised on is the mixed model the diagnosis names, one mistake. The kept
-    finding (its planned fixes) gains the crash's evidence keys it lacks. Returns whether it was folded."""
-    import dataclasses
-
-    for i, f in enumerate(findings):
-        if (f.check, f.subject) == (cause.check, cause.subject):
-            evidence = dict(f.evidence) if isinstance(f.evidence, dict) else {}
-            if isinstance(cause.evidence, dict):
-                for k, v in cause.evidence.items():
-                    evidence.setdefault(k, v)
-            findings[i] = dataclasses.replace(f, evidence=evidence, severity=min((f, cause), key=lambda x: x.rank).severity)
-            return True
-    return False
-
-
-def _cause_first(findings: list, cause: Any) -> tuple[list, Any]:
-    """The findings with the crash's cause first (found again when another observer's finding absorbed it)."""
-    from ..treatment.merge import mistake_key
-
-    if cause is None:
-        return sorted(findings, key=lambda f: f.rank), None
-    key = mistake_key(cause)  # the cause may have been folded into a finding another observer made first
-    cause = next((f for f in findings if (f.check, f.subject) == (cause.check, cause.subject)
-                  or (key is not None and mistake_key(f) == key)), cause)  # fmt: skip
-    return [cause, *(f for f in findings if f is not cause)], cause
-
-
-def _plans_with_bound_fixes(report: Any, extra: list) -> dict:
-    """A crash's in-place fixes stay bound to the objects it saw (its batch): they join the plans to apply."""
-    bound = [f.fixes[0] for f in extra if f.fixes and f.fixes[0].changes and f.fixes[0].bound_where_seen]
-    plan = [*report.fixes, *(fx for fx in bound if fx not in report.fixes)]
-    safe = [*report.safe_fixes, *(fx for fx in bound if fx.safe and fx not in report.safe_fixes)]
-    return {"plan": plan, "safe_plan": safe}
-
-
-def _proven(report: Any, step: Any) -> Any:
-    """The assembled report with its plan, and its safe plan as one action, checked on ``step`` (the ``--step``
-    function, or the cell that raised): nothing joins the plan after this."""
-    from ..diagnosis.proof import proven_report, step_as_held
-
-    return proven_report(report, step_as_held(step))
-
-
-def _attach_scale_history(shell: Any, report: Any) -> Any:
-    """The scale, skips and loss per step the session's protocol observer kept (cells run after %load_ext)."""
-    from ..runtime import session
-
-    observer = session.observer(shell)
-    if observer is not None and observer.scale_history:
-        return report.evolve(scale_history=observer.scale_history)
-    return report
+        return []
 
 
 def _batch_types() -> tuple:

@@ -741,10 +741,10 @@ def probe(
     )
     bind_fixes(report, live, report.treatment)
     if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
-        from ..diagnosis.proof import proven_report
+        from ..runtime.assembly import assemble
 
         step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
-        report = proven_report(report, step, before=_outcome(facts_probe))
+        report = assemble(report, step=step, before=_outcome(facts_probe))
     return report
 
 

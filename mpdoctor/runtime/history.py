@@ -21,17 +21,21 @@ from .rules import RULES
 
 
 def cell_sources(shell: Any) -> list[Source]:
-    """The cells ``shell`` has run, in execution order, as parsed :class:`Source` s of files ``In[n]``.
+    """The cells ``shell`` has run, in execution order, as parsed :class:`Source` s of files ``In[n]``; a run that a
+    later run of the same cell (the same cell id) replaced is skipped: the user has corrected that code.
 
     Parameters
     ----------
     shell : IPython.core.interactiveshell.InteractiveShell
         The running shell.
     """
+    from .cells import replaced_runs
+
     parsed, raw = _history(shell)
+    replaced = replaced_runs(shell)  # a cell run again follows its latest run: its old code is not the user's now
     sources = []
     for count, code in enumerate(parsed):
-        if not isinstance(code, str) or not relevant(code):
+        if count in replaced or not isinstance(code, str) or not relevant(code):
             continue
         label = f"In[{count}]"  # Location reads the cell number from it: "cell [n], line 3"
         source = source_of(label, code)

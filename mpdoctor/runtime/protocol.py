@@ -712,17 +712,15 @@ def print_finding(finding: Finding) -> None:
 
 def protocol_report(observer: ProtocolObserver, base: Any = None, findings: list[Finding] | None = None,
                     history: list | None = None) -> Any:  # fmt: skip
-    """The report of a watched run: ``base``'s findings (the diagnosis before the first step) and the
-    protocol findings (``findings``, default all of the observer's), with the scale history ``history`` (default
-    all of the observer's). Without ``base``, a diagnosis of nothing."""
+    """The report of a watched run, assembled (:func:`mpdoctor.runtime.assembly.assemble`): ``base``'s findings (the
+    diagnosis before the first step) and the protocol findings (``findings``, default all of the observer's), with
+    the scale history ``history`` (default all of the observer's). Without ``base``, a diagnosis of nothing."""
+    from .assembly import Observed, assemble
+
     if base is None:
         from ..diagnosis import diagnose_subjects
 
         base = diagnose_subjects([])
-    observed = list(observer.findings if findings is None else findings)
-    from ..treatment.findings import SEVERITY_RANK
-
-    findings = sorted([*base.findings, *observed], key=lambda f: (SEVERITY_RANK[f.severity], f.check, f.subject))
-    plan = [*base.fixes, *(fx for f in observed for fx in f.fixes)]
+    observed = tuple(observer.findings if findings is None else findings)
     steps = observer.scale_history if history is None else history
-    return base.evolve(findings=findings, plan=plan, scale_history=steps)
+    return assemble(base, Observed(watched=observed, scale_history=tuple(steps)))

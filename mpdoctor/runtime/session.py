@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 #: ``id(shell) -> _Session`` while installed.
@@ -40,6 +40,9 @@ class _Session:
         self.crashes: list = []
         #: ``(filename, source)`` of the cell that raised the latest of them: ``%mpdoctor`` checks its fixes on it.
         self.crash_cell: tuple[str, str, int] | None = None
+        #: For each of :attr:`crashes`: the cell that raised, ``(cell id, source)`` (the id the front end gives a
+        #: cell, None where it gives none), tagged when that cell's run ends.
+        self.crash_tags: list[tuple[Any, str] | None] = []
         self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
 
     def start(self) -> None:
@@ -69,6 +72,7 @@ class _Session:
         return real
 
     def post_run_cell(self, result: Any = None) -> None:
+        self._follow_cells(result)
         self._record_loop_accumulation()
         obs = self.observer
         if obs is None:
@@ -91,6 +95,27 @@ class _Session:
             if new:
                 show_findings(obs, users_loop_findings(self.shell, new), steps)
 
+
+    def _follow_cells(self, result: Any) -> None:
+        """Keep what is current: the latest run of each cell (by the id the front end gives it), and the crashes of
+        cells that have not run cleanly since. A crash is dropped when its cell runs again without raising: the
+        same cell id (JupyterLab, Notebook 7, VS Code and Colab send one), or, with no id, the same code."""
+        info = getattr(result, "info", None)
+        cell_id, raw = getattr(info, "cell_id", None), getattr(info, "raw_cell", None)
+        from . import cells
+
+        cells.ran(self.shell, cell_id, getattr(result, "execution_count", None))
+        if result is None:
+            return
+        if not getattr(result, "success", False):
+            self.crash_tags = [tag if tag is not None else (cell_id, raw) for tag in self.crash_tags]
+            return
+        kept = [(report, tag) for report, tag in zip(self.crashes, self.crash_tags)
+                if tag is None or not _same_cell(tag, cell_id, raw)]  # fmt: skip
+        if len(kept) != len(self.crashes):
+            self.crashes, self.crash_tags = [r for r, _t in kept], [t for _r, t in kept]
+            if not self.crashes:
+                self.crash_cell = None
 
     def _record_loop_accumulation(self) -> None:
         """After a cell that writes a hand-written training loop (``.backward(`` and ``.step(``), record its
@@ -161,18 +186,6 @@ def users_loop_findings(shell: Any, findings: list) -> list:
         return findings
 
 
-def in_the_users_loop_report(shell: Any, report: Any) -> Any:
-    """``report`` (a crash's) with the watcher's findings in it given the user's own loop, corrected."""
-    from .rules import RULES
-
-    watched = [f for f in report.findings if f.check in RULES]
-    if not watched:
-        return report
-    mine = dict(zip(map(id, watched), users_loop_findings(shell, watched)))
-    cause = mine.get(id(report.cause), report.cause) if report.cause is not None else None
-    return report.evolve(findings=tuple(mine.get(id(f), f) for f in report.findings), cause=cause)
-
-
 def cell_report(observer: Any, findings: list, steps: list | None = None) -> Any:
     """The report of a cell's protocol findings, labelled as watched, with ``steps``: the scale history of that
     cell (default: the session's)."""
@@ -214,6 +227,9 @@ def uninstall(shell: Any) -> None:
     session = _SESSIONS.pop(id(shell), None)
     if session is None:
         return
+    from .cells import forget
+
+    forget(shell)
     try:
         shell.events.unregister("post_run_cell", session.post_run_cell)
     except ValueError:  # already gone
@@ -251,9 +267,36 @@ def unreported(shell: Any) -> tuple[list, list]:
     obs = sess.observer
     findings = list(obs.findings[sess.reported :]) if obs is not None else []
     sess.reported = len(obs.findings) if obs is not None else 0
-    crashes, sess.crashes = sess.crashes, []
+    crashes, sess.crashes, sess.crash_tags = sess.crashes, [], []
     sess.crash_cell = None
+    from .cells import replaced_runs
+
+    replaced = replaced_runs(shell)
+    if replaced:  # what the watcher saw in a cell the user has replaced and run again is not current
+        findings = [f for f in findings if _run_of(f) not in replaced]
     return findings, crashes
+
+
+def observed(shell: Any, ignore: Iterable[str] = (), code: list | None = None) -> Any:
+    """What the kernel observed beside the objects since the last ``%mpdoctor`` report, for
+    :func:`mpdoctor.runtime.assembly.assemble`: ``code`` (the cells' findings, read by the caller; None: the code is
+    not read), the watcher's findings and the crash hook's reports (both count as reported from now on), the scale
+    history, and how to give watcher findings the user's own loop."""
+    from .assembly import Observed
+
+    watched, crashes = unreported(shell) if code is not None else ([], [])
+    obs = observer(shell)
+    return Observed(code=tuple(code or ()), watched=tuple(watched), crashes=tuple(crashes),
+                    scale_history=tuple(obs.scale_history) if obs is not None and obs.scale_history else None,
+                    in_users_loop=lambda findings: users_loop_findings(shell, findings), ignore=tuple(ignore))
+
+
+def _same_cell(tag: tuple[Any, str], cell_id: Any, raw: Any) -> bool:
+    """The cell a crash was tagged with is the cell that just ran: the same id, or (no id) the same code."""
+    tagged_id, tagged_raw = tag
+    if tagged_id is not None or cell_id is not None:
+        return tagged_id == cell_id
+    return isinstance(raw, str) and raw.strip() == (tagged_raw or "").strip()
 
 
 def remember_crash(shell: Any, report: Any, cell: tuple[str, str, int] | None = None) -> None:
@@ -263,6 +306,7 @@ def remember_crash(shell: Any, report: Any, cell: tuple[str, str, int] | None = 
     sess = _SESSIONS.get(id(shell))
     if sess is not None:
         sess.crashes.append(report)
+        sess.crash_tags.append(None)  # tagged with its cell when that cell's run ends
         sess.crash_cell = cell
 
 
@@ -315,3 +359,12 @@ def observers_aside() -> Iterator[None]:
         yield
     finally:
         _DISPATCH.observers = saved
+
+
+def _run_of(finding: Any) -> int | None:
+    """The execution count of the cell a watcher finding is at (``"cell [4], line 3"``), or None."""
+    import re
+
+    evidence = finding.evidence if isinstance(finding.evidence, dict) else {}
+    m = re.match(r"cell \[(\d+)\]", str(evidence.get("where") or ""))
+    return int(m.group(1)) if m else None

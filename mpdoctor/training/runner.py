@@ -101,8 +101,9 @@ def _explain(exc: BaseException, tb: TracebackType | None, scan: bool, shown: se
     """Print the crash report; a crash whose cause is a mistake already printed is one line naming it."""
     try:
         from ..crash.cause import explain
+        from ..runtime.assembly import assemble
 
-        report = explain(exc, tb, scan=True if scan else None)
+        report = assemble(explain(exc, tb, scan=True if scan else None))  # no step to replay: a script's crash
         if report is None:
             return
         if _already_shown(report, shown):

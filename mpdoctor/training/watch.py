@@ -294,12 +294,12 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
     def _proven(self, report: Any, tb: TracebackType | None = None) -> Any:
         """``report`` with its plan checked on the user's own loop body that raised (``tb``: the watched block's
         traceback), else on mpdoctor's stand-in step on the held batch; as it was when neither can run."""
-        held = self._loop_body(tb) or self.held_step()
-        if report is None or held is None or not any(fx.changes for fx in report.fixes):
-            return report
-        from ..diagnosis.proof import proven_report
+        from ..runtime.assembly import assemble
 
-        return proven_report(report, held)
+        if report is None:
+            return None
+        held = self._loop_body(tb) or self.held_step()
+        return assemble(report, step=held)
 
     def _count_backward(self, param: torch.Tensor) -> None:
         if not self._proving:

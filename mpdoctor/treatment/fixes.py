@@ -27,6 +27,12 @@ from .rules import Applicability  # defined beside Rule; this import path stays
 UNDO_BUDGET_BYTES = 2 * 2**30
 
 
+#: What a fix is: fixed when it is made (:meth:`Fix.replace` makes another).
+_VALUE = frozenset({"title", "code", "changes", "applicability", "cost", "recipe", "backup_bytes", "needs_confirmation"})
+#: Where a fix is filed: its check and its finding's subject, written once when it is filed, never moved.
+_ADDRESS = frozenset({"slug", "finding_subject"})
+
+
 class FixFailed(RuntimeError):
     """A fix could not be applied; everything it touched is as it was before."""
 
@@ -77,32 +83,55 @@ class Fix:
         recipe: str = "",
         backup_bytes: int = 0,
         slug: str = "",
+        finding_subject: str = "",
     ) -> None:
-        self.slug = slug
-        self.code = code
-        self.applicability = applicability or Applicability.UNSAFE
-        self.changes = tuple(changes)
+        set_value = super().__setattr__
+        set_value("_given_title", title)
+        set_value("slug", slug)
+        set_value("finding_subject", finding_subject)
+        set_value("code", code)
+        set_value("applicability", applicability or Applicability.UNSAFE)
+        set_value("changes", tuple(changes))
+        set_value("backup_bytes", backup_bytes)
+        set_value("needs_confirmation", backup_bytes > UNDO_BUDGET_BYTES)
+        if self.needs_confirmation:
+            title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup)"
+        set_value("title", title)
+        set_value("cost", cost)
+        set_value("recipe", recipe)
         # Replaceable attributes, so fault-injection tests can make any step fail.
         self._plan: Callable[[], list[Change]] = self._spec_steps
         self._verify: Callable[[], str | None] = self._spec_problem
-        self.backup_bytes = backup_bytes
-        self.needs_confirmation = backup_bytes > UNDO_BUDGET_BYTES
-        if self.needs_confirmation:
-            title = f"{title} (keeps a {backup_bytes / 2**30:.1f} GiB undo backup)"
-        self.title = title
-        self.cost = cost
-        self.recipe = recipe
+        # The application record (what was applied, how it failed, the steps to undo).
         self.applied = False
         self.error: str | None = None
         #: Set by the treatment planner: whether this fix is part of the report's plan, and why not.
         self.planned = True
         self.note = ""
-        #: What the user's step did after this fix, when the plan was checked on it ("verified on your step: ...").
-        self.proof = ""
         self._done: list[Change] = []
         self._live: Any = None
         self._door: FixDoor | None = None
-        self.finding_subject = ""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ADDRESS and getattr(self, name) in ("", value):
+            super().__setattr__(name, value)  # filed under its check and finding once, never moved
+            return
+        if name in _VALUE or name in _ADDRESS:
+            raise AttributeError(f"a Fix is a value: make another with fix.replace({name}=...)")
+        super().__setattr__(name, value)
+
+    def replace(self, **values: Any) -> Fix:
+        """Another fix with ``values`` (the constructor's keywords) and this one's other values; its record is
+        new (not applied, no note), bound as this one is."""
+        given = {"title": self._given_title, "code": self.code, "changes": self.changes,
+                 "applicability": self.applicability, "cost": self.cost, "recipe": self.recipe,
+                 "backup_bytes": self.backup_bytes, "slug": self.slug, "finding_subject": self.finding_subject}  # fmt: skip
+        unknown = set(values) - set(given)
+        if unknown:
+            raise TypeError(f"Fix has no value {sorted(unknown)}")
+        given.update(values)
+        title, code = given.pop("title"), given.pop("code")
+        return Fix(title, code, **given).bind(self._live, self._door)
 
     @property
     def safe(self) -> bool:
@@ -130,14 +159,14 @@ class Fix:
         state = "applied" if self.applied else ("failed" if self.error else "pending")
         return f"<Fix {self.title!r} {self.applicability.value} {state}>"
 
-    def _spec_steps(self) -> list[Change]:
+    def _spec_steps(self, changes: Sequence[Any] | None = None) -> list[Change]:
         if self._live is None:
             raise FixFailed("this fix is not bound to live objects (take it from a Report)")
-        return [step for spec in self.changes for step in spec.bind(self._live)]
+        return [step for spec in (self.changes if changes is None else changes) for step in spec.bind(self._live)]
 
-    def _spec_problem(self) -> str | None:
+    def _spec_problem(self, changes: Sequence[Any] | None = None) -> str | None:
         if self._live is not None:
-            for spec in self.changes:
+            for spec in self.changes if changes is None else changes:
                 problem = spec.verify(self._live)
                 if problem:
                     return problem
@@ -177,31 +206,41 @@ class Fix:
         if self.needs_confirmation and not confirm:
             raise FixNeedsConfirmation(self.title)
 
-    def apply_steps(self) -> None:
-        """Run the steps of :attr:`changes` as bound now, atomically: on any failure, revert those taken."""
+    def apply_steps(self, changes: Sequence[Any] | None = None) -> None:
+        """Run the steps of :attr:`changes` (or ``changes``: the same treatment re-planned against the objects as
+        they are now) as bound now, atomically: on any failure, revert those taken."""
         if self.applied:
             return
+        try:
+            done = self.tried_steps(changes)
+        except FixFailed as exc:
+            self.error = str(exc)[len(self.title) + 1 :]
+            raise
+        self._done = done
+        self.applied = True
+        self.error = None
+
+    def tried_steps(self, changes: Sequence[Any] | None = None) -> list[Change]:
+        """Apply the steps of :attr:`changes` as bound now, atomically, and return them for
+        :func:`revert_steps`, recording nothing on this fix: how the proof tries a fix (the trial is the proof's
+        record, not the fix's). On any failure the steps taken are reverted and :class:`FixFailed` says why."""
         done: list[Change] = []
         try:
-            for change in self._plan():
+            for change in self._plan() if changes is None else self._spec_steps(changes):
                 change.apply()
                 done.append(change)
-            problem = self._verify()
+            problem = self._verify() if changes is None else self._spec_problem(changes)
             if problem:
                 raise FixFailed(f"the change did not take: {problem}")
         except BaseException as exc:
             leftovers = _revert_all(done)
             cause = describe_exception(exc)
-            if leftovers:
-                self.error = f"failed ({cause}) and could not be fully rolled back: {leftovers}"
-            else:
-                self.error = f"rolled back after {cause}"
+            error = (f"failed ({cause}) and could not be fully rolled back: {leftovers}" if leftovers
+                     else f"rolled back after {cause}")  # fmt: skip
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            raise FixFailed(f"{self.title} {self.error}") from exc
-        self._done = done
-        self.applied = True
-        self.error = None
+            raise FixFailed(f"{self.title} {error}") from exc
+        return done
 
     def undo(self) -> Fix:
         """Restore exactly what :meth:`apply` changed; does nothing when not applied.
@@ -240,8 +279,12 @@ class Fix:
             "cost": self.cost,
             "applied": self.applied,
             "error": self.error,
-            "proof": self.proof,
         }
+
+
+def revert_steps(changes: list[Change]) -> str:
+    """Revert steps :meth:`Fix.tried_steps` took, newest first; describe what could not be reverted."""
+    return _revert_all(changes)
 
 
 def _revert_all(changes: list[Change]) -> str:

@@ -132,7 +132,7 @@ def _greedy(
             try:
                 after_facts = _simulate(state, fx)
                 after = run(after_facts)
-                after_facts, after = _whole_chain(fx, state, current, after_facts, after, run)
+                after_facts, after, whole = _whole_chain(fx, state, current, after_facts, after, run)
             except Exception as exc:  # judged unplannable; it stays on offer as an alternative
                 unsimulated[fx.key] = f"not planned: its outcome could not be simulated ({type(exc).__name__})"
                 continue
@@ -141,11 +141,11 @@ def _greedy(
                 continue
             rank = (s, 0 if fx.safe else 1, order)
             if best is None or rank < best[0]:
-                best = (rank, fx, after_facts, after)
+                best = (rank, whole, after_facts, after)
         if best is None:
             break
         _rank, fx, state, current = best
-        _take_input_casts(fx)
+        _swap(findings, fx)
         chosen.append(fx)
     return chosen, unsimulated, current
 
@@ -168,24 +168,29 @@ def _input_casts(before: list[Finding], after: list[Finding]) -> tuple:
 
 
 def _whole_chain(fx: Fix, state: Facts, before: list[Finding], after_facts: Facts, after: list[Finding],
-                 run: Callable[[Facts], list[Finding]]) -> tuple[Facts, list[Finding]]:  # fmt: skip
+                 run: Callable[[Facts], list[Finding]]) -> tuple[Facts, list[Finding], Fix]:  # fmt: skip
     """The outcome of ``fx`` covering the inputs its casts meet: a plan never trades one dtype error for the next.
 
     A cast of a model's weights leaves its inputs' dtype (the simulation says so); when that makes an input
-    meet weights of another dtype, the input cast those mismatches offer joins the fix (remembered on it as
-    ``pending_input_casts``, taken when the fix is chosen) and the outcome is judged with it.
+    meet weights of another dtype, the input cast those mismatches offer joins the fix, and so do the averaged
+    copies that follow the cast: ``(facts, findings, the whole fix)``, the whole fix another value than ``fx``
+    when anything joined it, the outcome judged with it.
     """
-    fx.pending_input_casts = ()  # type: ignore[attr-defined]
-    fx.pending_shadows = ()  # type: ignore[attr-defined]
     extra = tuple(c for c in _input_casts(before, after) if c not in fx.changes)
     shadows = tuple(c for c in _shadow_followers(fx, state) if c not in fx.changes)
     if not extra and not shadows:
-        return after_facts, after
+        return after_facts, after, fx
     for spec in extra + shadows:
         after_facts = spec.simulate(after_facts)
-    fx.pending_input_casts = extra  # type: ignore[attr-defined]
-    fx.pending_shadows = shadows  # type: ignore[attr-defined]
-    return after_facts, run(after_facts)
+    return after_facts, run(after_facts), _with_followers(fx, extra, shadows)
+
+
+def _swap(findings: list[Finding], whole: Fix) -> None:
+    """Put ``whole`` (a chosen fix with the casts that joined it) where the fix of its key was offered."""
+    for f in findings:
+        for i, x in enumerate(f.fixes):
+            if x is not whole and x.key == whole.key:
+                f.fixes[i] = whole
 
 
 def _shadow_followers(fx: Fix, state: Facts) -> tuple:
@@ -205,24 +210,22 @@ def _shadow_followers(fx: Fix, state: Facts) -> tuple:
     return tuple(out)
 
 
-def _take_input_casts(fx: Fix) -> None:
-    """Make the input casts and averaged copies its simulation needed part of the chosen fix (changes, title, code)."""
-    shadows = getattr(fx, "pending_shadows", ())
+def _with_followers(fx: Fix, extra: tuple, shadows: tuple) -> Fix:
+    """The chosen fix with the input casts and averaged copies its simulation needed (changes, title, code): another
+    value (a fix is not changed once made)."""
+    changes, title, code = tuple(fx.changes), fx._given_title, fx.code
     if shadows:  # the averaged copies follow the cast, so their next update keeps running
-        fx.changes = tuple(fx.changes) + tuple(shadows)
-        fx.title += f", and keep {', '.join(c.label for c in shadows)} in fp32 so its update accepts the cast model"
-        fx.code += "".join(f"\n{c.code}" if c.code else f"\n# {c.label}: shadow cast to fp32, its update made per-tensor"
-                           for c in shadows)  # fmt: skip
-        fx.pending_shadows = ()  # type: ignore[attr-defined]
-    extra = getattr(fx, "pending_input_casts", ())
-    if not extra:
-        return
-    fx.changes = tuple(fx.changes) + tuple(extra)
-    dtypes = sorted({c.dtype for c in extra})
-    fx.title += f", and cast the floating inputs it meets to {', '.join(dtypes)}"
-    fx.code += "".join(f"\n{getattr(c, 'label', 'model')}.register_forward_pre_hook(cast_floating_inputs, "
-                       "with_kwargs=True)  # its inputs follow the cast" for c in extra)  # fmt: skip
-    fx.pending_input_casts = ()  # type: ignore[attr-defined]
+        changes += tuple(shadows)
+        title += f", and keep {', '.join(c.label for c in shadows)} in fp32 so its update accepts the cast model"
+        code += "".join(f"\n{c.code}" if c.code else f"\n# {c.label}: shadow cast to fp32, its update made per-tensor"
+                        for c in shadows)  # fmt: skip
+    if extra:
+        changes += tuple(extra)
+        dtypes = sorted({c.dtype for c in extra})
+        title += f", and cast the floating inputs it meets to {', '.join(dtypes)}"
+        code += "".join(f"\n{getattr(c, 'label', 'model')}.register_forward_pre_hook(cast_floating_inputs, "
+                        "with_kwargs=True)  # its inputs follow the cast" for c in extra)  # fmt: skip
+    return fx.replace(changes=changes, title=title, code=code)
 
 
 def plan_safe(
