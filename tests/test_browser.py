@@ -454,3 +454,55 @@ def test_notebook_09_run_in_jupyterlab_shows_one_report_per_mistake_naming_the_s
             problems.append(f"cell {cell['index']} ({slug}): a panel denies the scaler or model the finding names")
     assert shots and all(s.stat().st_size > 10_000 for s in shots)
     assert not problems, "\n".join(problems)
+
+
+def test_in_jupyterlab_mpdoctor_insert_puts_the_corrected_loop_below_unrun_and_running_it_trains(tmp_path, record_property):
+    """The code fix one action away: ``%mpdoctor insert 1`` (named on the fix's card) puts the corrected loop in a
+    new cell below, unrun (IPython's ``set_next_input`` payload, which JupyterLab honours); the user runs it and
+    the net trains through the scaler."""
+    _require_chromium()
+    import playwright.sync_api as playwright
+    from browser.lab import LabServer, write_insert_notebook
+
+    started = time.monotonic()
+    root = tmp_path / "root"
+    root.mkdir()
+    name = "insert.ipynb"
+    write_insert_notebook(root / name)
+    with LabServer(tmp_path, root) as lab, playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 1600}, device_scale_factor=1)
+            _open_notebook(page, lab.notebook_url(name))
+            _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
+            card = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="%mpdoctor insert 1")
+            card.first.wait_for(timeout=120_000)
+
+            def type_and_run(code: str) -> None:
+                _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
+                _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
+                _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
+                page.keyboard.type(code)
+                _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+
+            # The wrong loop wrecked the weights (steps 65536 times too large): the user starts them afresh.
+            type_and_run("net.reset_parameters()\nw0 = net.weight.detach().clone()\n%mpdoctor insert 1")
+            page.wait_for_function("() => window.jupyterapp.shell.currentWidget.content.widgets.length === 5")
+            cells = _js_notebook(page, "return nb.content.widgets.map((c) => ({source: c.model.sharedModel.getSource(),"
+                                       " count: c.model.executionCount === undefined ? null : c.model.executionCount}));")  # fmt: skip
+            inserted = cells[4]
+            assert "scaler.step(opt)" in inserted["source"] and "scaler.update()" in inserted["source"], cells
+            assert "opt.step()" not in inserted["source"].replace("scaler.step(opt)", "")
+            assert inserted["count"] is None, inserted  # below, and unrun
+            # The user runs the corrected cell, then reads the net in a new cell: it trained, finite.
+            _js_notebook(page, "nb.content.activeCellIndex = 4;")
+            _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+            page.wait_for_function("() => { const c = window.jupyterapp.shell.currentWidget.content.widgets[4];"
+                                   " return c.model.executionCount !== null && c.model.executionCount !== undefined; }")  # fmt: skip
+            type_and_run("print('TRAINED', not torch.equal(w0, net.weight), bool(torch.isfinite(net.weight).all()))")
+            out = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="TRAINED ")
+            out.wait_for(timeout=60_000)
+            assert out.inner_text().strip() == "TRAINED True True"
+        finally:
+            browser.close()
+    record_property("seconds", round(time.monotonic() - started, 1))

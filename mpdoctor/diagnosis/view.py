@@ -163,12 +163,23 @@ def _why(finding: Any) -> str:
     return re.sub(r"\b(scaler|optimizer)\b", lambda m: names.get(m.group(1), m.group(1)), why) if names else why
 
 
+def code_fixes(report: Any) -> list:
+    """The report's fixes that are code to write (display-only: the user's corrected loop, the code that builds an
+    object anew), numbered from 1 in this order: ``%mpdoctor insert N`` puts fix N's code in a new cell below."""
+    return [fx for fx in report.all_fixes if fx.applicability.value == "display-only" and fx.code.strip()]
+
+
 def _finding_view(report: Any, finding: Any) -> dict:
     """A finding as data, each fix with what this report's proof says of it: the label is the proof's record,
     kept by the report that holds the proof, never written onto the fix (a fix in two reports has two records)."""
     data = dict(finding.to_dict(), why=_why(finding))
     proof = report.proof
+    numbered = report._cache.get("code_fixes")
+    if numbered is None:
+        numbered = report._cache["code_fixes"] = code_fixes(report)
     for fx, fix_data in zip(finding.fixes, data["fixes"]):
+        number = next((i for i, c in enumerate(numbered, 1) if c is fx), None)
+        fix_data["insert"] = f"%mpdoctor insert {number}" if number is not None else ""
         fix_data["proof"] = proof.label(fx) if proof is not None else ""
         # What applying it applies besides it: the fixes it was verified with (its label names them).
         fix_data["applies_with"] = [o.title for o in proof.prerequisites(fx) if o is not fx] if proof is not None else []

@@ -102,12 +102,34 @@ class MPDoctorMagics(Magics):
         ``%mpdoctor`` inspects everything in the namespace; ``%mpdoctor model opt``
         inspects named variables. Returns the Report (``r = %mpdoctor`` works).
         """
+        words = line.split()
+        if words[:1] == ["insert"]:
+            return self._insert(words[1:])
         try:
             args = parse_argstring(self.mpdoctor, line)
         except Exception as exc:  # UsageError and argparse's SystemExit-free errors
             _print_line(f"{exc} (see %mpdoctor?)")
             return None
         return self._run(args)
+
+    def _insert(self, words: list[str]) -> None:
+        """``%mpdoctor insert N``: fix N's code (numbered on the last report's cards) in a new cell below, unrun.
+        IPython's ``set_next_input`` payload: JupyterLab and Notebook 7 honour it; Colab and VS Code drop it, so
+        the code is printed too (docs/notebooks.md)."""
+        from ..diagnosis.view import code_fixes
+        from ..runtime.session import last_shown
+
+        report = last_shown(self.shell)
+        fixes = code_fixes(report) if report is not None else []
+        if len(words) != 1 or not words[0].isdigit() or not 1 <= int(words[0]) <= len(fixes):
+            known = f"1 to {len(fixes)}" if fixes else "none: the last report has no code to insert"
+            _print_line(f"%mpdoctor insert N: N is the number a fix's card names ({known})")
+            return None
+        fix = fixes[int(words[0]) - 1]
+        self.shell.set_next_input(fix.code, replace=False)
+        _print_line(f"the code of '{fix.title}' is in a new cell below, unrun (JupyterLab, Notebook 7). "
+                    "Where no cell appears (Colab, VS Code), here it is to copy:\n" + fix.code)  # fmt: skip
+        return None
 
     def _resolve(self, names: list[str]):
         ns = self.shell.user_ns
@@ -171,6 +193,9 @@ class MPDoctorMagics(Magics):
             _print_line(f"could not display the report ({describe_exception(exc)}); it is returned: r = %mpdoctor")
         if not (args.json or args.markdown):  # the exports stay parseable: no line after them
             _print_footer(report, args, hidden)
+        from ..runtime.session import remember_shown
+
+        remember_shown(self.shell, report)  # what %mpdoctor insert N numbers
         return report
 
     def _step(self, name: str | None) -> tuple[Any, bool]:

@@ -139,6 +139,8 @@ def _fix_lines(fx: dict, siblings: list[dict], width: int) -> list[str]:
     if fx["note"] and not fx["planned"]:
         lines += textwrap.wrap(f"note: {fx['note']}", **indent)
     lines += [f"            {code_line}" for code_line in fx["code"].splitlines()]
+    if fx.get("insert"):
+        lines.append(f"            ({fx['insert']} puts this code in a new cell below, unrun: JupyterLab, Notebook 7)")
     return lines
 
 

@@ -44,6 +44,9 @@ class _Session:
         #: cell, None where it gives none), tagged when that cell's run ends.
         self.crash_tags: list[tuple[Any, str] | None] = []
         self.settle: Any = None  # mpdoctor.runtime.dispatch.settle, bound at start(): no import per cell
+        #: The last report shown in this shell (by %mpdoctor or the crash hook): ``%mpdoctor insert N`` numbers
+        #: its code fixes.
+        self.shown: Any = None
 
     def start(self) -> None:
         """Arm the resident wrapper and attach the session's observer, pending until its first event."""
@@ -93,7 +96,7 @@ class _Session:
             new = _not_yet_shown(obs.findings[self.seen :], self.crashes)
             self.seen = len(obs.findings)
             if new:
-                show_findings(obs, users_loop_findings(self.shell, new), steps)
+                self.shown = show_findings(obs, users_loop_findings(self.shell, new), steps) or self.shown
 
 
     def _follow_cells(self, result: Any) -> None:
@@ -196,16 +199,20 @@ def cell_report(observer: Any, findings: list, steps: list | None = None) -> Any
     return report.evolve(watched=f"the AMP loop as it ran ({', '.join(cells) or 'this cell'}): GradScaler protocol")
 
 
-def show_findings(observer: Any, findings: list, steps: list | None = None) -> None:
-    """Display a cell's protocol findings as a report; a display failure is one line, never a traceback."""
+def show_findings(observer: Any, findings: list, steps: list | None = None) -> Any:
+    """Display a cell's protocol findings as a report and return it; a display failure is one line, never a
+    traceback (None is returned)."""
     try:
         from ..render.frontend import show
 
-        show(cell_report(observer, findings, steps))
+        report = cell_report(observer, findings, steps)
+        show(report)
+        return report
     except Exception as exc:
         from ..redact import describe_exception
 
         print(f"mpdoctor: could not display the loop's findings ({describe_exception(exc)})", file=sys.stderr)
+        return None
 
 
 def install(shell: Any) -> None:
@@ -299,6 +306,19 @@ def _same_cell(tag: tuple[Any, str], cell_id: Any, raw: Any) -> bool:
     return isinstance(raw, str) and raw.strip() == (tagged_raw or "").strip()
 
 
+def remember_shown(shell: Any, report: Any) -> None:
+    """Keep ``report`` as the last one shown in ``shell`` (what ``%mpdoctor insert N`` numbers)."""
+    sess = _SESSIONS.get(id(shell))
+    if sess is not None and report is not None:
+        sess.shown = report
+
+
+def last_shown(shell: Any) -> Any:
+    """The last report shown in ``shell``, or None."""
+    sess = _SESSIONS.get(id(shell))
+    return sess.shown if sess is not None else None
+
+
 def remember_crash(shell: Any, report: Any, cell: tuple[str, str, int] | None = None) -> None:
     """Keep a report the crash hook showed, for the next ``%mpdoctor`` report of this shell, and ``cell``, the
     ``(filename, source, line that raised)`` of the cell that raised (None when the code that raised was not a
@@ -307,6 +327,7 @@ def remember_crash(shell: Any, report: Any, cell: tuple[str, str, int] | None = 
     if sess is not None:
         sess.crashes.append(report)
         sess.crash_tags.append(None)  # tagged with its cell when that cell's run ends
+        sess.shown = report
         sess.crash_cell = cell
 
 

@@ -341,3 +341,24 @@ def lessons_of_notebook_09(path: Path) -> dict[int, str]:
             cells.append(next(j for j in range(i + 1, len(nb.cells)) if nb.cells[j].cell_type == "code"))
     assert len(cells) == len(slugs), (cells, slugs)
     return dict(zip(cells, slugs))
+
+
+#: The student's loop of notebook 09 in small: an fp16-autocast loop that calls opt.step() past its GradScaler.
+INSERT_CELLS = (
+    "import torch\n%load_ext mpdoctor\ntorch.manual_seed(0)\n"
+    "net = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+    "scaler = torch.amp.GradScaler('cpu')\nx = torch.randn(8, 4)",
+    "for _ in range(2):\n    opt.zero_grad()\n    with torch.autocast('cpu', dtype=torch.float16):\n"
+    "        loss = net(x).float().pow(2).mean()\n    scaler.scale(loss).backward()\n    opt.step()",
+    "%mpdoctor --text",
+)
+
+
+def write_insert_notebook(path: Path) -> Path:
+    """A notebook whose loop cell steps past its GradScaler, then ``%mpdoctor --text`` (the card numbers its fix)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "mpdoctor test venv", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(code) for code in INSERT_CELLS]
+    nbformat.write(nb, str(path))
+    return path
