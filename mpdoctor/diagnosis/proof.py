@@ -54,6 +54,10 @@ class StepOutcome:
     at : str
         The innermost module whose forward was running when the step raised (its name among the diagnosed models,
         else its class): the same error raised by another module is another failure.
+    inference : bool
+        The step ran no backward and no optimizer step (``generate()``, a pipeline call, an evaluation): it is
+        judged by its output, and ``trained`` then means it ran and every floating tensor it returned (for a
+        replayed cell: every value it bound) is finite.
     """
 
     ran: bool
@@ -62,6 +66,7 @@ class StepOutcome:
     loss: float | None = None
     why: str = ""
     at: str = ""
+    inference: bool = False
 
     def fails_as(self, other: StepOutcome) -> bool:
         """It raised as ``other`` did: the same error, in the same module."""
@@ -71,6 +76,9 @@ class StepOutcome:
         """One phrase: ``"it ran and trained (loss 0.42)"``, ``"it raised RuntimeError: ..."``."""
         if not self.ran:
             return f"it raised {self.error}"
+        if self.inference:
+            what = "its output is finite" if self.trained else (self.why or "its output is not finite")
+            return f"it ran and {what} (an inference step: no backward, no optimizer step)"
         loss = f" (loss {self.loss:.4g})" if self.loss is not None else ""
         if self.trained:
             return f"it ran and trained{loss}"
@@ -281,6 +289,10 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
     """Run ``step()`` once and judge whether it trained (see :class:`StepOutcome`); it never raises."""
     params = [p for m in _unique(modules) for p in m.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    stepped = [0]
+    hook = register_optimizer_step_post_hook(lambda *args: stepped.__setitem__(0, stepped[0] + 1))
     seen = _Gradients(params)
     running = _Running(modules)
     _PROVING[0] += 1
@@ -292,6 +304,10 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
         _PROVING[0] -= 1
         seen.remove()
         running.remove()
+        hook.remove()
+    if not seen.reached and not stepped[0] and not any(p.grad is not None for p in params):
+        why = _nonfinite_output(returned)
+        return StepOutcome(True, not why, why=why, inference=True)
     loss = _number(returned)
     for i, p in enumerate(params):  # gradients made outside the hooks' reach (a step that ran no backward now)
         g = p.grad
@@ -351,6 +367,30 @@ def _not_trained(params: list, before: list, seen: _Gradients, loss: float | Non
     moved = any(p.dtype != before[i].dtype or not torch.equal(p.detach(), before[i]) for i, p in enumerate(params)
                 if i in seen.nonzero)  # fmt: skip
     return "" if moved else "no optimizer step applied the gradients (a step skipped, or none taken)"
+
+
+def _nonfinite_output(value: Any, depth: int = 4) -> str:
+    """Why an inference step's output is not finite: the first floating tensor (or array) in ``value`` (tensors,
+    sequences, mappings, model outputs; a replayed cell's bound values) holding inf/NaN; "" when there is none."""
+    seen: list = [0]
+
+    def visit(v: Any, level: int) -> str:
+        seen[0] += 1
+        if seen[0] > 10_000 or level > depth:
+            return ""
+        if isinstance(v, torch.Tensor):
+            if v.dtype.is_floating_point and v.numel() and not bool(torch.isfinite(v.detach()).all()):
+                return "its output holds inf/NaN"
+            return ""
+        if type(v).__module__ == "numpy" and getattr(getattr(v, "dtype", None), "kind", "") == "f":
+            return "" if bool(__import__("numpy").isfinite(v).all()) else "its output holds inf/NaN"
+        if isinstance(v, dict):
+            return next((w for w in (visit(x, level + 1) for x in v.values()) if w), "")
+        if isinstance(v, (list, tuple)):
+            return next((w for w in (visit(x, level + 1) for x in v) if w), "")
+        return ""
+
+    return visit(value, 0)
 
 
 def _number(value: Any) -> float | None:

@@ -153,11 +153,17 @@ def _runner(tree: ast.Module, namespace: MutableMapping[str, Any], filename: str
     code = compile(ast.fix_missing_locations(ast.Module(body=body, type_ignores=[])), filename, "exec")
     tail = compile(last, filename, "eval") if last is not None else None
 
+    bound = sorted({t.id for stmt in body for node in ast.walk(stmt) if isinstance(stmt, (ast.Assign, ast.AnnAssign))
+                    for t in [node] if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)})  # fmt: skip
+
     def run() -> Any:
         namespace[_MARKER] = _Round()
         try:
             exec(code, namespace)  # noqa: S102 - the user's own cell, run again in the user's namespace
-            return eval(tail, namespace) if tail is not None else None  # noqa: S307 - its last line, as IPython shows it
+            if tail is not None:
+                return eval(tail, namespace)  # noqa: S307 - its last line, as IPython shows it
+            # What the cell bound: an inference cell (generate(), a pipeline) is judged by its outputs.
+            return {name: namespace[name] for name in bound if name in namespace}
         except FailingLineAgain:
             return None  # one round through the failing line ran; a loop of a thousand steps is not run to its end
         finally:
