@@ -247,3 +247,12 @@ def test_explaining_a_name_that_holds_nothing_runs_none_of_its_code(ip, capsys):
     result = ip.run_cell("%mpdoctor t --text")
     assert result.error_in_exec is None and HOSTILE_CALLS == []
     assert capsys.readouterr().out.startswith("mpdoctor: t is a MetaHostile: nothing to inspect")
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_dash_h_and_dash_dash_help_print_the_usage(ip, capsys, flag):
+    result = ip.run_cell(f"%mpdoctor {flag}")
+    out = capsys.readouterr().out
+    assert result.error_in_exec is None and result.result is None
+    assert "unrecognized" not in out
+    assert out.lstrip().startswith("usage: %mpdoctor") and "--target GPU" in out and "--step FUNCTION" in out

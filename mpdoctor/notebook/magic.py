@@ -102,6 +102,9 @@ class MPDoctorMagics(Magics):
         ``%mpdoctor`` inspects everything in the namespace; ``%mpdoctor model opt``
         inspects named variables. Returns the Report (``r = %mpdoctor`` works).
         """
+        if _asks_for_help(line):  # magic_arguments' parser has no -h/--help of its own
+            print(self.mpdoctor.parser.format_help().removeprefix("::\n\n").replace("  %mpdoctor", "usage: %mpdoctor", 1))
+            return None
         try:
             args = parse_argstring(self.mpdoctor, line)
         except Exception as exc:  # UsageError and argparse's SystemExit-free errors
@@ -310,6 +313,11 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         skip_next_display(report, self.shell.execution_count)
+
+
+def _asks_for_help(line: str) -> bool:
+    """Whether the line holds ``-h`` or ``--help`` as a word (argparse's own spelling of a request for help)."""
+    return any(word in ("-h", "--help") for word in line.split())
 
 
 def _missing_line(missing: list[str]) -> str:
