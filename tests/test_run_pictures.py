@@ -103,6 +103,9 @@ def test_a_watchers_report_says_it_inspected_nothing_instead_of_denying_the_mode
         assert "No GradScaler among the inspected objects" not in html and "No tensors." not in html
         assert "loop watcher saw as the cell ran; it inspected no objects" in html
     assert "No scaler step or update ran in it." in rw.scaler_panel.value
+    # Its tabs would each say that it inspected nothing: they are hidden, and the widget says it once.
+    assert rw.panel_titles() == ["precision", "issue report"]
+    assert "it inspected no objects" in rw.watcher_note.value
     rw.close()
     inspected = mpdoctor.diagnose(torch.nn.Linear(2, 2))  # a report of inspected objects keeps the plain words
     assert "No GradScaler among the inspected objects" in inspected.to_html()

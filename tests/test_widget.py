@@ -362,15 +362,8 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     ]  # name, enabled, device, scale, growth tracker, interval
     assert "autocast now" in rw.precision_panel.value and "bf16 native" in rw.precision_panel.value
     assert rw.issue_text.value == rw.report.to_markdown()
-    assert [rw.panels.get_title(i) for i in range(7)] == [
-        "dtypes",
-        "layers",
-        "numerics",
-        "caches",
-        "scaler",
-        "precision",
-        "issue report",
-    ]
+    # No model with 4 numbered layers, no scan, no probe: those tabs are hidden.
+    assert rw.panel_titles() == ["dtypes", "caches", "scaler", "precision", "issue report"]
 
     from mpdoctor.checks import REGISTRY
 
@@ -597,3 +590,17 @@ def test_buttons_say_one_parameter_not_one_parameters_and_keep_the_full_title_on
     assert full.endswith("apply(confirm=True))")
     long_short, long_full = fix_label("Set " + "very_long_name." * 20 + "use_cache=False")
     assert long_short.endswith("\u2026") and len(long_short) <= 90 and long_full.startswith("Set very_long_name")
+
+
+def test_tabs_with_nothing_to_show_are_hidden_and_come_back_when_they_have_something():
+    model = torch.nn.Linear(4, 4)
+    rw = widget_for(model=model)
+    assert rw.panel_titles() == ["dtypes", "precision", "issue report"]
+    assert rw.watcher_note.value == ""
+    rw.panels.selected_index = 1  # the reader is on "precision"
+    rw.report = mpdoctor.diagnose(namespace={"model": model, "scaler": torch.amp.GradScaler("cpu")})
+    rw._render()
+    assert rw.panel_titles() == ["dtypes", "scaler", "precision", "issue report"]
+    assert rw.panels.get_title(rw.panels.selected_index) == "precision"
+    assert rw.panels.children[1] is rw.scaler_panel and "65536" in rw.scaler_panel.value
+    rw.close()

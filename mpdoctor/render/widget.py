@@ -37,6 +37,7 @@ from .html import (
     MUTED,
     OK_COLOR,
     PRE,
+    WATCHER_ONLY,
     caches_html,
     cause_html,
     code,
@@ -140,6 +141,19 @@ def _close_tree(root: Any) -> None:
 def _button_layout(w: Any) -> Any:
     # Sized to the label, never stretched by a VBox, never wider than the report (long labels wrap).
     return w.Layout(width="auto", max_width="100%", flex="0 1 auto", align_self="flex-start", margin="2px 6px 2px 0")
+
+
+def shown_panels(view: Any) -> list[str]:
+    """The tabs with something to show: a tab whose panel would only say "none here" is left out."""
+    data = view.data
+    has = {
+        "dtypes": bool(data["histogram"]),
+        "layers": bool(view.layer_strips),
+        "numerics": bool(data.get("scan") or data.get("probe")),
+        "caches": bool(data["caches"]),
+        "scaler": bool(data["scalers"] or data.get("scale_history")),
+    }
+    return [name for name in PANELS if has.get(name, True)]
 
 
 def _finding_key(finding: Any) -> tuple[str, str]:
@@ -248,20 +262,11 @@ class ReportWidget:
             copy_row = [w.HBox([self.copy_button, self._clipboard])]
         issue_box = w.VBox([issue_help, *copy_row, self.issue_text])
         issue_box.add_class("mpd-issue")
-        self.panels = w.Tab(
-            children=[
-                self.dtypes_panel,
-                self.layers_panel,
-                self.numerics_panel,
-                self.caches_panel,
-                self.scaler_panel,
-                self.precision_panel,
-                issue_box,
-            ]
-        )
-        for i, title in enumerate(PANELS):
-            self.panels.set_title(i, title)
-        self.panels.selected_index = 0
+        self._panel_widgets = dict(zip(PANELS, (
+            self.dtypes_panel, self.layers_panel, self.numerics_panel, self.caches_panel, self.scaler_panel,
+            self.precision_panel, issue_box)))  # fmt: skip
+        self.panels = w.Tab()
+        self.watcher_note = w.HTML()
         top = w.HBox(
             [
                 self.header,
@@ -273,7 +278,7 @@ class ReportWidget:
             layout=w.Layout(flex_flow="row wrap", justify_content="space-between", align_items="flex-start", width="100%"),
         )
         self.view = w.VBox(
-            [self.style, top, self.status_line, self.findings_box, self.panels],
+            [self.style, top, self.status_line, self.findings_box, self.watcher_note, self.panels],
             layout=w.Layout(border=f"1px solid {BORDER}", padding="6px 10px", margin="2px 0"),
         )
         self.view.add_class("mpdoctor-widget")
@@ -365,9 +370,30 @@ class ReportWidget:
             data["scalers"], watched=bool(data.get("scale_history")), watcher_only=watcher_only(data)
         ) + scale_history_html(data)
         self.precision_panel.value = precision_html(data)
+        self._show_panels(shown_panels(rv))
+        self.watcher_note.value = (
+            f"<div style='{FONT};color:{MUTED}'>{e(WATCHER_ONLY)} Run %mpdoctor for the live objects' dtypes, "
+            "caches and scaler state.</div>" if watcher_only(data) else ""
+        )
         self.issue_text.value = self.report.to_markdown()
         if self._clipboard is not None:
             self._clipboard.outputs = ()
+
+    def _show_panels(self, names: list[str]) -> None:
+        """Show the tabs named ``names`` (in :data:`PANELS` order), keeping the selected one when it stays."""
+        children = tuple(self._panel_widgets[n] for n in names)
+        if children == tuple(self.panels.children):
+            return
+        index = self.panels.selected_index
+        current = self.panels.children[index] if index is not None and index < len(self.panels.children) else None
+        self.panels.children = children
+        for i, name in enumerate(names):
+            self.panels.set_title(i, name)
+        self.panels.selected_index = children.index(current) if current in children else 0
+
+    def panel_titles(self) -> list[str]:
+        """The titles of the tabs shown, in order."""
+        return [self.panels.get_title(i) for i in range(len(self.panels.children))]
 
     def _finding_card(self, finding: Any, view: dict) -> Any:
         w = self._w
