@@ -16,7 +16,7 @@ import torch
 from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
-from mpdoctor.render.html import e
+from mpdoctor.render.html import COLORS, e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
 from mpdoctor.treatment.changes import SetAttrTo
 from mpdoctor.treatment.findings import Finding
@@ -383,7 +383,7 @@ def test_the_precision_panel_puts_requested_and_effective_side_by_side():
     row = html.split("<tbody>")[1].split("</tr>")[0]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
     assert cells[0] == "trainer" and cells[1] == "fp16" and "fp32" in cells[-1], "accelerate's 'no' is said as fp32"
-    assert "font-weight:bold" in row.split("<td")[-1] and "background:#b71c1c" in row.split("<td")[-1], (
+    assert "font-weight:bold" in row.split("<td")[-1] and f"border:1px solid {COLORS['error']}" in row.split("<td")[-1], (
         "an effective precision differing from the request stands out"
     )
 

@@ -62,7 +62,7 @@ class StepOutcome:
     def describe(self) -> str:
         """One phrase: ``"it ran and trained (loss 0.42)"``, ``"it raised RuntimeError: ..."``."""
         if not self.ran:
-            return f"it raised {self.error}"
+            return f"it raised {str(self.error).rstrip('.')}"  # the sentence goes on after it
         loss = f" (loss {self.loss:.4g})" if self.loss is not None else ""
         if self.trained:
             return f"it ran and trained{loss}"

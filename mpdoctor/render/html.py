@@ -5,14 +5,13 @@ export (nbconvert, GitHub's notebook viewer) and the live widget show the same
 thing. Every string that may come from a user object goes through :func:`e`;
 the markup around it is built here, never from user text.
 
-Colours: text and backgrounds come from JupyterLab's CSS variables (also
-defined by Notebook 7, VS Code's renderer and ipywidgets' own stylesheet),
-each with a light-theme fallback for frontends without them (classic
-Notebook, Colab). Every coloured text sits on a background set with it
-(the report's own panel, a code block, a badge), so the pair always reads:
-WCAG contrast 4.5 or more in the light and dark themes and in the fallback.
-Severity colours are fixed dark hues used as badge backgrounds under white
-text, and for borders; never as text on the theme's background.
+Colours: every colour is one of JupyterLab's CSS variables (also defined by Notebook 7, VS Code's renderer
+and ipywidgets' own stylesheet), each with its light-theme value as the fallback for frontends without them
+(classic Notebook, Colab). Text is the theme's text colour on the report's own panel, a code block or a tint
+of a severity hue (``tint``: the hue mixed into the panel's background, so it is light in the light theme and
+dark in the dark one); the only coloured text is the theme's error red (``ERROR_TEXT``), which reads on the
+panel in both themes. ``tests/test_contrast.py`` measures every pair, WCAG contrast 4.5 or more, against
+JupyterLab's light and dark theme values and the fallbacks.
 """
 
 from __future__ import annotations
@@ -37,18 +36,37 @@ from .formatting import (
 from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg, scale_history_svg, scale_series
 from .view import ReportView
 
-#: Severity hues: badge backgrounds under white text (contrast >= 6.2) and borders.
-COLORS = {"error": "#b71c1c", "warning": "#9a4a00", "info": "#0d47a1"}
-OK_COLOR = "#1b5e20"
+#: Severity hues (JupyterLab's ``*-color1``): borders, and badge backgrounds through :func:`tint`; never text.
+COLORS = {
+    "error": "var(--jp-error-color1,#d32f2f)",
+    "warning": "var(--jp-warn-color1,#f57c00)",
+    "info": "var(--jp-info-color1,#0097a7)",
+}
+OK_COLOR = "var(--jp-success-color1,#388e3c)"
+#: A badge with no severity ("superseded"): the theme's border grey.
+NEUTRAL = "var(--jp-border-color1,#bdbdbd)"
 #: Text colours, from the theme, with light-theme fallbacks.
 FG = "var(--jp-content-font-color1,#1f2328)"
 # Secondary text: the theme's text colour at 75% (>= 5.5:1 on the panel and code backgrounds in both themes);
 # where color-mix is unknown the declaration is dropped and the text inherits the full colour.
 MUTED = "color-mix(in srgb,var(--jp-content-font-color1,#1f2328) 75%,transparent)"
-LINK = "var(--jp-content-link-color,#0b57d0)"
+LINK = "var(--jp-content-link-color,#0d47a1)"
+#: The error hue as text (a skipped step, an underflow mark): JupyterLab's error-color1 reads on both panels.
+ERROR_TEXT = COLORS["error"]
 BG = "var(--jp-layout-color0,#fff)"
 CODE_BG = "var(--jp-layout-color2,#eee)"
 BORDER = "var(--jp-border-color1,#bdbdbd)"
+#: Text of the widget's buttons and tab labels (ipywidgets' own choice), on ``CODE_BG``.
+UI_FG = "var(--jp-ui-font-color1,#1f2328)"
+UI_FG_STRONG = "var(--jp-ui-font-color0,#000)"
+
+
+def tint(hue: str) -> str:
+    """A background of ``hue`` mixed into the panel's: light in the light theme, dark in the dark one, so the
+    theme's text colour reads on it (where color-mix is unknown, the panel shows through)."""
+    return f"color-mix(in srgb,{hue} 22%,{BG})"
+
+
 DTYPE_COLORS = DTYPE_FILL
 KIND_LABELS = {"param": "params", "grad": "grads", "buffer": "buffers", "optimizer_state": "optimizer state"}
 # Double quotes only inside styles: every style attribute here is single-quoted.
@@ -76,10 +94,10 @@ def muted(html: str, size: int = 12) -> str:
     return f"<span style='color:{MUTED};font-size:{size}px'>{html}</span>"
 
 
-def pill(text: str, background: str, size: int = 11) -> str:
-    """White text on a fixed dark background: reads the same in every theme."""
+def pill(text: str, hue: str, size: int = 11) -> str:
+    """A badge: the theme's text on a tint of ``hue``, edged in ``hue``: it reads in every theme."""
     return (
-        f"<span style='background:{background};color:#fff;border-radius:3px;padding:0 6px;"
+        f"<span style='background:{tint(hue)};color:{FG};border:1px solid {hue};border-radius:3px;padding:0 6px;"
         f"font-size:{size}px;font-weight:bold;letter-spacing:.03em;white-space:nowrap'>{e(text)}</span>"
     )
 
@@ -415,8 +433,9 @@ def proof_html(data: dict) -> str:
     proof = data.get("proof")
     if not proof:
         return ""
-    color = OK_COLOR if proof["verified"] else MUTED
-    return f"<div class='mpdoctor-proof' style='{FONT};color:{color};margin:4px 0'>{e(proof['summary'])}</div>"
+    hue, color = (OK_COLOR, FG) if proof["verified"] else (BORDER, MUTED)
+    return (f"<div class='mpdoctor-proof' style='{FONT};color:{color};border-left:3px solid {hue};padding-left:6px;"
+            f"margin:4px 0'>{e(proof['summary'])}</div>")  # fmt: skip
 
 
 def section(title: str, body: str) -> str:
@@ -444,7 +463,7 @@ def departed_html(departed: list[dict]) -> str:
     """The "since the last report" section of a refreshed report: each finding that left, and why."""
     if not departed:
         return ""
-    colors = {"fixed": OK_COLOR, "superseded": "#57606a", "changed outside": "#57606a"}  # a pill's text is white: a solid grey, not MUTED
+    colors = {"fixed": OK_COLOR, "superseded": NEUTRAL, "changed outside": NEUTRAL}
     rows = "".join(
         f"<div class='mpdoctor-departed'>{pill(d['why'], colors.get(d['why'], COLORS['warning']))} "
         f"{code(d['check'])} on {code(d['subject'])}</div>"

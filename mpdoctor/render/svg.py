@@ -187,7 +187,7 @@ def _probe_axis(axes: _ProbeAxes, rows: int) -> list[str]:
 
 #: Points drawn per series; longer histories are thinned, skipped steps always kept.
 SCALE_POINTS = 400
-SKIP_MARK = "#c62828"
+SKIP_MARK = "var(--jp-error-color1,#d32f2f)"  # text: the theme's error red reads on both panels
 
 
 def _thin(rows: list[dict]) -> list[dict]:
@@ -238,7 +238,7 @@ def _scale_panel(ax: _StepAxes, rows: list[dict], scaler: str) -> list[str]:
 
     skips = sum(1 for r in rows if r.get("skipped"))
     skip_note = (
-        f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
+        f"<tspan style='fill:{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
         else "no skipped step"
     )
     left, top, ph, pw = ax.left, ax.top, ax.ph, ax.pw
@@ -254,7 +254,7 @@ def _scale_panel(ax: _StepAxes, rows: list[dict], scaler: str) -> list[str]:
     for r in rows:
         if r.get("skipped"):
             cx, cy = ax.x(r["step"], left), ys(r["scale"])
-            parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' fill='{SKIP_MARK}' style='font-size:10px'>"
+            parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' style='fill:{SKIP_MARK};font-size:10px'>"
                          f"\u2715<title>step {_e(r['step'])}: skipped at scale {_e(format_number(r['scale']))}</title></text>")  # fmt: skip
     return parts + _step_labels(ax, left, rows)
 

@@ -30,6 +30,7 @@ from .formatting import also_found_label, fix_kind, fix_label, plural, singular_
 from .html import (
     BG,
     BORDER,
+    CODE_BG,
     COLORS,
     FG,
     FONT,
@@ -37,6 +38,8 @@ from .html import (
     MUTED,
     OK_COLOR,
     PRE,
+    UI_FG,
+    UI_FG_STRONG,
     WATCHER_ONLY,
     caches_html,
     cause_html,
@@ -52,6 +55,7 @@ from .html import (
     scale_history_html,
     scalers_html,
     subjects_html,
+    tint,
     verdict_html,
     watcher_only,
 )
@@ -69,19 +73,19 @@ STYLE = f"""<style>
 .mpdoctor-widget .jupyter-button, .mpdoctor-widget .widget-button {{
   white-space: normal; overflow: visible; text-overflow: clip; height: auto; min-height: 28px;
   max-width: 100%; line-height: 1.3; padding: 3px 10px; text-align: left; overflow-wrap: anywhere;
-  color: var(--jp-ui-font-color1, #1f2328); background: var(--jp-layout-color2, #eee);
+  color: {UI_FG}; background: {CODE_BG};
   border: 1px solid {BORDER}; }}
-.mpdoctor-widget .jupyter-button.mpd-safe {{ background: {OK_COLOR}; color: #fff; border-color: {OK_COLOR}; }}
-.mpdoctor-widget .jupyter-button.mpd-unsafe {{ background: {COLORS["warning"]}; color: #fff; border-color: {COLORS["warning"]}; }}
-.mpdoctor-widget .jupyter-button.mpd-armed {{ background: {COLORS["error"]}; color: #fff; border-color: {COLORS["error"]}; }}
+.mpdoctor-widget .jupyter-button.mpd-safe {{ background: {tint(OK_COLOR)}; color: {FG}; border: 2px solid {OK_COLOR}; }}
+.mpdoctor-widget .jupyter-button.mpd-unsafe {{ background: {tint(COLORS["warning"])}; color: {FG}; border: 2px solid {COLORS["warning"]}; }}
+.mpdoctor-widget .jupyter-button.mpd-armed {{ background: {tint(COLORS["error"])}; color: {FG}; border: 2px solid {COLORS["error"]}; }}
 .mpdoctor-widget .jupyter-button:disabled {{ opacity: 1; }}
 .mpdoctor-widget .lm-TabBar-content, .mpdoctor-widget .p-TabBar-content {{ flex-wrap: wrap; }}
 .mpdoctor-widget .lm-TabBar, .mpdoctor-widget .p-TabBar {{ min-height: var(--jp-widgets-horizontal-tab-height, 24px); max-height: none; height: auto; overflow: visible; }}
 .mpdoctor-widget .lm-TabBar-tab, .mpdoctor-widget .p-TabBar-tab {{
-  flex: 0 0 auto; min-width: 0; max-width: none; color: var(--jp-ui-font-color1, #1f2328) !important;
-  background: var(--jp-layout-color2, #eee) !important; }}
+  flex: 0 0 auto; min-width: 0; max-width: none; color: {UI_FG} !important;
+  background: {CODE_BG} !important; }}
 .mpdoctor-widget .lm-TabBar-tab.lm-mod-current, .mpdoctor-widget .p-TabBar-tab.p-mod-current {{
-  color: var(--jp-ui-font-color0, #000) !important; background: {BG} !important; }}
+  color: {UI_FG_STRONG} !important; background: {BG} !important; }}
 .mpdoctor-widget .lm-TabBar-tabLabel, .mpdoctor-widget .p-TabBar-tabLabel {{ overflow: visible; text-overflow: clip; }}
 .mpdoctor-widget .widget-textarea textarea {{ color: {FG}; background: {BG}; }}
 .mpdoctor-widget .widget-html-content {{ overflow-wrap: anywhere; }}
