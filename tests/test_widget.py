@@ -179,7 +179,7 @@ def test_the_unsafe_cast_needs_a_confirming_second_click_and_undo_restores_fp16_
     (finding,) = rw.report.findings_for("fp16-trainable-params-with-scaler")
     assert not finding.fixes[0].safe
 
-    button = only(rw.buttons("(unsafe)"))
+    button = only(rw.buttons("(unsafe;"))
     assert "mpd-unsafe" in button._dom_classes and button.description.startswith("\u26a0 Cast 2 trainable fp16")
     button.click()
 
@@ -206,7 +206,7 @@ def test_a_double_click_is_not_a_confirmation():
     model, opt, scaler = fp16_setup()
     rw = widget_for(m16=model, opt=opt, scaler=scaler)
     rw.confirm_delay = 0.05
-    only(rw.buttons("(unsafe)")).click()
+    only(rw.buttons("(unsafe;")).click()
     only(rw.buttons("Click again to confirm")).click()  # at once: the second half of a double-click
     assert model.weight.dtype == torch.float16
     time.sleep(0.06)
@@ -395,7 +395,7 @@ def test_every_user_string_is_escaped_in_every_html_widget_and_in_to_html():
     gemma.config.vision_config.use_cache = SCRIPT
     gemma.config.text_config.model_type = SCRIPT
     rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": model, "gemma": gemma})
-    assert f"Disable {PAYLOAD} (GradScaler)" in [
+    assert f"Disable {PAYLOAD} (GradScaler) (safe; not tried on your step)" in [
         b.description for b in rw.buttons()
     ]  # button labels are text
 
@@ -547,11 +547,11 @@ def test_an_armed_unsafe_fix_can_be_cancelled_without_rediagnosing():
     model, opt, scaler = fp16_setup()
     rw = widget_for(m16=model, opt=opt, scaler=scaler)
     report = rw.report
-    only(rw.buttons("(unsafe)")).click()
+    only(rw.buttons("(unsafe;")).click()
     assert only(rw.buttons("Click again to confirm"))
     only(rw.buttons("Cancel")).click()
     assert not rw.buttons("Click again to confirm") and not rw.buttons("Cancel")
-    assert only(rw.buttons("(unsafe)")) and rw.report is report, "no re-diagnosis was needed"
+    assert only(rw.buttons("(unsafe;")) and rw.report is report, "no re-diagnosis was needed"
     assert model.weight.dtype == torch.float16
 
 
@@ -603,4 +603,57 @@ def test_tabs_with_nothing_to_show_are_hidden_and_come_back_when_they_have_somet
     assert rw.panel_titles() == ["dtypes", "scaler", "precision", "issue report"]
     assert rw.panels.get_title(rw.panels.selected_index) == "precision"
     assert rw.panels.children[1] is rw.scaler_panel and "65536" in rw.scaler_panel.value
+    rw.close()
+
+
+def _fp16_adamw_under_a_scaler():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).half()
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 4)
+
+    def train_step():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # ValueError: Attempting to unscale FP16 gradients.
+        scaler.update()
+        return loss
+
+    return model, opt, scaler, train_step
+
+
+def test_a_button_says_what_it_changes_whether_it_is_safe_verified_and_what_an_alternative_replaces():
+    model, opt, scaler, train_step = _fp16_adamw_under_a_scaler()
+    report = mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}, target="T4", step=train_step)
+    rw = ReportWidget(report)
+    labels = [b.description for b, _ in rw.fix_buttons]
+    planned, eps = labels
+    assert planned.startswith("\u26a0 Keep fp32 master weights: cast 4 trainable fp16 parameters of opt to fp32")
+    assert planned.endswith("(unsafe; verified on your step)")
+    assert "(unsafe; " in eps and "alternative to \u201cKeep fp32 master weights" in eps
+    assert "(alternative)" not in " ".join(labels)
+    assert "verified on your step: applied alone" in rw.fix_buttons[0][0].tooltip  # the proof record, in full
+    rw.close()
+    unproven = ReportWidget(mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}, target="T4"))
+    assert unproven.fix_buttons[0][0].description.endswith("(unsafe; not tried on your step)")
+    unproven.close()
+
+
+def test_two_fixes_making_the_same_change_are_one_button_and_one_click_resolves_both_findings():
+    model, opt, scaler, _ = _fp16_adamw_under_a_scaler()
+    rw = widget_for(model=model, opt=opt, scaler=scaler)
+    assert checks(rw) >= {"adam-eps-underflow", "fp16-trainable-params-with-scaler"}
+    casts = [(b, group) for b, group in rw.fix_buttons if "to fp32" in b.description]
+    (button, group), = casts  # the cast "of opt" and the cast "of model": one button
+    assert len(group) == 2 and "of opt" in button.description  # the planned one of the two
+    assert any("the same change as \u201cKeep fp32 master weights" in v for v in rw.html_values())
+    first_card_buttons = [x for x in iter_widgets(rw.findings_box.children[0]) if x in [b for b, _ in rw.fix_buttons]]
+    assert first_card_buttons[0] is button  # the planned fix comes first
+    button.click()
+    only(rw.buttons("Click again to confirm")).click()  # unsafe: the second click confirms
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not checks(rw) & {"adam-eps-underflow", "fp16-trainable-params-with-scaler"}
     rw.close()

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .formatting import also_found_label, fix_kind, fix_label, plural, singular_counts
+from .formatting import also_found_label, fix_button_label, fix_kind, fix_label, plural, singular_counts
 from .html import (
     BG,
     BORDER,
@@ -158,6 +158,53 @@ def shown_panels(view: Any) -> list[str]:
         "scaler": bool(data["scalers"] or data.get("scale_history")),
     }
     return [name for name in PANELS if has.get(name, True)]
+
+
+@dataclass(eq=False)
+class SameChange:
+    """Fixes of several findings that make one change (the same cast offered "of model" and "of opt"): one
+    button, on the first card offering any of them, acting through ``fix`` (the planned one when one is)."""
+
+    owner: Any
+    finding: Any
+    fix: Any
+    view: dict
+    finding_view: dict
+    siblings: list
+    fixes: tuple
+
+
+def change_key(fix: Any) -> tuple | None:
+    """What a fix sets (each change's targets), comparable across findings; None when it does not say."""
+    try:
+        targets = [(repr(k), repr(v)) for change in fix.changes for k, v in change.targets().items()]
+    except Exception:  # a change spec that cannot say: its fix keeps its own button
+        return None
+    return tuple(sorted(targets)) or None
+
+
+def same_change_groups(findings: list, views: list[dict]) -> dict[int, SameChange]:
+    """``id(fix) -> SameChange`` for every in-place fix that makes the same change as a fix of another finding."""
+    by_key: dict[tuple, list] = {}
+    for finding, view in zip(findings, views):
+        for fix, fv in zip(finding.fixes, view["fixes"]):
+            key = change_key(fix) if fv.get("applicability") != "display-only" else None
+            if key is not None:
+                by_key.setdefault(key, []).append((finding, fix, fv, view))
+    groups: dict[int, SameChange] = {}
+    for members in by_key.values():
+        if len({id(m[0]) for m in members}) < 2:
+            continue
+        finding, fix, fv, view = next((m for m in members if m[2].get("planned")), members[0])
+        group = SameChange(members[0][0], finding, fix, fv, view, view["fixes"], tuple(m[1] for m in members))
+        groups.update({id(m[1]): group for m in members})
+    return groups
+
+
+def _planned(pair: tuple, groups: dict) -> Any:
+    """Whether the button of a (fix, view) pair acts on a planned fix (its group's, when it has one)."""
+    group = groups.get(id(pair[0]))
+    return (group.view if group is not None else pair[1]).get("planned")
 
 
 def _finding_key(finding: Any) -> tuple[str, str]:
@@ -355,7 +402,9 @@ class ReportWidget:
         label = rv.cause_label
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
-        finding_cards = [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
+        self.fix_buttons = []
+        groups = same_change_groups(self.report.findings, data["findings"])
+        finding_cards = [self._finding_card(f, fd, groups) for f, fd in zip(self.report.findings, data["findings"])]
         if label and len(finding_cards) > 1:  # the cause first; the other findings folded under it
             also = self._w.Accordion(children=(self._w.VBox(finding_cards[1:]),), selected_index=None)
             also.set_title(0, also_found_label(len(finding_cards) - 1))
@@ -399,7 +448,7 @@ class ReportWidget:
         """The titles of the tabs shown, in order."""
         return [self.panels.get_title(i) for i in range(len(self.panels.children))]
 
-    def _finding_card(self, finding: Any, view: dict) -> Any:
+    def _finding_card(self, finding: Any, view: dict, groups: dict) -> Any:
         w = self._w
         parts = [finding_body_html(view)]
         if view["fixes"]:
@@ -422,14 +471,23 @@ class ReportWidget:
         if note:
             parts.append(f"<div style='{FONT};margin-top:2px'>{pill('! note', COLORS['error'])} {e(note)}</div>")
         buttons: list[Any] = []
-        for fix, fv in zip(finding.fixes, view["fixes"]):
+        drawn: list = []
+        for fix, fv in sorted(zip(finding.fixes, view["fixes"]), key=lambda p: _planned(p, groups) is False):
             if fv.get("applicability") == "display-only":
                 continue  # nothing to do in place: its code is in "the same fix as code"
-            buttons.append(self._fix_button(finding, fix, fv, view))
-            if _fix_key(finding, fix) in self._armed:
-                cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
-                cancel.on_click(self._disarm_handler(_fix_key(finding, fix)))
-                buttons.append(cancel)
+            group = groups.get(id(fix))
+            if group is not None and group.owner is not finding:  # one button, on the first card offering it
+                parts.append(f"<div style='{FONT};font-size:12px;color:{MUTED}'>{e(singular_counts(fv['title']))}: "
+                             f"the same change as “{e(singular_counts(group.view['title']))}” above, one button for "
+                             "both</div>")  # fmt: skip
+                continue
+            target = (finding, fix, fv, view, view["fixes"], (fix,))
+            if group is not None:
+                if group in drawn:
+                    continue
+                drawn.append(group)
+                target = (group.finding, group.fix, group.view, group.finding_view, group.siblings, group.fixes)
+            buttons += self._fix_buttons(*target)
         children = [w.HTML("".join(parts))]
         if buttons:
             children.append(w.HBox(buttons, layout=w.Layout(flex_flow="row wrap", max_width="100%")))
@@ -438,21 +496,34 @@ class ReportWidget:
             layout=w.Layout(border=f"1px solid {BORDER}", padding="4px 8px", margin="4px 0"),
         )
 
-    def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> Any:
+    def _fix_buttons(self, finding: Any, fix: Any, fix_view: dict, view: dict, siblings: list[dict],
+                     fixes: tuple) -> list:  # fmt: skip
+        """A fix's button (acting on ``fix`` for all ``fixes``), and Cancel beside it when it is armed."""
         w = self._w
-        short, full = fix_label(fix_view["title"])
+        button = self._fix_button(finding, fix, fix_view, view, siblings)
+        self.fix_buttons.append((button, fixes))
+        if _fix_key(finding, fix) not in self._armed:
+            return [button]
+        cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
+        cancel.on_click(self._disarm_handler(_fix_key(finding, fix)))
+        return [button, cancel]
+
+    def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict, siblings: list[dict]) -> Any:
+        w = self._w
+        _short, full = fix_label(fix_view["title"])
         armed = self._armed.get(_fix_key(finding, fix))
+        proof = f" Proof on your step: {fix_view['proof']}." if fix_view.get("proof") else ""
         if armed is not None:
             description, kind = armed[1], "armed"
             tooltip = f"{full}. {armed[1]}"
         elif fix.safe:
-            description, kind = short, "safe"
-            tooltip = f"{full}. Safe fix: keeps the meaning of the run you intended. Undo is available after."
+            description, kind = fix_button_label(fix_view, siblings), "safe"
+            tooltip = f"{full}. Safe fix: keeps the meaning of the run you intended. Undo is available after.{proof}"
         else:
-            description, kind = f"\u26a0 {short} (unsafe)", "unsafe"
-            tooltip = f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
+            description, kind = fix_button_label(fix_view, siblings), "unsafe"
+            tooltip = (f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is "
+                       f"available after.{proof}")  # fmt: skip
         if fix_view.get("planned") is False and armed is None:
-            description = f"{description} (alternative)"
             tooltip = f"{tooltip} Not in the planned treatment: {fix_view.get('note', '')}"
         button = w.Button(description=description, tooltip=tooltip, layout=_button_layout(w))
         _style(button, kind)
