@@ -223,3 +223,17 @@ def test_a_gradient_budget_the_cap_cannot_meet_is_reported_over_budget(planned):
     assert len(capped.kept) == 4 and capped.budget is None
     assert not capped.within_budget and capped.planned.grad_sqnr_db < 0.0
     assert "OVER the gradient budget (no loss budget, at most 50% of Linears kept, gradient SQNR >= 0 dB)" in capped.to_text()
+
+
+def test_magic_plan_shows_the_plan_once_not_again_as_the_returned_value(shell, capsys):
+    model = wide_channel_model()
+    x, _ = data(model)
+    shell.user_ns["net"], shell.user_ns["xb"] = model, x
+    for line in ("%mpdoctor net --plan fp8 xb --text", "%mpdoctor net --plan fp8 xb"):
+        result = shell.run_cell(line, store_history=True)  # the cell's value is the plan: the display hook sees it
+        assert result.error_in_exec is None and isinstance(result.result, Plan)
+        out = capsys.readouterr().out
+        assert out.count("plan fp8:") == 1, out
+        assert out.count("def module_filter_fn") == 1, out  # its code, shown once
+    shell.run_cell("_", store_history=True)  # displayed on its own later, it shows
+    assert "def module_filter_fn" in capsys.readouterr().out

@@ -101,6 +101,8 @@ class Plan:
     seconds: float = 0.0
     ranking: tuple[str, ...] = field(default=())
     min_grad_sqnr_db: float | None = None
+    #: The cell whose ``%mpdoctor --plan`` drew this plan's summary with the heatmap (display state).
+    _summary_shown_in: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def loss_gap(self) -> float:
@@ -191,6 +193,16 @@ class Plan:
 
     def __repr__(self) -> str:
         return self.to_text()
+
+    def _ipython_display_(self) -> None:
+        """The plan as text; only its code when ``%mpdoctor --plan`` already drew its summary in this cell."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        count = getattr(get_ipython(), "execution_count", None)
+        shown, self._summary_shown_in = self._summary_shown_in, None
+        text = self.code if shown is not None and shown == count else self.to_text()
+        display({"text/plain": text}, raw=True)
 
 
 def risk(row: LayerResult | None) -> float:

@@ -296,7 +296,9 @@ class MPDoctorMagics(Magics):
         except Exception as exc:
             _print_line(f"could not display the comparison ({describe_exception(exc)}); it is returned: c = %mpdoctor ...")
         comparison._skip_display_in = self.shell.execution_count
-        return plan if plan is not None else comparison  # a plan shows its code when displayed
+        if plan is not None:  # its summary is in the heatmap just drawn: the returned plan adds only its code
+            plan._summary_shown_in = self.shell.execution_count
+        return plan if plan is not None else comparison
 
     def _show(self, report: Any, args: Any) -> None:
         from ..render.frontend import show, skip_next_display
