@@ -61,8 +61,13 @@ def test_two_scalers_known_by_one_name_are_two_series_never_merged(shell, capsys
     capsys.readouterr()
     shell.run_cell("r = %mpdoctor --text", store_history=True)
     text = shell.user_ns["r"].to_text()
-    assert "scaler: 4 steps (1..4)" in text and "scaler (2): 4 steps (1..4)" in text, text
+    # The scaler the name holds now is "scaler"; the one it replaced says which cell ran it.
+    first_cell = shell.execution_count - 3
+    assert f"scaler, an earlier one (discarded; ran in cell [{first_cell}]): 4 steps (1..4)" in text, text
+    assert "\n  scaler: 4 steps (1..4)" in text and "scaler (2)" not in text, text
     assert "8 steps" not in text
+    html = shell.user_ns["r"].to_html()
+    assert f"scaler, an earlier one (discarded; ran in cell [{first_cell}])" in html
 
 
 def test_a_chart_with_no_skipped_step_says_so_and_no_red_count():
