@@ -237,3 +237,22 @@ def test_magic_plan_shows_the_plan_once_not_again_as_the_returned_value(shell, c
         assert out.count("def module_filter_fn") == 1, out  # its code, shown once
     shell.run_cell("_", store_history=True)  # displayed on its own later, it shows
     assert "def module_filter_fn" in capsys.readouterr().out
+
+
+def test_the_plan_keeps_every_layer_the_warning_beside_it_says_to_keep_and_the_legend_explains_each_column():
+    """A generous loss budget is met with every Linear in fp8; the layers losing inputs to zero are kept all the
+    same, as the underflow warning (and recommend()) say: the plan never reads '0 kept' above that warning."""
+    model = wide_channel_model()
+    x, y = data(model)
+    c = compare(model, x, precisions=("bf16", "fp8", "mxfp8"), loss=mse_to(y))
+    plan = c.plan("fp8", budget=1e9)
+    (warning,) = [f for f in c.findings if f.check == "fp8-layer-underflows"]
+    assert set(warning.evidence["layers"]) == set(WIDE) == set(c.recommend("fp8").keep)
+    assert set(plan.kept) == set(WIDE) and plan.within_budget
+    assert all("underflow" in plan.reasons[p] for p in WIDE)
+    text, html = c.to_text(), c.to_html()
+    assert "plan fp8: 3 of 8 Linears kept in bf16" in text
+    for shown in (text, html):
+        assert "mxfp8 [FLOOR]: MXFP8: 32-element blocks, e8m0 FLOOR scales" in shown  # the column heading explained
+        assert "◆ = kept in bf16 by the fp8 plan" in shown
+        assert "fp8 below 16 dB or ▼ above 1%" in shown

@@ -89,6 +89,34 @@ def _loss_line(data: dict) -> str:
 # -- text ---------------------------------------------------------------------------------------
 
 
+def _below_floor(row: dict, data: dict, p: str) -> bool:
+    """Whether a cell's output or weight-gradient SQNR is under the precision's keep threshold."""
+    floor = data.get("thresholds", {}).get("keep_below_db", {}).get(p)
+    values = (row.get("out_sqnr_db"), row.get("wgrad_sqnr_db"))
+    return floor is not None and any(isinstance(v, float) and not math.isnan(v) and v < floor for v in values)
+
+
+def legend_lines(data: dict) -> list[str]:
+    """What each column and mark of the heatmap means: every precision's column (its label, as ``mxfp8 [FLOOR]``,
+    and what it emulates), the thresholds a layer is flagged at, and ``◆`` when a plan kept layers."""
+    _layers, precisions, _cells = _grid(data)
+    labels, summaries = data.get("labels", {}), data.get("summaries", {})
+    th = data.get("thresholds", {})
+    lines = [f"{labels.get(p, p)}: {summaries[p]}" for p in precisions if summaries.get(p)]
+    floors, limits = th.get("keep_below_db", {}), th.get("underflow_pct", {})
+    judged = [f"{labels.get(p, p)} below {floors[p]:g} dB or ▼ above {limits.get(p, 1.0):g}%" for p in precisions
+              if p in floors]  # fmt: skip
+    if judged:
+        lines.append("a layer is flagged to keep in higher precision (recommend(), the underflow warning and every "
+                     "plan use these thresholds) when its output or weight-gradient SQNR is " + "; ".join(judged))
+    for plan in data.get("plans", {}).values():
+        lines.append(f"{KEPT_MARK} = kept in {plan.get('keep_precision')} by the {plan.get('target')} plan: the flagged "
+                     "layers, then the worst-ranked others until the verified loss gap is within the budget")
+    if judged:
+        lines.append("a cell outlined in red is flagged")
+    return lines
+
+
 def _text_notes(data: dict) -> list[str]:
     """The plans, the loss curves, the runs that raised and the findings, one line each, indented."""
     lines = []
@@ -139,6 +167,7 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     loss = _loss_line(data)
     if loss:
         lines.append("  " + loss)
+    lines.extend("  " + x for x in legend_lines(data))
     lines.extend(_text_notes(data))
     if not data.get("backward", True):
         lines.append("  note: nothing required grad; forward only")
@@ -309,7 +338,8 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
                 f"saturating {_fmt(row.get('act_saturation_pct'), '%')}%, output gradients underflowing "
                 f"{_fmt(row.get('grad_underflow_pct'), '%')}%"
             )
-            border = ";outline:2px solid #b3261e;outline-offset:-2px" if mark else ""
+            flagged = mark or _below_floor(row, data, p)  # what recommend(), the warning and the plan keep
+            border = ";outline:2px solid #b3261e;outline-offset:-2px" if flagged else ""
             marker = f" <b>{e(mark)}</b>" if mark else ""  # the cell's dark text on its light heat colour
             bg = _colour(value, unit, higher, limits.get(p, 1.0))
             tds.append(f"<td style='{cell};background:{bg}{border}' title='{e(tip)}'>{e(_fmt(value, unit))}{marker}</td>")
@@ -338,6 +368,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
             else ""
         )
         + f" Emulated at: {e(data.get('reached', ''))}.</div>"
+        + "".join(f"<div style='color:{MUTED}'>{e(line)}</div>" for line in legend_lines(data))
     )
     notes = "".join(f"<div>{e(p)}: the run raised {e(msg)}</div>" for p, msg in data.get("errors", {}).items())
     findings = "".join(
