@@ -657,3 +657,33 @@ def test_two_fixes_making_the_same_change_are_one_button_and_one_click_resolves_
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert not checks(rw) & {"adam-eps-underflow", "fp16-trainable-params-with-scaler"}
     rw.close()
+
+
+def test_in_a_real_kernel_a_watched_cells_finding_is_said_once_its_banner_replaced_by_the_report(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    kernel = _kernel_for_this_python(tmp_path, monkeypatch)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "%load_ext mpdoctor\nimport torch\nmodel = torch.nn.Linear(8, 1)\n"
+            "optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)\nscaler = torch.amp.GradScaler('cpu')\n"
+            "x = torch.randn(16, 8)"
+        ),
+        # optimizer.step() straight after the scaled backward: the watcher announces it at once
+        nbformat.v4.new_code_cell(
+            "optimizer.zero_grad()\nscaler.scale(model(x).pow(2).mean()).backward()\noptimizer.step()\nprint('ran')"
+        ),
+    ]
+    nbclient.NotebookClient(nb, kernel_name=kernel, timeout=120, shutdown_kernel="immediate").execute()
+    outputs = nb.cells[1].outputs
+
+    def says(o: dict) -> str:
+        return o.get("text", "") + "".join(v for v in o.get("data", {}).values() if isinstance(v, str))
+
+    assert any("ran" in o.get("text", "") for o in outputs)
+    assert not any(o.get("name") == "stderr" for o in outputs), outputs
+    shown = [o for o in outputs if "amp-step-bypasses-scaler" in says(o)]
+    assert len(shown) == 1 and "class='mpdoctor-fallback'" in shown[0]["data"]["text/html"], outputs
+    assert any(WIDGET_VIEW_MIME in o.get("data", {}) for o in outputs)  # the report, as the widget
