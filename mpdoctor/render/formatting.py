@@ -354,6 +354,25 @@ def cause_label(report: Any) -> str | None:
     return f"cause of {getattr(report, 'exception', None) or 'the exception'}{by}"
 
 
+def cause_layout(findings: list[dict]) -> tuple[list[int], list[int]]:
+    """Under an exception's heading: the findings shown open (the cause, and the finding holding the planned fix
+    that resolves it when the cause's own fixes are alternatives: the plan is never folded away) and those
+    folded under "also found", as indices into ``findings`` (the cause first)."""
+    if not findings:
+        return [], []
+    rest = list(range(1, len(findings)))
+    cause = findings[0]
+    if any(fx.get("planned") and fx.get("applicability") != "display-only" for fx in cause["fixes"]):
+        return [0], rest
+    named = {m.group(1) for fx in cause["fixes"] if (m := _RESOLVED_BY.search(fx.get("note") or ""))}
+    lifted = [i for i in rest if any(fx.get("planned") and fx["title"] in named for fx in findings[i]["fixes"])]
+    return [0, *lifted], [i for i in rest if i not in lifted]
+
+
+#: An alternative's note naming the planned fix that resolves its finding (``treatment.plan`` writes it).
+_RESOLVED_BY = re.compile(r"the planned fix '(.+)' already resolves")
+
+
 def also_found_label(count: int) -> str:
     """The heading the findings after an exception's cause are folded under."""
     return f"also found ({count})"
@@ -395,7 +414,7 @@ def alternative_to(fx: dict, siblings: list[dict]) -> str:
     planned = next((s for s in siblings if s is not fx and s.get("planned")), None)
     if planned is not None:
         return singular_counts(planned["title"])
-    named = re.search(r"the planned fix '(.+)' already resolves", fx.get("note") or "")
+    named = _RESOLVED_BY.search(fx.get("note") or "")
     return singular_counts(named.group(1)) if named else ""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from .data import humanize_bytes, humanize_count
 from .formatting import (
     also_found_label,
+    cause_layout,
     dtype_word,
     fix_kind,
     format_number,
@@ -478,8 +479,10 @@ def render_html(view: ReportView) -> str:
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
     parts.append(departed_html(data.get("departed") or []))
     label = view.cause_label
-    if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
-        parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]
+    if label and len(data["findings"]) > 1:  # the cause (and its planned fix) first; the others folded under it
+        shown, folded = cause_layout(data["findings"])
+        parts += [cause_html(label), *(finding_html(data["findings"][i]) for i in shown)]
+        parts.append(also_found_html([data["findings"][i] for i in folded]) if folded else "")
     else:
         if label:  # the finding that explains an exception comes first, under this heading
             parts.append(cause_html(label))

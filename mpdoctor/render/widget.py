@@ -26,7 +26,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .formatting import also_found_label, fix_button_label, fix_kind, fix_label, plural, singular_counts
+from .formatting import (
+    also_found_label,
+    cause_layout,
+    fix_button_label,
+    fix_kind,
+    fix_label,
+    plural,
+    singular_counts,
+)
 from .html import (
     BG,
     BORDER,
@@ -403,12 +411,14 @@ class ReportWidget:
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
         self.fix_buttons = []
-        groups = same_change_groups(self.report.findings, data["findings"])
-        finding_cards = [self._finding_card(f, fd, groups) for f, fd in zip(self.report.findings, data["findings"])]
-        if label and len(finding_cards) > 1:  # the cause first; the other findings folded under it
-            also = self._w.Accordion(children=(self._w.VBox(finding_cards[1:]),), selected_index=None)
-            also.set_title(0, also_found_label(len(finding_cards) - 1))
-            finding_cards = [finding_cards[0], also]
+        shown, folded = cause_layout(data["findings"]) if label else (list(range(len(data["findings"]))), [])
+        findings = [(self.report.findings[i], data["findings"][i]) for i in [*shown, *folded]]
+        groups = same_change_groups([f for f, _ in findings], [fd for _, fd in findings])
+        finding_cards = [self._finding_card(f, fd, groups) for f, fd in findings]
+        if folded:  # the cause (and its planned fix) first; the other findings folded under it
+            also = self._w.Accordion(children=(self._w.VBox(finding_cards[len(shown):]),), selected_index=None)
+            also.set_title(0, also_found_label(len(folded)))
+            finding_cards = [*finding_cards[: len(shown)], also]
         cards += finding_cards
         cards += [self._applied_card(a, a.key in open_keys) for a in self.applied]
         old = self.findings_box.children
