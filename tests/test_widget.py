@@ -687,3 +687,15 @@ def test_in_a_real_kernel_a_watched_cells_finding_is_said_once_its_banner_replac
     shown = [o for o in outputs if "amp-step-bypasses-scaler" in says(o)]
     assert len(shown) == 1 and "class='mpdoctor-fallback'" in shown[0]["data"]["text/html"], outputs
     assert any(WIDGET_VIEW_MIME in o.get("data", {}) for o in outputs)  # the report, as the widget
+
+
+def test_the_scaler_and_precision_tables_say_what_each_column_means():
+    from setups import tiny_trainer
+
+    rw = widget_for(trainer=tiny_trainer(fp16=True), scaler=torch.amp.GradScaler("cpu"))
+    scaler, precision = rw.scaler_panel.value, rw.precision_panel.value
+    assert ">growth tracker</code>: steps in a row without inf/NaN gradients" in scaler
+    assert "title='how many clean steps in a row double the scale'" in scaler  # and on hover of the heading
+    assert ">effective</code>: what the run computes in" in precision
+    assert ">ACCELERATE_MIXED_PRECISION</code>: the environment variable accelerate reads" in precision
+    rw.close()

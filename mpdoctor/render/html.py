@@ -240,13 +240,18 @@ def histogram_html(hist: list[dict], watcher_only: bool = False) -> str:
     return "".join(parts)
 
 
-def table_html(rows: list[dict], columns: list[str] | None = None, highlight: Any = None) -> str:
-    """A small table; ``highlight(row, column)`` may return a severity colour: that cell becomes a pill."""
+def table_html(rows: list[dict], columns: list[str] | None = None, highlight: Any = None,
+               explain: dict[str, str] | None = None) -> str:  # fmt: skip
+    """A small table; ``highlight(row, column)`` may return a severity colour: that cell becomes a pill.
+    ``explain``: ``column -> what it means``, said under the table (and on hover of the heading)."""
     if not rows:
         return ""
     columns = columns or list(rows[0])
+    explain = explain or {}
     head = "".join(
-        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid {BORDER}'>{e(c)}</th>" for c in columns
+        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid {BORDER}'"
+        + (f" title='{e(explain[c])}'" if c in explain else "") + f">{e(c)}</th>"
+        for c in columns
     )
     body = []
     for r in rows:
@@ -258,9 +263,11 @@ def table_html(rows: list[dict], columns: list[str] | None = None, highlight: An
             inner = pill(str(text), color, 12) if color else e(text)
             cells.append(f"<td style='padding:2px 10px 2px 0;overflow-wrap:anywhere{';font-weight:bold' if color else ''}'>{inner}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
+    legend = "".join(f"<div>{code(c)}: {e(explain[c])}</div>" for c in columns if c in explain)
     return (
         f"<div style='overflow-x:auto'><table style='border-collapse:collapse;{FONT};font-size:12px;color:{FG}'><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table></div>"
+        + (f"<div style='{FONT};font-size:12px;color:{MUTED};margin:2px 0'>{legend}</div>" if legend else "")
     )
 
 
@@ -307,7 +314,26 @@ def scalers_html(scalers: list[dict], watched: bool = False, watcher_only: bool 
         }
         for s in scalers
     ]
-    return table_html(rows)
+    return table_html(rows, explain=SCALER_COLUMNS)
+
+
+#: What the scaler table's columns mean (GradScaler's own state).
+SCALER_COLUMNS = {
+    "scale": "the loss scale the next step multiplies the loss by",
+    "growth tracker": "steps in a row without inf/NaN gradients; the scale doubles when it reaches the growth interval",
+    "growth interval": "how many clean steps in a row double the scale",
+}
+#: What the precision table's columns mean.
+PRECISION_COLUMNS = {
+    "requested (args)": "what TrainingArguments' bf16 / fp16 flags ask for",
+    "args.mixed_precision": "the precision the arguments resolve to",
+    "ACCELERATE_MIXED_PRECISION": "the environment variable accelerate reads",
+    "accelerator": "what the Accelerator was built with",
+    "native amp": "whether the Trainer runs torch.autocast itself",
+    "scaler": "the GradScaler the setup steps through",
+    "device bf16": "whether the device computes bf16 natively",
+    "effective": "what the run computes in (highlighted when it is not what was requested)",
+}
 
 
 def precision_html(data: dict) -> str:
@@ -338,7 +364,7 @@ def precision_html(data: dict) -> str:
                 return COLORS["error"]
             return None
 
-        parts.append(table_html(rows, highlight=mismatch))
+        parts.append(table_html(rows, highlight=mismatch, explain=PRECISION_COLUMNS))
     else:
         parts.append(
             f"<p style='{FONT};color:{MUTED};margin:2px 0'>No Trainer, TrainingArguments or Accelerator inspected: "
