@@ -259,3 +259,23 @@ def test_the_plan_line_reads_as_one_sentence_when_the_step_raised_a_message_endi
     assert ".;" not in summary and "FP16 gradients; after it, it ran and trained (loss 0.5)." in summary
     line = h.proof_html({"proof": {"verified": True, "summary": summary}})
     assert f"color:{h.FG}" in line and "#1b5e20" not in line  # the theme's text, not a fixed dark green
+
+
+def _theme_css(theme: str) -> dict[str, str]:
+    """``--jp-name -> value`` of an installed JupyterLab theme (``--md-*`` palette names resolved to their hex)."""
+    from pathlib import Path
+
+    import jupyterlab
+
+    css = (Path(jupyterlab.__file__).parent / "themes" / "@jupyterlab" / f"theme-{theme}-extension" / "index.css").read_text()
+    values = {}
+    for name, value in re.findall(r"(--jp-[a-z0-9-]+):([^;}]+)", css):
+        values.setdefault(name, re.sub(r"var\(--md-[a-z0-9-]+,(#[0-9a-f]+)\)", r"\1", value.strip()))
+    return values
+
+
+@pytest.mark.parametrize(("theme", "table"), [("light", LIGHT), ("dark", DARK)])
+def test_the_theme_values_measured_are_jupyterlab_s_own(theme, table):
+    shipped = _theme_css(theme)
+    for name, value in table.items():
+        assert color(shipped[name], None) == pytest.approx(color(value, None)), (theme, name, shipped[name], value)
