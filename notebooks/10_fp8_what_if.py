@@ -202,7 +202,7 @@ print(f"{converted} of {len(comparison.layers)} Linear layers in float8")
 # %% [markdown]
 # ## Verified: a per-layer plan, run end to end
 #
-# `.recommend` judges each layer alone. `.plan("fp8", budget=...)` ranks the Linears by the same figures, then emulates the *mixed* model, forward and backward, keeping the worst layers in bf16 until the loss gap against fp32 is within budget (a bisection: a handful of runs). It reports the plan's loss gap and gradient SQNR next to all-fp8 and all-bf16, and the torchao code with the `module_filter_fn` that converts exactly the planned layers. The heatmap marks the kept layers with ◆.
+# `.recommend` judges each layer alone. `.plan("fp8", budget=...)` keeps every layer `.recommend` (and the underflow warning) flags, by the same thresholds, then ranks the others by the same figures and emulates the *mixed* model, forward and backward, keeping the worst in bf16 until the loss gap against fp32 is within budget (a bisection: a handful of runs). It reports the plan's loss gap and gradient SQNR next to all-fp8 and all-bf16, and the torchao code with the `module_filter_fn` that converts exactly the planned layers. The heatmap marks the kept layers with ◆.
 
 # %%
 budget = 0.01 * comparison.losses["fp32"]
@@ -211,7 +211,7 @@ print(plan.to_text())
 print(comparison.to_text())
 
 # %% [markdown]
-# On this batch the verified answer is that fp8 costs the loss almost nothing: within a 1% budget the plan may convert every Linear it ranks, and says how far each alternative lands. The loss is one number on one batch: the weight-gradient channels the tensorwise scale freezes (above) barely move it, so `.recommend`'s keep list, judged per layer, still stands for them; `compare(..., steps=N)` shows what they do to training over N steps.
+# On this batch the verified answer is that fp8 costs the loss almost nothing: within a 1% budget the plan keeps only the layers `.recommend` flags and converts every other Linear, and says how far each alternative lands. The loss is one number on one batch: the weight-gradient channels the tensorwise scale freezes (above) barely move it, which is why the flagged layers are kept by their own figures, not by the loss; `compare(..., steps=N)` shows what they do to training over N steps.
 #
 # The plan's code on a fresh copy, with torchao's real `Float8Linear`: the loss it gives stays within the budget.
 
@@ -242,5 +242,6 @@ assert not set(attention) & set(recommendation.keep)  # attention rows are measu
 assert plan.within_budget and plan.loss_gap <= budget
 assert {n for n, k in planned_kinds.items() if k == "Float8Linear"} == set(plan.converted)
 assert set(plan.kept) == {n for n, k in planned_kinds.items() if k == "Linear"}
+assert set(recommendation.keep) <= set(plan.kept)  # the plan never converts a layer the warning says to keep
 assert real_gap <= budget
 print("all claims hold")

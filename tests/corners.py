@@ -180,6 +180,8 @@ CORNERS: dict[str, Corner] = {
                 "installed in .venv only",
                 "tests/distributed": "multi-process jobs of the training stack, installed in .venv only",
                 "tests/test_browser.py": "needs JupyterLab and Playwright, installed in .venv only",
+                "tests/test_contrast.py::test_the_theme_values_measured_are_jupyterlab_s_own":
+                    "reads JupyterLab's own theme CSS, and JupyterLab is installed in .venv only",
                 "tests/test_binder.py": "builds Binder's environment with .venv's JupyterLab",
                 "tests/test_bench_smoke.py": "the benchmarks measure the pinned stack, in .venv",
                 "tests/test_tracebacks.py": "IPython 7.34 ignores __tracebackhide__, the mark that keeps mpdoctor's "

@@ -174,23 +174,19 @@ def cure_through_api(case: Case) -> None:
 
 
 def fix_buttons(rw: ReportWidget) -> list[tuple[Fix, Any]]:
-    """Each in-place fix of the open findings with its button, in the order the widget draws them."""
-    import ipywidgets
-
+    """Each in-place fix of the open findings with its button, in the order the widget draws them (two fixes that
+    make the same change share one button)."""
     views = rw.report.view.data["findings"]
-    fixes = [
-        fx
+    fixes = {
+        id(fx)
         for finding, view in zip(rw.report.findings, views)
         for fx, fv in zip(finding.fixes, view["fixes"])
         if fv.get("applicability") != "display-only"
-    ]
-    buttons = [
-        b
-        for b in iter_widgets(rw.findings_box)
-        if isinstance(b, ipywidgets.Button) and b.description not in ("Cancel", "Undo")
-    ]
-    assert len(fixes) == len(buttons), (len(fixes), [b.description for b in buttons])
-    return list(zip(fixes, buttons))
+    }
+    pairs = [(fx, button) for button, group in rw.fix_buttons for fx in group]
+    assert {id(fx) for fx, _ in pairs} == fixes, [b.description for b, _ in rw.fix_buttons]
+    assert all(b in list(iter_widgets(rw.findings_box)) for _, b in pairs)
+    return pairs
 
 
 def click_fix(rw: ReportWidget, key: tuple[str, str, str]) -> bool:

@@ -223,3 +223,36 @@ def test_a_gradient_budget_the_cap_cannot_meet_is_reported_over_budget(planned):
     assert len(capped.kept) == 4 and capped.budget is None
     assert not capped.within_budget and capped.planned.grad_sqnr_db < 0.0
     assert "OVER the gradient budget (no loss budget, at most 50% of Linears kept, gradient SQNR >= 0 dB)" in capped.to_text()
+
+
+def test_magic_plan_shows_the_plan_once_not_again_as_the_returned_value(shell, capsys):
+    model = wide_channel_model()
+    x, _ = data(model)
+    shell.user_ns["net"], shell.user_ns["xb"] = model, x
+    for line in ("%mpdoctor net --plan fp8 xb --text", "%mpdoctor net --plan fp8 xb"):
+        result = shell.run_cell(line, store_history=True)  # the cell's value is the plan: the display hook sees it
+        assert result.error_in_exec is None and isinstance(result.result, Plan)
+        out = capsys.readouterr().out
+        assert out.count("plan fp8:") == 1, out
+        assert out.count("def module_filter_fn") == 1, out  # its code, shown once
+    shell.run_cell("_", store_history=True)  # displayed on its own later, it shows
+    assert "def module_filter_fn" in capsys.readouterr().out
+
+
+def test_the_plan_keeps_every_layer_the_warning_beside_it_says_to_keep_and_the_legend_explains_each_column():
+    """A generous loss budget is met with every Linear in fp8; the layers losing inputs to zero are kept all the
+    same, as the underflow warning (and recommend()) say: the plan never reads '0 kept' above that warning."""
+    model = wide_channel_model()
+    x, y = data(model)
+    c = compare(model, x, precisions=("bf16", "fp8", "mxfp8"), loss=mse_to(y))
+    plan = c.plan("fp8", budget=1e9)
+    (warning,) = [f for f in c.findings if f.check == "fp8-layer-underflows"]
+    assert set(warning.evidence["layers"]) == set(WIDE) == set(c.recommend("fp8").keep)
+    assert set(plan.kept) == set(WIDE) and plan.within_budget
+    assert all("underflow" in plan.reasons[p] for p in WIDE)
+    text, html = c.to_text(), c.to_html()
+    assert "plan fp8: 3 of 8 Linears kept in bf16" in text
+    for shown in (text, html):
+        assert "mxfp8 [FLOOR]: MXFP8: 32-element blocks, e8m0 FLOOR scales" in shown  # the column heading explained
+        assert "◆ = kept in bf16 by the fp8 plan" in shown
+        assert "fp8 below 16 dB or ▼ above 1%" in shown

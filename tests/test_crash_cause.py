@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mpdoctor.crash import explain
+from mpdoctor.render.widget import iter_widgets
 
 
 def _two_scalers():
@@ -98,3 +99,41 @@ def test_the_widget_folds_the_other_findings_in_a_closed_accordion():
     assert accordion.selected_index is None  # folded
     assert accordion.get_title(0) == f"also found ({len(report.findings) - 1})"
     assert any("raised by scaler16" in value for value in widget.html_values())
+
+
+def test_the_planned_fix_that_resolves_the_cause_is_shown_beside_it_not_folded_under_also_found():
+    """fp16 weights under AdamW and a GradScaler: the cause (fp16 parameters under the scaler) offers a cast of the
+    model as an alternative; the planned fix, fp32 master weights through the optimizer, is on the adam-eps
+    finding. It is shown open after the cause, and its button is the cause card's first."""
+    import ipywidgets
+
+    torch.manual_seed(0)
+    model16 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).half()
+    opt16 = torch.optim.AdamW(model16.parameters(), lr=1e-3)
+    scaler16 = torch.amp.GradScaler("cpu")
+    model_bf16 = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    opt_bf16 = torch.optim.AdamW(model_bf16.parameters(), lr=1e-3)
+    ns = {"model16": model16, "opt16": opt16, "scaler16": scaler16, "model_bf16": model_bf16, "opt_bf16": opt_bf16}
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients") as raised:
+        opt16.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model16(torch.randn(2, 4)).float().square().mean()
+        scaler16.scale(loss).backward()
+        scaler16.step(opt16)
+    report = explain(raised.value, namespace=ns)
+    assert report.cause.check == "fp16-trainable-params-with-scaler"
+    assert not any(fx.planned for fx in report.cause.fixes)
+    planned = next(f for f in report.findings if f.check == "adam-eps-underflow").fixes[0]
+    assert planned.planned and "of opt16 to fp32" in planned.title
+    text = report.to_text()
+    assert text.index("cause of ValueError") < text.index("adam-eps-underflow") < text.index("also found (2)")
+    html = report.to_html()
+    assert html.index("adam-eps-underflow") < html.index("mpdoctor-also-found")
+    widget = report.widget()
+    cards = widget.findings_box.children
+    (accordion,) = [c for c in cards if isinstance(c, ipywidgets.Accordion)]
+    assert accordion.get_title(0) == "also found (2)"
+    folded = {b for b in iter_widgets(accordion) if isinstance(b, ipywidgets.Button)}
+    first_button = widget.fix_buttons[0][0]
+    assert first_button not in folded and "of opt16 to fp32 (unsafe; not tried on your step)" in first_button.description
+    widget.close()

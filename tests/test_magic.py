@@ -247,3 +247,34 @@ def test_explaining_a_name_that_holds_nothing_runs_none_of_its_code(ip, capsys):
     result = ip.run_cell("%mpdoctor t --text")
     assert result.error_in_exec is None and HOSTILE_CALLS == []
     assert capsys.readouterr().out.startswith("mpdoctor: t is a MetaHostile: nothing to inspect")
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_dash_h_and_dash_dash_help_print_the_usage(ip, capsys, flag):
+    result = ip.run_cell(f"%mpdoctor {flag}")
+    out = capsys.readouterr().out
+    assert result.error_in_exec is None and result.result is None
+    assert "unrecognized" not in out
+    assert out.lstrip().startswith("usage: %mpdoctor") and "--target GPU" in out and "--step FUNCTION" in out
+
+
+def test_hints_name_only_what_the_users_namespace_holds(ip, capsys):
+    _bf16_setup(ip)  # model and scaler: a fix to offer, no step given
+    ip.run_cell("r = %mpdoctor --text")
+    out = capsys.readouterr().out
+    assert "Fixes not verified (no step held)" in out and "train_step" not in out  # no function of that name exists
+    ip.user_ns["batch"] = torch.ones(2, 4)
+    ip.run_cell("%mpdoctor --compare batch")
+    assert capsys.readouterr().out.strip() == "mpdoctor: --compare needs exactly one model: %mpdoctor model --compare batch"
+    ip.user_ns["net"] = ip.user_ns.pop("model")
+    ip.run_cell("%mpdoctor --plan fp8 batch")
+    assert capsys.readouterr().out.strip() == "mpdoctor: --plan needs exactly one model: %mpdoctor net --plan fp8 batch"
+    ip.user_ns.pop("net")
+    ip.run_cell("%mpdoctor --compare batch")
+    assert capsys.readouterr().out.strip() == "mpdoctor: --compare needs exactly one model"  # none to name
+    ip.user_ns["model"] = torch.nn.Linear(4, 4)
+    ip.user_ns["nothing"] = torch.nn.Linear(4, 4)
+    ip.run_cell("%mpdoctor model nothing --probe batch")
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("mpdoctor: --probe needs exactly one model; found 2 (name it: %mpdoctor model --probe batch")
+    assert "%mpdoctor nothing --probe batch" in line

@@ -61,8 +61,13 @@ def test_two_scalers_known_by_one_name_are_two_series_never_merged(shell, capsys
     capsys.readouterr()
     shell.run_cell("r = %mpdoctor --text", store_history=True)
     text = shell.user_ns["r"].to_text()
-    assert "scaler: 4 steps (1..4)" in text and "scaler (2): 4 steps (1..4)" in text, text
+    # The scaler the name holds now is "scaler"; the one it replaced says which cell ran it.
+    first_cell = shell.execution_count - 3
+    assert f"scaler, an earlier one (discarded; ran in cell [{first_cell}]): 4 steps (1..4)" in text, text
+    assert "\n  scaler: 4 steps (1..4)" in text and "scaler (2)" not in text, text
     assert "8 steps" not in text
+    html = shell.user_ns["r"].to_html()
+    assert f"scaler, an earlier one (discarded; ran in cell [{first_cell}])" in html
 
 
 def test_a_chart_with_no_skipped_step_says_so_and_no_red_count():
@@ -103,6 +108,9 @@ def test_a_watchers_report_says_it_inspected_nothing_instead_of_denying_the_mode
         assert "No GradScaler among the inspected objects" not in html and "No tensors." not in html
         assert "loop watcher saw as the cell ran; it inspected no objects" in html
     assert "No scaler step or update ran in it." in rw.scaler_panel.value
+    # Its tabs would each say that it inspected nothing: they are hidden, and the widget says it once.
+    assert rw.panel_titles() == ["precision", "issue report"]
+    assert "it inspected no objects" in rw.watcher_note.value
     rw.close()
     inspected = mpdoctor.diagnose(torch.nn.Linear(2, 2))  # a report of inspected objects keeps the plain words
     assert "No GradScaler among the inspected objects" in inspected.to_html()

@@ -16,7 +16,7 @@ import torch
 from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 
 import mpdoctor
-from mpdoctor.render.html import e
+from mpdoctor.render.html import COLORS, e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
 from mpdoctor.treatment.changes import SetAttrTo
 from mpdoctor.treatment.findings import Finding
@@ -179,7 +179,7 @@ def test_the_unsafe_cast_needs_a_confirming_second_click_and_undo_restores_fp16_
     (finding,) = rw.report.findings_for("fp16-trainable-params-with-scaler")
     assert not finding.fixes[0].safe
 
-    button = only(rw.buttons("(unsafe)"))
+    button = only(rw.buttons("(unsafe;"))
     assert "mpd-unsafe" in button._dom_classes and button.description.startswith("\u26a0 Cast 2 trainable fp16")
     button.click()
 
@@ -206,7 +206,7 @@ def test_a_double_click_is_not_a_confirmation():
     model, opt, scaler = fp16_setup()
     rw = widget_for(m16=model, opt=opt, scaler=scaler)
     rw.confirm_delay = 0.05
-    only(rw.buttons("(unsafe)")).click()
+    only(rw.buttons("(unsafe;")).click()
     only(rw.buttons("Click again to confirm")).click()  # at once: the second half of a double-click
     assert model.weight.dtype == torch.float16
     time.sleep(0.06)
@@ -362,15 +362,8 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     ]  # name, enabled, device, scale, growth tracker, interval
     assert "autocast now" in rw.precision_panel.value and "bf16 native" in rw.precision_panel.value
     assert rw.issue_text.value == rw.report.to_markdown()
-    assert [rw.panels.get_title(i) for i in range(7)] == [
-        "dtypes",
-        "layers",
-        "numerics",
-        "caches",
-        "scaler",
-        "precision",
-        "issue report",
-    ]
+    # No model with 4 numbered layers, no scan, no probe: those tabs are hidden.
+    assert rw.panel_titles() == ["dtypes", "caches", "scaler", "precision", "issue report"]
 
     from mpdoctor.checks import REGISTRY
 
@@ -390,7 +383,7 @@ def test_the_precision_panel_puts_requested_and_effective_side_by_side():
     row = html.split("<tbody>")[1].split("</tr>")[0]
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
     assert cells[0] == "trainer" and cells[1] == "fp16" and "fp32" in cells[-1], "accelerate's 'no' is said as fp32"
-    assert "font-weight:bold" in row.split("<td")[-1] and "background:#b71c1c" in row.split("<td")[-1], (
+    assert "font-weight:bold" in row.split("<td")[-1] and f"border:1px solid {COLORS['error']}" in row.split("<td")[-1], (
         "an effective precision differing from the request stands out"
     )
 
@@ -402,7 +395,7 @@ def test_every_user_string_is_escaped_in_every_html_widget_and_in_to_html():
     gemma.config.vision_config.use_cache = SCRIPT
     gemma.config.text_config.model_type = SCRIPT
     rw = widget_for(**{PAYLOAD: torch.amp.GradScaler("cpu"), "model": model, "gemma": gemma})
-    assert f"Disable {PAYLOAD} (GradScaler)" in [
+    assert f"Disable {PAYLOAD} (GradScaler) (safe; not tried on your step)" in [
         b.description for b in rw.buttons()
     ]  # button labels are text
 
@@ -554,11 +547,11 @@ def test_an_armed_unsafe_fix_can_be_cancelled_without_rediagnosing():
     model, opt, scaler = fp16_setup()
     rw = widget_for(m16=model, opt=opt, scaler=scaler)
     report = rw.report
-    only(rw.buttons("(unsafe)")).click()
+    only(rw.buttons("(unsafe;")).click()
     assert only(rw.buttons("Click again to confirm"))
     only(rw.buttons("Cancel")).click()
     assert not rw.buttons("Click again to confirm") and not rw.buttons("Cancel")
-    assert only(rw.buttons("(unsafe)")) and rw.report is report, "no re-diagnosis was needed"
+    assert only(rw.buttons("(unsafe;")) and rw.report is report, "no re-diagnosis was needed"
     assert model.weight.dtype == torch.float16
 
 
@@ -597,3 +590,112 @@ def test_buttons_say_one_parameter_not_one_parameters_and_keep_the_full_title_on
     assert full.endswith("apply(confirm=True))")
     long_short, long_full = fix_label("Set " + "very_long_name." * 20 + "use_cache=False")
     assert long_short.endswith("\u2026") and len(long_short) <= 90 and long_full.startswith("Set very_long_name")
+
+
+def test_tabs_with_nothing_to_show_are_hidden_and_come_back_when_they_have_something():
+    model = torch.nn.Linear(4, 4)
+    rw = widget_for(model=model)
+    assert rw.panel_titles() == ["dtypes", "precision", "issue report"]
+    assert rw.watcher_note.value == ""
+    rw.panels.selected_index = 1  # the reader is on "precision"
+    rw.report = mpdoctor.diagnose(namespace={"model": model, "scaler": torch.amp.GradScaler("cpu")})
+    rw._render()
+    assert rw.panel_titles() == ["dtypes", "scaler", "precision", "issue report"]
+    assert rw.panels.get_title(rw.panels.selected_index) == "precision"
+    assert rw.panels.children[1] is rw.scaler_panel and "65536" in rw.scaler_panel.value
+    rw.close()
+
+
+def _fp16_adamw_under_a_scaler():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).half()
+    opt = torch.optim.AdamW(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.randn(8, 4)
+
+    def train_step():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)  # ValueError: Attempting to unscale FP16 gradients.
+        scaler.update()
+        return loss
+
+    return model, opt, scaler, train_step
+
+
+def test_a_button_says_what_it_changes_whether_it_is_safe_verified_and_what_an_alternative_replaces():
+    model, opt, scaler, train_step = _fp16_adamw_under_a_scaler()
+    report = mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}, target="T4", step=train_step)
+    rw = ReportWidget(report)
+    labels = [b.description for b, _ in rw.fix_buttons]
+    planned, eps = labels
+    assert planned.startswith("\u26a0 Keep fp32 master weights: cast 4 trainable fp16 parameters of opt to fp32")
+    assert planned.endswith("(unsafe; verified on your step)")
+    assert "(unsafe; " in eps and "alternative to \u201cKeep fp32 master weights" in eps
+    assert "(alternative)" not in " ".join(labels)
+    assert "verified on your step: applied alone" in rw.fix_buttons[0][0].tooltip  # the proof record, in full
+    rw.close()
+    unproven = ReportWidget(mpdoctor.diagnose(namespace={"model": model, "opt": opt, "scaler": scaler}, target="T4"))
+    assert unproven.fix_buttons[0][0].description.endswith("(unsafe; not tried on your step)")
+    unproven.close()
+
+
+def test_two_fixes_making_the_same_change_are_one_button_and_one_click_resolves_both_findings():
+    model, opt, scaler, _ = _fp16_adamw_under_a_scaler()
+    rw = widget_for(model=model, opt=opt, scaler=scaler)
+    assert checks(rw) >= {"adam-eps-underflow", "fp16-trainable-params-with-scaler"}
+    casts = [(b, group) for b, group in rw.fix_buttons if "to fp32" in b.description]
+    (button, group), = casts  # the cast "of opt" and the cast "of model": one button
+    assert len(group) == 2 and "of opt" in button.description  # the planned one of the two
+    assert any("the same change as \u201cKeep fp32 master weights" in v for v in rw.html_values())
+    first_card_buttons = [x for x in iter_widgets(rw.findings_box.children[0]) if x in [b for b, _ in rw.fix_buttons]]
+    assert first_card_buttons[0] is button  # the planned fix comes first
+    button.click()
+    only(rw.buttons("Click again to confirm")).click()  # unsafe: the second click confirms
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not checks(rw) & {"adam-eps-underflow", "fp16-trainable-params-with-scaler"}
+    rw.close()
+
+
+def test_in_a_real_kernel_a_watched_cells_finding_is_said_once_its_banner_replaced_by_the_report(tmp_path, monkeypatch):
+    import nbclient
+    import nbformat
+
+    kernel = _kernel_for_this_python(tmp_path, monkeypatch)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "%load_ext mpdoctor\nimport torch\nmodel = torch.nn.Linear(8, 1)\n"
+            "optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)\nscaler = torch.amp.GradScaler('cpu')\n"
+            "x = torch.randn(16, 8)"
+        ),
+        # optimizer.step() straight after the scaled backward: the watcher announces it at once
+        nbformat.v4.new_code_cell(
+            "optimizer.zero_grad()\nscaler.scale(model(x).pow(2).mean()).backward()\noptimizer.step()\nprint('ran')"
+        ),
+    ]
+    nbclient.NotebookClient(nb, kernel_name=kernel, timeout=120, shutdown_kernel="immediate").execute()
+    outputs = nb.cells[1].outputs
+
+    def says(o: dict) -> str:
+        return o.get("text", "") + "".join(v for v in o.get("data", {}).values() if isinstance(v, str))
+
+    assert any("ran" in o.get("text", "") for o in outputs)
+    assert not any(o.get("name") == "stderr" for o in outputs), outputs
+    shown = [o for o in outputs if "amp-step-bypasses-scaler" in says(o)]
+    assert len(shown) == 1 and "class='mpdoctor-fallback'" in shown[0]["data"]["text/html"], outputs
+    assert any(WIDGET_VIEW_MIME in o.get("data", {}) for o in outputs)  # the report, as the widget
+
+
+def test_the_scaler_and_precision_tables_say_what_each_column_means():
+    from setups import tiny_trainer
+
+    rw = widget_for(trainer=tiny_trainer(fp16=True), scaler=torch.amp.GradScaler("cpu"))
+    scaler, precision = rw.scaler_panel.value, rw.precision_panel.value
+    assert ">growth tracker</code>: steps in a row without inf/NaN gradients" in scaler
+    assert "title='how many clean steps in a row double the scale'" in scaler  # and on hover of the heading
+    assert ">effective</code>: what the run computes in" in precision
+    assert ">ACCELERATE_MIXED_PRECISION</code>: the environment variable accelerate reads" in precision
+    rw.close()

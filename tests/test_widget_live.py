@@ -58,6 +58,11 @@ def only(buttons: list):
     return buttons[0]
 
 
+def cast_button(rw: ReportWidget):
+    """The button of the planned cast (an alternative's label names it too, after "alternative to")."""
+    return only([b for b in rw.buttons("trainable fp16 parameters") if "alternative to" not in b.description])
+
+
 def fp16_dtypes(model: torch.nn.Module) -> list[torch.dtype]:
     return [p.dtype for p in model.parameters()]
 
@@ -69,7 +74,7 @@ def test_after_run_all_cast_the_model_again_the_unsafe_cast_button_says_so_and_c
     with loaded_shell(FP16_NAMES) as shell:
         shell.run_cell(FP16_SETUP, store_history=True)
         rw = widget(shell)
-        stale = only(rw.buttons("trainable fp16 parameters"))
+        stale = cast_button(rw)
         assert "Cast 2 trainable fp16 parameters" in stale.description
         model = shell.user_ns["model"]
         assert shell.run_cell(CAST_AGAIN, store_history=True).success  # Run All reaches the later cell
@@ -81,7 +86,7 @@ def test_after_run_all_cast_the_model_again_the_unsafe_cast_button_says_so_and_c
         assert "the objects changed since this report" in rw.status
         assert "“Cast 2 trainable fp16 parameters of model to fp32” would now be “Cast 4" in rw.status
         assert not rw.buttons("Click again to confirm"), "a click on stale text confirms nothing"
-        fresh = only(rw.buttons("trainable fp16 parameters"))
+        fresh = cast_button(rw)
         assert "Cast 4 trainable fp16 parameters" in fresh.description  # the label re-read from the live objects
         assert "mixed-param-dtypes" not in {f.check for f in rw.report.findings}  # model.half() resolved it
 
@@ -101,7 +106,7 @@ def test_an_armed_confirmation_given_before_the_objects_changed_confirms_nothing
     with loaded_shell(FP16_NAMES) as shell:
         shell.run_cell(FP16_SETUP, store_history=True)
         rw = widget(shell)
-        only(rw.buttons("trainable fp16 parameters")).click()
+        cast_button(rw).click()
         armed = only(rw.buttons("Click again to confirm"))
         assert "cast 2 trainable fp16 parameters" in armed.description
         model = shell.user_ns["model"]
@@ -112,7 +117,7 @@ def test_an_armed_confirmation_given_before_the_objects_changed_confirms_nothing
         assert fp16_dtypes(model) == [torch.float16] * 4
         assert "the objects changed since this report" in rw.status and "would now be “Cast 4" in rw.status
         assert not rw.buttons("Click again to confirm")
-        assert "Cast 4 trainable fp16 parameters" in only(rw.buttons("trainable fp16 parameters")).description
+        assert "Cast 4 trainable fp16 parameters" in cast_button(rw).description
 
 
 def test_an_unchanged_report_acts_on_the_first_click_of_a_safe_fix():

@@ -75,7 +75,7 @@ class StepOutcome:
     def describe(self) -> str:
         """One phrase: ``"it ran and trained (loss 0.42)"``, ``"it raised RuntimeError: ..."``."""
         if not self.ran:
-            return f"it raised {self.error}"
+            return f"it raised {str(self.error).rstrip('.')}"  # the sentence goes on after it
         if self.inference:
             what = "its output is finite" if self.trained else (self.why or "its output is not finite")
             return f"it ran and {what} (an inference step: no backward, no optimizer step)"

@@ -142,8 +142,10 @@ def _proof_view(report: Any) -> dict | None:
                 "dropped": list(proof.dropped), "step": proof.step, "refused": proof.refused}  # fmt: skip
     if not any(fx.changes for fx in report.fixes):
         return None
-    return {"summary": "Fixes not verified (no step held): diagnose(..., step=train_step) or %mpdoctor --step "
-                       "train_step runs your step before and after each fix.", "verified": False, "dropped": []}
+    # No function of the user's is named here: the report does not know one, and a made-up name would not exist.
+    return {"summary": "Fixes not verified (no step held): give a function of yours that runs one training step "
+                       "and takes no arguments (diagnose(..., step=...) or %mpdoctor --step NAME); it runs before "
+                       "and after each fix.", "verified": False, "dropped": []}
 
 
 def _why(finding: Any) -> str:

@@ -8,7 +8,10 @@ torchao's recipes leave it). ``k`` is searched by bisection (as Polygraphy's ``d
 as OpenVINO's accuracy control reverts the worst layers) for the fewest layers kept that bring the loss
 gap against fp32 within the budget, capped by the share of layers that may stay high. A layer whose dims
 the real kernels refuse (:data:`~mpdoctor.emulation.measurements.KERNEL_MULTIPLE`) is kept whatever its
-figures.
+figures. A layer whose own figures cross the per-layer thresholds that ``recommend()``, the heatmap's ``▼``
+and the ``<target>-layer-underflows`` warning use (``keep_reasons``) ranks first and is kept whatever the
+loss budget (only a ``max_kept`` cap can leave one out): the plan never converts a layer the warning beside
+it says to keep; the budget decides how many more to keep.
 
 The plan reports its own loss gap and gradient SQNR (all parameter gradients against fp32's) next to
 all-target and all-kept, and the code: torchao's config with a ``module_filter_fn`` that converts exactly
@@ -26,8 +29,8 @@ from typing import Any
 import torch
 
 from .formats import PRECISIONS, Precision, precision
-from .measurements import KERNEL_MULTIPLE, LayerResult
-from .recommendation import conversion_code, keep_literal
+from .measurements import KERNEL_MULTIPLE, SATURATION_PCT, LayerResult
+from .recommendation import conversion_code, keep_literal, keep_reasons
 from .runner import Runner
 
 #: The targets a plan can convert to (torchao has a recipe, or at least a config, for each).
@@ -101,6 +104,8 @@ class Plan:
     seconds: float = 0.0
     ranking: tuple[str, ...] = field(default=())
     min_grad_sqnr_db: float | None = None
+    #: The cell whose ``%mpdoctor --plan`` drew this plan's summary with the heatmap (display state).
+    _summary_shown_in: int | None = field(default=None, repr=False, compare=False)
 
     @property
     def loss_gap(self) -> float:
@@ -192,6 +197,16 @@ class Plan:
     def __repr__(self) -> str:
         return self.to_text()
 
+    def _ipython_display_(self) -> None:
+        """The plan as text; only its code when ``%mpdoctor --plan`` already drew its summary in this cell."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        count = getattr(get_ipython(), "execution_count", None)
+        shown, self._summary_shown_in = self._summary_shown_in, None
+        text = self.code if shown is not None and shown == count else self.to_text()
+        display({"text/plain": text}, raw=True)
+
 
 def risk(row: LayerResult | None) -> float:
     """How much a layer loses under the target: the larger of its output and weight-gradient noise-to-signal
@@ -205,13 +220,18 @@ def risk(row: LayerResult | None) -> float:
     return max(values)
 
 
-def _ranking(layers: Sequence[tuple[str, int, int]], rows: Mapping[str, LayerResult], target: str) -> tuple[list[str], dict[str, str]]:
-    """Linears worst first (ties in call order), and the ones the kernels refuse with why (kept whatever)."""
+def _ranking(layers: Sequence[tuple[str, int, int]], rows: Mapping[str, LayerResult], target: str
+             ) -> tuple[list[str], dict[str, str], dict[str, str]]:  # fmt: skip
+    """Linears worst first (ties in call order), those whose figures cross the per-layer thresholds (the same as
+    ``recommend()``'s and the underflow warning's) ahead of the rest; then the ones the kernels refuse, and the
+    threshold-crossers, each with why."""
+    reasons = keep_reasons(target, layers, rows, max_saturation_pct=SATURATION_PCT)
     multiple = KERNEL_MULTIPLE.get(target)
     forced = {p: f"dims {fin}x{fout} not multiples of {multiple}" for p, fin, fout in layers if multiple and (fin % multiple or fout % multiple)}
+    flagged = {p: why for p, why in reasons.items() if p not in forced}
     free = [p for p, _, _ in layers if p not in forced]
-    ranked = sorted(free, key=lambda p: -risk(rows.get(p)))
-    return ranked, forced
+    ranked = sorted(free, key=lambda p: (p not in flagged, -risk(rows.get(p))))
+    return ranked, forced, flagged
 
 
 def _why(row: LayerResult | None) -> str:
@@ -284,7 +304,7 @@ def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult
     if max_kept is not None and not 0.0 <= max_kept <= 1.0:
         raise ValueError(f"max_kept is a share of the Linears, between 0 and 1, not {max_kept}")
     by_path = {r.module: r for r in rows if r.precision == tgt.name}
-    ranked, forced = _ranking(layers, by_path, tgt.name)
+    ranked, forced, flagged = _ranking(layers, by_path, tgt.name)
     paths = [p for p, _, _ in layers]
     with Runner(model, batch, loss, training) as runner:
         search = _Search(runner, tgt, high, paths)
@@ -294,9 +314,9 @@ def make_plan(layers: Sequence[tuple[str, int, int]], rows: Sequence[LayerResult
         cap = len(ranked) if max_kept is None else max(0, min(len(ranked), math.floor(max_kept * len(paths)) - len(forced)))
         all_target = search.verify(())
         all_kept = search.verify(paths)
-        k, planned = _bisect(search, list(forced), ranked, cap, fits, all_target if not forced else None)
+        k, planned = _bisect(search, list(forced), ranked, cap, fits, all_target if not forced else None, len(flagged))
     kept = (*forced, *ranked[:k])
-    reasons = {**forced, **{p: _why(by_path.get(p)) for p in ranked[:k]}}
+    reasons = {**forced, **{p: flagged.get(p) or _why(by_path.get(p)) for p in ranked[:k]}}
     return Plan(
         target=tgt.name,
         keep_precision=high.name,
@@ -333,8 +353,9 @@ def _fits(budget: float | None, min_grad_sqnr_db: float | None) -> Callable[[Ver
 
 
 def _bisect(search: _Search, forced: list[str], ranked: list[str], cap: int, fits: Callable[[Verified], bool] | None,
-            none_kept: Verified | None) -> tuple[int, Verified]:  # fmt: skip
-    """The fewest of the worst-ranked layers to keep (at most ``cap``) whose mixed model ``fits`` the budget.
+            none_kept: Verified | None, least: int = 0) -> tuple[int, Verified]:  # fmt: skip
+    """The fewest of the worst-ranked layers to keep (at least ``least``, at most ``cap``) whose mixed model
+    ``fits`` the budget.
 
     Without a budget the cap itself is the plan (more layers kept never loses accuracy in the model's
     figures). Assumes the gap shrinks (and the gradient SQNR grows) as layers are kept; every answer is a
@@ -348,13 +369,14 @@ def _bisect(search: _Search, forced: list[str], ranked: list[str], cap: int, fit
 
     if fits is None:
         return cap, run(cap)
-    low = run(0)
-    if fits(low) or cap == 0:
-        return 0, low
+    least = min(least, cap)  # the layers the thresholds flag, unless the cap is smaller
+    low = run(least)
+    if fits(low) or cap == least:
+        return least, low
     high = run(cap)
     if not fits(high):
         return cap, high  # over budget even at the cap: the best the cap allows, said so
-    lo, hi, best = 0, cap, high
+    lo, hi, best = least, cap, high
     while hi - lo > 1:
         mid = (lo + hi) // 2
         got = run(mid)

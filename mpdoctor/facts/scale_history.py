@@ -29,6 +29,8 @@ class ScaleRecord:
     series : int
         Which scaler, in the order the watcher first saw them (1, 2, ...): two scalers known by one name (a
         notebook that rebuilds ``scaler``) are two series, never one merged step by step.
+    place : str
+        Where the step ran, as the user names it (``cell [5]``); empty outside a notebook.
     """
 
     scaler: str
@@ -37,6 +39,7 @@ class ScaleRecord:
     skipped: bool
     loss: float | None = None
     series: int = 1
+    place: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict."""

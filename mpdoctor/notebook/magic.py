@@ -102,6 +102,9 @@ class MPDoctorMagics(Magics):
         ``%mpdoctor`` inspects everything in the namespace; ``%mpdoctor model opt``
         inspects named variables. Returns the Report (``r = %mpdoctor`` works).
         """
+        if _asks_for_help(line):  # magic_arguments' parser has no -h/--help of its own
+            print(self.mpdoctor.parser.format_help().removeprefix("::\n\n").replace("  %mpdoctor", "usage: %mpdoctor", 1))
+            return None
         words = line.split()
         if words[:1] == ["insert"]:
             return self._insert(words[1:])
@@ -260,7 +263,8 @@ class MPDoctorMagics(Magics):
             return None
         models = [s for s in report.subjects if s.kind == "model"]
         if len(models) != 1:
-            _print_line(f"--probe needs exactly one model; found {len(models)} (name it: %mpdoctor model --probe {batch_name})")
+            names = " or ".join(f"%mpdoctor {s.name} --probe {batch_name}" for s in models[:3])
+            _print_line(f"--probe needs exactly one model; found {len(models)}" + (f" (name it: {names})" if names else ""))
             return None
         try:
             from ..numerics.probe import probe
@@ -277,7 +281,7 @@ class MPDoctorMagics(Magics):
         names = [n for raw in args.names for n in raw.split(",") if n]
         target, batch_name = args.plan if args.plan else (None, args.compare)  # %mpdoctor model --plan fp8 batch
         if len(names) != 1:
-            _print_line(f"--compare needs exactly one model: %mpdoctor model --compare {batch_name}")
+            _print_line(_one_model_line(names, self.shell.user_ns, target, batch_name))
             return None
         batch, ok = self._lookup(self.shell.user_ns, batch_name)
         model, model_ok = self._lookup(self.shell.user_ns, names[0])
@@ -305,15 +309,23 @@ class MPDoctorMagics(Magics):
         if comparison.error:
             _print_line(f"--compare {batch_name}: {comparison.error}")
             return None
+        self._show_comparison(comparison, plan, args.text)
+        return plan if plan is not None else comparison
+
+    def _show_comparison(self, comparison: Any, plan: Any, text: bool) -> None:
+        """Draw the heatmap (with the plan's summary); the display hook adds only the returned plan's code."""
+        from ..redact import describe_exception
+
         try:
-            if args.text:
+            if text:
                 print(comparison.to_text())
             else:
                 comparison._ipython_display_()
         except Exception as exc:
             _print_line(f"could not display the comparison ({describe_exception(exc)}); it is returned: c = %mpdoctor ...")
         comparison._skip_display_in = self.shell.execution_count
-        return plan if plan is not None else comparison  # a plan shows its code when displayed
+        if plan is not None:  # its summary is in the heatmap just drawn: the returned plan adds only its code
+            plan._summary_shown_in = self.shell.execution_count
 
     def _show(self, report: Any, args: Any) -> None:
         from ..render.frontend import show, skip_next_display
@@ -330,6 +342,19 @@ class MPDoctorMagics(Magics):
             show(report)
         # The returned report would be displayed again by the display hook in this same cell.
         skip_next_display(report, self.shell.execution_count)
+
+
+def _one_model_line(names: list[str], ns: Mapping, target: str | None, batch_name: str) -> str:
+    """``--compare needs exactly one model: %mpdoctor net --compare xb``, naming the user's own models, or none."""
+    models = names or [n for n, v in ns.items() if not n.startswith("_") and isinstance(v, torch.nn.Module)]
+    option = f"--plan {target} {batch_name}" if target else f"--compare {batch_name}"
+    named = " or ".join(f"%mpdoctor {n} {option}" for n in models[:3])
+    return f"{option.split()[0]} needs exactly one model" + (f": {named}" if named else "")
+
+
+def _asks_for_help(line: str) -> bool:
+    """Whether the line holds ``-h`` or ``--help`` as a word (argparse's own spelling of a request for help)."""
+    return any(word in ("-h", "--help") for word in line.split())
 
 
 def _missing_line(missing: list[str]) -> str:

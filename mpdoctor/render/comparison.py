@@ -17,7 +17,7 @@ import html as _html
 import math
 from typing import Any
 
-from .html import BG, BORDER, FG, FONT, MUTED
+from .html import BG, BORDER, ERROR_TEXT, FG, FONT, MUTED
 
 #: Metrics the heatmap can show: key -> (title, unit, higher is better).
 METRICS = {
@@ -89,6 +89,34 @@ def _loss_line(data: dict) -> str:
 # -- text ---------------------------------------------------------------------------------------
 
 
+def _below_floor(row: dict, data: dict, p: str) -> bool:
+    """Whether a cell's output or weight-gradient SQNR is under the precision's keep threshold."""
+    floor = data.get("thresholds", {}).get("keep_below_db", {}).get(p)
+    values = (row.get("out_sqnr_db"), row.get("wgrad_sqnr_db"))
+    return floor is not None and any(isinstance(v, float) and not math.isnan(v) and v < floor for v in values)
+
+
+def legend_lines(data: dict) -> list[str]:
+    """What each column and mark of the heatmap means: every precision's column (its label, as ``mxfp8 [FLOOR]``,
+    and what it emulates), the thresholds a layer is flagged at, and ``◆`` when a plan kept layers."""
+    _layers, precisions, _cells = _grid(data)
+    labels, summaries = data.get("labels", {}), data.get("summaries", {})
+    th = data.get("thresholds", {})
+    lines = [f"{labels.get(p, p)}: {summaries[p]}" for p in precisions if summaries.get(p)]
+    floors, limits = th.get("keep_below_db", {}), th.get("underflow_pct", {})
+    judged = [f"{labels.get(p, p)} below {floors[p]:g} dB or ▼ above {limits.get(p, 1.0):g}%" for p in precisions
+              if p in floors]  # fmt: skip
+    if judged:
+        lines.append("a layer is flagged to keep in higher precision (recommend(), the underflow warning and every "
+                     "plan use these thresholds) when its output or weight-gradient SQNR is " + "; ".join(judged))
+    for plan in data.get("plans", {}).values():
+        lines.append(f"{KEPT_MARK} = kept in {plan.get('keep_precision')} by the {plan.get('target')} plan: the flagged "
+                     "layers, then the worst-ranked others until the verified loss gap is within the budget")
+    if judged:
+        lines.append("a cell outlined in red is flagged")
+    return lines
+
+
 def _text_notes(data: dict) -> list[str]:
     """The plans, the loss curves, the runs that raised and the findings, one line each, indented."""
     lines = []
@@ -139,6 +167,7 @@ def comparison_text(data: dict, metric: str = "out_sqnr_db") -> str:
     loss = _loss_line(data)
     if loss:
         lines.append("  " + loss)
+    lines.extend("  " + x for x in legend_lines(data))
     lines.extend(_text_notes(data))
     if not data.get("backward", True):
         lines.append("  note: nothing required grad; forward only")
@@ -242,14 +271,17 @@ def curves_svg(curves: dict, width: int = 420, height: int = 160) -> str:
         return f"{x:.1f},{y:.1f}"
 
     parts = [f"<svg width='{width}' height='{height}' role='img' aria-label='loss over steps'>"]
-    parts.append(f"<text x='2' y='12' font-size='10' fill='{MUTED}'>{e(f'{hi:.4g}')}</text>")
-    parts.append(f"<text x='2' y='{height - 20}' font-size='10' fill='{MUTED}'>{e(f'{lo:.4g}')}</text>")
+    # var() works in style, not in a presentation attribute: text takes its colour through style
+    parts.append(f"<text x='2' y='12' font-size='10' style='fill:{FG}'>{e(f'{hi:.4g}')}</text>")
+    parts.append(f"<text x='2' y='{height - 20}' font-size='10' style='fill:{FG}'>{e(f'{lo:.4g}')}</text>")
     for n, (name, values) in enumerate(series.items()):
         colour = _CURVE_COLOURS[n % len(_CURVE_COLOURS)]
         points = " ".join(xy(i, v) for i, v in enumerate(values))
         parts.append(f"<polyline fill='none' stroke='{colour}' stroke-width='1.5' points='{points}'/>")
-        parts.append(f"<text x='{plot_w}' y='{14 + 13 * n}' font-size='11' fill='{colour}'>{e(name)}</text>")
-    parts.append(f"<text x='30' y='{height - 4}' font-size='10' fill='{MUTED}'>step 1 .. {steps}</text></svg>")
+        y = 14 + 13 * n  # a swatch of the curve's colour, the name in the theme's text colour
+        parts.append(f"<line x1='{plot_w - 14}' y1='{y - 4}' x2='{plot_w - 3}' y2='{y - 4}' stroke='{colour}' stroke-width='3'/>")
+        parts.append(f"<text x='{plot_w}' y='{y}' font-size='11' style='fill:{FG}'>{e(name)}</text>")
+    parts.append(f"<text x='30' y='{height - 4}' font-size='10' style='fill:{FG}'>step 1 .. {steps}</text></svg>")
     return "".join(parts)
 
 
@@ -306,8 +338,9 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
                 f"saturating {_fmt(row.get('act_saturation_pct'), '%')}%, output gradients underflowing "
                 f"{_fmt(row.get('grad_underflow_pct'), '%')}%"
             )
-            border = ";outline:2px solid #b3261e;outline-offset:-2px" if mark else ""
-            marker = f" <b style='color:#b3261e'>{e(mark)}</b>" if mark else ""
+            flagged = mark or _below_floor(row, data, p)  # what recommend(), the warning and the plan keep
+            border = ";outline:2px solid #b3261e;outline-offset:-2px" if flagged else ""
+            marker = f" <b>{e(mark)}</b>" if mark else ""  # the cell's dark text on its light heat colour
             bg = _colour(value, unit, higher, limits.get(p, 1.0))
             tds.append(f"<td style='{cell};background:{bg}{border}' title='{e(tip)}'>{e(_fmt(value, unit))}{marker}</td>")
         mark = f" <b title='{e(kept[layer])}'>{KEPT_MARK}</b>" if layer in kept else ""
@@ -326,7 +359,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
     rows.extend(_plans_html(data))
     legend = (
         f"<div style='color:{MUTED}'>{e(title)} ({e(unit)}) per {_sites(data)}, measured on the inputs each layer sees in that run; "
-        f"colour from red (0 dB) to green ({GOOD_DB:g} dB and up); <b style='color:#b3261e'>▼</b> = share of nonzero inputs "
+        f"colour from red (0 dB) to green ({GOOD_DB:g} dB and up); <b style='color:{ERROR_TEXT}'>▼</b> = share of nonzero inputs "
         f"or output gradients that underflow to zero, above the precision's limit."
         + (
             " Attention rows: q·kᵀ (scores) and p·v of each attention module; their weight-gradient cell is the "
@@ -335,6 +368,7 @@ def comparison_html(data: dict, metric: str = "out_sqnr_db") -> str:
             else ""
         )
         + f" Emulated at: {e(data.get('reached', ''))}.</div>"
+        + "".join(f"<div style='color:{MUTED}'>{e(line)}</div>" for line in legend_lines(data))
     )
     notes = "".join(f"<div>{e(p)}: the run raised {e(msg)}</div>" for p, msg in data.get("errors", {}).items())
     findings = "".join(

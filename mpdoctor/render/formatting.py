@@ -354,6 +354,25 @@ def cause_label(report: Any) -> str | None:
     return f"cause of {getattr(report, 'exception', None) or 'the exception'}{by}"
 
 
+def cause_layout(findings: list[dict]) -> tuple[list[int], list[int]]:
+    """Under an exception's heading: the findings shown open (the cause, and the finding holding the planned fix
+    that resolves it when the cause's own fixes are alternatives: the plan is never folded away) and those
+    folded under "also found", as indices into ``findings`` (the cause first)."""
+    if not findings:
+        return [], []
+    rest = list(range(1, len(findings)))
+    cause = findings[0]
+    if any(fx.get("planned") and fx.get("applicability") != "display-only" for fx in cause["fixes"]):
+        return [0], rest
+    named = {m.group(1) for fx in cause["fixes"] if (m := _RESOLVED_BY.search(fx.get("note") or ""))}
+    lifted = [i for i in rest if any(fx.get("planned") and fx["title"] in named for fx in findings[i]["fixes"])]
+    return [0, *lifted], [i for i in rest if i not in lifted]
+
+
+#: An alternative's note naming the planned fix that resolves its finding (``treatment.plan`` writes it).
+_RESOLVED_BY = re.compile(r"the planned fix '(.+)' already resolves")
+
+
 def also_found_label(count: int) -> str:
     """The heading the findings after an exception's cause are folded under."""
     return f"also found ({count})"
@@ -372,3 +391,40 @@ def fix_kind(fx: dict, siblings: list[dict]) -> str:
     if kind == "display-only" and not any(s.get("planned") and s is not fx for s in siblings):
         return kind
     return f"alternative, {kind}"
+
+
+# -- fix buttons --------------------------------------------------------------------------------------------
+
+
+def proof_words(proof: str) -> str:
+    """What a fix's proof record claims, in a few words for its button (the record itself is in its tooltip)."""
+    if not proof:
+        return "not tried on your step"
+    if proof.startswith("verified on your step together with"):
+        return "verified on your step with the plan"
+    if proof.startswith("verified on your step"):
+        return "verified on your step"
+    if proof.startswith("checked on"):
+        return "checked, not on your step"
+    return "not verified on your step"
+
+
+def alternative_to(fx: dict, siblings: list[dict]) -> str:
+    """The planned fix ``fx`` is an alternative to: its finding's planned fix, or the one its note names ("")."""
+    planned = next((s for s in siblings if s is not fx and s.get("planned")), None)
+    if planned is not None:
+        return singular_counts(planned["title"])
+    named = _RESOLVED_BY.search(fx.get("note") or "")
+    return singular_counts(named.group(1)) if named else ""
+
+
+def fix_button_label(fx: dict, siblings: list[dict], limit: int = 90) -> str:
+    """A fix button's label: what it changes, whether it is safe, whether it was verified on the user's step, and
+    for an alternative, what it is an alternative to."""
+    short, _ = fix_label(fx["title"], limit)
+    safe = fx.get("safe", fx.get("applicability") == "safe")
+    facts = ["safe" if safe else "unsafe", proof_words(fx.get("proof") or "")]
+    if fx.get("planned") is False:
+        other = alternative_to(fx, siblings)
+        facts.append(f"alternative to “{fix_label(other, limit // 2)[0]}”" if other else "alternative, not in the plan")
+    return f"{'' if safe else chr(0x26A0) + ' '}{short} ({'; '.join(facts)})"

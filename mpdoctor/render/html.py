@@ -5,14 +5,13 @@ export (nbconvert, GitHub's notebook viewer) and the live widget show the same
 thing. Every string that may come from a user object goes through :func:`e`;
 the markup around it is built here, never from user text.
 
-Colours: text and backgrounds come from JupyterLab's CSS variables (also
-defined by Notebook 7, VS Code's renderer and ipywidgets' own stylesheet),
-each with a light-theme fallback for frontends without them (classic
-Notebook, Colab). Every coloured text sits on a background set with it
-(the report's own panel, a code block, a badge), so the pair always reads:
-WCAG contrast 4.5 or more in the light and dark themes and in the fallback.
-Severity colours are fixed dark hues used as badge backgrounds under white
-text, and for borders; never as text on the theme's background.
+Colours: every colour is one of JupyterLab's CSS variables (also defined by Notebook 7, VS Code's renderer
+and ipywidgets' own stylesheet), each with its light-theme value as the fallback for frontends without them
+(classic Notebook, Colab). Text is the theme's text colour on the report's own panel, a code block or a tint
+of a severity hue (``tint``: the hue mixed into the panel's background, so it is light in the light theme and
+dark in the dark one); the only coloured text is the theme's error red (``ERROR_TEXT``), which reads on the
+panel in both themes. ``tests/test_contrast.py`` measures every pair, WCAG contrast 4.5 or more, against
+JupyterLab's light and dark theme values and the fallbacks.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from typing import Any
 from .data import humanize_bytes, humanize_count
 from .formatting import (
     also_found_label,
+    cause_layout,
     dtype_word,
     fix_kind,
     format_number,
@@ -37,18 +37,37 @@ from .formatting import (
 from .svg import DTYPE_FILL, layer_strip_svg, probe_chart_svg, scale_history_svg, scale_series
 from .view import ReportView
 
-#: Severity hues: badge backgrounds under white text (contrast >= 6.2) and borders.
-COLORS = {"error": "#b71c1c", "warning": "#9a4a00", "info": "#0d47a1"}
-OK_COLOR = "#1b5e20"
+#: Severity hues (JupyterLab's ``*-color1``): borders, and badge backgrounds through :func:`tint`; never text.
+COLORS = {
+    "error": "var(--jp-error-color1,#d32f2f)",
+    "warning": "var(--jp-warn-color1,#f57c00)",
+    "info": "var(--jp-info-color1,#0097a7)",
+}
+OK_COLOR = "var(--jp-success-color1,#388e3c)"
+#: A badge with no severity ("superseded"): the theme's border grey.
+NEUTRAL = "var(--jp-border-color1,#bdbdbd)"
 #: Text colours, from the theme, with light-theme fallbacks.
 FG = "var(--jp-content-font-color1,#1f2328)"
 # Secondary text: the theme's text colour at 75% (>= 5.5:1 on the panel and code backgrounds in both themes);
 # where color-mix is unknown the declaration is dropped and the text inherits the full colour.
 MUTED = "color-mix(in srgb,var(--jp-content-font-color1,#1f2328) 75%,transparent)"
-LINK = "var(--jp-content-link-color,#0b57d0)"
+LINK = "var(--jp-content-link-color,#0d47a1)"
+#: The error hue as text (a skipped step, an underflow mark): JupyterLab's error-color1 reads on both panels.
+ERROR_TEXT = COLORS["error"]
 BG = "var(--jp-layout-color0,#fff)"
 CODE_BG = "var(--jp-layout-color2,#eee)"
 BORDER = "var(--jp-border-color1,#bdbdbd)"
+#: Text of the widget's buttons and tab labels (ipywidgets' own choice), on ``CODE_BG``.
+UI_FG = "var(--jp-ui-font-color1,#1f2328)"
+UI_FG_STRONG = "var(--jp-ui-font-color0,#000)"
+
+
+def tint(hue: str) -> str:
+    """A background of ``hue`` mixed into the panel's: light in the light theme, dark in the dark one, so the
+    theme's text colour reads on it (where color-mix is unknown, the panel shows through)."""
+    return f"color-mix(in srgb,{hue} 22%,{BG})"
+
+
 DTYPE_COLORS = DTYPE_FILL
 KIND_LABELS = {"param": "params", "grad": "grads", "buffer": "buffers", "optimizer_state": "optimizer state"}
 # Double quotes only inside styles: every style attribute here is single-quoted.
@@ -76,10 +95,10 @@ def muted(html: str, size: int = 12) -> str:
     return f"<span style='color:{MUTED};font-size:{size}px'>{html}</span>"
 
 
-def pill(text: str, background: str, size: int = 11) -> str:
-    """White text on a fixed dark background: reads the same in every theme."""
+def pill(text: str, hue: str, size: int = 11) -> str:
+    """A badge: the theme's text on a tint of ``hue``, edged in ``hue``: it reads in every theme."""
     return (
-        f"<span style='background:{background};color:#fff;border-radius:3px;padding:0 6px;"
+        f"<span style='background:{tint(hue)};color:{FG};border:1px solid {hue};border-radius:3px;padding:0 6px;"
         f"font-size:{size}px;font-weight:bold;letter-spacing:.03em;white-space:nowrap'>{e(text)}</span>"
     )
 
@@ -221,13 +240,18 @@ def histogram_html(hist: list[dict], watcher_only: bool = False) -> str:
     return "".join(parts)
 
 
-def table_html(rows: list[dict], columns: list[str] | None = None, highlight: Any = None) -> str:
-    """A small table; ``highlight(row, column)`` may return a severity colour: that cell becomes a pill."""
+def table_html(rows: list[dict], columns: list[str] | None = None, highlight: Any = None,
+               explain: dict[str, str] | None = None) -> str:  # fmt: skip
+    """A small table; ``highlight(row, column)`` may return a severity colour: that cell becomes a pill.
+    ``explain``: ``column -> what it means``, said under the table (and on hover of the heading)."""
     if not rows:
         return ""
     columns = columns or list(rows[0])
+    explain = explain or {}
     head = "".join(
-        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid {BORDER}'>{e(c)}</th>" for c in columns
+        f"<th style='text-align:left;padding:2px 10px 2px 0;border-bottom:1px solid {BORDER}'"
+        + (f" title='{e(explain[c])}'" if c in explain else "") + f">{e(c)}</th>"
+        for c in columns
     )
     body = []
     for r in rows:
@@ -239,9 +263,11 @@ def table_html(rows: list[dict], columns: list[str] | None = None, highlight: An
             inner = pill(str(text), color, 12) if color else e(text)
             cells.append(f"<td style='padding:2px 10px 2px 0;overflow-wrap:anywhere{';font-weight:bold' if color else ''}'>{inner}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
+    legend = "".join(f"<div>{code(c)}: {e(explain[c])}</div>" for c in columns if c in explain)
     return (
         f"<div style='overflow-x:auto'><table style='border-collapse:collapse;{FONT};font-size:12px;color:{FG}'><thead><tr>{head}</tr></thead>"
         f"<tbody>{''.join(body)}</tbody></table></div>"
+        + (f"<div style='{FONT};font-size:12px;color:{MUTED};margin:2px 0'>{legend}</div>" if legend else "")
     )
 
 
@@ -288,7 +314,26 @@ def scalers_html(scalers: list[dict], watched: bool = False, watcher_only: bool 
         }
         for s in scalers
     ]
-    return table_html(rows)
+    return table_html(rows, explain=SCALER_COLUMNS)
+
+
+#: What the scaler table's columns mean (GradScaler's own state).
+SCALER_COLUMNS = {
+    "scale": "the loss scale the next step multiplies the loss by",
+    "growth tracker": "steps in a row without inf/NaN gradients; the scale doubles when it reaches the growth interval",
+    "growth interval": "how many clean steps in a row double the scale",
+}
+#: What the precision table's columns mean.
+PRECISION_COLUMNS = {
+    "requested (args)": "what TrainingArguments' bf16 / fp16 flags ask for",
+    "args.mixed_precision": "the precision the arguments resolve to",
+    "ACCELERATE_MIXED_PRECISION": "the environment variable accelerate reads",
+    "accelerator": "what the Accelerator was built with",
+    "native amp": "whether the Trainer runs torch.autocast itself",
+    "scaler": "the GradScaler the setup steps through",
+    "device bf16": "whether the device computes bf16 natively",
+    "effective": "what the run computes in (highlighted when it is not what was requested)",
+}
 
 
 def precision_html(data: dict) -> str:
@@ -319,7 +364,7 @@ def precision_html(data: dict) -> str:
                 return COLORS["error"]
             return None
 
-        parts.append(table_html(rows, highlight=mismatch))
+        parts.append(table_html(rows, highlight=mismatch, explain=PRECISION_COLUMNS))
     else:
         parts.append(
             f"<p style='{FONT};color:{MUTED};margin:2px 0'>No Trainer, TrainingArguments or Accelerator inspected: "
@@ -415,8 +460,9 @@ def proof_html(data: dict) -> str:
     proof = data.get("proof")
     if not proof:
         return ""
-    color = OK_COLOR if proof["verified"] else MUTED
-    return f"<div class='mpdoctor-proof' style='{FONT};color:{color};margin:4px 0'>{e(proof['summary'])}</div>"
+    hue, color = (OK_COLOR, FG) if proof["verified"] else (BORDER, MUTED)
+    return (f"<div class='mpdoctor-proof' style='{FONT};color:{color};border-left:3px solid {hue};padding-left:6px;"
+            f"margin:4px 0'>{e(proof['summary'])}</div>")  # fmt: skip
 
 
 def section(title: str, body: str) -> str:
@@ -444,7 +490,7 @@ def departed_html(departed: list[dict]) -> str:
     """The "since the last report" section of a refreshed report: each finding that left, and why."""
     if not departed:
         return ""
-    colors = {"fixed": OK_COLOR, "superseded": "#57606a", "changed outside": "#57606a"}  # a pill's text is white: a solid grey, not MUTED
+    colors = {"fixed": OK_COLOR, "superseded": NEUTRAL, "changed outside": NEUTRAL}
     rows = "".join(
         f"<div class='mpdoctor-departed'>{pill(d['why'], colors.get(d['why'], COLORS['warning']))} "
         f"{code(d['check'])} on {code(d['subject'])}</div>"
@@ -459,8 +505,10 @@ def render_html(view: ReportView) -> str:
     parts = [f"<div class='mpdoctor-report' style='{PANEL};padding:4px 8px'>", verdict_html(data), subjects_html(data)]
     parts.append(departed_html(data.get("departed") or []))
     label = view.cause_label
-    if label and len(data["findings"]) > 1:  # the cause first; the other findings folded under it
-        parts += [cause_html(label), finding_html(data["findings"][0]), also_found_html(data["findings"][1:])]
+    if label and len(data["findings"]) > 1:  # the cause (and its planned fix) first; the others folded under it
+        shown, folded = cause_layout(data["findings"])
+        parts += [cause_html(label), *(finding_html(data["findings"][i]) for i in shown)]
+        parts.append(also_found_html([data["findings"][i] for i in folded]) if folded else "")
     else:
         if label:  # the finding that explains an exception comes first, under this heading
             parts.append(cause_html(label))

@@ -187,7 +187,7 @@ def _probe_axis(axes: _ProbeAxes, rows: int) -> list[str]:
 
 #: Points drawn per series; longer histories are thinned, skipped steps always kept.
 SCALE_POINTS = 400
-SKIP_MARK = "#c62828"
+SKIP_MARK = "var(--jp-error-color1,#d32f2f)"  # text: the theme's error red reads on both panels
 
 
 def _thin(rows: list[dict]) -> list[dict]:
@@ -238,7 +238,7 @@ def _scale_panel(ax: _StepAxes, rows: list[dict], scaler: str) -> list[str]:
 
     skips = sum(1 for r in rows if r.get("skipped"))
     skip_note = (
-        f"<tspan fill='{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
+        f"<tspan style='fill:{SKIP_MARK}'>\u2715 {skips} skipped step{'s' if skips != 1 else ''}</tspan>" if skips
         else "no skipped step"
     )
     left, top, ph, pw = ax.left, ax.top, ax.ph, ax.pw
@@ -254,7 +254,7 @@ def _scale_panel(ax: _StepAxes, rows: list[dict], scaler: str) -> list[str]:
     for r in rows:
         if r.get("skipped"):
             cx, cy = ax.x(r["step"], left), ys(r["scale"])
-            parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' fill='{SKIP_MARK}' style='font-size:10px'>"
+            parts.append(f"<text x='{cx:.1f}' y='{cy + 4:.1f}' text-anchor='middle' style='fill:{SKIP_MARK};font-size:10px'>"
                          f"\u2715<title>step {_e(r['step'])}: skipped at scale {_e(format_number(r['scale']))}</title></text>")  # fmt: skip
     return parts + _step_labels(ax, left, rows)
 
@@ -298,16 +298,28 @@ def _loss_panel(ax: _StepAxes, rows: list[dict]) -> list[str]:
 def scale_series(history: list[dict]) -> dict[str, list[dict]]:
     """History rows grouped per scaler (its series), each in step order, labelled by the scaler's name.
 
-    Two scalers known by one name (a notebook that rebuilt ``scaler``) are two series: the later one is labelled
-    ``scaler (2)``, never merged with the first step by step.
+    Two scalers known by one name (a notebook that rebuilt ``scaler``) are two series, never merged step by step:
+    the last one is the scaler the name holds now and is labelled by the name alone; each earlier one is
+    ``scaler, an earlier one (discarded; ran in cell [3])``.
     """
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in history:
         groups.setdefault((str(r.get("scaler", "scaler")), int(r.get("series", 1) or 1)), []).append(r)
-    out: dict[str, list[dict]] = {}
-    seen: dict[str, int] = {}
-    for (name, _series), rows in groups.items():
-        seen[name] = seen.get(name, 0) + 1
-        label = name if seen[name] == 1 else f"{name} ({seen[name]})"
-        out[label] = sorted(rows, key=lambda r: r.get("step", 0))
-    return out
+    latest = {name: series for name, series in groups}  # the series first seen last, per name
+    for name, series in groups:
+        latest[name] = max(latest[name], series)
+    return {
+        (name if series == latest[name] else f"{name}, an earlier one (discarded; {_ran_in(rows)})"):
+            sorted(rows, key=lambda r: r.get("step", 0))
+        for (name, series), rows in groups.items()
+    }  # fmt: skip
+
+
+def _ran_in(rows: list[dict]) -> str:
+    """``ran in cell [3]`` / ``ran in cells [2], [3]``: where a series' steps ran (said plainly when unknown)."""
+    places = list(dict.fromkeys(str(r["place"]) for r in rows if r.get("place")))
+    if not places:
+        return "ran before the scaler the name holds now"
+    if len(places) == 1:
+        return f"ran in {places[0]}"
+    return "ran in cells " + ", ".join(p.removeprefix("cell ") for p in places)

@@ -7,6 +7,7 @@ import textwrap
 from .data import humanize_bytes, humanize_count
 from .formatting import (
     also_found_label,
+    cause_layout,
     dtype_word,
     fix_kind,
     precision_word,
@@ -112,9 +113,11 @@ def _findings_lines(data: dict, label: str | None, width: int) -> list[str]:
     if label:  # the finding that explains an exception comes first, under this heading
         lines += textwrap.wrap(f">> {label}", width, subsequent_indent="   ")
     wrap = dict(width=width, initial_indent="        ", subsequent_indent="        ")
-    for i, f in enumerate(findings):
-        if label and i == 1:  # the cause first; the other findings under their own heading
-            lines += ["", also_found_label(len(findings) - 1)]
+    shown, folded = cause_layout(findings) if label else (list(range(len(findings))), [])
+    for i in [*shown, *folded]:
+        f = findings[i]
+        if folded and i == folded[0]:  # the cause (and its planned fix) first; the others under their own heading
+            lines += ["", also_found_label(len(folded))]
         lines.append(f"{_LABEL[f['severity']]:<7} {f['check']}  {f['subject']}")
         lines += textwrap.wrap(f["message"], **wrap)
         items = summarize_evidence(f["evidence"]) if f["evidence"] else []

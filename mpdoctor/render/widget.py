@@ -26,10 +26,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .formatting import also_found_label, fix_kind, fix_label, plural, singular_counts
+from .formatting import (
+    also_found_label,
+    cause_layout,
+    fix_button_label,
+    fix_kind,
+    fix_label,
+    plural,
+    singular_counts,
+)
 from .html import (
     BG,
     BORDER,
+    CODE_BG,
     COLORS,
     FG,
     FONT,
@@ -37,6 +46,9 @@ from .html import (
     MUTED,
     OK_COLOR,
     PRE,
+    UI_FG,
+    UI_FG_STRONG,
+    WATCHER_ONLY,
     caches_html,
     cause_html,
     code,
@@ -51,6 +63,7 @@ from .html import (
     scale_history_html,
     scalers_html,
     subjects_html,
+    tint,
     verdict_html,
     watcher_only,
 )
@@ -68,19 +81,19 @@ STYLE = f"""<style>
 .mpdoctor-widget .jupyter-button, .mpdoctor-widget .widget-button {{
   white-space: normal; overflow: visible; text-overflow: clip; height: auto; min-height: 28px;
   max-width: 100%; line-height: 1.3; padding: 3px 10px; text-align: left; overflow-wrap: anywhere;
-  color: var(--jp-ui-font-color1, #1f2328); background: var(--jp-layout-color2, #eee);
+  color: {UI_FG}; background: {CODE_BG};
   border: 1px solid {BORDER}; }}
-.mpdoctor-widget .jupyter-button.mpd-safe {{ background: {OK_COLOR}; color: #fff; border-color: {OK_COLOR}; }}
-.mpdoctor-widget .jupyter-button.mpd-unsafe {{ background: {COLORS["warning"]}; color: #fff; border-color: {COLORS["warning"]}; }}
-.mpdoctor-widget .jupyter-button.mpd-armed {{ background: {COLORS["error"]}; color: #fff; border-color: {COLORS["error"]}; }}
+.mpdoctor-widget .jupyter-button.mpd-safe {{ background: {tint(OK_COLOR)}; color: {FG}; border: 2px solid {OK_COLOR}; }}
+.mpdoctor-widget .jupyter-button.mpd-unsafe {{ background: {tint(COLORS["warning"])}; color: {FG}; border: 2px solid {COLORS["warning"]}; }}
+.mpdoctor-widget .jupyter-button.mpd-armed {{ background: {tint(COLORS["error"])}; color: {FG}; border: 2px solid {COLORS["error"]}; }}
 .mpdoctor-widget .jupyter-button:disabled {{ opacity: 1; }}
 .mpdoctor-widget .lm-TabBar-content, .mpdoctor-widget .p-TabBar-content {{ flex-wrap: wrap; }}
 .mpdoctor-widget .lm-TabBar, .mpdoctor-widget .p-TabBar {{ min-height: var(--jp-widgets-horizontal-tab-height, 24px); max-height: none; height: auto; overflow: visible; }}
 .mpdoctor-widget .lm-TabBar-tab, .mpdoctor-widget .p-TabBar-tab {{
-  flex: 0 0 auto; min-width: 0; max-width: none; color: var(--jp-ui-font-color1, #1f2328) !important;
-  background: var(--jp-layout-color2, #eee) !important; }}
+  flex: 0 0 auto; min-width: 0; max-width: none; color: {UI_FG} !important;
+  background: {CODE_BG} !important; }}
 .mpdoctor-widget .lm-TabBar-tab.lm-mod-current, .mpdoctor-widget .p-TabBar-tab.p-mod-current {{
-  color: var(--jp-ui-font-color0, #000) !important; background: {BG} !important; }}
+  color: {UI_FG_STRONG} !important; background: {BG} !important; }}
 .mpdoctor-widget .lm-TabBar-tabLabel, .mpdoctor-widget .p-TabBar-tabLabel {{ overflow: visible; text-overflow: clip; }}
 .mpdoctor-widget .widget-textarea textarea {{ color: {FG}; background: {BG}; }}
 .mpdoctor-widget .widget-html-content {{ overflow-wrap: anywhere; }}
@@ -140,6 +153,66 @@ def _close_tree(root: Any) -> None:
 def _button_layout(w: Any) -> Any:
     # Sized to the label, never stretched by a VBox, never wider than the report (long labels wrap).
     return w.Layout(width="auto", max_width="100%", flex="0 1 auto", align_self="flex-start", margin="2px 6px 2px 0")
+
+
+def shown_panels(view: Any) -> list[str]:
+    """The tabs with something to show: a tab whose panel would only say "none here" is left out."""
+    data = view.data
+    has = {
+        "dtypes": bool(data["histogram"]),
+        "layers": bool(view.layer_strips),
+        "numerics": bool(data.get("scan") or data.get("probe")),
+        "caches": bool(data["caches"]),
+        "scaler": bool(data["scalers"] or data.get("scale_history")),
+    }
+    return [name for name in PANELS if has.get(name, True)]
+
+
+@dataclass(eq=False)
+class SameChange:
+    """Fixes of several findings that make one change (the same cast offered "of model" and "of opt"): one
+    button, on the first card offering any of them, acting through ``fix`` (the planned one when one is)."""
+
+    owner: Any
+    finding: Any
+    fix: Any
+    view: dict
+    finding_view: dict
+    siblings: list
+    fixes: tuple
+
+
+def change_key(fix: Any) -> tuple | None:
+    """What a fix sets (each change's targets), comparable across findings; None when it does not say."""
+    try:
+        targets = [(repr(k), repr(v)) for change in fix.changes for k, v in change.targets().items()]
+    except Exception:  # a change spec that cannot say: its fix keeps its own button
+        return None
+    return tuple(sorted(targets)) or None
+
+
+def same_change_groups(findings: list, views: list[dict]) -> dict[int, SameChange]:
+    """``id(fix) -> SameChange`` for every in-place fix that makes the same change as a fix of another finding."""
+    by_key: dict[tuple, list] = {}
+    for finding, view in zip(findings, views):
+        for fix, fv in zip(finding.fixes, view["fixes"]):
+            key = change_key(fix) if fv.get("applicability") != "display-only" else None
+            if key is not None:
+                by_key.setdefault(key, []).append((finding, fix, fv, view))
+    groups: dict[int, SameChange] = {}
+    for members in by_key.values():
+        if len({id(m[0]) for m in members}) < 2:
+            continue
+        finding, fix, fv, view = next((m for m in members if m[2].get("planned")), members[0])
+        group = SameChange(members[0][0], finding, fix, fv, view, view["fixes"], tuple(m[1] for m in members))
+        groups.update({id(m[1]): group for m in members})
+    return groups
+
+
+def _planned(pair: tuple, groups: dict) -> Any:
+    """Whether the button of a (fix, view) pair acts on a planned fix (its group's, when it has one)."""
+    group = groups.get(id(pair[0]))
+    return (group.view if group is not None else pair[1]).get("planned")
 
 
 def _finding_key(finding: Any) -> tuple[str, str]:
@@ -248,20 +321,11 @@ class ReportWidget:
             copy_row = [w.HBox([self.copy_button, self._clipboard])]
         issue_box = w.VBox([issue_help, *copy_row, self.issue_text])
         issue_box.add_class("mpd-issue")
-        self.panels = w.Tab(
-            children=[
-                self.dtypes_panel,
-                self.layers_panel,
-                self.numerics_panel,
-                self.caches_panel,
-                self.scaler_panel,
-                self.precision_panel,
-                issue_box,
-            ]
-        )
-        for i, title in enumerate(PANELS):
-            self.panels.set_title(i, title)
-        self.panels.selected_index = 0
+        self._panel_widgets = dict(zip(PANELS, (
+            self.dtypes_panel, self.layers_panel, self.numerics_panel, self.caches_panel, self.scaler_panel,
+            self.precision_panel, issue_box)))  # fmt: skip
+        self.panels = w.Tab()
+        self.watcher_note = w.HTML()
         top = w.HBox(
             [
                 self.header,
@@ -273,7 +337,7 @@ class ReportWidget:
             layout=w.Layout(flex_flow="row wrap", justify_content="space-between", align_items="flex-start", width="100%"),
         )
         self.view = w.VBox(
-            [self.style, top, self.status_line, self.findings_box, self.panels],
+            [self.style, top, self.status_line, self.findings_box, self.watcher_note, self.panels],
             layout=w.Layout(border=f"1px solid {BORDER}", padding="6px 10px", margin="2px 0"),
         )
         self.view.add_class("mpdoctor-widget")
@@ -346,11 +410,15 @@ class ReportWidget:
         label = rv.cause_label
         if label:  # the finding that explains an exception comes first, under this heading
             cards.append(self._w.HTML(cause_html(label)))
-        finding_cards = [self._finding_card(f, fd) for f, fd in zip(self.report.findings, data["findings"])]
-        if label and len(finding_cards) > 1:  # the cause first; the other findings folded under it
-            also = self._w.Accordion(children=(self._w.VBox(finding_cards[1:]),), selected_index=None)
-            also.set_title(0, also_found_label(len(finding_cards) - 1))
-            finding_cards = [finding_cards[0], also]
+        self.fix_buttons = []
+        shown, folded = cause_layout(data["findings"]) if label else (list(range(len(data["findings"]))), [])
+        findings = [(self.report.findings[i], data["findings"][i]) for i in [*shown, *folded]]
+        groups = same_change_groups([f for f, _ in findings], [fd for _, fd in findings])
+        finding_cards = [self._finding_card(f, fd, groups) for f, fd in findings]
+        if folded:  # the cause (and its planned fix) first; the other findings folded under it
+            also = self._w.Accordion(children=(self._w.VBox(finding_cards[len(shown):]),), selected_index=None)
+            also.set_title(0, also_found_label(len(folded)))
+            finding_cards = [*finding_cards[: len(shown)], also]
         cards += finding_cards
         cards += [self._applied_card(a, a.key in open_keys) for a in self.applied]
         old = self.findings_box.children
@@ -365,11 +433,32 @@ class ReportWidget:
             data["scalers"], watched=bool(data.get("scale_history")), watcher_only=watcher_only(data)
         ) + scale_history_html(data)
         self.precision_panel.value = precision_html(data)
+        self._show_panels(shown_panels(rv))
+        self.watcher_note.value = (
+            f"<div style='{FONT};color:{MUTED}'>{e(WATCHER_ONLY)} Run %mpdoctor for the live objects' dtypes, "
+            "caches and scaler state.</div>" if watcher_only(data) else ""
+        )
         self.issue_text.value = self.report.to_markdown()
         if self._clipboard is not None:
             self._clipboard.outputs = ()
 
-    def _finding_card(self, finding: Any, view: dict) -> Any:
+    def _show_panels(self, names: list[str]) -> None:
+        """Show the tabs named ``names`` (in :data:`PANELS` order), keeping the selected one when it stays."""
+        children = tuple(self._panel_widgets[n] for n in names)
+        if children == tuple(self.panels.children):
+            return
+        index = self.panels.selected_index
+        current = self.panels.children[index] if index is not None and index < len(self.panels.children) else None
+        self.panels.children = children
+        for i, name in enumerate(names):
+            self.panels.set_title(i, name)
+        self.panels.selected_index = children.index(current) if current in children else 0
+
+    def panel_titles(self) -> list[str]:
+        """The titles of the tabs shown, in order."""
+        return [self.panels.get_title(i) for i in range(len(self.panels.children))]
+
+    def _finding_card(self, finding: Any, view: dict, groups: dict) -> Any:
         w = self._w
         parts = [finding_body_html(view)]
         if view["fixes"]:
@@ -392,14 +481,23 @@ class ReportWidget:
         if note:
             parts.append(f"<div style='{FONT};margin-top:2px'>{pill('! note', COLORS['error'])} {e(note)}</div>")
         buttons: list[Any] = []
-        for fix, fv in zip(finding.fixes, view["fixes"]):
+        drawn: list = []
+        for fix, fv in sorted(zip(finding.fixes, view["fixes"]), key=lambda p: _planned(p, groups) is False):
             if fv.get("applicability") == "display-only":
                 continue  # nothing to do in place: its code is in "the same fix as code"
-            buttons.append(self._fix_button(finding, fix, fv, view))
-            if _fix_key(finding, fix) in self._armed:
-                cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
-                cancel.on_click(self._disarm_handler(_fix_key(finding, fix)))
-                buttons.append(cancel)
+            group = groups.get(id(fix))
+            if group is not None and group.owner is not finding:  # one button, on the first card offering it
+                parts.append(f"<div style='{FONT};font-size:12px;color:{MUTED}'>{e(singular_counts(fv['title']))}: "
+                             f"the same change as “{e(singular_counts(group.view['title']))}” above, one button for "
+                             "both</div>")  # fmt: skip
+                continue
+            target = (finding, fix, fv, view, view["fixes"], (fix,))
+            if group is not None:
+                if group in drawn:
+                    continue
+                drawn.append(group)
+                target = (group.finding, group.fix, group.view, group.finding_view, group.siblings, group.fixes)
+            buttons += self._fix_buttons(*target)
         children = [w.HTML("".join(parts))]
         if buttons:
             children.append(w.HBox(buttons, layout=w.Layout(flex_flow="row wrap", max_width="100%")))
@@ -408,21 +506,34 @@ class ReportWidget:
             layout=w.Layout(border=f"1px solid {BORDER}", padding="4px 8px", margin="4px 0"),
         )
 
-    def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> Any:
+    def _fix_buttons(self, finding: Any, fix: Any, fix_view: dict, view: dict, siblings: list[dict],
+                     fixes: tuple) -> list:  # fmt: skip
+        """A fix's button (acting on ``fix`` for all ``fixes``), and Cancel beside it when it is armed."""
         w = self._w
-        short, full = fix_label(fix_view["title"])
+        button = self._fix_button(finding, fix, fix_view, view, siblings)
+        self.fix_buttons.append((button, fixes))
+        if _fix_key(finding, fix) not in self._armed:
+            return [button]
+        cancel = w.Button(description="Cancel", tooltip="Do not apply this fix", layout=_button_layout(w))
+        cancel.on_click(self._disarm_handler(_fix_key(finding, fix)))
+        return [button, cancel]
+
+    def _fix_button(self, finding: Any, fix: Any, fix_view: dict, view: dict, siblings: list[dict]) -> Any:
+        w = self._w
+        _short, full = fix_label(fix_view["title"])
         armed = self._armed.get(_fix_key(finding, fix))
+        proof = f" Proof on your step: {fix_view['proof']}." if fix_view.get("proof") else ""
         if armed is not None:
             description, kind = armed[1], "armed"
             tooltip = f"{full}. {armed[1]}"
         elif fix.safe:
-            description, kind = short, "safe"
-            tooltip = f"{full}. Safe fix: keeps the meaning of the run you intended. Undo is available after."
+            description, kind = fix_button_label(fix_view, siblings), "safe"
+            tooltip = f"{full}. Safe fix: keeps the meaning of the run you intended. Undo is available after.{proof}"
         else:
-            description, kind = f"\u26a0 {short} (unsafe)", "unsafe"
-            tooltip = f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is available after."
+            description, kind = fix_button_label(fix_view, siblings), "unsafe"
+            tooltip = (f"{full}. Unsafe fix: changes numerics or state; asks for a confirming second click. Undo is "
+                       f"available after.{proof}")  # fmt: skip
         if fix_view.get("planned") is False and armed is None:
-            description = f"{description} (alternative)"
             tooltip = f"{tooltip} Not in the planned treatment: {fix_view.get('note', '')}"
         button = w.Button(description=description, tooltip=tooltip, layout=_button_layout(w))
         _style(button, kind)

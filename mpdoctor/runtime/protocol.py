@@ -65,6 +65,19 @@ UNSETTLED_SKIP_SHARE = 0.25
 OVERFLOW_STEPS_NAMED = 8
 
 
+def _running_cell() -> str:
+    """``cell [5]`` while cell 5 runs (the outermost notebook cell on the stack: the cell that ran the call, not
+    the one that defined the function it is in), named as :class:`~mpdoctor.facts.location.Location` names it;
+    "" outside a notebook."""
+    from ..facts.location import cell_number
+
+    frame, number = sys._getframe(1), None
+    while frame is not None:
+        number = cell_number(frame.f_code.co_filename) or number
+        frame = frame.f_back
+    return f"cell [{number}]" if number is not None else ""
+
+
 def _resolve(where: Any) -> Location | None:
     return user_line(3) if where is HERE else where
 
@@ -558,7 +571,7 @@ class ProtocolObserver:
                 track.settled = True
         from ..facts.scale_history import ScaleRecord
 
-        record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss, track.series)
+        record = ScaleRecord(track.name, track.updates, float(scale or 0.0), skipped, loss, track.series, _running_cell())
         self.scale_history.append(record)
         track.history.append(record)
         if self.step_listener is not None:  # it handles its own failures; it raises only to stop the run on request

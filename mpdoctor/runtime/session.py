@@ -8,9 +8,10 @@ scaler scales a loss. That first scaled loss installs the other wrappers and the
 (a cell scaled a loss and did not ``update()``: the next cell is watched in full from its first line). A cell
 that does not train runs none of mpdoctor's code but that one callback (``bench/bench_hook.py``).
 
-A protocol mistake is announced by one line on stderr at the call where it happens (a long loop shows it at
-once, before GradScaler's own error if there is one); when the cell ends, its findings are displayed as a
-report (the widget in a widget frontend, else text and HTML) with the corrected lines.
+A protocol mistake is announced by one line at the call where it happens (a long loop shows it at once, before
+GradScaler's own error if there is one); when the cell ends, its findings are displayed as a report (the widget
+in a widget frontend, else text and HTML) with the corrected lines. In a notebook the line is an output the
+report replaces (so the finding is not said twice); in a terminal it is a line on stderr.
 
 This module imports torch only through the observer, and only once torch is in ``sys.modules``. The event
 signature (``post_run_cell(result)``) is IPython 7.34's and later's.
@@ -25,6 +26,8 @@ from typing import Any
 
 #: ``id(shell) -> _Session`` while installed.
 _SESSIONS: dict[int, _Session] = {}
+#: The lines announced as outputs during the running cell (display handles): cleared when its report shows.
+_BANNERS: list = []
 
 
 class _Session:
@@ -97,6 +100,7 @@ class _Session:
             self.seen = len(obs.findings)
             if new:
                 self.shown = show_findings(obs, users_loop_findings(self.shell, new), steps) or self.shown
+        _clear_banners()  # the report (this one, or the crash hook's) says what they said
 
 
     def _follow_cells(self, result: Any) -> None:
@@ -175,7 +179,38 @@ def _announce(finding: Any) -> None:
     about_scaler = finding.check not in ("amp-step-bypasses-scaler", "amp-scheduler-on-skipped-steps")
     title = in_names(title, evidence.get("scaler") or (finding.subject if about_scaler else ""),
                      evidence.get("optimizer") or "")  # fmt: skip
-    print(f"mpdoctor: {finding.severity} [{finding.check}]{at}: {title} (details when the cell ends)", file=sys.stderr)
+    line = f"mpdoctor: {finding.severity} [{finding.check}]{at}: {title} (details when the cell ends)"
+    if not _banner(line):
+        print(line, file=sys.stderr)
+
+
+def _banner(line: str) -> bool:
+    """Show ``line`` as an output the cell's report replaces when the cell ends; False where no frontend can
+    replace an output (a terminal, a script)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    if getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        from IPython.display import display
+
+        from ..render.html import COLORS, FG, FONT, e
+
+        html = f"<div style='{FONT};color:{FG};border-left:3px solid {COLORS['error']};padding:2px 6px'>{e(line)}</div>"
+        _BANNERS.append(display({"text/plain": line, "text/html": html}, raw=True, display_id=True))
+    except Exception:  # the line goes to stderr instead
+        return False
+    return True
+
+
+def _clear_banners() -> None:
+    """Empty the outputs the running cell's announcements took: its report now shows each finding."""
+    while _BANNERS:
+        handle = _BANNERS.pop()
+        try:
+            handle.update({"text/plain": ""}, raw=True)
+        except Exception:  # a frontend gone: nothing to clear
+            pass
 
 
 def users_loop_findings(shell: Any, findings: list) -> list:

@@ -51,7 +51,7 @@ def apply_cause_fix(report, via: str, button_text: str):
     else:
         rw = report.widget()
         rw.confirm_delay = 0.0
-        buttons = rw.buttons(button_text)
+        buttons = [b for b in rw.buttons(button_text) if b.description.startswith(button_text)]  # not an alternative's
         assert len(buttons) == 1, [b.description for b in rw.buttons()]
         buttons[0].click()
     return fix
