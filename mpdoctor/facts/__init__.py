@@ -153,6 +153,8 @@ class Facts:
     between: Any = None
     #: mpdoctor.facts.intent.ShadowFacts: EMA / weight-averaging objects and what their updates lose.
     averaging: tuple = ()
+    #: mpdoctor.facts.inference.KVCacheFacts: KV caches the user holds (the transformers integration's ``facts``).
+    kv_caches: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Subject kinds, in the order a report lists them.
-KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging")
+KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging", "kv_cache")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (
@@ -153,7 +153,8 @@ def kind_from_paths(paths: tuple[str, ...]) -> str | None:
     """
     pathset = set(paths)
     found = {kind for integ in active() for path, kind in integ.kinds if path in pathset}
-    for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator", "pipeline", "averaging"):
+    for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator", "pipeline", "averaging",
+                 "kv_cache"):
         if kind in found:
             return kind
     return None

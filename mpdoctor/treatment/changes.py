@@ -1168,3 +1168,58 @@ class SetNormEps(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, path, attr): self.value for path, attr in self.modules}
+
+
+@dataclass(frozen=True)
+class CastCacheTensors(ChangeSpec):
+    """Cast the keys and values a KV cache ``ref`` stores to ``dtype``, in place; undo puts the old tensors back.
+
+    Each layer's ``keys`` / ``values`` (transformers 4.56+; a ``StaticLayer``'s recorded ``dtype`` with them) or
+    the cache's ``key_cache`` / ``value_cache`` lists (before) are replaced by cast copies, all allocated before
+    the first swap. The cache object stays the one the user holds.
+    """
+
+    ref: int
+    dtype: str
+    label: str = "cache"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..readers.kv_cache import stored_tensors, tensor_slots
+
+        cache, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        steps: list[Change] = []
+        retyped: set[int] = set()
+        for holder, attr, value in tensor_slots(cache):
+            if not any(t.dtype != dtype for t in stored_tensors(value)):
+                continue
+            cast = [_cast_stored(t, dtype) for t in value] if type(value) is list else _cast_stored(value, dtype)
+            step = SetAttr(holder, attr, cast, "")
+            step.description = f"cast {self.label}'s {attr} to {self.dtype}"
+            steps.append(step)
+            # A StaticLayer records the dtype it allocated in; it must say the new one.
+            if isinstance(raw_attr(holder, "dtype", None), torch.dtype) and id(holder) not in retyped:
+                retyped.add(id(holder))
+                steps.append(SetAttr(holder, "dtype", dtype, f"{self.label} layer dtype"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        caches = tuple(dataclasses.replace(c, dtypes=(self.dtype,)) if c.ref == self.ref and c.dtypes else c
+                       for c in facts.kv_caches)  # fmt: skip
+        return dataclasses.replace(facts, kv_caches=caches)
+
+    def verify(self, live: Live) -> str | None:
+        from ..readers.kv_cache import stored_tensors, tensor_slots
+
+        dtype = torch_dtype(self.dtype)
+        left = sum(1 for _h, _a, value in tensor_slots(live.get(self.ref)) for t in stored_tensors(value) if t.dtype != dtype)
+        return f"{left} tensors of {self.label} still not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "kv-dtype"): self.dtype}
+
+
+def _cast_stored(value: Any, dtype: torch.dtype) -> Any:
+    """A cast copy of a stored floating tensor; anything else (None, an empty placeholder) as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return cast_tensor(value, dtype)
+    return value

@@ -1,0 +1,120 @@
+"""Inference and generation in the kernel that trained: what the user holds to generate with (KV caches)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from ..facts import Facts, ModelFacts
+from ..facts.inference import KVCacheFacts
+from ..treatment.changes import CastCacheTensors
+from ..treatment.findings import Finding, Severity
+from ..treatment.fixes import Fix
+from ..treatment.rules import Applicability, Rule
+from . import check
+
+_BITS = {"float16": 16, "bfloat16": 16, "float32": 32, "float64": 64}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+
+
+def promoted(a: str, b: str) -> str:
+    """The dtype ``torch.cat`` of two floating dtypes gives (fp16 with bf16 is fp32)."""
+    if a == b:
+        return a
+    bits_a, bits_b = _BITS.get(a, 32), _BITS.get(b, 32)
+    if bits_a == bits_b:
+        return "float32"
+    return a if bits_a > bits_b else b
+
+
+def _generating_models(facts: Facts) -> list[ModelFacts]:
+    """The transformers models a cache can be handed to, with a floating dtype."""
+    return [m for m in facts.models if m.is_pretrained and m.tensors.main_dtype in _BITS]
+
+
+def _cast_fix(cache: KVCacheFacts, dtype: str) -> Fix:
+    return Fix(
+        f"Cast {cache.name}'s keys and values to {_SHORT.get(dtype, dtype)} (the model's dtype)",
+        f"for layer in {cache.name}.layers:  # transformers < 4.56: {cache.name}.key_cache / value_cache\n"
+        f"    layer.keys, layer.values = layer.keys.to(torch.{dtype}), layer.values.to(torch.{dtype})",
+        applicability=Applicability.SAFE,
+        changes=(CastCacheTensors(cache.ref, dtype, cache.name),),
+        recipe="kv-cache-cast",
+    )
+
+
+def _consequence(cache: KVCacheFacts, dtype: str) -> tuple[Severity, str]:
+    """The severity and what happens at the next call, for a cache whose tensors are not all in ``dtype``."""
+    short = _SHORT.get(dtype, dtype)
+    if cache.static:
+        return Severity.ERROR, (
+            f"the next forward copies {short} keys into it and fails "
+            "(index_copy_(): self and source expected to have the same dtype)."
+        )
+    met = sorted({promoted(d, dtype) for d in cache.dtypes} - {dtype})
+    if met:
+        return Severity.ERROR, (
+            f"the next forward concatenates its {short} keys onto them, gets {'/'.join(_SHORT.get(d, d) for d in met)} "
+            f"keys and fails in attention (Expected query, key, and value to have the same dtype)."
+        )
+    return Severity.WARNING, (
+        f"the next forward silently upcasts it to {short}: the cached prefix keeps the rounding of "
+        f"{'/'.join(_SHORT.get(d, d) for d in cache.dtypes if d != dtype)}, so the continuation differs from the "
+        f"model's own."
+    )
+
+
+@check("kv-cache-dtype-mismatch", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.SAFE,))
+def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A KV cache the user holds stores keys and values in another dtype than the model computes in.
+
+    What it does
+        A transformers cache held by name (``DynamicCache``, ``StaticCache``, an ``EncoderDecoderCache``)
+        whose stored key / value tensors are not in the dtype of every transformers model inspected beside it
+        (a cache built before the model was cast to bf16 after fine-tuning, or cast by hand to save memory).
+        An empty cache takes the model's dtype at its first update and is never reported.
+    Why is this bad?
+        ``model(..., past_key_values=cache)`` and ``generate(past_key_values=cache)`` meet the stored tensors
+        at the first layer. A static cache copies the new keys into its buffers and fails
+        (``index_copy_(): self and source expected to have the same dtype``). A dynamic cache concatenates:
+        fp32 keys in a bf16 model (or fp16 with bf16) give fp32 keys and attention fails (``Expected query,
+        key, and value to have the same dtype``); a bf16 cache in an fp32 model is silently upcast, and the
+        prompt's keys keep their bf16 rounding.
+    Example
+        cache = model(prompt_ids, use_cache=True).past_key_values  # filled while the model was fp32
+        model.to(torch.bfloat16)
+        model.generate(next_ids, past_key_values=cache)  # RuntimeError: Expected query, key, and value ...
+    Use instead
+        model.to(torch.bfloat16)
+        cache = model(prompt_ids, use_cache=True).past_key_values  # filled by the bf16 model
+        model.generate(next_ids, past_key_values=cache)
+    Fix safety
+        Safe: the cache's keys and values are replaced by copies in the model's dtype, in place (the cache
+        object stays the one the user holds; a ``StaticLayer``'s recorded ``dtype`` follows); undo puts the
+        very tensors back. Offered when the models beside it agree on one dtype.
+    Severity
+        Error when the next call fails (a static cache, or a dynamic one whose concatenation changes the
+        keys' dtype); warning when a dynamic cache is silently upcast to the model's dtype.
+    Sources
+        transformers ``cache_utils`` (``DynamicLayer.update`` concatenates, ``StaticLayer.update`` uses
+        ``index_copy_``); torch ``scaled_dot_product_attention``'s dtype check.
+    """
+    models = _generating_models(facts)
+    dtypes = {m.tensors.main_dtype for m in models}
+    if len(dtypes) != 1:
+        return  # no model, or models that disagree: which one a cache is for is not known
+    (dtype,) = dtypes
+    for cache in facts.kv_caches:
+        if not cache.dtypes or set(cache.dtypes) == {dtype}:
+            continue
+        severity, consequence = _consequence(cache, dtype)
+        held = "/".join(_SHORT.get(d, d) for d in cache.dtypes)
+        names = ", ".join(m.name for m in models)
+        yield rule.finding(
+            cache.name,
+            f"{cache.name} ({cache.class_name}) stores {held} keys and values while {names} computes in "
+            f"{_SHORT.get(dtype, dtype)}: {consequence}",
+            {"cache_dtypes": list(cache.dtypes), "model_dtype": dtype, "models": [m.name for m in models],
+             "static": cache.static, "tensors": cache.tensors, "bytes": cache.bytes},  # fmt: skip
+            [_cast_fix(cache, dtype)],
+            severity=severity,
+        )

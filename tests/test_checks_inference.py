@@ -1,0 +1,113 @@
+"""Specifications of inference in the kernel that trained: a KV cache the user holds in another dtype
+than the model computes in (kv-cache-dtype-mismatch), reproduced with a real tiny Llama and its real
+``DynamicCache`` / ``StaticCache``, diagnosed, fixed in place and undone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from setups import tiny_llama
+from setups_dtypes import alarms
+from transformers import StaticCache
+
+import mpdoctor
+
+PROMPT = torch.tensor([[3, 14, 15, 9, 2, 6]])
+NEXT = torch.tensor([[5]])
+SAME_DTYPE = "Expected query, key, and value to have the same dtype"
+
+
+def prefilled(model: torch.nn.Module):
+    """The prompt's cache, filled by ``model`` as it is now (a ``DynamicCache``)."""
+    with torch.no_grad():
+        return model(PROMPT, use_cache=True).past_key_values
+
+
+def stored(cache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def continue_from(model, cache) -> torch.Tensor:
+    """The user's step: one token on the cached prompt, then ``generate`` on with the same cache."""
+    with torch.no_grad():
+        logits = model(NEXT, past_key_values=cache).logits
+    out = model.generate(torch.cat([PROMPT, NEXT, logits[:, -1:].argmax(-1)], dim=1), past_key_values=cache,
+                         max_new_tokens=3, do_sample=False)  # fmt: skip
+    assert out.shape[1] == PROMPT.shape[1] + 5
+    return logits
+
+
+def test_an_fp32_cache_handed_to_the_model_cast_to_bf16_fails_and_the_cast_fix_makes_generate_run():
+    model = tiny_llama(torch.float32, train=False)
+    cache = prefilled(model)  # filled before the model was cast after fine-tuning
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=SAME_DTYPE):
+        continue_from(model, prefilled(tiny_llama(torch.float32, train=False)))  # an untouched twin raises
+
+    report = mpdoctor.diagnose(namespace={"model": model, "cache": cache})
+    (finding,) = report.findings_for("kv-cache-dtype-mismatch")
+    assert finding.severity == "error" and finding.subject == "cache"
+    assert "fp32" in finding.message and "bf16" in finding.message and SAME_DTYPE in finding.message
+    (fix,) = finding.fixes
+    assert fix.safe
+
+    old = stored(cache)
+    fix.apply()
+    assert {t.dtype for t in stored(cache)} == {torch.bfloat16}
+    assert not report.refresh().findings_for("kv-cache-dtype-mismatch")
+    fix.undo()
+    assert all(a is b for a, b in zip(stored(cache), old))  # the very tensors are back
+
+    fix.apply()
+    fix.apply()  # idempotent
+    logits = continue_from(model, cache)
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    # The fixed cache continues as the bf16 model's own cache of the same prompt (up to the prompt's rounding).
+    with torch.no_grad():
+        own = model(NEXT, past_key_values=prefilled(model)).logits
+    assert torch.allclose(logits.float(), own.float(), atol=0.1)
+
+
+def test_a_static_cache_allocated_in_fp32_refuses_bf16_keys_and_the_fix_retypes_its_layers():
+    model = tiny_llama(torch.bfloat16, train=False)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    cache.early_initialization(batch_size=1, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
+    twin = StaticCache(config=model.config, max_cache_len=16)
+    twin.early_initialization(batch_size=1, num_heads=1, head_dim=8, dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="index_copy_"):
+        model.generate(PROMPT, past_key_values=twin, max_new_tokens=3, do_sample=False)
+
+    report = mpdoctor.diagnose(namespace={"model": model, "static": cache})
+    (finding,) = report.findings_for("kv-cache-dtype-mismatch")
+    assert finding.severity == "error" and "index_copy_" in finding.message
+    finding.fixes[0].apply()
+    assert {layer.dtype for layer in cache.layers} == {torch.bfloat16}
+    out = model.generate(PROMPT, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape[1] == PROMPT.shape[1] + 3
+    finding.fixes[0].undo()
+    assert {layer.dtype for layer in cache.layers} == {torch.float32}
+    assert {t.dtype for t in stored(cache)} == {torch.float32}
+
+
+def test_a_bf16_cache_in_an_fp32_model_runs_but_is_silently_upcast_a_warning():
+    model = tiny_llama(torch.bfloat16, train=False)
+    cache = prefilled(model)
+    model.to(torch.float32)
+    report = mpdoctor.diagnose(namespace={"model": model, "cache": cache})
+    (finding,) = report.findings_for("kv-cache-dtype-mismatch")
+    assert finding.severity == "warning" and "silently upcasts" in finding.message
+    with torch.no_grad():
+        model(NEXT, past_key_values=cache)
+    assert {t.dtype for t in stored(cache)} == {torch.float32}  # what the warning says happened
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_cache_filled_by_the_model_as_it_is_draws_no_alarm(dtype):
+    model = tiny_llama(dtype, train=False)
+    cache = prefilled(model)
+    empty = StaticCache(config=model.config, max_cache_len=16)  # lazily allocated in the model's dtype
+    report = mpdoctor.diagnose(namespace={"model": model, "cache": cache, "empty": empty})
+    assert [s.name for s in report.subjects if s.kind == "kv_cache"] == ["cache", "empty"]
+    assert not report.findings_for("kv-cache-dtype-mismatch")
+    assert alarms(report) == []
+    assert torch.isfinite(continue_from(model, cache)).all()
