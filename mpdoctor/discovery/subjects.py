@@ -336,7 +336,7 @@ def discover(
 
 
 #: What mpdoctor inspects, for the sentence that says an object was not one of them.
-INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
+INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments, Accelerators and KV caches"
 # transformers 5 renamed PretrainedConfig to PreTrainedConfig.
 _CONFIG_CLASSES = (
     "transformers.configuration_utils.PreTrainedConfig",
