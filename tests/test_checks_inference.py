@@ -111,3 +111,77 @@ def test_a_cache_filled_by_the_model_as_it_is_draws_no_alarm(dtype):
     assert not report.findings_for("kv-cache-dtype-mismatch")
     assert alarms(report) == []
     assert torch.isfinite(continue_from(model, cache)).all()
+
+
+# -- attention-mask-overflow ---------------------------------------------------------------------------
+
+LEFT_PADDED = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+PADDING = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+
+def allowed() -> torch.Tensor:
+    """Causal and not padding: the first row's two left pads allow no key at all."""
+    n = LEFT_PADDED.shape[1]
+    return torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None] & PADDING[:, None, None, :].bool()
+
+
+def fp16_eager_llama() -> torch.nn.Module:
+    """A tiny fp16 Llama on eager attention: torch's CPU SDPA keeps fully masked rows finite (STACK.md), eager
+    attention shows what users on eager and on GPU kernels that do not guard such rows see."""
+    model = tiny_llama(torch.float16, train=False)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def logits_with(model, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model(LEFT_PADDED, attention_mask=mask).logits
+
+
+def test_an_fp32_min_mask_cast_to_fp16_makes_the_logits_nan_and_the_rebuilt_mask_makes_them_finite():
+    model = fp16_eager_llama()
+    mask = torch.zeros(2, 1, 5, 5).masked_fill(~allowed(), torch.finfo(torch.float32).min).to(torch.float16)
+    assert torch.isnan(logits_with(model, mask)[0]).all()  # the padded sequence is NaN to its last token
+    assert torch.isfinite(logits_with(model, mask)[1]).all()
+
+    namespace = {"model": model, "mask": mask, "images": torch.randn(2, 1, 8, 8)}  # a 4D tensor that is no mask
+    report = mpdoctor.diagnose(namespace=namespace)
+    assert [s.name for s in report.subjects if s.kind == "attention_mask"] == ["mask"]
+    (finding,) = report.findings_for("attention-mask-overflow")
+    assert finding.severity == "error" and "2 query rows made only of -inf" in finding.message
+    assert "rounds to -inf in fp16" in finding.message
+    (fix,) = finding.fixes
+    assert fix.safe
+
+    old = mask.clone()
+    fix.apply()
+    assert namespace["mask"] is mask and mask.dtype == torch.float16  # the same tensor, nothing rebound
+    assert not torch.isneginf(mask).any() and mask.min() == torch.finfo(torch.float16).min
+    logits = logits_with(model, mask)
+    assert torch.isfinite(logits).all()
+    # What attention allows is unchanged: the real tokens get the logits of the fp16 model's own mask.
+    own = torch.zeros(2, 1, 5, 5, dtype=torch.float16).masked_fill(~allowed(), torch.finfo(torch.float16).min)
+    assert torch.equal(logits[:, 2:], logits_with(model, own)[:, 2:])
+    assert not report.refresh().findings_for("attention-mask-overflow")
+    fix.undo()
+    assert torch.equal(mask, old)
+
+
+def test_under_sdpa_the_same_mask_is_only_info_because_this_cpu_keeps_the_rows_finite():
+    model = tiny_llama(torch.float16, train=False)
+    mask = torch.zeros(2, 1, 5, 5).masked_fill(~allowed(), torch.finfo(torch.float32).min).to(torch.float16)
+    assert torch.isfinite(logits_with(model, mask)).all()
+    (finding,) = mpdoctor.diagnose(namespace={"model": model, "mask": mask}).findings_for("attention-mask-overflow")
+    assert finding.severity == "info"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_mask_built_with_the_compute_dtypes_own_min_draws_no_alarm(dtype):
+    model = tiny_llama(dtype, train=False)
+    model.config._attn_implementation = "eager"
+    mask = torch.zeros(2, 1, 5, 5, dtype=dtype).masked_fill(~allowed(), torch.finfo(dtype).min)
+    report = mpdoctor.diagnose(namespace={"model": model, "mask": mask})
+    assert [s.name for s in report.subjects if s.kind == "attention_mask"] == ["mask"]
+    assert not report.findings_for("attention-mask-overflow")
+    assert alarms(report) == []
+    assert torch.isfinite(logits_with(model, mask)).all()

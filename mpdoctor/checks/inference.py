@@ -1,12 +1,12 @@
-"""Inference and generation in the kernel that trained: what the user holds to generate with (KV caches)."""
+"""Inference and generation in the kernel that trained: what the user holds to generate with (KV caches, 4D masks)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
-from ..facts.inference import KVCacheFacts
-from ..treatment.changes import CastCacheTensors
+from ..facts.inference import AttentionMaskFacts, KVCacheFacts
+from ..treatment.changes import CastCacheTensors, ClampMaskToDtype
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -117,4 +117,78 @@ def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
              "static": cache.static, "tensors": cache.tensors, "bytes": cache.bytes},  # fmt: skip
             [_cast_fix(cache, dtype)],
             severity=severity,
+        )
+
+
+def _eager(m: ModelFacts) -> bool:
+    root = next((c for c in m.configs if not c.is_generation_config), None)
+    return root is not None and root.attn_implementation == "eager"
+
+
+def _mask_fix(mask: AttentionMaskFacts) -> Fix:
+    return Fix(
+        f"Rebuild {mask.name} in place with torch.finfo(torch.{mask.dtype}).min where it holds -inf",
+        f"{mask.name}.clamp_(min=torch.finfo({mask.name}.dtype).min)  # build it so: "
+        f"mask.masked_fill(~allowed, torch.finfo(model.dtype).min)",
+        applicability=Applicability.SAFE,
+        changes=(ClampMaskToDtype(mask.ref, mask.name),),
+        recipe="mask-dtype-min",
+    )
+
+
+@check("attention-mask-overflow", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.SAFE,))
+def attention_mask_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A 4D attention mask the user holds has rows made only of -inf: eager attention turns them into NaN.
+
+    What it does
+        A 4D additive attention mask held by name (``(batch, 1, query, key)``, ``0`` where attention is
+        allowed, a large negative elsewhere) beside a transformers model, with query rows whose every entry
+        is ``-inf``. The usual way to get one: the mask is filled with ``torch.finfo(torch.float32).min`` and
+        cast to the fp16 model's dtype (``-3.4e38`` rounds to ``-inf`` in fp16); the rows of the left padding
+        allow no key at all.
+    Why is this bad?
+        Softmax over a row of ``-inf`` is ``0/0``: NaN. In eager attention the padded rows' outputs are NaN,
+        and at the next layer every real token meets them (``0 * NaN`` in the weighted sum of values): the whole
+        sequence's logits are NaN. transformers builds its own masks with the compute dtype's ``finfo.min``,
+        which is finite, so a fully masked row softmaxes to a harmless uniform row.
+    Example
+        mask = torch.zeros(b, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        model(ids, attention_mask=mask.to(torch.float16))  # fp16 model: left-padded rows are -inf, logits NaN
+    Use instead
+        mask = torch.zeros(b, 1, n, n, dtype=model.dtype).masked_fill(~allowed, torch.finfo(model.dtype).min)
+        model(ids, attention_mask=mask)
+    Fix safety
+        Safe: the mask's ``-inf`` entries become its dtype's ``finfo.min``, in place (the user's variable still
+        names the same tensor, nothing is rebound); what attention allows is unchanged. Undo copies the old
+        values back.
+    Severity
+        Error when a model beside it runs eager attention; info otherwise (torch's SDPA on this CPU keeps fully
+        masked rows finite, eager attention and kernels that do not guard such rows do not).
+    Sources
+        transformers ``masking_utils`` (custom 4D masks are used as given; its own float masks use
+        ``torch.finfo(dtype).min``); transformers issues on NaN logits with left padding in fp16.
+    """
+    models = [m for m in facts.models if m.is_pretrained]
+    if not models:
+        return
+    eager = [m.name for m in models if _eager(m)]
+    for mask in facts.attention_masks:
+        if not mask.dead_rows:
+            continue
+        why = (" (torch.finfo(torch.float32).min rounds to -inf in fp16)" if mask.dtype == "float16"
+               else "")  # fmt: skip
+        where = (
+            f"{', '.join(eager)} runs eager attention: those rows' softmax is NaN and the next layer spreads it to "
+            "every token's logits."
+            if eager
+            else "torch's SDPA keeps such rows finite here; eager attention makes them NaN and spreads it to every token."
+        )
+        yield rule.finding(
+            mask.name,
+            f"{mask.name} ({mask.dtype} {tuple(mask.shape)}) has {mask.dead_rows} query rows made only of -inf"
+            f"{why}: {where}",
+            {"dtype": mask.dtype, "shape": list(mask.shape), "dead_rows": mask.dead_rows, "neg_inf": mask.neg_inf,
+             "eager": eager},  # fmt: skip
+            [_mask_fix(mask)],
+            severity=Severity.ERROR if eager else Severity.INFO,
         )

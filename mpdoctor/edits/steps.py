@@ -292,6 +292,24 @@ class CastStateEntries(Change):
         self._backup = []
 
 
+class OverwriteValues(Change):
+    """Copy ``values`` into ``tensor`` in place (the same object, the user's names still bound to it); undo copies
+    the old values back. Both copies are allocated when the step is made, before any write."""
+
+    def __init__(self, tensor: torch.Tensor, values: torch.Tensor, label: str) -> None:
+        self.tensor, self.values = tensor, values
+        self._old = tensor.detach().clone()
+        self.description = label
+
+    def apply(self) -> None:
+        with torch.no_grad():
+            self.tensor.copy_(self.values)
+
+    def revert(self) -> None:
+        with torch.no_grad():
+            self.tensor.copy_(self._old)
+
+
 class SetItem(Change):
     """Set a key of a plain dict; undo restores the old value or its absence."""
 

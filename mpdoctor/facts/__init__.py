@@ -155,6 +155,8 @@ class Facts:
     averaging: tuple = ()
     #: mpdoctor.facts.inference.KVCacheFacts: KV caches the user holds (the transformers integration's ``facts``).
     kv_caches: tuple = ()
+    #: mpdoctor.facts.inference.AttentionMaskFacts: 4D additive attention masks the user holds.
+    attention_masks: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

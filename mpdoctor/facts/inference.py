@@ -27,3 +27,21 @@ class KVCacheFacts:
     def dtype(self) -> str | None:
         """The one dtype of its tensors, None when empty or mixed."""
         return self.dtypes[0] if len(self.dtypes) == 1 else None
+
+
+@dataclass(frozen=True)
+class AttentionMaskFacts:
+    """A 4D additive attention mask the user holds (``0`` where attention is allowed, a large negative elsewhere).
+
+    ``dead_rows`` counts the query rows whose every entry is ``-inf`` (a left-padded row, where nothing is
+    allowed, masked with ``torch.finfo(torch.float32).min`` then cast to fp16, which rounds it to ``-inf``):
+    softmax over such a row is NaN in eager attention. ``neg_inf`` counts the ``-inf`` entries.
+    """
+
+    name: str
+    ref: int
+    dtype: str
+    shape: tuple[int, ...]
+    neg_inf: int
+    dead_rows: int
+    masked_min: float

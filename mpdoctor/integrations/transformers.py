@@ -6,7 +6,9 @@ config, where ``use_cache``, the checkpoint dtype, the attention kernel and the
 quantization config live) and ``_keep_in_fp32_modules``. TrainingArguments
 state what precision is requested (``fp16`` / ``bf16`` / ``mixed_precision``).
 A KV cache the user holds (``DynamicCache``, ``StaticCache``) is a subject of kind
-``kv_cache``; its facts are the dtypes of the tensors it stores.
+``kv_cache``; its facts are the dtypes of the tensors it stores. A 4D additive attention
+mask held by name (a plain tensor of zeros and large negatives) is a subject of kind
+``attention_mask``, read by its values.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ..compat import rope_init_function
 from ..live.introspect import is_a, modules_where, raw_attr
 from ..readers.configs import read_configs
 from ..readers.kv_cache import read_kv_cache
+from ..readers.masks import is_additive_mask, read_mask
 from ..redact import safe_value
 from . import Integration
 
@@ -177,17 +180,20 @@ def requested(args: Any) -> dict:
     return out
 
 
-def _cache_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
-    """The ``kv_caches`` field of the facts: every KV cache the user holds by name."""
-    out = []
+def _inference_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """The ``kv_caches`` and ``attention_masks`` fields of the facts: the caches and 4D masks the user holds."""
+    caches, masks = [], []
     for s in subjects:
-        if s.kind != "kv_cache":
-            continue
-        cache = read_kv_cache(s.name, s.obj)
-        if cache is not None:
+        if s.kind == "kv_cache":
+            cache = read_kv_cache(s.name, s.obj)
+            if cache is not None:
+                live.add(s.obj)
+                caches.append(cache)
+        elif s.kind == "attention_mask":
             live.add(s.obj)
-            out.append(cache)
-    return {"kv_caches": tuple(out)} if out else {}
+            masks.append(read_mask(s.name, s.obj))
+    out: dict = {"kv_caches": tuple(caches)} if caches else {}
+    return {**out, "attention_masks": tuple(masks)} if masks else out
 
 
 INTEGRATION = Integration(
@@ -197,5 +203,6 @@ INTEGRATION = Integration(
     brings=((TRAINER, ("model", "optimizer", "args", "accelerator", "scaler")),),
     model_facts=_model_facts,
     requested=requested,
-    facts=_cache_facts,
+    facts=_inference_facts,
+    value_kinds=(("torch.Tensor", is_additive_mask, "attention_mask"),),
 )

@@ -1223,3 +1223,37 @@ def _cast_stored(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         return cast_tensor(value, dtype)
     return value
+
+
+@dataclass(frozen=True)
+class ClampMaskToDtype(ChangeSpec):
+    """Rebuild the additive mask ``ref`` in place with its dtype's own ``finfo.min`` where it holds ``-inf``.
+
+    The tensor stays the object the user's name is bound to (no name is rebound); a fully masked row then
+    softmaxes to a uniform, finite row, as transformers' own masks do. Undo copies the old values back.
+    """
+
+    ref: int
+    label: str = "attention_mask"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import OverwriteValues
+
+        mask = live.get(self.ref)
+        if not bool(torch.isneginf(mask).any()):
+            return []
+        floor = torch.finfo(mask.dtype).min
+        rebuilt = mask.detach().clamp(min=floor)
+        return [OverwriteValues(mask, rebuilt, f"{self.label}: -inf -> torch.finfo(torch.{str(mask.dtype)[6:]}).min")]
+
+    def simulate(self, facts: Facts) -> Facts:
+        masks = tuple(dataclasses.replace(m, neg_inf=0, dead_rows=0) if m.ref == self.ref else m
+                      for m in facts.attention_masks)  # fmt: skip
+        return dataclasses.replace(facts, attention_masks=masks)
+
+    def verify(self, live: Live) -> str | None:
+        left = int(torch.isneginf(live.get(self.ref)).sum())
+        return f"{self.label} still holds {left} -inf entries" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "mask-floor"): "finfo.min"}
