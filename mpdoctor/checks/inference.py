@@ -192,3 +192,60 @@ def attention_mask_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
             [_mask_fix(mask)],
             severity=Severity.ERROR if eager else Severity.INFO,
         )
+
+
+def _step(k: int | None) -> str:
+    return "the prompt's prefill (step 0)" if k == 0 else f"decoding step {k}"
+
+
+@check("probe-generation-nonfinite", Severity.ERROR)
+def probe_generation_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A generation probe saw the logits or the sampling probabilities go NaN/Inf at some decoding step.
+
+    What it does
+        ``mpdoctor.probe(model, batch, generate=True)`` runs a few decoding steps of ``model.generate`` with
+        hooks on every module and on the logits. This names the first step whose last-position logits, or
+        their softmax in fp32 (what greedy search and sampling read), held NaN/Inf, and the step in which the
+        first module whose output left its dtype's range ran (``probe-nonfinite`` names that module).
+    Why is this bad?
+        Greedy search takes the argmax of NaN logits (token 0, repeated) and sampling refuses them
+        (``probability tensor contains either inf, nan or element < 0``): the text is garbage or generate
+        raises. A step after the prefill going bad means the overflow grows with the cache (a longer context,
+        a position, an accumulated residual), which a training forward on short sequences never shows.
+    Example
+        model.half()  # after fine-tuning in bf16
+        mpdoctor.probe(model, {"input_ids": prompt}, generate=True)  # logits NaN from step 0
+    Use instead
+        model.to(torch.bfloat16)  # fp32's range; or keep the overflowing module in fp32
+        model.generate(prompt, max_new_tokens=32)
+    Fix safety
+        No fix of its own: the module that overflowed carries the fixes (``probe-nonfinite``,
+        ``probe-overflow``), which the generation probe offers unproven.
+    Severity
+        Error: the decoding steps the probe ran produced NaN/Inf.
+    Sources
+        transformers ``generate`` (``_sample``: argmax or ``torch.multinomial`` over the softmax of the
+        last logits); mpdoctor's one-batch probe.
+    """
+    for p in facts.probes:
+        g = getattr(p, "generation", None)
+        if g is None or (g.first_bad_logits is None and g.first_bad_probs is None):
+            continue
+        hit = p.first_nonfinite()
+        module = hit[0] if hit is not None and hit[1] == "forward" else None
+        parts = []
+        if g.first_bad_logits is not None:
+            parts.append(f"its logits went NaN/Inf at {_step(g.first_bad_logits)}")
+        if g.first_bad_probs is not None:
+            parts.append(f"the probabilities at {_step(g.first_bad_probs)}")
+        where = f"{p.model}.{module.path}" if module is not None and module.path else p.model
+        first = (f"; the first module out of its dtype's range was {where} ({module.class_name}), "
+                 f"at {_step(g.step_of(module.done))}" if module is not None else "")  # fmt: skip
+        yield rule.finding(
+            p.model,
+            f"generate() on {p.model}: {' and '.join(parts)}, of {g.steps} step{'' if g.steps == 1 else 's'} run{first}.",
+            {"steps": g.steps, "requested": g.requested, "first_bad_logits": g.first_bad_logits,
+             "first_bad_probs": g.first_bad_probs, "logits_nonfinite": list(g.logits_nonfinite),
+             "module": module.path if module is not None else None,
+             "module_step": g.step_of(module.done) if module is not None else None},  # fmt: skip
+        )

@@ -662,6 +662,8 @@ def probe(
     loss_fn: Callable | None = None,
     training: bool = True,
     checks: bool = True,
+    generate: bool = False,
+    max_new_tokens: int = 8,
 ) -> Any:
     """Run one forward and one backward on ``batch`` and report where the numbers go wrong.
 
@@ -691,6 +693,14 @@ def probe(
         Run in train mode (dropout on, as in training); the modes are restored after.
     checks : bool
         Also run mpdoctor's static checks on the model and setup.
+    generate : bool
+        Instead of a forward and a backward, run ``max_new_tokens`` decoding steps of ``model.generate``
+        on the batch's prompt (its ``labels`` left out) in eval mode, under the same hooks
+        (:mod:`mpdoctor.numerics.generation`): the report names the first module whose output left its
+        dtype's range and the decoding step at which the logits or the probabilities went NaN/Inf. Modes,
+        hooks and RNG streams are restored, also when ``generate`` raises. Its fixes are offered unproven.
+    max_new_tokens : int
+        Decoding steps of a ``generate=True`` probe.
 
     Returns
     -------
@@ -709,7 +719,13 @@ def probe(
     from ..live import Live
 
     start = time.perf_counter()
-    facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training)
+    if generate:
+        from .generation import run_generation_probe
+
+        facts_probe = run_generation_probe(model, batch, name, autocast=autocast, max_new_tokens=max_new_tokens)
+    else:
+        facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn,
+                                training=training)  # fmt: skip
     objects = [model] + ([setup] if setup is not None else [])
     subjects = discover(objects, names={id(model): name})
     live = Live()
@@ -724,7 +740,8 @@ def probe(
     findings = [redact_finding(f) for f in run_checks(facts, ignore=ignore)]
 
     def again() -> Any:
-        return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
+        return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training,
+                     checks=checks, generate=generate, max_new_tokens=max_new_tokens)  # fmt: skip
 
     plan, safe_plan = _plans(facts, findings, ignore)
     report = Report(
@@ -740,7 +757,8 @@ def probe(
         safe_plan=safe_plan,
     )
     bind_fixes(report, live, report.treatment)
-    if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
+    # Its fixes are checked on the batch it holds (a forward and a backward: not what a generate probe ran).
+    if not generate and any(fx.changes for fx in report.fixes):
         from ..diagnosis.proof import proven_report
 
         step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
