@@ -157,6 +157,8 @@ class Facts:
     kv_caches: tuple = ()
     #: mpdoctor.facts.inference.AttentionMaskFacts: 4D additive attention masks the user holds.
     attention_masks: tuple = ()
+    #: mpdoctor.facts.diffusers.PipelineFacts: diffusers pipelines, their VAE and whether they honour force_upcast.
+    pipelines: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -1257,3 +1257,44 @@ class ClampMaskToDtype(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, "mask-floor"): "finfo.min"}
+
+
+@dataclass(frozen=True)
+class SetConfigEntry(ChangeSpec):
+    """``key = value`` in the frozen config of the diffusers model ``ref`` (its ``_internal_dict``), in place.
+
+    diffusers' ``FrozenDict`` refuses item assignment, and ``register_to_config`` replaces it with a new one: so
+    does this change (a copy of the same class with the entry set), and undo puts the very config object back.
+    """
+
+    ref: int
+    key: str
+    value: Any
+    label: str
+
+    def bind(self, live: Live) -> list[Change]:
+        model = live.get(self.ref)
+        old = raw_attr(model, "_internal_dict", None)
+        if not isinstance(old, dict) or (self.key in old and dict.get(old, self.key) == self.value):
+            return []
+        new = type(old)({**dict(old), self.key: self.value})
+        step = SetAttr(model, "_internal_dict", new, self.label)
+        step.description = f"{self.label} = {self.value!r}"
+        return [step]
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.component is not None:
+                flags = tuple((k, v) for k, v in m.component.flags if k != self.key) + ((self.key, self.value),)
+                m = dataclasses.replace(m, component=dataclasses.replace(m.component, flags=flags))
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        config = raw_attr(live.get(self.ref), "_internal_dict", None)
+        now = dict.get(config, self.key) if isinstance(config, dict) else None
+        return None if now == self.value else f"{self.label} is {now!r}"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "config", self.key): self.value}
