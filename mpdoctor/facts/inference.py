@@ -44,4 +44,3 @@ class AttentionMaskFacts:
     shape: tuple[int, ...]
     neg_inf: int
     dead_rows: int
-    masked_min: float

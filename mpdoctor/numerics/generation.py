@@ -1,6 +1,7 @@
 """The generation probe: a few decoding steps of ``model.generate`` under the one-batch probe's forward hooks.
 
-``probe(model, batch, generate=True)`` calls :func:`run_generation_probe`. It runs ``model.generate`` on the
+``probe(model, batch, generate=True)`` calls :func:`mpdoctor.numerics.probe.run_generation_probe`, which uses
+the pieces here. It runs ``model.generate`` on the
 batch's prompt for ``max_new_tokens`` steps in eval mode without gradients, with the training probe's
 statistics hooks on every module (the first module whose output leaves its dtype's range is named as the
 training probe names it) and one more forward hook on the model itself, which reads the last position's
@@ -11,25 +12,26 @@ restored (sampling draws from them), also when ``generate`` raises.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from ..facts.tensors import dtype_name
-from .harness import BATCH_MESSAGE, BATCH_TYPES, Snapshot, first_line, floating_list, to_device
-from .probe import _autocast_for, _finish, _Recorder
-from .probe_facts import ForwardCall, GenerationFacts, ProbeError, ProbeFacts
+from .harness import first_line, floating_list
+from .probe_facts import ForwardCall, GenerationFacts, ProbeError
 
 #: Batch keys a training batch carries that ``generate`` does not take (it makes its own labels: none).
 _NOT_FOR_GENERATE = ("labels",)
 
 
-class _StepWatch:
-    """A forward hook on the model itself: one entry per decoding step (the prefill is step 0)."""
+class StepWatch:
+    """A forward hook on the model itself: one entry per decoding step (the prefill is step 0).
 
-    def __init__(self, model: torch.nn.Module, recorder: _Recorder) -> None:
+    ``recorder`` is the probe's recorder (:class:`mpdoctor.numerics.probe._Recorder`): its module-completion
+    counter at the end of each step places the first bad module in its step."""
+
+    def __init__(self, model: torch.nn.Module, recorder: Any) -> None:
         self.model, self.recorder = model, recorder
         self.logits: list[int] = []
         self.probs: list[int] = []
@@ -67,7 +69,7 @@ def _logits_of(output: Any) -> torch.Tensor | None:
     return tensors[0] if tensors else None
 
 
-def _prompt(batch: Any) -> tuple[tuple, dict]:
+def generate_call(batch: Any) -> tuple[tuple, dict]:
     """``(args, kwargs)`` for ``generate``: a dict batch as keywords (its labels left out), a tensor as the ids."""
     if isinstance(batch, ForwardCall):
         return tuple(batch.args), dict(batch.kwargs)
@@ -78,12 +80,13 @@ def _prompt(batch: Any) -> tuple[tuple, dict]:
     return tuple(batch), {}
 
 
-def _prompt_length(args: tuple, kwargs: dict) -> int | None:
+def prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """The prompt's length in tokens (its ``input_ids``' last dimension), None when there are no ids."""
     ids = kwargs.get("input_ids", args[0] if args else None)
     return int(ids.shape[-1]) if isinstance(ids, torch.Tensor) and ids.dim() >= 1 else None
 
 
-def _error(exc: BaseException, recorder: _Recorder, modules: list) -> ProbeError:
+def generation_error(exc: BaseException, recorder: Any, modules: list) -> ProbeError:
     """The exception ``generate`` raised, attributed to the module running then (none: generate's own code)."""
     where = recorder.running()
     path, mod = modules[where] if where is not None else (None, None)
@@ -98,75 +101,4 @@ def _error(exc: BaseException, recorder: _Recorder, modules: list) -> ProbeError
         param_dtypes=tuple(dict.fromkeys(dtype_name(p.dtype) for p in mod.parameters(recurse=False)))
         if mod is not None
         else (),
-    )
-
-
-def run_generation_probe(
-    model: torch.nn.Module,
-    batch: Any,
-    name: str = "model",
-    autocast: Any = None,
-    max_new_tokens: int = 8,
-    generate_kwargs: Mapping[str, Any] | None = None,
-) -> ProbeFacts:
-    """Run ``max_new_tokens`` decoding steps of ``model.generate`` under the probe's hooks; see the module docstring.
-
-    Raises
-    ------
-    TypeError
-        When the batch is not a batch, or the model has no ``generate``.
-    """
-    if not isinstance(batch, BATCH_TYPES):
-        raise TypeError(BATCH_MESSAGE.format(type(batch).__name__))
-    generate = getattr(model, "generate", None)
-    if not callable(generate):
-        raise TypeError(f"generate=True needs a model with a generate() method; {type(model).__name__} has none")
-    start = time.perf_counter()
-    first = next(model.parameters(), None)
-    device = first.device if first is not None else torch.device("cpu")
-    ctx, ac_dtype, ac_source = _autocast_for(device, None, autocast)
-    modules = list(model.named_modules())
-    recorder = _Recorder(modules)
-    watch = _StepWatch(model, recorder)
-    snapshot = Snapshot(model, batch)
-    args, kwargs = _prompt(to_device(batch, device))
-    kwargs.update(generate_kwargs or {})
-    kwargs["max_new_tokens"] = max_new_tokens
-    error: ProbeError | None = None
-    new_tokens: int | None = None
-    try:
-        model.eval()
-        recorder.attach()
-        watch.attach()
-        try:
-            with torch.no_grad(), ctx:
-                out = generate(*args, **kwargs)
-            ids = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-            length = _prompt_length(args, kwargs)
-            if isinstance(ids, torch.Tensor) and length is not None:
-                new_tokens = int(ids.shape[-1]) - length
-        except Exception as exc:  # what generate raised is a finding, never a traceback
-            error = _error(exc, recorder, modules)
-    finally:
-        watch.detach()
-        recorder.detach()
-        snapshot.restore()
-    records, _ = _finish(recorder, modules, snapshot.params, [None] * len(snapshot.params))
-    generation = watch.facts(max_new_tokens, new_tokens)
-    return ProbeFacts(
-        model=name,
-        modules=records,
-        autocast=ac_dtype,
-        autocast_source=ac_source,
-        device=device.type,
-        loss_scale=1.0,
-        loss=None,
-        backward=False,
-        note=f"generate(): {generation.steps} decoding steps, forward only",
-        error=error,
-        fp16_weights=any(p.dtype == torch.float16 for p in snapshot.params),
-        seconds=time.perf_counter() - start,
-        batch_kind="mapping" if isinstance(batch, Mapping) else "tensor",
-        model_ref=id(model),
-        generation=generation,
     )

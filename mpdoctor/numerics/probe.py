@@ -35,6 +35,7 @@ from ..facts.tensors import dtype_name
 from ..gathering.values import FP16_MAX, no_autocast
 from ..live.introspect import is_a
 from ..redact import redact_finding
+from .generation import StepWatch, generate_call, generation_error, prompt_length
 from .harness import (
     BATCH_MESSAGE,
     BATCH_TYPES,
@@ -49,6 +50,7 @@ from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
     DTYPE_ERROR,
     PROBE_COLUMNS,
     ForwardCall,
+    GenerationFacts,
     ModuleProbe,
     ProbeError,
     ProbeFacts,
@@ -519,6 +521,77 @@ def run_probe(
     )
 
 
+def run_generation_probe(
+    model: torch.nn.Module,
+    batch: Any,
+    name: str = "model",
+    autocast: Any = None,
+    max_new_tokens: int = 8,
+    generate_kwargs: Mapping[str, Any] | None = None,
+) -> ProbeFacts:
+    """Run ``max_new_tokens`` decoding steps of ``model.generate`` under the probe's hooks; see the module docstring.
+
+    Raises
+    ------
+    TypeError
+        When the batch is not a batch, or the model has no ``generate``.
+    """
+    if not isinstance(batch, BATCH_TYPES):
+        raise TypeError(BATCH_MESSAGE.format(type(batch).__name__))
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        raise TypeError(f"generate=True needs a model with a generate() method; {type(model).__name__} has none")
+    start = time.perf_counter()
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    ctx, ac_dtype, ac_source = _autocast_for(device, None, autocast)
+    modules = list(model.named_modules())
+    recorder = _Recorder(modules)
+    watch = StepWatch(model, recorder)
+    snapshot = Snapshot(model, batch)
+    args, kwargs = generate_call(to_device(batch, device))
+    kwargs.update(generate_kwargs or {})
+    kwargs["max_new_tokens"] = max_new_tokens
+    error: ProbeError | None = None
+    new_tokens: int | None = None
+    try:
+        model.eval()
+        recorder.attach()
+        watch.attach()
+        try:
+            with torch.no_grad(), ctx:
+                out = generate(*args, **kwargs)
+            ids = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            length = prompt_length(args, kwargs)
+            if isinstance(ids, torch.Tensor) and length is not None:
+                new_tokens = int(ids.shape[-1]) - length
+        except Exception as exc:  # what generate raised is a finding, never a traceback
+            error = generation_error(exc, recorder, modules)
+    finally:
+        watch.detach()
+        recorder.detach()
+        snapshot.restore()
+    records, _ = _finish(recorder, modules, snapshot.params, [None] * len(snapshot.params))
+    generation = watch.facts(max_new_tokens, new_tokens)
+    return ProbeFacts(
+        model=name,
+        modules=records,
+        autocast=ac_dtype,
+        autocast_source=ac_source,
+        device=device.type,
+        loss_scale=1.0,
+        loss=None,
+        backward=False,
+        note=f"generate(): {generation.steps} decoding steps, forward only",
+        error=error,
+        fp16_weights=any(p.dtype == torch.float16 for p in snapshot.params),
+        seconds=time.perf_counter() - start,
+        batch_kind="mapping" if isinstance(batch, Mapping) else "tensor",
+        model_ref=id(model),
+        generation=generation,
+    )
+
+
 def _trained(ran_backward: bool, grads_ok: bool, loss: float | None) -> bool:
     """A step with no optimizer trained: its backward ran, its loss is finite, its gradients finite and not all zero."""
     return ran_backward and grads_ok and loss is not None and math.isfinite(loss)
@@ -720,8 +793,6 @@ def probe(
 
     start = time.perf_counter()
     if generate:
-        from .generation import run_generation_probe
-
         facts_probe = run_generation_probe(model, batch, name, autocast=autocast, max_new_tokens=max_new_tokens)
     else:
         facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn,
