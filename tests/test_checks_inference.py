@@ -11,6 +11,8 @@ from setups_dtypes import alarms
 from transformers import StaticCache
 
 import mpdoctor
+import mpdoctor.treatment.changes as changes_mod
+from mpdoctor.treatment.fixes import FixFailed
 
 PROMPT = torch.tensor([[3, 14, 15, 9, 2, 6]])
 NEXT = torch.tensor([[5]])
@@ -66,6 +68,29 @@ def test_an_fp32_cache_handed_to_the_model_cast_to_bf16_fails_and_the_cast_fix_m
     with torch.no_grad():
         own = model(NEXT, past_key_values=prefilled(model)).logits
     assert torch.allclose(logits.float(), own.float(), atol=0.1)
+
+
+def test_a_cast_failing_at_its_third_allocation_leaves_the_cache_untouched(monkeypatch):
+    model = tiny_llama(torch.float32, train=False)
+    cache = prefilled(model)
+    model.to(torch.bfloat16)
+    (finding,) = mpdoctor.diagnose(namespace={"model": model, "cache": cache}).findings_for("kv-cache-dtype-mismatch")
+    old = stored(cache)
+    real, calls = changes_mod.cast_tensor, []
+
+    def failing(tensor, dtype):
+        calls.append(dtype)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("injected at the third allocation")
+        return real(tensor, dtype)
+
+    monkeypatch.setattr(changes_mod, "cast_tensor", failing)
+    with pytest.raises(FixFailed):
+        finding.fixes[0].apply()
+    assert all(a is b for a, b in zip(stored(cache), old)) and len(stored(cache)) == len(old)
+    monkeypatch.setattr(changes_mod, "cast_tensor", real)
+    finding.fixes[0].apply()
+    assert {t.dtype for t in stored(cache)} == {torch.bfloat16}
 
 
 def test_a_static_cache_allocated_in_fp32_refuses_bf16_keys_and_the_fix_retypes_its_layers():
