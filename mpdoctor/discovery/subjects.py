@@ -239,7 +239,7 @@ def _cached_kind(kinds: dict, cls: type) -> str | None:
 
 def _cached_value_kind(kinds: dict, cls: type, value: Any) -> str | None:
     """The kind ``value`` has by its values (an attention mask among tensors), its class's rules read once per walk."""
-    key = (id(cls), "values")
+    key = -1 - id(cls)  # beside the class's kind in the same per-walk dict: ids are never negative
     rules = kinds.get(key, _UNSEEN)
     if rules is _UNSEEN:
         rules = kinds[key] = _value_rules(cls)
