@@ -89,6 +89,21 @@ def test_an_fp16_overflow_is_named_at_the_prefill_with_its_module_and_the_model_
     assert generation.steps == 4 and generation.new_tokens == 4
 
 
+def test_the_overflowing_modules_bf16_fix_applied_from_the_generation_probe_makes_generate_finite():
+    model = overflowing_llama(torch.float16)
+    report = mpdoctor.probe(model, PROMPT, generate=True, max_new_tokens=4)
+    (first,) = report.findings_for("probe-nonfinite")
+    bf16 = next(fx for fx in first.fixes if fx.changes and "bf16" in fx.title)
+    bf16.apply()
+    again = report.refresh()  # the same generation probe, on the fixed model
+    assert not again.findings_for("probe-generation-nonfinite") and not again.findings_for("probe-nonfinite")
+    with torch.no_grad():
+        out = model.generate(PROMPT["input_ids"], max_new_tokens=4, output_logits=True, return_dict_in_generate=True)
+    assert all(torch.isfinite(step).all() for step in out.logits)  # the user's own generate()
+    bf16.undo()
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
 def test_an_overflow_only_at_a_later_decoding_step_is_placed_at_that_step():
     model = gpt2_overflowing_at_its_first_new_token(torch.float16)
     report = mpdoctor.probe(model, {"input_ids": torch.tensor([[3, 14, 15, 9]])}, generate=True, max_new_tokens=4)
