@@ -159,8 +159,8 @@ def attention_mask_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model(ids, attention_mask=mask)
     Fix safety
         Safe: the mask's ``-inf`` entries become its dtype's ``finfo.min``, in place (the user's variable still
-        names the same tensor, nothing is rebound); what attention allows is unchanged. Undo copies the old
-        values back.
+        names the same tensor object, whose data is replaced; nothing is rebound); what attention allows is
+        unchanged. Undo gives the tensor back its very storage.
     Severity
         Error when a model beside it runs eager attention; info otherwise (torch's SDPA on this CPU keeps fully
         masked rows finite, eager attention and kernels that do not guard such rows do not).

@@ -292,22 +292,23 @@ class CastStateEntries(Change):
         self._backup = []
 
 
-class OverwriteValues(Change):
-    """Copy ``values`` into ``tensor`` in place (the same object, the user's names still bound to it); undo copies
-    the old values back. Both copies are allocated when the step is made, before any write."""
+class ReplaceData(Change):
+    """Give ``tensor`` the values of ``values`` through ``tensor.data``: the same Python object (the user's names
+    still bound to it), its version counter untouched; undo gives it back its very storage. ``values`` is
+    allocated before the step is made, so nothing is written before the failure point."""
 
     def __init__(self, tensor: torch.Tensor, values: torch.Tensor, label: str) -> None:
         self.tensor, self.values = tensor, values
-        self._old = tensor.detach().clone()
+        self._old: torch.Tensor | None = None
         self.description = label
 
     def apply(self) -> None:
-        with torch.no_grad():
-            self.tensor.copy_(self.values)
+        self._old = self.tensor.data
+        self.tensor.data = self.values
 
     def revert(self) -> None:
-        with torch.no_grad():
-            self.tensor.copy_(self._old)
+        if self._old is not None:
+            self.tensor.data = self._old
 
 
 class SetItem(Change):

@@ -1229,22 +1229,23 @@ def _cast_stored(value: Any, dtype: torch.dtype) -> Any:
 class ClampMaskToDtype(ChangeSpec):
     """Rebuild the additive mask ``ref`` in place with its dtype's own ``finfo.min`` where it holds ``-inf``.
 
-    The tensor stays the object the user's name is bound to (no name is rebound); a fully masked row then
-    softmaxes to a uniform, finite row, as transformers' own masks do. Undo copies the old values back.
+    The tensor stays the object the user's name is bound to (no name is rebound: its ``.data`` is replaced); a
+    fully masked row then softmaxes to a uniform, finite row, as transformers' own masks do. Undo gives it back
+    its very storage.
     """
 
     ref: int
     label: str = "attention_mask"
 
     def bind(self, live: Live) -> list[Change]:
-        from ..edits.steps import OverwriteValues
+        from ..edits.steps import ReplaceData
 
         mask = live.get(self.ref)
         if not bool(torch.isneginf(mask).any()):
             return []
         floor = torch.finfo(mask.dtype).min
         rebuilt = mask.detach().clamp(min=floor)
-        return [OverwriteValues(mask, rebuilt, f"{self.label}: -inf -> torch.finfo(torch.{str(mask.dtype)[6:]}).min")]
+        return [ReplaceData(mask, rebuilt, f"{self.label}: -inf -> torch.finfo(torch.{str(mask.dtype)[6:]}).min")]
 
     def simulate(self, facts: Facts) -> Facts:
         masks = tuple(dataclasses.replace(m, neg_inf=0, dead_rows=0) if m.ref == self.ref else m
