@@ -71,7 +71,8 @@ def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         A transformers cache held by name (``DynamicCache``, ``StaticCache``, an ``EncoderDecoderCache``)
         whose stored key / value tensors are not in the dtype of every transformers model inspected beside it
         (a cache built before the model was cast to bf16 after fine-tuning, or cast by hand to save memory).
-        An empty cache takes the model's dtype at its first update and is never reported.
+        An empty cache takes the model's dtype at its first update and is never reported; nor is a cache beside
+        transformers models of different dtypes (which one it serves is not known).
     Why is this bad?
         ``model(..., past_key_values=cache)`` and ``generate(past_key_values=cache)`` meet the stored tensors
         at the first layer. A static cache copies the new keys into its buffers and fails
@@ -90,7 +91,7 @@ def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Fix safety
         Safe: the cache's keys and values are replaced by copies in the model's dtype, in place (the cache
         object stays the one the user holds; a ``StaticLayer``'s recorded ``dtype`` follows); undo puts the
-        very tensors back. Offered when the models beside it agree on one dtype.
+        very tensors back.
     Severity
         Error when the next call fails (a static cache, or a dynamic one whose concatenation changes the
         keys' dtype); warning when a dynamic cache is silently upcast to the model's dtype.
