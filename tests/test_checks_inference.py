@@ -210,3 +210,11 @@ def test_a_mask_built_with_the_compute_dtypes_own_min_draws_no_alarm(dtype):
     assert not report.findings_for("attention-mask-overflow")
     assert alarms(report) == []
     assert torch.isfinite(logits_with(model, mask)).all()
+
+
+def test_a_cache_beside_two_models_of_different_dtypes_is_not_judged():
+    """A policy in bf16 and its fp32 reference: which one an fp32 cache serves is not known, so nothing is said."""
+    policy, reference = tiny_llama(torch.bfloat16, train=False), tiny_llama(torch.float32, train=False, seed=1)
+    cache = prefilled(reference)
+    report = mpdoctor.diagnose(namespace={"policy": policy, "reference": reference, "cache": cache})
+    assert not report.findings_for("kv-cache-dtype-mismatch")
