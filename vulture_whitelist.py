@@ -58,6 +58,10 @@ _.ghost
 _.attention_dropout  # read by transformers' attention in the forward (tests/test_compare*.py)
 _.pre_tokenizer  # read by tokenizers' Tokenizer.train_from_iterator (tests/stack/test_trl.py)
 _.cdb  # DeepSpeed's "communication initialised" global (tests/stack/test_deepspeed_configs.py)
+_.min_new_tokens  # generation-config fields generate() reads (bench/bench_probe_generate.py, tests/test_probe_generate.py)
+_.suppress_tokens
+_.do_sample
+_.pad_token_id
 
 _.custom_attribute  # config attributes mpdoctor reads through the config's __dict__ (tests/test_security.py)
 _._attn_implementation_internal

@@ -252,6 +252,53 @@ def _averaged_step(ns: dict) -> float:
     return float(loss.detach())
 
 
+def kv_cache_fp32_in_bf16_model() -> dict:
+    """Issue #40: a KV cache filled while the model was fp32, held by the user after ``model.to(bfloat16)``."""
+    model = tiny_llama(train=False)
+    with torch.no_grad():
+        cache = model(torch.tensor([[3, 14, 15, 9]]), use_cache=True).past_key_values
+    model.to(torch.bfloat16)
+    return {"model": model, "cache": cache}
+
+
+def _cached_step(ns: dict) -> float:
+    """A step on the cached prompt: two more tokens, the loss of the second, one SGD step (the cache's dtype decides
+    whether attention runs)."""
+    model = ns["model"]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    ids = torch.tensor([[5, 7]])
+    loss = model(ids, past_key_values=ns["cache"], labels=ids).loss
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+#: Issue #40's left-padded batch: the first row's two pads allow no key at all.
+_PADDED_IDS = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+_PADDING = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+
+
+def mask_fp32_min_in_fp16() -> dict:
+    """Issue #40: a 4D mask filled with float32's finfo.min, cast to the fp16 model's dtype (-inf), eager attention."""
+    model = tiny_llama(torch.float16, train=False)
+    model.config._attn_implementation = "eager"
+    n = _PADDED_IDS.shape[1]
+    allowed = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None] & _PADDING[:, None, None, :].bool()
+    mask = torch.zeros(2, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min).to(torch.float16)
+    return {"model": model, "mask": mask}
+
+
+def _masked_step(ns: dict) -> float:
+    """One SGD step on the left-padded batch with the user's mask (the pads' labels ignored)."""
+    model = ns["model"]
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    labels = _PADDED_IDS.masked_fill(_PADDING == 0, -100)
+    loss = model(_PADDED_IDS, attention_mask=ns["mask"], labels=labels).loss
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
 def healthy_fp32() -> dict:
     """Control: fp32 model without cache, AdamW with state, a disabled scaler."""
     model = tiny_llama(use_cache=False)
@@ -308,6 +355,10 @@ FIELD_CASES = [
         probe_args=lambda ns: (ns["model"], _mixed_inputs()[0].bfloat16(), None),
     ),
     Scenario("peft_lora_bf16", peft_lora_bf16, _lm_step),
+    Scenario("kv_cache_fp32_in_bf16_model", kv_cache_fp32_in_bf16_model, _cached_step,
+             probe_args=lambda ns: (ns["model"], {"input_ids": torch.tensor([[5, 7]])}, None)),
+    Scenario("mask_fp32_min_in_fp16", mask_fp32_min_in_fp16, _masked_step,
+             probe_args=lambda ns: (ns["model"], {"input_ids": _PADDED_IDS, "attention_mask": ns["mask"]}, None)),
     Scenario("averaged_model_bf16", averaged_model_bf16, _averaged_step,
              probe_args=lambda ns: (ns["model"], torch.randn(8, 16, dtype=torch.bfloat16), None)),
 ]

@@ -46,6 +46,22 @@ def test_a_model_in_eval_mode_with_the_cache_on():
     assert alarms(mpdoctor.diagnose(namespace={"model": model})) == []
 
 
+def test_serving_in_the_kernel_a_bf16_model_its_own_cache_and_a_mask_in_its_dtype():
+    """After fine-tuning, generate in bf16: a cache the model filled itself, a 4D mask built with bf16's finfo.min
+    (its left-padded rows fully masked, finite), and a generation probe."""
+    model = tiny_llama(torch.bfloat16, train=False)
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    allowed = torch.tril(torch.ones(5, 5, dtype=torch.bool))[None, None] & padding[:, None, None, :].bool()
+    mask = torch.zeros(2, 1, 5, 5, dtype=torch.bfloat16).masked_fill(~allowed, torch.finfo(torch.bfloat16).min)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+    assert torch.isfinite(out.logits).all()
+    cache = out.past_key_values
+    assert alarms(mpdoctor.diagnose(namespace={"model": model, "cache": cache, "mask": mask})) == []
+    assert alarms(mpdoctor.probe(model, {"input_ids": ids[1:]}, generate=True, max_new_tokens=3)) == []
+
+
 def test_a_bf16_trainer_on_the_cpu_in_a_clean_environment():
     trainer = tiny_trainer(bf16=True)  # conftest clears ACCELERATE_* variables
     assert trainer.accelerator.mixed_precision == "bf16"

@@ -239,6 +239,19 @@ def test_probe_names_what_it_found(ip, capsys):
     assert "; found probe-nonfinite at model.0" in last
 
 
+def test_probe_with_generate_runs_decoding_steps_and_names_the_step(ip, capsys):
+    from test_probe_generate import PROMPT, overflowing_llama
+
+    ip.user_ns["model"] = overflowing_llama(torch.float16)
+    ip.user_ns["prompt"] = PROMPT
+    ip.run_cell("r = %mpdoctor model --probe prompt --generate 3 --text")
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    generation = ip.user_ns["r"].facts.probes[0].generation
+    assert generation.steps == 3 and generation.first_bad_logits == 0
+    assert last.startswith("mpdoctor: probed model on prompt: one generate() of 3 decoding steps, no autocast")
+    assert "found probe-generation-nonfinite at model" in last
+
+
 def test_explaining_a_name_that_holds_nothing_runs_none_of_its_code(ip, capsys):
     from scenarios import HOSTILE_CALLS, MetaHostile
 

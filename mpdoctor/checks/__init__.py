@@ -52,7 +52,7 @@ MODULES = (
     "scaler", "cache", "optimizer", "dtypes", "precision", "hardware", "values", "probe", "lightning", "distributed",
     "diffusion", "fp8_training", "quantized", "trl", "half_precision_arithmetic", "deepspeed",
     "accumulation", "metrics", "merges", "routing", "linalg",
-    "averaging",
+    "averaging", "inference",
 )
 
 

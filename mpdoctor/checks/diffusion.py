@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
-from ..treatment.changes import CastInputsHook, CastParamsTo
+from ..treatment.changes import CastInputsHook, CastParamsTo, SetConfigEntry
 from ..treatment.findings import Finding, Severity, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -41,17 +41,34 @@ def _upcast_fixes(facts: Facts, m: ModelFacts) -> list[Fix]:
             recipe="vae-fp32",
             cost=f"{size_delta(extra)} of VAE weights",
         ),
-        Fix(
-            f"Keep {m.name} in fp16 and let the pipeline upcast it to decode (force_upcast=True)",
-            f"{m.name}.register_to_config(force_upcast=True)  # SDXL / SD3 pipelines call upcast_vae() before decoding\n"
-            "# or load an fp16-safe VAE: AutoencoderKL.from_pretrained('madebyollin/sdxl-vae-fp16-fix', torch_dtype=torch.float16)",
-            applicability=Applicability.DISPLAY_ONLY,
-            recipe="vae-force-upcast",
-        ),
+        _force_upcast_fix(facts, m),
     ]
 
 
-@check("vae-fp16-overflow", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+def _force_upcast_fix(facts: Facts, m: ModelFacts) -> Fix:
+    """``force_upcast=True`` on the VAE's live config where a pipeline that reads it holds the VAE (SDXL and its
+    kin upcast it to fp32 to decode, then cast it back); shown only where no such pipeline is among the subjects."""
+    title = f"Keep {m.name} in fp16 and let the pipeline upcast it to decode (force_upcast=True)"
+    pipe = next((p for p in getattr(facts, "pipelines", ()) if p.vae_ref == m.ref and p.reads_force_upcast), None)
+    if pipe is not None:
+        return Fix(
+            title,
+            f"{m.name}.register_to_config(force_upcast=True)  # {pipe.class_name} upcasts it to fp32 to decode",
+            applicability=Applicability.SAFE,
+            changes=(SetConfigEntry(m.ref, "force_upcast", True, f"{m.name}.config.force_upcast"),),
+            recipe="vae-force-upcast",
+        )
+    return Fix(
+        title,
+        f"{m.name}.register_to_config(force_upcast=True)  # SDXL / SD3 pipelines call upcast_vae() before decoding\n"
+        "# or load an fp16-safe VAE: AutoencoderKL.from_pretrained('madebyollin/sdxl-vae-fp16-fix', torch_dtype=torch.float16)",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="vae-force-upcast",
+    )
+
+
+@check("vae-fp16-overflow", Severity.ERROR, Severity.INFO,
+       fix_safety=(Applicability.UNSAFE, Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A diffusers VAE running in fp16 whose activations overflow (or would, with force_upcast off).
 
@@ -72,11 +89,16 @@ def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
         pipe = StableDiffusionXLPipeline.from_pretrained(name, torch_dtype=torch.float16)
         pipe.vae.to(torch.float32)  # or a VAE made fp16-safe
     Severity
-        Error when a probe saw the overflow (every image is black); info for the flag alone.
+        Error when a probe saw the overflow (every image is black); info for the flag alone: fp16-fixed VAEs
+        (``madebyollin/sdxl-vae-fp16-fix``) ship ``force_upcast=False`` in healthy fp16 SDXL recipes, so the flag
+        is no failure until a probe shows the overflow.
     Fix safety
         Upcast the VAE to fp32 in place, its floating inputs cast to fp32 at ``forward``, ``encode`` and ``decode``
         (the user's fp16 images and latents; the denoiser stays fp16),
         or keep it fp16 with ``force_upcast=True`` so the pipeline upcasts it to decode, or load an fp16-safe VAE.
+        ``force_upcast=True`` is set on the VAE's live config in place (safe; undo puts the very config object
+        back) where a pipeline whose ``__call__`` reads it (SDXL and its kin, read from the pipeline class's
+        source) holds the VAE; elsewhere (a lone VAE, Stable Diffusion 1.x, which never reads it) it is shown only.
     Sources
         diffusers ``StableDiffusionXLPipeline.__call__`` ("make sure the VAE is in float32 mode, as it
         overflows in float16"), ``AutoencoderKL(force_upcast=...)``; ComfyUI issue #1401; InstantID issue #261;

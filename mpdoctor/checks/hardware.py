@@ -333,3 +333,83 @@ def bnb_compute_dtype_fp32(facts: Facts, rule: Rule) -> Iterator[Finding]:
             {"bnb_4bit_compute_dtype": "float32", "half_dtype": half, "configs": [c.path for c in cfgs], "layers": len(slow)},
             [Fix(f"Compute {m.name}'s 4-bit layers in {half}", code, applicability=Applicability.UNSAFE, changes=tuple(specs), recipe="bnb-compute-dtype")],
         )
+
+
+_HALVES = {"float16": "fp16", "bfloat16": "bf16"}
+
+
+def _compute_fix(m: ModelFacts, cfgs: list[ConfigFacts], layers: list, dtype: str) -> Fix:
+    """Set every mismatched ``Linear4bit.compute_dtype`` (and the quantization config's) to ``dtype``, in place."""
+    specs = [SetComputeDtype(c.quant_ref, "bnb_4bit_compute_dtype", DType(dtype),
+                             f"{c.path}.quantization_config.bnb_4bit_compute_dtype") for c in cfgs if c.quant_ref]  # fmt: skip
+    specs += [SetComputeDtype(m.ref, "compute_dtype", DType(dtype), f"{layer.path}.compute_dtype", submodule=layer.path)
+              for layer in layers]  # fmt: skip
+    code = "\n".join(
+        ["import torch"]
+        + [f"{c.path}.quantization_config.bnb_4bit_compute_dtype = torch.{dtype}" for c in cfgs]
+        + [
+            f"for module in {m.name}.modules():",
+            "    if type(module).__name__ == 'Linear4bit':  # the attribute its forward reads",
+            f"        module.compute_dtype = torch.{dtype}",
+            f"# when loading: BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.{dtype})",
+        ]
+    )
+    return Fix(f"Compute {m.name}'s 4-bit layers in {_HALVES[dtype]}, the model's dtype", code,
+               applicability=Applicability.UNSAFE, changes=tuple(specs), recipe="bnb-compute-dtype")  # fmt: skip
+
+
+@check("bnb-compute-dtype-mismatch", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.UNSAFE,))
+def bnb_compute_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """bitsandbytes 4-bit layers computing in the other half precision than the model (fp16 in a bf16 model).
+
+    What it does
+        ``Linear4bit`` layers whose ``compute_dtype`` (read by the bitsandbytes integration), or a
+        ``quantization_config`` whose ``bnb_4bit_compute_dtype``, is fp16 while the model's unquantized weights
+        are bf16, or bf16 while they are fp16 (``BitsAndBytesConfig(bnb_4bit_compute_dtype=torch.float16)``
+        copied from an fp16 notebook, then ``from_pretrained(..., dtype=torch.bfloat16)``).
+    Why is this bad?
+        Each ``Linear4bit`` casts its bf16 input to fp16, dequantizes to fp16 and multiplies in fp16, then
+        casts back: every 4-bit matmul of a bf16 model has fp16's range. An activation or a matmul output past
+        65504, which bf16 holds, becomes inf there and NaN after the next norm: the logits go NaN while the same
+        checkpoint with a bf16 compute dtype is finite. The other way round (bf16 compute in an fp16 model)
+        keeps the range but rounds every 4-bit matmul to bf16's 8 bits.
+    Example
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float16)
+        model = AutoModelForCausalLM.from_pretrained(name, quantization_config=config, dtype=torch.bfloat16)
+    Use instead
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(name, quantization_config=config, dtype=torch.bfloat16)
+    Fix safety
+        Set ``compute_dtype`` on every mismatched live ``Linear4bit`` (the attribute its forward reads) and
+        ``bnb_4bit_compute_dtype`` on the quantization config to the model's dtype, in place; undo restores
+        each. Unsafe: the 4-bit matmuls then round differently.
+    Severity
+        Warning for fp16 compute in a bf16 model (fp16's range inside a model that relies on bf16's); info for
+        bf16 compute in an fp16 model (coarser rounding, same range).
+    Sources
+        bitsandbytes ``nn.Linear4bit.forward`` (``x.to(self.compute_dtype)``, output cast back to the input's
+        dtype); transformers ``BitsAndBytesConfig``.
+    """
+    for m in facts.models:
+        dtype = m.tensors.main_dtype
+        if dtype not in _HALVES:
+            continue
+        other = {"float16": "bfloat16", "bfloat16": "float16"}[dtype]
+        layers = [x for x in m.low_bit_layers if x.bits == 4 and x.compute_dtype == other]
+        cfgs = [c for c in m.configs if _is_bnb(c.quant_method) and c.quant_4bit and c.bnb_compute_dtype == other]
+        if not layers and not cfgs:
+            continue
+        where = f"{m.name}.{layers[0].path}.compute_dtype" if layers else f"{cfgs[0].path}.quantization_config.bnb_4bit_compute_dtype"
+        range_lost = other == "float16"
+        yield rule.finding(
+            where,
+            f"{m.name} is {_HALVES[dtype]} but "
+            + (f"{len(layers)} Linear4bit layers compute in {_HALVES[other]}" if layers
+               else f"its bnb_4bit_compute_dtype is {_HALVES[other]}")  # fmt: skip
+            + (": every 4-bit matmul has fp16's range, and an output past 65504 (which bf16 holds) becomes inf, "
+               "then NaN." if range_lost else ": every 4-bit matmul rounds to bf16's 8 bits inside an fp16 model."),
+            {"model_dtype": dtype, "compute_dtype": other, "layers": [x.path for x in layers],
+             "configs": [c.path for c in cfgs]},  # fmt: skip
+            [_compute_fix(m, cfgs, layers, dtype)],
+            severity=Severity.WARNING if range_lost else Severity.INFO,
+        )

@@ -56,9 +56,27 @@ def _classify(cls: type) -> tuple[tuple[str, ...], str | None]:
     return paths, kind
 
 
+def _value_rules(cls: type) -> tuple:
+    """``(predicate, kind)`` rules for instances of exactly ``cls`` (a tensor that is an attention mask)."""
+    paths = class_paths(cls)
+    return integrations.value_kind_rules(paths[0]) if paths else ()
+
+
+def _value_kind(obj: Any, rules: tuple) -> str | None:
+    """The kind the first rule whose predicate holds gives ``obj``; a predicate that raises gives none."""
+    for predicate, kind in rules:
+        try:
+            if predicate(obj):
+                return kind
+        except Exception:
+            continue
+    return None
+
+
 def subject_kind(obj: Any) -> str | None:
     """Return the subject kind of ``obj`` or None when mpdoctor has nothing to say about it."""
-    return _classify(type(obj))[1]
+    kind = _classify(type(obj))[1]
+    return kind if kind is not None else _value_kind(obj, _value_rules(type(obj)))
 
 
 @dataclass(eq=False)
@@ -194,7 +212,7 @@ def _walk_namespace(namespace: Mapping[str, Any], hidden: Iterable[str]) -> Iter
     except Exception:
         return
     # id(class) -> kind for this walk: the namespace keeps every value, so every class, alive.
-    kinds: dict[int, str | None] = {}
+    kinds: dict[Any, Any] = {}
     seen_containers: set[int] = set()
     for name, value in items:
         if type(name) is not str or name.startswith("_") or name in hidden_names:
@@ -203,7 +221,7 @@ def _walk_namespace(namespace: Mapping[str, Any], hidden: Iterable[str]) -> Iter
         if cls is list or cls is tuple or cls is dict:
             yield from _walk_container(name, value, kinds, seen_containers)
             continue
-        if _cached_kind(kinds, cls) is not None:
+        if _cached_kind(kinds, cls) is not None or _cached_value_kind(kinds, cls, value) is not None:
             # A name shown in every rendering: one that looks like a token is redacted at the source.
             yield redact(name), value
 
@@ -219,8 +237,17 @@ def _cached_kind(kinds: dict, cls: type) -> str | None:
     return kind
 
 
+def _cached_value_kind(kinds: dict, cls: type, value: Any) -> str | None:
+    """The kind ``value`` has by its values (an attention mask among tensors), its class's rules read once per walk."""
+    key = -1 - id(cls)  # beside the class's kind in the same per-walk dict: ids are never negative
+    rules = kinds.get(key, _UNSEEN)
+    if rules is _UNSEEN:
+        rules = kinds[key] = _value_rules(cls)
+    return _value_kind(value, rules) if rules else None
+
+
 def _walk_container(
-    name: str, container: Any, kinds: dict[int, str | None], seen_containers: set[int]
+    name: str, container: Any, kinds: dict[Any, Any], seen_containers: set[int]
 ) -> Iterator[tuple[str, Any]]:
     stack: list[tuple[str, Any, int]] = [(name, container, 0)]
     while stack:
@@ -242,7 +269,7 @@ def _walk_container(
                 pairs = [(f"{name}[{i}]", item, depth + 1) for i, item in enumerate(value[:CONTAINER_WIDTH])]
             stack.extend(reversed(pairs))
             continue
-        if _cached_kind(kinds, cls) is not None:
+        if _cached_kind(kinds, cls) is not None or _cached_value_kind(kinds, cls, value) is not None:
             yield redact(name), value
 
 
@@ -336,7 +363,7 @@ def discover(
 
 
 #: What mpdoctor inspects, for the sentence that says an object was not one of them.
-INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments and Accelerators"
+INSPECTED = "models, optimizers, GradScalers, Trainers, TrainingArguments, Accelerators and KV caches"
 # transformers 5 renamed PretrainedConfig to PreTrainedConfig.
 _CONFIG_CLASSES = (
     "transformers.configuration_utils.PreTrainedConfig",

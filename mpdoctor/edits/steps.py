@@ -292,6 +292,25 @@ class CastStateEntries(Change):
         self._backup = []
 
 
+class ReplaceData(Change):
+    """Give ``tensor`` the values of ``values`` through ``tensor.data``: the same Python object (the user's names
+    still bound to it), its version counter untouched; undo gives it back its very storage. ``values`` is
+    allocated before the step is made, so nothing is written before the failure point."""
+
+    def __init__(self, tensor: torch.Tensor, values: torch.Tensor, label: str) -> None:
+        self.tensor, self.values = tensor, values
+        self._old: torch.Tensor | None = None
+        self.description = label
+
+    def apply(self) -> None:
+        self._old = self.tensor.data
+        self.tensor.data = self.values
+
+    def revert(self) -> None:
+        if self._old is not None:
+            self.tensor.data = self._old
+
+
 class SetItem(Change):
     """Set a key of a plain dict; undo restores the old value or its absence."""
 

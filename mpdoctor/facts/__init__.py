@@ -153,6 +153,12 @@ class Facts:
     between: Any = None
     #: mpdoctor.facts.intent.ShadowFacts: EMA / weight-averaging objects and what their updates lose.
     averaging: tuple = ()
+    #: mpdoctor.facts.inference.KVCacheFacts: KV caches the user holds (the transformers integration's ``facts``).
+    kv_caches: tuple = ()
+    #: mpdoctor.facts.inference.AttentionMaskFacts: 4D additive attention masks the user holds.
+    attention_masks: tuple = ()
+    #: mpdoctor.facts.diffusers.PipelineFacts: diffusers pipelines, their VAE and whether they honour force_upcast.
+    pipelines: tuple = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

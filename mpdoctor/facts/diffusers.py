@@ -20,3 +20,16 @@ class ComponentFacts:
     def flag(self, key: str, default: object = None) -> object:
         """The value of one flag."""
         return dict(self.flags).get(key, default)
+
+
+@dataclass(frozen=True)
+class PipelineFacts:
+    """A diffusers pipeline the user holds: its class, its VAE and whether its ``__call__`` reads the VAE's
+    ``config.force_upcast`` (the SDXL family upcasts an fp16 VAE to fp32 to decode when it is True; the
+    Stable Diffusion 1.x pipeline never reads it)."""
+
+    name: str
+    ref: int
+    class_name: str
+    vae_ref: int
+    reads_force_upcast: bool

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 #: Subject kinds, in the order a report lists them.
-KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging")
+KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging", "kv_cache",
+         "attention_mask")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (
@@ -104,6 +105,10 @@ class Integration:
     #: the library is not imported yet (``TrainingArguments(deepspeed=cfg)`` holds a DeepSpeed config before
     #: anything imports deepspeed). Reads the subjects' own fields; never imports the library.
     wakes_on: Callable[[tuple], bool] | None = None
+    #: ``(exact class path, predicate, kind)``: an instance of exactly that class (no subclass) is a subject of
+    #: that kind when ``predicate(obj)`` holds, read from its values: a 4D floating ``torch.Tensor`` holding an
+    #: additive attention mask is kind ``attention_mask``, any other tensor none.
+    value_kinds: tuple[tuple[str, Callable[[Any], bool], str], ...] = ()
 
     @property
     def active(self) -> bool:
@@ -153,10 +158,16 @@ def kind_from_paths(paths: tuple[str, ...]) -> str | None:
     """
     pathset = set(paths)
     found = {kind for integ in active() for path, kind in integ.kinds if path in pathset}
-    for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator", "pipeline", "averaging"):
+    for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator", "pipeline", "averaging",
+                 "kv_cache"):
         if kind in found:
             return kind
     return None
+
+
+def value_kind_rules(path: str) -> tuple[tuple[Callable[[Any], bool], str], ...]:
+    """``(predicate, kind)`` of the active integrations for instances of exactly the class ``path``."""
+    return tuple((pred, kind) for integ in active() for cls, pred, kind in integ.value_kinds if cls == path)
 
 
 def model_unwraps() -> Iterator[Unwrap]:

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.diffusers import ComponentFacts
-from ..live.introspect import class_path, is_a, raw_attr
+from ..facts.diffusers import ComponentFacts, PipelineFacts
+from ..live.introspect import class_path, is_a, raw_attr, type_name
 from . import Integration
 
 PIPELINE = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
@@ -76,10 +76,44 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     }
 
 
+#: ``id(class) -> (class, reads force_upcast)``: a pipeline class's source is read once per process.
+_READS_UPCAST: dict[int, tuple[type, bool]] = {}
+
+
+def reads_force_upcast(cls: type) -> bool:
+    """True when the pipeline class's ``__call__`` reads ``vae.config.force_upcast`` (read from its source, never run)."""
+    import inspect
+
+    known = _READS_UPCAST.get(id(cls))
+    if known is not None and known[0] is cls:
+        return known[1]
+    try:
+        call = inspect.getattr_static(cls, "__call__")
+        reads = "force_upcast" in inspect.getsource(inspect.unwrap(call))
+    except (OSError, TypeError, AttributeError):  # no source (a compiled or dynamic class): it is not known to read it
+        reads = False
+    _READS_UPCAST[id(cls)] = (cls, reads)
+    return reads
+
+
+def _pipeline_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """The ``pipelines`` field of the facts: each pipeline, its VAE and whether it honours ``force_upcast``."""
+    out = []
+    for s in subjects:
+        if s.kind != "pipeline":
+            continue
+        vae = raw_attr(s.obj, "vae", None)
+        out.append(PipelineFacts(name=s.name, ref=live.add(s.obj), class_name=type_name(s.obj),
+                                 vae_ref=id(vae) if vae is not None else 0,
+                                 reads_force_upcast=vae is not None and reads_force_upcast(type(s.obj))))  # fmt: skip
+    return {"pipelines": tuple(out)} if out else {}
+
+
 INTEGRATION = Integration(
     name="diffusers",
     modules=("diffusers",),
     kinds=((PIPELINE, "pipeline"), ("diffusers.training_utils.EMAModel", "averaging")),
     brings=((PIPELINE, COMPONENTS),),
     model_facts=_model_facts,
+    facts=_pipeline_facts,
 )

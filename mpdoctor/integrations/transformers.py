@@ -5,6 +5,10 @@ PreTrainedModel adds its config tree (nested sub-configs and the generation
 config, where ``use_cache``, the checkpoint dtype, the attention kernel and the
 quantization config live) and ``_keep_in_fp32_modules``. TrainingArguments
 state what precision is requested (``fp16`` / ``bf16`` / ``mixed_precision``).
+A KV cache the user holds (``DynamicCache``, ``StaticCache``) is a subject of kind
+``kv_cache``; its facts are the dtypes of the tensors it stores. A 4D additive attention
+mask held by name (a plain tensor of zeros and large negatives) is a subject of kind
+``attention_mask``, read by its values.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from typing import Any
 from ..compat import rope_init_function
 from ..live.introspect import is_a, modules_where, raw_attr
 from ..readers.configs import read_configs
+from ..readers.kv_cache import read_kv_cache
+from ..readers.masks import is_additive_mask, read_mask
 from ..redact import safe_value
 from . import Integration
 
 TRAINER = "transformers.trainer.Trainer"
 TRAINING_ARGS = "transformers.training_args.TrainingArguments"
 PRETRAINED = "transformers.modeling_utils.PreTrainedModel"
+#: The base of every KV cache class (``DynamicCache``, ``StaticCache``, ``EncoderDecoderCache`` ...).
+CACHE = "transformers.cache_utils.Cache"
 
 #: TrainingArguments fields that say something about precision.
 ARG_KEYS = (
@@ -172,11 +180,29 @@ def requested(args: Any) -> dict:
     return out
 
 
+def _inference_facts(subjects: tuple, live: Any, hardware: Any) -> dict:
+    """The ``kv_caches`` and ``attention_masks`` fields of the facts: the caches and 4D masks the user holds."""
+    caches, masks = [], []
+    for s in subjects:
+        if s.kind == "kv_cache":
+            cache = read_kv_cache(s.name, s.obj)
+            if cache is not None:
+                live.add(s.obj)
+                caches.append(cache)
+        elif s.kind == "attention_mask":
+            live.add(s.obj)
+            masks.append(read_mask(s.name, s.obj))
+    out: dict = {"kv_caches": tuple(caches)} if caches else {}
+    return {**out, "attention_masks": tuple(masks)} if masks else out
+
+
 INTEGRATION = Integration(
     name="transformers",
     modules=("transformers",),
-    kinds=((TRAINER, "trainer"), (TRAINING_ARGS, "training_args")),
+    kinds=((TRAINER, "trainer"), (TRAINING_ARGS, "training_args"), (CACHE, "kv_cache")),
     brings=((TRAINER, ("model", "optimizer", "args", "accelerator", "scaler")),),
     model_facts=_model_facts,
     requested=requested,
+    facts=_inference_facts,
+    value_kinds=(("torch.Tensor", is_additive_mask, "attention_mask"),),
 )

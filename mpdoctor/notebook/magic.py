@@ -75,6 +75,9 @@ class MPDoctorMagics(Magics):
     @argument("--scan", action="store_true", help="Also scan tensor values for NaN/Inf and fp16 range.")
     @argument("--ignore", metavar="CHECK[,CHECK]", default="", help="Check slugs to skip, comma-separated.")
     @argument("--probe", metavar="BATCH_NAME", default=None, help=f"Run one forward+backward on this batch variable: {_BATCH_HINT}.")
+    @argument("--generate", metavar="N", type=int, default=None,
+              help="With --probe: run N decoding steps of the model's generate() on the batch's prompt instead of a "
+                   "forward+backward, and name the step at which the logits went NaN/Inf.")  # fmt: skip
     @argument("--no-history", action="store_true",
               help="Leave out what the cells this kernel ran did: their AMP loop mistakes, read or watched, and "
                    "the exceptions the crash hook explained.")  # fmt: skip
@@ -237,7 +240,7 @@ class MPDoctorMagics(Magics):
             report = diagnose(namespace=self.shell.user_ns, hidden=self.shell.user_ns_hidden, target=target,
                               scan=args.scan, ignore=ignore)
         if args.probe:
-            return self._probe(args.probe, report, target)
+            return self._probe(args.probe, report, target, args.generate)
         return report
 
     def _ignore_list(self, option: str) -> list[str] | None:
@@ -253,7 +256,7 @@ class MPDoctorMagics(Magics):
             _print_line(f"{where}: unknown check {slug!r}{_close_matches(slug, known)} (python -m mpdoctor checks lists them)")
         return None if unknown else list(dict.fromkeys(slug for _, slug in wanted))
 
-    def _probe(self, batch_name: str, report, target):
+    def _probe(self, batch_name: str, report, target, generate: int | None = None):
         value, ok = self._lookup(self.shell.user_ns, batch_name)
         if not ok:
             _print_line(f"no such variable: {batch_name}")
@@ -272,6 +275,8 @@ class MPDoctorMagics(Magics):
             _print_line("--probe is not available in this installation")
             return None
         others = [s.obj for s in report.subjects if s.kind in ("trainer", "accelerator")]
+        if generate is not None:  # decoding steps of generate(): no setup's autocast or scaler applies
+            return probe(models[0].obj, value, name=models[0].name, generate=True, max_new_tokens=max(1, generate))
         return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
 
     def _compare(self, args):
@@ -424,7 +429,9 @@ def _probe_summary(report: Any, batch_name: str) -> str:
     if not probes:
         return f"--probe {batch_name}: the probe did not run"
     pf = probes[0]
-    how = "forward and backward" if pf.backward else "forward only"
+    generation = getattr(pf, "generation", None)
+    how = ("forward and backward" if pf.backward else "forward only") if generation is None else (
+        f"generate() of {generation.steps} decoding steps")  # fmt: skip
     precision = f"{pf.autocast} autocast" if pf.autocast else "no autocast"
     loss = f", loss {pf.loss:.4g}" if pf.loss is not None else ""
     found = [f for f in report.findings if f.check.startswith("probe-")]

@@ -35,6 +35,7 @@ from ..facts.tensors import dtype_name
 from ..gathering.values import FP16_MAX, no_autocast
 from ..live.introspect import is_a
 from ..redact import redact_finding
+from .generation import StepWatch, generate_call, generation_error, prompt_length
 from .harness import (
     BATCH_MESSAGE,
     BATCH_TYPES,
@@ -49,6 +50,7 @@ from .probe_facts import (  # noqa: F401  (re-exported: the probe's data types)
     DTYPE_ERROR,
     PROBE_COLUMNS,
     ForwardCall,
+    GenerationFacts,
     ModuleProbe,
     ProbeError,
     ProbeFacts,
@@ -519,6 +521,77 @@ def run_probe(
     )
 
 
+def run_generation_probe(
+    model: torch.nn.Module,
+    batch: Any,
+    name: str = "model",
+    autocast: Any = None,
+    max_new_tokens: int = 8,
+    generate_kwargs: Mapping[str, Any] | None = None,
+) -> ProbeFacts:
+    """Run ``max_new_tokens`` decoding steps of ``model.generate`` under the probe's hooks; see the module docstring.
+
+    Raises
+    ------
+    TypeError
+        When the batch is not a batch, or the model has no ``generate``.
+    """
+    if not isinstance(batch, BATCH_TYPES):
+        raise TypeError(BATCH_MESSAGE.format(type(batch).__name__))
+    generate = getattr(model, "generate", None)
+    if not callable(generate):
+        raise TypeError(f"generate=True needs a model with a generate() method; {type(model).__name__} has none")
+    start = time.perf_counter()
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    ctx, ac_dtype, ac_source = _autocast_for(device, None, autocast)
+    modules = list(model.named_modules())
+    recorder = _Recorder(modules)
+    watch = StepWatch(model, recorder)
+    snapshot = Snapshot(model, batch)
+    args, kwargs = generate_call(to_device(batch, device))
+    kwargs.update(generate_kwargs or {})
+    kwargs["max_new_tokens"] = max_new_tokens
+    error: ProbeError | None = None
+    new_tokens: int | None = None
+    try:
+        model.eval()
+        recorder.attach()
+        watch.attach()
+        try:
+            with torch.no_grad(), ctx:
+                out = generate(*args, **kwargs)
+            ids = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            length = prompt_length(args, kwargs)
+            if isinstance(ids, torch.Tensor) and length is not None:
+                new_tokens = int(ids.shape[-1]) - length
+        except Exception as exc:  # what generate raised is a finding, never a traceback
+            error = generation_error(exc, recorder, modules)
+    finally:
+        watch.detach()
+        recorder.detach()
+        snapshot.restore()
+    records, _ = _finish(recorder, modules, snapshot.params, [None] * len(snapshot.params))
+    generation = watch.facts(max_new_tokens, new_tokens)
+    return ProbeFacts(
+        model=name,
+        modules=records,
+        autocast=ac_dtype,
+        autocast_source=ac_source,
+        device=device.type,
+        loss_scale=1.0,
+        loss=None,
+        backward=False,
+        note=f"generate(): {generation.steps} decoding steps, forward only",
+        error=error,
+        fp16_weights=any(p.dtype == torch.float16 for p in snapshot.params),
+        seconds=time.perf_counter() - start,
+        batch_kind="mapping" if isinstance(batch, Mapping) else "tensor",
+        model_ref=id(model),
+        generation=generation,
+    )
+
+
 def _trained(ran_backward: bool, grads_ok: bool, loss: float | None) -> bool:
     """A step with no optimizer trained: its backward ran, its loss is finite, its gradients finite and not all zero."""
     return ran_backward and grads_ok and loss is not None and math.isfinite(loss)
@@ -662,6 +735,8 @@ def probe(
     loss_fn: Callable | None = None,
     training: bool = True,
     checks: bool = True,
+    generate: bool = False,
+    max_new_tokens: int = 8,
 ) -> Any:
     """Run one forward and one backward on ``batch`` and report where the numbers go wrong.
 
@@ -691,6 +766,15 @@ def probe(
         Run in train mode (dropout on, as in training); the modes are restored after.
     checks : bool
         Also run mpdoctor's static checks on the model and setup.
+    generate : bool
+        Instead of a forward and a backward, run ``max_new_tokens`` decoding steps of ``model.generate``
+        on the batch's prompt (its ``labels`` left out) in eval mode, under the same hooks
+        (:mod:`mpdoctor.numerics.generation`): the report names the first module whose output left its
+        dtype's range and the decoding step at which the logits or the probabilities went NaN/Inf. Modes,
+        hooks and RNG streams are restored, also when ``generate`` raises. Its fixes are checked on that call
+        (its logits finite: "checked", a stand-in for the user's own call, never "verified").
+    max_new_tokens : int
+        Decoding steps of a ``generate=True`` probe.
 
     Returns
     -------
@@ -709,7 +793,11 @@ def probe(
     from ..live import Live
 
     start = time.perf_counter()
-    facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training)
+    if generate:
+        facts_probe = run_generation_probe(model, batch, name, autocast=autocast, max_new_tokens=max_new_tokens)
+    else:
+        facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn,
+                                training=training)  # fmt: skip
     objects = [model] + ([setup] if setup is not None else [])
     subjects = discover(objects, names={id(model): name})
     live = Live()
@@ -724,7 +812,8 @@ def probe(
     findings = [redact_finding(f) for f in run_checks(facts, ignore=ignore)]
 
     def again() -> Any:
-        return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training, checks=checks)
+        return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training,
+                     checks=checks, generate=generate, max_new_tokens=max_new_tokens)  # fmt: skip
 
     plan, safe_plan = _plans(facts, findings, ignore)
     report = Report(
@@ -740,11 +829,15 @@ def probe(
         safe_plan=safe_plan,
     )
     bind_fixes(report, live, report.treatment)
-    if any(fx.changes for fx in report.fixes):  # its fixes are checked on the batch it holds
+    # Its fixes are checked on the batch it holds: the probe's forward and backward, or the generate() it ran.
+    if any(fx.changes for fx in report.fixes):
         from ..runtime.assembly import assemble
 
-        step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
-        report = assemble(report, step=step, before=_outcome(facts_probe))
+        if generate:
+            report = assemble(report, step=generation_step(model, batch, autocast, max_new_tokens))
+        else:
+            step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
+            report = assemble(report, step=step, before=_outcome(facts_probe))
     return report
 
 
@@ -807,6 +900,29 @@ def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: 
 
     return HeldStep(run, "the probe's batch: forward and backward", modules=(model,), around=modes,
                     stand_in="the probe's forward and backward on your batch (no optimizer step)")
+
+
+def generation_step(model: torch.nn.Module, batch: Any, autocast: Any = None, max_new_tokens: int = 8) -> Any:
+    """The generation probe's call as a step a fix is checked on: ``model.generate`` on the batch, as the probe ran
+    it, returning the raw logits of each decoding step (an inference step: judged by its output, those logits
+    being finite); the model's modes and the RNG streams are put back after each run (the proof restores them)."""
+    from ..diagnosis.proof import HeldStep
+
+    first = next(model.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+
+    def run() -> Any:
+        args, kwargs = generate_call(to_device(batch, device))
+        # The raw logits of each step: the scores after the logits processors may hold -inf on purpose.
+        kwargs.update(max_new_tokens=max_new_tokens, output_logits=True, return_dict_in_generate=True)
+        ctx, _, _ = _autocast_for(device, None, autocast)
+        model.eval()
+        with torch.no_grad(), ctx:
+            out = model.generate(*args, **kwargs)
+        return {"logits": tuple(getattr(out, "logits", None) or ()), "sequences": getattr(out, "sequences", out)}
+
+    return HeldStep(run, "the probe's generate() on your batch", modules=(model,),
+                    stand_in=f"the probe's generate() on your batch ({max_new_tokens} new tokens)")
 
 
 def probe_inputs(watcher: Any, model: torch.nn.Module, inputs: tuple[tuple, dict], name: str = "model", scaler: Any = None) -> Any:

@@ -115,6 +115,50 @@ class ProbeError:
 
 
 @dataclass(frozen=True)
+class GenerationFacts:
+    """What ``probe(model, batch, generate=True)`` saw of each decoding step of ``model.generate``.
+
+    Step 0 is the prefill (the prompt's forward), step ``k`` the forward that decides new token ``k + 1``.
+    ``logits_nonfinite`` / ``probs_nonfinite`` count per step the NaN/Inf values of the last position's logits
+    and of their softmax in fp32 (what sampling draws from: an ``inf`` logit or a row of ``-inf`` makes them
+    NaN). ``step_ends`` is the probe's module-completion counter at the end of each step, which places the
+    first bad module in its step.
+    """
+
+    requested: int
+    logits_nonfinite: tuple[int, ...] = ()
+    probs_nonfinite: tuple[int, ...] = ()
+    step_ends: tuple[int, ...] = ()
+    #: Tokens generate() returned beyond the prompt (None when it raised).
+    new_tokens: int | None = None
+
+    @property
+    def steps(self) -> int:
+        """Decoding steps that ran to the end of the model's forward."""
+        return len(self.logits_nonfinite)
+
+    @staticmethod
+    def _first(counts: tuple[int, ...]) -> int | None:
+        return next((i for i, n in enumerate(counts) if n), None)
+
+    @property
+    def first_bad_logits(self) -> int | None:
+        """The first step whose logits held NaN/Inf, None when every step's were finite."""
+        return self._first(self.logits_nonfinite)
+
+    @property
+    def first_bad_probs(self) -> int | None:
+        """The first step whose probabilities held NaN/Inf."""
+        return self._first(self.probs_nonfinite)
+
+    def step_of(self, done: int | None) -> int | None:
+        """The decoding step in which the module call completing at position ``done`` ran."""
+        if done is None:
+            return None
+        return next((i for i, end in enumerate(self.step_ends) if done < end), None)
+
+
+@dataclass(frozen=True)
 class ProbeFacts:
     """Everything one probe saw; checks in :mod:`mpdoctor.checks.probe` turn it into findings.
 
@@ -171,6 +215,8 @@ class ProbeFacts:
     batch_ref: int = 0
     model_ref: int = 0
     grads_trained: bool = False
+    #: GenerationFacts of a ``generate=True`` probe (the decoding steps it ran), None for a training probe.
+    generation: Any = None
 
     @property
     def fp16_in_use(self) -> bool:

@@ -1168,3 +1168,134 @@ class SetNormEps(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, path, attr): self.value for path, attr in self.modules}
+
+
+@dataclass(frozen=True)
+class CastCacheTensors(ChangeSpec):
+    """Cast the keys and values a KV cache ``ref`` stores to ``dtype``, in place; undo puts the old tensors back.
+
+    Each layer's ``keys`` / ``values`` (transformers 4.56+; a ``StaticLayer``'s recorded ``dtype`` with them) or
+    the cache's ``key_cache`` / ``value_cache`` lists (before) are replaced by cast copies, all allocated before
+    the first swap. The cache object stays the one the user holds.
+    """
+
+    ref: int
+    dtype: str
+    label: str = "cache"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..readers.kv_cache import stored_tensors, tensor_slots
+
+        cache, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        steps: list[Change] = []
+        retyped: set[int] = set()
+        for holder, attr, value in tensor_slots(cache):
+            if not any(t.dtype != dtype for t in stored_tensors(value)):
+                continue
+            cast = [_cast_stored(t, dtype) for t in value] if type(value) is list else _cast_stored(value, dtype)
+            step = SetAttr(holder, attr, cast, "")
+            step.description = f"cast {self.label}'s {attr} to {self.dtype}"
+            steps.append(step)
+            # A StaticLayer records the dtype it allocated in; it must say the new one.
+            if isinstance(raw_attr(holder, "dtype", None), torch.dtype) and id(holder) not in retyped:
+                retyped.add(id(holder))
+                steps.append(SetAttr(holder, "dtype", dtype, f"{self.label} layer dtype"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        caches = tuple(dataclasses.replace(c, dtypes=(self.dtype,)) if c.ref == self.ref and c.dtypes else c
+                       for c in facts.kv_caches)  # fmt: skip
+        return dataclasses.replace(facts, kv_caches=caches)
+
+    def verify(self, live: Live) -> str | None:
+        from ..readers.kv_cache import stored_tensors, tensor_slots
+
+        dtype = torch_dtype(self.dtype)
+        left = sum(1 for _h, _a, value in tensor_slots(live.get(self.ref)) for t in stored_tensors(value) if t.dtype != dtype)
+        return f"{left} tensors of {self.label} still not {self.dtype}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "kv-dtype"): self.dtype}
+
+
+def _cast_stored(value: Any, dtype: torch.dtype) -> Any:
+    """A cast copy of a stored floating tensor; anything else (None, an empty placeholder) as it is."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        return cast_tensor(value, dtype)
+    return value
+
+
+@dataclass(frozen=True)
+class ClampMaskToDtype(ChangeSpec):
+    """Rebuild the additive mask ``ref`` in place with its dtype's own ``finfo.min`` where it holds ``-inf``.
+
+    The tensor stays the object the user's name is bound to (no name is rebound: its ``.data`` is replaced); a
+    fully masked row then softmaxes to a uniform, finite row, as transformers' own masks do. Undo gives it back
+    its very storage.
+    """
+
+    ref: int
+    label: str = "attention_mask"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import ReplaceData
+
+        mask = live.get(self.ref)
+        if not bool(torch.isneginf(mask).any()):
+            return []
+        floor = torch.finfo(mask.dtype).min
+        rebuilt = mask.detach().clamp(min=floor)
+        return [ReplaceData(mask, rebuilt, f"{self.label}: -inf -> torch.finfo(torch.{str(mask.dtype)[6:]}).min")]
+
+    def simulate(self, facts: Facts) -> Facts:
+        masks = tuple(dataclasses.replace(m, neg_inf=0, dead_rows=0) if m.ref == self.ref else m
+                      for m in facts.attention_masks)  # fmt: skip
+        return dataclasses.replace(facts, attention_masks=masks)
+
+    def verify(self, live: Live) -> str | None:
+        left = int(torch.isneginf(live.get(self.ref)).sum())
+        return f"{self.label} still holds {left} -inf entries" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "mask-floor"): "finfo.min"}
+
+
+@dataclass(frozen=True)
+class SetConfigEntry(ChangeSpec):
+    """``key = value`` in the frozen config of the diffusers model ``ref`` (its ``_internal_dict``), in place.
+
+    diffusers' ``FrozenDict`` refuses item assignment, and ``register_to_config`` replaces it with a new one: so
+    does this change (a copy of the same class with the entry set), and undo puts the very config object back.
+    """
+
+    ref: int
+    key: str
+    value: Any
+    label: str
+
+    def bind(self, live: Live) -> list[Change]:
+        model = live.get(self.ref)
+        old = raw_attr(model, "_internal_dict", None)
+        if not isinstance(old, dict) or (self.key in old and dict.get(old, self.key) == self.value):
+            return []
+        new = type(old)({**dict(old), self.key: self.value})
+        step = SetAttr(model, "_internal_dict", new, self.label)
+        step.description = f"{self.label} = {self.value!r}"
+        return [step]
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.component is not None:
+                flags = tuple((k, v) for k, v in m.component.flags if k != self.key) + ((self.key, self.value),)
+                m = dataclasses.replace(m, component=dataclasses.replace(m.component, flags=flags))
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        config = raw_attr(live.get(self.ref), "_internal_dict", None)
+        now = dict.get(config, self.key) if isinstance(config, dict) else None
+        return None if now == self.value else f"{self.label} is {now!r}"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "config", self.key): self.value}
