@@ -94,15 +94,14 @@ def test_the_overflowing_modules_bf16_fix_applied_from_the_generation_probe_make
     report = mpdoctor.probe(model, PROMPT, generate=True, max_new_tokens=4)
     (first,) = report.findings_for("probe-nonfinite")
     bf16 = next(fx for fx in first.fixes if fx.changes and "bf16" in fx.title)
-    # The plan is checked on the probe's own generate() (a stand-in for the user's call: "checked", never
-    # "verified"), judged by its logits: before it they were NaN, and the plan's one fix (the cache of a model in
-    # train mode) leaves them NaN, which its label says; the overflow's own fix is an alternative, not proven.
+    # The plan (the planner predicts the overflow gone in bf16's range) is checked on the probe's own generate(),
+    # a stand-in for the user's call ("checked", never "verified"), judged by its logits: NaN before, finite after.
     proof = report.proof
     assert proof.stand_in.startswith("the probe's generate() on your batch") and not proof.verified
     assert proof.before.ran and proof.before.inference and not proof.before.trained
-    assert not proof.checked and all(not proof.label(fx).startswith(("verified", "checked")) for fx in report.fixes)
-    assert "its output holds inf/NaN (an inference step" in proof.summary()
-    assert proof.label(bf16) == ""  # not run: never labelled
+    assert bf16 in report.fixes and proof.checked and proof.plan.inference, proof.summary()
+    assert proof.label(bf16).startswith("checked on the probe's generate() on your batch"), proof.label(bf16)
+    assert "applied alone, it ran and its output is finite (an inference step" in proof.label(bf16)
     bf16.apply()
     again = report.refresh()  # the same generation probe, on the fixed model
     assert not again.findings_for("probe-generation-nonfinite") and not again.findings_for("probe-nonfinite")

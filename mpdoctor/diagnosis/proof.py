@@ -700,8 +700,8 @@ def _label(fix: Any, alone: StepOutcome, together: StepOutcome | None, kept: lis
     tried = "" if alone.error == "not tried alone" else f"applied alone, {alone.describe()}; "
     if together is not None and together.trained and others:
         if (alone.fails_as(before) or (alone.ran and before.ran and not before.trained)) and tried:  # as before
-            return (f"not what your step needs ({where}): applied alone, it fails as before; the plan with it "
-                    f"({'; '.join(others)}) ran and trained")  # fmt: skip
+            return (f"not what your step needs ({where}): applied alone, it fails as before; with the plan's "
+                    f"other fixes ({'; '.join(others)}), {together.describe()}")  # fmt: skip
         return (f"{verdict} {where} together with {'; '.join(others)}: {tried}with them, {together.describe()} "
                 "(applying it applies them too, in that order)")  # fmt: skip
     unverified = f"not verified (checked {where})" if stand_in else f"not verified {where}"

@@ -221,13 +221,43 @@ def _probe_after_cast(p: Any, model: Any) -> Any:
     return dataclasses.replace(p, boundary=moved, error=error)
 
 
+#: Dtypes whose range holds what overflowed fp16 (65504): an fp16 overflow is predicted gone in them.
+_WIDE = frozenset({"bfloat16", "float32", "float64"})
+
+
+def _overflow_after_cast(p: Any, model: Any) -> Any:
+    """The probe ``p`` after a cast that gives the first module whose fp16 output went inf/NaN (from finite inputs
+    and finite weights) a dtype with a wider range: that overflow, and the inf/NaN it carried downstream, predicted
+    gone (a prediction the planner plans on; the proof checks it on the step). Any other probe stays as it was."""
+    hit = p.first_nonfinite() if hasattr(p, "first_nonfinite") else None
+    if hit is None or hit[1] != "forward":
+        return p
+    first = hit[0]
+    cast = {q.module: q.dtype for q in model.tensors.params}
+    if ("float16" not in first.param_dtypes or cast.get(first.path) not in _WIDE or first.in_nonfinite
+            or first.param_nonfinite):  # fmt: skip
+        return p
+    modules = tuple(
+        dataclasses.replace(m, out_nonfinite=0, in_nonfinite=0,
+                            param_dtypes=tuple(cast.get(m.path, d) for d in m.param_dtypes))  # fmt: skip
+        if (m.out_nonfinite or m.in_nonfinite) and not m.param_nonfinite else m
+        for m in p.modules
+    )
+    generation = getattr(p, "generation", None)
+    if generation is not None:
+        steps = len(generation.logits_nonfinite)
+        generation = dataclasses.replace(generation, logits_nonfinite=(0,) * steps,
+                                         probs_nonfinite=(0,) * len(generation.probs_nonfinite))  # fmt: skip
+    return dataclasses.replace(p, modules=modules, generation=generation)
+
+
 def _probes_after_cast(facts: Facts, ids: frozenset[int]) -> Facts:
     """Facts whose probes of the models holding parameters ``ids`` see the batch meet the cast weights."""
     cast = {m.name: m for m in facts.models if any(q.id in ids for q in m.tensors.params)}
     if not cast or not facts.probes:
         return facts
-    probes = tuple(_probe_after_cast(p, cast[p.model]) if getattr(p, "model", None) in cast else p
-                   for p in facts.probes)  # fmt: skip
+    probes = tuple(_overflow_after_cast(_probe_after_cast(p, cast[p.model]), cast[p.model])
+                   if getattr(p, "model", None) in cast else p for p in facts.probes)  # fmt: skip
     return dataclasses.replace(facts, probes=probes)
 
 
