@@ -158,15 +158,23 @@ class Anatomy(NamedTuple):
 
 
 class ModuleWalk:
-    """One ``named_modules()`` walk of a module tree, and what readers derived from it, each derived once."""
+    """One walk of a module tree (``named_modules()``), and what readers derived from it, each derived once.
+
+    A tree of classes that list their submodules as ``nn.Module`` does is walked from the modules' own dicts, and
+    the :class:`Anatomy` is read in the same traversal; any other tree is walked by its own ``named_modules()``.
+    """
 
     __slots__ = ("module", "modules", "_by_class", "_anatomy")
 
     def __init__(self, module: Any) -> None:
         self.module = module  # held, so the module's id is not reused while the walk is cached
-        self.modules: tuple[tuple[str, Any], ...] = tuple(module.named_modules())
         self._by_class: dict[type, list[int]] | None = None
         self._anatomy: Anatomy | None = None
+        once = _walk_once(module)
+        if once is None:
+            self.modules: tuple[tuple[str, Any], ...] = tuple(module.named_modules())
+        else:
+            self.modules, self._anatomy = once
 
     def by_class(self) -> dict[type, list[int]]:
         """``type -> positions in the walk``."""
@@ -189,7 +197,86 @@ class ModuleWalk:
         return self._anatomy
 
 
+_CLASS_DICT = type.__dict__["__dict__"].__get__
+#: ``class -> whether it walks and hashes as nn.Module does`` (classes are few; a notebook that redefines one makes
+#: a new class).
+_PLAIN: dict[type, bool] = {}
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    """``name`` as ``cls`` resolves it, read from the class dicts along its MRO (no metaclass hook runs)."""
+    for c in _TYPE_MRO(cls):
+        d = _CLASS_DICT(c)
+        if name in d:
+            return d[name]
+    return None
+
+
+def _walks_as_module(cls: type) -> bool:
+    """``cls`` lists its submodules, reads its attributes and hashes with ``nn.Module``'s and ``object``'s own code."""
+    known = _PLAIN.get(cls)
+    if known is None:
+        from torch.nn import Module
+
+        try:
+            known = (
+                _class_attr(cls, "named_modules") is _CLASS_DICT(Module)["named_modules"]
+                and all(_class_attr(cls, n) is _CLASS_DICT(object)[n] for n in ("__getattribute__", "__hash__", "__eq__"))
+                and _class_attr(cls, "_modules") is None
+            )
+        except Exception:
+            known = False
+        if len(_PLAIN) >= _PATHS_SIZE:
+            _PLAIN.clear()
+        _PLAIN[cls] = known
+    return known
+
+
+def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
+    """``tuple(root.named_modules())`` and its :class:`Anatomy`, in one traversal of the modules' own dicts: the
+    same pre-order, each module once. None when a module's class walks its own way (its ``named_modules()`` then)."""
+    from torch.nn import Parameter
+
+    modules: list[tuple[str, Any]] = []
+    buffered, hooked, parametrized, subclassed = [], [], [], []
+    seen: set[int] = set()
+    pending = [("", root)]
+    while pending:
+        entry = pending.pop()
+        mod = entry[1]
+        if id(mod) in seen:  # the modules are held by the walk: an id is not reused during it
+            continue
+        if not _walks_as_module(type(mod)):
+            return None
+        d = own_dict(mod)
+        children = d.get("_modules")
+        if type(children) is not dict:
+            return None
+        seen.add(id(mod))
+        modules.append(entry)
+        bufs = d.get("_buffers")
+        if bufs or type(bufs) is not dict:
+            buffered.append(entry)
+        if d.get("_forward_pre_hooks") and d.get("_forward_hooks"):
+            hooked.append(entry)
+        params = d.get("_parameters")
+        if type(params) is not dict:
+            subclassed.append(entry)
+        else:
+            for p in params.values():
+                if p is not None and type(p) is not Parameter:
+                    subclassed.append(entry)
+                    break
+        if children:
+            if "parametrizations" in children:
+                parametrized.append(entry)
+            dot = entry[0] + "." if entry[0] else ""
+            pending.extend([(dot + name, child) for name, child in reversed(children.items()) if child is not None])
+    return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
+
+
 def _anatomy(walk: tuple[tuple[str, Any], ...]) -> Anatomy:
+    """The :class:`Anatomy` of a walk made by a tree's own ``named_modules()``."""
     from torch.nn import Parameter
 
     buffered, hooked, parametrized, subclassed = [], [], [], []
