@@ -241,19 +241,24 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
     buffered, hooked, parametrized, subclassed = [], [], [], []
     seen: set[int] = set()
     pending = [("", root)]
+    plain, getattribute, push, keep, met = _PLAIN, object.__getattribute__, pending.append, modules.append, seen.add
     while pending:
         entry = pending.pop()
         mod = entry[1]
         if id(mod) in seen:  # the modules are held by the walk: an id is not reused during it
             continue
-        if not _walks_as_module(type(mod)):
+        cls = type(mod)
+        if not (plain.get(cls) or _walks_as_module(cls)):
             return None
-        d = own_dict(mod)
-        children = d.get("_modules")
+        try:
+            d = getattribute(mod, "__dict__")
+        except Exception:
+            return None
+        children = d.get("_modules") if type(d) is dict else None
         if type(children) is not dict:
             return None
-        seen.add(id(mod))
-        modules.append(entry)
+        met(id(mod))
+        keep(entry)
         bufs = d.get("_buffers")
         if bufs or type(bufs) is not dict:
             buffered.append(entry)
@@ -262,7 +267,7 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
         params = d.get("_parameters")
         if type(params) is not dict:
             subclassed.append(entry)
-        else:
+        elif params:
             for p in params.values():
                 if p is not None and type(p) is not Parameter:
                     subclassed.append(entry)
@@ -271,7 +276,9 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
             if "parametrizations" in children:
                 parametrized.append(entry)
             dot = entry[0] + "." if entry[0] else ""
-            pending.extend([(dot + name, child) for name, child in reversed(children.items()) if child is not None])
+            for name, child in reversed(children.items()):
+                if child is not None:
+                    push((dot + name, child))
     return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
 
 
