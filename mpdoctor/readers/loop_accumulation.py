@@ -182,11 +182,25 @@ def read_loop_accumulations(sources: Sequence[Source], namespace: Mapping[str, A
     """
     out: dict[str, LoopAccumulation] = {}
     for source in sources:
-        for node in ast.walk(source.tree):
-            if isinstance(node, (ast.For, ast.While)):
-                for found in _steps_in(node, source, namespace):
-                    out[found.optimizer] = found  # the later loop is the one the user runs now
+        for node in _loops(source.tree):
+            for found in _steps_in(node, source, namespace):
+                out[found.optimizer] = found  # the later loop is the one the user runs now
     return out
+
+
+#: ``id(tree) -> (tree, its loops)``: a script is parsed once per process (``loop_source.parse``), and every
+#: ``diagnose()`` it runs would walk the whole tree again for its few loops.
+_LOOPS: dict[int, tuple[ast.Module, tuple[ast.For | ast.While, ...]]] = {}
+
+
+def _loops(tree: ast.Module) -> tuple[ast.For | ast.While, ...]:
+    """The ``for`` and ``while`` loops of ``tree``, in ``ast.walk`` order (the tree is held, so its id is not reused)."""
+    hit = _LOOPS.get(id(tree))
+    if hit is None or hit[0] is not tree:
+        if len(_LOOPS) >= 4096:
+            _LOOPS.clear()
+        hit = _LOOPS[id(tree)] = (tree, tuple(n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While))))
+    return hit[1]
 
 
 def record_loop_accumulations(sources: Sequence[Source], namespace: Mapping[str, Any]) -> list[LoopAccumulation]:
