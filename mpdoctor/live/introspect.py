@@ -265,13 +265,8 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
         if d.get("_forward_pre_hooks") and d.get("_forward_hooks"):
             hooked.append(entry)
         params = d.get("_parameters")
-        if type(params) is not dict:
+        if type(params) is not dict or (params and _holds_subclass(params, Parameter)):
             subclassed.append(entry)
-        elif params:
-            for p in params.values():
-                if p is not None and type(p) is not Parameter:
-                    subclassed.append(entry)
-                    break
         if children:
             if "parametrizations" in children:
                 parametrized.append(entry)
@@ -280,6 +275,14 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
                 if child is not None:
                     push((dot + name, child))
     return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
+
+
+def _holds_subclass(params: dict, plain: type) -> bool:
+    """A parameter in ``params`` is not exactly ``plain`` (``nn.Parameter``)."""
+    for p in params.values():
+        if p is not None and type(p) is not plain:
+            return True
+    return False
 
 
 def _anatomy(walk: tuple[tuple[str, Any], ...]) -> Anatomy:
@@ -302,7 +305,7 @@ def _anatomy(walk: tuple[tuple[str, Any], ...]) -> Anatomy:
         if type(children) is not dict or "parametrizations" in children:
             parametrized.append(entry)
         params = d.get("_parameters")
-        if type(params) is not dict or any(p is not None and type(p) is not Parameter for p in params.values()):
+        if type(params) is not dict or _holds_subclass(params, Parameter):
             subclassed.append(entry)
     return Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
 

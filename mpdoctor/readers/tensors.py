@@ -140,6 +140,8 @@ def _type_of(device: Any) -> str:
 
 
 _PARAMETER = torch.nn.Parameter
+#: ``ParamInfo`` made from a full tuple of its fields without ``_make``'s Python-level call (once per parameter).
+_record = tuple.__new__
 
 
 def _storage(p: Any, readers: tuple) -> tuple[str, str, int] | None:
@@ -168,8 +170,7 @@ def read_module_tensors(
     ``weight_storage``): a quantized weight is tallied in its storage dtype and bytes.
     """
     walk = _TensorWalk(casting_layers, storage_readers)
-    for mpath, mod in named_modules(module):
-        walk.module(mpath, mod)
+    walk.modules(named_modules(module))
     return walk.facts(name)
 
 
@@ -202,7 +203,7 @@ class _TensorWalk:
         self.counts: dict[tuple[str, Any, bool, str], list[int]] = {}
         # (storage dtype name, trainable, device) -> [tensors, elements, bytes]: quantized weights
         self.stored: dict[tuple[str, bool, str], list[int]] = {}
-        self.params: list[tuple] = []
+        self.params: list[ParamInfo] = []
         self.tied: list[tuple[int, str, str, str, int]] = []
         self.seen: set[int] = set()
         self.checkpointing = False
@@ -211,29 +212,28 @@ class _TensorWalk:
         self.per_class: dict[type, tuple] = {}
         self.input_casts: list[tuple[str, str]] = []
 
-    def module(self, mpath: str, mod: torch.nn.Module) -> None:
-        """Read one module: its class's facts, its own parameters and buffers."""
-        mdict = mod.__dict__
-        if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
-            self.checkpointing = True
-        known = self.per_class.get(type(mod)) or self._class_facts(mod, mdict)
-        origin = _patched_forward(mod) if "forward" in mdict else known[1]
-        if origin is not None:
-            self.patched.append((mpath, origin))
-        if known[2]:
-            self.tuners.append(mpath)
-        if known[3] is not None:
-            self._casts(mpath, mdict, *known[3])
-        own = mdict.get("_parameters")
-        if own:
-            prefix = f"{mpath}." if mpath else ""
-            cpath, read = known[0], self._parameter
-            for pname, p in own.items():
-                if p is not None:
-                    read(prefix, mpath, cpath, pname, p)
-        bufs = mdict.get("_buffers")
-        if bufs:
-            self._buffers(bufs)
+    def modules(self, walk: tuple[tuple[str, torch.nn.Module], ...]) -> None:
+        """Read each module of the walk: its class's facts, its own parameters and buffers (one loop, its lookups
+        bound once: this is the whole cost of a diagnosis of a big model)."""
+        per_class, class_facts, parameters = self.per_class, self._class_facts, self._parameters
+        for mpath, mod in walk:
+            mdict = mod.__dict__
+            if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
+                self.checkpointing = True
+            known = per_class.get(type(mod)) or class_facts(mod, mdict)
+            origin = _patched_forward(mod) if "forward" in mdict else known[1]
+            if origin is not None:
+                self.patched.append((mpath, origin))
+            if known[2]:
+                self.tuners.append(mpath)
+            if known[3] is not None:
+                self._casts(mpath, mdict, *known[3])
+            own = mdict.get("_parameters")
+            if own:
+                parameters(mpath, known[0], own)
+            bufs = mdict.get("_buffers")
+            if bufs:
+                self._buffers(bufs)
 
     def _casts(self, mpath: str, mdict: dict, kind: str | None, by_child: dict[str, str]) -> None:
         """Modules whose input their own forward (``kind``), or their parent's (``by_child``), casts (deliberate
@@ -261,31 +261,30 @@ class _TensorWalk:
             )
         return known
 
-    def _parameter(self, prefix: str, mpath: str, cpath: str, pname: str, p: torch.nn.Parameter) -> None:
-        pid = id(p)
-        if pid in self.seen:
-            self.tied.append((len(self.params), mpath, cpath, pname, pid))
-            return
-        self.seen.add(pid)
-        dt = p.dtype
-        dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
-        trainable = p.requires_grad
-        numel = p.numel()
-        device = p.device
-        dev = _DEVICE_TYPES.get(device) or _type_of(device)
-        # The two calls below are inlined for a plain parameter: this runs once per parameter of a 50k-tensor model.
-        quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
-        if quantized is None:
-            key = ("param", dt, trainable, dev)
-            row = self.counts.get(key)
-            if row is None:
-                self.counts[key] = [1, numel]
-            else:
-                row[0] += 1
-                row[1] += numel
-        grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
-        gname = None if grad is None else self._grad(grad, trainable)
-        self.params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized))
+    def _parameters(self, mpath: str, cpath: str, own: dict) -> None:
+        """Read one module's own parameters (metadata only)."""
+        prefix = f"{mpath}." if mpath else ""
+        seen, counts, keep = self.seen, self.counts, self.params.append
+        for pname, p in own.items():
+            if p is None:
+                continue
+            pid = id(p)
+            if pid in seen:
+                self.tied.append((len(self.params), mpath, cpath, pname, pid))
+                continue
+            seen.add(pid)
+            dt = p.dtype
+            dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
+            trainable = p.requires_grad
+            numel = p.numel()
+            device = p.device
+            dev = _DEVICE_TYPES.get(device) or _type_of(device)
+            quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
+            if quantized is None:
+                _count(counts, ("param", dt, trainable, dev), numel)
+            grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
+            gname = None if grad is None else self._grad(grad, trainable)
+            keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
 
     def _quantized(self, p: torch.nn.Parameter, trainable: bool, dev: str, numel: int) -> tuple | None:
         """A quantized weight's ``(tensor class, storage dtype)``, tallied in its storage; None for a plain one."""
@@ -318,7 +317,7 @@ class _TensorWalk:
         counts, stored = self.counts, self.stored
         return ModuleTensors(
             _rows(name, counts, stored),
-            tuple(map(ParamInfo._make, self.params)),
+            tuple(self.params),
             self.checkpointing,
             frozenset([dev for (kind, _d, _t, dev) in counts if kind == "param"] + [dev for (_d, _t, dev) in stored]),
             patched_forwards=tuple(self.patched),
