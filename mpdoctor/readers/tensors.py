@@ -280,8 +280,13 @@ class _TensorWalk:
             device = p.device
             dev = _DEVICE_TYPES.get(device) or _type_of(device)
             quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
-            if quantized is None:
-                _count(counts, ("param", dt, trainable, dev), numel)
+            if quantized is None:  # _count, inlined: once per parameter
+                row = counts.get(("param", dt, trainable, dev))
+                if row is None:
+                    counts["param", dt, trainable, dev] = [1, numel]
+                else:
+                    row[0] += 1
+                    row[1] += numel
             grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
             gname = None if grad is None else self._grad(grad, trainable)
             keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
