@@ -241,23 +241,24 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
     buffered, hooked, parametrized, subclassed = [], [], [], []
     seen: set[int] = set()
     pending = [("", root)]
-    plain, getattribute, push, keep, met = _PLAIN, object.__getattribute__, pending.append, modules.append, seen.add
+    plain, push, keep, met = _PLAIN, pending.append, modules.append, seen.add
     while pending:
         entry = pending.pop()
         mod = entry[1]
-        if id(mod) in seen:  # the modules are held by the walk: an id is not reused during it
+        key = id(mod)
+        if key in seen:  # the modules are held by the walk: an id is not reused during it
             continue
         cls = type(mod)
         if not (plain.get(cls) or _walks_as_module(cls)):
             return None
         try:
-            d = getattribute(mod, "__dict__")
+            d = mod.__dict__  # object.__getattribute__: the class has no other (``_walks_as_module``)
         except Exception:
             return None
         children = d.get("_modules") if type(d) is dict else None
         if type(children) is not dict:
             return None
-        met(id(mod))
+        met(key)
         keep(entry)
         bufs = d.get("_buffers")
         if bufs or type(bufs) is not dict:
