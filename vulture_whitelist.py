@@ -12,7 +12,6 @@ _ = object()
 # -- Python's protocols ---------------------------------------------------------------------------------------
 _.__getattr__  # PEP 562: the packages' lazy names (mpdoctor, crash, emulation, numerics)
 _.__dir__  # PEP 562: dir(mpdoctor) lists the lazy names
-_.create_module  # importlib's Loader protocol (mpdoctor._moved.MovedFinder)
 
 # -- IPython ----------------------------------------------------------------------------------------------------
 _._repr_pretty_  # IPython's pretty printer (Report, EnvReport)

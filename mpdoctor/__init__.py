@@ -27,10 +27,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to
     from .treatment.findings import Finding
     from .treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
 
-from ._moved import install as _install_moved_paths
 from ._version import __version__  # noqa: F401  (re-exported)
-
-_install_moved_paths()  # 0.2's module paths (mpdoctor.report, mpdoctor.fixes, ...) keep working, deprecated
 
 __all__ = [
     "Finding",

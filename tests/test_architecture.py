@@ -1,5 +1,5 @@
 """The layers are a contract: no import cycle between mpdoctor's modules, nothing imports the package root,
-and the 0.2 import paths still work for one release, with a DeprecationWarning.
+and the public API is where it was.
 
 ``lint-imports`` (run by ``make test``) checks the layers contract in ``pyproject.toml``; these tests hold
 what a contract cannot say: that the import graph, function-level and TYPE_CHECKING imports included, has
@@ -8,15 +8,8 @@ no cycle at all.
 
 from __future__ import annotations
 
-import importlib
-import subprocess
-import sys
-import warnings
-
 import grimp
 import pytest
-
-from mpdoctor._moved import MOVED
 
 
 @pytest.fixture(scope="module")
@@ -113,42 +106,7 @@ def test_facts_import_no_integration_no_reader_and_no_gathering(graph):
 
 def test_no_loose_module_left_at_the_top_but_the_bottom_tables(graph):
     top = sorted(m for m in graph.modules if m.count(".") == 1 and not graph.find_children(m))
-    assert top == ["mpdoctor.__main__", "mpdoctor._moved", "mpdoctor._version", "mpdoctor.compat", "mpdoctor.knowledge",
-                   "mpdoctor.redact"]
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_an_old_import_path_still_works_and_warns(old):
-    # A fresh interpreter: the import must really go through the finder, not a cached module.
-    code = (
-        "import warnings, importlib\n"
-        "warnings.simplefilter('error', DeprecationWarning)\n"
-        "import mpdoctor\n"
-        f"try:\n    importlib.import_module({old!r})\nexcept DeprecationWarning as w:\n    print('warned:', w)\n"
-        "else:\n    print('no warning')\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"warned: {old} moved to {MOVED[old][0]}"), proc.stdout
-
-
-def test_an_old_path_reads_the_same_objects_as_the_new_one():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        old_fixes = importlib.import_module("mpdoctor.fixes")
-        old_report = importlib.import_module("mpdoctor.report")
-        old_distributed = importlib.import_module("mpdoctor.distributed")
-    from mpdoctor.diagnosis.exchange import exchange
-    from mpdoctor.diagnosis.ranks import diagnose_every_rank
-    from mpdoctor.diagnosis.report import Report
-    from mpdoctor.edits.steps import SetAttr
-    from mpdoctor.treatment.fixes import Fix
-
-    assert old_fixes.Fix is Fix and old_fixes.SetAttr is SetAttr
-    assert old_report.Report is Report
-    assert old_distributed.exchange is exchange and old_distributed.diagnose_every_rank is diagnose_every_rank
-    with pytest.raises(AttributeError):
-        old_fixes.no_such_name  # noqa: B018
+    assert top == ["mpdoctor.__main__", "mpdoctor._version", "mpdoctor.compat", "mpdoctor.knowledge", "mpdoctor.redact"]
 
 
 def test_the_public_api_is_where_it_was():
@@ -162,22 +120,6 @@ def test_the_public_api_is_where_it_was():
     assert mpdoctor.diagnose is diagnose and mpdoctor.probe is probe and mpdoctor.watch is watch
     assert mpdoctor.Report is Report and mpdoctor.Fix is Fix
     assert mpdoctor.MPDoctorCallback.__name__ == "MPDoctorCallback"
-
-
-def test_what_attaches_to_a_training_run_reads_the_same_objects_at_its_old_paths():
-    from mpdoctor.training.callback_state import MPDoctorAbort
-    from mpdoctor.training.runner import run_script
-    from mpdoctor.training.trainer_callback import MPDoctorCallback
-    from mpdoctor.training.watch import NonFiniteLoss, watch
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        old_watch = importlib.import_module("mpdoctor.crash.watch")
-        old_runner = importlib.import_module("mpdoctor.crash.runner")
-        old_callback = importlib.import_module("mpdoctor.numerics.callback")
-    assert old_watch.watch is watch and old_watch.NonFiniteLoss is NonFiniteLoss
-    assert old_runner.run_script is run_script
-    assert old_callback.MPDoctorCallback is MPDoctorCallback and old_callback.MPDoctorAbort is MPDoctorAbort
 
 
 def test_a_renamed_fact_answers_at_its_old_name_with_a_warning():

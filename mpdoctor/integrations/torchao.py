@@ -26,7 +26,7 @@ import torch
 from ..facts.fp8_training import Float8Layer
 from ..facts.quantized import QuantizedWeight
 from ..facts.tensors import dtype_name
-from ..live.introspect import class_path, class_paths, modules_of, named_modules, raw_attr
+from ..live.introspect import anatomy, class_path, class_paths, modules_of, raw_attr
 from . import Integration
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
@@ -100,7 +100,7 @@ def _nonfinite(t: Any) -> int:
 def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
     """The layers of ``model`` whose ``weight`` is a torchao quantized tensor, with NaN counts of their data."""
     out = []
-    for path, mod in named_modules(model):
+    for path, mod in anatomy(model).subclassed:  # a plain nn.Parameter is never torchao's: only the others are read
         w = mod.__dict__.get("_parameters", {}).get("weight")
         if w is None or BASE_TENSOR not in class_paths(type(w)):
             continue

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 _TYPE_MRO = type.__dict__["__mro__"].__get__
 _TYPE_MODULE = type.__dict__["__module__"].__get__
@@ -122,8 +122,10 @@ def attr_of_known(obj: Any, name: str) -> Any:
         return None
 
 
-# One walk of a module tree per gathering: tensors, bitsandbytes, torchao, FSDP and rotary-buffer facts all need
-# ``named_modules()``; on a 70B-shaped model each walk costs about as much as the whole tally, so they share it.
+# One walk of a module tree per gathering: tensors, intent, the places between steps, bitsandbytes, torchao, FSDP and
+# rotary-buffer facts all need ``named_modules()``; on a 70B-shaped model each walk costs about as much as the whole
+# tally, so they share it, and what several readers ask of every module is read in one pass over it (ruff runs every
+# AST rule in one traversal).
 _WALKS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("mpdoctor_module_walks", default=None)
 
 
@@ -137,20 +139,197 @@ def shared_module_walks() -> Iterator[None]:
         _WALKS.reset(token)
 
 
-def named_modules(module: Any) -> tuple[tuple[str, Any], ...]:
-    """``tuple(module.named_modules())``, shared by every reader inside :func:`shared_module_walks`."""
-    return _walk(module)[0]
+class Anatomy(NamedTuple):
+    """The few modules of a tree a reader must look at, found in one pass over its walk.
+
+    Each field lists ``(path, submodule)`` in ``named_modules()`` order, and keeps every module it cannot rule
+    out (an own dict that is not the usual one), so a reader that visits only these sees what it would see
+    visiting them all.
+    """
+
+    #: Modules holding buffers of their own (router correction biases, rotary frequencies).
+    buffered: tuple[tuple[str, Any], ...]
+    #: Modules with both forward pre-hooks and forward hooks (a cast written around a module).
+    hooked: tuple[tuple[str, Any], ...]
+    #: Modules holding a ``parametrizations`` child (``torch.nn.utils.parametrize``).
+    parametrized: tuple[tuple[str, Any], ...]
+    #: Modules holding a parameter that is not exactly an ``nn.Parameter`` (a tensor subclass: quantized storage).
+    subclassed: tuple[tuple[str, Any], ...]
 
 
-def _walk(module: Any) -> list:
-    """``[walk, index]``: the walk, and ``type -> positions in it`` once someone asked for it."""
+class ModuleWalk:
+    """One walk of a module tree (``named_modules()``), and what readers derived from it, each derived once.
+
+    A tree of classes that list their submodules as ``nn.Module`` does is walked from the modules' own dicts, and
+    the :class:`Anatomy` is read in the same traversal; any other tree is walked by its own ``named_modules()``.
+    """
+
+    __slots__ = ("module", "modules", "_by_class", "_anatomy")
+
+    def __init__(self, module: Any) -> None:
+        self.module = module  # held, so the module's id is not reused while the walk is cached
+        self._by_class: dict[type, list[int]] | None = None
+        self._anatomy: Anatomy | None = None
+        once = _walk_once(module)
+        if once is None:
+            self.modules: tuple[tuple[str, Any], ...] = tuple(module.named_modules())
+        else:
+            self.modules, self._anatomy = once
+
+    def by_class(self) -> dict[type, list[int]]:
+        """``type -> positions in the walk``."""
+        if self._by_class is None:
+            index: dict[type, list[int]] = {}
+            for i, (_path, mod) in enumerate(self.modules):
+                cls = type(mod)
+                at = index.get(cls)
+                if at is None:
+                    index[cls] = [i]
+                else:
+                    at.append(i)
+            self._by_class = index
+        return self._by_class
+
+    def anatomy(self) -> Anatomy:
+        """The modules with buffers, with hooks around them, parametrized, or holding tensor-subclass parameters."""
+        if self._anatomy is None:
+            self._anatomy = _anatomy(self.modules)
+        return self._anatomy
+
+
+_CLASS_DICT = type.__dict__["__dict__"].__get__
+#: ``class -> whether it walks and hashes as nn.Module does`` (classes are few; a notebook that redefines one makes
+#: a new class).
+_PLAIN: dict[type, bool] = {}
+
+
+def _class_attr(cls: type, name: str) -> Any:
+    """``name`` as ``cls`` resolves it, read from the class dicts along its MRO (no metaclass hook runs)."""
+    for c in _TYPE_MRO(cls):
+        d = _CLASS_DICT(c)
+        if name in d:
+            return d[name]
+    return None
+
+
+def _walks_as_module(cls: type) -> bool:
+    """``cls`` lists its submodules, reads its attributes and hashes with ``nn.Module``'s and ``object``'s own code."""
+    known = _PLAIN.get(cls)
+    if known is None:
+        from torch.nn import Module
+
+        try:
+            known = (
+                _class_attr(cls, "named_modules") is _CLASS_DICT(Module)["named_modules"]
+                and all(_class_attr(cls, n) is _CLASS_DICT(object)[n] for n in ("__getattribute__", "__hash__", "__eq__"))
+                and _class_attr(cls, "_modules") is None
+            )
+        except Exception:
+            known = False
+        if len(_PLAIN) >= _PATHS_SIZE:
+            _PLAIN.clear()
+        _PLAIN[cls] = known
+    return known
+
+
+def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
+    """``tuple(root.named_modules())`` and its :class:`Anatomy`, in one traversal of the modules' own dicts: the
+    same pre-order, each module once. None when a module's class walks its own way (its ``named_modules()`` then)."""
+    from torch.nn import Parameter
+
+    modules: list[tuple[str, Any]] = []
+    buffered, hooked, parametrized, subclassed = [], [], [], []
+    seen: set[int] = set()
+    pending = [("", root)]
+    plain, push, keep, met = _PLAIN, pending.append, modules.append, seen.add
+    while pending:
+        entry = pending.pop()
+        mod = entry[1]
+        key = id(mod)
+        if key in seen:  # the modules are held by the walk: an id is not reused during it
+            continue
+        cls = type(mod)
+        if not (plain.get(cls) or _walks_as_module(cls)):
+            return None
+        try:
+            d = mod.__dict__  # object.__getattribute__: the class has no other (``_walks_as_module``)
+        except Exception:
+            return None
+        children = d.get("_modules") if type(d) is dict else None
+        if type(children) is not dict:
+            return None
+        met(key)
+        keep(entry)
+        bufs = d.get("_buffers")
+        if bufs or type(bufs) is not dict:
+            buffered.append(entry)
+        if d.get("_forward_pre_hooks") and d.get("_forward_hooks"):
+            hooked.append(entry)
+        params = d.get("_parameters")
+        if type(params) is not dict or (params and _holds_subclass(params, Parameter)):
+            subclassed.append(entry)
+        if children:
+            if "parametrizations" in children:
+                parametrized.append(entry)
+            dot = entry[0] + "." if entry[0] else ""
+            for name, child in reversed(children.items()):
+                if child is not None:
+                    push((dot + name, child))
+    return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
+
+
+def _holds_subclass(params: dict, plain: type) -> bool:
+    """A parameter in ``params`` is not exactly ``plain`` (``nn.Parameter``)."""
+    for p in params.values():
+        if p is not None and type(p) is not plain:
+            return True
+    return False
+
+
+def _anatomy(walk: tuple[tuple[str, Any], ...]) -> Anatomy:
+    """The :class:`Anatomy` of a walk made by a tree's own ``named_modules()``."""
+    from torch.nn import Parameter
+
+    buffered, hooked, parametrized, subclassed = [], [], [], []
+    for entry in walk:
+        d = own_dict(entry[1])
+        if not d:  # no own dict to read: every reader looks at it as it would have
+            for kept in (buffered, hooked, parametrized, subclassed):
+                kept.append(entry)
+            continue
+        bufs = d.get("_buffers")
+        if bufs or type(bufs) is not dict:
+            buffered.append(entry)
+        if d.get("_forward_pre_hooks") and d.get("_forward_hooks"):
+            hooked.append(entry)
+        children = d.get("_modules")
+        if type(children) is not dict or "parametrizations" in children:
+            parametrized.append(entry)
+        params = d.get("_parameters")
+        if type(params) is not dict or _holds_subclass(params, Parameter):
+            subclassed.append(entry)
+    return Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
+
+
+def module_walk(module: Any) -> ModuleWalk:
+    """The walk of ``module``'s tree: shared by every reader inside :func:`shared_module_walks`, else a fresh one."""
     cache = _WALKS.get()
     if cache is None:
-        return [tuple(module.named_modules()), None]
+        return ModuleWalk(module)
     hit = cache.get(id(module))
-    if hit is None or hit[0] is not module:  # the module is held by the entry, so its id is not reused
-        hit = cache[id(module)] = (module, [tuple(module.named_modules()), None])
-    return hit[1]
+    if hit is None or hit.module is not module:
+        hit = cache[id(module)] = ModuleWalk(module)
+    return hit
+
+
+def named_modules(module: Any) -> tuple[tuple[str, Any], ...]:
+    """``tuple(module.named_modules())``, shared by every reader inside :func:`shared_module_walks`."""
+    return module_walk(module).modules
+
+
+def anatomy(module: Any) -> Anatomy:
+    """The :class:`Anatomy` of ``module``'s tree, read once per walk."""
+    return module_walk(module).anatomy()
 
 
 def modules_where(module: Any, accept: Callable[[type], bool]) -> list[tuple[str, Any]]:
@@ -159,20 +338,9 @@ def modules_where(module: Any, accept: Callable[[type], bool]) -> list[tuple[str
     ``accept`` runs once per distinct class, not per module (a 70B Llama has 1,000 modules of 6
     classes); a class it raises on is not taken.
     """
-    entry = _walk(module)
-    walk, index = entry
-    if index is None:
-        index = {}
-        for i, (_path, mod) in enumerate(walk):
-            cls = type(mod)
-            at = index.get(cls)
-            if at is None:
-                index[cls] = [i]
-            else:
-                at.append(i)
-        entry[1] = index
+    walk = module_walk(module)
     hits: list[int] = []
-    for cls, at in index.items():
+    for cls, at in walk.by_class().items():
         try:
             taken = accept(cls)
         except Exception:
@@ -180,7 +348,7 @@ def modules_where(module: Any, accept: Callable[[type], bool]) -> list[tuple[str
         if taken:
             hits.extend(at)
     hits.sort()
-    return [walk[i] for i in hits]
+    return [walk.modules[i] for i in hits]
 
 
 def modules_of(module: Any, names: Iterable[str]) -> list[tuple[str, Any]]:

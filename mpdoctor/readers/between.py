@@ -22,7 +22,7 @@ from ..facts.between import (
     RouterBias,
 )
 from ..live import Live
-from ..live.introspect import class_paths, modules_where, own_dict, raw_attr
+from ..live.introspect import anatomy, class_paths, modules_where, own_dict, raw_attr
 
 _HALF = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _METRIC = "torchmetrics.metric.Metric"
@@ -145,7 +145,7 @@ def read_metrics(name: str, root: Any, live: Live) -> list[MetricStates]:
 def read_router_biases(name: str, model: Any) -> list[RouterBias]:
     """Router correction biases of ``model`` held in half precision, with the share of updates they lose."""
     out = []
-    for path, module in modules_where(model, lambda cls: True):
+    for path, module in anatomy(model).buffered:  # the modules holding buffers, found in the shared walk
         buffers = raw_attr(module, "_buffers") or {}
         for attr in _ROUTER_BIASES:
             bias = buffers.get(attr) if isinstance(buffers, dict) else None
@@ -228,7 +228,7 @@ def read_orthogonal(name: str, model: Any) -> list[OrthogonalWeight]:
     (never a user's module).
     """
     out = []
-    for path, module in modules_where(model, lambda cls: True):
+    for path, module in anatomy(model).parametrized:  # the modules holding parametrizations, found in the shared walk
         lists = raw_attr(raw_attr(module, "_modules", {}).get("parametrizations"), "_modules", {}) or {}
         for tensor, plist in lists.items():
             steps = list(raw_attr(plist, "_modules", {}).values())

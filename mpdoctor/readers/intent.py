@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..facts.intent import Island, ShadowFacts
-from ..live.introspect import class_path, modules_of, named_modules, raw_attr
+from ..live.introspect import anatomy, class_path, modules_of, named_modules, raw_attr
 
 #: Averaging wrappers that are modules: ``class path -> shadow kind``.
 AVERAGING_MODULES = {
@@ -103,7 +103,7 @@ def _hook_islands(model: torch.nn.Module) -> list[Island]:
     """Submodules of one floating dtype whose forward pre-hook casts the input to that dtype and whose forward hook
     casts the output to another (or back to the input's): the cast around them is written out, so they are islands."""
     out: list[Island] = []
-    for path, mod in named_modules(model):
+    for path, mod in anatomy(model).hooked:  # the modules with hooks on both sides, found in the shared walk
         hooks = mod.__dict__
         pre, post = hooks.get("_forward_pre_hooks"), hooks.get("_forward_hooks")
         if not pre or not post:
@@ -228,8 +228,39 @@ def _getattr_of(node: ast.AST, me: str) -> bool:
 
 
 def _frozen(mod: torch.nn.Module) -> bool:
-    params = list(mod.parameters())
-    return bool(params) and not any(p.requires_grad for p in params)
+    """Whether ``mod`` holds parameters and none of them trains (``mod.parameters()`` read as torch reads it).
+
+    The tree is read through each module's own ``_parameters`` and ``_modules`` and stops at the first trainable
+    parameter: a trainable child (the usual answer) costs a few reads, not a walk of its tree. A module whose class
+    changes how torch lists parameters is asked ``parameters()`` itself, as before.
+    """
+    found = False
+    pending, seen = [mod], set()
+    while pending:
+        m = pending.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if not _lists_parameters_as_torch(type(m)):
+            params = list(mod.parameters())
+            return bool(params) and not any(p.requires_grad for p in params)
+        for p in m._parameters.values():
+            if p is not None:
+                if p.requires_grad:
+                    return False
+                found = True
+        pending.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return found
+
+
+_MODULE = torch.nn.Module
+
+
+@functools.lru_cache(maxsize=256)
+def _lists_parameters_as_torch(cls: type) -> bool:
+    """``cls`` lists its parameters and submodules with ``nn.Module``'s own methods, from its own dicts."""
+    names = ("parameters", "named_parameters", "_named_members", "named_modules", "__getattribute__")
+    return all(getattr(cls, n, None) is getattr(_MODULE, n) for n in names)
 
 
 def _copy_of_a_sibling(path: str, child: torch.nn.Module, siblings: list[tuple[str, torch.nn.Module]], signatures: dict) -> Island | None:

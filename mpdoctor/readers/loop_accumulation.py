@@ -152,8 +152,12 @@ def _calls(nodes: Sequence[ast.stmt], attr: str) -> Iterator[ast.Call]:
                 yield node
 
 
+def _calls_backward(loop: ast.For | ast.While) -> bool:
+    return any(True for _ in _calls(loop.body, "backward"))
+
+
 def _steps_in(loop: ast.For | ast.While, source: Source, namespace: Mapping[str, Any]) -> Iterator[LoopAccumulation]:
-    if not any(True for _ in _calls(loop.body, "backward")):
+    if not _calls_backward(loop):
         return
     guarded: set[int] = set()
     for node in (n for stmt in loop.body for n in ast.walk(stmt)):
@@ -182,11 +186,27 @@ def read_loop_accumulations(sources: Sequence[Source], namespace: Mapping[str, A
     """
     out: dict[str, LoopAccumulation] = {}
     for source in sources:
-        for node in ast.walk(source.tree):
-            if isinstance(node, (ast.For, ast.While)):
-                for found in _steps_in(node, source, namespace):
-                    out[found.optimizer] = found  # the later loop is the one the user runs now
+        for node in _backward_loops(source.tree):
+            for found in _steps_in(node, source, namespace):
+                out[found.optimizer] = found  # the later loop is the one the user runs now
     return out
+
+
+#: ``id(tree) -> (tree, its loops that call backward())``: a script is parsed once per process
+#: (``loop_source.parse``), and every ``diagnose()`` it runs would walk the whole tree again for them.
+_LOOPS: dict[int, tuple[ast.Module, tuple[ast.For | ast.While, ...]]] = {}
+
+
+def _backward_loops(tree: ast.Module) -> tuple[ast.For | ast.While, ...]:
+    """The ``for`` and ``while`` loops of ``tree`` whose body calls ``backward()``, in ``ast.walk`` order (the tree is
+    held, so its id is not reused)."""
+    hit = _LOOPS.get(id(tree))
+    if hit is None or hit[0] is not tree:
+        if len(_LOOPS) >= 4096:
+            _LOOPS.clear()
+        loops = (n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While)))
+        hit = _LOOPS[id(tree)] = (tree, tuple(n for n in loops if _calls_backward(n)))
+    return hit[1]
 
 
 def record_loop_accumulations(sources: Sequence[Source], namespace: Mapping[str, Any]) -> list[LoopAccumulation]:

@@ -140,6 +140,8 @@ def _type_of(device: Any) -> str:
 
 
 _PARAMETER = torch.nn.Parameter
+#: ``ParamInfo`` made from a full tuple of its fields without ``_make``'s Python-level call (once per parameter).
+_record = tuple.__new__
 
 
 def _storage(p: Any, readers: tuple) -> tuple[str, str, int] | None:
@@ -168,9 +170,17 @@ def read_module_tensors(
     ``weight_storage``): a quantized weight is tallied in its storage dtype and bytes.
     """
     walk = _TensorWalk(casting_layers, storage_readers)
-    for mpath, mod in named_modules(module):
-        walk.module(mpath, mod)
+    walk.modules(named_modules(module))
     return walk.facts(name)
+
+
+def _written_casts(cls: type) -> tuple[str | None, dict[str, str]] | None:
+    """``(casts_own_input, children_cast_by)`` of a class, None when its forward casts nothing (torch's own layers
+    never cast their input to their weights' dtype)."""
+    if cls.__module__.startswith("torch.nn."):
+        return None
+    kind, by_child = casts_own_input(cls), children_cast_by(cls)
+    return (kind, by_child) if kind is not None or by_child else None
 
 
 def _count(counts: dict, key: tuple, numel: int) -> None:
@@ -193,53 +203,52 @@ class _TensorWalk:
         self.counts: dict[tuple[str, Any, bool, str], list[int]] = {}
         # (storage dtype name, trainable, device) -> [tensors, elements, bytes]: quantized weights
         self.stored: dict[tuple[str, bool, str], list[int]] = {}
-        self.params: list[tuple] = []
+        self.params: list[ParamInfo] = []
         self.tied: list[tuple[int, str, str, str, int]] = []
         self.seen: set[int] = set()
         self.checkpointing = False
         self.patched: list[tuple[str, str]] = []
         self.tuners: list[str] = []
-        self.per_class: dict[type, tuple[str, str | None, bool]] = {}
+        self.per_class: dict[type, tuple] = {}
         self.input_casts: list[tuple[str, str]] = []
 
-    def module(self, mpath: str, mod: torch.nn.Module) -> None:
-        """Read one module: its class's facts, its own parameters and buffers."""
-        mdict = mod.__dict__
-        if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
-            self.checkpointing = True
-        known = self._class_facts(mod, mdict)
-        origin = _patched_forward(mod) if "forward" in mdict else known[1]
-        if origin is not None:
-            self.patched.append((mpath, origin))
-        if known[2]:
-            self.tuners.append(mpath)
-        self._casts(mpath, mod, mdict)
-        own = mdict.get("_parameters")
-        if own:
-            prefix = f"{mpath}." if mpath else ""
-            for pname, p in own.items():
-                if p is not None:
-                    self._parameter(prefix, mpath, known[0], pname, p)
-        bufs = mdict.get("_buffers")
-        if bufs:
-            self._buffers(bufs)
+    def modules(self, walk: tuple[tuple[str, torch.nn.Module], ...]) -> None:
+        """Read each module of the walk: its class's facts, its own parameters and buffers (one loop, its lookups
+        bound once: this is the whole cost of a diagnosis of a big model)."""
+        per_class, class_facts, parameters = self.per_class, self._class_facts, self._parameters
+        for mpath, mod in walk:
+            mdict = mod.__dict__
+            if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
+                self.checkpointing = True
+            known = per_class.get(type(mod)) or class_facts(mod, mdict)
+            origin = _patched_forward(mod) if "forward" in mdict else known[1]
+            if origin is not None:
+                self.patched.append((mpath, origin))
+            if known[2]:
+                self.tuners.append(mpath)
+            if known[3] is not None:
+                self._casts(mpath, mdict, *known[3])
+            own = mdict.get("_parameters")
+            if own:
+                parameters(mpath, known[0], own)
+            bufs = mdict.get("_buffers")
+            if bufs:
+                self._buffers(bufs)
 
-    def _casts(self, mpath: str, mod: torch.nn.Module, mdict: dict) -> None:
-        """Modules whose input their own forward, or their parent's, casts (deliberate dtype islands)."""
-        cls = type(mod)
-        if cls.__module__.startswith("torch.nn."):
-            return  # torch's own layers never cast their input to their weights' dtype
-        kind = casts_own_input(cls)
+    def _casts(self, mpath: str, mdict: dict, kind: str | None, by_child: dict[str, str]) -> None:
+        """Modules whose input their own forward (``kind``), or their parent's (``by_child``), casts (deliberate
+        dtype islands)."""
         if kind is not None and mdict.get("_parameters"):
             self.input_casts.append((mpath, kind))
         children = mdict.get("_modules")
         if children:
-            for child, child_kind in children_cast_by(cls).items():
+            for child, child_kind in by_child.items():
                 if child in children:
                     self.input_casts.append((f"{mpath}.{child}" if mpath else child, child_kind))
 
-    def _class_facts(self, mod: torch.nn.Module, mdict: dict) -> tuple[str, str | None, bool]:
-        """``(class path, patched forward, is a casting layer)``, read once per class."""
+    def _class_facts(self, mod: torch.nn.Module, mdict: dict) -> tuple:
+        """``(class path, patched forward, is a casting layer, the casts its forward writes or None)``, read once
+        per class."""
         cls = type(mod)
         known = self.per_class.get(cls)
         if known is None:
@@ -248,26 +257,39 @@ class _TensorWalk:
                 f"{cls.__module__}.{cls.__qualname__}",
                 _patched_forward(mod) if "forward" not in mdict else None,
                 bool(self.casting_layers) and any(c in self.casting_layers for c in class_paths(cls)),
+                _written_casts(cls),
             )
         return known
 
-    def _parameter(self, prefix: str, mpath: str, cpath: str, pname: str, p: torch.nn.Parameter) -> None:
-        pid = id(p)
-        if pid in self.seen:
-            self.tied.append((len(self.params), mpath, cpath, pname, pid))
-            return
-        self.seen.add(pid)
-        dt = p.dtype
-        dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
-        trainable = p.requires_grad
-        numel = p.numel()
-        device = p.device
-        dev = _DEVICE_TYPES.get(device) or _type_of(device)
-        quantized = self._quantized(p, trainable, dev, numel)
-        if quantized is None:
-            _count(self.counts, ("param", dt, trainable, dev), numel)
-        gname = self._grad(p, trainable)
-        self.params.append((prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized))
+    def _parameters(self, mpath: str, cpath: str, own: dict) -> None:
+        """Read one module's own parameters (metadata only)."""
+        prefix = f"{mpath}." if mpath else ""
+        seen, counts, keep = self.seen, self.counts, self.params.append
+        for pname, p in own.items():
+            if p is None:
+                continue
+            pid = id(p)
+            if pid in seen:
+                self.tied.append((len(self.params), mpath, cpath, pname, pid))
+                continue
+            seen.add(pid)
+            dt = p.dtype
+            dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
+            trainable = p.requires_grad
+            numel = p.numel()
+            device = p.device
+            dev = _DEVICE_TYPES.get(device) or _type_of(device)
+            quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
+            if quantized is None:  # _count, inlined: once per parameter
+                row = counts.get(("param", dt, trainable, dev))
+                if row is None:
+                    counts["param", dt, trainable, dev] = [1, numel]
+                else:
+                    row[0] += 1
+                    row[1] += numel
+            grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
+            gname = None if grad is None else self._grad(grad, trainable)
+            keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
 
     def _quantized(self, p: torch.nn.Parameter, trainable: bool, dev: str, numel: int) -> tuple | None:
         """A quantized weight's ``(tensor class, storage dtype)``, tallied in its storage; None for a plain one."""
@@ -282,11 +304,8 @@ class _TensorWalk:
         row[2] += found[2]
         return found[:2]
 
-    def _grad(self, p: torch.nn.Parameter, trainable: bool) -> str | None:
-        """The gradient's dtype name (tallied), or None without one."""
-        grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
-        if grad is None:
-            return None
+    def _grad(self, grad: torch.Tensor, trainable: bool) -> str:
+        """The gradient's dtype name (tallied)."""
         gdt = grad.dtype
         _count(self.counts, ("grad", gdt, trainable, _type_of(grad.device)), grad.numel())
         return _DTYPE_NAMES.get(gdt) or _name_of(gdt)
@@ -303,7 +322,7 @@ class _TensorWalk:
         counts, stored = self.counts, self.stored
         return ModuleTensors(
             _rows(name, counts, stored),
-            tuple(map(ParamInfo._make, self.params)),
+            tuple(self.params),
             self.checkpointing,
             frozenset([dev for (kind, _d, _t, dev) in counts if kind == "param"] + [dev for (_d, _t, dev) in stored]),
             patched_forwards=tuple(self.patched),

@@ -245,7 +245,7 @@ class ProtocolObserver:
     models : iterable of torch.nn.Module, optional
         Models whose parameter names identify the gradients that overflowed.
     on_finding : callable, optional
-        Called with each new :class:`~mpdoctor.findings.Finding` at the call where it happens
+        Called with each new :class:`~mpdoctor.treatment.findings.Finding` at the call where it happens
         (default: print one block to stderr).
 
     Attributes
