@@ -189,3 +189,19 @@ def test_a_fix_is_a_value_its_title_code_and_changes_are_fixed_and_replace_makes
     assert other.key[:2] == fix.key[:2] and not other.applied and fix.title != "Another title"
     with pytest.raises(TypeError, match="Fix has no value"):
         fix.replace(proof="verified")
+
+
+def test_what_happens_to_a_fix_is_a_record_its_treatment_keeps_keyed_by_the_fix():
+    model = bf16_model()
+    scaler, opt = stepped(model)
+    report = mpdoctor.diagnose(model, opt, scaler)
+    fix = next(fx for fx in report.safe_fixes if fx.changes)
+    with pytest.raises(AttributeError):
+        fix.applied = True  # the application is the treatment's record, not an attribute of the value
+    fix.apply()
+    entry = report.treatment.records[id(fix)]
+    assert entry[0] is fix and entry[1] is fix.record and fix.record.applied and fix.record.steps
+    view = [v for f in report.view.data["findings"] for v in f["fixes"] if v["title"] == fix.title]
+    assert view and view[0]["applied"] is True  # the view is built from the treatment's state
+    fix.undo()
+    assert not report.treatment.records[id(fix)][1].applied and not fix.record.steps

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
+from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation, FixRecord
 
 #: Why a finding of the last report is not in a re-diagnosis, as ``report.departed`` and ``to_dict()`` say it.
 FIXED, SUPERSEDED, CODE_ONLY, CHANGED = "fixed", "superseded", "only fixable in code", "changed outside"
@@ -42,6 +42,16 @@ class Treatment:
         self.needs: dict[int, tuple[Fix, tuple]] = {}
         #: The fixes applied with each fix applied as a group: ``id(fix) -> (fix, group)``.
         self.groups: dict[int, tuple[Fix, tuple]] = {}
+        #: What happened to each fix bound to this treatment: ``id(fix) -> (fix, record)``.
+        self.records: dict[int, tuple[Fix, FixRecord]] = {}
+
+    def record_of(self, fix: Fix) -> FixRecord:
+        """What happened to ``fix``: the record this treatment keeps for it (it adopts the one the fix kept before
+        it was bound, so nothing that happened is lost)."""
+        entry = self.records.get(id(fix))
+        if entry is None or entry[0] is not fix:
+            entry = self.records[id(fix)] = (fix, fix._own)
+        return entry[1]
 
     def learn(self, proof: Any) -> None:
         """Keep the prerequisites ``proof`` found (it replaces what an earlier proof said of the same fixes)."""
@@ -149,7 +159,7 @@ class Treatment:
             try:
                 self.apply(fix)
             except (FixFailed, FixNeedsConfirmation) as exc:
-                fix.error = fix.error or str(exc)
+                fix.record.error = fix.error or str(exc)
                 continue
             if fix.applied:
                 applied.append(fix)

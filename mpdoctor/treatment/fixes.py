@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from ..edits.steps import Change
@@ -41,12 +42,26 @@ class FixNeedsConfirmation(RuntimeError):
     """A fix would keep a backup larger than the undo budget; apply it with ``confirm=True``."""
 
 
+@dataclass
+class FixRecord:
+    """What happened to a fix: whether it is applied, how applying or undoing it failed, and the steps it took (what
+    undo reverts). Kept by the treatment the fix is bound to, keyed by the fix (:meth:`FixDoor.record_of`); a fix
+    bound to none keeps its own."""
+
+    applied: bool = False
+    error: str | None = None
+    steps: list = field(default_factory=list)
+
+
 class FixDoor(Protocol):
-    """What a fix is bound to for applying: the diagnosis-level treatment (it re-plans against the live objects)."""
+    """What a fix is bound to for applying: the diagnosis-level treatment (it re-plans against the live objects and
+    keeps what happened to each fix)."""
 
     def apply(self, fix: Fix, confirm: bool = False) -> Fix: ...
 
     def undo(self, fix: Fix | None = None) -> Fix | None: ...
+
+    def record_of(self, fix: Fix) -> FixRecord: ...
 
 
 class Fix:
@@ -102,13 +117,11 @@ class Fix:
         # Replaceable attributes, so fault-injection tests can make any step fail.
         self._plan: Callable[[], list[Change]] = self._spec_steps
         self._verify: Callable[[], str | None] = self._spec_problem
-        # The application record (what was applied, how it failed, the steps to undo).
-        self.applied = False
-        self.error: str | None = None
+        # What happens to it, until a treatment keeps that (bind): :attr:`record`.
+        self._own = FixRecord()
         #: Set by the treatment planner: whether this fix is part of the report's plan, and why not.
         self.planned = True
         self.note = ""
-        self._done: list[Change] = []
         self._live: Any = None
         self._door: FixDoor | None = None
 
@@ -132,6 +145,26 @@ class Fix:
         given.update(values)
         title, code = given.pop("title"), given.pop("code")
         return Fix(title, code, **given).bind(self._live, self._door)
+
+    @property
+    def record(self) -> FixRecord:
+        """What happened to this fix (applied, the error, the steps to undo): the record its treatment keeps."""
+        door = self._door
+        return door.record_of(self) if door is not None else self._own
+
+    @property
+    def applied(self) -> bool:
+        """Applied now (through its treatment, or directly)."""
+        return self.record.applied
+
+    @property
+    def error(self) -> str | None:
+        """Why applying or undoing it last failed (None after a success)."""
+        return self.record.error
+
+    @property
+    def _done(self) -> list:
+        return self.record.steps
 
     @property
     def safe(self) -> bool:
@@ -211,14 +244,13 @@ class Fix:
         they are now) as bound now, atomically: on any failure, revert those taken."""
         if self.applied:
             return
+        record = self.record
         try:
             done = self.tried_steps(changes)
         except FixFailed as exc:
-            self.error = str(exc)[len(self.title) + 1 :]
+            record.error = str(exc)[len(self.title) + 1 :]
             raise
-        self._done = done
-        self.applied = True
-        self.error = None
+        record.steps, record.applied, record.error = done, True, None
 
     def tried_steps(self, changes: Sequence[Any] | None = None) -> list[Change]:
         """Apply the steps of :attr:`changes` as bound now, atomically, and return them for
@@ -260,12 +292,12 @@ class Fix:
         """Revert the steps :meth:`apply_steps` took, newest first."""
         if not self.applied:
             return
-        leftovers = _revert_all(self._done)
-        self._done = []
-        self.applied = False
+        record = self.record
+        leftovers = _revert_all(record.steps)
+        record.steps, record.applied = [], False
         if leftovers:
-            self.error = f"undo could not restore everything: {leftovers}"
-            raise FixFailed(f"{self.title}: {self.error}")
+            record.error = f"undo could not restore everything: {leftovers}"
+            raise FixFailed(f"{self.title}: {record.error}")
 
     def to_dict(self) -> dict:
         """A JSON-serialisable description."""
