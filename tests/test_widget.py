@@ -102,6 +102,8 @@ def test_clicking_disable_scaler_turns_off_the_live_scaler_and_the_refreshed_rep
     html = "".join(rw.html_values())
     assert "applied" in html and "gone after re-diagnosis" in html
     assert "scaler = torch.amp.GradScaler(&#x27;cpu&#x27;, enabled=False)" in html  # the code to paste
+    # The card says plainly what running the old cell again does: it builds the object as it was.
+    assert "running the cell that builds the object again builds it as it was, undoing this fix" in html
     assert "disabled" not in first_report.to_text().split("scalers")[-1]  # the old report is untouched
 
     only(rw.buttons("Undo")).click()

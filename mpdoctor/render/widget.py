@@ -551,7 +551,9 @@ class ReportWidget:
         html = (
             f"<div style='{FONT}'><div>{pill('applied', OK_COLOR)} {e(singular_counts(entry.fix_view['title']))}</div>"
             f"<div style='font-size:12px'>{code(f['check'])} on {code(f['subject'])}: {outcome}</div>"
-            f"<div style='font-size:12px;color:{MUTED};margin-top:2px'>to make it stick, paste this where the object is created:</div>"
+            f"<div style='font-size:12px;color:{MUTED};margin-top:2px'>changed in place, in this kernel only: running "
+            "the cell that builds the object again builds it as it was, undoing this fix. To make it stick, paste this "
+            "where the object is created:</div>"
             f"<pre style='{PRE}'>{e(entry.fix_view['code'])}</pre></div>"
         )
         undo = w.Button(
