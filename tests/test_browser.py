@@ -510,3 +510,93 @@ def test_in_jupyterlab_mpdoctor_insert_puts_the_corrected_loop_below_unrun_and_r
         finally:
             browser.close()
     record_property("seconds", round(time.monotonic() - started, 1))
+
+
+def test_the_new_users_notebook_in_jupyterlab_safe_fixes_keep_the_scaler_and_the_report_follows_the_corrected_cells(
+    tmp_path, record_property
+):
+    """The new user's notebook, run in JupyterLab: the crash is one finding; "Apply all safe fixes" keeps the GradScaler
+    the fp16 loop needs; no mpdoctor frame is in the traceback; the proof line reads 4.5:1 in the light and the dark
+    theme; after the user corrects both cells and runs them again, a new %mpdoctor reports no error."""
+    _require_chromium()
+    import playwright.sync_api as playwright
+    from browser.lab import NEW_USER_HEAD_RIGHT, NEW_USER_LOOP_RIGHT, LabServer, write_new_user_notebook
+
+    started = time.monotonic()
+    root = tmp_path / "root"
+    root.mkdir()
+    name = "new_user.ipynb"
+    write_new_user_notebook(root / name)
+    measured: dict[str, float] = {}
+    with LabServer(tmp_path, root) as lab, playwright.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1600}, device_scale_factor=1)
+            _open_notebook(page, lab.notebook_url(name))
+            _js_notebook(page, "app.shell.collapseLeft(); app.shell.collapseRight();")
+            _js_notebook(page, "return app.commands.execute('notebook:run-all-cells');")
+            report = page.locator(".mpdoctor-widget").last
+            report.wait_for(state="visible", timeout=120_000)
+            page.wait_for_function(  # the %mpdoctor cell's widget, its findings rendered (some folded)
+                "() => { const w = Array.from(document.querySelectorAll('.mpdoctor-widget')).pop();"
+                " return w && w.textContent.includes('amp-step-bypasses-scaler')"
+                " && w.textContent.includes('batch-dtype-mismatch'); }",
+                timeout=90_000,
+            )
+            text = report.inner_text()
+            # One crash, one finding: the exception family's reading is evidence of the cause, not a finding.
+            assert "ERROR batch-dtype-mismatch on head" in text and "ERROR crash-matmul-dtype" not in text, text[-3000:]
+            assert "Plan verified on your step (cell [3])" in text, text[:1500]
+            assert "<module>" not in text, text[-3000:]
+            traceback_text = _js_notebook(page, "return nb.content.widgets[2].node.innerText;")
+            assert "mat1 and mat2 must have the same dtype" in traceback_text
+            assert "mpdoctor/" not in traceback_text and "_wrap_" not in traceback_text  # no mpdoctor frame
+            # The proof line (the crash cell replayed) reads at 4.5:1 or more in both themes.
+            proof = report.locator("text=/Plan (not )?verified on your step/").first
+            proof.wait_for(timeout=30_000)
+            for theme, theme_name in THEMES.items():
+                _js_notebook(page, "return app.commands.execute('apputils:change-theme', {theme: arg});", theme_name)
+                page.wait_for_function(
+                    "(light) => document.body.dataset.jpThemeLight === light", arg=str(theme == "light").lower()
+                )
+                page.wait_for_timeout(500)
+                page.evaluate("() => Array.from(document.querySelectorAll('.mpdoctor-widget')).pop().id = 'mpd-last'")
+                result = page.evaluate(MEASURE_JS, "#mpd-last")  # the %mpdoctor cell's report (the loop cell has one)
+                lines = [t for t in result["texts"] if t["text"].startswith(("Plan verified", "Plan not verified"))]
+                assert lines, [t["text"] for t in result["texts"]][:40]
+                measured[theme] = round(min(t["ratio"] for t in lines), 2)
+                assert measured[theme] >= MIN_CONTRAST, (theme, lines)
+            # Apply all safe fixes: the scaler the fp16 loop needs stays enabled.
+            report.locator("button", has_text="Apply all safe fixes").first.click()
+            page.wait_for_timeout(1_500)
+
+            def type_and_run(code: str) -> None:
+                _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
+                _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
+                _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
+                page.keyboard.type(code)
+                _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+
+            type_and_run("print('SCALER', scaler.is_enabled())")
+            page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="SCALER ").wait_for(timeout=60_000)
+            assert page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="SCALER ").last.inner_text().strip() == "SCALER True"
+            # The user corrects both cells, in place, and runs them again (JupyterLab sends each cell's id).
+            for index, code in ((1, NEW_USER_LOOP_RIGHT), (2, NEW_USER_HEAD_RIGHT)):
+                _js_notebook(page, "nb.content.widgets[arg[0]].model.sharedModel.setSource(arg[1]);", [index, code])
+                _js_notebook(page, "nb.content.activeCellIndex = arg;", index)
+                _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+                page.wait_for_function(
+                    "(i) => { const c = window.jupyterapp.shell.currentWidget.content.widgets[i];"
+                    " return c.model.executionCount && c.model.executionCount > 4; }",
+                    arg=index,
+                )
+            page.wait_for_timeout(1_000)
+            type_and_run("_r = %mpdoctor --text\nprint('ERRORS', _r.counts()['error'])")
+            done = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="ERRORS ")
+            done.last.wait_for(timeout=90_000)
+            assert done.last.inner_text().strip().endswith("ERRORS 0"), done.last.inner_text()[-2000:]
+        finally:
+            browser.close()
+    record_property("proof_line_contrast", measured)
+    print("proof line contrast per theme:", measured)
+    record_property("seconds", round(time.monotonic() - started, 1))

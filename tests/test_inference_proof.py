@@ -68,3 +68,18 @@ def test_an_inference_step_with_non_finite_output_ran_but_is_not_cured_and_a_tra
 
     trained = run_step(detached_step, [healthy], [opt])
     assert not trained.inference and not trained.trained and trained.why == "no gradient reached the parameters"
+
+
+def test_an_inference_cell_beside_a_model_a_wrong_loop_wrecked_is_judged_by_its_own_output():
+    """A model whose weights an earlier loop made NaN, with its gradients left over, is not what an inference cell
+    that raised on another module did: the cell is replayed as an inference step, and its fix verified."""
+    with loaded_shell(("torch", "net", "head", "x", "logits", "r")) as sh:
+        sh.run_cell("import torch\ntorch.manual_seed(0)\nnet = torch.nn.Linear(8, 1)\n"
+                    "net(torch.randn(4, 8)).sum().backward()\n"
+                    "with torch.no_grad():\n    net.weight.fill_(float('nan'))\n"
+                    "head = torch.nn.Linear(8, 2).to(torch.bfloat16)\nx = torch.randn(16, 8)\n", store_history=True)
+        assert not sh.run_cell("logits = head(x)\n", store_history=True).success
+        sh.run_cell("r = %mpdoctor net head x --text", store_history=True)
+        proof = sh.user_ns["r"].proof
+        assert proof.verified and proof.plan.inference, proof.summary()
+        assert proof.summary().startswith("Plan verified on your step (cell [2])")

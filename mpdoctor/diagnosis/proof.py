@@ -289,6 +289,7 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
     """Run ``step()`` once and judge whether it trained (see :class:`StepOutcome`); it never raises."""
     params = [p for m in _unique(modules) for p in m.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params]
+    grads = [p.grad for p in params]  # by identity: a step that ran no backward leaves every one as it was
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     stepped = [0]
@@ -305,7 +306,7 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
         seen.remove()
         running.remove()
         hook.remove()
-    if not seen.reached and not stepped[0] and not any(p.grad is not None for p in params):
+    if not seen.reached and not stepped[0] and all(p.grad is g for p, g in zip(params, grads)):
         why = _nonfinite_output(returned)
         return StepOutcome(True, not why, why=why, inference=True)
     loss = _number(returned)
@@ -355,7 +356,8 @@ def _not_trained(params: list, before: list, seen: _Gradients, loss: float | Non
     """Why a step that ran did not train (``""`` when it did)."""
     if loss is not None and not math.isfinite(loss):
         return "its loss is inf/NaN"
-    if any(not bool(torch.isfinite(p.detach()).all()) for p in params):
+    if any(not bool(torch.isfinite(p.detach()).all()) and bool(torch.isfinite(before[i]).all())
+           for i, p in enumerate(params)):  # one already inf/NaN before the step (another model's) is not this step's
         return "a parameter became inf/NaN"
     if not params:
         return "no parameter of the diagnosed models is trainable"

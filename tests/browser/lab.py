@@ -362,3 +362,31 @@ def write_insert_notebook(path: Path) -> Path:
     nb.cells = [nbformat.v4.new_code_cell(code) for code in INSERT_CELLS]
     nbformat.write(nb, str(path))
     return path
+
+
+#: The new user's notebook: an fp32 net under fp16 autocast with a GradScaler, a loop calling opt.step() past it,
+#: then an unrelated bf16 head fed a float32 batch (it raises), then %mpdoctor.
+NEW_USER_CELLS = (
+    "import torch\n%load_ext mpdoctor\ntorch.manual_seed(0)\n"
+    "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))\n"
+    "opt = torch.optim.SGD(net.parameters(), lr=0.1)\nscaler = torch.amp.GradScaler('cpu')\n"
+    "head = torch.nn.Linear(8, 2).to(torch.bfloat16)\nx = torch.randn(16, 8)",
+    "for _ in range(3):\n    opt.zero_grad()\n    with torch.autocast('cpu', dtype=torch.float16):\n"
+    "        loss = net(x).float().pow(2).mean()\n    scaler.scale(loss).backward()\n    opt.step()",
+    "logits = head(x)",
+    "%mpdoctor",
+)
+#: The same two cells as the user corrects them.
+NEW_USER_LOOP_RIGHT = NEW_USER_CELLS[1].replace("    opt.step()", "    scaler.step(opt)\n    scaler.update()")
+NEW_USER_HEAD_RIGHT = "logits = head(x.to(torch.bfloat16))"
+
+
+def write_new_user_notebook(path: Path) -> Path:
+    """The new user's notebook; the raising cell is tagged ``raises-exception`` so that Run All goes on."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": KERNEL_NAME, "display_name": "mpdoctor test venv", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(code) for code in NEW_USER_CELLS]
+    nb.cells[2].metadata["tags"] = ["raises-exception"]
+    nbformat.write(nb, str(path))
+    return path
