@@ -486,6 +486,19 @@ def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _frozen_base(m: ModelFacts, held: str) -> list:
+    """The frozen parameters of ``m`` in ``held`` when they are most of its elements and nothing in it is
+    quantized (a quantized model keeps its norms in fp32 on purpose); empty otherwise."""
+    if m.low_bit_layers or m.quantized_weights or m.stored_layers or m.float8_layers:
+        return []
+    params = m.tensors.params
+    if any(p.quantized is not None or not p.dtype.startswith(("float", "bfloat")) for p in params):
+        return []
+    frozen = [p for p in params if p.dtype == held and not p.requires_grad]
+    total = sum(p.numel for p in params)
+    return frozen if total and 2 * sum(p.numel for p in frozen) > total else []
+
+
 @check("load-dtype-mismatch", Severity.INFO, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
 def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A model held in another dtype than its checkpoint (``model.dtype != config.dtype``).
@@ -497,11 +510,14 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         of transformers 4.x, or ``.float()`` after loading), or cast to fp16.
         Warning when the model is fp16 and the checkpoint is not (fp16's range
         ends at 65504; weights and activations trained in bf16 or fp32 can
-        overflow to inf); info otherwise.
+        overflow to inf), and when an optimizer trains the model but most of its
+        widened parameters are frozen (a frozen base upcast, as
+        ``prepare_model_for_kbit_training`` does to a model that is not
+        quantized); info otherwise.
     Why is this bad?
         fp32 weights from a bf16 checkpoint take twice the memory and add no
         information: right as fp32 master weights under autocast, waste for
-        inference. bf16 from an fp32 checkpoint drops mantissa bits but keeps
+        inference and for frozen weights, which take no updates. bf16 from an fp32 checkpoint drops mantissa bits but keeps
         the range, which is usually intended.
     Example
         model = AutoModelForCausalLM.from_pretrained(name)  # checkpoint saved in bf16
@@ -509,13 +525,15 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Use instead
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
     Severity
-        Warning for fp16 from a wider checkpoint (overflow risk); info otherwise (fp32 master weights
-        are right under autocast).
+        Warning for fp16 from a wider checkpoint (overflow risk) and for a frozen base widened under
+        training (measured: twice the base's bytes, no update reaches them); info otherwise (fp32 master
+        weights of trained parameters are right under autocast; a quantized model's fp32 norms are
+        intended).
     Fix safety
         Cast the parameters in the model's dtype to the checkpoint dtype in
-        place, keeping the Parameter objects; not offered when an optimizer
-        holds the parameters of a model wider than its checkpoint (fp32
-        master weights), nor for bf16 from fp32. Always unsafe: it changes
+        place, keeping the Parameter objects; under training only the frozen
+        ones (the trained parameters keep their fp32 master weights); not
+        offered for bf16 from fp32. Always unsafe: it changes
         the dtype layers compute in, and narrowing loses bits. Better: load
         with ``from_pretrained(..., dtype=...)``.
     Sources
@@ -538,10 +556,17 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
             )
         else:
             severity, why = Severity.INFO, "precision is lost but the range is kept, which is usually intended"
-        offer = not (training and widens(saved, held)) and not (saved == "float32" and held == "bfloat16")
+        frozen = _frozen_base(m, held) if training and widens(saved, held) else []
+        if frozen:
+            size = sum(p.numel for p in frozen) * torch_dtype(held).itemsize
+            severity = Severity.WARNING
+            why = (f"{count(len(frozen), 'frozen parameter')} ({size / 2**20:.2f} MiB) take no updates, so {held} master "
+                   f"weights do nothing for them: the frozen base holds {torch_dtype(held).itemsize // torch_dtype(saved).itemsize}x "
+                   f"the memory of its {saved} checkpoint (prepare_model_for_kbit_training upcasts a model that is not quantized)")  # fmt: skip
+        offer = (not (training and widens(saved, held)) or bool(frozen)) and not (saved == "float32" and held == "bfloat16")
         fixes = []
         if offer:
-            params = [p for p in m.tensors.params if p.dtype == held]
+            params = frozen or [p for p in m.tensors.params if p.dtype == held]
             code = (
                 f"# better: from_pretrained(..., dtype=torch.{saved})\n"
                 f"for p in {m.name}.parameters():\n"
@@ -549,9 +574,11 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 f"        p.data = p.data.to(torch.{saved})"
             )
             spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, facts.optimizer_refs(m.tensors.param_ids), f"{held} parameters of {m.name}")
+            if frozen:
+                code = code.replace("if p.dtype ==", "if not p.requires_grad and p.dtype ==")
             fixes.append(
                 Fix(
-                    f"Cast {count(len(params), held + ' parameter')} of {m.name} to the checkpoint's {saved}",
+                    f"Cast {count(len(params), ('frozen ' if frozen else '') + held + ' parameter')} of {m.name} to the checkpoint's {saved}",
                     code,
                     changes=(spec,),
                     backup_bytes=spec.backup_bytes(facts),
