@@ -247,7 +247,9 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         activations. Error for a compute module without autocast; warning
         when only such norms differ; under autocast (``torch.autocast`` now,
         accelerate's wrapped forward, a Trainer autocasting the model) only
-        modules behind a patched forward are reported, as a warning.
+        modules behind a patched forward are reported, as a warning, except
+        for a model that generates when the only autocast is a training
+        setup's: its steps are covered, ``generate()`` is not (warning).
     Why is this bad?
         Without autocast a matmul takes one dtype: an fp32 adapter or layer
         fed bf16 activations raises ``mat1 and mat2 must have the same dtype``
@@ -266,7 +268,8 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model(input_ids)  # or run the forward under torch.autocast("cuda", dtype=torch.bfloat16)
     Severity
         Error for a compute module without autocast (the first matmul raises); warning for wider norms
-        without autocast, or patched forwards under autocast; info when a probe ran the model's forward and
+        without autocast, patched forwards under autocast, or a generative model autocast only by a
+        training setup's steps (``generate()`` outside them raises: TRL's fp32 norms, peft #1515); info when a probe ran the model's forward and
         backward on the user's batch without a dtype error (the mixture is cast around: deliberate);
         nothing for PEFT adapters, modules whose input their forward casts, autocast-covered models and
         norms that keep their input dtype.
@@ -292,11 +295,12 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not offenders:
             continue
         cover = autocast_cover(facts, m)
-        if cover is not None:
+        scoped = cover is not None and _steps_only(facts, m)
+        if cover is not None and not scoped:
             offenders = [u for u in offenders if u.patched and u.role not in ("norm", "native-norm")]
             if not offenders:
                 continue
-        severity, msg = _mixed_message(m.name, offenders, dtype, cover)
+        severity, msg = _scoped_message(m.name, offenders, dtype, cover) if scoped else _mixed_message(m.name, offenders, dtype, cover)
         clean = _probe_ran_clean(facts, m.name)
         if clean:
             severity, msg = Severity.INFO, (
@@ -336,6 +340,23 @@ def _probe_ran_clean(facts: Facts, model: str) -> bool:
     """A probe of ``model`` ran its forward and backward without an error (evidence the mixture is cast around)."""
     return any(getattr(p, "model", None) == model and getattr(p, "error", None) is None and getattr(p, "backward", False)
                for p in getattr(facts, "probes", ()) or ())  # fmt: skip
+
+
+def _steps_only(facts: Facts, m: ModelFacts) -> bool:
+    """The only autocast over ``m`` is a training setup's, around its own steps (no ``torch.autocast`` now, no
+    wrapper on ``m.forward``), and ``m`` generates: ``generate()`` is called outside those steps."""
+    on = any(dev in m.tensors.devices for dev in facts.runtime.autocast)
+    return not on and not m.forward_wrapped and any(c.is_generation_config for c in m.configs)
+
+
+def _scoped_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:
+    """Severity and message of mixed-param-dtypes when only a training setup's steps autocast a generative model."""
+    return Severity.WARNING, (
+        f"{model} computes in {dtype} but {_describe(offenders, owner=model)} {_hold(offenders)} other dtypes; only "
+        f"{cover} casts around them, and it autocasts its own training and evaluation steps: {model}.generate(...) or "
+        f"any call outside them (a callback, inference after training) raises {_MISMATCH}. Cast them to {dtype}, or "
+        "run the call under torch.autocast."
+    )
 
 
 def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:

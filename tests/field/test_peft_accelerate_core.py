@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from setups import batch, tiny_llama
+from setups import batch, tiny_llama, tiny_trainer
 from setups_dtypes import finite
 
 import mpdoctor
@@ -134,3 +134,51 @@ def test_a_model_trained_in_full_fp32_from_a_bf16_checkpoint_holds_master_weight
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     findings = mpdoctor.diagnose(model, opt).findings_for("load-dtype-mismatch")
     assert findings and all(f.severity == "info" for f in findings)
+
+
+def test_fp32_norms_beside_bf16_layers_run_under_the_trainers_autocast_but_generate_raises_and_the_cast_cures_it():
+    """huggingface/peft#1515 and trl#1398: TRL's ``peft_module_casting_to_bf16`` left the norms fp32 and the rest bf16;
+    training works under the Trainer's autocast, ``model.generate`` in a callback (outside it) raises.
+
+    https://github.com/huggingface/peft/issues/1515 -- https://github.com/huggingface/trl/issues/1398
+    """
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(torch.bfloat16, use_cache=False),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    model.to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if "norm" in name:
+            module.to(torch.float32)  # TRL's cast at the time
+    trainer = tiny_trainer(model, bf16=True)
+    ids = batch()["input_ids"][:1, :4]
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+
+    report = mpdoctor.diagnose(model, trainer)
+    (finding,) = report.findings_for("mixed-param-dtypes")
+    assert finding.severity == "warning" and "generate" in finding.message and "float32" in finding.message
+    fix = finding.fixes[0]
+    fix.apply(confirm=True)
+    out = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 6)
+    opt = torch.optim.AdamW(trainable(model), lr=1e-3)
+    before = [p.detach().clone() for p in trainable(model)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the Trainer's step still trains
+        loss = model(**batch()).loss
+    loss.backward()
+    opt.step()
+    changed = [n for (n, p), a in zip([(n, p) for n, p in model.named_parameters() if p.requires_grad], before)
+               if not torch.equal(a, p)]  # fmt: skip
+    assert finite(loss.item()) and changed and all("lora_B" in n for n in changed)  # B moves first: it starts at 0
+    fix.undo()
+    assert {p.dtype for n, p in model.named_parameters() if "norm" in n} == {torch.float32}
+
+
+def test_fp32_norms_under_a_trainer_on_a_model_that_does_not_generate_are_not_warned():
+    """A Trainer's autocast covers every call of a model that is only trained (no generate)."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    net[1].float()
+    trainer = tiny_trainer(tiny_llama(torch.bfloat16), bf16=True)
+    assert not [f for f in mpdoctor.diagnose(net, trainer).findings_for("mixed-param-dtypes")
+                if f.severity in ("error", "warning") and "generate" in f.message]  # fmt: skip
