@@ -101,9 +101,12 @@ def test_accelerates_autocast_wrapper_makes_mixed_weights_legal(fp32_head_on_bf1
     assert not mixed(model)
 
 
-def test_a_trainer_that_autocasts_its_model_makes_mixed_weights_legal(fp32_head_on_bf16_llama):
+def test_a_trainer_that_autocasts_its_model_makes_mixed_weights_legal_in_its_steps_but_not_in_generate(fp32_head_on_bf16_llama):
     trainer = tiny_trainer(fp32_head_on_bf16_llama, bf16=True)
-    assert not mixed(trainer)
+    (covered,) = mixed(trainer)  # the Trainer autocasts its own steps; generate() outside them raises
+    assert covered.severity == "warning" and "generate" in covered.message
+    with pytest.raises(RuntimeError, match=SAME_DTYPE):
+        trainer.model.generate(input_ids=batch()["input_ids"][:1, :4], max_new_tokens=1, do_sample=False)
     (without_trainer,) = mixed(trainer.model)  # the same model on its own: nothing autocasts it
     assert without_trainer.severity == "error"
 

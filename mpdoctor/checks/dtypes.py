@@ -247,7 +247,9 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         activations. Error for a compute module without autocast; warning
         when only such norms differ; under autocast (``torch.autocast`` now,
         accelerate's wrapped forward, a Trainer autocasting the model) only
-        modules behind a patched forward are reported, as a warning.
+        modules behind a patched forward are reported, as a warning, except
+        for a model that generates when the only autocast is a training
+        setup's: its steps are covered, ``generate()`` is not (warning).
     Why is this bad?
         Without autocast a matmul takes one dtype: an fp32 adapter or layer
         fed bf16 activations raises ``mat1 and mat2 must have the same dtype``
@@ -266,7 +268,8 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model(input_ids)  # or run the forward under torch.autocast("cuda", dtype=torch.bfloat16)
     Severity
         Error for a compute module without autocast (the first matmul raises); warning for wider norms
-        without autocast, or patched forwards under autocast; info when a probe ran the model's forward and
+        without autocast, patched forwards under autocast, or a generative model autocast only by a
+        training setup's steps (``generate()`` outside them raises: TRL's fp32 norms, peft #1515); info when a probe ran the model's forward and
         backward on the user's batch without a dtype error (the mixture is cast around: deliberate);
         nothing for PEFT adapters, modules whose input their forward casts, autocast-covered models and
         norms that keep their input dtype.
@@ -281,22 +284,11 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         ``_cast_input_dtype``; transformers ``_keep_in_fp32_modules``.
     """
     for m in facts.models:
-        if len(m.tensors.module_dtypes) < 2:
-            continue  # one floating dtype in the whole model: nothing can meet another
-        islands = deliberate_islands(facts, m)
-        units = compute_units(m, islands)
-        dtype = compute_dtype(m, units)
-        if dtype is None:
+        found = _mixed_offenders(facts, m)
+        if found is None:
             continue
-        offenders = [u for u in _offenders(units, dtype) if not _islanded(u, dtype, islands)]
-        if not offenders:
-            continue
-        cover = autocast_cover(facts, m)
-        if cover is not None:
-            offenders = [u for u in offenders if u.patched and u.role not in ("norm", "native-norm")]
-            if not offenders:
-                continue
-        severity, msg = _mixed_message(m.name, offenders, dtype, cover)
+        offenders, dtype, islands, cover, scoped = found
+        severity, msg = _scoped_message(m.name, offenders, dtype, cover) if scoped else _mixed_message(m.name, offenders, dtype, cover)
         clean = _probe_ran_clean(facts, m.name)
         if clean:
             severity, msg = Severity.INFO, (
@@ -319,6 +311,29 @@ def mixed_param_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
+def _mixed_offenders(facts: Facts, m: ModelFacts) -> tuple | None:
+    """``(offenders, compute dtype, islands, autocast cover, scoped)`` of ``m``'s mixed compute modules, or None when
+    nothing is mixed (one dtype, every other one on an island, or all covered by an autocast that covers every
+    call)."""
+    if len(m.tensors.module_dtypes) < 2:
+        return None  # one floating dtype in the whole model: nothing can meet another
+    islands = deliberate_islands(facts, m)
+    units = compute_units(m, islands)
+    dtype = compute_dtype(m, units)
+    if dtype is None:
+        return None
+    offenders = [u for u in _offenders(units, dtype) if not _islanded(u, dtype, islands)]
+    if not offenders:
+        return None
+    cover = autocast_cover(facts, m)
+    scoped = cover is not None and _steps_only(facts, m)
+    if cover is not None and not scoped:
+        offenders = [u for u in offenders if u.patched and u.role not in ("norm", "native-norm")]
+        if not offenders:
+            return None
+    return offenders, dtype, islands, cover, scoped
+
+
 def _islanded(u: Unit, dtype: str, islands: tuple[Island, ...]) -> bool:
     """Every parameter of ``u`` in another dtype than ``dtype`` lies on an island (``_keep_in_fp32_modules``)."""
     others = [f"{u.module.path}.{n}" if u.module.path else n for n, d, _ in u.module.params if d != dtype]
@@ -336,6 +351,23 @@ def _probe_ran_clean(facts: Facts, model: str) -> bool:
     """A probe of ``model`` ran its forward and backward without an error (evidence the mixture is cast around)."""
     return any(getattr(p, "model", None) == model and getattr(p, "error", None) is None and getattr(p, "backward", False)
                for p in getattr(facts, "probes", ()) or ())  # fmt: skip
+
+
+def _steps_only(facts: Facts, m: ModelFacts) -> bool:
+    """The only autocast over ``m`` is a training setup's, around its own steps (no ``torch.autocast`` now, no
+    wrapper on ``m.forward``), and ``m`` generates: ``generate()`` is called outside those steps."""
+    on = any(dev in m.tensors.devices for dev in facts.runtime.autocast)
+    return not on and not m.forward_wrapped and any(c.is_generation_config for c in m.configs)
+
+
+def _scoped_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:
+    """Severity and message of mixed-param-dtypes when only a training setup's steps autocast a generative model."""
+    return Severity.WARNING, (
+        f"{model} computes in {dtype} but {_describe(offenders, owner=model)} {_hold(offenders)} other dtypes; only "
+        f"{cover} casts around them, and it autocasts its own training and evaluation steps: {model}.generate(...) or "
+        f"any call outside them (a callback, inference after training) raises {_MISMATCH}. Cast them to {dtype}, or "
+        "run the call under torch.autocast."
+    )
 
 
 def _mixed_message(model: str, offenders: list, dtype: str, cover: str | None) -> tuple[Severity, str]:
@@ -486,6 +518,58 @@ def grad_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _load_harm(m: ModelFacts, saved: str, held: str, training: bool, frozen: list) -> tuple[Severity, str]:
+    """The severity and the why of a model held in ``held`` whose checkpoint is ``saved``."""
+    ratio = torch_dtype(held).itemsize // torch_dtype(saved).itemsize
+    if frozen:
+        size = sum(p.numel for p in frozen) * torch_dtype(held).itemsize
+        return Severity.WARNING, (
+            f"{count(len(frozen), 'frozen parameter')} ({size / 2**20:.2f} MiB) take no updates, so {held} master "
+            f"weights do nothing for them: the frozen base holds {ratio}x the memory of its {saved} checkpoint "
+            "(prepare_model_for_kbit_training upcasts a model that is not quantized)")  # fmt: skip
+    if held == "float16":
+        return Severity.WARNING, "fp16's range ends at 65504, so values trained in a wider range can overflow to inf"
+    if widens(saved, held):
+        return Severity.INFO, ("fp32 master weights are right under autocast" if training
+                               else f"{ratio}x the memory for no extra information")  # fmt: skip
+    return Severity.INFO, "precision is lost but the range is kept, which is usually intended"
+
+
+def _cast_to_checkpoint(facts: Facts, m: ModelFacts, saved: str, held: str, frozen: list) -> Fix:
+    """Cast ``m``'s ``held`` parameters (only the frozen ones, when given) back to the checkpoint's ``saved``."""
+    params = frozen or [p for p in m.tensors.params if p.dtype == held]
+    code = (
+        f"# better: from_pretrained(..., dtype=torch.{saved})\n"
+        f"for p in {m.name}.parameters():\n"
+        f"    if p.dtype == torch.{held}:\n"
+        f"        p.data = p.data.to(torch.{saved})"
+    )
+    spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, facts.optimizer_refs(m.tensors.param_ids),
+                        f"{held} parameters of {m.name}")  # fmt: skip
+    if frozen:
+        code = code.replace("if p.dtype ==", "if not p.requires_grad and p.dtype ==")
+    return Fix(
+        f"Cast {count(len(params), ('frozen ' if frozen else '') + held + ' parameter')} of {m.name} to the checkpoint's {saved}",
+        code,
+        changes=(spec,),
+        backup_bytes=spec.backup_bytes(facts),
+        recipe="cast-to-checkpoint",
+    )
+
+
+def _frozen_base(m: ModelFacts, held: str) -> list:
+    """The frozen parameters of ``m`` in ``held`` when they are most of its elements and nothing in it is
+    quantized (a quantized model keeps its norms in fp32 on purpose); empty otherwise."""
+    if m.low_bit_layers or m.quantized_weights or m.stored_layers or m.float8_layers:
+        return []
+    params = m.tensors.params
+    if any(p.quantized is not None or not p.dtype.startswith(("float", "bfloat")) for p in params):
+        return []
+    frozen = [p for p in params if p.dtype == held and not p.requires_grad]
+    total = sum(p.numel for p in params)
+    return frozen if total and 2 * sum(p.numel for p in frozen) > total else []
+
+
 @check("load-dtype-mismatch", Severity.INFO, Severity.WARNING, fix_safety=(Applicability.UNSAFE,))
 def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A model held in another dtype than its checkpoint (``model.dtype != config.dtype``).
@@ -497,11 +581,14 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
         of transformers 4.x, or ``.float()`` after loading), or cast to fp16.
         Warning when the model is fp16 and the checkpoint is not (fp16's range
         ends at 65504; weights and activations trained in bf16 or fp32 can
-        overflow to inf); info otherwise.
+        overflow to inf), and when an optimizer trains the model but most of its
+        widened parameters are frozen (a frozen base upcast, as
+        ``prepare_model_for_kbit_training`` does to a model that is not
+        quantized); info otherwise.
     Why is this bad?
         fp32 weights from a bf16 checkpoint take twice the memory and add no
         information: right as fp32 master weights under autocast, waste for
-        inference. bf16 from an fp32 checkpoint drops mantissa bits but keeps
+        inference and for frozen weights, which take no updates. bf16 from an fp32 checkpoint drops mantissa bits but keeps
         the range, which is usually intended.
     Example
         model = AutoModelForCausalLM.from_pretrained(name)  # checkpoint saved in bf16
@@ -509,13 +596,15 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Use instead
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
     Severity
-        Warning for fp16 from a wider checkpoint (overflow risk); info otherwise (fp32 master weights
-        are right under autocast).
+        Warning for fp16 from a wider checkpoint (overflow risk) and for a frozen base widened under
+        training (measured: twice the base's bytes, no update reaches them); info otherwise (fp32 master
+        weights of trained parameters are right under autocast; a quantized model's fp32 norms are
+        intended).
     Fix safety
         Cast the parameters in the model's dtype to the checkpoint dtype in
-        place, keeping the Parameter objects; not offered when an optimizer
-        holds the parameters of a model wider than its checkpoint (fp32
-        master weights), nor for bf16 from fp32. Always unsafe: it changes
+        place, keeping the Parameter objects; under training only the frozen
+        ones (the trained parameters keep their fp32 master weights); not
+        offered for bf16 from fp32. Always unsafe: it changes
         the dtype layers compute in, and narrowing loses bits. Better: load
         with ``from_pretrained(..., dtype=...)``.
     Sources
@@ -528,36 +617,10 @@ def load_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         training = bool(facts.optimizers_of(m))
         where = next((c.path for c in m.configs if c.dtype and not c.is_generation_config), m.config_path)
-        if held == "float16":
-            severity, why = Severity.WARNING, "fp16's range ends at 65504, so values trained in a wider range can overflow to inf"
-        elif widens(saved, held):
-            severity = Severity.INFO
-            why = (
-                "fp32 master weights are right under autocast" if training
-                else f"{torch_dtype(held).itemsize // torch_dtype(saved).itemsize}x the memory for no extra information"
-            )
-        else:
-            severity, why = Severity.INFO, "precision is lost but the range is kept, which is usually intended"
-        offer = not (training and widens(saved, held)) and not (saved == "float32" and held == "bfloat16")
-        fixes = []
-        if offer:
-            params = [p for p in m.tensors.params if p.dtype == held]
-            code = (
-                f"# better: from_pretrained(..., dtype=torch.{saved})\n"
-                f"for p in {m.name}.parameters():\n"
-                f"    if p.dtype == torch.{held}:\n"
-                f"        p.data = p.data.to(torch.{saved})"
-            )
-            spec = CastParamsTo(m.ref, frozenset(p.id for p in params), saved, facts.optimizer_refs(m.tensors.param_ids), f"{held} parameters of {m.name}")
-            fixes.append(
-                Fix(
-                    f"Cast {count(len(params), held + ' parameter')} of {m.name} to the checkpoint's {saved}",
-                    code,
-                    changes=(spec,),
-                    backup_bytes=spec.backup_bytes(facts),
-                    recipe="cast-to-checkpoint",
-                )
-            )
+        frozen = _frozen_base(m, held) if training and widens(saved, held) else []
+        severity, why = _load_harm(m, saved, held, training, frozen)
+        offer = (not (training and widens(saved, held)) or bool(frozen)) and not (saved == "float32" and held == "bfloat16")
+        fixes = [_cast_to_checkpoint(facts, m, saved, held, frozen)] if offer else []
         yield rule.finding(
             m.name,
             f"{m.name} holds {held} parameters but its checkpoint is {saved} ({where}.dtype): {why}.",

@@ -97,7 +97,8 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
     What it does
         A Lightning ``Trainer`` / ``Fabric`` running ``bf16-true`` or ``16-true`` (``HalfPrecision``: the
         module, its inputs and so the optimizer's parameters and moments are half) whose optimizer is
-        ``torch.optim.Adam`` / ``AdamW``.
+        ``torch.optim.Adam`` / ``AdamW``; before ``fit`` (no optimizer yet), the one its LightningModule's
+        ``configure_optimizers`` builds, read from the source.
     Why is this bad?
         ``16-true``: Adam's default ``eps=1e-8`` is below fp16's smallest value (6e-8) and rounds to zero,
         and a squared gradient below 2.4e-4 underflows to zero in ``exp_avg_sq``, so ``m / (sqrt(v) + eps)``
@@ -126,6 +127,8 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
         dtype = p.true_half
         if dtype is None:
             continue
+        if p.planned_optimizer in _STOCK_ADAM:
+            yield _planned_finding(rule, p)
         for name in p.optimizer_names:
             o = by_name.get(name)
             if o is None or o.class_path not in _STOCK_ADAM:
@@ -151,23 +154,45 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 p.name,
                 msg,
                 {"precision": p.effective, "optimizer": o.class_path, "half_params": len(half), "eps": eps, "lr": o.defaults.get("lr")},
-                [
-                    rebuild_fix(
-                        p,
-                        "bf16-mixed",
-                        f"Build {p.name} with precision='bf16-mixed': fp32 weights and Adam state, bf16 compute",
-                        "twice the weight memory of true half; bf16 matmuls as before",
-                    ),
-                    Fix(
-                        f"Keep {p.effective} weights and use a bf16-safe optimizer instead of {o.class_name}",
-                        "# in configure_optimizers():\n"
-                        "from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
-                        f"return AdamWBF16(self.parameters(), lr={o.defaults.get('lr')!r})"
-                        + ("\n# 16-true: also raise eps above fp16's 6e-8 (eps=1e-4), or prefer bf16-true" if fp16 else ""),
-                        applicability=Applicability.DISPLAY_ONLY,
-                        recipe="bf16-safe-optimizer",
-                        cost="no extra weight memory; the optimizer is re-created, so its state restarts",
-                    ),
-                ],
+                _true_half_fixes(p, o.class_name, o.defaults.get("lr"), fp16),
                 severity=Severity.ERROR if fp16 else Severity.WARNING,
             )
+
+
+def _planned_finding(rule: Rule, p: LightningPrecisionFacts) -> Finding:
+    """Before ``fit``: the optimizer ``configure_optimizers`` will build, read from its source, meets true-half weights."""
+    fp16 = p.true_half == "float16"
+    cls = p.planned_optimizer.rsplit(".", 1)[-1] if p.planned_optimizer else "Adam"
+    harm = ("its moments in fp16, where eps=1e-8 rounds to 0 and squared gradients below 2.4e-4 underflow: the first "
+            "small gradient divides by zero and the weights become inf/NaN" if fp16 else
+            "bf16 moments and no fp32 master copy, so every update smaller than about weight/256 is lost and training "
+            "stalls silently")  # fmt: skip
+    return rule.finding(
+        p.name,
+        f"{p.name} runs {p.effective!r}: fit() casts the LightningModule's weights to {p.true_half}, and the {cls} "
+        f"its configure_optimizers() builds then updates them with {harm}.",
+        {"precision": p.effective, "optimizer": p.planned_optimizer, "read from": "configure_optimizers (source)"},
+        _true_half_fixes(p, cls, None, fp16),
+        severity=Severity.ERROR if fp16 else Severity.WARNING,
+    )
+
+
+def _true_half_fixes(p: LightningPrecisionFacts, cls: str, lr: object, fp16: bool) -> list[Fix]:
+    return [
+        rebuild_fix(
+            p,
+            "bf16-mixed",
+            f"Build {p.name} with precision='bf16-mixed': fp32 weights and Adam state, bf16 compute",
+            "twice the weight memory of true half; bf16 matmuls as before",
+        ),
+        Fix(
+            f"Keep {p.effective} weights and use a bf16-safe optimizer instead of {cls}",
+            "# in configure_optimizers():\n"
+            "from adamw_bf16 import AdamWBF16  # pip install adamw-bf16: stochastic rounding\n"
+            f"return AdamWBF16(self.parameters(), lr={lr!r})"
+            + ("\n# 16-true: also raise eps above fp16's 6e-8 (eps=1e-4), or prefer bf16-true" if fp16 else ""),
+            applicability=Applicability.DISPLAY_ONLY,
+            recipe="bf16-safe-optimizer",
+            cost="no extra weight memory; the optimizer is re-created, so its state restarts",
+        ),
+    ]

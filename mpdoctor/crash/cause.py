@@ -350,6 +350,8 @@ class FamilyDetail:
         #: The operand to cast when it is a parameter whose module was found (:class:`~.operands.Operand`), and
         #: the dtype it takes: the in-place cast of exactly that tensor.
         self.parameter: tuple | None = None
+        #: The same for a buffer or tensor attribute of a module that the failing line read (``self.pe[:, :n]``).
+        self.held_operand: tuple | None = None
         #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
         #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
         self.convert: tuple | None = None
@@ -384,27 +386,67 @@ class FamilyDetail:
         other cast changes what the weights hold (unsafe)."""
         if self.parameter is None or live is None:
             return None
+        from ..facts.location import python_path
         from ..treatment.changes import CastParamsTo
         from ..treatment.fixes import Applicability, Fix
         from .operands import spoken
 
         operand, dtype = self.parameter
-        attr = operand.name.rpartition(".")[2]
+        attr = operand.slot or operand.name.rpartition(".")[2]
         owner = operand.root if operand.root is not None else operand.module
-        twins = _parameter_twins(owner, operand, attr)
-        cls = type(operand.module).__name__
         exact = operand.dtype.startswith("float8") and dtype in ("bfloat16", "float16", "float32")
-        code = (f"for module in {_root_name(operand)}.modules():  # every {cls}: they run the same forward\n"
-                f"    if type(module).__name__ == {cls!r} and module.{attr}.dtype == torch.{operand.dtype}:\n"
-                f"        module.{attr}.data = module.{attr}.data.to(torch.{dtype})  # the same Parameter")  # fmt: skip
+        if _container(operand.module):  # a ParameterDict / ParameterList entry: no forward of its own, no twins
+            twins = [id(operand.tensor)]
+            title = f"Cast {operand.name} (the tensor the op met) to {spoken(dtype)} in place"
+            code = f"{python_path(operand.name)}.data = {python_path(operand.name)}.data.to(torch.{dtype})  # the same Parameter"
+        else:
+            twins = _parameter_twins(owner, operand, attr)
+            cls = type(operand.module).__name__
+            title = (f"Cast {attr} of every {cls} ({len(twins)} tensor{'s' if len(twins) != 1 else ''}, "
+                     f"{operand.name} the op met) to {spoken(dtype)} in place")  # fmt: skip
+            code = (f"for module in {_root_name(operand)}.modules():  # every {cls}: they run the same forward\n"
+                    f"    if type(module).__name__ == {cls!r} and module.{attr}.dtype == torch.{operand.dtype}:\n"
+                    f"        module.{attr}.data = module.{attr}.data.to(torch.{dtype})  # the same Parameter")  # fmt: skip
         return Fix(
-            f"Cast {attr} of every {cls} ({len(twins)} tensor{'s' if len(twins) != 1 else ''}, "
-            f"{operand.name} the op met) to {spoken(dtype)} in place",
+            title,
             code,
             applicability=Applicability.SAFE if exact else Applicability.UNSAFE,
-            changes=(CastParamsTo(live.add(owner), frozenset(twins), dtype, f"{attr} of every {cls}"),),
+            changes=(CastParamsTo(live.add(owner), frozenset(twins), dtype, operand.name if len(twins) == 1
+                                  else f"{attr} of every {type(operand.module).__name__}"),),  # fmt: skip
             recipe="cast-operand-parameter",
             cost=f"{attr} held in {spoken(dtype)}" + (" (an exact upcast)" if exact else ""),
+        ).bind(live)
+
+    def held_operand_fix(self, live: Any) -> Any:
+        """The in-place cast of the buffer (or tensor attribute) the failing line read and the op met in the wrong
+        dtype, and of the same tensor of every module of that class in the model (they run the same forward),
+        bound to ``live``; None when the operand is not such a tensor. An upcast of a float8 store is exact
+        (safe); any other cast changes what the tensor holds (unsafe)."""
+        if self.held_operand is None or live is None:
+            return None
+        from ..treatment.changes import CastHeldTensors
+        from ..treatment.fixes import Applicability, Fix
+        from .operands import spoken
+
+        operand, dtype = self.held_operand
+        owner = operand.root if operand.root is not None else operand.module
+        cls = type(operand.module)
+        twins = [m for m in owner.modules() if type(m) is cls and _holds(m, operand.slot, operand.dtype)]
+        twins = twins or [operand.module]
+        exact = operand.dtype.startswith("float8") and dtype in ("bfloat16", "float16", "float32")
+        code = (f"for module in {_root_name(operand)}.modules():  # every {cls.__name__}: they run the same forward\n"
+                f"    if type(module).__name__ == {cls.__name__!r} and module.{operand.slot}.dtype == torch.{operand.dtype}:\n"
+                f"        module.{operand.slot} = module.{operand.slot}.to(torch.{dtype})  # a buffer stays a buffer")  # fmt: skip
+        n = len(twins)
+        return Fix(
+            f"Cast {operand.slot} of every {cls.__name__} ({n} tensor{'s' if n != 1 else ''}, {operand.name} the op "
+            f"met) to {spoken(dtype)} in place",
+            code,
+            applicability=Applicability.SAFE if exact else Applicability.UNSAFE,
+            changes=tuple(CastHeldTensors(live.add(m), (operand.slot,), dtype, f"{cls.__name__}.{operand.slot}")
+                          for m in twins),  # fmt: skip
+            recipe="cast-held-operand",
+            cost=f"{operand.slot} held in {spoken(dtype)}" + (" (an exact upcast)" if exact else ""),
         ).bind(live)
 
     def held_fix(self, live: Any) -> Any:
@@ -436,6 +478,8 @@ class FamilyDetail:
         if exact is None:
             exact = self.parameter_fix(live)
         if exact is None:
+            exact = self.held_operand_fix(live)
+        if exact is None:
             exact = self.convert_fix(live)
         return [fx for fx in (exact, self.fix() if self.code else None) if fx is not None]
 
@@ -452,6 +496,22 @@ def _parameter_twins(owner: Any, operand: Any, attr: str) -> list[int]:
     twins = [id(p) for m in owner.modules() if type(m) is cls
              for name, p in m.named_parameters(recurse=False) if name == attr and str(p.dtype) == f"torch.{operand.dtype}"]
     return twins or [id(operand.tensor)]
+
+
+def _container(module: Any) -> bool:
+    """torch's parameter containers: they hold entries for another module's forward and run none of their own."""
+    import sys
+
+    nn = sys.modules["torch"].nn
+    return type(module) in (nn.ParameterDict, nn.ParameterList)
+
+
+def _holds(module: Any, slot: str, dtype: str) -> bool:
+    """``module`` holds a floating tensor ``slot`` (a buffer or own attribute) in ``dtype``."""
+    from .operands import _held
+
+    tensor = _held(module, slot)
+    return getattr(tensor, "dtype", None) is not None and str(tensor.dtype) == f"torch.{dtype}"
 
 
 def _root_name(operand: Any) -> str:
@@ -490,6 +550,8 @@ def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[s
     detail = FamilyDetail(ops.sentence(), ops.code, title, "", evidence)
     if ops.cast.parameter and ops.cast.module is not None and ops.cast.tensor is not None:
         detail.parameter = (ops.cast, ops.dtype)
+    elif ops.cast.slot and ops.cast.module is not None and ops.cast.tensor is not None:
+        detail.held_operand = (ops.cast, ops.dtype)
     if ops.keep is not None and ops.keep.parameter and not ops.cast.parameter:
         detail.held = _held_beside(frames, namespace, ops.cast.dtype, ops.dtype)
         if detail.held is not None:

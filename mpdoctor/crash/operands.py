@@ -18,6 +18,7 @@ walked with ``torch.nn.Module``'s own methods; no user code runs.
 
 from __future__ import annotations
 
+import ast
 import linecache
 import re
 import sys
@@ -107,9 +108,11 @@ class Operand:
     user_named : bool
         True when the name comes from the user's namespace or code, not the library's frame.
     tensor, module, root : object or None
-        For a parameter whose module was found: the live parameter, the module that holds it and the user's
-        model it lies in (an in-place cast of exactly that tensor, and of its twins, is then possible). Not
-        compared, not shown.
+        For a parameter (or a buffer or tensor attribute the failing line read) whose module was found: the live
+        tensor, the module that holds it and the user's model it lies in (an in-place cast of exactly that tensor,
+        and of its twins, is then possible). Not compared, not shown.
+    slot : str
+        The name ``module`` holds the tensor under (``weight``, ``pe``, ``*`` in a ParameterDict).
     """
 
     name: str
@@ -121,6 +124,7 @@ class Operand:
     tensor: Any = field(default=None, compare=False, repr=False)
     module: Any = field(default=None, compare=False, repr=False)
     root: Any = field(default=None, compare=False, repr=False)
+    slot: str = ""
 
     def describe(self) -> str:
         """``model.0.weight (bf16, parameter of model.0 Linear)`` / ``hidden_states (fp32, [2, 4])``."""
@@ -129,6 +133,8 @@ class Operand:
             return f"{self.name} ({spoken(self.dtype)}, parameter of {self.owner})"
         if not self.shape:  # an expression written on the user's line: no tensor to measure
             return f"{self.name} ({spoken(self.dtype)})"
+        if self.owner:
+            return f"{self.name} ({spoken(self.dtype)}, [{shape}], held by {self.owner})"
         return f"{self.name} ({spoken(self.dtype)}, [{shape}])"
 
 
@@ -175,6 +181,7 @@ class _Candidate:
     param_name: str = ""
     user: bool = True
     in_line: bool = False
+    slot: str = ""  # a buffer or tensor attribute: the name ``module`` holds it under
 
 
 def _torch() -> Any:
@@ -240,7 +247,89 @@ def _candidates(frames: list[FrameView], torch: Any) -> list[_Candidate]:
         for name, value in items:
             if type(name) is str and not name.startswith("__"):
                 out.extend(_local_candidates(torch, name, value, depth, view.user, name in names_in_line, seen))
+        if view.user:
+            out.extend(_line_reads(view, dict(items), torch, depth, seen))
     return out
+
+
+#: Steps of an attribute chain read on a user's line: ``("attr", "pe")`` or ``("key", "*")``.
+_Step = tuple[str, Any]
+
+
+def _line_reads(view: FrameView, local: dict, torch: Any, depth: int, seen: set[int]) -> list[_Candidate]:
+    """The tensors a user line reads through attribute chains from its locals (``self.pe[:, :n]``,
+    ``self.table["*"]``): a module's parameter, buffer or tensor attribute, reached through the modules' own
+    dicts and containers (no user code runs). An operand that is never a local is met this way."""
+    try:
+        tree = ast.parse(linecache.getline(view.filename, view.lineno).strip())
+    except (SyntaxError, ValueError):
+        return []
+    out: list[_Candidate] = []
+    for node in ast.walk(tree):
+        chain = _chain(node) if isinstance(node, (ast.Attribute, ast.Subscript)) else None
+        if chain is None or chain[0] not in local:
+            continue
+        found = _resolve(local[chain[0]], chain[1], torch)
+        if found is None or id(found[0]) in seen:
+            continue
+        tensor, module, slot, parameter = found
+        dtype = _dtype_name(torch, tensor)
+        if dtype is None:
+            continue
+        seen.add(id(tensor))
+        out.append(_Candidate(tensor, ast.unparse(node), dtype, _shape(torch, tensor), depth, parameter, module,
+                              slot if parameter else "", user=True, in_line=True,
+                              slot="" if parameter else slot))  # fmt: skip
+    return out
+
+
+def _chain(node: Any) -> tuple[str, list[_Step]] | None:
+    """``self.a["k"].b`` -> ``("self", [("attr", "a"), ("key", "k"), ("attr", "b")])``; None for anything else
+    (a call, a computed key)."""
+    steps: list[_Step] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            steps.append(("attr", node.attr))
+            node = node.value
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) \
+                and type(node.slice.value) in (str, int):  # fmt: skip
+            steps.append(("key", node.slice.value))
+            node = node.value
+        elif isinstance(node, ast.Name) and steps:
+            return node.id, steps[::-1]
+        else:
+            return None
+
+
+def _resolve(value: Any, steps: list[_Step], torch: Any) -> tuple[Any, Any, str, bool] | None:
+    """``(tensor, module that holds it, its name there, is a parameter)`` at the end of ``steps`` from ``value``;
+    None when a step leaves modules and plain containers, or the end is not a tensor held by a module."""
+    from ..live.introspect import own_dict
+
+    holder, slot, parameter = None, "", False
+    for kind, key in steps:
+        holder, slot, parameter = None, "", False
+        if _is_module(torch, value):
+            own = own_dict(value)
+            name = str(key)
+            for table in ("_parameters", "_buffers", "_modules"):
+                entries = own.get(table)
+                if type(entries) in MODULE_DICTS and name in entries:
+                    value, holder, slot, parameter = entries[name], value, name, table == "_parameters"
+                    break
+            else:
+                if kind != "attr" or name not in own:
+                    return None
+                value, holder, slot = own[name], value, name
+        elif kind == "key" and type(value) is dict and key in value:
+            value = dict.__getitem__(value, key)
+        elif kind == "key" and type(value) in (list, tuple) and type(key) is int and -len(value) <= key < len(value):
+            value = value[key]
+        else:
+            return None
+    if holder is None or value is None or not _is_tensor(torch, value):
+        return None
+    return value, holder, slot, parameter
 
 
 def _local_candidates(torch: Any, name: str, value: Any, depth: int, user: bool, in_line: bool,
@@ -379,21 +468,37 @@ def _same_storage_name(c: _Candidate, frames: list[FrameView]) -> str | None:
 def _operand(c: _Candidate, frames: list[FrameView], namespace: Mapping[str, Any] | None,
              roots: list[tuple[str, Any]], torch: Any) -> Operand:  # fmt: skip
     if c.parameter and c.module is not None:
-        path = _module_path(c.module, roots, torch)
-        cls = class_path(type(c.module)).rsplit(".", 1)[-1]
-        if path is not None:
-            root = next((r for n, r in roots if path == n or path.startswith(n + ".")), None)
-            return Operand(f"{path}.{c.param_name}", c.dtype, c.shape, True, f"{path} ({cls})", True, c.tensor, c.module,
-                           root)  # fmt: skip
-        return Operand(c.name, c.dtype, c.shape, True, f"a {cls}", c.user, c.tensor, c.module)
+        return _module_parameter(c, roots, torch)
     if c.parameter:
         path = _walk(roots, torch, "parameter", c.tensor)
         if path is not None:
             owner = path.rsplit(".", 1)[0] if "." in path else path
             return Operand(path, c.dtype, c.shape, True, owner, True)
         return Operand(_user_name(c, frames, namespace) or c.name, c.dtype, c.shape, True, "a module", c.user)
+    if c.slot and c.module is not None:  # a buffer or tensor attribute the line read from a module
+        path = _module_path(c.module, roots, torch)
+        cls = class_path(type(c.module)).rsplit(".", 1)[-1]
+        root = next((r for n, r in roots if path == n or path.startswith(n + ".")), None) if path else None
+        return Operand(_held_name(path, c.slot) if path else c.name, c.dtype, c.shape, False,
+                       f"{path or 'a module'} ({cls})", True, c.tensor, c.module, root, c.slot)  # fmt: skip
     name = _user_name(c, frames, namespace)
     return Operand(name or c.name, c.dtype, c.shape, False, "", name is not None or c.user)
+
+
+def _module_parameter(c: _Candidate, roots: list[tuple[str, Any]], torch: Any) -> Operand:
+    """A parameter the line read from a module: under its path when the module is in a root's tree."""
+    path = _module_path(c.module, roots, torch)
+    cls = class_path(type(c.module)).rsplit(".", 1)[-1]
+    if path is None:
+        return Operand(c.name, c.dtype, c.shape, True, f"a {cls}", c.user, c.tensor, c.module)
+    root = next((r for n, r in roots if path == n or path.startswith(n + ".")), None)
+    return Operand(_held_name(path, c.param_name), c.dtype, c.shape, True, f"{path} ({cls})", True, c.tensor,
+                   c.module, root, c.param_name)  # fmt: skip
+
+
+def _held_name(path: str, slot: str) -> str:
+    """``model.0.weight``; a key that is not a name reads as one (``manager.table['*']`` in a ParameterDict)."""
+    return f"{path}.{slot}" if slot.isidentifier() else f"{path}[{slot!r}]"
 
 
 def _pick(cands: list[_Candidate], dtype: str, prefer_param: bool | None = None,

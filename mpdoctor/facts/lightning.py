@@ -74,6 +74,9 @@ class LightningPrecisionFacts:
         The accelerator flag the connector resolved (``"cpu"``, ``"cuda"``, ``"mps"``, ...).
     model_names, optimizer_names : tuple of str
         Subjects brought by this Trainer / Fabric.
+    planned_optimizer : str or None
+        Before ``fit`` (no optimizer yet): the class path of the torch optimizer the LightningModule's
+        ``configure_optimizers`` builds, read from its source.
     """
 
     name: str
@@ -87,6 +90,7 @@ class LightningPrecisionFacts:
     model_names: tuple[str, ...] = ()
     optimizer_names: tuple[str, ...] = ()
     ref: int = 0
+    planned_optimizer: str | None = None
 
     @property
     def true_half(self) -> str | None:

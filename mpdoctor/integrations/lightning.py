@@ -27,6 +27,9 @@ NAMESPACES = ("lightning.pytorch", "pytorch_lightning")
 TRAINERS = tuple(f"{ns}.trainer.trainer.Trainer" for ns in NAMESPACES)
 FABRICS = ("lightning.fabric.fabric.Fabric", "lightning_fabric.fabric.Fabric")
 LIGHTNING_OPTIMIZERS = tuple(f"{ns}.core.optimizer.LightningOptimizer" for ns in NAMESPACES)
+LIGHTNING_MODULES = tuple(f"{ns}.core.module.LightningModule" for ns in NAMESPACES)
+#: torch's stock optimizers a ``configure_optimizers`` may name, by the name it calls them with.
+_STOCK_OPTIMIZERS = {"Adam": "torch.optim.adam.Adam", "AdamW": "torch.optim.adamw.AdamW", "SGD": "torch.optim.sgd.SGD"}
 
 
 def _dtype_name(value: Any) -> str | None:
@@ -61,6 +64,40 @@ def device_flag(obj: Any) -> str | None:
     return flag if isinstance(flag, str) else None
 
 
+def planned_optimizer(subject: Any, subjects: tuple) -> str | None:
+    """The class path of the torch optimizer that ``configure_optimizers`` of the Trainer's LightningModule builds,
+    read from its source (no user code runs), while the Trainer holds no optimizer yet (before ``fit``); None when
+    it holds one, or the source names no stock torch optimizer. The module is the Trainer's own, else the one
+    LightningModule among the subjects."""
+    if any(s.owner == subject.name and s.kind == "optimizer" for s in subjects):
+        return None
+    modules = [s.obj for s in subjects if s.owner == subject.name and is_a(s.obj, LIGHTNING_MODULES)]
+    modules = modules or [s.obj for s in subjects if s.owner is None and is_a(s.obj, LIGHTNING_MODULES)]
+    if len(modules) != 1:
+        return None
+    return _named_optimizer(modules[0])
+
+
+def _named_optimizer(module: Any) -> str | None:
+    import ast
+    import inspect
+    import textwrap
+
+    fn = next((k.__dict__["configure_optimizers"] for k in type.__getattribute__(type(module), "__mro__")
+               if "configure_optimizers" in k.__dict__ and not k.__module__.startswith(("lightning", "pytorch_lightning"))),
+              None)  # fmt: skip
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))) if fn is not None else None
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree) if tree is not None else ():
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in _STOCK_OPTIMIZERS:
+                return _STOCK_OPTIMIZERS[name]
+    return None
+
+
 def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisionFacts:
     """Read one Trainer's or Fabric's precision into plain facts (on ``hw``, the live device or a ``target=``)."""
     obj = subject.obj
@@ -86,6 +123,7 @@ def precision_facts(subject: Any, subjects: tuple, hw: Any) -> LightningPrecisio
         model_names=tuple(s.name for s in subjects if s.owner == subject.name and s.kind == "model"),
         optimizer_names=tuple(s.name for s in subjects if s.owner == subject.name and s.kind == "optimizer"),
         ref=id(obj),
+        planned_optimizer=planned_optimizer(subject, subjects),
     )
 
 

@@ -78,6 +78,20 @@ def _running_cell() -> str:
     return f"cell [{number}]" if number is not None else ""
 
 
+def _unscale_twice(scaler: str, opt: str, where: Location | None) -> str:
+    """The message of a second ``unscale_``: an iteration that skipped the update, or gradient accumulation."""
+    from .loop_exits import exit_before_update
+
+    said = (f"{scaler}.unscale_({opt}) is called again before {scaler}.update(): GradScaler raises 'unscale_() has "
+            "already been called on this optimizer since the last update()'.")  # fmt: skip
+    leaves = exit_before_update(where) if where is not None else None
+    if leaves is not None:
+        return (f"{said} The iteration that takes `{leaves.code}` ({leaves.label}) skips the optimizer step and "
+                f"{scaler}.update() with it: call {scaler}.update() on every iteration that ran unscale_, even when "
+                f"it skips the step (or let {scaler}.step skip it: it skips on inf/NaN gradients itself).")
+    return f"{said} With gradient accumulation, unscale once per real step, after the last micro-batch."
+
+
 def _resolve(where: Any) -> Location | None:
     return user_line(3) if where is HERE else where
 
@@ -405,10 +419,7 @@ class ProtocolObserver:
         stage = _stage(scaler, optimizer)
         opt = self._name(optimizer, "optimizer")
         if stage == "unscaled":
-            self._report("amp-unscale-twice", track.name, where,
-                         f"{track.name}.unscale_({opt}) is called again before {track.name}.update(): GradScaler "
-                         "raises 'unscale_() has already been called on this optimizer since the last update()'. "
-                         "With gradient accumulation, unscale once per real step, after the last micro-batch.",
+            self._report("amp-unscale-twice", track.name, where, _unscale_twice(track.name, opt, _resolve(where)),
                          {"optimizer": opt, "stage": stage})  # fmt: skip
         elif stage == "stepped":
             self._report("amp-update-missing", track.name, where,

@@ -71,9 +71,10 @@ RULES: dict[str, Rule] = {
             "amp-unscale-twice",
             Severity.ERROR,
             "unscale_ called again before update()",
-            'scaler.unscale_(optimizer) called a second time on one optimizer before scaler.update(), typically once per micro-batch under gradient accumulation.',
+            'scaler.unscale_(optimizer) called a second time on one optimizer before scaler.update(), typically once per micro-batch under gradient accumulation, '
+            "or after an iteration that skipped the step (a `continue` on a large grad norm) and the update() with it: the loop's source names that line.",
             "GradScaler raises 'unscale_() has already been called on this optimizer since the last update()'; "
-            "with gradient accumulation, unscale once, after the last micro-batch.",
+            "with gradient accumulation, unscale once, after the last micro-batch; when a step is skipped, call update() anyway.",
             "for i, batch in enumerate(loader):\n    scaler.scale(loss_fn(model(batch)) / accum).backward()\n"
             "    scaler.unscale_(optimizer)  # every micro-batch\n"
             "    if (i + 1) % accum == 0:\n        scaler.step(optimizer)\n        scaler.update()",

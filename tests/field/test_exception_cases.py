@@ -211,3 +211,81 @@ def test_unscale_on_every_micro_batch_under_gradient_accumulation():
     before = model.weight.detach().clone()
     loss = accumulate(model, optimizer, scaler, batches, 2, False)
     assert torch.isfinite(loss) and not torch.equal(before, model.weight)
+
+
+# -- Comfy-Org/ComfyUI#4474: a float8 buffer read on the forward's line meets fp32 activations ------------------
+
+
+class Positional(torch.nn.Module):
+    """A temporal block whose positional table is a buffer sliced on the failing line, never a local."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.randn(1, 6, 8) * 0.1)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.table[:, : x.size(1)]
+        return self.proj(x)
+
+
+def test_a_float8_buffer_read_on_the_failing_line_is_upcast_in_place_with_its_twins_and_trains():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Positional(), Positional())
+    for block in model:
+        block.table = block.table.to(torch.float8_e5m2)  # stored with the model's fp8 weights
+    x = torch.randn(2, 4, 8)
+    exc = raised(model, x)
+    assert "attempted to promote Float and Float8_e5m2" in str(exc)
+    report = explain(exc, exc.__traceback__, namespace={"model": model, "x": x})
+    assert report.cause.check == "crash-fp8-promotion"
+    assert "model.0.table (float8_e5m2, [1, 6, 8], held by model.0 (Positional))" in report.cause.evidence["operands"]
+    fix = report.cause.fixes[0]
+    assert fix.title.startswith("Cast table of every Positional (2 tensors") and fix.safe  # an exact upcast
+    fix.apply()
+    assert [b.table.dtype for b in model] == [torch.float32] * 2 and "table" in dict(model[1].named_buffers())
+    assert trains(model, lambda: model(x).square().sum())  # both blocks run: the twin would have raised next
+    fix.undo()
+    assert [b.table.dtype for b in model] == [torch.float8_e5m2] * 2
+
+
+# -- Sygil-Dev/sygil-webui#72: a learned embedding in a ParameterDict written into a half encoder -----------------
+
+
+class Placeholder(torch.nn.Module):
+    """A learned vector per placeholder token, held in a ParameterDict entry the failing line reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vectors = torch.nn.ParameterDict({"*": torch.nn.Parameter(torch.randn(1, 8) * 0.02)})
+
+    def forward(self, ids: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
+        embedded = embedded.clone()
+        embedded[torch.where(ids == 5)] = self.vectors["*"]
+        return embedded
+
+
+def test_a_parameter_dict_entry_written_into_half_embeddings_is_cast_in_place_and_trains():
+    torch.manual_seed(0)
+    encoder = torch.nn.Embedding(8, 8).half()
+    manager = Placeholder()
+    ids = torch.tensor([[1, 5, 2]])
+    exc = raised(manager, ids, encoder(ids))
+    assert "got Half for the destination and Float for the source" in str(exc)
+    report = explain(exc, exc.__traceback__, namespace={"manager": manager, "encoder": encoder, "ids": ids})
+    assert report.cause.check == "crash-index-put-dtype"
+    assert "manager.vectors['*'] (fp32" in report.cause.evidence["operands"]
+    fix = report.cause.fixes[0]
+    assert fix.changes and "manager.vectors['*']" in fix.title and "fp16" in fix.title
+    vector = manager.vectors["*"]
+    fix.apply()
+    assert manager.vectors["*"] is vector and vector.dtype == torch.float16  # the same Parameter
+    out = manager(ids, encoder(ids))
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    opt = torch.optim.SGD([vector], lr=0.1)
+    before = vector.detach().clone()
+    out.float().square().sum().backward()
+    opt.step()
+    assert not torch.equal(before, vector.detach())  # the learned vector trains
+    fix.undo()
+    assert manager.vectors["*"] is vector and vector.dtype == torch.float32

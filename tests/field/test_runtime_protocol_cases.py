@@ -82,7 +82,9 @@ def test_unscale_in_every_micro_batch_raises_with_accumulation():
                     scaler.step(opt)
                     scaler.update()
                     opt.zero_grad()
-    assert only(w, "amp-unscale-twice").evidence["code"].startswith("scaler.unscale_(opt)  # Swin's")
+    finding = only(w, "amp-unscale-twice")
+    assert finding.evidence["code"].startswith("scaler.unscale_(opt)  # Swin's")
+    assert "With gradient accumulation, unscale once per real step" in finding.message  # no exit skipped update()
     model = mlp()  # the raise left that scaler mid-step: start again with the corrected loop
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -122,7 +124,11 @@ def test_skipping_update_with_a_skipped_step_raises_at_the_next_unscale():
                     continue
                 scaler.step(opt)
                 scaler.update()
-    assert only(w, "amp-unscale-twice").evidence["code"] == "scaler.unscale_(opt)  # LVSM's train.py"
+    finding = only(w, "amp-unscale-twice")
+    assert finding.evidence["code"] == "scaler.unscale_(opt)  # LVSM's train.py"
+    # The loop's source names the line that skipped the update, not gradient accumulation.
+    assert "`continue`" in finding.message and "update() on every iteration that ran unscale_" in finding.message
+    assert "accumulation" not in finding.message
     # The PR's fix: update() every iteration, stepped or not (the skipped step's update backs the scale off).
     model = mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
