@@ -144,8 +144,9 @@ test-corpus: $(STAMP)
 	$(BIN)/python tests/corpus_ratchet.py
 
 # In .venv the whole stack is installed, so a skipped test is a failure (MPDOCTOR_NO_SKIPS=1, tests/conftest.py).
-# The suite again on Colab's stack, notebooks included (their kernel is IPython 7.34 / ipykernel 6.17), less
-# what needs the main venv's stack (MPDOCTOR_CORNER=colab: tests/corners.py names it).
+# On Colab's stack, the test files that reach what it changes (IPython 7.34, ipywidgets 7.7.1, ipykernel 6.17:
+# shells, widgets, renderers, the magic, the notebooks), less what needs the main venv's stack
+# (MPDOCTOR_CORNER=colab: tests/corners.py selects and names them).
 test-colab: $(COLAB_STAMP)
 	$(RUN_TESTS) MPDOCTOR_CORNER=colab $(COLAB_VENV)/bin/python -m pytest -p no:cacheprovider $(PARALLEL) $(PYTEST_ARGS)
 

@@ -9,7 +9,9 @@ shows the same table to users.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,26 @@ KERNELS = (
     "tests/test_proof_honesty.py",
 )
 
+#: What Colab's stack changes is IPython (7.34), ipywidgets (7.7.1) and ipykernel: its Python, torch and transformers
+#: are the pinned corner's (``constraints-colab.txt``). So the Colab corner runs the test files that reach one of those
+#: (a shell, a widget, a renderer, the magic, a notebook), found by reading each file's source; every other test would
+#: run there exactly as it runs in the pinned corner.
+_REACHES_COLABS_STACK = re.compile(
+    r"IPython|ipywidgets|notebook_shell|InteractiveShell|[Ww]idget|from cure |import cure|render|to_html|_repr_"
+    r"|mark\.colab|get_ipython|magic"
+)
+
+
+def _colab_relevant() -> tuple[str, ...]:
+    """The test files (``tests/`` and ``tests/field/``) whose source reaches IPython, ipywidgets or a renderer."""
+    root = Path(__file__).resolve().parent
+    files = sorted([*root.glob("test_*.py"), *(root / "field").glob("test_*.py")])
+    return tuple(f"tests/{f.relative_to(root).as_posix()}" for f in files
+                 if _REACHES_COLABS_STACK.search(f.read_text(encoding="utf-8")))  # fmt: skip
+
+
+COLAB = _colab_relevant()
+
 #: The forced CPU capabilities the ``kernels`` corner runs under: ``ATEN_CPU_CAPABILITY`` with oneDNN limited to
 #: match (``ONEDNN_MAX_CPU_ISA``), so neither torch's own kernels nor oneDNN's use what the CPU has beyond it.
 KERNEL_CAPABILITIES = {"default": "SSE41", "avx2": "AVX2"}
@@ -174,7 +196,7 @@ CORNERS: dict[str, Corner] = {
             "colab",
             "Python 3.11, torch 2.13.0, transformers 5.23.0, IPython 7.34.0, ipywidgets 7.7.1, ipykernel 6.17.1 "
             "(constraints-colab.txt)",
-            runs=(),
+            runs=COLAB,
             excluded={
                 "tests/stack": "the training stack beyond transformers (Lightning, DeepSpeed, torchao, ...) is "
                 "installed in .venv only",
