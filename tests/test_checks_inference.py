@@ -151,7 +151,7 @@ def allowed() -> torch.Tensor:
 
 
 def fp16_eager_llama() -> torch.nn.Module:
-    """A tiny fp16 Llama on eager attention: torch's CPU SDPA keeps fully masked rows finite (STACK.md), eager
+    """A tiny fp16 Llama on eager attention: torch's CPU SDPA keeps fully masked rows finite (docs/stack.md), eager
     attention shows what users on eager and on GPU kernels that do not guard such rows see."""
     model = tiny_llama(torch.float16, train=False)
     model.config._attn_implementation = "eager"

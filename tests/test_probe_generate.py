@@ -2,7 +2,7 @@
 steps of the real ``generate`` under the probe's hooks, names the first module out of its dtype's range and
 the decoding step at which logits and probabilities went NaN/Inf, and leaves the model as it was.
 
-Tiny random models never overflow fp16 by themselves (STACK.md): each failing model has one weight set inside
+Tiny random models never overflow fp16 by themselves (docs/stack.md): each failing model has one weight set inside
 fp16's range so that one activation passes 65504; the same weights in bf16 and fp32 are the healthy twins."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """bnb-compute-dtype-mismatch, reproduced with real bitsandbytes 4-bit layers on this CPU (bitsandbytes 0.50 runs
-them here; ``bnb_4bit_compute_dtype`` decides the matmul dtype, STACK.md): a bf16 checkpoint loaded in 4-bit with
+them here; ``bnb_4bit_compute_dtype`` decides the matmul dtype, docs/stack.md): a bf16 checkpoint loaded in 4-bit with
 an fp16 compute dtype goes NaN where the same checkpoint with a bf16 compute dtype is finite.
 
 A tiny random model never passes 65504 by itself: one row of ``up_proj`` is set to 30000 before saving (inside

@@ -2,7 +2,7 @@
 ``force_upcast=False`` decodes NaN images; mpdoctor sets ``force_upcast=True`` on the live config, and the very
 same ``pipe(...)`` call then decodes finite images (the pipeline upcasts the VAE to fp32 to decode, then back).
 
-Tiny random weights never overflow fp16 (STACK.md): the decoder's first convolution is scaled by 300,000 (its
+Tiny random weights never overflow fp16 (docs/stack.md): the decoder's first convolution is scaled by 300,000 (its
 largest weight stays about 50,000, inside fp16's range) so its outputs pass 65504 in fp16 and stay finite in fp32."""
 
 from __future__ import annotations
