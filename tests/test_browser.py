@@ -60,6 +60,15 @@ def _js_notebook(page, body: str, arg=None):
     )
 
 
+def _type_and_run(page, code: str) -> None:
+    """A new cell below the last, typed as a user would, then run."""
+    _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
+    _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
+    _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
+    page.keyboard.type(code)
+    _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+
+
 def _open_notebook(page, url: str) -> None:
     """Open a notebook in JupyterLab and wait until its kernel is idle."""
     page.set_default_timeout(60_000)
@@ -116,11 +125,7 @@ def test_clicking_the_fix_in_jupyterlab_changes_the_live_scaler(tmp_path, record
             report.screenshot(path=str(after_png))
 
             # A new cell, typed as a user would, reads the live scaler in the kernel.
-            _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
-            _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
-            _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
-            page.keyboard.type(STATE_LINE)
-            _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
+            _type_and_run(page, STATE_LINE)
             output = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="STATE ")
             output.wait_for(timeout=30_000)
             assert output.inner_text().strip() == "STATE False False"
@@ -482,15 +487,8 @@ def test_in_jupyterlab_mpdoctor_insert_puts_the_corrected_loop_below_unrun_and_r
             card = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="%mpdoctor insert 1")
             card.first.wait_for(timeout=120_000)
 
-            def type_and_run(code: str) -> None:
-                _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
-                _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
-                _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
-                page.keyboard.type(code)
-                _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
-
             # The wrong loop wrecked the weights (steps 65536 times too large): the user starts them afresh.
-            type_and_run("net.reset_parameters()\nw0 = net.weight.detach().clone()\n%mpdoctor insert 1")
+            _type_and_run(page, "net.reset_parameters()\nw0 = net.weight.detach().clone()\n%mpdoctor insert 1")
             page.wait_for_function("() => window.jupyterapp.shell.currentWidget.content.widgets.length === 5")
             cells = _js_notebook(page, "return nb.content.widgets.map((c) => ({source: c.model.sharedModel.getSource(),"
                                        " count: c.model.executionCount === undefined ? null : c.model.executionCount}));")  # fmt: skip
@@ -503,7 +501,7 @@ def test_in_jupyterlab_mpdoctor_insert_puts_the_corrected_loop_below_unrun_and_r
             _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
             page.wait_for_function("() => { const c = window.jupyterapp.shell.currentWidget.content.widgets[4];"
                                    " return c.model.executionCount !== null && c.model.executionCount !== undefined; }")  # fmt: skip
-            type_and_run("print('TRAINED', not torch.equal(w0, net.weight), bool(torch.isfinite(net.weight).all()))")
+            _type_and_run(page, "print('TRAINED', not torch.equal(w0, net.weight), bool(torch.isfinite(net.weight).all()))")
             out = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="TRAINED ")
             out.wait_for(timeout=60_000)
             assert out.inner_text().strip() == "TRAINED True True"
@@ -570,14 +568,7 @@ def test_the_new_users_notebook_in_jupyterlab_safe_fixes_keep_the_scaler_and_the
             report.locator("button", has_text="Apply all safe fixes").first.click()
             page.wait_for_timeout(1_500)
 
-            def type_and_run(code: str) -> None:
-                _js_notebook(page, "nb.content.activeCellIndex = nb.content.widgets.length - 1;")
-                _js_notebook(page, "return app.commands.execute('notebook:insert-cell-below');")
-                _js_notebook(page, "return app.commands.execute('notebook:enter-edit-mode');")
-                page.keyboard.type(code)
-                _js_notebook(page, "return app.commands.execute('notebook:run-cell');")
-
-            type_and_run("print('SCALER', scaler.is_enabled())")
+            _type_and_run(page, "print('SCALER', scaler.is_enabled())")
             page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="SCALER ").wait_for(timeout=60_000)
             assert page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="SCALER ").last.inner_text().strip() == "SCALER True"
             # The user corrects both cells, in place, and runs them again (JupyterLab sends each cell's id).
@@ -591,7 +582,7 @@ def test_the_new_users_notebook_in_jupyterlab_safe_fixes_keep_the_scaler_and_the
                     arg=index,
                 )
             page.wait_for_timeout(1_000)
-            type_and_run("_r = %mpdoctor --text\nprint('ERRORS', _r.counts()['error'])")
+            _type_and_run(page, "_r = %mpdoctor --text\nprint('ERRORS', _r.counts()['error'])")
             done = page.locator("[data-mime-type='application/vnd.jupyter.stdout']", has_text="ERRORS ")
             done.last.wait_for(timeout=90_000)
             assert done.last.inner_text().strip().endswith("ERRORS 0"), done.last.inner_text()[-2000:]
