@@ -167,9 +167,14 @@ def cure_through_api(case: Case) -> None:
     """Diagnose, apply the planned fixes with ``fix.apply()``, run the failing step again: it trains."""
     ns = case.build()
     fixes = planned(case, case.diagnose(ns))
+    older = planned(case, case.diagnose(ns))  # the same plan in a report taken before (a card still on screen)
+    assert not any(fix.in_place for fix in fixes), f"{case.name}: a fix that changes something said in place"
     for i, fix in enumerate(fixes):
         fix.apply()  # re-planned on the live objects first: one made unnecessary by an earlier fix does nothing
         assert fix.applied or (i > 0 and fix.note), f"{case.name}: {fix} did not apply: {fix.error}"
+    # Its change made, the older report's fix would change nothing: it says so, and its card draws no button.
+    missed = [old for old, fix in zip(older, fixes, strict=True) if fix.applied and not old.in_place]
+    assert not missed, f"{case.name}: an applied change is not seen in place by the older report's fix: {missed}"
     assert_step_trains_now(case, ns)
 
 
@@ -181,7 +186,7 @@ def fix_buttons(rw: ReportWidget) -> list[tuple[Fix, Any]]:
         id(fx)
         for finding, view in zip(rw.report.findings, views)
         for fx, fv in zip(finding.fixes, view["fixes"])
-        if fv.get("applicability") != "display-only"
+        if fv.get("applicability") != "display-only" and not fv.get("in_place")
     }
     pairs = [(fx, button) for button, group in rw.fix_buttons for fx in group]
     assert {id(fx) for fx, _ in pairs} == fixes, [b.description for b, _ in rw.fix_buttons]

@@ -84,3 +84,36 @@ def test_a_crash_of_a_cell_that_has_not_run_cleanly_since_stays_in_the_report():
         assert _run(sh, "y = 1\n", "other").success  # another cell ran cleanly: the crash is still current
         errors = _errors(sh)
         assert len([e for e in errors if e.endswith("@head")]) == 1, errors
+
+
+def test_a_fix_whose_change_is_already_in_place_draws_no_button_and_says_so():
+    """An older report is still on screen when the user applies the same fix from a newer ``%mpdoctor``: the older
+    card's button would change nothing (a button that does nothing is a defect), so it is not drawn, the card says
+    the change is already in place, and that report's plan no longer holds it."""
+    from mpdoctor.runtime.assembly import assemble
+
+    with loaded_shell(NAMES) as sh:
+        _run(sh, SETUP, "setup")
+        sh.run_cell("older = %mpdoctor --text", store_history=True)
+        sh.run_cell("newer = %mpdoctor --text", store_history=True)
+        older, newer = sh.user_ns["older"], sh.user_ns["newer"]
+        (on_screen,) = [fx for fx in older.fixes if fx.slug == "scaler-with-bf16"]
+        widget = older.widget()
+        assert any(on_screen in fixes for _button, fixes in widget.fix_buttons)
+        (fix,) = [fx for fx in newer.fixes if fx.key == on_screen.key]
+        assert not on_screen.in_place and not fix.in_place
+        fix.apply()
+        assert fix.applied and not fix.in_place  # applied: shown as applied, with Undo
+        assert on_screen.in_place and not on_screen.applied
+        assert not sh.user_ns["scaler"].is_enabled()
+        (view,) = [fv for f in older.to_dict()["findings"] for fv in f["fixes"] if fv["title"] == on_screen.title]
+        assert view["in_place"] and not view["planned"] and view["note"].startswith("already in place")
+        assert "[already in place]" in older.to_text()
+        widget._render()  # the older card, drawn again (any click on it does this)
+        assert all(on_screen not in fixes for _button, fixes in widget.fix_buttons)
+        assert any("already in place" in v for v in widget.html_values())
+        assert on_screen not in assemble(older).fixes
+        fix.undo()
+        assert not on_screen.in_place  # the change is gone again: its button is back
+        widget._render()
+        assert any(on_screen in fixes for _button, fixes in widget.fix_buttons)

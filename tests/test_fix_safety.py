@@ -344,8 +344,12 @@ def test_applying_a_fix_twice_equals_applying_it_once(scenario):
 def _second_application_changes_nothing(case: FixCase) -> None:
     lv = live(case)
     stale = find_fix(mpdoctor.diagnose(namespace=lv.ns, target=case.target), case)  # taken before the first apply
+    assert not stale.in_place and not lv.fix.in_place, f"{case.id}: a fix that would change something said in place"
     lv.fix.apply(confirm=True)
     once = lv.fingerprint()
+    # The older report's fix now changes nothing: it says so (its card shows it in place, with no button).
+    assert stale.in_place, f"{case.id}: the same fix from an older report, its change made, is not seen in place"
+    assert not lv.fix.in_place, f"{case.id}: an applied fix shows as applied (with Undo), not as in place"
     lv.fix.apply(confirm=True)
     assert_unchanged(once, lv.fingerprint(), f"{case.id}: the same fix applied again")
     stale.apply(confirm=True)

@@ -35,8 +35,10 @@ def build_view(report: Any) -> ReportView:
 
 
 def fix_state(report: Any) -> tuple:
-    """What can change in a report's fixes after it is made (applied, failed, notes): a view is built per state."""
-    return tuple((fx.applied, fx.error, fx.note, fx.planned) for f in report.findings for fx in f.fixes) + tuple(
+    """What can change in a report's fixes after it is made (applied, failed, notes, its change made some other
+    way): a view is built per state."""
+    return tuple((fx.applied, fx.error, fx.note, fx.planned, fx.in_place) for f in report.findings
+                 for fx in f.fixes) + tuple(  # fmt: skip
         fx.applied for fx in report.safe_fixes
     )
 
@@ -186,7 +188,12 @@ def _finding_view(report: Any, finding: Any) -> dict:
         # What applying it applies besides it: the fixes it was verified with (its label names them).
         fix_data["applies_with"] = [o.title for o in proof.prerequisites(fx) if o is not fx] if proof is not None else []
         taken_out = proof.not_planned(fx) if proof is not None else ""
-        if taken_out:
+        fix_data["in_place"] = fx.in_place
+        if fix_data["in_place"]:
+            fix_data["planned"], fix_data["proof"] = False, ""
+            fix_data["note"] = ("already in place: the live objects hold this change, so there is nothing to apply; "
+                                "run the failing code again")  # fmt: skip
+        elif taken_out:
             fix_data["planned"], fix_data["note"] = False, taken_out
     return data
 

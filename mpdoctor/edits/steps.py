@@ -22,10 +22,27 @@ def cast_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype=dtype, copy=True)
 
 
+def same_value(held: Any, value: Any) -> bool:
+    """``held`` is ``value`` as a setting: the same object, or equal plain values (numbers, strings, dtypes,
+    tuples of them). A tensor or any other object compares by identity only: equal-looking is not the same."""
+    if held is value:
+        return True
+    plain = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device)
+    if isinstance(held, (tuple, list)) and isinstance(value, (tuple, list)):
+        return type(held) is type(value) and len(held) == len(value) and all(map(same_value, held, value))
+    return isinstance(held, plain) and isinstance(value, plain) and type(held) is type(value) and held == value
+
+
 class Change:
     """One reversible step of a fix."""
 
     description = ""
+
+    @property
+    def in_place(self) -> bool:
+        """True when the live objects already hold what :meth:`apply` would make (applying changes nothing);
+        False when it would change something, or cannot tell (a step made by a function)."""
+        return False
 
     def apply(self) -> None:
         """Record the prior state, then make the change."""
@@ -43,6 +60,10 @@ class SetAttr(Change):
         self.obj, self.attr, self.value = obj, attr, value
         self.description = f"{label} = {value!r}"
         self._old: Any = _UNSET
+
+    @property
+    def in_place(self) -> bool:
+        return same_value(getattr(self.obj, self.attr, _UNSET), self.value)
 
     def apply(self) -> None:
         d = object.__getattribute__(self.obj, "__dict__") if hasattr(self.obj, "__dict__") else {}
@@ -70,6 +91,10 @@ class SetRequiresGrad(Change):
         self.description = f"{label}: requires_grad={flag}"
         self._old: list[bool] = []
 
+    @property
+    def in_place(self) -> bool:
+        return all(p.requires_grad == self.flag for p in self.params)
+
     def apply(self) -> None:
         self._old = [p.requires_grad for p in self.params]
         for p in self.params:
@@ -88,6 +113,10 @@ class SetClass(Change):
         self.obj, self.cls = obj, cls
         self.description = f"{label}: back to {cls.__module__}.{cls.__qualname__}"
         self._old: Any = None
+
+    @property
+    def in_place(self) -> bool:
+        return type(self.obj) is self.cls
 
     def apply(self) -> None:
         self._old = type(self.obj)
@@ -116,6 +145,10 @@ class SwapParameter(Change):
             if old in opt.state:
                 opt.state[new] = opt.state.pop(old)
 
+    @property
+    def in_place(self) -> bool:
+        return object.__getattribute__(self.module, "_parameters").get(self.name) is self.new
+
     def apply(self) -> None:
         self._old = object.__getattribute__(self.module, "_parameters")[self.name]
         self._swap(self._old, self.new)
@@ -132,6 +165,10 @@ class SetEnv(Change):
         self.name, self.value = name, value
         self.description = f"os.environ[{name!r}] = {value!r}" if value is not None else f"del os.environ[{name!r}]"
         self._old: str | None = None
+
+    @property
+    def in_place(self) -> bool:
+        return os.environ.get(self.name) == self.value
 
     def apply(self) -> None:
         self._old = os.environ.get(self.name)
@@ -191,6 +228,10 @@ class CastParams(Change):
                 ):
                     out.append((st, key, value))
         return out
+
+    @property
+    def in_place(self) -> bool:
+        return all(p.dtype == self.dtype for p in self.params)
 
     def apply(self) -> None:
         # Phase 1: allocate every new tensor; a failure here changes nothing.
@@ -253,6 +294,10 @@ class CastGrads(Change):
         self.description = f"cast the grads of {len(self.params)} {label} to their parameter's dtype"
         self._backup: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    @property
+    def in_place(self) -> bool:
+        return all(p.grad is None or p.grad.dtype == p.dtype for p in self.params)
+
     def apply(self) -> None:
         # Allocate every new grad first: a failure here changes nothing.
         staged = [
@@ -279,6 +324,10 @@ class CastStateEntries(Change):
         self.description = f"cast {len(entries)} {label}"
         self._backup: list[tuple[dict, Any, torch.Tensor]] = []
 
+    @property
+    def in_place(self) -> bool:
+        return all(isinstance(st.get(key), torch.Tensor) and st[key].dtype == dtype for st, key, dtype in self.entries)
+
     def apply(self) -> None:
         staged = [(st, key, st[key], cast_tensor(st[key], dtype)) for st, key, dtype in self.entries]
         self._backup = []
@@ -302,6 +351,12 @@ class ReplaceData(Change):
         self._old: torch.Tensor | None = None
         self.description = label
 
+    @property
+    def in_place(self) -> bool:
+        held = self.tensor.data
+        return (held.dtype == self.values.dtype and held.shape == self.values.shape
+                and bool(torch.equal(held, self.values)))  # fmt: skip
+
     def apply(self) -> None:
         self._old = self.tensor.data
         self.tensor.data = self.values
@@ -320,6 +375,10 @@ class SetItem(Change):
         self._had = False
         self._old: Any = None
 
+    @property
+    def in_place(self) -> bool:
+        return self.key in self.d and same_value(self.d[self.key], self.value)
+
     def apply(self) -> None:
         self._had = self.key in self.d
         self._old = self.d.get(self.key)
@@ -335,8 +394,15 @@ class SetItem(Change):
 class Call(Change):
     """A change made by a function, undone by another (both given by the check)."""
 
-    def __init__(self, do: Callable[[], Any], undo: Callable[[Any], None], description: str) -> None:
+    def __init__(self, do: Callable[[], Any], undo: Callable[[Any], None], description: str,
+                 held: Callable[[], bool] | None = None) -> None:  # fmt: skip
         self._do, self._undo, self.description = do, undo, description
+        #: Tells whether the state ``do`` makes is already there (None: it cannot be told).
+        self._held = held
+
+    @property
+    def in_place(self) -> bool:
+        return self._held is not None and bool(self._held())
         self._token: Any = None
 
     def apply(self) -> None:
@@ -363,6 +429,10 @@ class ForwardPreHook(Change):
         """True when a hook carrying ``marker`` is registered on ``module``."""
         hooks = getattr(module, "_forward_pre_hooks", {})
         return any(getattr(h, "_mpdoctor_marker", None) == marker for h in list(hooks.values()))
+
+    @property
+    def in_place(self) -> bool:
+        return self.registered(self.module, self.marker)
 
     def apply(self) -> None:
         self._handle = None
@@ -405,6 +475,10 @@ class MethodInputCast(Change):
         except AttributeError:
             return False
         return getattr(own.get(method), "_mpdoctor_marker", None) == marker
+
+    @property
+    def in_place(self) -> bool:
+        return self.registered(self.obj, self.method, self.marker)
 
     def apply(self) -> None:
         self._wrapper = None

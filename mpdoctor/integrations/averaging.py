@@ -110,6 +110,11 @@ class CastContainerTensors(Change):
         self.description = f"cast {label} to {str(dtype).replace('torch.', '')}"
         self._old: dict | None = None
 
+    @property
+    def in_place(self) -> bool:
+        values = self.items if isinstance(self.items, list) else list(self.items.values())
+        return all(t.dtype == self.dtype for t in values if torch.is_tensor(t) and t.is_floating_point())
+
     def apply(self) -> None:
         keys = range(len(self.items)) if isinstance(self.items, list) else list(self.items)
         staged = {k: cast_tensor(self.items[k], self.dtype) for k in keys if torch.is_tensor(self.items[k])

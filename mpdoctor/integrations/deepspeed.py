@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..edits.steps import Change
+from ..edits.steps import Change, same_value
 from ..facts.deepspeed import DeepSpeedFacts
 from ..live.introspect import is_a, raw_attr
 from . import Integration, Unwrap
@@ -294,6 +294,14 @@ class ConfigPrecision(Change):
         self._sections: list[tuple[dict, str, Any, bool]] = []
         self._lists: list[tuple[list, list]] = []
 
+    @property
+    def in_place(self) -> bool:
+        sections = all(isinstance(cfg.get(k), dict) and cfg[k].get("enabled") == v
+                       for cfg in self.configs for k, v in self.values.items())  # fmt: skip
+        stale = any(isinstance(x, str) and any(x.startswith(f"- ds {k}.enabled=") for k in self.values)
+                    for lines in self.lists for x in lines)  # fmt: skip
+        return sections and not stale
+
     def apply(self) -> None:
         self._sections, self._lists = [], []
         try:
@@ -329,6 +337,10 @@ class ConfigKey(Change):
     def __init__(self, configs: list[dict], key: str, value: Any, description: str) -> None:
         self.configs, self.key, self.value, self.description = configs, key, value, description
         self._saved: list[tuple[dict, Any, bool]] = []
+
+    @property
+    def in_place(self) -> bool:
+        return all(self.key in c and same_value(c[self.key], self.value) for c in self.configs)
 
     def apply(self) -> None:
         self._saved = [(c, c.get(self.key), self.key in c) for c in self.configs]

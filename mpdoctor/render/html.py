@@ -178,7 +178,8 @@ def fix_html(fx: dict, siblings: list[dict] | None = None) -> str:
     """A fix in the static rendering: its kind (as the text and the widget label it), title, state and code."""
     kind = f"fix ({fix_kind(fx, siblings if siblings is not None else [fx])})"
     safety = pill(kind, COLORS["error"]) if "unsafe" in kind else e(kind)
-    state = f" {pill('applied', OK_COLOR)}" if fx["applied"] else ""
+    state = (f" {pill('applied', OK_COLOR)}" if fx["applied"]
+             else f" {pill('already in place', OK_COLOR)}" if fx.get("in_place") else "")  # fmt: skip
     failed = f" {pill('failed', COLORS['error'])} {e(fx['error'])}" if fx.get("error") else ""
     proof = f"<div style='color:{MUTED}'>{e(fx['proof'])}</div>" if fx.get("proof") else ""
     return (f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}{proof}"

@@ -132,7 +132,8 @@ def _findings_lines(data: dict, label: str | None, width: int) -> list[str]:
 def _fix_lines(fx: dict, siblings: list[dict], width: int) -> list[str]:
     """One fix: its kind, title and state, cost, what the user's step did after it (or why it is not planned),
     and its code."""
-    state = " [applied]" if fx["applied"] else (f" [failed: {fx['error']}]" if fx["error"] else "")
+    state = (" [applied]" if fx["applied"] else " [already in place]" if fx.get("in_place")
+             else f" [failed: {fx['error']}]" if fx["error"] else "")  # fmt: skip
     lines = [f"        fix ({fix_kind(fx, siblings)}): {singular_counts(fx['title'])}{state}"]
     if fx["cost"]:
         lines.append(f"            cost: {fx['cost']}")

@@ -485,6 +485,10 @@ class ReportWidget:
         for fix, fv in sorted(zip(finding.fixes, view["fixes"]), key=lambda p: _planned(p, groups) is False):
             if fv.get("applicability") == "display-only":
                 continue  # nothing to do in place: its code is in "the same fix as code"
+            if fv.get("in_place"):  # a button that would change nothing is not drawn: the card says why
+                parts.append(f"<div style='{FONT};font-size:12px;color:{MUTED}'>{pill('already in place', OK_COLOR)} "
+                             f"{e(singular_counts(fv['title']))}: {e(fv['note'])}</div>")  # fmt: skip
+                continue
             group = groups.get(id(fix))
             if group is not None and group.owner is not finding:  # one button, on the first card offering it
                 parts.append(f"<div style='{FONT};font-size:12px;color:{MUTED}'>{e(singular_counts(fv['title']))}: "

@@ -64,11 +64,25 @@ def assemble(report: Any, observed: Observed | None = None, step: Any = None, be
     report = _with_watched_and_crashes(report, observed)
     if observed.scale_history is not None:
         report = report.evolve(scale_history=observed.scale_history)
+    report = _without_fixes_in_place(report)
     if step is not None and any(fx.changes for fx in report.fixes):
         from ..diagnosis.proof import proven_report, step_as_held
 
         report = proven_report(report, step_as_held(step), before=before)
     return report
+
+
+def _without_fixes_in_place(report: Any) -> Any:
+    """``report`` with no fix in its plans whose change the live objects already hold (the user changed the
+    object in a cell, or applied it from an earlier report, while the finding still stands: a crash of a cell
+    not run again since). Applying one would change nothing: its finding shows it as already in place
+    (:func:`mpdoctor.diagnosis.view.report_dict`), and it is neither planned nor proven."""
+    held = [fx for fx in report.fixes if fx.in_place]
+    safe = [fx for fx in report.safe_fixes if fx.in_place]
+    if not held and not safe:
+        return report
+    return report.evolve(plan=[fx for fx in report.fixes if fx not in held],
+                         safe_plan=[fx for fx in report.safe_fixes if fx not in safe])  # fmt: skip
 
 
 def _with_code(report: Any, observed: Observed) -> Any:

@@ -660,7 +660,8 @@ class SetMatmulPrecision(ChangeSpec):
             torch.set_float32_matmul_precision(old[0])
             restore_fp32_precisions(old[1])  # the legacy setter leaves "ieee" where "none" was
 
-        return [Call(do, undo, f"torch.set_float32_matmul_precision({self.value!r})")]
+        return [Call(do, undo, f"torch.set_float32_matmul_precision({self.value!r})",
+                     held=lambda: torch.get_float32_matmul_precision() == self.value)]  # fmt: skip
 
     def simulate(self, facts: Facts) -> Facts:
         runtime = dataclasses.replace(

@@ -205,6 +205,24 @@ class Fix:
                     return problem
         return None
 
+    @property
+    def in_place(self) -> bool:
+        """True when the live objects already hold this fix's change, made some other way (the user's own code,
+        another fix): applying it would change nothing, so it is not offered. False when it is applied (it is then
+        shown as applied, with Undo), display-only, unbound, or when any step would change something or cannot
+        tell."""
+        if (not self.changes or self._live is None or self.applied
+                or self.applicability is Applicability.DISPLAY_ONLY):  # fmt: skip
+            return False
+        try:
+            steps = self._plan()
+        except Exception:  # it cannot be bound to the objects as they are now: not in place
+            return False
+        try:
+            return all(step.in_place for step in steps)
+        except Exception:  # a step that cannot read the live state cannot tell
+            return False
+
     def preview(self) -> list[str]:
         """Describe the changes :meth:`apply` would make now."""
         return [c.description for c in self._plan()]

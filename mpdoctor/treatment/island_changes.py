@@ -39,6 +39,10 @@ class CastBuffers(Change):
         self.description = f"cast {len(entries)} {label} to {str(dtype).replace('torch.', '')}"
         self._old: list[tuple[dict, str, torch.Tensor]] = []
 
+    @property
+    def in_place(self) -> bool:
+        return all(d[k].dtype == self._dtype for d, k in self._entries)
+
     def apply(self) -> None:
         new = [(d, k, d[k].to(self._dtype, copy=True)) for d, k in self._entries]  # allocate before any swap
         self._old = [(d, k, d[k]) for d, k in self._entries]
@@ -99,6 +103,13 @@ class SetMetricDtype(Change):
         self._metric, self._dtype = metric, dtype
         self.description = f"{type(metric).__name__}.set_dtype({dtype})"
         self._saved: dict[str, Any] = {}
+
+    @property
+    def in_place(self) -> bool:
+        d = own_dict(self._metric)
+        states = [d.get(k) for k in d.get("_defaults", {})]
+        return d.get("_dtype") == self._dtype and all(
+            t.dtype == self._dtype for t in states if isinstance(t, torch.Tensor) and t.is_floating_point())
 
     def apply(self) -> None:
         d = own_dict(self._metric)
