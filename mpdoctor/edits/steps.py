@@ -399,11 +399,11 @@ class Call(Change):
         self._do, self._undo, self.description = do, undo, description
         #: Tells whether the state ``do`` makes is already there (None: it cannot be told).
         self._held = held
+        self._token: Any = None
 
     @property
     def in_place(self) -> bool:
         return self._held is not None and bool(self._held())
-        self._token: Any = None
 
     def apply(self) -> None:
         self._token = self._do()
