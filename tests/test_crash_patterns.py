@@ -124,6 +124,25 @@ def anomaly_nan_in_backward():
         model(torch.ones(2, 4)).sum().backward()
 
 
+def sampling_from_an_fp16_overflow():
+    """Layer 1's up_proj passes 65504 in fp16 (one row of 40000): the logits are NaN, and sampling refuses them."""
+    from setups import tiny_llama
+
+    model = tiny_llama(torch.float16, train=False)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[0] = 40000.0
+    model.generate(torch.tensor([[3, 14, 15, 9]]), max_new_tokens=2, do_sample=True, pad_token_id=0)
+
+
+def sampling_from_nan_weights():
+    from setups import tiny_llama
+
+    model = tiny_llama(torch.float32, train=False)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] = float("nan")
+    model.generate(torch.tensor([[3, 14, 15, 9]]), max_new_tokens=2, do_sample=True, pad_token_id=0)
+
+
 def fsdp_flattens_two_dtypes():
     import torch.distributed as dist
     from torch.distributed.fsdp._flat_param import FlatParamHandle, HandleShardingStrategy
@@ -166,6 +185,9 @@ REAL_FAILURES = [
     (bf16_optimizer_on_fp32, "crash-bf16-only-optimizer", "optimizer-dtype-requirement"),
     (cache_through_accelerate_fp32_conversion, "crash-cache-float", "cache-in-training"),
     (anomaly_nan_in_backward, "crash-anomaly-nonfinite", "nonfinite-values"),
+    # No check sees an overflow in flight at rest: the note (what to probe) is the cause; NaN weights are scanned.
+    (sampling_from_an_fp16_overflow, "crash-sampling-nonfinite", "crash-sampling-nonfinite"),
+    (sampling_from_nan_weights, "crash-sampling-nonfinite", "nonfinite-values"),
     (fsdp_flattens_two_dtypes, "crash-fsdp-uniform-dtype", "mixed-param-dtypes"),
     (training_args_bf16_without_gpu, "crash-bf16-unsupported", "crash-bf16-unsupported"),
     (training_args_fp16_and_bf16, "crash-fp16-and-bf16", "crash-fp16-and-bf16"),

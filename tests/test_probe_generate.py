@@ -158,3 +158,26 @@ def test_a_healthy_llama_generates_under_the_probe_with_no_alarm(dtype):
 def test_a_model_without_generate_is_refused_with_the_reason():
     with pytest.raises(TypeError, match="generate=True needs a model with a generate"):
         mpdoctor.probe(torch.nn.Linear(4, 4), torch.randn(2, 4), generate=True)
+
+
+def test_a_sampling_crash_is_explained_and_the_generation_probe_it_asks_for_becomes_its_cause(capsys):
+    """The crash hook knows torch's refusal to sample NaN probabilities, but no check sees an overflow in flight at
+    rest: its cause is a note that says which probe to run. The probe run after it names the module, and that
+    finding, with its fixes, becomes the cause of the exception the cell raised."""
+    from notebook_shell import loaded_shell
+
+    with loaded_shell(("torch", "overflowing_llama", "model", "prompt", "out", "r")) as sh:
+        sh.user_ns.update(torch=torch, overflowing_llama=overflowing_llama)
+        sh.run_cell("model = overflowing_llama(torch.float16).eval()\n"
+                    "prompt = {'input_ids': torch.tensor([[3, 14, 15, 9, 2, 6]])}", store_history=True)  # fmt: skip
+        failed = sh.run_cell("out = model.generate(**prompt, max_new_tokens=4, do_sample=True, pad_token_id=0)",
+                             store_history=True)  # fmt: skip
+        assert "probability tensor contains either `inf`, `nan` or element < 0" in str(failed.error_in_exec)
+        shown = capsys.readouterr().out
+        assert "crash-sampling-nonfinite" in shown and "--probe prompt --generate" in shown
+        sh.run_cell("r = %mpdoctor model --probe prompt --generate 4 --text", store_history=True)
+        report = sh.user_ns["r"]
+    assert report.exception.startswith("RuntimeError: probability tensor contains either")
+    assert report.cause is report.findings[0] and report.cause.check == "probe-nonfinite"
+    assert report.cause.evidence["module"] == "model.layers.1.mlp.up_proj" and report.cause.fixes
+    assert not report.findings_for("crash-sampling-nonfinite")  # the note gave way: one cause, not two

@@ -115,6 +115,20 @@ PATTERNS: tuple[Pattern, ...] = tuple(_from_family(f) for f in FAMILIES) + (
         scan=True,
     ),
     _p(
+        "crash-sampling-nonfinite",
+        ("builtins.RuntimeError",),
+        r"probability tensor contains either `?inf`?, `?nan`? or element < 0",
+        ("probe-nonfinite", "probe-generation-nonfinite", "nonfinite-values"),
+        "Sampling (torch.multinomial, what generate(do_sample=True) runs) was given NaN/Inf probabilities: the "
+        "model's logits held NaN/Inf at that decoding step. A model trained in bf16 and run in fp16 does this when "
+        "an activation passes fp16's 65504 (greedy search then repeats token 0 instead of raising); so do weights "
+        "that hold NaN.",
+        "Run the generation probe on the prompt to name the first module out of range: "
+        "mpdoctor.probe(model, prompt, generate=True), or %mpdoctor model --probe prompt --generate 8; then "
+        "generate in bf16 (fp32's range) or keep that module in fp32.",
+        scan=True,
+    ),
+    _p(
         "crash-fsdp-uniform-dtype",
         ("builtins.ValueError",),
         r"Must flatten tensors with uniform dtype",
@@ -172,6 +186,12 @@ PATTERNS: tuple[Pattern, ...] = tuple(_from_family(f) for f in FAMILIES) + (
         "and the DeepSpeed config together.",
     ),
 )
+
+
+def checks_explaining(slug: str) -> tuple[str, ...]:
+    """The check slugs whose findings explain the exceptions of pattern ``slug``, most specific first (none for an
+    unknown slug)."""
+    return next((p.checks for p in PATTERNS if p.slug == slug), ())
 
 
 def exception_message(exc: BaseException) -> str | None:

@@ -384,11 +384,12 @@ def _assembled(shell: Any, report: Any, args: Any, ignore: list[str], step: Any)
     """The report whole (:func:`mpdoctor.runtime.assembly.assemble`): what the cells did, read from their source
     (unless ``--no-history``), watched as they ran and raised; the scale history; then the plan proven on ``step``
     (the ``--step`` function, or the cell that raised; not with ``--probe``, whose report holds its own check)."""
+    from ..crash.patterns import checks_explaining
     from ..runtime.assembly import assemble
     from ..runtime.session import observed
 
     code = None if args.no_history else _read_code(shell, ignore)
-    return assemble(report, observed(shell, ignore, code), None if args.probe else step)
+    return assemble(report, observed(shell, ignore, code, checks_explaining), None if args.probe else step)
 
 
 def _read_code(shell: Any, ignore: list[str]) -> list:

@@ -41,6 +41,10 @@ class Observed:
         Gives watcher findings the corrected lines of the user's own loop, read from the cells that ran.
     ignore : tuple of str
         Check slugs the user hides.
+    explained_by : callable or None
+        The check slugs whose findings explain a crash, by the slug of the crash's own cause note (its pattern's
+        checks, :func:`mpdoctor.crash.patterns.checks_explaining`): a finding of one of them, held now, becomes the
+        cause in the note's place.
     """
 
     code: tuple = ()
@@ -49,6 +53,7 @@ class Observed:
     scale_history: tuple | None = None
     in_users_loop: Callable[[list], list] | None = None
     ignore: tuple = ()
+    explained_by: Callable[[str], tuple] | None = None
 
 
 def assemble(report: Any, observed: Observed | None = None, step: Any = None, before: Any = None) -> Any:
@@ -109,7 +114,10 @@ def _with_watched_and_crashes(report: Any, observed: Observed) -> Any:
     for crash in observed.crashes:
         if crash.cause is not None and crash.cause.check not in skip:
             cause, exception, raised_by = crash.cause, crash.exception, crash.raised_by
-            if not _fold_into_setup_finding(held, crash.cause):
+            explained = _explained_now(held, crash.cause, observed.explained_by)
+            if explained is not None:  # the note gives way: the report now holds what it asked for
+                cause = explained
+            elif not _fold_into_setup_finding(held, crash.cause):
                 extra.append(crash.cause)
     if not extra and cause is None:
         return report
@@ -141,6 +149,21 @@ def _own_findings_in_users_loop(observed: Observed, findings: list, cause: Findi
         return findings, cause
     mine = dict(zip(map(id, watched), _in_users_loop(observed, watched)))
     return [mine.get(id(f), f) for f in findings], mine.get(id(cause), cause)
+
+
+def _explained_now(findings: list, cause: Finding, explained_by: Callable[[str], tuple] | None) -> Finding | None:
+    """The finding in ``findings`` that explains a crash whose cause was only its pattern's note, or None.
+
+    At the crash no check's finding explained the exception (:func:`mpdoctor.crash.cause.mark_cause`): the note says
+    what the message means and what to run (sampling from NaN probabilities: the generation probe). When the report
+    now holds a finding of one of the pattern's checks (the probe the note asked for names the module and carries
+    the fixes), that finding is the cause. A note with fixes of its own (a cast of the failing op's operands, bound
+    to the objects the crash saw) stays the cause."""
+    evidence = cause.evidence if isinstance(cause.evidence, dict) else {}
+    if explained_by is None or cause.fixes or evidence.get("pattern") != cause.check:
+        return None
+    rank = {slug: i for i, slug in enumerate(explained_by(cause.check))}
+    return min((f for f in findings if f.check in rank), key=lambda f: (rank[f.check], f.rank), default=None)
 
 
 def _fold_into_setup_finding(findings: list, cause: Finding) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 #: ``id(shell) -> _Session`` while installed.
@@ -319,18 +319,21 @@ def unreported(shell: Any) -> tuple[list, list]:
     return findings, crashes
 
 
-def observed(shell: Any, ignore: Iterable[str] = (), code: list | None = None) -> Any:
+def observed(shell: Any, ignore: Iterable[str] = (), code: list | None = None,
+             explained_by: Callable[[str], tuple] | None = None) -> Any:  # fmt: skip
     """What the kernel observed beside the objects since the last ``%mpdoctor`` report, for
     :func:`mpdoctor.runtime.assembly.assemble`: ``code`` (the cells' findings, read by the caller; None: the code is
     not read), the watcher's findings and the crash hook's reports (both count as reported from now on), the scale
-    history, and how to give watcher findings the user's own loop."""
+    history, and how to give watcher findings the user's own loop. ``explained_by``: the checks that explain a
+    crash, by its cause note's slug (the crash patterns', which this layer does not import)."""
     from .assembly import Observed
 
     watched, crashes = unreported(shell) if code is not None else ([], [])
     obs = observer(shell)
     return Observed(code=tuple(code or ()), watched=tuple(watched), crashes=tuple(crashes),
                     scale_history=tuple(obs.scale_history) if obs is not None and obs.scale_history else None,
-                    in_users_loop=lambda findings: users_loop_findings(shell, findings), ignore=tuple(ignore))
+                    in_users_loop=lambda findings: users_loop_findings(shell, findings), ignore=tuple(ignore),
+                    explained_by=explained_by)  # fmt: skip
 
 
 def _same_cell(tag: tuple[Any, str], cell_id: Any, raw: Any) -> bool:
