@@ -96,6 +96,7 @@ class Report:
         treatment: Treatment | None = None,
         proof: Any = None,
         departed: Iterable[dict] = (),
+        trials: Iterable = (),
     ) -> None:
         values = {
             "findings": tuple(findings),
@@ -121,6 +122,8 @@ class Report:
             "treatment": treatment if treatment is not None else Treatment(rediagnose),
             "proof": proof,
             "departed": tuple(dict(d) for d in departed),
+            #: ``(fix, TwinTrial)``: what a code fix did when run on copies of the user's objects before it was shown.
+            "trials": tuple(trials),
         }
         for name, value in values.items():
             object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan", "probe_table_") else name, value)
@@ -145,6 +148,7 @@ class Report:
             "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
             "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
             "notes": self.notes, "treatment": self.treatment, "proof": self.proof, "departed": self.departed,
+            "trials": self.trials,
         }  # fmt: skip
         unknown = set(changes) - set(current)
         if unknown:

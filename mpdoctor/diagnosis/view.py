@@ -188,6 +188,8 @@ def _finding_view(report: Any, finding: Any) -> dict:
         # What applying it applies besides it: the fixes it was verified with (its label names them).
         fix_data["applies_with"] = [o.title for o in proof.prerequisites(fx) if o is not fx] if proof is not None else []
         taken_out = proof.not_planned(fx) if proof is not None else ""
+        trial = next((t for f, t in report.trials if f is fx), None)
+        fix_data["trial"] = trial.sentence() if trial is not None else ""
         fix_data["in_place"] = fx.in_place
         if fix_data["in_place"]:
             fix_data["planned"], fix_data["proof"] = False, ""

@@ -182,6 +182,7 @@ def fix_html(fx: dict, siblings: list[dict] | None = None) -> str:
              else f" {pill('already in place', OK_COLOR)}" if fx.get("in_place") else "")  # fmt: skip
     failed = f" {pill('failed', COLORS['error'])} {e(fx['error'])}" if fx.get("error") else ""
     proof = f"<div style='color:{MUTED}'>{e(fx['proof'])}</div>" if fx.get("proof") else ""
+    proof += f"<div style='color:{MUTED}'>{e(fx['trial'])}</div>" if fx.get("trial") else ""
     return (f"<li>{safety}: {e(singular_counts(fx['title']))}{state}{failed}{proof}"
             f"<pre style='{PRE}'>{e(fx['code'])}</pre></li>")  # fmt: skip
 

@@ -140,6 +140,8 @@ def _fix_lines(fx: dict, siblings: list[dict], width: int) -> list[str]:
     indent = dict(width=width, initial_indent="            ", subsequent_indent="              ")
     if fx.get("proof") and fx["planned"]:
         lines += textwrap.wrap(fx["proof"], **indent)
+    if fx.get("trial"):
+        lines += textwrap.wrap(fx["trial"], **indent)
     if fx["note"] and not fx["planned"]:
         lines += textwrap.wrap(f"note: {fx['note']}", **indent)
     lines += [f"            {code_line}" for code_line in fx["code"].splitlines()]

@@ -468,6 +468,7 @@ class ReportWidget:
                 + (f"<div style='font-size:12px;color:{MUTED}'>cost: {e(fx['cost'])}</div>" if fx.get("cost") else "")
                 + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['note'])}</div>" if fx.get("note") else "")
                 + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['proof'])}</div>" if fx.get("proof") else "")
+                + (f"<div style='font-size:12px;color:{MUTED}'>{e(fx['trial'])}</div>" if fx.get("trial") else "")
                 + f"<pre style='{PRE}'>{e(fx['code'])}</pre>"
                 for fx in view["fixes"]
             )

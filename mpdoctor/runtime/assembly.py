@@ -41,6 +41,9 @@ class Observed:
         Gives watcher findings the corrected lines of the user's own loop, read from the cells that ran.
     ignore : tuple of str
         Check slugs the user hides.
+    try_code : callable or None
+        Runs a code fix on copies of the user's objects before it is shown (:func:`mpdoctor.runtime.twins.try_on_twins`
+        bound to the namespace); None: code fixes are shown unrun.
     explained_by : callable or None
         The check slugs whose findings explain a crash, by the slug of the crash's own cause note (its pattern's
         checks, :func:`mpdoctor.crash.patterns.checks_explaining`): a finding of one of them, held now, becomes the
@@ -54,6 +57,7 @@ class Observed:
     in_users_loop: Callable[[list], list] | None = None
     ignore: tuple = ()
     explained_by: Callable[[str], tuple] | None = None
+    try_code: Callable[[str], Any] | None = None
 
 
 def assemble(report: Any, observed: Observed | None = None, step: Any = None, before: Any = None) -> Any:
@@ -74,7 +78,30 @@ def assemble(report: Any, observed: Observed | None = None, step: Any = None, be
         from ..diagnosis.proof import proven_report, step_as_held
 
         report = proven_report(report, step_as_held(step), before=before)
-    return report
+    return _with_trials(report, observed)
+
+
+#: Code fixes run on copies per report at most (each copies the objects its code names).
+_MAX_TRIALS = 4
+
+
+def _with_trials(report: Any, observed: Observed) -> Any:
+    """``report`` with what its loop fixes did on copies of the user's objects: the corrected lines of the user's own
+    AMP loop (a loop mistake's display-only fix) replace the loop as the user will paste them, so they run as they
+    are. Other display-only code (a launcher's flag, a rebuild, a corrected line of a cell) is not run."""
+    if observed.try_code is None:
+        return report
+    from ..treatment.fixes import Applicability
+    from .rules import RULES
+
+    trials: list = []
+    for finding in report.findings:
+        if finding.check not in RULES or finding.severity not in ("error", "warning"):
+            continue
+        for fx in finding.fixes:
+            if fx.applicability is Applicability.DISPLAY_ONLY and fx.code.strip() and len(trials) < _MAX_TRIALS:
+                trials.append((fx, observed.try_code(fx.code)))
+    return report.evolve(trials=trials) if trials else report
 
 
 def _without_fixes_in_place(report: Any) -> Any:

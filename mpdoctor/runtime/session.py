@@ -327,12 +327,14 @@ def observed(shell: Any, ignore: Iterable[str] = (), code: list | None = None,
     history, and how to give watcher findings the user's own loop. ``explained_by``: the checks that explain a
     crash, by its cause note's slug (the crash patterns', which this layer does not import)."""
     from .assembly import Observed
+    from .twins import try_on_twins
 
     watched, crashes = unreported(shell) if code is not None else ([], [])
     obs = observer(shell)
     return Observed(code=tuple(code or ()), watched=tuple(watched), crashes=tuple(crashes),
                     scale_history=tuple(obs.scale_history) if obs is not None and obs.scale_history else None,
                     in_users_loop=lambda findings: users_loop_findings(shell, findings), ignore=tuple(ignore),
+                    try_code=lambda code: try_on_twins(code, shell.user_ns, around=observers_aside),
                     explained_by=explained_by)  # fmt: skip
 
 
