@@ -41,6 +41,16 @@ class CaseRow:
         return self.outcome.strip().lower().startswith("fixed")
 
     @property
+    def corrected_code(self) -> bool:
+        """Treated by code the user runs (the corrected lines of their own loop), which mpdoctor runs on copies of
+        the user's objects before it shows it (:mod:`mpdoctor.runtime.twins`), one action from a new cell."""
+        return self.outcome.strip().lower().startswith("corrected code")
+
+    @property
+    def advice_only(self) -> bool:
+        return not self.fixed_in_place and not self.corrected_code
+
+    @property
     def cured(self) -> bool:
         """Fixed in place, and its failing step proven to train after the fix (API and widget)."""
         return self.fixed_in_place and self.verified.strip().lower().startswith("yes")
@@ -94,6 +104,7 @@ def build() -> str:
     per = {name: case_rows(name, text) for name, text in parts}
     total = sum(len(r) for r in per.values())
     fixed = sum(1 for r in per.values() for row in r if row.fixed_in_place)
+    corrected = sum(1 for r in per.values() for row in r if row.corrected_code)
     cured = sum(1 for r in per.values() for row in r if row.cured)
     slugs = sorted({s for r in per.values() for row in r for s in row.slugs})
     out = [
@@ -103,9 +114,12 @@ def build() -> str:
         "",
         "Every row is a failure reported on a public issue tracker, reproduced by a test on a CPU with tiny models "
         "(or stood in for, where it needs a GPU, as its test says), diagnosed by the check named in the row and "
-        "treated: fixed in place by the report's fix, or advice only where nothing can be changed in place.",
+        "treated: fixed in place by the report's fix; or by corrected code, the user's own loop with its mistake "
+        "corrected, which mpdoctor runs on copies of the user's objects before it shows it (`%mpdoctor insert N` puts "
+        "it in a new cell); or advice only where neither can be done.",
         "",
-        f"**{total} cases** from {len(parts)} area{'' if len(parts) == 1 else 's'}: {fixed} fixed in place, {total - fixed} advice only; "
+        f"**{total} cases** from {len(parts)} area{'' if len(parts) == 1 else 's'}: {fixed} fixed in place, "
+        f"{corrected} by corrected code run on copies, {total - fixed - corrected} advice only; "
         f"{len(slugs)} distinct check slugs.",
         "",
         f"**Cure rate on the failing step: {cured} of {fixed}** cases fixed in place are proven cured: the user's "
@@ -115,14 +129,15 @@ def build() -> str:
         "the field tests that prove each cure). The column \"verified on failing step\" of each table says which, "
         "and why not for the others.",
         "",
-        "| area | cases | fixed in place | advice only | verified on failing step |",
-        "|---|---|---|---|---|",
+        "| area | cases | fixed in place | corrected code | advice only | verified on failing step |",
+        "|---|---|---|---|---|---|",
     ]
     for name, _ in parts:
         rows = per[name]
         n_fixed = sum(1 for row in rows if row.fixed_in_place)
+        n_code = sum(1 for row in rows if row.corrected_code)
         n_cured = sum(1 for row in rows if row.cured)
-        out.append(f"| {name} | {len(rows)} | {n_fixed} | {len(rows) - n_fixed} | {n_cured} of {n_fixed} |")
+        out.append(f"| {name} | {len(rows)} | {n_fixed} | {n_code} | {len(rows) - n_fixed - n_code} | {n_cured} of {n_fixed} |")
     out.append("")
     for _, text in parts:
         out.append(text.rstrip())

@@ -43,7 +43,7 @@ def test_every_row_names_a_registered_check_or_crash_pattern(builder):
 
 def test_every_row_says_whether_it_is_fixed_in_place_or_advice_only(builder):
     rows = [row for name, text in builder.fragments() for row in builder.case_rows(name, text)]
-    bad = [row.source[:60] for row in rows if not row.outcome.lower().startswith(("fixed", "advice"))]
+    bad = [row.source[:60] for row in rows if not row.outcome.lower().startswith(("fixed", "advice", "corrected code"))]
     assert bad == []
 
 
@@ -87,9 +87,10 @@ def registered_cures() -> dict[str, str]:
 def test_every_row_of_the_corpus_fragments_says_whether_its_failing_step_was_verified(builder):
     rows = [row for name, text in builder.fragments() if name in VERIFIED_FRAGMENTS for row in builder.case_rows(name, text)]
     assert rows
-    bad = [(row.fragment, row.source[:50], row.verified) for row in rows if not row.verified.lower().startswith(("yes", "no: "))]
+    bad = [(row.fragment, row.source[:50], row.verified) for row in rows if not row.verified.lower().startswith(("yes", "no: "))
+           and not row.corrected_code]  # fmt: skip
     assert bad == []
-    advice = [row for row in rows if not row.fixed_in_place]
+    advice = [row for row in rows if row.advice_only]
     assert all(row.verified == "no: advice only" for row in advice), "an advice-only row cannot be verified as cured"
 
 
@@ -140,12 +141,34 @@ def test_a_row_of_a_newer_area_verified_on_its_failing_step_names_the_tests_that
     rows = [row for name, text in builder.fragments() if name not in VERIFIED_FRAGMENTS for row in builder.case_rows(name, text)]
     assert rows
     for row in rows:
-        if not row.fixed_in_place:
+        if row.advice_only:
             assert row.verified.startswith("no: advice only"), (row.source[:50], row.verified)
             continue
+        if row.corrected_code:
+            continue  # test_a_corrected_code_row_names_tests_that_run_it_on_copies_then_for_real
         if row.verified.lower().startswith("yes"):
             assert row.verified.startswith(("yes (API + widget)", "yes (widget)", "yes (API)")), row.verified
             named = re.findall(r"`(test_\w+)`", row.verified)
             assert named and set(named) <= defined, (row.source[:50], set(named) - defined)
         else:
             assert row.verified.startswith("no: "), (row.source[:50], row.verified)
+
+
+def test_a_corrected_code_row_names_tests_that_run_it_on_copies_then_for_real(builder):
+    """A row treated by corrected code says "on copies, then for real" and names field tests that exist, each of
+    which runs the code on copies the way ``%mpdoctor`` does before showing it (``try_on_twins``, directly or through
+    a helper of its file) and then runs it for real."""
+    import re
+
+    sources = {path: path.read_text(encoding="utf-8") for path in TESTS.rglob("test_*.py")}
+    rows = [row for name, text in builder.fragments() for row in builder.case_rows(name, text) if row.corrected_code]
+    assert rows
+    for row in rows:
+        assert row.verified.startswith("on copies, then for real: "), (row.source[:50], row.verified)
+        named = re.findall(r"`(test_\w+)`", row.verified)
+        assert named, row.verified
+        for test in named:
+            (source,) = [src for src in sources.values() if re.search(rf"^def {test}\(", src, re.M)]
+            body = source[re.search(rf"^def {test}\(", source, re.M).start():]
+            body = body[: (m.start() if (m := re.search(r"^def ", body[4:], re.M)) else len(body))]
+            assert "try_on_twins" in source and re.search(r"try_on_twins|trains_on_copies", body), test

@@ -232,10 +232,31 @@ def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     moved = [stmt, *_clips_after(source, stmt)]  # clipping right after the unscale moves with it
     if any(m.lineno <= target_stmt.lineno <= _end(m) for m in moved):
         return None
+    guard = _guard_reading(source, target_stmt, moved)
+    if guard is not None:  # the clip's result decides whether to step: it cannot move under that decision
+        return _update_every_iteration(source, s, guard)
     new_indent = _indent(source, target_stmt)
     lines = [line for m in moved for line in _reindent(source, m, new_indent)]
     lines[0] = _without_comment(lines[0]) + "  # once per real step, after the last micro-batch"
     return [Edit("delete", m) for m in moved] + [Edit("before", target_stmt, "\n".join(lines))]
+
+
+def _guard_reading(source: Source, target_stmt: ast.stmt, moved: Sequence[ast.stmt]) -> ast.If | None:
+    """The ``if`` around the step whose test reads a name the unscale or the clip binds (``grad_norm``), else None."""
+    bound = {n.id for m in moved for n in ast.walk(m) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    for ancestor in _ancestors(source, target_stmt):
+        if isinstance(ancestor, ast.If) and bound & {n.id for n in ast.walk(ancestor.test) if isinstance(n, ast.Name)}:
+            return ancestor
+    return None
+
+
+def _update_every_iteration(source: Source, scaler: str, guard: ast.If) -> list[Edit]:
+    """``update()`` after the guarded step's ``if``, for the stepped and the skipped iterations alike (it clears the
+    record of ``unscale_``); the ``update()`` calls inside the guard go."""
+    inside = [_statement_of(source, c) for c in _find_calls(source, scaler, "update")
+              if guard.lineno <= c.lineno <= _end(guard)]  # fmt: skip
+    line = f"{_indent(source, guard)}{scaler}.update()  # every iteration, stepped or skipped"
+    return [*(Edit("delete", st) for st in inside if st is not None), Edit("after", guard, line)]
 
 
 def _clips_after(source: Source, stmt: ast.stmt) -> list[ast.stmt]:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from mpdoctor.runtime.loop_findings import read_code
+from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
 
 SETUP = """\
 import torch
@@ -44,6 +45,16 @@ def moved(ns: dict) -> float:
 
 def trains(ns: dict) -> bool:
     return bool(ns["losses"]) and all(math.isfinite(x) for x in ns["losses"]) and moved(ns) > 0
+
+
+def trains_on_copies(code: str, setup: str = SETUP) -> bool:
+    """What ``%mpdoctor`` does before it shows the corrected lines: run them on copies of the objects the setup
+    built (:func:`mpdoctor.runtime.twins.try_on_twins`); the objects themselves stay as they were."""
+    ns = run_loop("", setup)
+    held = [p.detach().clone() for p in ns["model"].parameters()]
+    trial = try_on_twins(code, ns)
+    assert all(torch.equal(a, b) for a, b in zip(held, ns["model"].parameters()))
+    return trial.trains and trial.steps == TRIAL_STEPS
 
 
 def finding_at(loop: str, slug: str, setup: str = SETUP):
@@ -87,6 +98,7 @@ def test_clipping_scaled_gradients_halts_training_unet_468_everydream_175():
         finding.subject
         == f"train.py:{line_of(CLIP_BEFORE_UNSCALE, 'torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)')}"
     )
+    assert trains_on_copies(finding.fixes[0].code)
     fixed = run_loop(finding.fixes[0].code)
     assert trains(fixed) and moved(fixed) == pytest.approx(moved(reference))
 
@@ -120,6 +132,7 @@ def test_unscale_every_micro_batch_raises_swin_transformer_311():
     finding = finding_at(SWIN_ACCUMULATION, "amp-unscale-twice")
     assert finding.severity == "error"
     assert finding.subject == f"train.py:{line_of(SWIN_ACCUMULATION, 'scaler.unscale_(optimizer)')}"
+    assert trains_on_copies(finding.fixes[0].code)
     assert trains(run_loop(finding.fixes[0].code))
 
 
@@ -153,6 +166,8 @@ def test_update_skipped_with_the_step_makes_the_next_unscale_raise_lvsm_19_espne
     finding = finding_at(SKIP_WITHOUT_UPDATE, "amp-unscale-twice")
     assert finding.subject == f"train.py:{line_of(SKIP_WITHOUT_UPDATE, 'scaler.unscale_(optimizer)')}"
     assert "update" in finding.message
+    assert trains_on_copies(finding.fixes[0].code)
+    assert trains(run_loop(finding.fixes[0].code))
 
 
 MS_AMP_NO_UPDATE = """\
@@ -175,6 +190,7 @@ def test_step_without_update_raises_on_the_second_step_ms_amp_45():
         run_loop(MS_AMP_NO_UPDATE)
     finding = finding_at(MS_AMP_NO_UPDATE, "amp-update-missing")
     assert finding.subject == f"train.py:{line_of(MS_AMP_NO_UPDATE, 'scaler.step(optimizer)')}"
+    assert trains_on_copies(finding.fixes[0].code)
     assert trains(run_loop(finding.fixes[0].code))
 
 
@@ -220,6 +236,7 @@ def test_the_schedule_runs_ahead_on_skipped_steps_watchmal_106():
     assert finding.subject == f"train.py:{line_of(SCHEDULER_ON_SKIPS, 'scheduler.step()', overflowing)}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        assert trains_on_copies(finding.fixes[0].code, overflowing)
         fixed = run_loop(finding.fixes[0].code, overflowing)
     assert (
         fixed["scheduler"].last_epoch == len(fixed["data"]) - skipped
