@@ -66,6 +66,12 @@ def handle_exception(
 ) -> None:
     """Show the traceback as IPython would, then the diagnosis of a known mixed-precision failure."""
     try:
+        from ..runtime.dispatch import hide_own_frames
+
+        hide_own_frames(value)  # IPython 8+ honours __tracebackhide__ itself; IPython 7.34 (Colab's) does not
+    except Exception:  # the traceback is shown as it is
+        pass
+    try:
         _show_traceback(shell, etype, value, tb, tb_offset)
     except BaseException:  # IPython's own display failed: still never lose the user's traceback
         import traceback

@@ -489,6 +489,7 @@ class MethodInputCast(Change):
         cast, context = self.cast, self.context or contextlib.nullcontext
 
         def cast_floating_arguments(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True  # a fix's wrapper is not the user's code: IPython leaves it out of tracebacks
             with context():
                 args, kwargs = cast(args, kwargs)
                 return bound(*args, **kwargs)

@@ -9,6 +9,7 @@ Every wrapper calls the original with the same arguments and returns its result:
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -334,3 +335,38 @@ def disarm() -> None:
     _DISPATCH.disarm()
 
 
+
+
+def hide_own_frames(exc: BaseException | None) -> None:
+    """Take mpdoctor's wrapper frames (those marked ``__tracebackhide__``) out of ``exc``'s traceback, and out of the
+    exceptions it was raised from or during, in place: what a plain Python traceback then prints is the user's code
+    and the library's, as without mpdoctor. IPython hides them itself; a script's traceback is printed by
+    ``mpdoctor run`` or passes through ``watch()``, which call this. The wrapper's own frame stays only while the
+    exception is still inside it: CPython adds each frame as the exception leaves it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        head = exc.__traceback__
+        while head is not None and _own_hidden(head):
+            head = head.tb_next
+        entry = head
+        while entry is not None:
+            after = entry.tb_next
+            while after is not None and _own_hidden(after):
+                after = after.tb_next
+            entry.tb_next = after
+            entry = after
+        exc.__traceback__ = head
+        exc = exc.__cause__ or exc.__context__
+
+
+def _own_hidden(entry: Any) -> bool:
+    frame = entry.tb_frame
+    try:
+        return frame.f_code.co_filename.startswith(_PACKAGE_DIR) and bool(frame.f_locals.get("__tracebackhide__"))
+    except Exception:  # a frame that cannot be read is shown
+        return False
+
+
+#: Where mpdoctor's own files are: only their frames are ever hidden.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -57,6 +57,9 @@ def run_script(path: str, args: list[str], scan: bool = False, probe_on_nan: boo
     except SystemExit as exc:
         return _exit_code(exc.code)
     except BaseException as exc:  # noqa: BLE001 - every uncaught exception is the script's failure
+        from ..runtime.dispatch import hide_own_frames
+
+        hide_own_frames(exc)
         tb = _script_traceback(exc.__traceback__)
         traceback.print_exception(type(exc), exc, tb)
         if not isinstance(exc, KeyboardInterrupt):

@@ -397,6 +397,10 @@ class watch:  # noqa: N801 - used like a function: mpdoctor.watch(model, optimiz
         return self
 
     def __exit__(self, etype: type | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        from ..runtime.dispatch import hide_own_frames
+
+        hide_own_frames(exc)  # the traceback Python prints shows the user's code and the library's, not the wrappers
+        tb = exc.__traceback__ if exc is not None else tb
         try:
             if isinstance(exc, Exception) and not isinstance(exc, NonFiniteLoss):
                 try:
