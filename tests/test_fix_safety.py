@@ -598,3 +598,40 @@ def test_an_undo_that_cannot_restore_one_step_still_restores_the_others_and_says
 
 def test_oom_is_constructible_on_this_torch():
     assert isinstance(oom("x"), RuntimeError)
+
+
+def _fp8_stored_model() -> dict:
+    """Stock layers whose weights are stored in float8 (an Embedding and a Linear), biases in bf16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    for layer in model:
+        layer.weight.requires_grad_(False)
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    return {"model": model, "opt": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)}
+
+
+def test_the_float8_upcast_in_forward_undoes_exactly_and_applies_once():
+    """``UpcastStoredWeights``: a wrapper on each layer's forward, the float8 Parameters untouched; undo restores the
+    fingerprint exactly, a second report's matching fix applied after the first adds nothing."""
+    ns = _fp8_stored_model()
+    model, ids = ns["model"], torch.tensor([[1, 2, 3]])
+    first, second = (mpdoctor.diagnose(namespace=ns) for _ in range(2))
+    (fix,) = first.findings_for("fp8-storage-not-upcast")[0].fixes
+    (twin,) = second.findings_for("fp8-storage-not-upcast")[0].fixes
+    stored = [layer.weight for layer in model]
+    before = fingerprint(ns)
+    fix.apply()
+    assert [layer.weight for layer in model] == stored and all(p.dtype == torch.float8_e4m3fn for p in stored)
+    applied = fingerprint(ns)
+    assert applied != before
+    twin.apply()
+    assert_unchanged(applied, fingerprint(ns), "the same upcast applied a second time")
+    with torch.no_grad():
+        out = model(ids)  # the call that raised runs, and changes nothing it holds
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert_unchanged(applied, fingerprint(ns), "a forward through the upcast layers")
+    twin.undo()
+    fix.undo()
+    assert_unchanged(before, fingerprint(ns), "undo of the float8 upcast")
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        model(ids)

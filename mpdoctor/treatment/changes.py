@@ -1329,3 +1329,120 @@ class SetConfigEntry(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, "config", self.key): self.value}
+
+
+#: Marker of the wrapper that computes a layer's forward with its float8-stored weights upcast (one per module).
+UPCAST_STORAGE_MARKER = "mpdoctor-upcast-float8-storage"
+#: What the float8 storage reader says upcasts a layer once this fix is on it (``StoredLayer.upcast``).
+UPCAST_STORAGE_WHAT = "mpdoctor's upcast in its forward"
+_ABSENT = object()
+
+
+def _float8_dtypes() -> frozenset[torch.dtype]:
+    from ..facts.quantized import STORAGE_DTYPES
+
+    # e4m3 / e5m2 upcast exactly to bf16, fp16 and fp32; e8m0 scales and packed float4 are no weight to upcast.
+    names = (n for n in STORAGE_DTYPES if n.startswith(("float8_e4m3", "float8_e5m2")))
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+class _UpcastForForward:
+    """A context for one call of a module's forward: each float8-stored parameter named is read as an upcast copy.
+
+    The copy sits in the instance dict under the parameter's name, where attribute lookup finds it before
+    ``nn.Module.__getattr__`` reaches ``_parameters``: the stored Parameter (its bytes, its identity, every
+    optimizer's reference) is untouched, and gradients, where it requires them, flow to it through the cast.
+    """
+
+    def __init__(self, module: torch.nn.Module, names: tuple[str, ...], dtype: torch.dtype) -> None:
+        self.module, self.names, self.dtype = module, names, dtype
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> None:
+        own = object.__getattribute__(self.module, "__dict__")
+        params, storage = own["_parameters"], _float8_dtypes()
+        self._saved = []
+        for name in self.names:
+            p = params.get(name)
+            if p is not None and p.dtype in storage:  # storage cast up by the user since: nothing to do
+                self._saved.append((name, own.get(name, _ABSENT)))
+                own[name] = p.to(self.dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        own = object.__getattribute__(self.module, "__dict__")
+        for name, old in reversed(self._saved):
+            if old is _ABSENT:
+                own.pop(name, None)
+            else:
+                own[name] = old
+        self._saved = []
+
+
+def _same_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, kwargs
+
+
+@dataclass(frozen=True)
+class UpcastStoredWeights(ChangeSpec):
+    """Compute each layer ``path`` of the model ``ref`` with its float8-stored parameters cast to ``dtype``, in place.
+
+    ``layers`` are ``(path, compute dtype)`` pairs. Each layer's ``forward`` is wrapped on the instance (its class and
+    every other instance untouched): for each call, its float8 parameters are read as upcast copies (what diffusers'
+    layerwise casting and ComfyUI's ``manual_cast`` layers do), so every entry point that reaches the layer (the
+    model's forward, ``generate``, the layer called directly) computes in ``dtype``; the stored float8 Parameters
+    stay as they are (bytes, identity, optimizers' references). An upcast of float8 is exact. Undo removes exactly
+    that wrapper.
+    """
+
+    ref: int
+    layers: tuple[tuple[str, str], ...]
+    label: str = "model"
+
+    def _modules(self, live: Live) -> list[tuple[str, Any, str]]:
+        model = live.get(self.ref)
+        return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in self.layers]
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import MethodInputCast
+
+        storage, steps = _float8_dtypes(), []
+        for path, module, dtype in self._modules(live):
+            params = object.__getattribute__(module, "__dict__").get("_parameters", {})
+            names = tuple(n for n, p in params.items() if p is not None and p.dtype in storage)
+            if not names or MethodInputCast.registered(module, "forward", UPCAST_STORAGE_MARKER):
+                continue
+            upcast = _UpcastForForward(module, names, torch_dtype(dtype))
+            where = f"{self.label}.{path}" if path else self.label
+            steps.append(MethodInputCast(module, "forward", _same_arguments, UPCAST_STORAGE_MARKER,
+                                         f"{where}: compute with its float8 {', '.join(names)} cast to {dtype}",
+                                         context=lambda upcast=upcast: upcast))  # fmt: skip
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        dtypes = dict(self.layers)
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and any(x.path in dtypes for x in m.stored_layers):
+                layers = tuple(
+                    dataclasses.replace(x, upcast=UPCAST_STORAGE_WHAT, compute_dtype=dtypes[x.path], emits_storage=False)
+                    if x.path in dtypes else x
+                    for x in m.stored_layers
+                )  # fmt: skip
+                m = dataclasses.replace(m, stored_layers=layers)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import MethodInputCast
+
+        storage = _float8_dtypes()
+        left = [
+            path or self.label
+            for path, module, _ in self._modules(live)
+            if any(p is not None and p.dtype in storage for p in object.__getattribute__(module, "__dict__").get("_parameters", {}).values())
+            and not MethodInputCast.registered(module, "forward", UPCAST_STORAGE_MARKER)
+        ]
+        return f"nothing upcasts the float8 weights of {', '.join(left)}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}

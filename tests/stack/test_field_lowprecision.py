@@ -52,19 +52,45 @@ def trains(model, x, opt=None) -> None:
 # -- fp8 storage nothing upcasts ----------------------------------------------------------------------------
 
 
-def fp8_stored_mlp() -> torch.nn.Sequential:
-    """Weights cast to float8_e4m3fn to save memory, biases in bf16, stock ``nn.Linear`` layers."""
-    m = mlp(32, 64, 16).to(torch.bfloat16)
+def fp8_stored_mlp(dtype: torch.dtype = torch.bfloat16) -> torch.nn.Sequential:
+    """Weights cast to float8_e4m3fn to save memory, biases in ``dtype``, stock ``nn.Linear`` layers."""
+    m = mlp(32, 64, 16).to(dtype)
     for layer in (m[0], m[2]):
         layer.weight.requires_grad_(False)
         layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
     return m
 
 
-def test_fp8_weights_in_stock_linear_layers_raise_and_the_advice_upcasts_per_layer():
+def fp8_embedding_model() -> torch.nn.Sequential:
+    """A stock ``nn.Embedding`` storing float8 rows before a bf16 Linear."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    m[0].weight.requires_grad_(False)
+    m[0].weight.data = m[0].weight.data.to(torch.float8_e4m3fn)
+    return m
+
+
+def upcast_reference(m: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """What the float8-storage recipe means: each layer computes with its float8 weight cast to bf16."""
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            x = torch.nn.functional.linear(x, layer.weight.to(torch.bfloat16), layer.bias)
+        elif isinstance(layer, torch.nn.Embedding):
+            x = torch.nn.functional.embedding(x, layer.weight.to(torch.bfloat16))
+        else:
+            x = layer(x)
+    return x
+
+
+def test_fp8_weights_in_stock_linear_layers_raise_and_the_fix_upcasts_each_layer_in_place():
     """kijai/ComfyUI-ControlNeXt-SVD#7: "mat1 and mat2 must have the same dtype, but got Half and
     Float8_e4m3fn"; lodestone-rock/ComfyUI_FluxMod#27: "self and mat2 must have the same dtype, but got BFloat16
-    and Float8_e4m3fn". float8-stored weights reached a stock Linear that nothing casts up."""
+    and Float8_e4m3fn". float8-stored weights reached a stock Linear that nothing casts up. The fix wraps each such
+    layer's forward in place: it computes with the weight cast to bf16 (exact), the storage stays float8, and the
+    same call runs and gives exactly what the recipe means; undo restores the layers exactly; a bf16 head on top
+    trains."""
+    from fingerprint import assert_unchanged, fingerprint
+
     m = fp8_stored_mlp()
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="must have the same dtype"):
@@ -72,33 +98,42 @@ def test_fp8_weights_in_stock_linear_layers_raise_and_the_advice_upcasts_per_lay
     report = mpdoctor.diagnose(m, names={id(m): "model"})
     f = finding(report, "fp8-storage-not-upcast")
     assert f.severity == "error" and "0 (Linear: float8_e4m3fn), 2 (Linear: float8_e4m3fn)" in f.message
-    assert "enable_layerwise_casting" in f.fixes[0].code
     assert "mixed-param-dtypes" not in severities(report)  # storage, not a second compute dtype
-    # The advice, taken: store in float8, compute in bf16, per layer.
-    apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    for p in m.parameters():
-        p.requires_grad_(False)  # the casting hook stores biases in float8 too: a frozen body
-    model = torch.nn.Sequential(m, torch.nn.Linear(16, 4).to(torch.bfloat16))
-    trains(model, x)
-    report = mpdoctor.diagnose(model, names={id(model): "model"})
-    assert not [f for f in report.findings if f.severity in ("error", "warning")]
+    (fix,) = f.fixes
+    assert fix.safe and "model[0].weight.to(torch.bfloat16)" in fix.code and "enable_layerwise_casting" in fix.code
+    assert [fx.key for fx in report.fixes] == [fix.key]  # the plan
+    before = fingerprint({"model": m})
+    fix.apply()
+    assert fix.applied and all(layer.weight.dtype == torch.float8_e4m3fn for layer in (m[0], m[2]))  # storage kept
+    assert torch.equal(m(x), upcast_reference(m, x))  # the same call runs: what the float8 storage recipe means
+    assert m[0](x).dtype == torch.bfloat16  # the layer called directly is covered too
+    after = mpdoctor.diagnose(m, names={id(m): "model"})
+    assert not [g for g in after.findings if g.severity in ("error", "warning")]
+    fix.undo()
+    assert_unchanged(before, fingerprint({"model": m}), "undo of the float8 upcast")
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        m(x)
+    fix.apply()  # again, and the step trains: a bf16 head on the float8-stored body
+    trains(torch.nn.Sequential(m, torch.nn.Linear(16, 4).to(torch.bfloat16)), x)
 
 
 def test_an_fp8_embedding_returns_float8_rows_and_the_next_layer_raises():
     """kijai/ComfyUI-WanVideoWrapper#1374: "self and mat2 must have the same dtype, but got BFloat16 and
     Float8_e4m3fn": the float8 tensor reached the math outside the layer that stores it. A stock
-    ``nn.Embedding`` holding float8 weights returns float8 rows; the Linear after it raises."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
-    m[0].weight.requires_grad_(False)
-    m[0].weight.data = m[0].weight.data.to(torch.float8_e4m3fn)
+    ``nn.Embedding`` holding float8 weights returns float8 rows; the Linear after it raises. The fix sits where the
+    float8 comes from: the Embedding returns bf16 rows (upcast in its forward, in place), and the model runs."""
+    m = fp8_embedding_model()
     ids = torch.tensor([[1, 2, 3]])
     assert m[0](ids).dtype == torch.float8_e4m3fn  # the storage leaves the layer as it is
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         m(ids)
     f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-not-upcast")
     assert f.severity == "error" and f.evidence["emits_float8"] == ["0"] and "one layer later" in f.message
-    apply_layerwise_casting(m[0], storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    (fix,) = f.fixes
+    assert "torch.nn.functional.embedding(x, model[0].weight.to(torch.bfloat16)" in fix.code
+    fix.apply()
+    assert m[0](ids).dtype == torch.bfloat16 and m[0].weight.dtype == torch.float8_e4m3fn
+    assert torch.equal(m(ids), upcast_reference(m, ids))
     trains(m, ids)
     assert "fp8-storage-not-upcast" not in severities(mpdoctor.diagnose(m))
 
