@@ -635,3 +635,31 @@ def test_the_float8_upcast_in_forward_undoes_exactly_and_applies_once():
     assert_unchanged(before, fingerprint(ns), "undo of the float8 upcast")
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         model(ids)
+
+
+class _UpcastingLinear(torch.nn.Linear):
+    """A layer that casts its stored weight up in its own forward (kohya's ``--fp8_base``, ComfyUI's manual cast)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def test_freezing_float8_storage_drops_the_grads_a_failed_step_left_and_undoes_exactly():
+    """``FreezeParams``: the step that raised left float8 grads; the freeze drops them (AdamW steps any parameter
+    holding a grad), undo gives back each flag and each very grad tensor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_UpcastingLinear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    model[0].weight.data = model[0].weight.data.to(torch.float8_e4m3fn)
+    ns = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
+        ns["opt"].step()
+    stale = model[0].weight.grad
+    assert stale is not None and stale.dtype == torch.float8_e4m3fn
+    (fix,) = mpdoctor.diagnose(namespace=ns).findings_for("fp8-storage-trainable")[0].fixes
+    before = fingerprint(ns)
+    fix.apply()
+    assert model[0].weight.grad is None and not model[0].weight.requires_grad
+    fix.undo()
+    assert model[0].weight.grad is stale and model[0].weight.requires_grad
+    assert_unchanged(before, fingerprint(ns), "undo of the float8 freeze")

@@ -160,7 +160,9 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
         Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
         bf16. Unsafe, applied in place on request: those weights stop training (an optimizer that holds them
-        skips them); which parameters to train instead is the user's choice.
+        skips them: their ``.grad`` is dropped too, the float8 grads a step that raised left behind included,
+        since an optimizer steps any parameter holding a grad); which parameters to train instead is the user's
+        choice.
     Sources
         huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
         ("cat_cuda" not implemented for 'Float8_e4m3fn').

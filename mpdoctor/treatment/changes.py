@@ -299,10 +299,12 @@ class CastParamsTo(ChangeSpec):
 
 @dataclass(frozen=True)
 class FreezeParams(ChangeSpec):
-    """``requires_grad_(False)`` on the parameters ``param_ids`` of the model ``owner``; undo restores each flag.
+    """``requires_grad_(False)`` on the parameters ``param_ids`` of the model ``owner``, and their ``.grad`` dropped;
+    undo restores each flag and each grad tensor.
 
-    An optimizer that holds them skips a parameter whose ``.grad`` stays None, so it needs no rebuilding: it
-    trains what still requires grad.
+    An optimizer that holds them skips a parameter whose ``.grad`` is None, so it needs no rebuilding: it trains
+    what still requires grad. A gradient a step that raised left on them is dropped, or the next step would still
+    update them from it.
     """
 
     owner: int
@@ -310,8 +312,13 @@ class FreezeParams(ChangeSpec):
     label: str = "parameters"
 
     def bind(self, live: Live) -> list[Change]:
-        params = [p for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad]
-        return [SetRequiresGrad(params, False, self.label)] if params else []
+        from ..edits.steps import DropGrads
+
+        held = _params_of(live.get(self.owner), self.param_ids)
+        params = [p for p in held if p.requires_grad]
+        steps: list[Change] = [SetRequiresGrad(params, False, self.label)] if params else []
+        stale = [p for p in held if p.grad is not None]
+        return steps + ([DropGrads(stale, self.label)] if stale else [])
 
     def simulate(self, facts: Facts) -> Facts:
         models = []
@@ -320,7 +327,8 @@ class FreezeParams(ChangeSpec):
             if not hit:
                 models.append(m)
                 continue
-            params = tuple(p._replace(requires_grad=False) if p.id in self.param_ids else p for p in m.tensors.params)
+            params = tuple(p._replace(requires_grad=False, grad_dtype=None) if p.id in self.param_ids else p
+                           for p in m.tensors.params)  # fmt: skip
             frozen = {p.name for p in hit}
             layers = tuple(
                 dataclasses.replace(x, trainable=False)
@@ -328,11 +336,20 @@ class FreezeParams(ChangeSpec):
                 for x in getattr(m, "stored_layers", ())
             )  # fmt: skip
             models.append(dataclasses.replace(m, tensors=dataclasses.replace(m.tensors, params=params), stored_layers=layers))
-        return dataclasses.replace(facts, models=tuple(models))
+        optimizers = tuple(
+            dataclasses.replace(o, params=tuple(p._replace(grad_dtype=None) if p.id in self.param_ids else p for p in o.params))
+            if o.param_ids & self.param_ids else o
+            for o in facts.optimizers
+        )  # fmt: skip
+        return dataclasses.replace(facts, models=tuple(models), optimizers=optimizers)
 
     def verify(self, live: Live) -> str | None:
-        left = sum(1 for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad)
-        return f"{left} {self.label} still require grad" if left else None
+        params = _params_of(live.get(self.owner), self.param_ids)
+        left = sum(1 for p in params if p.requires_grad)
+        stale = sum(1 for p in params if p.grad is not None)
+        if left or stale:
+            return f"{left} {self.label} still require grad, {stale} still hold a gradient"
+        return None
 
     def targets(self) -> dict[tuple, Any]:
         return {(pid, "requires_grad"): False for pid in self.param_ids}

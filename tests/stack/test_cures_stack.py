@@ -24,7 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field test
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
 from test_field_diffusers import lora_unet, overflowing_vae, run_pipe, tiny_pipe, tiny_unet, unet_step  # noqa: E402
-from test_field_lowprecision import LAUNCHER_FP8_ENV, Net, float8_layers, fp8_embedding_model, fp8_stored_mlp  # noqa: E402
+from test_field_lowprecision import (  # noqa: E402
+    LAUNCHER_FP8_ENV,
+    Net,
+    float8_layers,
+    fp8_base_with_a_bf16_head,
+    fp8_embedding_model,
+    fp8_stored_mlp,
+    layerwise_cast_with_a_bf16_head,
+    train_step,
+)
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
@@ -268,6 +277,16 @@ CASES: list[Case] = [
         name="fp8-embedding-rows-meet-bf16-math", source="kijai/ComfyUI-WanVideoWrapper#1374", slug="fp8-storage-not-upcast",
         build=_fp8_embedding, step=_call_model, failure="must have the same dtype", kind="inference",
         healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-layerwise-casting-trainable-storage", source="huggingface/finetrainers PR #316", slug="fp8-storage-trainable",
+        build=layerwise_cast_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
+        healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-base-left-trainable", source="kohya-ss/sd-scripts#1711", slug="fp8-storage-trainable",
+        build=fp8_base_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
+        healed=_storage_stays_float8,  # GPU-only "cat_cuda" at DDP's broadcast: the optimizer step stands in
     ),
     Case(
         name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",

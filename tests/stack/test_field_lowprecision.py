@@ -138,37 +138,86 @@ def test_an_fp8_embedding_returns_float8_rows_and_the_next_layer_raises():
     assert "fp8-storage-not-upcast" not in severities(mpdoctor.diagnose(m))
 
 
-def test_fp8_layerwise_casting_on_trainable_layers_makes_the_optimizer_step_raise():
-    """huggingface/finetrainers PR #316: training with float8 layerwise casting ("fake fp8 training"); kohya-ss/sd-scripts#1711:
-    "cat_cuda" not implemented for 'Float8_e4m3fn'. ``apply_layerwise_casting`` stores every parameter of the
-    covered layers in float8, biases included, and leaves them trainable: measured here, AdamW's step raises."""
-    m = mlp(32, 64, 16)
-    apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
-    x = torch.randn(4, 32, dtype=torch.bfloat16)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    m(x).float().pow(2).mean().backward()
-    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
-        opt.step()
-    f = finding(mpdoctor.diagnose(m, opt, names={id(m): "model"}), "fp8-storage-trainable")
-    assert f.severity == "error" and "0 (weight, bias), 2 (weight, bias)" in f.message
-    # The model alone (inference: no optimizer holds its weights): true, harmless here, so info.
-    alone = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-trainable")
-    assert alone.severity == "info" and "no optimizer holds them now" in alone.message
-    # The advice: freeze the float8 storage, train a bf16 part.
-    for p in m.parameters():
-        if p.dtype == torch.float8_e4m3fn:
-            p.requires_grad_(False)
-    model = torch.nn.Sequential(m, torch.nn.Linear(16, 4).to(torch.bfloat16))
-    trains(model, x)
-    assert not [f for f in mpdoctor.diagnose(model).findings if f.severity in ("error", "warning")]
-
-
-# -- saturation and overflow of unscaled casts ---------------------------------------------------------------
+def layerwise_cast_with_a_bf16_head() -> dict:
+    """finetrainers' "fake fp8 training": ``apply_layerwise_casting`` on the body (every parameter of its layers
+    stored in float8, biases included, left trainable), a bf16 head, one AdamW over the whole model."""
+    body = mlp(32, 64, 16)
+    apply_layerwise_casting(body, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    model = torch.nn.Sequential(body, torch.nn.Linear(16, 4).to(torch.bfloat16))
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
 
 
 class UpcastLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def fp8_base_with_a_bf16_head() -> dict:
+    """kohya's ``--fp8_base``: the base layers store their weights in float8 and cast them up in their own forward;
+    a bf16 head; the optimizer built over every parameter, the float8 ones left trainable."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(UpcastLinear(32, 64), torch.nn.ReLU(), UpcastLinear(64, 16), torch.nn.Linear(16, 4))
+    model.to(torch.bfloat16)
+    for layer in (model[0], model[2]):
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)  # still requires grad
+    return {"model": model, "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+
+def train_step(ns: dict) -> torch.Tensor:
+    """The user's step: forward, backward, optimizer step, then zero_grad (a step that raises leaves its grads)."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    loss = ns["model"](x).float().pow(2).mean()
+    loss.backward()
+    ns["optimizer"].step()
+    ns["optimizer"].zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("build", [layerwise_cast_with_a_bf16_head, fp8_base_with_a_bf16_head])
+def test_trainable_float8_storage_makes_the_optimizer_step_raise_and_the_fix_freezes_it_in_place(build):
+    """huggingface/finetrainers PR #316: training with float8 layerwise casting ("fake fp8 training"); kohya-ss/sd-scripts#1711:
+    "cat_cuda" not implemented for 'Float8_e4m3fn' (DDP's broadcast on a GPU; the optimizer step stands in here).
+    The float8-stored parameters are left trainable: measured here, AdamW's step raises. The fix freezes them in
+    place and drops the float8 grads the failed step left (AdamW steps any parameter holding a grad); the same step
+    run again trains the bf16 head, the float8 storage untouched; undo restores everything exactly."""
+    from fingerprint import assert_unchanged, fingerprint
+
+    ns = build()
+    model = ns["model"]
+    with pytest.raises(NotImplementedError, match="not implemented for 'Float8_e4m3fn'"):
+        train_step(ns)  # the user's step raises, leaving float8 grads behind
+    stored = {n: p.detach().view(torch.uint8).clone() for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert stored and all(p.grad is not None for n, p in model.named_parameters() if n in stored)
+    report = mpdoctor.diagnose(namespace=ns)
+    f = finding(report, "fp8-storage-trainable")
+    assert f.severity == "error"
+    (fix,) = f.fixes
+    assert not fix.safe and [fx.key for fx in report.fixes] == [fix.key]  # the plan: this fix alone
+    before = fingerprint(ns)
+    fix.apply()
+    assert all(not p.requires_grad and p.grad is None for n, p in model.named_parameters() if n in stored)
+    fix.undo()
+    assert_unchanged(before, fingerprint(ns), "undo of the float8 freeze")
+    fix.apply()
+    head = [p for p in model.parameters() if p.requires_grad]
+    snapshot = [p.detach().clone() for p in head]
+    loss = train_step(ns)  # the same step, run again
+    assert torch.isfinite(loss) and all(not torch.equal(a, b) for a, b in zip(snapshot, head))  # the bf16 parts train
+    assert all(torch.equal(p.detach().view(torch.uint8), stored[n]) for n, p in model.named_parameters() if n in stored)
+    after = mpdoctor.diagnose(namespace=ns)
+    assert not [g for g in after.findings if g.severity in ("error", "warning")], after.findings
+
+
+def test_float8_storage_no_optimizer_holds_is_info():
+    """The model alone (inference: no optimizer holds its weights): true, harmless here, so info."""
+    m = mlp(32, 64, 16)
+    apply_layerwise_casting(m, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    alone = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "fp8-storage-trainable")
+    assert alone.severity == "info" and "no optimizer holds them now" in alone.message
+    assert "0 (weight, bias), 2 (weight, bias)" in alone.message
+
+
+# -- saturation and overflow of unscaled casts ---------------------------------------------------------------
 
 
 def wide_layer(dtype: torch.dtype, peak: float) -> tuple[UpcastLinear, torch.Tensor]:
