@@ -9,7 +9,7 @@ from typing import Any
 from ..facts import Facts
 from ..facts.location import python_path
 from ..knowledge import MX_GEMM_CAPABILITY
-from ..treatment.changes import FreezeParams, UpcastStoredWeights
+from ..treatment.changes import FreezeParams, UpcastStoredWeights, ZeroQuantizedZeroBlocks
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -258,7 +258,7 @@ def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao quantized weights whose float8 data holds NaN: rows or blocks quantized with a zero scale.
 
@@ -278,9 +278,13 @@ def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the forward returns NaN.
     Fix safety
-        Quantize again from the high-precision weights with a scale floor (``activation_value_lb`` on the
-        dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the amax),
-        or leave those layers unquantized. Display only: the NaN bytes cannot be turned back into the row.
+        Where every NaN sits in a block (row) whose scale is 0, in place and safe: a zero scale says the block's
+        amax was 0, so every element was 0, and writing 0 back into those elements restores exactly the weights
+        the model had (the quantized layer and its scales stay; undo gives the data back its bytes). NaN in a
+        block with a non-zero scale is lost from the quantized bytes: quantize again from the high-precision
+        weights (a checkpoint on disk, which mpdoctor does not reach) with a scale floor (``activation_value_lb``
+        on the dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the
+        amax), or leave those layers unquantized: display only.
     Sources
         pytorch/ao #4713 (Float8Tensor zero inputs quantize to NaN) and PR #4762; pytorch/ao #3356 (NaN losses in
         LoRA + fp8 training, fixed by a scale lower bound); huggingface/kernels-community #681.
@@ -296,18 +300,38 @@ def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "scale amax / 448 = 0 and quantized to 0 / 0: every output reading it is NaN. Re-quantize with a scale "
             "floor, or leave these layers unquantized.",
             {"layers": [(q.path, q.tensor_class, q.storage_dtype, q.nonfinite, q.elements) for q in bad]},
-            [
-                Fix(
-                    f"Quantize {m.name} again from its high-precision weights, leaving layers with zero rows out",
-                    "from torchao.quantization import quantize_, Float8WeightOnlyConfig\n"
-                    f"quantize_({m.name}_hp, Float8WeightOnlyConfig(),\n"
-                    "          filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)\n"
-                    "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="float8-requantize",
-                )
-            ],
+            [_zero_blocks_fix(m, bad)],
         )
+
+
+def _zero_blocks_fix(m: Any, bad: list) -> Fix:
+    """Zero-scale blocks written back as 0 in place where every NaN sits in one; else quantize again (display only)."""
+    if all(q.nonfinite == q.zero_scale_nonfinite for q in bad):
+        paths = tuple(q.path for q in bad)
+        where = ", ".join(python_path(f"{m.name}.{p}") for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
+        return Fix(
+            f"Write back the zeros of the all-zero rows of {where}: their scale is 0, their NaN elements were 0",
+            "\n".join(
+                f"w = {python_path(f'{m.name}.{p}')}.weight  # a torchao Float8Tensor\n"
+                "w.qdata.view(torch.uint8)[torch.isnan(w.qdata.float()) & (w.scale.expand_as(w.qdata) == 0)] = 0  # scale 0: the row was all 0"
+                for p in paths[:4]
+            ),
+            changes=(ZeroQuantizedZeroBlocks(m.ref, paths, m.name),),
+            applicability=Applicability.SAFE,
+            recipe="float8-zero-blocks",
+            cost="none: the weights become exactly what they were before quantization (the quantized layers stay)",
+        )  # fmt: skip
+    return Fix(
+        f"Quantize {m.name} again from its high-precision weights, leaving layers with zero rows out",
+        "# the NaN elements sit in blocks whose scale is not 0: their values are lost from the quantized bytes;\n"
+        "# the high-precision weights are in the checkpoint (a file), which mpdoctor does not reach\n"
+        "from torchao.quantization import quantize_, Float8WeightOnlyConfig\n"
+        f"quantize_({m.name}_hp, Float8WeightOnlyConfig(),\n"
+        "          filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)\n"
+        "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="float8-requantize",
+    )
 
 
 @check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))

@@ -1463,3 +1463,65 @@ class UpcastStoredWeights(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}
+
+
+@dataclass(frozen=True)
+class ZeroQuantizedZeroBlocks(ChangeSpec):
+    """In the torchao float8 weights of the layers ``paths`` of the model ``ref``, write 0 into each NaN / inf element
+    of a block whose scale is 0, in place.
+
+    A block's scale is its amax / 448: a scale of 0 says every element of the block was 0 before quantization, and
+    ``0 / 0`` made it NaN. Writing 0 back (scale 0 times 0) restores exactly the weights the model had. The
+    quantized tensor, its ``qdata`` object and the scales stay; undo gives ``qdata`` back its very storage.
+    """
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "model"
+
+    def _weights(self, live: Live) -> list[tuple[str, Any]]:
+        model = live.get(self.ref)
+        out = []
+        for path in self.paths:
+            module = model.get_submodule(path) if path else model
+            out.append((path, object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")))
+        return out
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import ReplaceData
+        from ..integrations.torchao import zero_scale_nonfinite
+
+        steps: list[Change] = []
+        for path, w in self._weights(live):
+            mask = zero_scale_nonfinite(w) if w is not None else None
+            if mask is None or not bool(mask.any()):
+                continue
+            qdata = w.qdata
+            values = qdata.detach().clone()
+            values.view(torch.uint8)[mask] = 0  # +0.0 in every float8 format
+            where = f"{self.label}.{path}" if path else self.label
+            steps.append(ReplaceData(qdata, values, f"{where}.weight: {int(mask.sum())} NaN elements of zero-scale blocks -> 0"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.quantized_weights:
+                weights = tuple(
+                    dataclasses.replace(q, nonfinite=q.nonfinite - q.zero_scale_nonfinite, zero_scale_nonfinite=0)
+                    if q.path in self.paths else q
+                    for q in m.quantized_weights
+                )  # fmt: skip
+                m = dataclasses.replace(m, quantized_weights=weights)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        from ..integrations.torchao import zero_scale_nonfinite
+
+        masks = [(path, zero_scale_nonfinite(w) if w is not None else None) for path, w in self._weights(live)]
+        left = [path or self.label for path, mask in masks if mask is not None and bool(mask.any())]
+        return f"zero-scale blocks of {', '.join(left)} still hold NaN" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "zero-scale-blocks"): 0 for path in self.paths}

@@ -28,10 +28,12 @@ from test_field_lowprecision import (  # noqa: E402
     LAUNCHER_FP8_ENV,
     Net,
     float8_layers,
+    float8_quantized_with_a_zero_row,
     fp8_base_with_a_bf16_head,
     fp8_embedding_model,
     fp8_stored_mlp,
     layerwise_cast_with_a_bf16_head,
+    quantized_step,
     train_step,
 )
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
@@ -287,6 +289,10 @@ CASES: list[Case] = [
         name="fp8-base-left-trainable", source="kohya-ss/sd-scripts#1711", slug="fp8-storage-trainable",
         build=fp8_base_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
         healed=_storage_stays_float8,  # GPU-only "cat_cuda" at DDP's broadcast: the optimizer step stands in
+    ),
+    Case(
+        name="float8-quantized-zero-row-nan", source="pytorch/ao#4713", slug="quantized-weights-nonfinite",
+        build=float8_quantized_with_a_zero_row, step=quantized_step, failure="loss is not finite",
     ),
     Case(
         name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",

@@ -284,41 +284,81 @@ def test_an_unscaled_e5m2_cast_overflows_to_inf_and_nan_bytes_are_an_error():
 # -- quantized float8 weights with NaN ------------------------------------------------------------------------
 
 
-def test_an_all_zero_row_quantized_to_float8_is_nan():
-    """pytorch/ao#4713 (and PR #4762): "Float8Tensor zero inputs quantize to NaN": the row scale amax / 448 is 0
-    and 0 / 0 is NaN. Reproduced with ``quantize_(model, Float8WeightOnlyConfig())`` (per-row) on a Linear with
-    one pruned (all-zero) row: every output of that row is NaN. The probe now reads Float8Tensor weights (it
-    raised ``aten.abs`` not implemented before)."""
+def float8_quantized_with_a_zero_row() -> dict:
+    """A bf16 MLP whose first Linear has one pruned (all-zero) row, quantized per row by ``Float8WeightOnlyConfig``;
+    a bf16 head trains on top of the quantized body."""
     from torchao.quantization import Float8WeightOnlyConfig, quantize_
 
-    def build(zero_row: bool) -> torch.nn.Sequential:
-        m = mlp(32, 64, 16).to(torch.bfloat16)
-        if zero_row:
-            with torch.no_grad():
-                m[0].weight[3].zero_()
-        quantize_(m, Float8WeightOnlyConfig(), filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)
-                  and bool((mod.weight.abs().amax(dim=1) > 0).all()) if not zero_row else isinstance(mod, torch.nn.Linear))
-        return m
+    body = mlp(32, 64, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        body[0].weight[3].zero_()
+    quantize_(body, Float8WeightOnlyConfig())
+    model = torch.nn.Sequential(body, torch.nn.Linear(16, 4).to(torch.bfloat16))
+    return {"model": model, "optimizer": torch.optim.AdamW(model[1].parameters(), lr=1e-2)}
 
-    m = build(True)
-    x = torch.randn(4, 32, dtype=torch.bfloat16)
-    assert torch.isnan(m[0](x)).any() and torch.isnan(m(x)).any()  # the harm
-    report = mpdoctor.diagnose(m, names={id(m): "model"})
+
+def quantized_step(ns: dict) -> torch.Tensor:
+    """The user's step on the quantized body: forward, backward into the bf16 head, optimizer step."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    loss = ns["model"](x).float().pow(2).mean()
+    loss.backward()
+    ns["optimizer"].step()
+    ns["optimizer"].zero_grad()
+    return loss
+
+
+def test_an_all_zero_row_quantized_to_float8_is_nan_and_the_fix_writes_its_zeros_back():
+    """pytorch/ao#4713 (and PR #4762): "Float8Tensor zero inputs quantize to NaN": the row scale amax / 448 is 0
+    and 0 / 0 is NaN. Reproduced with ``quantize_(model, Float8WeightOnlyConfig())`` (per-row) on a Linear with
+    one pruned (all-zero) row: every output of that row is NaN, and the loss. A zero scale says the row was all
+    zeros, so the fix writes 0 back into its NaN elements, in place: the dequantized weights then equal what a
+    quantization without the bug gives (the layer stays quantized), and the same step trains. Undo restores the
+    bytes exactly."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    ns = float8_quantized_with_a_zero_row()
+    model, x = ns["model"], torch.randn(4, 32, dtype=torch.bfloat16)
+    # The harm (the step itself would write NaN into the head: the cure registry shows it on a twin).
+    assert torch.isnan(model[0][0](x)).any() and torch.isnan(model(x)).all()
+    report = mpdoctor.diagnose(namespace=ns)
     f = finding(report, "quantized-weights-nonfinite")
     assert f.severity == "error" and f.evidence["layers"][0][3] == 32  # one row of 32 elements
-    probe = mpdoctor.probe(m, x, loss_fn=lambda out: out.float().pow(2).mean())
+    probe = mpdoctor.probe(model, x, loss_fn=lambda out: out.float().pow(2).mean())
     assert finding(probe, "probe-nonfinite").severity == "error"
-    assert "0" in finding(probe, "probe-nonfinite").message
-    # The advice: quantize again, leaving layers with all-zero rows out.
-    torch.manual_seed(0)
-    m = mlp(32, 64, 16).to(torch.bfloat16)
+    (fix,) = f.fixes
+    assert fix.safe and [fx.key for fx in report.fixes] == [fix.key]
+    weight, qdata = model[0][0].weight, model[0][0].weight.qdata
+    stored, scale = qdata.view(torch.uint8).clone(), weight.scale.clone()  # (the fingerprint cannot read a subclass)
+    fix.apply()
+    assert model[0][0].weight is weight and weight.qdata is qdata  # the same quantized tensor, in place
+    # What the quantization means for the zero row (0) and the others (their bytes untouched), compared with a
+    # twin whose zero row is left out of quantization.
+    twin = mlp(32, 64, 16).to(torch.bfloat16)
     with torch.no_grad():
-        m[0].weight[3].zero_()
-    quantize_(m, Float8WeightOnlyConfig(),
-              filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear) and bool((mod.weight.abs().amax(dim=1) > 0).all()))
-    assert torch.isfinite(m(x)).all()
-    assert "quantized-weights-nonfinite" not in severities(mpdoctor.diagnose(m))
-    trains(m, x)
+        twin[0].weight[3].zero_()
+    quantize_(twin, Float8WeightOnlyConfig(), filter_fn=lambda mod, fqn: fqn == "2")
+    assert torch.equal(weight.dequantize()[3], twin[0].weight[3]) and torch.isfinite(weight.dequantize()).all()
+    assert torch.isfinite(model(x)).all()
+    fix.undo()
+    assert model[0][0].weight is weight and weight.qdata is qdata and torch.equal(qdata.view(torch.uint8), stored)
+    assert torch.equal(weight.scale, scale) and torch.isnan(model(x)).any()
+    fix.apply()
+    head = [p.detach().clone() for p in model[1].parameters()]
+    loss = quantized_step(ns)  # the same step, run again
+    assert torch.isfinite(loss) and all(not torch.equal(a, b) for a, b in zip(head, model[1].parameters()))
+    assert "quantized-weights-nonfinite" not in severities(mpdoctor.diagnose(namespace=ns))
+
+
+def test_nan_in_a_quantized_block_with_a_nonzero_scale_stays_advice():
+    """NaN elements whose block scale is not 0 are lost from the quantized bytes: the high-precision weights are in
+    a checkpoint mpdoctor does not reach, so the fix is the line that quantizes again (display only)."""
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    m = mlp(32, 64, 16).to(torch.bfloat16)
+    quantize_(m, Float8WeightOnlyConfig())
+    m[0].weight.qdata.view(torch.uint8)[5, :3] = 0x7F  # NaN bytes in a row with a real scale
+    (fix,) = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "quantized-weights-nonfinite").fixes
+    assert fix.applicability.name == "DISPLAY_ONLY" and "checkpoint" in fix.code and "quantize_(" in fix.code
 
 
 # -- is fp8 actually on? -----------------------------------------------------------------------------------
