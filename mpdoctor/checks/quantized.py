@@ -247,6 +247,8 @@ def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
             [
                 Fix(
                     "Re-cast from the high-precision weights with a per-tensor scale",
+                    "# the clipped values are gone from the float8 bytes, and no live object holds the high-precision\n"
+                    "# weights: they are in the checkpoint (a file), which mpdoctor does not reach; load w_hp from it\n"
                     "scale = 448.0 / w_hp.abs().max().clamp(min=1e-12)  # e4m3's largest value\n"
                     "module.weight = torch.nn.Parameter((w_hp * scale).to(torch.float8_e4m3fn), requires_grad=False)\n"
                     "module.register_buffer('scale_weight', scale.reciprocal())  # multiply back after upcasting",
