@@ -602,3 +602,68 @@ def test_an_undo_that_cannot_restore_one_step_still_restores_the_others_and_says
 
 def test_oom_is_constructible_on_this_torch():
     assert isinstance(oom("x"), RuntimeError)
+
+
+def _fp8_stored_model() -> dict:
+    """Stock layers whose weights are stored in float8 (an Embedding and a Linear), biases in bf16."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 8)).to(torch.bfloat16)
+    for layer in model:
+        layer.weight.requires_grad_(False)
+        layer.weight.data = layer.weight.data.to(torch.float8_e4m3fn)
+    return {"model": model, "opt": torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)}
+
+
+def test_the_float8_upcast_in_forward_undoes_exactly_and_applies_once():
+    """``UpcastStoredWeights``: a wrapper on each layer's forward, the float8 Parameters untouched; undo restores the
+    fingerprint exactly, a second report's matching fix applied after the first adds nothing."""
+    ns = _fp8_stored_model()
+    model, ids = ns["model"], torch.tensor([[1, 2, 3]])
+    first, second = (mpdoctor.diagnose(namespace=ns) for _ in range(2))
+    (fix,) = first.findings_for("fp8-storage-not-upcast")[0].fixes
+    (twin,) = second.findings_for("fp8-storage-not-upcast")[0].fixes
+    stored = [layer.weight for layer in model]
+    before = fingerprint(ns)
+    fix.apply()
+    assert [layer.weight for layer in model] == stored and all(p.dtype == torch.float8_e4m3fn for p in stored)
+    applied = fingerprint(ns)
+    assert applied != before
+    twin.apply()
+    assert_unchanged(applied, fingerprint(ns), "the same upcast applied a second time")
+    with torch.no_grad():
+        out = model(ids)  # the call that raised runs, and changes nothing it holds
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert_unchanged(applied, fingerprint(ns), "a forward through the upcast layers")
+    twin.undo()
+    fix.undo()
+    assert_unchanged(before, fingerprint(ns), "undo of the float8 upcast")
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        model(ids)
+
+
+class _UpcastingLinear(torch.nn.Linear):
+    """A layer that casts its stored weight up in its own forward (kohya's ``--fp8_base``, ComfyUI's manual cast)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight.to(x.dtype), self.bias)
+
+
+def test_freezing_float8_storage_drops_the_grads_a_failed_step_left_and_undoes_exactly():
+    """``FreezeParams``: the step that raised left float8 grads; the freeze drops them (AdamW steps any parameter
+    holding a grad), undo gives back each flag and each very grad tensor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_UpcastingLinear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    model[0].weight.data = model[0].weight.data.to(torch.float8_e4m3fn)
+    ns = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
+        ns["opt"].step()
+    stale = model[0].weight.grad
+    assert stale is not None and stale.dtype == torch.float8_e4m3fn
+    (fix,) = mpdoctor.diagnose(namespace=ns).findings_for("fp8-storage-trainable")[0].fixes
+    before = fingerprint(ns)
+    fix.apply()
+    assert model[0].weight.grad is None and not model[0].weight.requires_grad
+    fix.undo()
+    assert model[0].weight.grad is stale and model[0].weight.requires_grad
+    assert_unchanged(before, fingerprint(ns), "undo of the float8 freeze")

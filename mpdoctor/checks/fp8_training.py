@@ -409,6 +409,7 @@ def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findi
             [
                 Fix(
                     "Train in bf16 on this GPU",
+                    f"# {hw.label} has no float8 GEMMs: a GPU mpdoctor cannot change; set the precision where the run starts\n"
                     "accelerator = Accelerator(mixed_precision='bf16')  # or: accelerate launch --mixed_precision bf16",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="fp8-to-bf16",

@@ -4,10 +4,12 @@ NaN, and the devices whose kernels refuse their block formats."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from ..facts import Facts
+from ..facts.location import python_path
 from ..knowledge import MX_GEMM_CAPABILITY
-from ..treatment.changes import FreezeParams
+from ..treatment.changes import FreezeParams, UpcastStoredWeights, ZeroQuantizedZeroBlocks
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -17,7 +19,7 @@ from . import check
 SATURATION_WARNING = 1e-4
 
 
-@check("fp8-storage-not-upcast", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-storage-not-upcast", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """Weights stored in float8 in a stock torch layer that nothing casts up before the math.
 
@@ -41,9 +43,13 @@ def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the first forward through such a layer raises.
     Fix safety
-        Upcast per layer in the forward: ``model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn,
-        compute_dtype=torch.bfloat16)`` for diffusers models, or a layer class that casts its weight
-        (``F.linear(x, self.weight.to(x.dtype), self.bias)``); or load those weights in bf16. Display only.
+        Upcast per layer in the forward, in place: each such layer's ``forward`` is wrapped on the instance so the
+        call computes with its float8 weights cast to the compute dtype (the layer's own bf16/fp16 bias, else the
+        model's), as ``enable_layerwise_casting`` and ComfyUI's ``manual_cast`` layers do; the weights stay stored
+        in float8, and every entry point that reaches the layer (forward, ``generate``, the layer called
+        directly) is covered. Safe: an upcast of e4m3 / e5m2 is exact, so the layer computes what the float8
+        storage recipe means. Undo removes the wrappers. Packed float4 storage cannot be upcast exactly this
+        way: display only (the layer's code must dequantize it).
     Sources
         kijai/ComfyUI-ControlNeXt-SVD #7; lodestone-rock/ComfyUI_FluxMod #27; diffusers ``enable_layerwise_casting``.
     """
@@ -65,17 +71,66 @@ def fp8_storage_not_upcast(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 "layers": [(x.path, x.class_path, x.storage_dtype) for x in bad],
                 "emits_float8": emitting,
             },
-            [
-                Fix(
-                    f"Store in float8, compute in bf16: upcast each layer of {m.name} in its forward",
-                    f"{m.name}.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)"
-                    "  # diffusers models\n# other models: a layer class whose forward does "
-                    "F.linear(x, self.weight.to(x.dtype), self.bias), or load these weights in bf16",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="fp8-storage-upcast",
-                )
-            ],
+            [_upcast_fix(m, bad)],
         )
+
+
+#: Stock layers whose forward the fix's code can write with the weight upcast, as ComfyUI's ``manual_cast`` does.
+_UPCAST_CODE = {
+    "Linear": "torch.nn.functional.linear(x, {m}.weight.to(torch.{d}), {bias})",
+    "Embedding": "torch.nn.functional.embedding(x, {m}.weight.to(torch.{d}), {m}.padding_idx)",
+    "Conv1d": "{m}._conv_forward(x, {m}.weight.to(torch.{d}), {bias})",
+    "Conv2d": "{m}._conv_forward(x, {m}.weight.to(torch.{d}), {bias})",
+    "Conv3d": "{m}._conv_forward(x, {m}.weight.to(torch.{d}), {bias})",
+}
+
+
+def _compute_dtype(m: Any, path: str) -> str:
+    """The dtype a float8-stored layer computes in: its own other floating parameters' (a bf16 bias), else the
+    model's main floating dtype, else bf16."""
+    own = [p.dtype for p in m.tensors.params if p.module == path and p.dtype in _COMPUTE]
+    rest = [p.dtype for p in m.tensors.params if p.dtype in _COMPUTE]
+    for dtypes in (own, rest):
+        if dtypes:
+            return max(set(dtypes), key=dtypes.count)
+    return "bfloat16"
+
+
+_COMPUTE = ("bfloat16", "float16", "float32")
+_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _upcast_fix(m: Any, bad: list) -> Fix:
+    """Compute each stock layer holding float8 weights with them upcast, in place; the storage stays float8."""
+    layers = tuple((x.path, _compute_dtype(m, x.path)) for x in bad if x.storage_dtype.startswith(("float8_e4m3", "float8_e5m2")))
+    lines = []
+    for x in bad[:6]:
+        where = python_path(f"{m.name}.{x.path}" if x.path else m.name)
+        dtype = _compute_dtype(m, x.path)
+        bias = f"{where}.bias"
+        call = _UPCAST_CODE.get(x.class_path.rsplit(".", 1)[-1])
+        lines.append(f"{where}.forward = lambda x: " + call.format(m=where, d=dtype, bias=bias) if call
+                     else f"# {where}: cast its float8 weight to torch.{dtype} inside its forward")  # fmt: skip
+    if len(bad) > 6:
+        lines.append(f"# ... and {len(bad) - 6} more layers the same way")
+    code = ("# each layer computes with its weight cast up; the weight stays stored in float8 (comfy.ops.manual_cast)\n"
+            + "\n".join(lines)
+            + f"\n# diffusers models: {m.name}.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)")  # fmt: skip
+    dtypes = sorted({_SHORT[d] for _, d in layers})
+    if not layers:  # float4 or scale-only storage: nothing to upcast exactly, the layer's code must change
+        return Fix(
+            f"Store in a low-bit format, compute in bf16: upcast each layer of {m.name} in its forward",
+            code, applicability=Applicability.DISPLAY_ONLY, recipe="fp8-storage-upcast",
+        )  # fmt: skip
+    return Fix(
+        f"Store in float8, compute in {'/'.join(dtypes)}: upcast the weights of {len(layers)} layer"
+        f"{'s' if len(layers) != 1 else ''} of {m.name} in their forward, in place",
+        code,
+        changes=(UpcastStoredWeights(m.ref, layers, m.name),),
+        applicability=Applicability.SAFE,
+        recipe="fp8-storage-upcast",
+        cost="each call casts the layer's weight up (a transient copy); the stored weights stay float8",
+    )
 
 
 @check("fp8-storage-trainable", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.UNSAFE,))
@@ -105,7 +160,9 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
         Freeze the float8-stored parameters (``requires_grad_(False)``) and train adapters or a subset kept in
         bf16/fp32 (``skip_modules_pattern`` of ``enable_layerwise_casting``), or store the trained layers in
         bf16. Unsafe, applied in place on request: those weights stop training (an optimizer that holds them
-        skips them); which parameters to train instead is the user's choice.
+        skips them: their ``.grad`` is dropped too, the float8 grads a step that raised left behind included,
+        since an optimizer steps any parameter holding a grad); which parameters to train instead is the user's
+        choice.
     Sources
         huggingface/finetrainers PR #316 (fp8 layerwise-casting training); kohya-ss/sd-scripts #1711
         ("cat_cuda" not implemented for 'Float8_e4m3fn').
@@ -190,6 +247,8 @@ def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
             [
                 Fix(
                     "Re-cast from the high-precision weights with a per-tensor scale",
+                    "# the clipped values are gone from the float8 bytes, and no live object holds the high-precision\n"
+                    "# weights: they are in the checkpoint (a file), which mpdoctor does not reach; load w_hp from it\n"
                     "scale = 448.0 / w_hp.abs().max().clamp(min=1e-12)  # e4m3's largest value\n"
                     "module.weight = torch.nn.Parameter((w_hp * scale).to(torch.float8_e4m3fn), requires_grad=False)\n"
                     "module.register_buffer('scale_weight', scale.reciprocal())  # multiply back after upcasting",
@@ -201,7 +260,7 @@ def fp8_storage_saturated(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("quantized-weights-nonfinite", Severity.ERROR, fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao quantized weights whose float8 data holds NaN: rows or blocks quantized with a zero scale.
 
@@ -221,9 +280,13 @@ def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the forward returns NaN.
     Fix safety
-        Quantize again from the high-precision weights with a scale floor (``activation_value_lb`` on the
-        dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the amax),
-        or leave those layers unquantized. Display only: the NaN bytes cannot be turned back into the row.
+        Where every NaN sits in a block (row) whose scale is 0, in place and safe: a zero scale says the block's
+        amax was 0, so every element was 0, and writing 0 back into those elements restores exactly the weights
+        the model had (the quantized layer and its scales stay; undo gives the data back its bytes). NaN in a
+        block with a non-zero scale is lost from the quantized bytes: quantize again from the high-precision
+        weights (a checkpoint on disk, which mpdoctor does not reach) with a scale floor (``activation_value_lb``
+        on the dynamic configs; for weights, zero rows kept out of quantization or a tiny epsilon added to the
+        amax), or leave those layers unquantized: display only.
     Sources
         pytorch/ao #4713 (Float8Tensor zero inputs quantize to NaN) and PR #4762; pytorch/ao #3356 (NaN losses in
         LoRA + fp8 training, fixed by a scale lower bound); huggingface/kernels-community #681.
@@ -239,18 +302,38 @@ def quantized_weights_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "scale amax / 448 = 0 and quantized to 0 / 0: every output reading it is NaN. Re-quantize with a scale "
             "floor, or leave these layers unquantized.",
             {"layers": [(q.path, q.tensor_class, q.storage_dtype, q.nonfinite, q.elements) for q in bad]},
-            [
-                Fix(
-                    f"Quantize {m.name} again from its high-precision weights, leaving layers with zero rows out",
-                    "from torchao.quantization import quantize_, Float8WeightOnlyConfig\n"
-                    f"quantize_({m.name}_hp, Float8WeightOnlyConfig(),\n"
-                    "          filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)\n"
-                    "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="float8-requantize",
-                )
-            ],
+            [_zero_blocks_fix(m, bad)],
         )
+
+
+def _zero_blocks_fix(m: Any, bad: list) -> Fix:
+    """Zero-scale blocks written back as 0 in place where every NaN sits in one; else quantize again (display only)."""
+    if all(q.nonfinite == q.zero_scale_nonfinite for q in bad):
+        paths = tuple(q.path for q in bad)
+        where = ", ".join(python_path(f"{m.name}.{p}") for p in paths[:4]) + (", ..." if len(paths) > 4 else "")
+        return Fix(
+            f"Write back the zeros of the all-zero rows of {where}: their scale is 0, their NaN elements were 0",
+            "\n".join(
+                f"w = {python_path(f'{m.name}.{p}')}.weight  # a torchao Float8Tensor\n"
+                "w.qdata.view(torch.uint8)[torch.isnan(w.qdata.float()) & (w.scale.expand_as(w.qdata) == 0)] = 0  # scale 0: the row was all 0"
+                for p in paths[:4]
+            ),
+            changes=(ZeroQuantizedZeroBlocks(m.ref, paths, m.name),),
+            applicability=Applicability.SAFE,
+            recipe="float8-zero-blocks",
+            cost="none: the weights become exactly what they were before quantization (the quantized layers stay)",
+        )  # fmt: skip
+    return Fix(
+        f"Quantize {m.name} again from its high-precision weights, leaving layers with zero rows out",
+        "# the NaN elements sit in blocks whose scale is not 0: their values are lost from the quantized bytes;\n"
+        "# the high-precision weights are in the checkpoint (a file), which mpdoctor does not reach\n"
+        "from torchao.quantization import quantize_, Float8WeightOnlyConfig\n"
+        f"quantize_({m.name}_hp, Float8WeightOnlyConfig(),\n"
+        "          filter_fn=lambda mod, fqn: isinstance(mod, torch.nn.Linear)\n"
+        "          and bool((mod.weight.abs().amax(dim=1) > 0).all()))  # no all-zero rows",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="float8-requantize",
+    )
 
 
 @check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))

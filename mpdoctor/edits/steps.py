@@ -510,3 +510,34 @@ class MethodInputCast(Change):
             else:
                 del own[self.method]
         self._wrapper = None
+
+
+class DropGrads(Change):
+    """``p.grad = None`` on each parameter; undo gives each one back its very grad tensor.
+
+    A fix that freezes parameters drops the gradients a step that raised left on them: an optimizer steps every
+    parameter whose ``.grad`` is set, whatever its ``requires_grad``.
+    """
+
+    def __init__(self, params: Sequence[Any], label: str) -> None:
+        self.params = list(params)
+        self.description = f"{label}: .grad = None"
+        self._old: list[tuple[Any, Any]] = []
+
+    def apply(self) -> None:
+        self._old = [(p, p.grad) for p in self.params if p.grad is not None]
+        for p, _ in self._old:
+            p.grad = None
+
+    def revert(self) -> None:
+        for p, grad in reversed(self._old):
+            if grad.dtype == p.dtype:
+                p.grad = grad
+            else:  # torch refuses a grad of another dtype through .grad: match the data for the assignment only
+                data = p.data
+                p.data = torch.empty_like(grad)
+                try:
+                    p.grad = grad
+                finally:
+                    p.data = data
+        self._old = []

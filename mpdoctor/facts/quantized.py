@@ -125,3 +125,6 @@ class QuantizedWeight:
     #: The activations are quantized too (``act_quant_kwargs``): the matmul is a block-scaled GEMM, which needs
     #: MX kernels (sm_100); weight-only formats dequantize and run anywhere.
     dynamic_activation: bool = False
+    #: Of ``nonfinite``, the elements in blocks (rows) whose scale is 0: the block was all zeros before it was
+    #: quantized (scale = amax / 448 = 0), so its value, 0, is known; the others are lost.
+    zero_scale_nonfinite: int = 0

@@ -97,6 +97,31 @@ def _nonfinite(t: Any) -> int:
     return sum(int((bits == c).sum()) for c in codes)
 
 
+def zero_scale_nonfinite(w: Any) -> torch.Tensor | None:
+    """The mask of ``w.qdata``'s NaN / inf elements that sit in a block whose scale is 0 (an all-zero block quantized
+    as 0 / 0), for a torchao float8 tensor holding ``qdata`` and a ``scale`` that expands to it by whole blocks;
+    None for any other weight."""
+    qdata, scale = raw_attr(w, "qdata", None), raw_attr(w, "scale", None)
+    if not (isinstance(qdata, torch.Tensor) and isinstance(scale, torch.Tensor)) or qdata.dtype not in _NONFINITE_CODES:
+        return None
+    if qdata.device.type == "meta" or scale.dim() != qdata.dim() or not qdata.numel():
+        return None
+    full = scale.detach()
+    for dim, (n, k) in enumerate(zip(qdata.shape, scale.shape)):
+        if k == 0 or n % k:
+            return None
+        full = full.repeat_interleave(n // k, dim=dim)
+    bits = qdata.detach().view(torch.uint8) & 0x7F
+    bad = torch.zeros_like(bits, dtype=torch.bool)
+    for code in _NONFINITE_CODES[qdata.dtype]:
+        bad |= bits == code
+    return bad & (full == 0)
+
+
+def _count(mask: torch.Tensor | None) -> int:
+    return int(mask.sum()) if mask is not None else 0
+
+
 def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
     """The layers of ``model`` whose ``weight`` is a torchao quantized tensor, with NaN counts of their data."""
     out = []
@@ -118,6 +143,7 @@ def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
                 elements=int(w.numel()),
                 nonfinite=sum(_nonfinite(x) for x in leaves),
                 dynamic_activation=raw_attr(w, "act_quant_kwargs", None) is not None,
+                zero_scale_nonfinite=_count(zero_scale_nonfinite(w)),
             )
         )
     return tuple(out)

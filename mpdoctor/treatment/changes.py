@@ -299,10 +299,12 @@ class CastParamsTo(ChangeSpec):
 
 @dataclass(frozen=True)
 class FreezeParams(ChangeSpec):
-    """``requires_grad_(False)`` on the parameters ``param_ids`` of the model ``owner``; undo restores each flag.
+    """``requires_grad_(False)`` on the parameters ``param_ids`` of the model ``owner``, and their ``.grad`` dropped;
+    undo restores each flag and each grad tensor.
 
-    An optimizer that holds them skips a parameter whose ``.grad`` stays None, so it needs no rebuilding: it
-    trains what still requires grad.
+    An optimizer that holds them skips a parameter whose ``.grad`` is None, so it needs no rebuilding: it trains
+    what still requires grad. A gradient a step that raised left on them is dropped, or the next step would still
+    update them from it.
     """
 
     owner: int
@@ -310,8 +312,13 @@ class FreezeParams(ChangeSpec):
     label: str = "parameters"
 
     def bind(self, live: Live) -> list[Change]:
-        params = [p for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad]
-        return [SetRequiresGrad(params, False, self.label)] if params else []
+        from ..edits.steps import DropGrads
+
+        held = _params_of(live.get(self.owner), self.param_ids)
+        params = [p for p in held if p.requires_grad]
+        steps: list[Change] = [SetRequiresGrad(params, False, self.label)] if params else []
+        stale = [p for p in held if p.grad is not None]
+        return steps + ([DropGrads(stale, self.label)] if stale else [])
 
     def simulate(self, facts: Facts) -> Facts:
         models = []
@@ -320,7 +327,8 @@ class FreezeParams(ChangeSpec):
             if not hit:
                 models.append(m)
                 continue
-            params = tuple(p._replace(requires_grad=False) if p.id in self.param_ids else p for p in m.tensors.params)
+            params = tuple(p._replace(requires_grad=False, grad_dtype=None) if p.id in self.param_ids else p
+                           for p in m.tensors.params)  # fmt: skip
             frozen = {p.name for p in hit}
             layers = tuple(
                 dataclasses.replace(x, trainable=False)
@@ -328,11 +336,20 @@ class FreezeParams(ChangeSpec):
                 for x in getattr(m, "stored_layers", ())
             )  # fmt: skip
             models.append(dataclasses.replace(m, tensors=dataclasses.replace(m.tensors, params=params), stored_layers=layers))
-        return dataclasses.replace(facts, models=tuple(models))
+        optimizers = tuple(
+            dataclasses.replace(o, params=tuple(p._replace(grad_dtype=None) if p.id in self.param_ids else p for p in o.params))
+            if o.param_ids & self.param_ids else o
+            for o in facts.optimizers
+        )  # fmt: skip
+        return dataclasses.replace(facts, models=tuple(models), optimizers=optimizers)
 
     def verify(self, live: Live) -> str | None:
-        left = sum(1 for p in _params_of(live.get(self.owner), self.param_ids) if p.requires_grad)
-        return f"{left} {self.label} still require grad" if left else None
+        params = _params_of(live.get(self.owner), self.param_ids)
+        left = sum(1 for p in params if p.requires_grad)
+        stale = sum(1 for p in params if p.grad is not None)
+        if left or stale:
+            return f"{left} {self.label} still require grad, {stale} still hold a gradient"
+        return None
 
     def targets(self) -> dict[tuple, Any]:
         return {(pid, "requires_grad"): False for pid in self.param_ids}
@@ -1330,3 +1347,182 @@ class SetConfigEntry(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, "config", self.key): self.value}
+
+
+#: Marker of the wrapper that computes a layer's forward with its float8-stored weights upcast (one per module).
+UPCAST_STORAGE_MARKER = "mpdoctor-upcast-float8-storage"
+#: What the float8 storage reader says upcasts a layer once this fix is on it (``StoredLayer.upcast``).
+UPCAST_STORAGE_WHAT = "mpdoctor's upcast in its forward"
+_ABSENT = object()
+
+
+def _float8_dtypes() -> frozenset[torch.dtype]:
+    from ..facts.quantized import STORAGE_DTYPES
+
+    # e4m3 / e5m2 upcast exactly to bf16, fp16 and fp32; e8m0 scales and packed float4 are no weight to upcast.
+    names = (n for n in STORAGE_DTYPES if n.startswith(("float8_e4m3", "float8_e5m2")))
+    return frozenset(getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype))
+
+
+class _UpcastForForward:
+    """A context for one call of a module's forward: each float8-stored parameter named is read as an upcast copy.
+
+    The copy sits in the instance dict under the parameter's name, where attribute lookup finds it before
+    ``nn.Module.__getattr__`` reaches ``_parameters``: the stored Parameter (its bytes, its identity, every
+    optimizer's reference) is untouched, and gradients, where it requires them, flow to it through the cast.
+    """
+
+    def __init__(self, module: torch.nn.Module, names: tuple[str, ...], dtype: torch.dtype) -> None:
+        self.module, self.names, self.dtype = module, names, dtype
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> None:
+        own = object.__getattribute__(self.module, "__dict__")
+        params, storage = own["_parameters"], _float8_dtypes()
+        self._saved = []
+        for name in self.names:
+            p = params.get(name)
+            if p is not None and p.dtype in storage:  # storage cast up by the user since: nothing to do
+                self._saved.append((name, own.get(name, _ABSENT)))
+                own[name] = p.to(self.dtype)
+
+    def __exit__(self, *exc: Any) -> None:
+        own = object.__getattribute__(self.module, "__dict__")
+        for name, old in reversed(self._saved):
+            if old is _ABSENT:
+                own.pop(name, None)
+            else:
+                own[name] = old
+        self._saved = []
+
+
+def _same_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return args, kwargs
+
+
+@dataclass(frozen=True)
+class UpcastStoredWeights(ChangeSpec):
+    """Compute each layer ``path`` of the model ``ref`` with its float8-stored parameters cast to ``dtype``, in place.
+
+    ``layers`` are ``(path, compute dtype)`` pairs. Each layer's ``forward`` is wrapped on the instance (its class and
+    every other instance untouched): for each call, its float8 parameters are read as upcast copies (what diffusers'
+    layerwise casting and ComfyUI's ``manual_cast`` layers do), so every entry point that reaches the layer (the
+    model's forward, ``generate``, the layer called directly) computes in ``dtype``; the stored float8 Parameters
+    stay as they are (bytes, identity, optimizers' references). An upcast of float8 is exact. Undo removes exactly
+    that wrapper.
+    """
+
+    ref: int
+    layers: tuple[tuple[str, str], ...]
+    label: str = "model"
+
+    def _modules(self, live: Live) -> list[tuple[str, Any, str]]:
+        model = live.get(self.ref)
+        return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in self.layers]
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import MethodInputCast
+
+        storage, steps = _float8_dtypes(), []
+        for path, module, dtype in self._modules(live):
+            params = object.__getattribute__(module, "__dict__").get("_parameters", {})
+            names = tuple(n for n, p in params.items() if p is not None and p.dtype in storage)
+            if not names or MethodInputCast.registered(module, "forward", UPCAST_STORAGE_MARKER):
+                continue
+            upcast = _UpcastForForward(module, names, torch_dtype(dtype))
+            where = f"{self.label}.{path}" if path else self.label
+            steps.append(MethodInputCast(module, "forward", _same_arguments, UPCAST_STORAGE_MARKER,
+                                         f"{where}: compute with its float8 {', '.join(names)} cast to {dtype}",
+                                         context=lambda upcast=upcast: upcast))  # fmt: skip
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        dtypes = dict(self.layers)
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and any(x.path in dtypes for x in m.stored_layers):
+                layers = tuple(
+                    dataclasses.replace(x, upcast=UPCAST_STORAGE_WHAT, compute_dtype=dtypes[x.path], emits_storage=False)
+                    if x.path in dtypes else x
+                    for x in m.stored_layers
+                )  # fmt: skip
+                m = dataclasses.replace(m, stored_layers=layers)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import MethodInputCast
+
+        storage = _float8_dtypes()
+        left = [
+            path or self.label
+            for path, module, _ in self._modules(live)
+            if any(p is not None and p.dtype in storage for p in object.__getattribute__(module, "__dict__").get("_parameters", {}).values())
+            and not MethodInputCast.registered(module, "forward", UPCAST_STORAGE_MARKER)
+        ]
+        return f"nothing upcasts the float8 weights of {', '.join(left)}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}
+
+
+@dataclass(frozen=True)
+class ZeroQuantizedZeroBlocks(ChangeSpec):
+    """In the torchao float8 weights of the layers ``paths`` of the model ``ref``, write 0 into each NaN / inf element
+    of a block whose scale is 0, in place.
+
+    A block's scale is its amax / 448: a scale of 0 says every element of the block was 0 before quantization, and
+    ``0 / 0`` made it NaN. Writing 0 back (scale 0 times 0) restores exactly the weights the model had. The
+    quantized tensor, its ``qdata`` object and the scales stay; undo gives ``qdata`` back its very storage.
+    """
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "model"
+
+    def _weights(self, live: Live) -> list[tuple[str, Any]]:
+        model = live.get(self.ref)
+        out = []
+        for path in self.paths:
+            module = model.get_submodule(path) if path else model
+            out.append((path, object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")))
+        return out
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import ReplaceData
+        from ..integrations.torchao import zero_scale_nonfinite
+
+        steps: list[Change] = []
+        for path, w in self._weights(live):
+            mask = zero_scale_nonfinite(w) if w is not None else None
+            if mask is None or not bool(mask.any()):
+                continue
+            qdata = w.qdata
+            values = qdata.detach().clone()
+            values.view(torch.uint8)[mask] = 0  # +0.0 in every float8 format
+            where = f"{self.label}.{path}" if path else self.label
+            steps.append(ReplaceData(qdata, values, f"{where}.weight: {int(mask.sum())} NaN elements of zero-scale blocks -> 0"))
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.quantized_weights:
+                weights = tuple(
+                    dataclasses.replace(q, nonfinite=q.nonfinite - q.zero_scale_nonfinite, zero_scale_nonfinite=0)
+                    if q.path in self.paths else q
+                    for q in m.quantized_weights
+                )  # fmt: skip
+                m = dataclasses.replace(m, quantized_weights=weights)
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        from ..integrations.torchao import zero_scale_nonfinite
+
+        masks = [(path, zero_scale_nonfinite(w) if w is not None else None) for path, w in self._weights(live)]
+        left = [path or self.label for path, mask in masks if mask is not None and bool(mask.any())]
+        return f"zero-scale blocks of {', '.join(left)} still hold NaN" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "zero-scale-blocks"): 0 for path in self.paths}

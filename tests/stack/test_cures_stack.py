@@ -9,6 +9,7 @@ import copy
 import math
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import bitsandbytes as bnb  # plain imports: tests/stack runs where the stack is pinned, a missing one must fail
@@ -23,7 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field test
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
 from test_field_diffusers import lora_unet, overflowing_vae, run_pipe, tiny_pipe, tiny_unet, unet_step  # noqa: E402
-from test_field_lowprecision import LAUNCHER_FP8_ENV, Net, float8_layers  # noqa: E402
+from test_field_lowprecision import (  # noqa: E402
+    LAUNCHER_FP8_ENV,
+    Net,
+    float8_layers,
+    float8_quantized_with_a_zero_row,
+    fp8_base_with_a_bf16_head,
+    fp8_embedding_model,
+    fp8_stored_mlp,
+    layerwise_cast_with_a_bf16_head,
+    quantized_step,
+    train_step,
+)
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
@@ -228,7 +240,60 @@ def _trains_its_float8_layers(ns: Namespace) -> None:
     assert frozen == [], f"the float8 layers' weights must train too: {frozen} did not move"
 
 
+# -- float8 storage -----------------------------------------------------------------------------------
+
+
+def _fp8_stored(dtype: torch.dtype) -> Callable[[], Namespace]:
+    def build() -> Namespace:
+        # ComfyUI loading an fp8 checkpoint into stock layers: weights float8_e4m3fn, biases and input in `dtype`.
+        return {"model": fp8_stored_mlp(dtype), "x": torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(dtype)}
+
+    return build
+
+
+def _fp8_embedding() -> Namespace:
+    return {"model": fp8_embedding_model(), "ids": torch.tensor([[1, 2, 3]])}
+
+
+def _call_model(ns: Namespace) -> torch.Tensor:
+    return ns["model"](ns["x"] if "x" in ns else ns["ids"])
+
+
+def _storage_stays_float8(ns: Namespace) -> None:
+    stored = [p for p in ns["model"].parameters() if p.dtype == torch.float8_e4m3fn]
+    assert stored and all(not p.requires_grad for p in stored), "the fix keeps the float8 storage"
+
+
 CASES: list[Case] = [
+    Case(
+        name="fp8-weights-in-stock-linear-fp16", source="kijai/ComfyUI-ControlNeXt-SVD#7", slug="fp8-storage-not-upcast",
+        build=_fp8_stored(torch.float16), step=_call_model, failure="must have the same dtype", kind="inference",
+        healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-weights-in-stock-linear-bf16", source="lodestone-rock/ComfyUI_FluxMod#27", slug="fp8-storage-not-upcast",
+        build=_fp8_stored(torch.bfloat16), step=_call_model, failure="must have the same dtype", kind="inference",
+        healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-embedding-rows-meet-bf16-math", source="kijai/ComfyUI-WanVideoWrapper#1374", slug="fp8-storage-not-upcast",
+        build=_fp8_embedding, step=_call_model, failure="must have the same dtype", kind="inference",
+        healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-layerwise-casting-trainable-storage", source="huggingface/finetrainers PR #316", slug="fp8-storage-trainable",
+        build=layerwise_cast_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
+        healed=_storage_stays_float8,
+    ),
+    Case(
+        name="fp8-base-left-trainable", source="kohya-ss/sd-scripts#1711", slug="fp8-storage-trainable",
+        build=fp8_base_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
+        healed=_storage_stays_float8,  # GPU-only "cat_cuda" at DDP's broadcast: the optimizer step stands in
+    ),
+    Case(
+        name="float8-quantized-zero-row-nan", source="pytorch/ao#4713", slug="quantized-weights-nonfinite",
+        build=float8_quantized_with_a_zero_row, step=quantized_step, failure="loss is not finite",
+    ),
     Case(
         name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",
         build=_bf16_arguments_under_the_launchers_fp8, step=_build_trainer_and_train, failure="trains",
