@@ -22,6 +22,7 @@ import mpdoctor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "field"))  # the field tests' own builders
 
+from test_exception_cases import Pooler, Router  # noqa: E402
 from test_peft_accelerate_core import fp16_lora, trainable  # noqa: E402
 from test_runtime_batch_nan_cases import Encoder  # noqa: E402
 from test_torch_core import fp16_llama_and_adamw  # noqa: E402
@@ -253,6 +254,48 @@ def _crash_inside_watch(ns: Namespace):
     return w.crash_report
 
 
+def _routers_under_fp16_autocast() -> Namespace:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Router(), Router())
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+            "x": torch.randn(4, 4), "rows": torch.tensor([0, 2])}  # fmt: skip
+
+
+def _routers_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = sum(r(ns["x"], ns["rows"]) for r in ns["model"]).square().sum()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
+def _bf16_pooler() -> Namespace:
+    torch.manual_seed(0)
+    model = Pooler()
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "ids": torch.tensor([1, 2, 3, 4]),
+            "sentence": torch.tensor([0, 0, 1, 1]), "mask": torch.tensor([1, 1, 1, 0])}  # fmt: skip
+
+
+def _pooler_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    loss = ns["model"](ns["ids"], ns["sentence"], ns["mask"]).float().square().sum()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
+def _crash_of(step):
+    """The crash report of ``step`` raised inside ``watch()``: the diagnosis the user gets."""
+
+    def diagnose(ns: Namespace):
+        with pytest.raises(RuntimeError), mpdoctor.watch(ns["model"], ns["opt"]) as w:
+            step(ns)
+        return w.crash_report
+
+    return diagnose
+
+
 def _fp16_encoder_eps_1e12() -> Namespace:
     torch.manual_seed(0)
     model = Encoder().half()
@@ -354,6 +397,17 @@ CASES: list[Case] = [
         build=_fp16_encoder_eps_1e12, step=_encoder_step, failure="loss is not finite", recipe="representable-eps",
         fixed_by="norm-eps-underflow",  # the probe plans the one eps fix both findings offer, under the eps check
         diagnose=lambda ns: mpdoctor.probe(ns["model"], ns["ids"], loss_fn=lambda out: out, name="model"),
+    ),
+    Case(
+        name="index-put-autocast-fp16-into-fp32-buffer", source="continue-revolution/sd-webui-animatediff#168",
+        slug="crash-index-put-dtype", build=_routers_under_fp16_autocast, step=_routers_step,
+        failure="Index put requires the source and destination dtypes match", diagnose=_crash_of(_routers_step),
+        recipe="fp32-island",
+    ),
+    Case(
+        name="scatter-fp32-mask-into-bf16-counts", source="flairNLP/flair PR #3651", slug="crash-scatter-dtype",
+        build=_bf16_pooler, step=_pooler_step, failure=r"scatter\(\): Expected self.dtype to be equal to src.dtype",
+        diagnose=_crash_of(_pooler_step), recipe="fp32-island",
     ),
     Case(
         name="t5-wo-past-65504", source="huggingface/transformers#5651", slug="probe-nonfinite",

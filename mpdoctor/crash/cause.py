@@ -96,6 +96,9 @@ def explain(
         ignore=ignore,
     )
     report = _with_watched_loop(report, pattern, frames)
+    if objects and type(merged) is dict:  # the watched model by its name: the failing module is found inside it
+        given = {s.name: s.obj for s in report.subjects if s.name.isidentifier() and any(s.obj is o for o in objects)}
+        merged = {**given, **merged}
     report = mark_cause(report, pattern, link, frames, namespace=merged)
     return _batch_cause(report, pattern.slug, frames, merged, objects)
 
@@ -274,11 +277,13 @@ def mark_cause(report: Any, pattern: Any, exc: BaseException, frames: list,
             extra = {k: v for k, v in detail.evidence.items() if k not in cause.evidence}
             cause = dataclasses.replace(cause, evidence={**cause.evidence, **extra})
         rest = [f for f in report.findings if f is not chosen]
+        plans: dict = {}
     else:
         cause = _cause_note(pattern, summary, frames, detail, getattr(report, "live", None))
         rest = list(report.findings)
+        plans = _plans_led_by(report, cause)  # its in-place fix, bound to what the frames held, leads the plan
     return report.evolve(findings=(cause, *rest), cause=cause, exception=summary,
-                         raised_by=raiser[0] if raiser else None)  # fmt: skip
+                         raised_by=raiser[0] if raiser else None, **plans)  # fmt: skip
 
 
 def _redacted(detail: Any) -> Any:
@@ -323,6 +328,8 @@ def _cause_note(pattern: Any, summary: str, frames: list, detail: Any, live: Any
     )
     if detail is not None:
         cause.fixes.extend(detail.fixes(live))
+    for fx in cause.fixes:  # built beside the note, not through a check: filed under its slug from here
+        fx.slug = fx.slug or cause.check
     return cause
 
 
@@ -352,6 +359,9 @@ class FamilyDetail:
         self.parameter: tuple | None = None
         #: The same for a buffer or tensor attribute of a module that the failing line read (``self.pe[:, :n]``).
         self.held_operand: tuple | None = None
+        #: ``(module, its name, twins, optimizers, device)``: the module whose forward raised, to run in fp32 with
+        #: autocast off inside and its outputs cast back (see :func:`_island`), with every module of its class.
+        self.island: tuple | None = None
         #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
         #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
         self.convert: tuple | None = None
@@ -471,9 +481,38 @@ class FamilyDetail:
             cost=f"rounds {listed} to {spoken(dtype)}",
         ).bind(live)
 
+    def island_fix(self, live: Any) -> Any:
+        """The module whose forward raised, and every module of its class, run in fp32 with autocast off inside and
+        their outputs cast back to their inputs' dtype, in place; None without such a module."""
+        if self.island is None or live is None:
+            return None
+        from ..treatment.changes import KeepModuleFp32
+        from ..treatment.fixes import Applicability, Fix
+
+        module, name, twins, optimizers, device = self.island
+        cls = type(module).__name__
+        holders = tuple(live.add(o) for o in optimizers)
+        changes = tuple(KeepModuleFp32(live.add(m), "", frozenset(id(p) for p in m.parameters()), device, holders,
+                                       f"{cls} {i}" if len(twins) > 1 else name, cast_back=True)
+                        for i, m in enumerate(twins))  # fmt: skip
+        n = len(twins)
+        every = f"every {cls} ({n}, {name} among them)" if n > 1 else name
+        return Fix(
+            f"Run {every} in fp32 with autocast off inside, its output cast back to its input's dtype, in place",
+            f"# the op {name}'s forward runs has no kernel, or meets another dtype, in half precision: run it in fp32\n"
+            f"{name}.float()  # its parameters in fp32, with the same Parameter objects\n"
+            f"# in its forward: x = x.float(), the op, then out.to(input_dtype); under autocast: "
+            f"with torch.autocast({device!r}, enabled=False)",
+            applicability=Applicability.UNSAFE,
+            changes=changes,
+            recipe="fp32-island",
+            cost=f"{cls}'s weights and math in fp32 (twice the memory of bf16 / fp16 there, slower)",
+        ).bind(live)
+
     def fixes(self, live: Any) -> list:
         """The cause's fixes, in place first: the tensors held beside the weights, else the parameter the op met
-        (and its twins); then the code as display-only advice."""
+        (and its twins), else the module whose forward raised as an fp32 island; then the code as display-only
+        advice."""
         exact = self.held_fix(live)
         if exact is None:
             exact = self.parameter_fix(live)
@@ -481,6 +520,8 @@ class FamilyDetail:
             exact = self.held_operand_fix(live)
         if exact is None:
             exact = self.convert_fix(live)
+        if exact is None:
+            exact = self.island_fix(live)
         return [fx for fx in (exact, self.fix() if self.code else None) if fx is not None]
 
     def fix(self) -> Any:
@@ -531,10 +572,58 @@ def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Map
         if kind == "protocol":
             return _protocol_detail(pattern, frames, namespace)
         if kind == "refusal":
-            return _refusal_detail(pattern, frames, namespace)
-        return _dtype_detail(pattern, message, frames, namespace)
+            detail = _refusal_detail(pattern, frames, namespace)
+        else:
+            detail = _dtype_detail(pattern, message, frames, namespace)
     except Exception:  # the detail is a bonus: the pattern's meaning and fix stand without it
         return None
+    if detail is not None and pattern.slug in ISLAND_FAMILIES:
+        try:
+            detail.island = _island(frames, namespace)
+        except Exception:  # no module found: the code stays the fix
+            detail.island = None
+    return detail
+
+
+#: The families a module's forward can raise whose op runs in fp32 where half precision has no kernel or meets
+#: another dtype: running that module in fp32 (an fp32 island) takes the op out of half precision.
+ISLAND_FAMILIES = frozenset({"crash-linalg-half", "crash-fft-half", "crash-index-put-dtype", "crash-scatter-dtype"})
+
+
+def _holding(modules: list, candidates: list, torch: Any) -> list:
+    """The optimizers among ``candidates`` holding a parameter of ``modules``, each once."""
+    ids = {id(p) for m in modules for p in m.parameters()}
+    out: list = []
+    for value in candidates:
+        if not isinstance(value, torch.optim.Optimizer) or any(value is o for o in out):
+            continue
+        if any(id(p) in ids for g in value.param_groups for p in g["params"]):
+            out.append(value)
+    return out
+
+
+def _island(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
+    """``(module, its name, twins, optimizers, device)`` for the innermost user frame that is a module's method: the
+    module, every module of its class in the model that holds it (they run the same forward), and the optimizers
+    holding their parameters; None when the failing code is not a module's."""
+    import sys
+
+    from .operands import _module_path, _roots
+
+    torch = sys.modules["torch"]
+    view = next((v for v in reversed(frames) if v.user and isinstance(v.frame.f_locals.get("self"), torch.nn.Module)),
+                None)  # fmt: skip
+    if view is None:
+        return None
+    module = view.frame.f_locals["self"]
+    roots = [(n, r) for n, r in _roots(frames, namespace, torch) if n != "self"]  # a method's own name is no name
+    name = _module_path(module, roots, torch) or type(module).__name__
+    root = next((r for _, r in roots if any(m is module for m in r.modules())), module)
+    twins = [m for m in root.modules() if type(m) is type(module)] or [module]
+    optimizers = _holding(twins, [*(dict.values(namespace) if type(namespace) is dict else ()),
+                                  *(v for f in frames if f.user for v in f.frame.f_locals.values())], torch)
+    device = next((p.device.type for p in module.parameters()), "cpu")
+    return module, name, twins, optimizers, device
 
 
 def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[str, Any] | None) -> FamilyDetail | None:

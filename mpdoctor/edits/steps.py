@@ -9,7 +9,9 @@ these; :class:`mpdoctor.treatment.fixes.Fix` runs them atomically.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
+import types
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable
 
@@ -458,10 +460,13 @@ class MethodInputCast(Change):
     """
 
     def __init__(self, obj: Any, method: str, cast: Callable[[tuple, dict], tuple[tuple, dict]], marker: str,
-                 label: str, context: Callable[[], Any] | None = None) -> None:  # fmt: skip
+                 label: str, context: Callable[[], Any] | None = None,
+                 restore: Callable[[Any, tuple, dict], Any] | None = None) -> None:  # fmt: skip
         self.obj, self.method, self.cast, self.marker = obj, method, cast, marker
         #: A context each call runs in (autocast turned off inside a module kept in fp32), or None.
         self.context = context
+        #: ``(result, args, kwargs) -> result`` given to the caller (outputs cast back to the inputs' dtype), or None.
+        self.restore = restore
         self.description = label
         self._wrapper: Any = None
         self._had_own = False
@@ -486,16 +491,7 @@ class MethodInputCast(Change):
             return
         own = object.__getattribute__(self.obj, "__dict__")
         bound = getattr(self.obj, self.method)  # the method as the user's call finds it now
-        cast, context = self.cast, self.context or contextlib.nullcontext
-
-        def cast_floating_arguments(*args: Any, **kwargs: Any) -> Any:
-            __tracebackhide__ = True  # a fix's wrapper is not the user's code: IPython leaves it out of tracebacks
-            with context():
-                args, kwargs = cast(args, kwargs)
-                return bound(*args, **kwargs)
-
-        cast_floating_arguments.__wrapped__ = bound  # type: ignore[attr-defined]  # inspect.signature sees the method's
-        cast_floating_arguments._mpdoctor_marker = self.marker  # type: ignore[attr-defined]
+        cast_floating_arguments = CastingCall(self.obj, bound, self.cast, self.context, self.restore, self.marker)
         self._had_own, self._old = self.method in own, own.get(self.method, _UNSET)
         own[self.method] = cast_floating_arguments  # the instance dict: no Module.__setattr__ bookkeeping
         self._wrapper = cast_floating_arguments
@@ -510,6 +506,42 @@ class MethodInputCast(Change):
             else:
                 del own[self.method]
         self._wrapper = None
+
+
+class CastingCall:
+    """The wrapper :class:`MethodInputCast` puts on an instance: casts the arguments, runs the method found when
+    the fix was applied (in ``context``), gives back ``restore``'s result.
+
+    A copy of the instance (``copy.deepcopy(model)``: an EMA, a twin) gets a wrapper of its own over the copy's
+    method, so the copy never calls into the original (a closure over the original's bound method would).
+    """
+
+    def __init__(self, owner: Any, inner: Callable[..., Any], cast: Callable[[tuple, dict], tuple[tuple, dict]],
+                 context: Callable[[], Any] | None, restore: Callable[[Any, tuple, dict], Any] | None,
+                 marker: str) -> None:  # fmt: skip
+        self._owner, self._inner, self._cast, self._context, self._restore = owner, inner, cast, context, restore
+        self._mpdoctor_marker = marker
+        self.__wrapped__ = inner  # inspect.signature sees the method's
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # a fix's wrapper is not the user's code: IPython leaves it out of tracebacks
+        with self._context() if self._context is not None else contextlib.nullcontext():
+            cast_args, cast_kwargs = self._cast(args, kwargs)
+            out = self._inner(*cast_args, **cast_kwargs)
+        return self._restore(out, args, kwargs) if self._restore is not None else out
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        owner = memo.get(id(self._owner))
+        if owner is None:  # copied without its instance: it still serves that instance
+            return self
+        inner = self._inner
+        if isinstance(inner, types.MethodType) and inner.__self__ is self._owner:
+            inner = types.MethodType(inner.__func__, owner)  # the copy's own method
+        else:
+            inner = copy.deepcopy(inner, memo)
+        twin = CastingCall(owner, inner, self._cast, self._context, self._restore, self._mpdoctor_marker)
+        memo[id(self)] = twin
+        return twin
 
 
 class DropGrads(Change):

@@ -1105,6 +1105,9 @@ class KeepModuleFp32(ChangeSpec):
     device: str = "cpu"
     holders: tuple[int, ...] = ()
     label: str = "module"
+    #: Its floating outputs cast back to the dtype of its floating inputs (an fp32 island in a bf16 / fp16 model
+    #: run without autocast: the layers after it get the dtype they compute in).
+    cast_back: bool = False
 
     def bind(self, live: Live) -> list[Change]:
         from ..edits.steps import MethodInputCast
@@ -1116,8 +1119,10 @@ class KeepModuleFp32(ChangeSpec):
         steps: list[Change] = [CastParams(_params_of(module, self.param_ids), torch.float32, holders, self.label)]
         if not MethodInputCast.registered(module, "forward", KEEP_FP32_MARKER):
             steps.append(MethodInputCast(module, "forward", cast_arguments(torch.float32), KEEP_FP32_MARKER,
-                                         f"{self.label}: fp32 inputs, autocast off inside",
-                                         context=lambda: torch.autocast(device, enabled=False)))  # fmt: skip
+                                         f"{self.label}: fp32 inputs, autocast off inside"
+                                         + (", outputs cast back" if self.cast_back else ""),
+                                         context=lambda: torch.autocast(device, enabled=False),
+                                         restore=outputs_in_inputs_dtype if self.cast_back else None))  # fmt: skip
         return steps
 
     def simulate(self, facts: Facts) -> Facts:
@@ -1138,6 +1143,27 @@ class KeepModuleFp32(ChangeSpec):
 
     def backup_bytes(self, facts: Facts) -> int:
         return _param_bytes(facts, self.param_ids, "float32")
+
+
+def outputs_in_inputs_dtype(out: Any, args: tuple, kwargs: dict) -> Any:
+    """``out`` with its floating tensors in the dtype of the first floating tensor of the call's arguments (as it was
+    before an fp32 island upcast them); unchanged when the arguments held none, or held fp32."""
+    dtype = next((t.dtype for t in _floating_tensors((args, kwargs))), None)
+    if dtype is None or dtype == torch.float32:
+        return out
+    return cast_floating(out, dtype)
+
+
+def _floating_tensors(value: Any, depth: int = 3) -> Iterable[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif depth and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _floating_tensors(item, depth - 1)
+    elif depth and isinstance(value, dict):
+        for item in value.values():
+            yield from _floating_tensors(item, depth - 1)
 
 
 #: Marker of the fp32-with-autocast-off wrapper (one per module).
