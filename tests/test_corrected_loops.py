@@ -51,6 +51,17 @@ for i, (x, y) in enumerate(data):
         {SCALER}.update()
         {OPTIMIZER}.zero_grad()
 """,
+    "unscale-twice-skip-exit": f"""\
+for i, (x, y) in enumerate(data):
+    {OPTIMIZER}.zero_grad()
+    {SCALER}.scale(loss_fn(model(x), y)).backward()
+    {SCALER}.unscale_({OPTIMIZER})  # mistake: the skip below leaves without update()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if i == 0 or not torch.isfinite(grad_norm):  # the norm decides: the unscale and the clip cannot move past it
+        continue
+    {SCALER}.step({OPTIMIZER})
+    {SCALER}.update()
+""",
     "update-missing": f"""\
 for x, y in data:
     {OPTIMIZER}.zero_grad()

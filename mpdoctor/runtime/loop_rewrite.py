@@ -235,6 +235,9 @@ def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     guard = _guard_reading(source, target_stmt, moved)
     if guard is not None:  # the clip's result decides whether to step: it cannot move under that decision
         return _update_every_iteration(source, s, guard)
+    skip = _exit_reading(source, target_stmt, moved)
+    if skip is not None:  # ... nor past an `if norm > limit: continue` that skips the step on it
+        return _update_before_exits(source, s, skip)
     new_indent = _indent(source, target_stmt)
     lines = [line for m in moved for line in _reindent(source, m, new_indent)]
     lines[0] = _without_comment(lines[0]) + "  # once per real step, after the last micro-batch"
@@ -248,6 +251,41 @@ def _guard_reading(source: Source, target_stmt: ast.stmt, moved: Sequence[ast.st
         if isinstance(ancestor, ast.If) and bound & {n.id for n in ast.walk(ancestor.test) if isinstance(n, ast.Name)}:
             return ancestor
     return None
+
+
+def _exit_reading(source: Source, target_stmt: ast.stmt, moved: Sequence[ast.stmt]) -> ast.If | None:
+    """The ``if`` between the clip and the step, in the loop around the step, whose test reads a name the unscale or
+    the clip binds and whose body leaves the iteration (``if grad_norm > limit: continue``), else None."""
+    bound = {n.id for m in moved for n in ast.walk(m) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    loop = next((a for a in _ancestors(source, target_stmt) if isinstance(a, _WINDOW_KINDS[0])), None)
+    if loop is None or not bound:
+        return None
+    after, before = _end(moved[-1]), target_stmt.lineno
+    for node in ast.walk(loop):
+        if (isinstance(node, ast.If) and after < node.lineno < before and _exits(node)
+                and bound & {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}):  # fmt: skip
+            return node
+    return None
+
+
+def _exits(node: ast.If) -> list[ast.stmt]:
+    """The ``continue`` / ``break`` / ``return`` statements of ``node``'s branches (not of loops or functions in it)."""
+    out: list[ast.stmt] = []
+    stack: list[ast.AST] = [*node.body, *node.orelse]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (ast.Continue, ast.Break, ast.Return)):
+            out.append(item)
+        elif not isinstance(item, (*_WINDOW_KINDS[0], *_WINDOW_KINDS[1], ast.Lambda, ast.ClassDef)):
+            stack.extend(c for c in ast.iter_child_nodes(item) if isinstance(c, ast.stmt))
+    return out
+
+
+def _update_before_exits(source: Source, scaler: str, skip: ast.If) -> list[Edit]:
+    """``update()`` before each way out of the iteration that skips the step: the skipped iteration clears the record
+    of ``unscale_`` too (and backs the scale off when its gradients overflowed)."""
+    return [Edit("before", stmt, f"{_indent(source, stmt)}{scaler}.update()  # every iteration, stepped or skipped")
+            for stmt in _exits(skip)]  # fmt: skip
 
 
 def _update_every_iteration(source: Source, scaler: str, guard: ast.If) -> list[Edit]:
