@@ -137,6 +137,35 @@ def test_a_loop_with_two_mistakes_is_corrected_for_both_in_each_findings_loop():
         assert guard < unscale < clip < step < update, code  # under the guard, in the protocol's order
 
 
+#: A script of two functions that step the same scaler: the mistaken loop's step is nested deeper than the other
+#: function's, which a walk of the whole script reaches first.
+TWO_FUNCTIONS = f"""\
+def train():
+    for i, (x, y) in enumerate(data):
+        {SCALER}.scale(loss_fn(model(x), y) / accum).backward()
+        {SCALER}.unscale_({OPTIMIZER})  # mistake: every micro-batch
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if (i + 1) % accum == 0:
+            {SCALER}.step({OPTIMIZER})
+            {SCALER}.update()
+            {OPTIMIZER}.zero_grad()
+
+
+def finetune(head_opt):
+    for x, y in data:
+        head_opt.zero_grad()
+        {SCALER}.scale(loss_fn(model(x), y)).backward()
+        {SCALER}.step(head_opt)
+        {SCALER}.update()
+"""
+
+
+def test_a_mistaken_loop_is_corrected_within_its_own_function_not_in_another_that_steps_the_same_scaler():
+    ((_, code),) = corrected_loops(TWO_FUNCTIONS)
+    assert "head_opt" not in code and "def finetune" not in code, code
+    run_and_check(code)
+
+
 #: The runtime rules whose corrected lines are a loop step (the others are advice: probe the model, restore
 #: the scaler from a checkpoint).
 LOOP_RULES = sorted(slug for slug in RULES if slug not in ("amp-scale-unsettled", "scaler-not-restored-on-resume"))

@@ -148,6 +148,18 @@ def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
     ]
 
 
+def _function_of(source: Source, node: ast.AST) -> ast.AST | None:
+    """The innermost function holding ``node`` (None: the top level)."""
+    return next((a for a in _ancestors(source, node) if isinstance(a, _WINDOW_KINDS[1])), None)
+
+
+def _beside(source: Source, node: ast.AST, calls: Sequence[ast.Call]) -> list[ast.Call]:
+    """``calls`` in the function ``node`` is in (the top level for a top-level node), in the order they are written:
+    a script's other functions use the same names for their own loops."""
+    home = _function_of(source, node)
+    return sorted((c for c in calls if _function_of(source, c) is home), key=lambda c: (c.lineno, c.col_offset))
+
+
 def _edits_of(mistake: LoopMistake) -> list[Edit] | None:
     stmt = _statement_of(mistake.at.source, mistake.at.node)
     rewrite = _REWRITES.get(mistake.slug)
@@ -192,7 +204,7 @@ def _clash(edits: Sequence[Edit], more: Sequence[Edit]) -> bool:
 def _unscale_before_clip(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s = mistake.at.source, mistake.at.node, mistake.scaler
     if not mistake.optimizer:  # the optimizer the scaler steps next names the unscale_
-        steps = [c for c in _find_calls(source, s, "step") if c.args and c.lineno > node.lineno]
+        steps = [c for c in _beside(source, node, _find_calls(source, s, "step")) if c.args and c.lineno > node.lineno]
         mistake.optimizer = text_of(steps[0].args[0]) if steps else _stepped_directly(source, node.lineno)
     if not mistake.optimizer:
         return None
@@ -224,7 +236,7 @@ def _update_after_step(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | Non
 
 def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s, opt = mistake.at.source, mistake.at.node, mistake.scaler, mistake.optimizer
-    steps = [c for c in _find_calls(source, s, "step") if text_of(c.args[0]) == opt] if opt else []
+    steps = [c for c in _beside(source, node, _find_calls(source, s, "step")) if text_of(c.args[0]) == opt] if opt else []
     target = next((c for c in steps if c.lineno > node.lineno), steps[0] if steps else None)
     target_stmt = _statement_of(source, target) if target is not None else None
     if target_stmt is None or target_stmt.lineno <= stmt.lineno <= (target_stmt.end_lineno or 0):
