@@ -51,6 +51,17 @@ for i, (x, y) in enumerate(data):
         {SCALER}.update()
         {OPTIMIZER}.zero_grad()
 """,
+    "unscale-twice-skip-exit": f"""\
+for i, (x, y) in enumerate(data):
+    {OPTIMIZER}.zero_grad()
+    {SCALER}.scale(loss_fn(model(x), y)).backward()
+    {SCALER}.unscale_({OPTIMIZER})  # mistake: the skip below leaves without update()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if i == 0 or not torch.isfinite(grad_norm):  # the norm decides: the unscale and the clip cannot move past it
+        continue
+    {SCALER}.step({OPTIMIZER})
+    {SCALER}.update()
+""",
     "update-missing": f"""\
 for x, y in data:
     {OPTIMIZER}.zero_grad()
@@ -124,6 +135,35 @@ def test_a_loop_with_two_mistakes_is_corrected_for_both_in_each_findings_loop():
         step = lines.index(f"{SCALER}.step({OPTIMIZER})")
         update = next(i for i, line in enumerate(lines) if line.startswith(f"{SCALER}.update()"))
         assert guard < unscale < clip < step < update, code  # under the guard, in the protocol's order
+
+
+#: A script of two functions that step the same scaler: the mistaken loop's step is nested deeper than the other
+#: function's, which a walk of the whole script reaches first.
+TWO_FUNCTIONS = f"""\
+def train():
+    for i, (x, y) in enumerate(data):
+        {SCALER}.scale(loss_fn(model(x), y) / accum).backward()
+        {SCALER}.unscale_({OPTIMIZER})  # mistake: every micro-batch
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if (i + 1) % accum == 0:
+            {SCALER}.step({OPTIMIZER})
+            {SCALER}.update()
+            {OPTIMIZER}.zero_grad()
+
+
+def finetune(head_opt):
+    for x, y in data:
+        head_opt.zero_grad()
+        {SCALER}.scale(loss_fn(model(x), y)).backward()
+        {SCALER}.step(head_opt)
+        {SCALER}.update()
+"""
+
+
+def test_a_mistaken_loop_is_corrected_within_its_own_function_not_in_another_that_steps_the_same_scaler():
+    ((_, code),) = corrected_loops(TWO_FUNCTIONS)
+    assert "head_opt" not in code and "def finetune" not in code, code
+    run_and_check(code)
 
 
 #: The runtime rules whose corrected lines are a loop step (the others are advice: probe the model, restore

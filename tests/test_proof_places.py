@@ -250,6 +250,23 @@ def test_the_watched_block_that_raises_is_proven_on_its_own_loop_body_and_the_pr
     assert_step_trains(_loop_step(model, opt, data[2]), start, params)
 
 
+def test_a_watched_loop_body_that_skips_batches_with_continue_is_explained_and_proven_on_itself():
+    """A body holding its loop's own ``continue`` (a skipped batch) or ``break`` does not compile on its own: it is
+    replayed as one iteration, and the crash is explained and proven on it (it was not explained at all)."""
+    model, opt, data = _watched_setup()
+    with pytest.raises(RuntimeError), mpdoctor.watch(model, opt) as w:
+        for x in data[2:]:
+            if x is None:  # a batch the loop skips
+                continue
+            _loop_step(model, opt, x)
+            if not x.isfinite().all():
+                break
+    proof = w.crash_report.proof
+    assert proof.step.startswith("your loop's body (") and proof.verified
+    assert not proof.before.ran and "must have the same dtype" in proof.before.error
+    assert model[2].weight.dtype == torch.bfloat16 and "__mpdoctor_one_iteration" not in globals()
+
+
 # -- the probe's batch ---------------------------------------------------------------------------------------------
 
 

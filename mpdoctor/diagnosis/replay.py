@@ -307,13 +307,43 @@ def loop_step(tb: TracebackType | None) -> HeldStep | None:
     why = refusal(body, namespace, "the loop's body")
     if why:
         return HeldStep(_nothing, label, refused=why)
-    code = compile(body, filename, "exec")
+    try:
+        code = compile(_one_iteration(body), filename, "exec")
+    except SyntaxError:  # a body that returns or yields does not run outside its function
+        return None
 
     def run() -> None:
         exec(code, namespace)  # noqa: S102 - the user's own loop body, run again where it ran
 
     names = _names_read(body)
     return HeldStep(run, label, around=_silenced, state=lambda: NamespaceState(namespace, names))
+
+
+#: The loop variable of the one iteration a replayed body runs in (no user's name).
+_ONCE = "__mpdoctor_one_iteration"
+
+
+def _one_iteration(body: ast.Module) -> ast.Module:
+    """``body`` as a module to run: inside a loop of one iteration when it holds its loop's own ``continue`` or
+    ``break`` (a skipped batch, a bad norm), which end the replayed iteration as they ended the user's; as it is
+    otherwise."""
+    own = [n for stmt in body.body for n in _own_statements(stmt)]
+    if not any(isinstance(n, (ast.Continue, ast.Break)) for n in own):
+        return body
+    once = ast.For(target=ast.Name(_ONCE, ast.Store()), iter=ast.Tuple([ast.Constant(None)], ast.Load()),
+                   body=list(body.body), orelse=[])  # fmt: skip
+    ast.copy_location(once, body.body[0])
+    return ast.fix_missing_locations(ast.Module(body=[once], type_ignores=[]))
+
+
+def _own_statements(stmt: ast.AST):
+    """``stmt`` and the statements within it that belong to its loop (not to a loop, function or class inside)."""
+    yield stmt
+    if isinstance(stmt, (ast.For, ast.While, ast.AsyncFor, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return
+    for child in ast.iter_child_nodes(stmt):
+        if isinstance(child, ast.stmt):
+            yield from _own_statements(child)
 
 
 def _loop_around(tree: ast.Module, line: int) -> ast.stmt | None:

@@ -148,6 +148,18 @@ def _find_calls(source: Source, receiver: str, attr: str) -> list[ast.Call]:
     ]
 
 
+def _function_of(source: Source, node: ast.AST) -> ast.AST | None:
+    """The innermost function holding ``node`` (None: the top level)."""
+    return next((a for a in _ancestors(source, node) if isinstance(a, _WINDOW_KINDS[1])), None)
+
+
+def _beside(source: Source, node: ast.AST, calls: Sequence[ast.Call]) -> list[ast.Call]:
+    """``calls`` in the function ``node`` is in (the top level for a top-level node), in the order they are written:
+    a script's other functions use the same names for their own loops."""
+    home = _function_of(source, node)
+    return sorted((c for c in calls if _function_of(source, c) is home), key=lambda c: (c.lineno, c.col_offset))
+
+
 def _edits_of(mistake: LoopMistake) -> list[Edit] | None:
     stmt = _statement_of(mistake.at.source, mistake.at.node)
     rewrite = _REWRITES.get(mistake.slug)
@@ -192,7 +204,7 @@ def _clash(edits: Sequence[Edit], more: Sequence[Edit]) -> bool:
 def _unscale_before_clip(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s = mistake.at.source, mistake.at.node, mistake.scaler
     if not mistake.optimizer:  # the optimizer the scaler steps next names the unscale_
-        steps = [c for c in _find_calls(source, s, "step") if c.args and c.lineno > node.lineno]
+        steps = [c for c in _beside(source, node, _find_calls(source, s, "step")) if c.args and c.lineno > node.lineno]
         mistake.optimizer = text_of(steps[0].args[0]) if steps else _stepped_directly(source, node.lineno)
     if not mistake.optimizer:
         return None
@@ -224,7 +236,7 @@ def _update_after_step(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | Non
 
 def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     source, node, s, opt = mistake.at.source, mistake.at.node, mistake.scaler, mistake.optimizer
-    steps = [c for c in _find_calls(source, s, "step") if text_of(c.args[0]) == opt] if opt else []
+    steps = [c for c in _beside(source, node, _find_calls(source, s, "step")) if text_of(c.args[0]) == opt] if opt else []
     target = next((c for c in steps if c.lineno > node.lineno), steps[0] if steps else None)
     target_stmt = _statement_of(source, target) if target is not None else None
     if target_stmt is None or target_stmt.lineno <= stmt.lineno <= (target_stmt.end_lineno or 0):
@@ -235,6 +247,9 @@ def _unscale_once(mistake: LoopMistake, stmt: ast.stmt) -> list[Edit] | None:
     guard = _guard_reading(source, target_stmt, moved)
     if guard is not None:  # the clip's result decides whether to step: it cannot move under that decision
         return _update_every_iteration(source, s, guard)
+    skip = _exit_reading(source, target_stmt, moved)
+    if skip is not None:  # ... nor past an `if norm > limit: continue` that skips the step on it
+        return _update_before_exits(source, s, skip)
     new_indent = _indent(source, target_stmt)
     lines = [line for m in moved for line in _reindent(source, m, new_indent)]
     lines[0] = _without_comment(lines[0]) + "  # once per real step, after the last micro-batch"
@@ -248,6 +263,41 @@ def _guard_reading(source: Source, target_stmt: ast.stmt, moved: Sequence[ast.st
         if isinstance(ancestor, ast.If) and bound & {n.id for n in ast.walk(ancestor.test) if isinstance(n, ast.Name)}:
             return ancestor
     return None
+
+
+def _exit_reading(source: Source, target_stmt: ast.stmt, moved: Sequence[ast.stmt]) -> ast.If | None:
+    """The ``if`` between the clip and the step, in the loop around the step, whose test reads a name the unscale or
+    the clip binds and whose body leaves the iteration (``if grad_norm > limit: continue``), else None."""
+    bound = {n.id for m in moved for n in ast.walk(m) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    loop = next((a for a in _ancestors(source, target_stmt) if isinstance(a, _WINDOW_KINDS[0])), None)
+    if loop is None or not bound:
+        return None
+    after, before = _end(moved[-1]), target_stmt.lineno
+    for node in ast.walk(loop):
+        if (isinstance(node, ast.If) and after < node.lineno < before and _exits(node)
+                and bound & {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}):  # fmt: skip
+            return node
+    return None
+
+
+def _exits(node: ast.If) -> list[ast.stmt]:
+    """The ``continue`` / ``break`` / ``return`` statements of ``node``'s branches (not of loops or functions in it)."""
+    out: list[ast.stmt] = []
+    stack: list[ast.AST] = [*node.body, *node.orelse]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (ast.Continue, ast.Break, ast.Return)):
+            out.append(item)
+        elif not isinstance(item, (*_WINDOW_KINDS[0], *_WINDOW_KINDS[1], ast.Lambda, ast.ClassDef)):
+            stack.extend(c for c in ast.iter_child_nodes(item) if isinstance(c, ast.stmt))
+    return out
+
+
+def _update_before_exits(source: Source, scaler: str, skip: ast.If) -> list[Edit]:
+    """``update()`` before each way out of the iteration that skips the step: the skipped iteration clears the record
+    of ``unscale_`` too (and backs the scale off when its gradients overflowed)."""
+    return [Edit("before", stmt, f"{_indent(source, stmt)}{scaler}.update()  # every iteration, stepped or skipped")
+            for stmt in _exits(skip)]  # fmt: skip
 
 
 def _update_every_iteration(source: Source, scaler: str, guard: ast.If) -> list[Edit]:

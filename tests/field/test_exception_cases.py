@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import re
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mpdoctor.crash import explain
+from mpdoctor.readers.loop_source import source_of
+from mpdoctor.runtime.loop_findings import in_the_users_loop
+from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
 
 
 def raised(fn, *args) -> BaseException:
@@ -176,41 +180,52 @@ def test_scatter_add_of_a_float32_mask_into_bf16_counts():
 # -- microsoft/Swin-Transformer#311: AMP + gradient accumulation, unscale_ on every micro-batch -----------------
 
 
-def accumulate(model, optimizer, scaler, batches, accumulation_steps, unscale_every_micro_batch):
+def accumulate(model, optimizer, scaler, batches, accumulation_steps):
     for i, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(batch).square().mean() / accumulation_steps
         scaler.scale(loss).backward()
-        if unscale_every_micro_batch:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if (i + 1) % accumulation_steps == 0:
-            if not unscale_every_micro_batch:  # the corrected loop mpdoctor gives
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
     return loss
 
 
-def test_unscale_on_every_micro_batch_under_gradient_accumulation():
+def accumulation_objects() -> dict:
+    """The objects the loop runs on, as they are before it: a model, SGD, a CPU GradScaler, 8 micro-batches."""
+    torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    batches = torch.randn(4, 2, 4)
-    exc = raised(accumulate, model, optimizer, scaler, batches, 2, True)
+    return {"torch": torch, "model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+            "scaler": torch.amp.GradScaler("cpu"), "batches": torch.randn(8, 2, 4), "accumulation_steps": 2}  # fmt: skip
+
+
+def test_unscale_on_every_micro_batch_under_gradient_accumulation():
+    ns = accumulation_objects()
+    exc = raised(accumulate, *(ns[k] for k in ("model", "optimizer", "scaler", "batches", "accumulation_steps")))
     assert str(exc) == "unscale_() has already been called on this optimizer since the last update()."
     cause = explain(exc).cause
     assert cause.check == "amp-unscale-twice"
     assert re.fullmatch(r".*test_exception_cases\.py:\d+: scaler\.unscale_\(optimizer\)", cause.evidence["loop line"])
     assert "unscale_(optimizer) at most once per real step" in cause.evidence["rule"]
-    assert "if (i + 1) % accumulation_steps == 0:\n    scaler.unscale_(optimizer)" in cause.fixes[0].code
-    model, optimizer, scaler = torch.nn.Linear(4, 4), None, torch.amp.GradScaler("cpu")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    before = model.weight.detach().clone()
-    loss = accumulate(model, optimizer, scaler, batches, 2, False)
-    assert torch.isfinite(loss) and not torch.equal(before, model.weight)
+    # The corrected loop the crash hook and %mpdoctor show: the user's own loop (read from the code that ran), with
+    # unscale_ and the clip under the accumulation guard; not the rule's template (which names max_norm).
+    (mine,) = in_the_users_loop([cause], [source_of(__file__, Path(__file__).read_text(encoding="utf-8"))])
+    code = mine.fixes[0].code
+    assert code.startswith("for i, batch in enumerate(batches):") and "max_norm" not in code
+    assert "if (i + 1) % accumulation_steps == 0:\n        scaler.unscale_(optimizer)" in code
+    # Run on copies of the objects as they were before the loop, as %mpdoctor does before showing it ...
+    ns = accumulation_objects()
+    before = ns["model"].weight.detach().clone()
+    trial = try_on_twins(code, ns)
+    assert torch.equal(before, ns["model"].weight) and ns["model"].weight.grad is None
+    assert ns["scaler"].get_scale() == 65536.0
+    assert trial.trains and trial.steps == TRIAL_STEPS, trial.sentence()
+    # ... then for real: it trains.
+    exec(compile(code, "corrected.py", "exec"), ns)  # noqa: S102 - the corrected loop, run for real
+    assert torch.isfinite(ns["loss"]) and not torch.equal(before, ns["model"].weight)
 
 
 # -- Comfy-Org/ComfyUI#4474: a float8 buffer read on the forward's line meets fp32 activations ------------------
