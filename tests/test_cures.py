@@ -22,7 +22,7 @@ import mpdoctor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "field"))  # the field tests' own builders
 
-from test_exception_cases import Pooler, Router  # noqa: E402
+from test_exception_cases import Guided, Pooler, Router, TinyAttention  # noqa: E402
 from test_peft_accelerate_core import fp16_lora, trainable  # noqa: E402
 from test_runtime_batch_nan_cases import Encoder  # noqa: E402
 from test_torch_core import fp16_llama_and_adamw  # noqa: E402
@@ -285,6 +285,35 @@ def _pooler_step(ns: Namespace) -> torch.Tensor:
     return loss
 
 
+def _fp8_guided() -> Namespace:
+    torch.manual_seed(0)
+    model = Guided()
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "latent": torch.randn(2, 4)}
+
+
+def _guided_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    loss = ns["model"](ns["latent"]).square().sum()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
+def _attention_with_int_mask() -> Namespace:
+    torch.manual_seed(0)
+    model = TinyAttention()
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1), "hidden": torch.randn(1, 3, 4),
+            "attention_mask": torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 0]])}  # fmt: skip
+
+
+def _attention_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    loss = ns["model"](ns["hidden"], ns["attention_mask"]).square().sum()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
 def _crash_of(step):
     """The crash report of ``step`` raised inside ``watch()``: the diagnosis the user gets."""
 
@@ -408,6 +437,17 @@ CASES: list[Case] = [
         name="scatter-fp32-mask-into-bf16-counts", source="flairNLP/flair PR #3651", slug="crash-scatter-dtype",
         build=_bf16_pooler, step=_pooler_step, failure=r"scatter\(\): Expected self.dtype to be equal to src.dtype",
         diagnose=_crash_of(_pooler_step), recipe="fp32-island",
+    ),
+    Case(
+        name="fp8-buffer-promoted-with-fp32", source="Comfy-Org/ComfyUI#4474", slug="crash-fp8-promotion",
+        build=_fp8_guided, step=_guided_step, failure="Promotion for Float8 Types is not supported",
+        diagnose=_crash_of(_guided_step), recipe="cast-held-operand",
+    ),
+    Case(
+        name="int64-attention-mask-into-sdpa", source="seal-rg/recurrent-pretraining#23",
+        slug="crash-attention-mask-dtype", build=_attention_with_int_mask, step=_attention_step,
+        failure="Expected attn_mask dtype to be bool or float", diagnose=_crash_of(_attention_step),
+        recipe="bool-mask-at-forward",
     ),
     Case(
         name="t5-wo-past-65504", source="huggingface/transformers#5651", slug="probe-nonfinite",

@@ -362,6 +362,9 @@ class FamilyDetail:
         #: ``(module, its name, twins, optimizers, device)``: the module whose forward raised, to run in fp32 with
         #: autocast off inside and its outputs cast back (see :func:`_island`), with every module of its class.
         self.island: tuple | None = None
+        #: ``(module, its name, twins)``: the module whose attention call got an integer mask (see
+        #: :func:`_failing_module`), to receive its masks as bool.
+        self.mask_module: tuple | None = None
         #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
         #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
         self.convert: tuple | None = None
@@ -509,6 +512,27 @@ class FamilyDetail:
             cost=f"{cls}'s weights and math in fp32 (twice the memory of bf16 / fp16 there, slower)",
         ).bind(live)
 
+    def mask_fix(self, live: Any) -> Any:
+        """Integer masks arriving at the module whose attention raised (and every module of its class) made bool at
+        its forward, in place; None without such a module."""
+        if self.mask_module is None or live is None:
+            return None
+        from ..treatment.changes import BoolMaskInputs
+        from ..treatment.fixes import Applicability, Fix
+
+        module, name, twins = self.mask_module
+        cls = type(module).__name__
+        every = f"every {cls} ({len(twins)}, {name} among them)" if len(twins) > 1 else name
+        return Fix(
+            f"Make the integer masks {every} receives bool at its forward (1 = attend becomes True), in place",
+            self.code,
+            applicability=Applicability.UNSAFE,  # a mask of other integers than 0 and 1 would change meaning
+            changes=tuple(BoolMaskInputs(live.add(m), "forward", f"{cls} {i}" if len(twins) > 1 else name)
+                          for i, m in enumerate(twins)),  # fmt: skip
+            recipe="bool-mask-at-forward",
+            cost="none: a bool mask is what attention reads (a mask of other integers than 0 and 1 is not a mask)",
+        ).bind(live)
+
     def fixes(self, live: Any) -> list:
         """The cause's fixes, in place first: the tensors held beside the weights, else the parameter the op met
         (and its twins), else the module whose forward raised as an fp32 island; then the code as display-only
@@ -522,6 +546,8 @@ class FamilyDetail:
             exact = self.convert_fix(live)
         if exact is None:
             exact = self.island_fix(live)
+        if exact is None:
+            exact = self.mask_fix(live)
         return [fx for fx in (exact, self.fix() if self.code else None) if fx is not None]
 
     def fix(self) -> Any:
@@ -577,6 +603,11 @@ def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Map
             detail = _dtype_detail(pattern, message, frames, namespace)
     except Exception:  # the detail is a bonus: the pattern's meaning and fix stand without it
         return None
+    if detail is not None and pattern.slug == "crash-attention-mask-dtype":
+        try:
+            detail.mask_module = _failing_module(frames, namespace)
+        except Exception:  # no module found: the code stays the fix
+            detail.mask_module = None
     if detail is not None and pattern.slug in ISLAND_FAMILIES:
         try:
             detail.island = _island(frames, namespace)
@@ -602,10 +633,10 @@ def _holding(modules: list, candidates: list, torch: Any) -> list:
     return out
 
 
-def _island(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
-    """``(module, its name, twins, optimizers, device)`` for the innermost user frame that is a module's method: the
-    module, every module of its class in the model that holds it (they run the same forward), and the optimizers
-    holding their parameters; None when the failing code is not a module's."""
+def _failing_module(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
+    """``(module, its name, twins)`` for the innermost user frame that is a module's method: the module and every
+    module of its class in the model that holds it (they run the same forward); None when the failing code is no
+    module's."""
     import sys
 
     from .operands import _module_path, _roots
@@ -620,6 +651,19 @@ def _island(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
     name = _module_path(module, roots, torch) or type(module).__name__
     root = next((r for _, r in roots if any(m is module for m in r.modules())), module)
     twins = [m for m in root.modules() if type(m) is type(module)] or [module]
+    return module, name, twins
+
+
+def _island(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
+    """``(module, its name, twins, optimizers, device)``: the failing module (:func:`_failing_module`) and the
+    optimizers holding its twins' parameters; None when the failing code is no module's."""
+    import sys
+
+    found = _failing_module(frames, namespace)
+    if found is None:
+        return None
+    module, name, twins = found
+    torch = sys.modules["torch"]
     optimizers = _holding(twins, [*(dict.values(namespace) if type(namespace) is dict else ()),
                                   *(v for f in frames if f.user for v in f.frame.f_locals.values())], torch)
     device = next((p.device.type for p in module.parameters()), "cpu")
@@ -641,11 +685,37 @@ def _dtype_detail(pattern: Any, message: str, frames: list, namespace: Mapping[s
         detail.parameter = (ops.cast, ops.dtype)
     elif ops.cast.slot and ops.cast.module is not None and ops.cast.tensor is not None:
         detail.held_operand = (ops.cast, ops.dtype)
+    elif ops.cast.dtype.startswith("float8"):  # a local bound to a float8 buffer (``guide = self.guide``)
+        held = _buffer_behind_local(frames, namespace, ops.cast)
+        if held is not None:
+            detail.held_operand = (held, ops.dtype)
     if ops.keep is not None and ops.keep.parameter and not ops.cast.parameter:
         detail.held = _held_beside(frames, namespace, ops.cast.dtype, ops.dtype)
         if detail.held is not None:
             evidence["held"] = f"{detail.held[1]}.{', '.join(detail.held[2])} ({ops.cast.dtype}) feeds the op"
     return detail
+
+
+def _buffer_behind_local(frames: list, namespace: Mapping[str, Any] | None, operand: Any) -> Any:
+    """``operand`` (a local of the innermost user frame) as the buffer of that frame's module it is bound to: the
+    same tensor object, so casting the buffer in place is casting what the op met. None when it is no buffer."""
+    import sys
+
+    from .operands import _module_path, _roots
+
+    torch = sys.modules["torch"]
+    view = next((v for v in reversed(frames) if v.user), None)
+    module = view.frame.f_locals.get("self") if view is not None else None
+    tensor = view.frame.f_locals.get(operand.name) if view is not None else None
+    if not isinstance(module, torch.nn.Module) or not isinstance(tensor, torch.Tensor):
+        return None
+    slot = next((name for name, b in module.named_buffers(recurse=False) if b is tensor), None)
+    if slot is None:
+        return None
+    roots = [(n, r) for n, r in _roots(frames, namespace, torch) if n != "self"]
+    root = next((r for _, r in roots if any(m is module for m in r.modules())), module)
+    path = _module_path(module, roots, torch) or type(module).__name__
+    return dataclasses.replace(operand, name=f"{path}.{slot}", tensor=tensor, module=module, root=root, slot=slot)
 
 
 def _held_beside(frames: list, namespace: Mapping[str, Any] | None, odd: str, dtype: str) -> tuple | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -1552,3 +1553,58 @@ class ZeroQuantizedZeroBlocks(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, path, "zero-scale-blocks"): 0 for path in self.paths}
+
+
+def integer_masks_to_bool(signature: inspect.Signature | None) -> Any:
+    """``(args, kwargs) -> (args, kwargs)`` with every integer tensor passed as an argument whose name holds
+    ``mask`` made bool (a tokenizer's 1 = attend is attention's True = attend); other arguments untouched."""
+
+    def cast(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        names = list(signature.parameters) if signature is not None else []
+        args = tuple(_as_bool_mask(a) if i < len(names) and "mask" in names[i] else a for i, a in enumerate(args))
+        kwargs = {k: _as_bool_mask(v) if "mask" in k else v for k, v in kwargs.items()}
+        return args, kwargs
+
+    return cast
+
+
+def _as_bool_mask(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and not value.is_floating_point() and value.dtype != torch.bool:
+        return value.bool()
+    return value
+
+
+#: Marker of the integer-mask-to-bool wrapper (one per module method).
+BOOL_MASK_MARKER = "mpdoctor-bool-mask"
+
+
+@dataclass(frozen=True)
+class BoolMaskInputs(ChangeSpec):
+    """Integer attention masks given to the module ``ref``'s ``method`` arrive as bool, at every call; undo removes
+    the wrapper. Where the failure is: the module that receives the mask, so it holds for every batch."""
+
+    ref: int
+    method: str = "forward"
+    label: str = "module"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import MethodInputCast
+
+        module = live.get(self.ref)
+        if MethodInputCast.registered(module, self.method, BOOL_MASK_MARKER):
+            return []
+        try:
+            signature = inspect.signature(getattr(module, self.method))
+        except (TypeError, ValueError):
+            signature = None
+        return [MethodInputCast(module, self.method, integer_masks_to_bool(signature), BOOL_MASK_MARKER,
+                                f"{self.label}.{self.method}: integer masks arrive as bool")]  # fmt: skip
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import MethodInputCast
+
+        ok = MethodInputCast.registered(live.get(self.ref), self.method, BOOL_MASK_MARKER)
+        return None if ok else f"{self.label}.{self.method} does not make integer masks bool"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, f"{self.method}:masks"): "bool"}
