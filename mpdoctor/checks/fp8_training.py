@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts
+from ..facts.location import python_path
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP8_GEMM_CAPABILITY
-from ..treatment.changes import SetEnvVar
+from ..treatment.changes import ConvertBack, SetEnvVar
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -93,7 +94,7 @@ def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
         )
 
 
-@check("float8-unaligned-dims", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("float8-unaligned-dims", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def float8_unaligned_dims(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao float8 layers whose in/out features are not divisible by 16, on a GPU that runs the fp8 kernels.
 
@@ -116,8 +117,11 @@ def float8_unaligned_dims(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the first step through such a layer raises on the GPU.
     Fix safety
-        Convert only aligned layers (``module_filter_fn``) or pad the model's dims to multiples of 16
-        (``pad_inner_dim=True`` pads the contraction dim only). Display only: conversion happens at build time.
+        Unsafe, in place: the unaligned layers go back to torch's ``nn.Linear`` (the same module objects, their
+        weights unwrapped, the optimizers holding the plain weights), so they compute in their weights' dtype
+        while the aligned layers stay float8. The same as code at build time: convert only aligned layers
+        (``module_filter_fn``), or pad the model's dims to multiples of 16 (``pad_inner_dim=True`` pads the
+        contraction dim only).
     Sources
         pytorch/ao issues #571, #1268, #3111; torchao ``Float8LinearConfig.pad_inner_dim``.
     """
@@ -140,11 +144,22 @@ def float8_unaligned_dims(facts: Facts, rule: Rule) -> Iterator[Finding]:
             {"device": hw.label, "layers": [(x.path, x.in_features, x.out_features) for x in bad]},
             [
                 Fix(
+                    f"Take the {len(bad)} unaligned layers of {m.name} out of float8: back to torch's Linear, in place",
+                    "\n".join(f"{python_path(m.name + '.' + x.path)}.__class__ = torch.nn.Linear  # and its weight "
+                              "unwrapped from torchao's float8 training tensor" for x in bad)
+                    + "\n# or at build time:\n" + _filter_code(m.name),
+                    applicability=Applicability.UNSAFE,
+                    changes=(ConvertBack(m.ref, tuple(x.path for x in bad), f"layers of {m.name}",
+                                         facts.optimizer_refs(m.tensors.param_ids)),),  # fmt: skip
+                    recipe="convert-back",
+                    cost="those layers compute in their weights' dtype (bf16 / fp32) instead of float8",
+                ),
+                Fix(
                     f"Convert only the aligned layers of {m.name} to float8",
                     _filter_code(m.name),
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="float8-filter",
-                )
+                ),
             ],
         )
 

@@ -383,6 +383,13 @@ class ConvertBack(ChangeSpec):
                     steps.append(SwapParameter(module, name, plain, holders, f"{self.label}: {path}.{name}"))
         return steps
 
+    def simulate(self, facts: Facts) -> Facts:
+        """The model with those layers no longer float8 training layers (they compute in their weights' dtype)."""
+        gone = set(self.paths)
+        models = tuple(dataclasses.replace(m, float8_layers=tuple(x for x in m.float8_layers if x.path not in gone))
+                       if m.ref == self.ref and m.float8_layers else m for m in facts.models)  # fmt: skip
+        return dataclasses.replace(facts, models=models)
+
     def verify(self, live: Live) -> str | None:
         model = live.get(self.ref)
         left = [p for p in self.paths if _still_converted(model.get_submodule(p))]

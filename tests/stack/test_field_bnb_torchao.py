@@ -15,7 +15,7 @@ import bitsandbytes as bnb  # a plain import: tests/stack runs where the stack i
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-from steps import run_step
+from steps import assert_step_trains, run_step, snapshot
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
@@ -143,18 +143,36 @@ def float8_step(m) -> None:
 def test_float8_layer_with_dims_not_divisible_by_16_is_an_error_on_h100():
     """https://github.com/pytorch/ao/issues/571 (also #1268, #3111): "Expected trailing dimension of mat1 to be
     divisible by 16". GPU-only: this CPU's ``_scaled_mm`` accepts any shape (shown: the step runs), so the rule
-    is judged against the H100 profile, and the fix (convert only aligned layers) is display-only."""
+    is judged against the H100 profile. The fix takes the unaligned layer out of float8 in place (back to torch's
+    Linear, its weight unwrapped, the optimizer holding the plain weight); its code at build time (convert only
+    aligned layers) is run as written too."""
     m = float8_model(20)
     float8_step(m)  # the CPU does not enforce the alignment
     facts = mpdoctor.diagnose(m, target="H100").facts.models[0].float8_layers
     assert [(x.path, x.in_features, x.out_features, x.recipe) for x in facts] == [("0", 32, 48, "rowwise"), ("2", 48, 20, "rowwise")]
-    report = mpdoctor.diagnose(m, target="H100", names={id(m): "model"})
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    report = mpdoctor.diagnose(m, opt, target="H100", names={id(m): "model", id(opt): "opt"})
     finding = next(f for f in report.findings if f.check == "float8-unaligned-dims")
     assert finding.severity == "error" and "2 (48->20)" in finding.message
-    # The display-only fix, executed as written on a fresh twin (the same model before its conversion).
+    in_place = finding.fixes[0]
+    assert in_place.recipe == "convert-back" and in_place in report.fixes
+    wrapped = m[2].weight  # torchao's float8 training tensor around the weight
+    in_place.apply()
+    assert [type(mod).__name__ for mod in m] == ["Float8Linear", "ReLU", "Linear"]
+    assert any(p is m[2].weight for g in opt.param_groups for p in g["params"])  # the optimizer holds the plain weight
+    assert "float8-unaligned-dims" not in severities(mpdoctor.diagnose(m, opt, target="H100"))
+    loss = m(torch.randn(16, 32)).pow(2).mean()
+    held = snapshot(m.parameters())
+    loss.backward()
+    opt.step()
+    assert_step_trains(loss, held, m.parameters())
+    in_place.undo()
+    assert [type(mod).__name__ for mod in m] == ["Float8Linear", "ReLU", "Float8Linear"]
+    assert m[2].weight is wrapped and any(p is wrapped for g in opt.param_groups for p in g["params"])  # exact undo
+    # The build-time fix, executed as written on a fresh twin (the same model before its conversion).
     torch.manual_seed(0)
     fixed = torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 20))
-    exec(finding.fixes[0].code, {"model": fixed})  # noqa: S102 - the report's own snippet, the user's name `model`
+    exec(finding.fixes[1].code, {"model": fixed})  # noqa: S102 - the report's own snippet, the user's name `model`
     assert [type(mod).__name__ for mod in fixed] == ["Float8Linear", "ReLU", "Linear"]  # only the aligned layer
     assert "float8-unaligned-dims" not in severities(mpdoctor.diagnose(fixed, target="H100"))
     float8_step(fixed)
