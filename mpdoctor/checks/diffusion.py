@@ -14,6 +14,8 @@ from . import check
 #: Component attributes of a pipeline that produce the conditioning the denoiser reads.
 _ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
 _DENOISERS = ("unet", "transformer", "prior", "decoder")
+#: Networks run beside the denoiser on the same latents, their residuals added into it (a ControlNet, a T2I adapter).
+_CONDITIONERS = ("controlnet", "adapter")
 
 
 #: The calls a user makes into a diffusers VAE besides ``forward`` (``vae.encode(image)``, ``vae.decode(latents)``).
@@ -146,11 +148,12 @@ def _role(m: ModelFacts) -> str:
 
 @check("pipeline-component-dtypes", Severity.ERROR, fix_safety=(Applicability.UNSAFE,))
 def pipeline_component_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
-    """A diffusion pipeline whose text encoder and denoiser hold different dtypes.
+    """A diffusion pipeline whose text encoder (or ControlNet) and denoiser hold different dtypes.
 
     What it does
-        In one ``DiffusionPipeline``, a text / image encoder whose weights are in another floating dtype than
-        the denoiser (``unet`` / ``transformer``) it conditions, e.g. after ``pipe.unet.half()`` alone.
+        In one ``DiffusionPipeline``, a text / image encoder, or a ControlNet / T2I adapter, whose weights are in
+        another floating dtype than the denoiser (``unet`` / ``transformer``) it conditions, e.g. after
+        ``pipe.unet.half()`` alone, or a ControlNet loaded without the pipeline's ``torch_dtype``.
     Why is this bad?
         Pipelines cast the prompt embeddings to the text encoder's dtype and prepare the latents in that dtype,
         then call the denoiser with them and no autocast: the first convolution or matmul raises
@@ -169,7 +172,9 @@ def pipeline_component_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         the whole pipeline with one ``torch_dtype``. Unsafe: it changes the encoder's precision.
     Sources
         diffusers ``StableDiffusionPipeline.encode_prompt`` / ``prepare_latents``; sdnext issue #1431
-        ("Input type (c10::BFloat16) and bias type (c10::Half) should be the same").
+        ("Input type (c10::BFloat16) and bias type (c10::Half) should be the same"); diffusers
+        ``StableDiffusionControlNetPipeline.__call__`` (the ControlNet runs on the latents, its residuals are
+        added into the UNet's).
     """
     owners = {s.name for s in facts.subjects if s.kind == "pipeline"}
     for owner in sorted(owners):
@@ -180,19 +185,23 @@ def pipeline_component_dtypes(facts: Facts, rule: Rule) -> Iterator[Finding]:
         want = denoiser.tensors.main_dtype
         for enc in parts:
             have = enc.tensors.main_dtype
-            if _role(enc) not in _ENCODERS or have is None or have == want:
+            if _role(enc) not in (*_ENCODERS, *_CONDITIONERS) or have is None or have == want:
                 continue
             ids = frozenset(p.id for p in enc.tensors.params if p.dtype == have)
             spec = CastParamsTo(enc.ref, ids, want, (), f"{have} parameters of {enc.name}")
+            how = (f"{owner} runs it on the {want} latents and adds its {have} residuals into the {want} denoiser"
+                   if _role(enc) in _CONDITIONERS else
+                   f"{owner} prepares the prompt embeddings and latents in {have} and feeds them to the {want} "
+                   "denoiser")  # fmt: skip
             yield rule.finding(
                 enc.name,
-                f"{enc.name} is {have} while {denoiser.name} is {want}: {owner} prepares the prompt embeddings and "
-                f"latents in {have} and feeds them to the {want} denoiser without a cast, so the first denoising step "
-                "raises a dtype mismatch.",
+                f"{enc.name} is {have} while {denoiser.name} is {want}: {how} without a cast, so the first denoising "
+                "step raises a dtype mismatch.",
                 {"encoder": enc.name, "encoder_dtype": have, "denoiser": denoiser.name, "denoiser_dtype": want},
                 [
                     Fix(
-                        f"Cast {enc.name} to {want} (one dtype for the pipeline's encoder and denoiser)",
+                        f"Cast {enc.name} to {want} (one dtype for the pipeline's "
+                        f"{'conditioning network' if _role(enc) in _CONDITIONERS else 'encoder'} and denoiser)",
                         f"{enc.name}.to(torch.{want})\n# or load the pipeline with one dtype: "
                         f"DiffusionPipeline.from_pretrained(..., torch_dtype=torch.{want})", applicability=Applicability.UNSAFE,
                         changes=(spec,),

@@ -23,7 +23,16 @@ import mpdoctor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stack field tests' own builders
 
 from test_field_bnb_torchao import load_4bit  # noqa: E402
-from test_field_diffusers import lora_unet, overflowing_vae, run_pipe, tiny_pipe, tiny_unet, unet_step  # noqa: E402
+from test_field_diffusers import (  # noqa: E402
+    lora_unet,
+    overflowing_vae,
+    run_controlnet_pipe,
+    run_pipe,
+    tiny_controlnet_pipe,
+    tiny_pipe,
+    tiny_unet,
+    unet_step,
+)
 from test_field_lowprecision import (  # noqa: E402
     LAUNCHER_FP8_ENV,
     Net,
@@ -71,6 +80,14 @@ def _pipe_call(ns: Namespace) -> torch.Tensor:
     # The user's inference call with their fp32 prompt embeddings, the same seed each time it runs.
     torch.manual_seed(1)
     return run_pipe(ns["pipe"], torch.float32)
+
+
+def _fp16_controlnet_in_fp32_pipe() -> Namespace:
+    return {"pipe": tiny_controlnet_pipe(1, torch.float16)}  # diffusers#7562: fp16 ControlNets, an fp32 pipeline
+
+
+def _controlnet_pipe_call(ns: Namespace) -> torch.Tensor:
+    return run_controlnet_pipe(ns["pipe"], 1)
 
 
 def _diagnose_pipe(ns: Namespace):
@@ -300,6 +317,11 @@ CASES: list[Case] = [
         diagnose=lambda ns: mpdoctor.diagnose(ns["model"], ns["args"], names={id(ns["model"]): "model", id(ns["args"]): "args"}),
         params=lambda ns: list(ns["model"].parameters()), harm=_trains_in_bf16_without_fp8,
         healed=_trains_its_float8_layers, recipe="launcher-fp8",
+    ),
+    Case(
+        name="controlnet-fp16-in-fp32-pipeline", source="huggingface/diffusers#7562", slug="pipeline-component-dtypes",
+        build=_fp16_controlnet_in_fp32_pipe, step=_controlnet_pipe_call, failure=r"same dtype|should be the same",
+        diagnose=_diagnose_pipe, kind="inference",
     ),
     Case(
         name="sd-pipeline-fp16-unet-fp32-text-encoder", source="sdnext #1431", slug="pipeline-component-dtypes",

@@ -7,6 +7,7 @@ place through the report, then a step or forward that works. Healthy diffusers r
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 # Plain imports: tests/stack runs in the main venv only, where diffusers is pinned; a missing one must fail.
 import diffusers
@@ -61,6 +62,36 @@ def tiny_pipe(force_upcast: bool = True) -> StableDiffusionPipeline:
         scheduler=DDPMScheduler(clip_sample=False, steps_offset=1), safety_checker=None, feature_extractor=None,
         requires_safety_checker=False,
     )
+
+
+def tiny_controlnet_pipe(controlnets: int = 1, controlnet_dtype: torch.dtype = torch.float32) -> Any:
+    """A ControlNet pipeline of tiny components in fp32, its ControlNet(s) (built from the UNet, as
+    ``ControlNetModel.from_unet`` does) in ``controlnet_dtype``; two make a MultiControlNetModel."""
+    from diffusers import ControlNetModel, StableDiffusionControlNetPipeline
+
+    torch.manual_seed(0)
+    text = CLIPTextModel(
+        CLIPTextConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=100,
+                       projection_dim=16, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    )
+    unet = tiny_unet()
+    nets = [ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16,)).to(controlnet_dtype)
+            for _ in range(controlnets)]  # fmt: skip
+    pipe = StableDiffusionControlNetPipeline(
+        vae=tiny_vae(), text_encoder=text, tokenizer=None, unet=unet, controlnet=nets if controlnets > 1 else nets[0],
+        scheduler=DDPMScheduler(clip_sample=False, steps_offset=1), safety_checker=None, feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_controlnet_pipe(pipe: Any, controlnets: int = 1) -> torch.Tensor:
+    torch.manual_seed(1)
+    emb, image = torch.randn(1, 4, 16), torch.rand(1, 3, 16, 16)
+    out = pipe(prompt_embeds=emb, negative_prompt_embeds=emb, image=[image] * controlnets if controlnets > 1 else image,
+               num_inference_steps=1, height=16, width=16, output_type="pt")
+    return out.images
 
 
 def run_pipe(pipe: StableDiffusionPipeline, dtype: torch.dtype) -> torch.Tensor:
@@ -211,7 +242,37 @@ def test_pipeline_encoder_and_unet_in_different_dtypes_raise_then_one_dtype_runs
     assert torch.isfinite(images).all()
 
 
+@pytest.mark.parametrize("controlnets", [1, 2], ids=["controlnet", "multi-controlnet"])
+def test_controlnets_in_fp16_in_an_fp32_pipeline_raise_then_cast_in_place_the_same_call_runs(controlnets):
+    """https://github.com/huggingface/diffusers/issues/7562: fp16 ControlNets (``ControlNetModel.from_pretrained(...,
+    torch_dtype=torch.float16)``) handed to a pipeline loaded without ``torch_dtype`` (fp32): "Input type (float)
+    and bias type (c10::Half) should be the same" at the first denoising step. Here the ControlNet's first matmul
+    raises the same mismatch; the fix casts the ControlNet(s) to the denoiser's dtype in place."""
+    pipe = tiny_controlnet_pipe(controlnets, torch.float16)
+    with pytest.raises(RuntimeError, match="same dtype|should be the same"):
+        run_controlnet_pipe(pipe, controlnets)
+    report = mpdoctor.diagnose(pipe, names={id(pipe): "pipe"})
+    (finding,) = report.findings_for("pipeline-component-dtypes")
+    assert finding.subject == "pipe.controlnet" and finding.severity == "error"
+    assert "residuals" in finding.message
+    fix = next(f for f in report.fixes if f.slug == "pipeline-component-dtypes")
+    fix.apply()
+    assert all(p.dtype == torch.float32 for p in pipe.controlnet.parameters())
+    assert torch.isfinite(run_controlnet_pipe(pipe, controlnets)).all()  # the very call that raised
+    fix.undo()
+    assert all(p.dtype == torch.float16 for p in pipe.controlnet.parameters())
+
+
 # -- healthy recipes ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_healthy_controlnet_pipeline_in_one_dtype_draws_no_warning(dtype):
+    """diffusers' ControlNet docs: the ControlNet loaded with the pipeline's ``torch_dtype``."""
+    pipe = tiny_controlnet_pipe(1, dtype).to(dtype)
+    assert torch.isfinite(run_controlnet_pipe(pipe, 1)).all()  # it runs
+    assert "pipeline-component-dtypes" not in severities(mpdoctor.diagnose(pipe, names={id(pipe): "pipe"}))
+    assert all(sev not in ("error", "warning") for sev in severities(mpdoctor.diagnose(pipe)).values())
 
 
 def test_healthy_fp16_pipeline_with_force_upcast_vae_draws_no_warning():
