@@ -709,3 +709,26 @@ def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
     line = next(i for i, t in enumerate(clip.lines, 1) if "clip_grad_norm_" in t)
     # The deep cell's scaler.step was not taken into account (else the loop's step would be a second one).
     assert [(f.check, f.subject) for f in found] == [("amp-clip-before-unscale", f"cell [2], line {line}")]
+
+
+def test_mpdoctor_run_shows_the_fix_as_a_unified_diff_of_the_script_that_git_apply_takes_and_the_result_trains(tmp_path):
+    """A script's corrected loop is shown as a unified diff of the file, flush left: ``git apply`` takes it as
+    printed, and the patched script runs under ``mpdoctor run`` with nothing to say, and trains."""
+    check = ("import math\nprint('trained', all(map(math.isfinite, losses)), "
+             "any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))\n")  # fmt: skip
+    done = mpdoctor_run(tmp_path, SCRIPT + check)
+    assert done.returncode == 1  # the real error, after the reading
+    err = done.stderr
+    start = err.index("--- a/train.py\n")
+    diff = err[start : err.index("\n\n", start) + 1]
+    assert "+++ b/train.py\n@@ " in diff and "\n+" in diff and "\n-" in diff
+    patch = tmp_path / "fix.diff"
+    patch.write_text(diff)
+    applied = subprocess.run(["git", "apply", "-p1", "fix.diff"], capture_output=True, text=True, cwd=tmp_path)
+    assert applied.returncode == 0, applied.stderr
+    fixed = (tmp_path / "train.py").read_text()
+    assert fixed != textwrap.dedent(SCRIPT + check)
+    again = subprocess.run([sys.executable, "-m", "mpdoctor", "run", "train.py"], capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "trained True True" in again.stdout and "mpdoctor read" not in again.stderr

@@ -155,8 +155,10 @@ def add_to_report(report: Any, findings: list[Finding], ignore: Iterable[str] = 
     return report.evolve(findings=sorted([*report.findings, *kept], key=lambda f: f.rank), hidden=hidden)
 
 
-def format_findings(findings: list[Finding], label: str) -> str:
-    """Plain text for a terminal: what ``mpdoctor run`` prints before running the script."""
+def format_findings(findings: list[Finding], label: str, script: str | None = None) -> str:
+    """Plain text for a terminal: what ``mpdoctor run`` prints before running the script. With the script's
+    ``script`` text, a fix that rewrites the user's own lines is shown as a unified diff of the file, flush left
+    (``git apply`` or ``patch -p1`` takes it as printed); otherwise as the corrected lines."""
     if not findings:
         return ""
     counts = {s: sum(f.severity == s for f in findings) for s in ("error", "warning", "info")}
@@ -167,8 +169,33 @@ def format_findings(findings: list[Finding], label: str) -> str:
         lines.append(f"        {f.message}")
         for fx in f.fixes:
             lines.append(f"        fix ({fx.applicability.value}): {fx.title}")
-            lines += [f"            {line}" for line in fx.code.rstrip().splitlines()]
+            diff = script_diff(script, f, fx.code, label) if script is not None else ""
+            if diff:  # flush left, as git apply / patch -p1 read it
+                lines += diff.rstrip("\n").splitlines()
+            else:
+                lines += [f"            {line}" for line in fx.code.rstrip().splitlines()]
     return "\n".join(lines)
+
+
+def script_diff(script: str, finding: Finding, code: str, label: str) -> str:
+    """The unified diff (``a/<label>`` to ``b/<label>``) that puts ``code``, a loop's corrected lines, in place of
+    the lines it replaces in ``script`` (``finding.evidence["replaces lines"]``), at their indentation; "" when
+    the finding does not say which lines."""
+    import difflib
+
+    span = finding.evidence.get("replaces lines") if isinstance(finding.evidence, dict) else None
+    if not isinstance(span, str) or "-" not in span:
+        return ""
+    lo, hi = (int(x) for x in span.split("-", 1))
+    original = script.splitlines(keepends=True)
+    if not 1 <= lo <= hi <= len(original):
+        return ""
+    window = original[lo - 1 : hi]
+    indent = min((len(x) - len(x.lstrip()) for x in window if x.strip()), default=0)
+    pad = window[0][: len(window[0]) - len(window[0].lstrip())][:indent] if window else ""
+    new = [f"{pad}{line}\n" if line.strip() else "\n" for line in code.rstrip("\n").split("\n")]
+    fixed = [*original[: lo - 1], *new, *original[hi:]]
+    return "".join(difflib.unified_diff(original, fixed, f"a/{label}", f"b/{label}"))
 
 
 def known_slugs() -> frozenset[str]:

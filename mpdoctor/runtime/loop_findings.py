@@ -14,7 +14,7 @@ from ..readers.loop_source import Source, source_of
 from ..treatment.findings import Finding
 from ..treatment.merge import mistake_key
 from .loop_interpreter import LoopMistake, LoopReader, Names
-from .loop_rewrite import corrected_code
+from .loop_rewrite import corrected_code, corrected_lines
 from .rules import RULES
 
 _WHAT = {
@@ -69,6 +69,9 @@ def to_finding(
         **({"optimizer": mistake.optimizer} if mistake.optimizer else {}),
         **{k: v.location.label for k, v in mistake.related.items()},
     }
+    span = corrected_lines(mistake)
+    if span is not None:  # what the corrected lines replace: a script's unified diff is made from it
+        evidence["replaces lines"] = f"{span[0]}-{span[1]}"
     title = _FIX_TITLE[mistake.slug].format(scaler=mistake.scaler, opt=mistake.optimizer or "optimizer", where=at)
     fix = Fix(title, fixed, applicability=Applicability.DISPLAY_ONLY, recipe=mistake.slug, slug=mistake.slug)
     fix.finding_subject = at.label

@@ -123,6 +123,20 @@ def apply_edits(source: Source, edits: Sequence[Edit], stale: Sequence[ast.stmt]
     return "\n".join(x[cut:] if x.strip() else "" for x in out).rstrip() + "\n"
 
 
+def corrected_lines(mistake: LoopMistake) -> tuple[int, int] | None:
+    """The lines (as the user numbers them, inclusive) that :func:`corrected_code` replaces, when it rewrites the
+    user's own lines; None when it falls back to the rule's template."""
+    try:
+        edits = _edits_of(mistake)
+    except Exception:  # the template stands: no lines of the user's are replaced
+        return None
+    if not edits:
+        return None
+    source = mistake.at.source
+    lo, hi = _window(source, [e.stmt for e in edits])
+    return lo + source.line_offset, hi + source.line_offset
+
+
 def corrected_code(mistake: LoopMistake, others: Sequence[LoopMistake] = ()) -> str:
     """The user's own loop with the corrected lines (the rule's template with their names when that fails).
 

@@ -140,7 +140,9 @@ def _read_loop(path: str, shown: set) -> None:
 
         findings = read_script(path)
         shown.update(mistake_key(f) for f in findings)
-        text = format_findings(findings, os.path.basename(path))
+        with open(path, encoding="utf-8") as handle:
+            script = handle.read()
+        text = format_findings(findings, os.path.basename(path), script)
     except Exception as failure:  # the script still runs; the reading is a bonus
         from ..redact import describe_exception
 
