@@ -206,8 +206,6 @@ CORNERS: dict[str, Corner] = {
                     "reads JupyterLab's own theme CSS, and JupyterLab is installed in .venv only",
                 "tests/test_binder.py": "builds Binder's environment with .venv's JupyterLab",
                 "tests/test_bench_smoke.py": "the benchmarks measure the pinned stack, in .venv",
-                "tests/test_tracebacks.py": "IPython 7.34 ignores __tracebackhide__, the mark that keeps mpdoctor's "
-                "wrappers out of a traceback in IPython 8 and later: in Colab they still show",
                 "tests/test_proof_mutations.py": "mutates mpdoctor's own proof code and runs tests against the copy: "
                 "the pinned corner proves every mutation is killed, and the stack its killers need is in .venv only",
                 "tests/test_loop_accumulation.py::test_a_plain_script_calling_diagnose_is_read_for_its_loop_named_at_its_line_fixed_and_trains":

@@ -2,8 +2,9 @@
 
 With ``%load_ext mpdoctor`` the GradScaler's methods are wrapped (``mpdoctor/runtime/dispatch.py``), so every
 scaler traceback passed through a wrapper. Each wrapper marks its frame with ``__tracebackhide__``, which IPython 8
-and later honour: the user's traceback shows their cell and torch's frames, not mpdoctor's. (IPython 7.34, Colab's,
-ignores the mark: ``tests/corners.py`` names this test's exclusion there.)
+and later honour; the crash hook also unlinks those frames before IPython shows the traceback (IPython 7.34, Colab's,
+ignores the mark), and ``watch()`` and ``mpdoctor run`` do for a plain Python traceback: the user's traceback shows
+their code and torch's frames, not mpdoctor's.
 """
 
 from __future__ import annotations
