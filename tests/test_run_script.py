@@ -84,10 +84,14 @@ def test_run_tells_a_per_microbatch_update_once_then_names_it_after_the_tracebac
 
 
 def test_the_corrected_loop_run_shows_trains_and_draws_nothing(tmp_path):
-    done = mpdoctor_run(tmp_path, PER_MICROBATCH)
-    fixed = done.stderr.split("fix (display-only):", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
-    script = HEAD + "accum = 2\n" + textwrap.dedent(fixed) + "\nprint('done')\n"
-    again = mpdoctor_run(tmp_path, script)
+    """The fix ``mpdoctor run`` shows is a unified diff of the script: applied as printed, the script runs clean."""
+    done = mpdoctor_run(tmp_path, PER_MICROBATCH.rstrip("\n") + "\nprint('done')\n")
+    diff = done.stderr.split("fix (display-only):", 1)[1].split("\n", 1)[1].split("\n\n", 1)[0] + "\n"
+    assert diff.startswith("--- a/train.py\n+++ b/train.py\n"), diff
+    (tmp_path / "fix.diff").write_text(diff)
+    applied = subprocess.run(["git", "apply", "-p1", "fix.diff"], capture_output=True, text=True, cwd=tmp_path)
+    assert applied.returncode == 0, applied.stderr
+    again = mpdoctor_run(tmp_path, (tmp_path / "train.py").read_text())
     assert again.returncode == 0 and "done" in again.stdout, again.stderr
     assert shown_slugs(again.stderr) == [], again.stderr
 
