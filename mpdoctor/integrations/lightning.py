@@ -124,6 +124,10 @@ def requested_flag(obj: Any) -> str | None:
     connector = raw_attr(obj, "_connector" if is_a(obj, FABRICS) else "_accelerator_connector", None)
     if connector is None:
         return None
+    given = raw_attr(connector, "_precision_instance" if is_a(obj, FABRICS) else "_precision_plugin_flag", None)
+    if given is not None:  # plugins=[...]: the plugin is the request, and the flag keeps its "32-true" default
+        flag = raw_attr(given, "precision", None)
+        return flag if isinstance(flag, str) else None
     flag = raw_attr(connector, "_precision_input" if is_a(obj, FABRICS) else "_precision_flag", None)
     return unify(flag) if isinstance(flag, (str, int)) else None
 
