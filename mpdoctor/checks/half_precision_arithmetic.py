@@ -42,7 +42,10 @@ def adam_eps_underflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
         with torch.autocast("cuda", dtype=torch.float16):
             loss = model(**batch).loss
     Severity
-        Error: the first ``step()`` writes NaN into every weight whose gradient was exactly zero.
+        Error: the first ``step()`` writes NaN into every weight whose gradient was exactly zero. Nothing
+        for the optimizer of a Lightning ``16-true`` run: ``lightning-true-half-adam`` names the cause
+        there, since each ``fit`` casts the module back to fp16 and rebuilds the optimizer from
+        ``configure_optimizers``, so neither fix below would last.
     Fix safety
         Keep fp32 master weights (cast the trainable fp16 parameters, their grads and state to fp32 in
         place; compute in fp16 with ``torch.autocast`` and a ``GradScaler``), or raise ``eps`` to 1e-4
@@ -51,8 +54,10 @@ def adam_eps_underflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
         pytorch/pytorch #8860; afiaka87/glide-finetune #5 and PR #6 (eps 1e-4 fixes NaN in half precision);
         soumith/cudnn.torch #377; google-deepmind/optax #1754 (0/0 on zero-gradient steps).
     """
+    # A Lightning true-half run re-casts the module and rebuilds the optimizer at every fit: one cause, one finding.
+    lightning_owned = {n for p in facts.lightning if p.true_half for n in p.optimizer_names}
     for o in facts.optimizers:
-        if not o.class_path.startswith("torch.optim.") or o.defaults.get("fused") is True:
+        if not o.class_path.startswith("torch.optim.") or o.defaults.get("fused") is True or o.name in lightning_owned:
             continue
         eps_values = [e for e in o.group_eps if e is not None]
         if not eps_values or min(eps_values) > FP16_EPS_UNDERFLOW:

@@ -1,9 +1,11 @@
 """Checks on Lightning's precision plugins: a request Lightning replaced, half weights under a stock Adam.
 
 They read :class:`~mpdoctor.facts.lightning.LightningPrecisionFacts` (``facts.lightning``). A Trainer's
-precision plugin is chosen once, in its constructor, and wired into its strategy, module and optimizers,
-so nothing here is changed in place: every fix is display-only and carries the ``Trainer(precision=...)``
-(or ``Fabric(precision=...)``) to build instead.
+precision plugin is chosen in its constructor and read from its strategy at each use; before (or between)
+fits the ``HalfPrecision`` plugin of a true-half Trainer is replaced in place by the one
+``Trainer(precision="bf16-mixed")`` builds (:class:`~mpdoctor.treatment.changes.SetLightningPrecision`). What a
+live object does not hold (a request Lightning replaced and forgot, a Fabric's set-up modules) stays a
+display-only ``Trainer(precision=...)`` / ``Fabric(precision=...)`` to build instead.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts
 from ..facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts
+from ..treatment.changes import SetLightningPrecision
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -27,13 +30,12 @@ def _ctor(p: LightningPrecisionFacts) -> str:
     return "Fabric" if p.kind == "fabric" else "Trainer"
 
 
-def rebuild_fix(p: LightningPrecisionFacts, precision: str, title: str, cost: str, note: str = "") -> Fix:
-    """A display-only fix: the Trainer / Fabric to build with ``precision`` (its plugin cannot be swapped in place)."""
+def rebuild_fix(p: LightningPrecisionFacts, precision: str, title: str, cost: str, why: str) -> Fix:
+    """A display-only fix: the Trainer / Fabric to build with ``precision``; ``why`` says what mpdoctor cannot reach."""
     ctor = _ctor(p)
     accel = f"accelerator={p.device!r}, " if p.device else ""
     code = (
-        f"# a {ctor}'s precision plugin is wired into its strategy, module and optimizers at construction:\n"
-        f"# build it again{note}\n"
+        f"# {why}\n"
         f"{p.name} = L.{ctor}({accel}precision={precision!r}, ...)  # import lightning as L; other arguments as before"
     )
     return Fix(title, code, applicability=Applicability.DISPLAY_ONLY, recipe=f"lightning-{precision}", cost=cost)
@@ -62,8 +64,12 @@ def lightning_precision_replaced(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Warning: the run trains, in another precision than asked (measurable, not ruinous).
     Fix safety
-        Display-only: build the Trainer with the precision that really runs (``precision="bf16-mixed"``,
-        the CPU's half precision), or run ``16-mixed`` on a GPU. The plugin cannot be swapped in place.
+        Display-only, because nothing live is wrong: the Trainer's plugin already runs ``bf16-mixed`` (the
+        CPU's half precision) and its connector has overwritten the request, so the finding is drawn only
+        where the request is known (a ``target=`` what-if, facts built by hand), never from a live run to
+        change. What differs is the ``precision=`` the user's code passes: build the Trainer with the
+        precision that really runs, or run ``16-mixed`` on a GPU. mpdoctor reaches neither the script nor
+        a GPU.
     Sources
         lightning ``pytorch/trainer/connectors/accelerator_connector.py`` ``_check_and_init_precision`` and
         ``fabric/connector.py`` (2.x); Lightning-AI/pytorch-lightning PR #10033 (the CPU fallback).
@@ -84,13 +90,15 @@ def lightning_precision_replaced(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     p.effective,
                     f"Build {p.name} with precision={p.effective!r}, what really runs on the {p.device}",
                     "no change to the numbers this run computes; the arguments say what runs",
-                    f" saying what runs on the {p.device} (or run {p.requested} on a GPU)",
+                    f"the live {_ctor(p)} already runs {p.effective} and Lightning forgot the request: nothing in place "
+                    f"to change; where it is built, say what runs on the {p.device} (or run {p.requested} on a GPU)",
                 )
             ],
         )
 
 
-@check("lightning-true-half-adam", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("lightning-true-half-adam", Severity.ERROR, Severity.WARNING,
+       fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """``bf16-true`` / ``16-true`` weights updated by stock torch Adam/AdamW: the update itself is half precision.
 
@@ -114,10 +122,17 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Warning for ``bf16-true`` (updates lost, the loss stalls); error for ``16-true`` (NaN weights).
     Fix safety
-        Display-only: build the Trainer with ``precision="bf16-mixed"`` (fp32 weights and Adam state, bf16
-        compute), or keep true-half weights with a bf16-safe optimizer (``adamw_bf16.AdamWBF16``, optimi
-        with ``kahan_sum=True``). Casting the weights to fp32 in place would not do: the ``HalfPrecision``
-        plugin casts every batch to half and a Linear then meets two dtypes.
+        Unsafe (it changes the numbers the run computes): a Trainer's ``HalfPrecision`` plugin is replaced in
+        place, before the next ``fit``, by the ``MixedPrecision("bf16-mixed", device)`` that
+        ``Trainer(precision="bf16-mixed")`` builds, where the Trainer keeps it (its strategy and accelerator
+        connector), and a LightningModule an earlier ``fit`` cast to half is cast back to fp32 (parameters,
+        grads, optimizer state, buffers, ``module.dtype``); the next ``fit`` then runs as a Trainer built with
+        ``bf16-mixed`` would: fp32 inputs, weights and Adam state, bf16 autocast. Undo puts the very plugin
+        and tensors back. Casting the weights alone would not do: the ``HalfPrecision`` plugin casts them
+        back at every ``fit`` and every batch to half. Display-only for a Fabric (its set-up modules chose
+        their backward for the plugin they met) and for a strategy's own plugin (FSDP, DeepSpeed): build it
+        with ``precision="bf16-mixed"``; or keep true-half weights with a bf16-safe optimizer
+        (``adamw_bf16.AdamWBF16``, optimi with ``kahan_sum=True``).
     Sources
         Lightning docs "N-bit precision" (true half precision "may lead to unstable training");
         Lightning-AI/pytorch-lightning issue #20619 (16-true, Adam eps=1e-8, NaN at the first step); "Revisiting BFloat16 Training" (Zamirai et al.).
@@ -128,7 +143,7 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if dtype is None:
             continue
         if p.planned_optimizer in _STOCK_ADAM:
-            yield _planned_finding(rule, p)
+            yield _planned_finding(facts, rule, p)
         for name in p.optimizer_names:
             o = by_name.get(name)
             if o is None or o.class_path not in _STOCK_ADAM:
@@ -154,12 +169,12 @@ def lightning_true_half_adam(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 p.name,
                 msg,
                 {"precision": p.effective, "optimizer": o.class_path, "half_params": len(half), "eps": eps, "lr": o.defaults.get("lr")},
-                _true_half_fixes(p, o.class_name, o.defaults.get("lr"), fp16),
+                _true_half_fixes(facts, p, o.class_name, o.defaults.get("lr"), fp16),
                 severity=Severity.ERROR if fp16 else Severity.WARNING,
             )
 
 
-def _planned_finding(rule: Rule, p: LightningPrecisionFacts) -> Finding:
+def _planned_finding(facts: Facts, rule: Rule, p: LightningPrecisionFacts) -> Finding:
     """Before ``fit``: the optimizer ``configure_optimizers`` will build, read from its source, meets true-half weights."""
     fp16 = p.true_half == "float16"
     cls = p.planned_optimizer.rsplit(".", 1)[-1] if p.planned_optimizer else "Adam"
@@ -172,18 +187,57 @@ def _planned_finding(rule: Rule, p: LightningPrecisionFacts) -> Finding:
         f"{p.name} runs {p.effective!r}: fit() casts the LightningModule's weights to {p.true_half}, and the {cls} "
         f"its configure_optimizers() builds then updates them with {harm}.",
         {"precision": p.effective, "optimizer": p.planned_optimizer, "read from": "configure_optimizers (source)"},
-        _true_half_fixes(p, cls, None, fp16),
+        _true_half_fixes(facts, p, cls, None, fp16),
         severity=Severity.ERROR if fp16 else Severity.WARNING,
     )
 
 
-def _true_half_fixes(p: LightningPrecisionFacts, cls: str, lr: object, fp16: bool) -> list[Fix]:
+def mixed_in_place_fix(facts: Facts, p: LightningPrecisionFacts) -> Fix | None:
+    """The Trainer's ``HalfPrecision`` plugin swapped in place for ``bf16-mixed``'s, its module back in fp32; None
+    where the plugin is not one a swap keeps whole (a Fabric's, a strategy's own)."""
+    if p.kind != "trainer" or p.plugin != "HalfPrecision" or p.true_half is None:
+        return None
+    half = p.true_half
+    ids = frozenset(q.id for m in facts.models if m.name in p.model_names for q in m.tensors.params if q.dtype == half)
+    device = p.device if p.device in ("cpu", "mps") else "cuda"
+    code = (
+        f"# before the next fit: the plugin Trainer(precision='bf16-mixed') builds, where {p.name} keeps it\n"
+        "from lightning.pytorch.plugins.precision import MixedPrecision\n"
+        f"plugin = MixedPrecision('bf16-mixed', {device!r})\n"
+        f"{p.name}.strategy.precision_plugin = plugin\n"
+        f"{p.name}._accelerator_connector.precision_plugin = plugin\n"
+        f"{p.name}._accelerator_connector._precision_flag = 'bf16-mixed'"
+        + (f"\n{p.name}.lightning_module.float()  # the last fit cast it to {half}" if ids else "")
+    )
+    return Fix(
+        f"Give {p.name} the bf16-mixed precision plugin in place: fp32 weights and Adam state, bf16 compute",
+        code,
+        changes=(SetLightningPrecision(p.ref, p.name, "bf16-mixed", half, ids),),
+        applicability=Applicability.UNSAFE,
+        recipe="lightning-bf16-mixed-in-place",
+        cost="twice the weight memory of true half; bf16 matmuls as before; the next fit runs as a bf16-mixed Trainer",
+    )
+
+
+def _rebuild_why(p: LightningPrecisionFacts, in_place: bool) -> str:
+    if in_place:
+        return "the same from the start, where the Trainer is built (the in-place fix does it on this one):"
+    if p.kind == "fabric":
+        return ("a Fabric's set-up modules chose their backward for the plugin they met (not swapped in place): "
+                "build it again")
+    return f"the {p.plugin} plugin belongs to its strategy (not swapped in place): build it again"
+
+
+def _true_half_fixes(facts: Facts, p: LightningPrecisionFacts, cls: str, lr: object, fp16: bool) -> list[Fix]:
+    in_place = mixed_in_place_fix(facts, p)
     return [
+        *([in_place] if in_place is not None else []),
         rebuild_fix(
             p,
             "bf16-mixed",
             f"Build {p.name} with precision='bf16-mixed': fp32 weights and Adam state, bf16 compute",
             "twice the weight memory of true half; bf16 matmuls as before",
+            _rebuild_why(p, in_place is not None),
         ),
         Fix(
             f"Keep {p.effective} weights and use a bf16-safe optimizer instead of {cls}",

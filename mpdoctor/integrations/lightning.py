@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from ..edits.steps import CastParams, Change, SetAttr, SetItem, cast_tensor
 from ..facts.lightning import LightningPrecisionFacts, lightning_effective, unify
 from ..live.introspect import is_a, raw_attr, type_name
 from . import Integration, Unwrap
@@ -48,11 +51,83 @@ def plugin_of(obj: Any) -> Any:
     return raw_attr(strategy, "_precision_plugin", None)
 
 
+def _strategy_of(trainer: Any) -> Any:
+    connector = raw_attr(trainer, "_accelerator_connector", None)
+    return raw_attr(connector, "strategy", None) if connector is not None else None
+
+
+def mixed_plugin_changes(trainer: Any, name: str, precision: str, half: torch.dtype) -> list[Change]:
+    """The steps that make a built Trainer run as ``Trainer(precision=precision)`` (``"bf16-mixed"``) would have
+    from the start: its ``HalfPrecision`` plugin replaced, where Lightning keeps it (the strategy's
+    ``_precision_plugin``, the accelerator connector's ``precision_plugin`` and ``_precision_flag``), by the
+    ``MixedPrecision(precision, device)`` its connector builds, and, after a ``fit`` converted the LightningModule to
+    ``half``, its floating parameters (with their grads and optimizer state), buffers and ``dtype`` back in fp32.
+
+    Raises ValueError for a plugin the swap would not keep whole: a strategy's own (FSDP, DeepSpeed) or a Fabric's.
+    """
+    import importlib
+
+    connector = raw_attr(trainer, "_accelerator_connector", None)
+    strategy = _strategy_of(trainer)
+    old = raw_attr(strategy, "_precision_plugin", None)
+    steps: list[Change] = []
+    if not (type_name(old) == "MixedPrecision" and raw_attr(old, "precision", None) == precision):
+        if type_name(old) != "HalfPrecision" or connector is None:
+            raise ValueError(f"{name} runs the {type_name(old)} plugin: only a HalfPrecision plugin is swapped in place")
+        namespace = "pytorch_lightning" if type(trainer).__module__.startswith("pytorch_lightning") else "lightning.pytorch"
+        flag = raw_attr(connector, "_accelerator_flag", None)
+        device = flag if flag in ("cpu", "mps") else "cuda"  # as the connector chooses the autocast device
+        new = importlib.import_module(f"{namespace}.plugins.precision").MixedPrecision(precision, device)
+        held = [(strategy, "_precision_plugin", f"{name}.strategy.precision_plugin"),
+                (connector, "precision_plugin", f"{name}._accelerator_connector.precision_plugin")]  # fmt: skip
+        if raw_attr(connector, "_precision_plugin_flag", None) is old:  # passed as plugins=[...]
+            held.append((connector, "_precision_plugin_flag", f"{name}._accelerator_connector._precision_plugin_flag"))
+        for obj, attr, label in held:
+            step = SetAttr(obj, attr, new, label)
+            step.description = f"{label} = MixedPrecision({precision!r}, {device!r})"
+            steps.append(step)
+        steps.append(SetAttr(connector, "_precision_flag", precision, f"{name}._accelerator_connector._precision_flag"))
+    module = raw_attr(strategy, "_lightning_module", None)
+    if isinstance(module, torch.nn.Module):
+        steps += _module_back_to_fp32(module, f"{name}.lightning_module", half, raw_attr(strategy, "_optimizers", None) or ())
+    return steps
+
+
+def _module_back_to_fp32(module: torch.nn.Module, label: str, half: torch.dtype, optimizers: Any) -> list[Change]:
+    """Undo what ``HalfPrecision.convert_module`` (``module.to(half)``) did: parameters, buffers, ``module.dtype``."""
+    params = [p for p in module.parameters() if p.dtype == half]
+    steps: list[Change] = [CastParams(params, torch.float32, list(optimizers), f"{label} parameters")] if params else []
+    for path, sub in module.named_modules():
+        buffers = object.__getattribute__(sub, "_buffers")
+        for key, buf in list(buffers.items()):
+            if isinstance(buf, torch.Tensor) and buf.dtype == half:
+                step = SetItem(buffers, key, cast_tensor(buf, torch.float32), f"{label}.{path or ''}{key}")
+                step.description = f"cast {label}{'.' + path if path else ''}.{key} to float32"
+                steps.append(step)
+        if raw_attr(sub, "_dtype", None) == half:  # Lightning's DeviceDtypeModuleMixin: what module.dtype says
+            steps.append(SetAttr(sub, "_dtype", torch.float32, f"{label}{'.' + path if path else ''}.dtype"))
+    return steps
+
+
+def mixed_plugin_problem(trainer: Any, precision: str, half: torch.dtype) -> str | None:
+    """After :func:`mixed_plugin_changes`: None when the Trainer runs ``precision`` with its module in fp32."""
+    plugin = plugin_of(trainer)
+    if type_name(plugin) != "MixedPrecision" or raw_attr(plugin, "precision", None) != precision:
+        return f"the precision plugin is {type_name(plugin)}, not MixedPrecision({precision!r})"
+    module = raw_attr(_strategy_of(trainer), "_lightning_module", None)
+    left = [n for n, p in module.named_parameters() if p.dtype == half] if isinstance(module, torch.nn.Module) else []
+    return f"{len(left)} parameters of the LightningModule are still {half}" if left else None
+
+
 def requested_flag(obj: Any) -> str | None:
     """The precision flag the connector holds (the request, except when Lightning replaced it)."""
     connector = raw_attr(obj, "_connector" if is_a(obj, FABRICS) else "_accelerator_connector", None)
     if connector is None:
         return None
+    given = raw_attr(connector, "_precision_instance" if is_a(obj, FABRICS) else "_precision_plugin_flag", None)
+    if given is not None:  # plugins=[...]: the plugin is the request, and the flag keeps its "32-true" default
+        flag = raw_attr(given, "precision", None)
+        return flag if isinstance(flag, str) else None
     flag = raw_attr(connector, "_precision_input" if is_a(obj, FABRICS) else "_precision_flag", None)
     return unify(flag) if isinstance(flag, (str, int)) else None
 

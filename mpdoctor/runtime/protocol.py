@@ -510,14 +510,18 @@ class ProtocolObserver:
                 real = f" (a real gradient norm of {norm / scale:.3g})" if norm is not None and math.isfinite(norm) else ""
                 shown = f"{norm:.4g}" if norm is not None else "?"
                 limit = f"{clip.max_norm / scale:.3g}" if clip.max_norm is not None else "max_norm / scale"
+                lightning = track.name.endswith("precision_plugin.scaler")  # a Lightning Trainer's plugin steps it
+                advice = (LIGHTNING_CLIP_ADVICE if lightning else
+                          f"Call {track.name}.unscale_({self._name(optimizer, 'optimizer')}) before clipping.")  # fmt: skip
                 self._report("amp-clip-before-unscale", track.name, clip.where,
                              f"clip_grad_norm_ ran on {self._name(optimizer, 'optimizer')}'s gradients while they "
                              f"were still multiplied by the loss scale ({scale:g}): the scaled norm {shown}{real} was compared "
                              f"with max_norm, so in real units the threshold is max_norm / scale = {limit}: steps are "
-                             f"clipped far below max_norm. Call {track.name}.unscale_({self._name(optimizer, 'optimizer')}) before clipping.",
+                             f"clipped far below max_norm. {advice}",
                              {"optimizer": self._name(optimizer, "optimizer"), "scale": scale,
                               "max_norm": clip.max_norm, "scaled_total_norm": norm,
-                              "step_line": getattr(_resolve(where), "label", None)})  # fmt: skip
+                              "step_line": getattr(_resolve(where), "label", None),
+                              **({"lightning": True} if lightning else {})})  # fmt: skip
         track.clips = [c for c in track.clips if not (c.params & mine)]
 
     def on_optimizer_step(self, optimizer: Any, where: Location | None) -> None:
@@ -702,6 +706,24 @@ _SCHEDULER = frozenset({"amp-scheduler-on-skipped-steps"})
 _SUBJECT_NOT_SCALER = frozenset({"amp-step-bypasses-scaler"}) | _SCHEDULER
 
 
+#: Under a Lightning Trainer's 16-mixed plugin, where the clip belongs (the plugin unscales right before the hook).
+LIGHTNING_CLIP_ADVICE = (
+    "Clip in on_before_optimizer_step, where Lightning's precision plugin has unscaled them (not after a "
+    "scaler.unscale_ of your own: the plugin unscales the gradients a second time)."
+)
+#: Not in place: the mistake is where a line of the user's LightningModule sits. An unscale_ of the user's own (on the
+#: LightningOptimizer wrapper) goes unseen and the plugin unscales again; Lightning refuses Trainer(gradient_clip_val=...)
+#: under manual optimization.
+LIGHTNING_CLIP_CODE = (
+    "# in the LightningModule: drop the clip from training_step and clip once Lightning has unscaled the gradients\n"
+    "def on_before_optimizer_step(self, optimizer):\n"
+    "    self.clip_gradients(optimizer, gradient_clip_val={max_norm!r}, gradient_clip_algorithm=\"norm\")\n"
+    "# not applied in place: the mistake is the line's place in your method, which Trainer.fit calls; an unscale_ of\n"
+    "# your own before it leaves the plugin unscaling a second time, and Lightning refuses Trainer(gradient_clip_val=...)\n"
+    "# under manual optimization"
+)
+
+
 def protocol_finding(slug: str, subject: str, where: Location | None, message: str, evidence: dict) -> Finding:
     """A :class:`Finding` of a protocol rule at the user's line, with the corrected lines as display-only code."""
     from ..treatment.findings import Finding
@@ -713,6 +735,8 @@ def protocol_finding(slug: str, subject: str, where: Location | None, message: s
     # The corrected lines in the user's names: the scaler is the subject unless the finding is about another object.
     scaler = evidence.get("scaler") or (subject if slug not in _SUBJECT_NOT_SCALER else "")
     code = corrected_template(slug, scaler, evidence.get("optimizer") or "", subject if slug in _SCHEDULER else "")
+    if evidence.get("lightning"):
+        code = LIGHTNING_CLIP_CODE.format(max_norm=evidence.get("max_norm"))
     fix = Fix(f"Corrected lines ({slug})", code, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])

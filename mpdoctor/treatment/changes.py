@@ -1615,3 +1615,45 @@ class BoolMaskInputs(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, f"{self.method}:masks"): "bool"}
+
+
+@dataclass(frozen=True)
+class SetLightningPrecision(ChangeSpec):
+    """A built Lightning Trainer made to run as ``Trainer(precision=precision)`` would, before (or between) fits.
+
+    Resolved by the lightning integration at apply time (:func:`~mpdoctor.integrations.lightning.mixed_plugin_changes`):
+    its ``HalfPrecision`` plugin replaced by the ``MixedPrecision`` its connector builds for ``precision``, where
+    the Trainer keeps it, and a LightningModule a ``fit`` converted to ``half`` brought back to fp32 (``params``:
+    the ids of those parameters, for the simulation). Undo puts the very plugin, tensors and flags back.
+    """
+
+    ref: int
+    name: str
+    precision: str
+    half: str
+    params: frozenset[int] = frozenset()
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..integrations.lightning import mixed_plugin_changes
+
+        return mixed_plugin_changes(live.get(self.ref), self.name, self.precision, torch_dtype(self.half))
+
+    def simulate(self, facts: Facts) -> Facts:
+        setups = tuple(
+            dataclasses.replace(p, requested=self.precision, effective=self.precision, plugin="MixedPrecision", input_dtype=None)
+            if p.ref == self.ref else p
+            for p in facts.lightning
+        )  # fmt: skip
+        facts = dataclasses.replace(facts, lightning=setups)
+        return _replace_params(facts, self.params, "float32", "float32", False) if self.params else facts
+
+    def verify(self, live: Live) -> str | None:
+        from ..integrations.lightning import mixed_plugin_problem
+
+        return mixed_plugin_problem(live.get(self.ref), self.precision, torch_dtype(self.half))
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, "precision_plugin"): self.precision}
+
+    def backup_bytes(self, facts: Facts) -> int:
+        return _param_bytes(facts, self.params, "float32")

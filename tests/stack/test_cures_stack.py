@@ -45,6 +45,8 @@ from test_field_lowprecision import (  # noqa: E402
     quantized_step,
     train_step,
 )
+from test_lightning_field_cases import SETTINGS, AdamRegressor, Regressor  # noqa: E402
+from test_lightning_field_cases import loader as lightning_loader  # noqa: E402
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
 
@@ -281,7 +283,75 @@ def _storage_stays_float8(ns: Namespace) -> None:
     assert stored and all(not p.requires_grad for p in stored), "the fix keeps the float8 storage"
 
 
+# -- Lightning ----------------------------------------------------------------------------------------
+
+
+class _LosingRegressor(Regressor):
+    """Lightning-AI/pytorch-lightning#19980's module (stock AdamW at lr=1e-5) recording each step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, i):
+        loss = super().training_step(batch, i)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def _true_half_trainer(precision: str, module: type, scale: float) -> Callable[[], Namespace]:
+    def build() -> Namespace:
+        import lightning as L
+
+        return {"module": module(), "trainer": L.Trainer(precision=precision, **SETTINGS), "scale": scale}
+
+    return build
+
+
+def _fit(ns: Namespace) -> float:
+    # The user's cell: fit, as the user calls it; the loss of its last step.
+    module = ns["module"]
+    ns["start"] = module.layer.weight.detach().float().clone()
+    ns["trainer"].fit(module, lightning_loader(ns["scale"]))
+    return module.losses[-1]
+
+
+def _diagnose_before_fit(ns: Namespace):
+    module, trainer = ns["module"], ns["trainer"]
+    return mpdoctor.diagnose(module, trainer, names={id(module): "module", id(trainer): "trainer"})
+
+
+def _module_params(ns: Namespace) -> list[torch.Tensor]:
+    return list(ns["module"].parameters())
+
+
+def _updates_lost(ns: Namespace) -> None:
+    w = ns["module"].layer.weight.detach()
+    assert w.dtype == torch.bfloat16 and (w.float() != ns["start"].bfloat16().float()).float().mean() < 0.5, "the harm"
+
+
+def _every_update_lands(ns: Namespace) -> None:
+    w = ns["module"].layer.weight.detach()
+    assert w.dtype == torch.float32 and bool((w != ns["start"]).all()) and ns["trainer"].precision == "bf16-mixed"
+
+
+def _fp32_weights_finite(ns: Namespace) -> None:
+    w = ns["module"].layer.weight
+    assert w.dtype == torch.float32 and bool(torch.isfinite(w).all()) and ns["trainer"].precision == "bf16-mixed"
+
+
 CASES: list[Case] = [
+    Case(
+        name="lightning-16-true-adam-nan", source="Lightning-AI/pytorch-lightning#20619", slug="lightning-true-half-adam",
+        build=_true_half_trainer("16-true", AdamRegressor, 1e-3), step=_fit, failure="loss is not finite",
+        diagnose=_diagnose_before_fit, params=_module_params, healed=_fp32_weights_finite,
+    ),
+    Case(
+        name="lightning-bf16-true-adamw-updates-lost", source="Lightning-AI/pytorch-lightning#19980",
+        slug="lightning-true-half-adam", build=_true_half_trainer("bf16-true", _LosingRegressor, 1.0), step=_fit,
+        failure="trains", diagnose=_diagnose_before_fit, params=_module_params, harm=_updates_lost,
+        healed=_every_update_lands,
+    ),
     Case(
         name="fp8-weights-in-stock-linear-fp16", source="kijai/ComfyUI-ControlNeXt-SVD#7", slug="fp8-storage-not-upcast",
         build=_fp8_stored(torch.float16), step=_call_model, failure="must have the same dtype", kind="inference",

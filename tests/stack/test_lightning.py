@@ -115,8 +115,10 @@ def test_field_16_true_adam_eps_underflow_nan():
 
     The reporter's Adam with default eps=1e-8 turned every parameter NaN at the first step under 16-bit
     weights. Reproduced: ``precision="16-true"`` + AdamW, small gradients -> non-finite weights after one
-    step. Diagnosis ``lightning-true-half-adam`` (error); fix: build the Trainer with ``bf16-mixed``; a step
-    then trains with finite weights.
+    step. Diagnosis ``lightning-true-half-adam`` (error); the planned fix gives the Trainer bf16-mixed's plugin in
+    place (and the fp16 module back in fp32; its NaN weights stay NaN, so the cure on the user's ``fit`` runs on
+    fresh objects: ``lightning-16-true-adam-nan`` in ``test_cures_stack.py``); the display-only rebuild beside it
+    trains with finite weights.
     """
     t, m = trainer("16-true"), Tiny()
     t.fit(m, loader(scale=1e-3))
@@ -124,11 +126,33 @@ def test_field_16_true_adam_eps_underflow_nan():
     report = mpdoctor.diagnose(t, names={id(t): "trainer"})
     finding = next(f for f in report.findings if f.check == "lightning-true-half-adam")
     assert finding.severity == "error"
-    assert finding.fixes[0].applicability.value == "display-only"
-    fixed_t, fixed_m = run_fix_code(finding.fixes[0].code), Tiny()  # the display-only fix, executed on a fresh twin
+    assert "adam-eps-underflow" not in {f.check for f in report.findings}  # one cause: the next fit re-casts to fp16
+    in_place, rebuild = finding.fixes[:2]
+    assert in_place in report.fixes and in_place.applicability.value == "unsafe"
+    in_place.apply()
+    assert t.precision == "bf16-mixed" and m.layer.weight.dtype == torch.float32 and m.dtype == torch.float32
+    assert not slugs(mpdoctor.diagnose(t), "error", "warning")
+    in_place.undo()
+    assert t.precision == "16-true" and m.layer.weight.dtype == torch.float16
+    assert rebuild.applicability.value == "display-only"
+    fixed_t, fixed_m = run_fix_code(rebuild.code), Tiny()  # the display-only fix, executed on a fresh twin
     fit_trains(fixed_t, fixed_m, loader(scale=1e-3))
     assert torch.isfinite(fixed_m.layer.weight).all() and fixed_m.layer.weight.dtype == torch.float32
     assert not slugs(mpdoctor.diagnose(fixed_t), "error", "warning")
+
+
+def test_a_fabric_or_a_strategys_own_true_half_plugin_keeps_the_rebuild_and_says_why():
+    """Only a Trainer's ``HalfPrecision`` plugin is swapped in place. A Fabric's set-up modules chose their backward
+    for the plugin they met, and FSDP / DeepSpeed own theirs: the rebuild stays their fix, its text says why."""
+    from mpdoctor.checks.lightning import lightning_true_half_adam
+
+    t = trainer("bf16-true")
+    facts = mpdoctor.diagnose(t, names={id(t): "trainer"}).facts
+    for kind, plugin, why in (("fabric", "HalfPrecision", "chose their backward"), ("trainer", "FSDPPrecision", "belongs to its strategy")):
+        p = LightningPrecisionFacts("run", kind, "bf16-true", "bf16-true", plugin, device="cpu", planned_optimizer="torch.optim.adamw.AdamW")
+        (finding,) = lightning_true_half_adam(facts.__class__(**{**facts.__dict__, "lightning": (p,)}))
+        assert [f.applicability.value for f in finding.fixes] == ["display-only", "display-only"], kind
+        assert why in finding.fixes[0].code and f"L.{kind.title()}(" in finding.fixes[0].code
 
 
 def test_bf16_true_adamw_is_one_finding_whose_fix_lightning_keeps():
@@ -168,6 +192,21 @@ def test_healthy_trainer_recipes(precision):
     assert not [w for w in caught if "precision" in str(w.message)]
     t.fit(m, loader())
     report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    assert not slugs(report, "error", "warning"), report.to_text()
+
+
+def test_a_trainer_given_its_precision_plugin_asks_for_what_the_plugin_runs():
+    """``plugins=[MixedPrecision("16-mixed", "cpu", scaler=...)]`` (the 16-mixed recipe on a CPU with a CPU scaler):
+    the connector's flag keeps its "32-true" default, but the request is the plugin: nothing replaced, no warning."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    t = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, plugins=[plugin])  # fmt: skip
+    assert t._accelerator_connector._precision_flag == "32-true" and t.precision == "16-mixed"
+    report = mpdoctor.diagnose(t, names={id(t): "trainer"})
+    (p,) = report.facts.lightning
+    assert (p.requested, p.effective) == ("16-mixed", "16-mixed")
     assert not slugs(report, "error", "warning"), report.to_text()
 
 

@@ -10,9 +10,10 @@ from amp_loops import X, Y, grad_norm, mlp, only
 import mpdoctor
 
 
-def lightning_manual(clip_where: str):
+def lightning_manual(clip_where: str, **trainer_kwargs):
     """The manual-optimization example of Lightning's docs (clip in training_step) or clipping after Lightning
-    unscales (``on_before_optimizer_step``), under Lightning's 16-mixed plugin with a real CPU GradScaler."""
+    unscales (``on_before_optimizer_step``), under Lightning's 16-mixed plugin with a real CPU GradScaler;
+    ``"unscale-first"``: the plain-loop correction (``scaler.unscale_(opt)`` before the clip) in training_step."""
     import lightning as L
     from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -29,7 +30,9 @@ def lightning_manual(clip_where: str):
             loss = F.mse_loss(self.net(batch[0]), batch[1])
             opt.zero_grad()
             self.manual_backward(loss)
-            if clip_where == "training_step":
+            if clip_where == "unscale-first":
+                self.trainer.precision_plugin.scaler.unscale_(opt)
+            if clip_where in ("training_step", "unscale-first"):
                 self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")  # the doc's line
             opt.step()
             applied.append(grad_norm(self.parameters()))  # the gradients opt.step() applied (unscaled by then)
@@ -45,7 +48,8 @@ def lightning_manual(clip_where: str):
     cb = mpdoctor.MPDoctorLightningCallback()
     plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", plugins=[plugin], logger=False, callbacks=[cb],
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        **trainer_kwargs)  # fmt: skip
     module = SimpleModel()
     before = [p.detach().clone() for p in module.parameters()]
     trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X * 10, Y * 10), batch_size=8))
@@ -65,6 +69,18 @@ def test_lightning_manual_optimization_doc_example_clips_scaled_gradients():
     f = only(cb, "amp-clip-before-unscale")
     assert f.evidence["code"].startswith("self.clip_gradients(opt, gradient_clip_val=0.5")
     assert f.subject == "trainer.precision_plugin.scaler" and "max_norm / scale = 0.000488" in f.message
+    # Advice only, and why: the fix is a line's place in the user's method. Both in-place candidates fail for real:
+    (fix,) = f.fixes
+    assert fix.applicability.value == "display-only" and "def on_before_optimizer_step" in fix.code
+    assert "Clip in on_before_optimizer_step" in f.message and "unscale_(optimizer) before clipping" not in f.message
+    # A plain loop's correction (unscale_ first): the scaler keys it by the LightningOptimizer wrapper, so the plugin
+    # unscales the inner optimizer's gradients a second time and the steps are as small as before.
+    _, applied, _ = lightning_manual("unscale-first")
+    assert all(n == pytest.approx(0.5 / 1024, rel=1e-2) for n in applied)
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    with pytest.raises(MisconfigurationException, match="Automatic gradient clipping is not supported for manual"):
+        lightning_manual("hook", gradient_clip_val=0.5)  # Lightning's own clipping, refused under manual optimization
     # Advice: clip where Lightning has unscaled (on_before_optimizer_step): norm 0.5, nothing found, it trains.
     cb, applied, moved = lightning_manual("hook")
     assert all(n == pytest.approx(0.5, rel=1e-2) for n in applied) and moved
