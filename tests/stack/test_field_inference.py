@@ -1,0 +1,375 @@
+"""Field cases of inference in the kernel that fine-tuned: generate, evaluate and serve with the same objects.
+
+Each case is a public report, reproduced here with the library's real classes built from tiny configs (nothing is
+downloaded): the reported error or the measured harm first, on the user's very call (``model.generate``,
+``vae.encode``); then mpdoctor names it (the crash hook's cause, the generation probe, a check); then the planned
+fix is applied in place, through ``fix.apply()`` and through the widget's button, and the same call returns finite
+output; undo brings the failure back. Each has a healthy twin, the same recipe done right, that draws no error and
+no warning.
+
+Tiny random models rarely leave fp16's range by themselves (docs in /work/shared/STACK.md): where a case needs a
+"massive activation", one weight (a post-norm weight, one output channel of a projection) is set to a value inside
+fp16's range (at most 60000), so only the activations computed from it leave the range, and each test says which.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import diffusers
+import pytest
+import torch
+import transformers
+from cure import Case, assert_broken, cure_through_api, cure_through_widget, outcome
+from setups_dtypes import alarms
+
+import mpdoctor
+from mpdoctor.crash.cause import explain
+
+diffusers.utils.logging.set_verbosity_error()
+transformers.logging.set_verbosity_error()
+
+Namespace = dict[str, Any]
+PROMPT = {"input_ids": torch.tensor([[3, 14, 15, 9]]), "attention_mask": torch.ones(1, 4, dtype=torch.long)}
+
+
+def generated(ns: Namespace, **kwargs: Any) -> Any:
+    """``model.generate`` on the prompt, with the logits of every step (what "finite output" is judged on)."""
+    with torch.no_grad():
+        return ns["model"].generate(**PROMPT, max_new_tokens=4, output_logits=True, return_dict_in_generate=True,
+                                    pad_token_id=0, **kwargs)  # fmt: skip
+
+
+def probed(ns: Namespace) -> Any:
+    """What the user runs after garbage or a sampling error: the generation probe on the prompt."""
+    return mpdoctor.probe(ns["model"], PROMPT, name="model", generate=True, max_new_tokens=4)
+
+
+def crash_report(case_step: Any) -> Any:
+    """The crash hook's report: the user's call raises, :func:`explain` reads the exception and the namespace."""
+
+    def diagnose(ns: Namespace) -> Any:
+        try:
+            case_step(ns)
+        except Exception as exc:  # the reported error: what the hook explains
+            report = explain(exc, namespace=ns)
+            assert report is not None, f"not recognised: {exc}"
+            return report
+        raise AssertionError("the call did not raise")
+
+    return diagnose
+
+
+def assert_undo_restores(case: Case) -> None:
+    """Apply the planned fixes, see the call work, undo them: the very failure is back and the parameters are the
+    same objects with their old dtypes."""
+    ns = case.build()
+    params = {id(p): p.dtype for v in ns.values() if isinstance(v, torch.nn.Module) for p in v.parameters()}
+    report = case.diagnose(ns)
+    fixes = [f for f in report.fixes if f.slug == (case.fixed_by or case.slug)]
+    assert fixes
+    for fix in fixes:
+        fix.apply()
+    assert outcome(case, ns) == "runs"
+    for fix in reversed(fixes):
+        fix.undo()
+    after = {id(p): p.dtype for v in ns.values() if isinstance(v, torch.nn.Module) for p in v.parameters()}
+    assert after == params
+    assert re.search(case.failure, outcome(case, ns), re.S)
+
+
+# -- Whisper in fp16, fed the feature extractor's fp32 features, through generate --------------------------------
+
+
+def tiny_whisper(dtype: torch.dtype) -> Any:
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = WhisperConfig(
+        vocab_size=64, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, d_model=16, max_source_positions=8,
+        max_target_positions=16, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2, bos_token_id=1,
+        begin_suppress_tokens=None, suppress_tokens=None,
+    )  # fmt: skip
+    return WhisperForConditionalGeneration(config).to(dtype).eval()
+
+
+def whisper_fp16_fp32_features() -> Namespace:
+    """``from_pretrained("openai/whisper-large-v3")`` takes the config's float16 (``dtype="auto"``); the feature
+    extractor returns float32 ``input_features`` (16 frames of 8 mel bins here)."""
+    torch.manual_seed(1)
+    return {"model": tiny_whisper(torch.float16), "input_features": torch.randn(1, 8, 16)}
+
+
+def transcribe(ns: Namespace) -> Any:
+    with torch.no_grad():
+        return ns["model"].generate(ns["input_features"], max_new_tokens=3, output_logits=True,
+                                    return_dict_in_generate=True)  # fmt: skip
+
+
+WHISPER = Case(
+    name="whisper-fp16-fp32-features-generate",
+    source="huggingface/transformers#47805",
+    slug="batch-dtype-mismatch",
+    build=whisper_fp16_fp32_features,
+    step=transcribe,
+    failure=r"RuntimeError: Input type \(float\) and bias type \(c10::Half\) should be the same",
+    diagnose=crash_report(transcribe),
+    kind="inference",
+)
+
+
+def test_whisper_fp16_generate_on_fp32_features_raises_the_reported_error_and_the_crash_hook_names_conv1():
+    assert_broken(WHISPER)  # the very error of the thread, from the real generate()
+    ns = WHISPER.build()
+    report = WHISPER.diagnose(ns)
+    assert report.exception == "RuntimeError: Input type (float) and bias type (c10::Half) should be the same"
+    assert report.cause.check == "batch-dtype-mismatch" and report.cause.subject == "model.model.encoder.conv1"
+    assert "`input_features` (float32)" in report.cause.message
+    (fix,) = report.fixes
+    assert fix.safe and "model.generate" in fix.title  # generate() calls the encoder, not model.forward
+
+
+def test_whisper_fp16_generate_on_fp32_features_is_cured_through_the_api():
+    cure_through_api(WHISPER)
+
+
+def test_whisper_fp16_generate_on_fp32_features_is_cured_through_the_widget():
+    cure_through_widget(WHISPER)
+
+
+def test_whisper_input_cast_undone_brings_the_error_back():
+    assert_undo_restores(WHISPER)
+
+
+def test_healthy_whisper_features_cast_to_the_models_dtype_draw_nothing():
+    """The maintainers' recipe in the thread: ``inputs.to(model.device, dtype=model.dtype)``; and fp32 on a CPU."""
+    for dtype in (torch.float16, torch.float32):
+        ns = {"model": tiny_whisper(dtype), "input_features": torch.randn(1, 8, 16).to(dtype)}
+        report = mpdoctor.diagnose(namespace=ns)
+        assert alarms(report) == []
+        assert outcome(WHISPER, ns) == "runs"
+
+
+# -- Gemma 3 generated in fp16: a post-norm output past 65504, empty output -----------------------------------------
+
+
+def tiny_gemma3(dtype: torch.dtype) -> Any:
+    """A tiny Gemma 3 text model whose first post-feedforward norm has weight 60000 (inside fp16's range): its
+    fp32-computed output, ``normed * (1 + weight)``, is about 126000 and becomes inf when cast back to fp16,
+    as the large RMSNorm weights of the real checkpoints do (the thread's diagnosis)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, sliding_window=16, pad_token_id=0,
+        eos_token_id=None, bos_token_id=1,
+    )  # fmt: skip
+    model = Gemma3ForCausalLM(config)
+    with torch.no_grad():
+        model.model.layers[0].post_feedforward_layernorm.weight.fill_(60000.0)
+    return model.to(dtype).eval()
+
+
+def greedy(ns: Namespace) -> Any:
+    return generated(ns, do_sample=False)
+
+
+GEMMA3 = Case(
+    name="gemma3-fp16-generate-nan",
+    source="huggingface/transformers#36822",
+    slug="probe-nonfinite",
+    build=lambda: {"model": tiny_gemma3(torch.float16)},
+    step=greedy,
+    failure=r"output is not finite",
+    diagnose=probed,
+    kind="inference",
+)
+
+
+def test_gemma3_in_fp16_generates_token_zero_from_nan_logits_and_the_probe_names_the_post_norm():
+    ns = GEMMA3.build()
+    out = greedy(ns)
+    assert all(torch.isnan(step).all() for step in out.logits)  # every logit NaN from the prefill on
+    assert out.sequences[0, 4:].tolist() == [0, 0, 0, 0]  # decoded: the empty output of the thread
+    assert_broken(GEMMA3)
+    report = probed(ns)
+    assert report.cause is None or report.cause.check in ("probe-nonfinite", "probe-generation-nonfinite")
+    (culprit,) = report.findings_for("probe-nonfinite")
+    assert culprit.subject == "model.model.layers.0.post_feedforward_layernorm"
+    (generation,) = report.findings_for("probe-generation-nonfinite")
+    assert "prefill (step 0)" in generation.message
+    (fix,) = [f for f in report.fixes if f.slug == "probe-nonfinite"]
+    assert "bf16" in fix.title and report.proof.label(fix).startswith("checked on the probe's generate()")
+
+
+def test_gemma3_fp16_generate_is_cured_through_the_api():
+    cure_through_api(GEMMA3)
+
+
+def test_gemma3_fp16_generate_is_cured_through_the_widget():
+    cure_through_widget(GEMMA3)
+
+
+def test_gemma3_bf16_cast_undone_brings_the_nan_back():
+    assert_undo_restores(GEMMA3)
+
+
+def test_healthy_gemma3_generated_in_bf16_draws_nothing():
+    """Gemma 3 in bf16, as the model card says; the same planted weight, finite, and no alarm at rest or probed."""
+    ns = {"model": tiny_gemma3(torch.bfloat16)}
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert alarms(probed(ns)) == []
+    assert outcome(GEMMA3, ns) == "runs"
+
+
+# -- GPT-NeoX sampled in fp16 (a V100): probability tensor contains inf/nan ---------------------------------------
+
+
+def tiny_neox(dtype: torch.dtype) -> Any:
+    """A tiny GPT-NeoX whose second MLP has its weights scaled (x300 in, x8000 out; the largest weight about 1000):
+    that MLP's output passes 65504 in fp16, the bf16-trained checkpoint's massive activation."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                           bos_token_id=1)  # fmt: skip
+    model = GPTNeoXForCausalLM(config)
+    mlp = model.gpt_neox.layers[1].mlp
+    with torch.no_grad():
+        mlp.dense_h_to_4h.weight.mul_(300)
+        mlp.dense_4h_to_h.weight.mul_(8000)
+    return model.to(dtype).eval()
+
+
+def sample(ns: Namespace) -> Any:
+    torch.manual_seed(0)
+    return generated(ns, do_sample=True)
+
+
+NEOX = Case(
+    name="gpt-neox-fp16-sampling-nan",
+    source="togethercomputer/OpenChatKit#86",
+    slug="probe-nonfinite",
+    build=lambda: {"model": tiny_neox(torch.float16)},
+    step=sample,
+    failure=r"RuntimeError: probability tensor contains either `inf`, `nan` or element < 0",
+    diagnose=probed,
+    kind="inference",
+)
+
+
+def test_gpt_neox_sampled_in_fp16_raises_the_multinomial_error_and_the_crash_hook_sends_to_the_probe():
+    assert_broken(NEOX)
+    ns = NEOX.build()
+    with pytest.raises(RuntimeError, match="probability tensor contains") as raised:
+        sample(ns)
+    report = explain(raised.value, namespace=ns)
+    assert report.cause.check == "crash-sampling-nonfinite"
+    probe_report = probed(ns)
+    (culprit,) = probe_report.findings_for("probe-nonfinite")
+    assert culprit.subject == "model.gpt_neox.layers.1.mlp.dense_4h_to_h" and "inputs were finite" in culprit.message
+    assert probe_report.findings_for("probe-generation-nonfinite")
+
+
+def test_gpt_neox_fp16_sampling_is_cured_through_the_api():
+    cure_through_api(NEOX)
+
+
+def test_gpt_neox_fp16_sampling_is_cured_through_the_widget():
+    cure_through_widget(NEOX)
+
+
+def test_gpt_neox_bf16_cast_undone_brings_the_sampling_error_back():
+    assert_undo_restores(NEOX)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_healthy_gpt_neox_sampled_in_bf16_or_fp32_draws_nothing(dtype):
+    ns = {"model": tiny_neox(dtype)}
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert alarms(probed(ns)) == []
+    assert outcome(NEOX, ns) == "runs"
+
+
+# -- The SDXL VAE called directly in fp16: NaN latents from vae.encode ---------------------------------------------
+
+
+def tiny_vae(dtype: torch.dtype) -> Any:
+    """A tiny AutoencoderKL (``force_upcast=True``, as the SDXL VAE's config says: a pipeline would upcast it, a direct
+    ``vae.encode`` does not); one output channel of the encoder's last conv has weight 3000 (inside fp16's range),
+    so the latent mean of that channel passes 65504."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), down_block_types=("DownEncoderBlock2D",),
+                        up_block_types=("UpDecoderBlock2D",), latent_channels=4, norm_num_groups=8, sample_size=16,
+                        force_upcast=True)  # fmt: skip
+    with torch.no_grad():
+        vae.encoder.conv_out.weight[0].fill_(3000.0)
+    return vae.to(dtype).eval()
+
+
+def vae_images(dtype: torch.dtype) -> Namespace:
+    torch.manual_seed(1)
+    return {"vae": tiny_vae(dtype), "imgs": torch.rand(1, 3, 16, 16) * 2.0 - 1.0, "weights_dtype": dtype}
+
+
+def encode(ns: Namespace) -> Any:
+    """The thread's call: ``vae.encode(imgs.to(weights_dtype)).latent_dist.sample() * scaling_factor``."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        posterior = ns["vae"].encode(ns["imgs"].to(ns["weights_dtype"])).latent_dist
+        return posterior.sample() * ns["vae"].config.scaling_factor
+
+
+def probed_vae(ns: Namespace) -> Any:
+    return mpdoctor.probe(ns["vae"], ns["imgs"].to(ns["weights_dtype"]), name="vae", training=False)
+
+
+VAE_ENCODE = Case(
+    name="sdxl-vae-encode-fp16-nan",
+    source="huggingface/diffusers#7188",
+    slug="vae-fp16-overflow",
+    build=lambda: vae_images(torch.float16),
+    step=encode,
+    failure=r"output is not finite",
+    diagnose=probed_vae,
+    fixed_by="probe-nonfinite",
+    kind="inference",
+)
+
+
+def test_the_vae_encoding_in_fp16_gives_nan_latents_and_the_probe_names_the_encoder():
+    assert_broken(VAE_ENCODE)
+    ns = VAE_ENCODE.build()
+    # inf here: the overflow is in the encoder's last conv; the thread's is deeper, and the next norm makes it NaN
+    assert torch.isinf(encode(ns)).any()
+    report = probed_vae(ns)
+    (finding,) = report.findings_for("vae-fp16-overflow")
+    assert finding.severity == "error" and "encoder.conv_out" in finding.message
+    (culprit,) = report.findings_for("probe-nonfinite")
+    assert culprit.subject == "vae.encoder.conv_out"
+
+
+def test_the_vae_encoding_in_fp16_is_cured_through_the_api():
+    cure_through_api(VAE_ENCODE)
+
+
+def test_the_vae_encoding_in_fp16_is_cured_through_the_widget():
+    cure_through_widget(VAE_ENCODE)
+
+
+def test_the_vae_fix_undone_brings_the_nan_latents_back():
+    assert_undo_restores(VAE_ENCODE)
+
+
+def test_healthy_vae_and_images_both_in_fp32_draw_nothing():
+    """The thread's answer: "upcast both your image and vae to full precision for the encoding"."""
+    ns = vae_images(torch.float32)
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert alarms(probed_vae(ns)) == []
+    assert outcome(VAE_ENCODE, ns) == "runs"
