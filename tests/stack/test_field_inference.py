@@ -125,7 +125,9 @@ def test_whisper_fp16_generate_on_fp32_features_raises_the_reported_error_and_th
     ns = WHISPER.build()
     report = WHISPER.diagnose(ns)
     assert report.exception == "RuntimeError: Input type (float) and bias type (c10::Half) should be the same"
-    assert report.cause.check == "batch-dtype-mismatch" and report.cause.subject == "model.model.encoder.conv1"
+    assert (
+        report.cause.check == "batch-dtype-mismatch" and report.cause.subject == "model.model.encoder.conv1"
+    )
     assert "`input_features` (float32)" in report.cause.message
     (fix,) = report.fixes
     assert fix.safe and "model.generate" in fix.title  # generate() calls the encoder, not model.forward
@@ -203,6 +205,8 @@ def test_gemma3_in_fp16_generates_token_zero_from_nan_logits_and_the_probe_names
     assert "prefill (step 0)" in generation.message
     (fix,) = [f for f in report.fixes if f.slug == "probe-nonfinite"]
     assert "bf16" in fix.title and report.proof.label(fix).startswith("checked on the probe's generate()")
+    # At rest, before any probe: the family's activations pass 65504 and the weights are fp16.
+    assert [f.check for f in mpdoctor.diagnose(namespace=GEMMA3.build()).findings] == ["fp16-overflow-risk"]
 
 
 def test_gemma3_fp16_generate_is_cured_through_the_api():
@@ -271,8 +275,13 @@ def test_gpt_neox_sampled_in_fp16_raises_the_multinomial_error_and_the_crash_hoo
     assert report.cause.check == "crash-sampling-nonfinite"
     probe_report = probed(ns)
     (culprit,) = probe_report.findings_for("probe-nonfinite")
-    assert culprit.subject == "model.gpt_neox.layers.1.mlp.dense_4h_to_h" and "inputs were finite" in culprit.message
+    assert (
+        culprit.subject == "model.gpt_neox.layers.1.mlp.dense_4h_to_h"
+        and "inputs were finite" in culprit.message
+    )
     assert probe_report.findings_for("probe-generation-nonfinite")
+    # A V100 has no bf16: the finding also carries the overflowing layer kept in fp32.
+    assert "Keep model.gpt_neox.layers.1.mlp.dense_4h_to_h (Linear) in fp32" in culprit.fixes[1].title
 
 
 def test_gpt_neox_fp16_sampling_is_cured_through_the_api():
