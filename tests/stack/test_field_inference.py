@@ -382,3 +382,152 @@ def test_healthy_vae_and_images_both_in_fp32_draw_nothing():
     assert alarms(mpdoctor.diagnose(namespace=ns)) == []
     assert alarms(probed_vae(ns)) == []
     assert outcome(VAE_ENCODE, ns) == "runs"
+
+
+# -- Wav2Vec2 in bf16 on a CPU, fed the feature extractor's fp32 input_values ---------------------------------------
+
+
+def tiny_wav2vec2(dtype: torch.dtype) -> Any:
+    """A tiny Wav2Vec2ForCTC shaped like wav2vec2-large-xlsr (``conv_bias=True``, layer-normed feature encoder): its
+    first conv has a bias, so the error names it as the thread's does."""
+    from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
+
+    torch.manual_seed(0)
+    config = Wav2Vec2Config(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, pad_token_id=0, conv_bias=True, feat_extract_norm="layer",
+        do_stable_layer_norm=True,
+    )  # fmt: skip
+    return Wav2Vec2ForCTC(config).to(dtype).eval()
+
+
+def wav2vec2_bf16_fp32_values() -> Namespace:
+    """``torch_dtype=torch.bfloat16`` on a CPU; the feature extractor returns float32 ``input_values`` (400 samples)."""
+    torch.manual_seed(1)
+    return {"model": tiny_wav2vec2(torch.bfloat16), "input_values": torch.randn(1, 400)}
+
+
+def recognise(ns: Namespace) -> Any:
+    with torch.no_grad():
+        return ns["model"](ns["input_values"]).logits
+
+
+WAV2VEC2 = Case(
+    name="wav2vec2-bf16-fp32-input-values",
+    source="huggingface/transformers#28631",
+    slug="batch-dtype-mismatch",
+    build=wav2vec2_bf16_fp32_values,
+    step=recognise,
+    failure=r"RuntimeError: Input type \(float\) and bias type \(c10::BFloat16\) should be the same",
+    diagnose=crash_report(recognise),
+    kind="inference",
+)
+
+
+def test_wav2vec2_in_bf16_on_fp32_input_values_raises_the_reported_error_and_the_crash_hook_names_the_first_conv():
+    assert_broken(WAV2VEC2)  # the error the PR quotes, word for word, from the real forward
+    report = WAV2VEC2.diagnose(WAV2VEC2.build())
+    assert report.exception == "RuntimeError: Input type (float) and bias type (c10::BFloat16) should be the same"
+    assert report.cause.check == "batch-dtype-mismatch"
+    assert report.cause.subject == "model.wav2vec2.feature_extractor.conv_layers.0.conv"
+    assert "`input_values` (float32)" in report.cause.message
+    (fix,) = report.fixes
+    assert fix.safe and "bfloat16" in fix.title and "ids and bool masks untouched" in fix.title
+
+
+def test_wav2vec2_bf16_on_fp32_input_values_is_cured_through_the_api():
+    cure_through_api(WAV2VEC2)
+
+
+def test_wav2vec2_bf16_on_fp32_input_values_is_cured_through_the_widget():
+    cure_through_widget(WAV2VEC2)
+
+
+def test_wav2vec2_input_cast_undone_brings_the_error_back():
+    assert_undo_restores(WAV2VEC2)
+
+
+def test_healthy_wav2vec2_input_values_cast_to_the_models_dtype_draw_nothing():
+    """The recipe after the PR (the pipeline casts the features to the model's dtype on every device); and fp32."""
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(1)
+        ns = {"model": tiny_wav2vec2(dtype), "input_values": torch.randn(1, 400).to(dtype)}
+        assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+        assert outcome(WAV2VEC2, ns) == "runs"
+
+
+# -- Donut (VisionEncoderDecoderModel) after model.half(), fed the image processor's fp32 pixel_values -------------
+
+
+def tiny_donut(dtype: torch.dtype) -> Any:
+    """A tiny Donut: a DonutSwin encoder and an MBart decoder in a VisionEncoderDecoderModel, as
+    ``naver-clova-ix/donut-base`` is built."""
+    from transformers import DonutSwinConfig, MBartConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+
+    encoder = DonutSwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1],
+                              num_heads=[2, 2], window_size=2)  # fmt: skip
+    decoder = MBartConfig(
+        vocab_size=64, d_model=16, decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=32, encoder_layers=1,
+        encoder_attention_heads=2, encoder_ffn_dim=32, max_position_embeddings=32, is_decoder=True,
+        add_cross_attention=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
+    torch.manual_seed(0)
+    return VisionEncoderDecoderModel(config=config).to(dtype).eval()
+
+
+def donut_half_fp32_pixels() -> Namespace:
+    """``model.half()``; the Donut image processor rescales to float32 whatever is asked (the thread's point)."""
+    torch.manual_seed(1)
+    return {"model": tiny_donut(torch.float16), "pixel_values": torch.randn(1, 3, 32, 32)}
+
+
+def read_document(ns: Namespace) -> Any:
+    with torch.no_grad():
+        return ns["model"].generate(ns["pixel_values"], max_new_tokens=3, output_logits=True,
+                                    return_dict_in_generate=True)  # fmt: skip
+
+
+DONUT = Case(
+    name="donut-half-fp32-pixel-values-generate",
+    source="huggingface/transformers#28969",
+    slug="batch-dtype-mismatch",
+    build=donut_half_fp32_pixels,
+    step=read_document,
+    failure=r"RuntimeError: Input type \(float\) and bias type \(c10::Half\) should be the same",
+    diagnose=crash_report(read_document),
+    kind="inference",
+)
+
+
+def test_donut_half_generate_on_fp32_pixel_values_raises_and_the_crash_hook_names_the_patch_embedding():
+    assert_broken(DONUT)
+    report = DONUT.diagnose(DONUT.build())
+    assert report.cause.check == "batch-dtype-mismatch"
+    assert report.cause.subject == "model.encoder.embeddings.patch_embeddings.projection"
+    assert "`pixel_values` (float32)" in report.cause.message
+    (fix,) = report.fixes
+    assert fix.safe and "model.generate" in fix.title  # generate() calls the encoder, not model.forward
+
+
+def test_donut_half_generate_on_fp32_pixel_values_is_cured_through_the_api():
+    cure_through_api(DONUT)
+
+
+def test_donut_half_generate_on_fp32_pixel_values_is_cured_through_the_widget():
+    cure_through_widget(DONUT)
+
+
+def test_donut_input_cast_undone_brings_the_error_back():
+    assert_undo_restores(DONUT)
+
+
+def test_healthy_donut_pixel_values_cast_to_fp16_draw_nothing():
+    """The maintainers' answer in the thread: ``pixel_values.to(torch.float16)`` for a half model; and fp32."""
+    for dtype in (torch.float16, torch.float32):
+        torch.manual_seed(1)
+        ns = {"model": tiny_donut(dtype), "pixel_values": torch.randn(1, 3, 32, 32).to(dtype)}
+        assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+        assert outcome(DONUT, ns) == "runs"
