@@ -531,3 +531,116 @@ def test_healthy_donut_pixel_values_cast_to_fp16_draw_nothing():
         ns = {"model": tiny_donut(dtype), "pixel_values": torch.randn(1, 3, 32, 32).to(dtype)}
         assert alarms(mpdoctor.diagnose(namespace=ns)) == []
         assert outcome(DONUT, ns) == "runs"
+
+
+# -- A KV cache filled by the fp32 model, then the model cast to bf16: the next generate meets fp32 keys -------------
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, pad_token_id=0,
+                         eos_token_id=None, bos_token_id=1)  # fmt: skip
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def prompt_cached(static: bool, cast_first: bool) -> Namespace:
+    """The prompt's keys and values kept for reuse (transformers' prompt-reuse recipe), then ``model.to(bf16)``.
+
+    litgpt's and nanochat's caches were allocated in fp32 (the default dtype) beside a bf16 model; transformers
+    allocates a cache in the dtype of the first keys it stores, so the same fp32 cache comes from a prefill run
+    before the cast (``cast_first=False``). The healthy twin casts first and fills the cache after."""
+    from transformers import DynamicCache, StaticCache
+
+    model = tiny_llama()
+    if cast_first:
+        model.to(torch.bfloat16)
+    cache = StaticCache(config=model.config, max_cache_len=16) if static else DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(PROMPT["input_ids"], past_key_values=cache, use_cache=True)
+    model.to(torch.bfloat16)
+    return {"model": model, "prompt_cache": cache, "ids": torch.tensor([[3, 14, 15, 9, 7]])}
+
+
+def continue_prompt(ns: Namespace) -> Any:
+    """``generate`` on the prompt plus one token, reusing the cached prompt."""
+    with torch.no_grad():
+        return ns["model"].generate(ns["ids"], past_key_values=ns["prompt_cache"], max_new_tokens=2, pad_token_id=0,
+                                    do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
+
+
+STATIC_CACHE = Case(
+    name="static-kv-cache-fp32-in-bf16-model",
+    source="Lightning-AI/litgpt#57",
+    slug="kv-cache-dtype-mismatch",
+    build=lambda: prompt_cached(static=True, cast_first=False),
+    step=continue_prompt,
+    failure=r"RuntimeError: index_copy_\(\): self and source expected to have the same dtype, but got \(self\) Float "
+    r"and \(source\) BFloat16",
+    kind="inference",
+)
+
+DYNAMIC_CACHE = Case(
+    name="dynamic-kv-cache-fp32-in-bf16-model",
+    source="karpathy/nanochat#795",
+    slug="kv-cache-dtype-mismatch",
+    build=lambda: prompt_cached(static=False, cast_first=False),
+    step=continue_prompt,
+    failure=r"RuntimeError: Expected query, key, and value to have the same dtype, but got query.dtype: "
+    r"c10::BFloat16 key.dtype: float and value.dtype: float instead.",
+    kind="inference",
+)
+
+
+@pytest.mark.parametrize("case", [STATIC_CACHE, DYNAMIC_CACHE], ids=["static", "dynamic"])
+def test_an_fp32_kv_cache_in_a_bf16_generate_raises_the_reported_error_and_is_named(case):
+    """Named at rest, before the call (the cases' diagnosis: ``diagnose(namespace=...)``), and by the crash hook after
+    it. The failed call has already advanced the first layer by one token (a static layer's ``cumulative_length``,
+    a dynamic layer's concatenated keys), so after the crash the cast alone does not cure the held cache: the cure
+    is proven on the diagnosis before the call."""
+    assert_broken(case)  # the threads' very errors, from the real generate() and transformers' cache classes
+    (finding,) = case.diagnose(case.build()).findings_for("kv-cache-dtype-mismatch")
+    assert finding.subject == "prompt_cache" and finding.severity == "error"
+    assert "stores fp32 keys and values while model computes in bf16" in finding.message
+    assert [a.split(":")[0] for a in alarms(case.diagnose(case.build()))] == ["kv-cache-dtype-mismatch"]
+    ns = case.build()
+    report = crash_report(continue_prompt)(ns)
+    assert report.findings_for("kv-cache-dtype-mismatch")
+    (fix,) = report.fixes
+    assert fix.slug == "kv-cache-dtype-mismatch" and fix.safe
+    assert [int(layer.keys.shape[-2]) if case is not STATIC_CACHE else int(layer.cumulative_length)
+            for layer in ns["prompt_cache"].layers] == [5, 4]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [STATIC_CACHE, DYNAMIC_CACHE], ids=["static", "dynamic"])
+def test_an_fp32_kv_cache_in_a_bf16_generate_is_cured_through_the_api(case):
+    cure_through_api(case)
+
+
+@pytest.mark.parametrize("case", [STATIC_CACHE, DYNAMIC_CACHE], ids=["static", "dynamic"])
+def test_an_fp32_kv_cache_in_a_bf16_generate_is_cured_through_the_widget(case):
+    cure_through_widget(case)
+
+
+@pytest.mark.parametrize("case", [STATIC_CACHE, DYNAMIC_CACHE], ids=["static", "dynamic"])
+def test_the_kv_cache_cast_undone_brings_the_error_back(case):
+    assert_undo_restores(case)
+    ns = case.build()
+    layers = ns["prompt_cache"].layers
+    keys = [layer.keys for layer in layers]
+    (fix,) = case.diagnose(ns).fixes
+    fix.apply()
+    assert {layer.keys.dtype for layer in layers} == {torch.bfloat16}
+    fix.undo()
+    assert all(layer.keys is k for layer, k in zip(layers, keys, strict=True))  # the very fp32 tensors, back
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["static", "dynamic"])
+def test_healthy_kv_cache_filled_after_the_cast_draws_nothing(static):
+    """The recipe: cast the model first, then fill the cache (the fix both threads made: the cache in the model's
+    dtype)."""
+    ns = prompt_cached(static=static, cast_first=True)
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert outcome(STATIC_CACHE, ns) == "runs"
