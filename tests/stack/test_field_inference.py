@@ -463,7 +463,12 @@ def test_healthy_wav2vec2_input_values_cast_to_the_models_dtype_draw_nothing():
 def tiny_donut(dtype: torch.dtype) -> Any:
     """A tiny Donut: a DonutSwin encoder and an MBart decoder in a VisionEncoderDecoderModel, as
     ``naver-clova-ix/donut-base`` is built."""
-    from transformers import DonutSwinConfig, MBartConfig, VisionEncoderDecoderConfig, VisionEncoderDecoderModel
+    from transformers import (
+        DonutSwinConfig,
+        MBartConfig,
+        VisionEncoderDecoderConfig,
+        VisionEncoderDecoderModel,
+    )
 
     encoder = DonutSwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=8, depths=[1, 1],
                               num_heads=[2, 2], window_size=2)  # fmt: skip
@@ -472,8 +477,8 @@ def tiny_donut(dtype: torch.dtype) -> Any:
         encoder_attention_heads=2, encoder_ffn_dim=32, max_position_embeddings=32, is_decoder=True,
         add_cross_attention=True, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
     )  # fmt: skip
-    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
-    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
+    config = VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder, decoder_start_token_id=1,
+                                                                     pad_token_id=0, eos_token_id=2)  # fmt: skip
     torch.manual_seed(0)
     return VisionEncoderDecoderModel(config=config).to(dtype).eval()
 
