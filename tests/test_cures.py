@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "field"))  # the field 
 
 from test_exception_cases import Guided, Pooler, Router, TinyAttention  # noqa: E402
 from test_peft_accelerate_core import fp16_lora, trainable  # noqa: E402
-from test_runtime_batch_nan_cases import Encoder  # noqa: E402
-from test_torch_core import fp16_llama_and_adamw  # noqa: E402
+from test_runtime_batch_nan_cases import Encoder, normalized_head  # noqa: E402
+from test_torch_core import fp16_llama_and_adamw, overflowing_llama  # noqa: E402
 from test_transformers_core import closed_form_inv_freq, long_context_llama, rope_phase_error  # noqa: E402
 
 
@@ -139,6 +139,19 @@ def _gemma2_overflowing() -> Namespace:
     return _model_and_adamw(model.half(), lr=1e-4, inputs=batch())
 
 
+def _fp16_llama_with_a_float32_min_mask() -> Namespace:
+    # transformers PR #17306: a 4D additive mask filled with float32's finfo.min, cast to the fp16 model's dtype.
+    model = tiny_llama(torch.float16, use_cache=False)
+    model.config._attn_implementation = "eager"  # the softmax path of the report
+    ids = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 8)
+    keep[0, :3] = 0  # left padding: its query rows allow no key
+    allowed = torch.tril(torch.ones(8, 8))[None, None] * keep[:, None, None, :]
+    mask = ((1.0 - allowed) * torch.finfo(torch.float32).min).half()  # -3.4e38 is -inf in fp16
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1),
+            "inputs": {"input_ids": ids, "attention_mask": mask, "labels": ids}}  # fmt: skip
+
+
 def _probe(ns: Namespace):
     return mpdoctor.probe(ns["model"], ns.get("inputs") or batch(), name="model")
 
@@ -186,6 +199,27 @@ def _v100_refusal(ns: Namespace) -> None:
 def _fp16_arguments(ns: Namespace) -> None:
     assert ns["args"].fp16 and not ns["args"].bf16  # what a V100 runs: fp16 autocast over fp32 master weights
     assert {p.dtype for p in ns["model"].parameters()} == {torch.float32}
+
+
+def _collapsed_scaler() -> Namespace:
+    # insightface#2262: fp16 autocast over an activation past 65504; 20 skipped steps drove the scale down.
+    ns = _model_and_adamw(overflowing_llama())
+    ns["scaler"] = torch.amp.GradScaler("cpu")
+    for _ in range(20):
+        train_step(ns["model"], ns["opt"], scaler=ns["scaler"], autocast_dtype=torch.float16)
+    return ns
+
+
+def _scaled_fp16_autocast_step(ns: Namespace) -> float:
+    return train_step(ns["model"], ns["opt"], scaler=ns["scaler"], autocast_dtype=torch.float16)
+
+
+def _scale_collapsed(ns: Namespace) -> None:
+    assert ns["scaler"].get_scale() < 1.0, "the loss scale must have been driven below 1"
+
+
+def _probe_with_scaler(ns: Namespace):
+    return mpdoctor.probe(ns["model"], batch(), scaler=ns["scaler"], autocast=torch.float16, name="model")
 
 
 # -- peft / accelerate core ------------------------------------------------------------------------
@@ -340,6 +374,19 @@ def _encoder_step(ns: Namespace) -> torch.Tensor:
     return loss
 
 
+def _fp16_normalized_head() -> Namespace:
+    model, x = normalized_head()
+    return {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=1.0), "x": x}
+
+
+def _normalized_head_step(ns: Namespace) -> torch.Tensor:
+    ns["opt"].zero_grad()
+    loss = ns["model"](ns["x"]).float().sum()
+    loss.backward()
+    ns["opt"].step()
+    return loss
+
+
 def _t5_wo_past_65504() -> Namespace:
     torch.manual_seed(0)
     config = T.T5Config(vocab_size=100, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
@@ -381,6 +428,16 @@ CASES: list[Case] = [
     Case(
         name="gpt-neox-rope-fp16", source="EleutherAI/gpt-neox#1003", slug="half-precision-rope-buffers",
         build=_neox_fp16, step=_step, failure="trains", harm=_NEOX[0], healed=_NEOX[1],
+    ),
+    Case(
+        name="fp16-scale-collapsed-by-an-overflowing-layer", source="deepinsight/insightface#2262",
+        slug="probe-nonfinite", build=_collapsed_scaler, step=_scaled_fp16_autocast_step,
+        failure="loss is not finite", diagnose=_probe_with_scaler, recipe="fp32-module", harm=_scale_collapsed,
+    ),
+    Case(
+        name="float32-min-mask-in-fp16", source="huggingface/transformers PR #17306", slug="probe-nonfinite",
+        build=_fp16_llama_with_a_float32_min_mask, step=_step, failure="loss is not finite", diagnose=_probe,
+        fixed_by="attention-mask-overflow",  # the probe plans the one clamp both findings offer, under the mask check
     ),
     Case(
         name="t5-fp16-feed-forward-overflow", source="huggingface/transformers#4586", slug="probe-nonfinite",
@@ -448,6 +505,11 @@ CASES: list[Case] = [
         slug="crash-attention-mask-dtype", build=_attention_with_int_mask, step=_attention_step,
         failure="Expected attn_mask dtype to be bool or float", diagnose=_crash_of(_attention_step),
         recipe="bool-mask-at-forward",
+    ),
+    Case(
+        name="f-normalize-eps-zero-in-fp16", source="pytorch/pytorch#32137", slug="probe-nonfinite",
+        build=_fp16_normalized_head, step=_normalized_head_step, failure="loss is not finite", recipe="fp32-module",
+        diagnose=lambda ns: mpdoctor.probe(ns["model"], ns["x"], loss_fn=lambda out: out.float().sum(), name="model"),
     ),
     Case(
         name="t5-wo-past-65504", source="huggingface/transformers#5651", slug="probe-nonfinite",

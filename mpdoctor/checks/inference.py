@@ -126,7 +126,8 @@ def _eager(m: ModelFacts) -> bool:
     return root is not None and root.attn_implementation == "eager"
 
 
-def _mask_fix(mask: AttentionMaskFacts) -> Fix:
+def mask_clamp_fix(mask: AttentionMaskFacts) -> Fix:
+    """Rebuild the held mask in place with its dtype's ``finfo.min`` where it holds ``-inf`` (safe)."""
     return Fix(
         f"Rebuild {mask.name} in place with torch.finfo(torch.{mask.dtype}).min where it holds -inf",
         f"{mask.name}.clamp_(min=torch.finfo({mask.name}.dtype).min)  # build it so: "
@@ -190,7 +191,7 @@ def attention_mask_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
             f"{why}: {where}",
             {"dtype": mask.dtype, "shape": list(mask.shape), "dead_rows": mask.dead_rows, "neg_inf": mask.neg_inf,
              "eager": eager},  # fmt: skip
-            [_mask_fix(mask)],
+            [mask_clamp_fix(mask)],
             severity=Severity.ERROR if eager else Severity.INFO,
         )
 

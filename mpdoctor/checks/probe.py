@@ -14,6 +14,7 @@ from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
 from . import check
+from .inference import mask_clamp_fix
 from .values import eps_fixes
 
 #: fp16's largest finite value.
@@ -174,6 +175,7 @@ def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
         ]
     if cause == "input-nonfinite":
         return [
+            *(mask_clamp_fix(mask) for mask in facts.attention_masks if mask.neg_inf),  # the batch's own mask
             Fix(
                 "Build additive masks with the compute dtype's finfo.min, not float32's",
                 "mask = (1.0 - attention_mask[:, None, None, :].to(dtype)) * torch.finfo(dtype).min  # dtype: the "

@@ -498,6 +498,7 @@ class FamilyDetail:
         changes = tuple(KeepModuleFp32(live.add(m), "", frozenset(id(p) for p in m.parameters()), device, holders,
                                        f"{cls} {i}" if len(twins) > 1 else name, cast_back=True)
                         for i, m in enumerate(twins))  # fmt: skip
+        changes += _island_buffers(live, twins, cls if len(twins) > 1 else name)
         n = len(twins)
         every = f"every {cls} ({n}, {name} among them)" if n > 1 else name
         return Fix(
@@ -555,6 +556,20 @@ class FamilyDetail:
         from ..treatment.fixes import Applicability, Fix
 
         return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe="crash-cast")
+
+
+def _island_buffers(live: Any, modules: list, label: str) -> tuple:
+    """The half-precision floating buffers of an island's modules cast to fp32 with them (an orthogonal
+    parametrization's ``base``): an fp32 forward would meet them in bf16 / fp16 and raise."""
+    from ..treatment.island_changes import CastBuffersTo
+
+    out = []
+    for m in modules:
+        held = tuple(tuple(n.rpartition(".")[::2]) for n, b in m.named_buffers()
+                     if b.is_floating_point() and b.element_size() < 4)  # fmt: skip
+        if held:
+            out.append(CastBuffersTo(live.add(m), held, "float32", f"{label}'s buffers"))
+    return tuple(out)
 
 
 def _parameter_twins(owner: Any, operand: Any, attr: str) -> list[int]:

@@ -798,8 +798,9 @@ def probe(
     else:
         facts_probe = run_probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn,
                                 training=training)  # fmt: skip
-    objects = [model] + ([setup] if setup is not None else [])
-    subjects = discover(objects, names={id(model): name})
+    masks = _batch_masks(batch)  # a 4D additive mask in the batch: a fix may clamp its -inf in place
+    objects = [model] + ([setup] if setup is not None else []) + [t for _, t in masks]
+    subjects = discover(objects, names={id(model): name, **{id(t): key for key, t in masks}})
     live = Live()
     facts = gather(subjects, live=live)
     live.add(model)
@@ -839,6 +840,17 @@ def probe(
             step = probe_step(model, batch, setup, autocast, loss_fn, training, scaler=scaler)
             report = assemble(report, step=step, before=_outcome(facts_probe))
     return report
+
+
+def _batch_masks(batch: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` of the batch's keyword entries that read as 4D additive attention masks."""
+    from ..readers.masks import is_additive_mask
+
+    entries = batch.kwargs if isinstance(batch, ForwardCall) else batch if isinstance(batch, Mapping) else {}
+    try:
+        return [(str(k), v) for k, v in entries.items() if is_additive_mask(v)]
+    except Exception:  # a batch that cannot be read so: the probe runs without its masks
+        return []
 
 
 def _outcome(facts: ProbeFacts) -> Any:
@@ -882,6 +894,8 @@ def probe_step(model: torch.nn.Module, batch: Any, setup: Any = None, autocast: 
     scale = _loss_scale(setup, scaler)
 
     def run() -> Any:
+        for p in model.parameters():  # a skipped step's inf/NaN gradients are not this backward's (the proof restores them)
+            p.grad = None
         ctx, _, _ = _autocast_for(device, setup, autocast)
         with torch.enable_grad(), ctx:
             loss = loss_of(call_model(model, to_device(batch, device)), loss_fn)

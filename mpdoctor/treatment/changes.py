@@ -1134,7 +1134,8 @@ class KeepModuleFp32(ChangeSpec):
         return steps
 
     def simulate(self, facts: Facts) -> Facts:
-        return _replace_params(facts, self.param_ids, "float32", "float32", grads_only=False)
+        facts = _replace_params(facts, self.param_ids, "float32", "float32", grads_only=False)
+        return _probes_in_fp32(facts, self.ref, self.path)
 
     def verify(self, live: Live) -> str | None:
         from ..edits.steps import MethodInputCast
@@ -1151,6 +1152,32 @@ class KeepModuleFp32(ChangeSpec):
 
     def backup_bytes(self, facts: Facts) -> int:
         return _param_bytes(facts, self.param_ids, "float32")
+
+
+_HALF = frozenset({"float16", "bfloat16"})
+
+
+def _probes_in_fp32(facts: Facts, ref: int, path: str) -> Facts:
+    """The probes of the model ``ref`` after its submodule ``path`` is kept in fp32: a forward NaN/Inf first made
+    inside it, in half precision, from finite inputs and finite weights (fp16's 65504, an eps that is 0 in fp16)
+    predicted gone with what it carried downstream and back through the backward (a prediction the planner plans on; the proof checks it)."""
+    out = []
+    for p in facts.probes:
+        hit = p.first_nonfinite() if getattr(p, "model_ref", 0) == ref and hasattr(p, "first_nonfinite") else None
+        first = hit[0] if hit is not None and hit[1] == "forward" else None
+        # Without autocast, a submodule's fp32 output meets the half-precision layers after it (a dtype error, or
+        # the same overflow once cast back): only autocast, which casts per op, or the whole model (its output is
+        # the user's) takes the island's fp32 result.
+        downstream_ok = p.autocast in _HALF or not path
+        if (first is None or (path and first.path != path and not first.path.startswith(path + "."))
+                or first.in_nonfinite or first.param_nonfinite or not downstream_ok
+                or not (p.autocast in _HALF or _HALF & {*first.input_dtypes, *first.param_dtypes})):  # fmt: skip
+            out.append(p)
+            continue
+        modules = tuple(dataclasses.replace(m, out_nonfinite=0, in_nonfinite=0, grad_nonfinite=0, param_grad_nonfinite=0)
+                        if not m.param_nonfinite else m for m in p.modules)  # the backward's NaN came from it too  # fmt: skip
+        out.append(dataclasses.replace(p, modules=modules))
+    return dataclasses.replace(facts, probes=tuple(out)) if out != list(facts.probes) else facts
 
 
 def outputs_in_inputs_dtype(out: Any, args: tuple, kwargs: dict) -> Any:

@@ -658,6 +658,68 @@ def test_adapters_772_reft_orthogonality_in_bf16_is_refused_named_then_the_fp32_
     reft_step(model, x)  # the user's forward and step, again
 
 
+def reft_user_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """The user's step on a ReFT model: the intervention's parameters trained, the base frozen."""
+    opt.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def reft_at_the_crash():
+    """A bf16 ReFT model, its optimizer, its batch, and the error its forward raises."""
+    model = ReftModel().to(torch.bfloat16)
+    opt = torch.optim.SGD(model.intervention.parameters(), lr=0.1)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    exc = raised(lambda: reft_user_step(model, opt, x))
+    assert str(exc) == "\"orgqr_cpu\" not implemented for 'BFloat16'"  # the real error
+    return model, opt, x, exc
+
+
+def test_adapters_772_the_intervention_runs_as_an_fp32_island_in_place_and_the_same_step_trains():
+    """adapter-hub/adapters#772 at the crash: the cause's planned fix runs the intervention whose forward raised in
+    fp32 (its parameters, the parametrization's ``original`` and its ``base`` buffer), its output cast back to bf16,
+    in place; the same step trains; undo gives back every tensor object and the error."""
+    from fingerprint import assert_unchanged, fingerprint
+
+    model, opt, x, exc = reft_at_the_crash()
+    report = explain(exc, namespace={"model": model, "opt": opt, "x": x})
+    assert report.cause.check == "crash-linalg-half"
+    (fix,) = [fx for fx in report.fixes if fx.recipe == "fp32-island"]  # the plan's, led by the cause
+    assert "model.intervention" in fix.title and not fix.safe
+    fix.apply()
+    assert fix.applied, fix.error
+    base = model.intervention.rotate.parametrizations.weight[0].base
+    assert base.dtype == torch.float32 and model.intervention.source.weight.dtype == torch.float32
+    assert model.body.weight.dtype == torch.bfloat16 and model(x).dtype == torch.bfloat16  # only the island moved
+    params = list(model.intervention.parameters())
+    before = snapshot(params)
+    assert_step_trains(reft_user_step(model, opt, x), before, params)
+    fix.undo()
+    assert model.intervention.rotate.parametrizations.weight.original.dtype == torch.bfloat16
+    assert "orgqr_cpu" in str(raised(lambda: model(x)))  # the island is gone: the forward raises again
+
+    model, opt, x, exc = reft_at_the_crash()  # exact undo, on objects the step has not moved
+    fix = next(fx for fx in explain(exc, namespace={"model": model, "opt": opt}).fixes if fx.recipe == "fp32-island")
+    held = fingerprint({"model": model, "opt": opt})
+    fix.apply()
+    assert fingerprint({"model": model, "opt": opt}) != held
+    fix.undo()
+    assert_unchanged(held, fingerprint({"model": model, "opt": opt}), "island apply then undo")
+
+
+def test_adapters_772_through_the_widget_button():
+    model, opt, x, exc = reft_at_the_crash()
+    rw = explain(exc, namespace={"model": model, "opt": opt, "x": x}).widget()
+    rw.confirm_delay = 0.0
+    click(rw, "Run model.intervention in fp32", confirm=True)
+    assert "failed" not in rw.status, rw.status
+    params = list(model.intervention.parameters())
+    before = snapshot(params)
+    assert_step_trains(reft_user_step(model, opt, x), before, params)
+
+
 def test_healthy_twin_reft_adapter_kept_fp32_draws_nothing():
     model = ReftModel().to(torch.bfloat16)
     model.intervention.float()  # the maintainers' recipe: the adapter in fp32

@@ -131,30 +131,49 @@ def test_f_normalize_default_eps_is_zero_in_fp16():
 
     https://github.com/pytorch/pytorch/issues/32137 -- https://github.com/huggingface/diffusers/pull/13316
     """
+    model, x = normalized_head()
+    assert torch.isnan(model(x)).any()  # the real harm: zero-norm row -> 0 / max(0, 1e-12 -> 0)
 
-    class Head(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = nn.Linear(4, 4)
+    report = mpdoctor.probe(model, x, loss_fn=lambda out: out.float().sum())
+    f = _nonfinite(report)
+    assert f.evidence["origin"] == "eps-underflow" and f.evidence["op"] == "normalize"
+    (fix,) = [fx for fx in report.fixes if fx.recipe == "fp32-module"]  # planned: the normalisation in fp32
+    held = [(p, p.data) for p in model.parameters()]
+    fix.apply()
+    assert fix.applied and model.proj.weight.dtype == torch.float32
+    assert _trains(model, x, loss_of=lambda m, b: m(b).float().sum(), lr=1.0)  # the user's own forward
+    fix.undo()
+    assert all(p.dtype == torch.float16 for p, _ in held) and "forward" not in vars(model)
+    assert torch.isnan(model(x)).any()  # undone: the fp16 normalisation again
 
-        def forward(self, x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
-            h = self.proj(x)
-            if fp32:  # the fix the finding gives: the normalisation in fp32
-                return torch.nn.functional.normalize(h.float(), dim=-1).to(h.dtype)
-            return torch.nn.functional.normalize(h, dim=-1)
+    model, x = normalized_head()  # the code the finding shows, run as the user would
+    assert _trains(model, x, loss_of=lambda m, b: m(b, fp32=True).float().sum(), lr=1.0)
 
+
+class Head(nn.Module):
+    """A projection then ``F.normalize`` (eps 1e-12, which is 0 in fp16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        h = self.proj(x)
+        if fp32:  # the code the finding shows: the normalisation in fp32
+            return torch.nn.functional.normalize(h.float(), dim=-1).to(h.dtype)
+        return torch.nn.functional.normalize(h, dim=-1)
+
+
+def normalized_head() -> tuple[Head, torch.Tensor]:
+    """An fp16 ``Head`` whose first output is bias only (zero), and a batch whose first row is zero: a zero norm."""
+    torch.manual_seed(0)
     model = Head().half()
     with torch.no_grad():
         model.proj.weight[0] = 0.0  # one all-zero output row of weights: h[:, 0] is bias only
         model.proj.bias.zero_()
     x = torch.zeros(2, 4, dtype=torch.float16)
     x[1] = 1.0
-    assert torch.isnan(model(x)).any()  # the real harm: zero-norm row -> 0 / max(0, 1e-12 -> 0)
-
-    f = _nonfinite(mpdoctor.probe(model, x, loss_fn=lambda out: out.float().sum()))
-    assert f.evidence["origin"] == "eps-underflow" and f.evidence["op"] == "normalize"
-    assert any(fx.recipe == "fp32-module" for fx in f.fixes)
-    assert _trains(model, x, loss_of=lambda m, b: m(b, fp32=True).float().sum(), lr=1.0)
+    return model, x
 
 
 def test_t5_feed_forward_output_passes_65504_in_fp16():

@@ -220,13 +220,25 @@ def test_an_additive_mask_built_with_float32_min_becomes_minus_inf_in_fp16_and_a
     out = model(input_ids=ids, attention_mask=additive(torch.float32), labels=ids)
     assert torch.isnan(out.logits).any() and not finite(out.loss.item())
 
-    report = mpdoctor.probe(model, ForwardCall(input_ids=ids, attention_mask=additive(torch.float32), labels=ids))
+    mask = additive(torch.float32)  # the mask the user holds and passes
+    report = mpdoctor.probe(model, ForwardCall(input_ids=ids, attention_mask=mask, labels=ids))
     (finding,) = report.findings_for("probe-nonfinite")
     assert finding.evidence["cause"] == "input-nonfinite" and "finfo.min" in finding.message
-    (fix,) = finding.fixes
-    assert fix.recipe == "mask-in-compute-dtype" and "torch.finfo(dtype).min" in fix.code
+    clamp, code = finding.fixes
+    assert clamp.recipe == "mask-dtype-min" and clamp.safe  # the batch's own mask, rebuilt in place
+    assert code.recipe == "mask-in-compute-dtype" and "torch.finfo(dtype).min" in code.code  # how to build it so
+    (mask_finding,) = report.findings_for("attention-mask-overflow")  # the probe reads the batch's mask too
+    assert mask_finding.subject == "attention_mask" and mask_finding.evidence["dead_rows"] == 3
+    (planned,) = [fx for fx in report.fixes if fx.recipe == "mask-dtype-min"]  # one clamp for both findings
+    storage = mask.untyped_storage().data_ptr()
+    planned.apply()
+    assert planned.applied and not torch.isinf(mask).any() and mask.min() == torch.finfo(torch.float16).min
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)  # the user's call, with the same tensor
+    assert not torch.isnan(out.logits).any() and finite(out.loss.item())
+    planned.undo()
+    assert mask.untyped_storage().data_ptr() == storage and torch.equal(mask, additive(torch.float32))
 
-    # The treatment, as the fix's code says: the compute dtype's finfo.min.
+    # The same treatment as the code says: the compute dtype's finfo.min.
     out = model(input_ids=ids, attention_mask=additive(torch.float16), labels=ids)
     assert not torch.isnan(out.logits).any() and finite(out.loss.item())
 
