@@ -29,7 +29,8 @@ from ..treatment.findings import Finding
 
 #: Crash patterns (``mpdoctor.crash.patterns``) whose error a batch in the wrong dtype raises.
 DTYPE_PATTERNS = frozenset(
-    {"crash-matmul-dtype", "crash-conv-dtype", "crash-norm-dtype", "crash-attention-dtype", "crash-rnn-dtype"}
+    {"crash-matmul-dtype", "crash-conv-dtype", "crash-norm-dtype", "crash-attention-dtype", "crash-rnn-dtype",
+     "crash-scalar-type-dtype"}
 )
 
 

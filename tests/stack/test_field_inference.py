@@ -387,17 +387,20 @@ def test_healthy_vae_and_images_both_in_fp32_draw_nothing():
 # -- Wav2Vec2 in bf16 on a CPU, fed the feature extractor's fp32 input_values ---------------------------------------
 
 
-def tiny_wav2vec2(dtype: torch.dtype) -> Any:
+def tiny_wav2vec2(dtype: torch.dtype, large: bool = True) -> Any:
     """A tiny Wav2Vec2ForCTC shaped like wav2vec2-large-xlsr (``conv_bias=True``, layer-normed feature encoder): its
-    first conv has a bias, so the error names it as the thread's does."""
+    first conv has a bias, so the error names it as the thread's does. ``large=False``: shaped like wav2vec2-base
+    (no conv bias, a group-normed first conv), where the same fp32 features raise "expected scalar type Float but
+    found BFloat16" instead."""
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
     torch.manual_seed(0)
+    shape = dict(conv_bias=True, feat_extract_norm="layer", do_stable_layer_norm=True) if large else dict(
+        conv_bias=False, feat_extract_norm="group", do_stable_layer_norm=False)  # fmt: skip
     config = Wav2Vec2Config(
         vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
         conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=2, pad_token_id=0, conv_bias=True, feat_extract_norm="layer",
-        do_stable_layer_norm=True,
+        num_conv_pos_embedding_groups=2, pad_token_id=0, **shape,
     )  # fmt: skip
     return Wav2Vec2ForCTC(config).to(dtype).eval()
 
@@ -446,6 +449,36 @@ def test_wav2vec2_bf16_on_fp32_input_values_is_cured_through_the_widget():
 
 def test_wav2vec2_input_cast_undone_brings_the_error_back():
     assert_undo_restores(WAV2VEC2)
+
+
+def wav2vec2_base_bf16_fp32_values() -> Namespace:
+    torch.manual_seed(1)
+    return {"model": tiny_wav2vec2(torch.bfloat16, large=False), "input_values": torch.randn(1, 400)}
+
+
+WAV2VEC2_BASE = Case(
+    name="wav2vec2-base-bf16-fp32-input-values",
+    source="huggingface/transformers#28631",
+    slug="batch-dtype-mismatch",
+    build=wav2vec2_base_bf16_fp32_values,
+    step=recognise,
+    failure=r"RuntimeError: expected scalar type Float but found BFloat16",
+    diagnose=crash_report(recognise),
+    kind="inference",
+)
+
+
+def test_wav2vec2_base_raises_another_message_and_the_cause_is_still_the_fp32_features_not_the_conv_weights():
+    """The same mistake in a wav2vec2-base shape raises "expected scalar type Float but found BFloat16". Casting the
+    conv's weights to fp32 (the operand the op met) leaves a mixed model that raises at the group norm next; the
+    cause is the fp32 ``input_values`` fed to a model that is bf16 throughout, cast where they arrive."""
+    assert_broken(WAV2VEC2_BASE)
+    report = WAV2VEC2_BASE.diagnose(WAV2VEC2_BASE.build())
+    assert report.cause.check == "batch-dtype-mismatch", [f.check for f in report.findings]
+    assert "`input_values` (float32)" in report.cause.message
+    assert report.fixes and report.fixes[0].safe and "bfloat16" in report.fixes[0].title
+    cure_through_api(WAV2VEC2_BASE)
+    cure_through_widget(WAV2VEC2_BASE)
 
 
 def test_healthy_wav2vec2_input_values_cast_to_the_models_dtype_draw_nothing():
