@@ -7,7 +7,7 @@ fix is applied in place, through ``fix.apply()`` and through the widget's button
 output; undo brings the failure back. Each has a healthy twin, the same recipe done right, that draws no error and
 no warning.
 
-Tiny random models rarely leave fp16's range by themselves (docs in /work/shared/STACK.md): where a case needs a
+Tiny random models rarely leave fp16's range by themselves (docs/stack.md): where a case needs a
 "massive activation", one weight (a post-norm weight, one output channel of a projection) is set to a value inside
 fp16's range (at most 60000), so only the activations computed from it leave the range, and each test says which.
 """
