@@ -656,7 +656,9 @@ def test_freezing_float8_storage_drops_the_grads_a_failed_step_left_and_undoes_e
     model[0].weight.data = model[0].weight.data.to(torch.float8_e4m3fn)
     ns = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-2)}
     model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
-    with pytest.raises(NotImplementedError, match="Float8_e4m3fn"):
+    # torch 2.13 raises NotImplementedError ("... not implemented for 'Float8_e4m3fn'"); the oldest corner's torch a
+    # RuntimeError ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'): the same refusal
+    with pytest.raises((NotImplementedError, RuntimeError), match="not implemented for 'Float8_e4m3fn'"):
         ns["opt"].step()
     stale = model[0].weight.grad
     assert stale is not None and stale.dtype == torch.float8_e4m3fn
