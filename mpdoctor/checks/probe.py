@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..facts import Facts, ModelFacts
-from ..treatment.changes import CastParamsTo, KeepModuleFp32
+from ..treatment.changes import CastParamsTo, FloorActivationScales, KeepModuleFp32
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -48,6 +48,10 @@ PROBE_CAUSES = {
     ),
     "activation-overflow-fp16": "its finite inputs produced an activation past fp16's largest value, 65504",
     "nonfinite-from-finite": "it produced NaN/Inf from finite inputs and weights (log/div of 0, softmax over -inf)",
+    "activation-scale-zero": (
+        "its weight quantizes its input dynamically to float8 with no lower bound on the scale: an all-zero row "
+        "(padding, a masked token) gets scale amax / 448 = 0 and quantizes to 0 / 0 = NaN"
+    ),
     "gradient-overflow-scaled": "the gradient, multiplied by the loss scale, passed fp16's 65504 on its way back",
     "gradient-overflow-fp16": "the gradient passed fp16's 65504 on its way back, with no loss scaling to adjust",
     "gradient-nonfinite": "the gradient went non-finite on its way back (an exploding gradient)",
@@ -58,12 +62,22 @@ def _model_of(facts: Facts, p) -> ModelFacts | None:
     return next((m for m in facts.models if m.name == p.model), None)
 
 
-def _nonfinite_cause(p, m, phase: str) -> str:
+def _unfloored(facts: Facts, p) -> list:
+    """The quantized weights of the probed model whose dynamic activation scales have no lower bound."""
+    model = _model_of(facts, p)
+    if model is None:
+        return []
+    return [q for q in model.quantized_weights if q.dynamic_activation and q.activation_floor is None]
+
+
+def _nonfinite_cause(p, m, phase: str, facts: Facts | None = None) -> str:
     if phase == "forward":
         if m.param_nonfinite:
             return "weights-nonfinite"
         if m.in_nonfinite:
             return "input-nonfinite"
+        if facts is not None and any(q.path == m.path for q in _unfloored(facts, p)):
+            return "activation-scale-zero"
         dtypes = set(m.output_dtypes)
         if (p.fp16_in_use or "float16" in dtypes) and "float16" in dtypes:
             return "activation-overflow-fp16"
@@ -149,7 +163,30 @@ def _keep_fp32_changes(facts: Facts, p, path: str, device: str) -> tuple:
     return (KeepModuleFp32(ref, path, ids, device, facts.optimizer_refs(ids), label),)
 
 
+def _floor_fix(facts: Facts, p) -> Fix:
+    """A lower bound on every unbounded dynamic activation scale of the probed model, set in place."""
+    model = _model_of(facts, p)
+    paths = tuple(q.path for q in _unfloored(facts, p))
+    shown = ", ".join(_where(p, path) for path in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return Fix(
+        f"Bound the float8 activation scales of {len(paths)} quantized layer{'s' if len(paths) != 1 else ''} of "
+        f"{p.model} below (1e-12): an all-zero row then stays 0 ({shown})",
+        "import dataclasses\n"
+        f"for module in {p.model}.modules():\n"
+        "    w = getattr(module, 'weight', None)\n"
+        "    if getattr(w, 'act_quant_kwargs', None) is not None and w.act_quant_kwargs.hp_value_lb is None:\n"
+        "        w.act_quant_kwargs = dataclasses.replace(w.act_quant_kwargs, hp_value_lb=1e-12)\n"
+        "# when quantizing again: Float8DynamicActivationFloat8WeightConfig(..., activation_value_lb=1e-12)",
+        changes=(FloorActivationScales(model.ref, paths, 1e-12, p.model),) if model is not None and paths else (),
+        applicability=Applicability.SAFE,
+        recipe="activation-scale-floor",
+        cost="none: only rows whose largest value is below 1e-12 quantize differently (to 0, not NaN)",
+    )
+
+
 def _probe_fixes(facts: Facts, p, m, cause: str) -> list[Fix]:
+    if cause == "activation-scale-zero":
+        return [_floor_fix(facts, p)]
     if cause in ("activation-overflow-fp16", "gradient-overflow-fp16"):
         if not _half_in_use(p, m):  # fp32 itself overflowed: bf16 or an fp32 module changes nothing
             return [_fp32_overflow_fix(p, m)]
@@ -220,7 +257,8 @@ def _half_in_use(p: Any, m: Any) -> bool:
     )
 
 
-@check("probe-nonfinite", Severity.ERROR, Severity.WARNING, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
+@check("probe-nonfinite", Severity.ERROR, Severity.WARNING,
+       fix_safety=(Applicability.SAFE, Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """The first module whose output or output gradient went NaN/Inf in a one-batch probe.
 
@@ -247,9 +285,13 @@ def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Fix safety
         Depends on the module: reload weights that hold inf/NaN; keep the
         module in fp32 or switch to bf16 for activation overflow; lower the
-        learning rate when gradients blow up.
+        learning rate when gradients blow up. Where the module's weight quantizes its input to float8 with
+        dynamic scales and no lower bound (torchao ``Float8DynamicActivationFloat8WeightConfig`` without
+        ``activation_value_lb``), safe and in place: the bound set on every such weight of the model (an
+        all-zero row then quantizes to 0; every other row exactly as before).
     Sources
-        transformers ``DebugUnderflowOverflow`` (forward only); mpdoctor FIELD-CASES.
+        transformers ``DebugUnderflowOverflow`` (forward only); pytorch/ao #3356 (NaN losses of LoRA on a
+        float8 row-wise base, fixed by ``activation_value_lb``); mpdoctor FIELD-CASES.
     """
     for p in facts.probes:
         hit = p.first_nonfinite()
@@ -260,12 +302,14 @@ def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
             yield _origin_finding(facts, p, m, rule)
             continue
         where = _where(p, m.path)
-        cause = _nonfinite_cause(p, m, phase)
+        cause = _nonfinite_cause(p, m, phase, facts)
         if phase == "forward":
             if m.param_nonfinite:
                 because = f"its own weights hold {m.param_nonfinite:,} NaN/Inf values: an earlier optimizer step wrote them"
             elif m.in_nonfinite:
                 because = PROBE_CAUSES["input-nonfinite"]
+            elif cause == "activation-scale-zero":
+                because = f"its inputs were finite (abs max {_fmt(m.in_absmax)}), but {PROBE_CAUSES[cause]}"
             else:
                 because = f"its inputs were finite (abs max {_fmt(m.in_absmax)})"
             if cause == "activation-overflow-fp16":

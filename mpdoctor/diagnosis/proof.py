@@ -120,7 +120,7 @@ class RunState:
         unchanged tensor is not written: its version counter stays), gradients by identity."""
         for t, data, grad, requires_grad in self.tensors:
             current = t.data
-            if not (current.dtype == data.dtype and current.shape == data.shape and torch.equal(current, data)):
+            if not (current.dtype == data.dtype and current.shape == data.shape and _equal(current, data)):
                 _put(t, "data", data)
             if t.grad is not grad:
                 _set_grad(t, grad)
@@ -350,6 +350,19 @@ class _Running:
         for handle in self.handles:
             handle.remove()
         self.stack.clear()
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, depth: int = 0) -> bool:
+    """``torch.equal``, also for tensor subclasses that do not implement it (torchao's ``Float8Tensor``): their inner
+    tensors (``__tensor_flatten__``) compared one by one."""
+    try:
+        return bool(torch.equal(a, b))
+    except (NotImplementedError, RuntimeError, TypeError):
+        flatten = getattr(type(a), "__tensor_flatten__", None)
+        if flatten is None or type(a) is not type(b) or depth > 3:
+            return False
+        names, _ = flatten(a)
+        return all(_equal(getattr(a, n), getattr(b, n), depth + 1) for n in names)
 
 
 def _not_trained(params: list, before: list, seen: _Gradients, loss: float | None, has_optimizer: bool) -> str:

@@ -128,3 +128,8 @@ class QuantizedWeight:
     #: Of ``nonfinite``, the elements in blocks (rows) whose scale is 0: the block was all zeros before it was
     #: quantized (scale = amax / 448 = 0), so its value, 0, is known; the others are lost.
     zero_scale_nonfinite: int = 0
+    #: How the activations' dynamic scales are taken (``"row"``, ``"tensor"``, ``""`` when they are not quantized).
+    activation_granularity: str = ""
+    #: The lower bound of an activation scale's amax (``hp_value_lb``; None: none). Without one, an all-zero row
+    #: (per row; the whole input, per tensor) gets scale amax / 448 = 0 and quantizes to 0 / 0 = NaN.
+    activation_floor: float | None = None

@@ -144,9 +144,22 @@ def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
                 nonfinite=sum(_nonfinite(x) for x in leaves),
                 dynamic_activation=raw_attr(w, "act_quant_kwargs", None) is not None,
                 zero_scale_nonfinite=_count(zero_scale_nonfinite(w)),
+                **_activation_scaling(raw_attr(w, "act_quant_kwargs", None)),
             )
         )
     return tuple(out)
+
+
+def _activation_scaling(kwargs: Any) -> dict:
+    """``activation_granularity`` and ``activation_floor`` of a weight's dynamic activation quantization
+    (torchao's ``QuantizeTensorToFloat8Kwargs``: ``granularity``, ``hp_value_lb``); empty when it has none."""
+    if kwargs is None:
+        return {}
+    name = type(getattr(kwargs, "granularity", None)).__name__
+    granularity = {"PerRow": "row", "PerTensor": "tensor"}.get(name, name.lower())
+    floor = getattr(kwargs, "hp_value_lb", None)
+    return {"activation_granularity": granularity,
+            "activation_floor": float(floor) if isinstance(floor, (int, float)) else None}  # fmt: skip
 
 
 def _leaves(t: Any, depth: int = 0) -> list:

@@ -1589,6 +1589,83 @@ class ZeroQuantizedZeroBlocks(ChangeSpec):
         return {(self.ref, path, "zero-scale-blocks"): 0 for path in self.paths}
 
 
+@dataclass(frozen=True)
+class FloorActivationScales(ChangeSpec):
+    """Give the dynamic activation quantization of the torchao weights of the layers ``paths`` of the model ``ref``
+    a lower bound on its scale's amax (``hp_value_lb = floor``), in place.
+
+    Each such weight carries the recipe of its input's quantization (``act_quant_kwargs``), read at every forward.
+    Without a bound, an all-zero row of the input (padding, a masked token) gets scale ``amax / 448 = 0`` and
+    quantizes to ``0 / 0 = NaN``. With it, the row's scale is ``floor / 448`` and the row stays 0; rows whose amax is
+    above the floor quantize exactly as before. Undo gives each weight its previous recipe object back.
+    """
+
+    ref: int
+    paths: tuple[str, ...]
+    floor: float = 1e-12
+    label: str = "model"
+
+    def _weights(self, live: Live) -> list[tuple[str, Any]]:
+        model = live.get(self.ref)
+        out = []
+        for path in self.paths:
+            module = model.get_submodule(path) if path else model
+            w = object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")
+            if w is not None and getattr(w, "act_quant_kwargs", None) is not None:
+                out.append((path, w))
+        return out
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import SetAttr
+
+        steps: list[Change] = []
+        for path, w in self._weights(live):
+            kwargs = w.act_quant_kwargs
+            if getattr(kwargs, "hp_value_lb", None) is not None:
+                continue  # a bound of the user's own stays
+            where = f"{self.label}.{path}" if path else self.label
+            steps.append(SetAttr(w, "act_quant_kwargs", dataclasses.replace(kwargs, hp_value_lb=self.floor),
+                                 f"{where}.weight.act_quant_kwargs"))  # fmt: skip
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.quantized_weights:
+                weights = tuple(
+                    dataclasses.replace(q, activation_floor=self.floor)
+                    if q.path in self.paths and q.dynamic_activation and q.activation_floor is None else q
+                    for q in m.quantized_weights
+                )  # fmt: skip
+                m = dataclasses.replace(m, quantized_weights=weights)
+            models.append(m)
+        return _probes_healed_at(dataclasses.replace(facts, models=tuple(models)), self.ref, self.paths)
+
+    def verify(self, live: Live) -> str | None:
+        left = [path or self.label for path, w in self._weights(live) if getattr(w.act_quant_kwargs, "hp_value_lb", None) is None]
+        return f"the activation scales of {', '.join(left)} still have no lower bound" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "activation-scale-floor"): self.floor for path in self.paths}
+
+
+def _probes_healed_at(facts: Facts, ref: int, paths: tuple[str, ...]) -> Facts:
+    """The probes of the model ``ref`` once the layers ``paths`` no longer make NaN from finite inputs and weights:
+    a forward NaN first made in one of them is predicted gone, with what it carried downstream and back through
+    the backward (a prediction the planner plans on; the proof checks it)."""
+    out = []
+    for p in facts.probes:
+        hit = p.first_nonfinite() if getattr(p, "model_ref", 0) == ref and hasattr(p, "first_nonfinite") else None
+        first = hit[0] if hit is not None and hit[1] == "forward" else None
+        if first is None or first.path not in paths or first.in_nonfinite or first.param_nonfinite:
+            out.append(p)
+            continue
+        modules = tuple(dataclasses.replace(m, out_nonfinite=0, in_nonfinite=0, grad_nonfinite=0, param_grad_nonfinite=0)
+                        if not m.param_nonfinite else m for m in p.modules)  # fmt: skip
+        out.append(dataclasses.replace(p, modules=modules))
+    return dataclasses.replace(facts, probes=tuple(out)) if out != list(facts.probes) else facts
+
+
 def integer_masks_to_bool(signature: inspect.Signature | None) -> Any:
     """``(args, kwargs) -> (args, kwargs)`` with every integer tensor passed as an argument whose name holds
     ``mask`` made bool (a tokenizer's 1 = attend is attention's True = attend); other arguments untouched."""

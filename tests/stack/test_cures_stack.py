@@ -33,6 +33,7 @@ from test_field_diffusers import (  # noqa: E402
     tiny_unet,
     unet_step,
 )
+from test_field_float8_activations import probe_tagger, tagger, tagger_step  # noqa: E402
 from test_field_lowprecision import (  # noqa: E402
     LAUNCHER_FP8_ENV,
     Net,
@@ -380,6 +381,10 @@ CASES: list[Case] = [
     Case(
         name="float8-quantized-zero-row-nan", source="pytorch/ao#4713", slug="quantized-weights-nonfinite",
         build=float8_quantized_with_a_zero_row, step=quantized_step, failure="loss is not finite",
+    ),
+    Case(
+        name="float8-activation-scale-zero-row", source="pytorch/ao#3356", slug="probe-nonfinite",
+        build=tagger, step=tagger_step, failure="loss is not finite", diagnose=probe_tagger,
     ),
     Case(
         name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",
