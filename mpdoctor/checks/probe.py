@@ -309,7 +309,9 @@ def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
             elif m.in_nonfinite:
                 because = PROBE_CAUSES["input-nonfinite"]
             elif cause == "activation-scale-zero":
-                because = f"its inputs were finite (abs max {_fmt(m.in_absmax)}), but {PROBE_CAUSES[cause]}"
+                grain = next((q.activation_granularity for q in _unfloored(facts, p) if q.path == m.path), "")
+                because = (f"its inputs were finite (abs max {_fmt(m.in_absmax)}), but {PROBE_CAUSES[cause]}"
+                           + (f" (its scales are taken per {grain})" if grain else ""))
             else:
                 because = f"its inputs were finite (abs max {_fmt(m.in_absmax)})"
             if cause == "activation-overflow-fp16":

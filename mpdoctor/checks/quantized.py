@@ -3,8 +3,11 @@ NaN, and the devices whose kernels refuse their block formats."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
+
+import torch
 
 from ..facts import Facts
 from ..facts.location import python_path
@@ -198,6 +201,95 @@ def fp8_storage_trainable(facts: Facts, rule: Rule) -> Iterator[Finding]:
             ],
             severity=Severity.ERROR if trained else Severity.INFO,
         )
+
+
+def _targeted(path: str, targets: tuple[str, ...]) -> bool:
+    """A layer ``path`` that PEFT's ``target_modules`` select: a name its path ends with, or one regex matched in full
+    (a single string); every layer when the config names none (``"all-linear"``, None)."""
+    if not targets or targets == ("all-linear",):
+        return True
+    if len(targets) == 1 and not targets[0].isidentifier():
+        try:
+            return re.fullmatch(targets[0], path) is not None
+        except re.error:
+            return False
+    return any(path == t or path.endswith("." + t) for t in targets)
+
+
+def _float8_arithmetic_refused(storage: str, compute: str) -> str:
+    """The error this torch raises for the arithmetic DoRA's weight norm does on a stored weight ("" when none):
+    measured on one element of each dtype."""
+    try:
+        stored = torch.zeros(1).to(getattr(torch, storage))
+        _ = stored * torch.ones(1, dtype=getattr(torch, compute))
+    except Exception as exc:  # the refusal itself is the measurement
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return ""
+
+
+@check("dora-on-float8-storage", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+def dora_on_float8_storage(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A DoRA adapter config whose target layers store their weights in float8.
+
+    What it does
+        A PEFT ``LoraConfig(use_dora=True)`` the user holds, beside a model whose layers that config targets keep
+        their weights in a float8 dtype (diffusers' ``enable_layerwise_casting``, a manual ``.to(float8)``).
+    Why is this bad?
+        Layerwise casting upcasts a stored weight only inside the layer's own forward. DoRA also reads the base
+        weight outside it: it computes the norm of ``W + scale * B @ A`` when the adapter is created and at every
+        forward. That arithmetic meets the float8 weight as stored: "Promotion for Float8 Types is not supported"
+        (CUDA), ``"mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'`` (CPU), and training never starts.
+    Example
+        unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        unet.add_adapter(LoraConfig(r=4, use_dora=True, target_modules=["to_q", "to_v"]))  # raises
+    Use instead
+        unet.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16,
+                                      skip_modules_pattern=("to_q", "to_v", "norm"))  # DoRA's targets stay bf16
+        unet.add_adapter(LoraConfig(r=4, use_dora=True, target_modules=["to_q", "to_v"]))
+    Severity
+        Error when this torch refuses the arithmetic (measured on one element of the two dtypes); info when it
+        computes it.
+    Fix safety
+        Display only: DoRA's targets kept out of float8 storage when the storage is set up, before the adapter is
+        created (a line of the user's setup). Plain LoRA is no way out through PEFT here: its adapter layers on
+        float8-stored targets raise the same way at the first forward (measured).
+    Sources
+        Nerogar/OneTrainer #442; modelscope/DiffSynth-Studio #855; peft ``DoraLinearLayer.get_weight_norm``.
+    """
+    dora = [c for c in facts.adapter_configs if c.dora]
+    if not dora:
+        return
+    for m in facts.models:
+        for config in dora:
+            hit = [x for x in m.stored_layers if _targeted(x.path, config.targets)]
+            if not hit:
+                continue
+            storage, compute = hit[0].storage_dtype, hit[0].compute_dtype or "bfloat16"
+            refused = _float8_arithmetic_refused(storage, compute)
+            shown = ", ".join(x.path for x in hit[:3]) + (f" and {len(hit) - 3} more" if len(hit) > 3 else "")
+            targets = config.targets if config.targets and config.targets != ("all-linear",) else tuple(x.path for x in hit)
+            yield rule.finding(
+                config.name,
+                f"{config.name} asks for DoRA (use_dora=True) on {len(hit)} layers of {m.name} whose weights are "
+                f"stored in {storage} ({shown}). DoRA computes its weight norm from the base weight outside the "
+                "layer's forward, where nothing upcasts the stored float8 weight: "
+                + (f"this torch refuses that arithmetic ({refused}), so creating the adapter raises."
+                   if refused else "this torch computes it, in float8's 3 mantissa bits."),
+                {"config": config.name, "model": m.name, "layers": [x.path for x in hit], "storage": storage,
+                 "compute": compute, "refused": refused},
+                [
+                    Fix(
+                        "Keep DoRA and keep its target layers out of float8 storage",
+                        f"{m.name}.enable_layerwise_casting(storage_dtype=torch.{storage}, compute_dtype=torch.{compute},\n"
+                        f"    skip_modules_pattern={targets + ('norm',)!r})  # on the model as loaded, before the adapter\n"
+                        f"{m.name}.add_adapter({config.name})",
+                        applicability=Applicability.DISPLAY_ONLY,
+                        recipe="dora-targets-unstored",
+                        cost="the targeted layers at bf16 size; the rest stays float8",
+                    ),
+                ],
+                severity=Severity.ERROR if refused else Severity.INFO,
+            )
 
 
 @check("fp8-storage-saturated", Severity.WARNING, Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))

@@ -149,6 +149,8 @@ class Facts:
     deepspeed: tuple = ()
     #: mpdoctor.facts.fp8_training.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
     fp8_recipes: tuple = ()
+    #: mpdoctor.facts.quantized.AdapterConfigFacts: PEFT adapter configs the user holds, not yet applied.
+    adapter_configs: tuple = ()
     #: mpdoctor.facts.between.BetweenFacts: accumulation, metric states, merged adapters, router biases.
     between: Any = None
     #: mpdoctor.facts.intent.ShadowFacts: EMA / weight-averaging objects and what their updates lose.

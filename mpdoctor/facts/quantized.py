@@ -133,3 +133,19 @@ class QuantizedWeight:
     #: The lower bound of an activation scale's amax (``hp_value_lb``; None: none). Without one, an all-zero row
     #: (per row; the whole input, per tensor) gets scale amax / 448 = 0 and quantizes to 0 / 0 = NaN.
     activation_floor: float | None = None
+
+
+@dataclass(frozen=True)
+class AdapterConfigFacts:
+    """A PEFT adapter config the user holds (``LoraConfig``), read from its fields.
+
+    ``targets`` are its ``target_modules`` (names or a regex, as written); ``dora`` its ``use_dora``: DoRA computes
+    the norm of each target's base weight (plus the adapter's delta) outside the layer's forward, when the adapter
+    is created and at every forward.
+    """
+
+    name: str
+    class_name: str
+    dora: bool
+    targets: tuple[str, ...] = ()
+

@@ -27,7 +27,7 @@ from typing import Any
 
 #: Subject kinds, in the order a report lists them.
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging", "kv_cache",
-         "attention_mask")
+         "attention_mask", "adapter_config")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (
@@ -159,7 +159,7 @@ def kind_from_paths(paths: tuple[str, ...]) -> str | None:
     pathset = set(paths)
     found = {kind for integ in active() for path, kind in integ.kinds if path in pathset}
     for kind in ("model", "optimizer", "scaler", "trainer", "training_args", "accelerator", "pipeline", "averaging",
-                 "kv_cache"):
+                 "kv_cache", "adapter_config"):
         if kind in found:
             return kind
     return None
