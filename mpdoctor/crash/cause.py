@@ -372,6 +372,8 @@ class FamilyDetail:
         #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
         #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
         self.convert: tuple | None = None
+        #: ``code`` is the crashing cell corrected (run on twins before it is shown), not the family's advice.
+        self.corrected = False
 
     def convert_fix(self, live: Any) -> Any:
         """The in-place conversion back of the layers a block format refused, bound to ``live``; None without."""
@@ -582,9 +584,11 @@ class FamilyDetail:
 
     def fix(self) -> Any:
         """A display-only fix holding the code."""
+        from ..runtime.op_rewrite import CORRECTED_CELL
         from ..treatment.fixes import Applicability, Fix
 
-        return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe="crash-cast")
+        recipe = CORRECTED_CELL if self.corrected else "crash-cast"
+        return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe=recipe)
 
 
 def _island_buffers(live: Any, modules: list, label: str) -> tuple:
@@ -662,7 +666,39 @@ def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Map
             detail.call_island = _held_call(frames, namespace)
         except Exception:  # no held object's call found: the module's island, or the code, stays the fix
             detail.call_island = None
+        if detail.island is None and detail.call_island is None:
+            _with_corrected_cell(detail, pattern.slug, frames, namespace)
     return detail
+
+
+def _with_corrected_cell(detail: FamilyDetail, slug: str, frames: list, namespace: Mapping[str, Any] | None) -> None:
+    """The cell (or script) whose own top-level line ran the op, corrected (:func:`~..runtime.op_rewrite.corrected_cell`),
+    as ``detail``'s code: nothing in place reaches an op over tensors no module or held object's call holds."""
+    import linecache
+
+    from ..facts.location import Location
+    from ..runtime.op_rewrite import corrected_cell
+
+    view = next((f for f in reversed(frames) if f.user), None)
+    if view is None or view.function != "<module>":
+        return
+    try:
+        source = "".join(linecache.getlines(view.filename))
+        names = {**(view.frame.f_globals if type(view.frame.f_globals) is dict else {}),
+                 **(dict(namespace) if type(namespace) is dict else {})}  # fmt: skip
+        code = corrected_cell(source, view.lineno, names, ("fft",) if slug == "crash-fft-half" else ("linalg",))
+    except Exception:  # the family's code stays the fix
+        return
+    if code is None or len(code.splitlines()) > _CORRECTED_CELL_LINES:
+        return
+    where = Location.at(view.filename, view.lineno, "").place
+    detail.code = f"# {where} again, its op with no half-precision kernel on fp32 copies of its tensors\n{code}"
+    detail.title = f"Run {where} again with the op in fp32, its result cast back (corrected code)"
+    detail.corrected = True
+
+
+#: Longer sources than this are not shown whole as a corrected cell (a script: its line's advice stands).
+_CORRECTED_CELL_LINES = 80
 
 
 #: The families a module's forward can raise whose op runs in fp32 where half precision has no kernel or meets

@@ -42,12 +42,17 @@ FAMILY_OPS: dict[str, dict[str, tuple[str, ...]]] = {
 
 def family_ops(families: tuple[str, ...]) -> frozenset:
     """The torch callables of ``families`` this torch has (an op a version lacks is left out)."""
+    return frozenset(family_op_names(families))
+
+
+def family_op_names(families: tuple[str, ...]) -> dict[Any, str]:
+    """The torch callables of ``families`` this torch has, each with its name in its namespace (``svd``)."""
     owners = {"torch": torch, "torch.linalg": torch.linalg, "torch.fft": torch.fft, "torch.Tensor": torch.Tensor}
-    out = set()
+    out: dict[Any, str] = {}
     for family in families:
         for owner, names in FAMILY_OPS.get(family, {}).items():
-            out.update(getattr(owners[owner], n) for n in names if hasattr(owners[owner], n))
-    return frozenset(out)
+            out.update((getattr(owners[owner], n), n) for n in names if hasattr(owners[owner], n))
+    return out
 
 
 def _half_dtype(value: Any, depth: int = 2) -> torch.dtype | None:
