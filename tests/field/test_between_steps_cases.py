@@ -550,6 +550,7 @@ def test_heavyball_57_qr_of_bf16_grads_is_refused_then_the_fp32_island_trains():
     from fingerprint import assert_unchanged, fingerprint
 
     from mpdoctor.runtime.assembly import assemble
+    from mpdoctor.runtime.twins import try_on_twins
 
     assert explain(raised(linalg_qr_bf16_grads)).cause.check == "crash-linalg-half"
     model, opt, x, exc = heavyball_at_the_crash()
@@ -560,6 +561,9 @@ def test_heavyball_57_qr_of_bf16_grads_is_refused_then_the_fp32_island_trains():
     fix.apply()
     assert fix.applied, fix.error
     assert model.weight.dtype == torch.bfloat16 and opt.state[model.weight]["momentum"].dtype == torch.bfloat16
+    twin = try_on_twins("for _ in range(3):\n    soap_step(model, opt, x)\n",
+                        {"model": model, "opt": opt, "x": x, "soap_step": soap_step})  # the island follows a copy
+    assert twin.trains and twin.steps == 3, twin.sentence()
     params = list(model.parameters())
     before = snapshot(params)
     assert_step_trains(soap_step(model, opt, x), before, params)
