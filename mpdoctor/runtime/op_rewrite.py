@@ -46,8 +46,14 @@ def corrected_cell(source: str, line: int, namespace: Mapping[str, Any], familie
         return None
     half = {n: _HALF[v.dtype] for n, v in dict(namespace).items()
             if isinstance(v, torch.Tensor) and v.dtype in _HALF}  # fmt: skip
-    rewriter = _Upcast(family_op_names(families), namespace, half)
-    rewritten: dict[int, list[str]] = {}
+    rewritten = _rewritten(_Upcast(family_op_names(families), namespace, half), simple, failing)
+    return _spliced(source.splitlines(), simple, rewritten) if rewritten else None
+
+
+def _rewritten(rewriter: _Upcast, simple: list[ast.stmt], failing: ast.stmt) -> dict[int, list[str]] | None:
+    """The new lines of each statement from ``failing`` on that holds a call to rewrite, by first line; None when
+    the failing one holds none, or a rewritten statement shares a line with another."""
+    out: dict[int, list[str]] = {}
     for stmt in (s for s in simple if s.lineno >= failing.lineno):
         lines = rewriter.statement(stmt)
         if lines is None:
@@ -57,8 +63,8 @@ def corrected_cell(source: str, line: int, namespace: Mapping[str, Any], familie
         if any(o is not stmt and o.lineno <= (stmt.end_lineno or stmt.lineno) and (o.end_lineno or o.lineno) >= stmt.lineno
                for o in simple):  # fmt: skip
             return None  # two statements on one line (``a = f(x); b = g(a)``): not rewritten line by line
-        rewritten[stmt.lineno] = lines
-    return _spliced(source.splitlines(), simple, rewritten)
+        out[stmt.lineno] = lines
+    return out
 
 
 def _compound(stmt: ast.stmt) -> bool:
