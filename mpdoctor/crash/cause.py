@@ -362,12 +362,18 @@ class FamilyDetail:
         #: ``(module, its name, twins, optimizers, device)``: the module whose forward raised, to run in fp32 with
         #: autocast off inside and its outputs cast back (see :func:`_island`), with every module of its class.
         self.island: tuple | None = None
+        #: ``(object, its name, method, where)``: the object the user holds whose method the op without a half kernel
+        #: ran inside, when that is no module's forward (an optimizer's ``step``): the fp32 island goes around that
+        #: call (see :func:`_held_call`).
+        self.call_island: tuple | None = None
         #: ``(module, its name, twins)``: the module whose attention call got an integer mask (see
         #: :func:`_failing_module`), to receive its masks as bool.
         self.mask_module: tuple | None = None
         #: ``(model, model's name, layer paths, block, optimizers)``: the converted layers a block format refuses (see
         #: :func:`~.operands.refused_layers`), to take out of the recipe in place.
         self.convert: tuple | None = None
+        #: ``code`` is the crashing cell corrected (run on twins before it is shown), not the family's advice.
+        self.corrected = False
 
     def convert_fix(self, live: Any) -> Any:
         """The in-place conversion back of the layers a block format refused, bound to ``live``; None without."""
@@ -513,6 +519,29 @@ class FamilyDetail:
             cost=f"{cls}'s weights and math in fp32 (twice the memory of bf16 / fp16 there, slower)",
         ).bind(live)
 
+    def call_island_fix(self, live: Any) -> Any:
+        """The ops with no half-precision kernel run in fp32 inside the held object's method the op ran in (an
+        optimizer's ``step``: library code, no module's forward), their results cast back, in place; None without
+        such a call."""
+        if self.call_island is None or live is None:
+            return None
+        from ..treatment.changes import KeepCallFp32
+        from ..treatment.fixes import Applicability, Fix
+
+        obj, name, method, where = self.call_island
+        call = f"{name}.{method}"
+        return Fix(
+            f"Run the linalg and FFT ops inside {call} ({where}) in fp32, their results cast back to their inputs' "
+            f"bf16 / fp16, in place",
+            f"# {call} runs an op with no bf16 / fp16 kernel ({where}, library code: no module's forward to keep in\n"
+            f"# fp32). Inside it, such an op runs on fp32 copies of its tensors, its result cast back:\n"
+            f"q, r = torch.linalg.qr(x.float())\nq, r = q.to(x.dtype), r.to(x.dtype)",
+            applicability=Applicability.UNSAFE,
+            changes=(KeepCallFp32(live.add(obj), method, ("linalg", "fft"), call),),
+            recipe="fp32-ops-island",
+            cost=f"the linalg / FFT ops of {call} in fp32 (their operands copied in fp32 while they run, slower)",
+        ).bind(live)
+
     def mask_fix(self, live: Any) -> Any:
         """Integer masks arriving at the module whose attention raised (and every module of its class) made bool at
         its forward, in place; None without such a module."""
@@ -546,6 +575,8 @@ class FamilyDetail:
         if exact is None:
             exact = self.convert_fix(live)
         if exact is None:
+            exact = self.call_island_fix(live)
+        if exact is None:
             exact = self.island_fix(live)
         if exact is None:
             exact = self.mask_fix(live)
@@ -553,9 +584,11 @@ class FamilyDetail:
 
     def fix(self) -> Any:
         """A display-only fix holding the code."""
+        from ..runtime.op_rewrite import CORRECTED_CELL
         from ..treatment.fixes import Applicability, Fix
 
-        return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe="crash-cast")
+        recipe = CORRECTED_CELL if self.corrected else "crash-cast"
+        return Fix(self.title, self.code, applicability=Applicability.DISPLAY_ONLY, recipe=recipe)
 
 
 def _island_buffers(live: Any, modules: list, label: str) -> tuple:
@@ -628,12 +661,87 @@ def family_detail(pattern: Any, exc: BaseException, frames: list, namespace: Map
             detail.island = _island(frames, namespace)
         except Exception:  # no module found: the code stays the fix
             detail.island = None
+    if detail is not None and pattern.slug in CALL_ISLAND_FAMILIES:
+        try:
+            detail.call_island = _held_call(frames, namespace)
+        except Exception:  # no held object's call found: the module's island, or the code, stays the fix
+            detail.call_island = None
+        if detail.island is None and detail.call_island is None:
+            _with_corrected_cell(detail, pattern.slug, frames, namespace)
     return detail
+
+
+def _with_corrected_cell(detail: FamilyDetail, slug: str, frames: list, namespace: Mapping[str, Any] | None) -> None:
+    """The cell (or script) whose own top-level line ran the op, corrected (:func:`~..runtime.op_rewrite.corrected_cell`),
+    as ``detail``'s code: nothing in place reaches an op over tensors no module or held object's call holds."""
+    import linecache
+
+    from ..facts.location import Location
+    from ..runtime.op_rewrite import corrected_cell
+
+    view = next((f for f in reversed(frames) if f.user), None)
+    if view is None or view.function != "<module>":
+        return
+    try:
+        source = "".join(linecache.getlines(view.filename))
+        names = {**(view.frame.f_globals if type(view.frame.f_globals) is dict else {}),
+                 **(dict(namespace) if type(namespace) is dict else {})}  # fmt: skip
+        code = corrected_cell(source, view.lineno, names, ("fft",) if slug == "crash-fft-half" else ("linalg",))
+    except Exception:  # the family's code stays the fix
+        return
+    if code is None or len(code.splitlines()) > _CORRECTED_CELL_LINES:
+        return
+    where = Location.at(view.filename, view.lineno, "").place
+    detail.code = f"# {where} again, its op with no half-precision kernel on fp32 copies of its tensors\n{code}"
+    detail.title = f"Run {where} again with the op in fp32, its result cast back (corrected code)"
+    detail.corrected = True
+
+
+#: Longer sources than this are not shown whole as a corrected cell (a script: its line's advice stands).
+_CORRECTED_CELL_LINES = 80
 
 
 #: The families a module's forward can raise whose op runs in fp32 where half precision has no kernel or meets
 #: another dtype: running that module in fp32 (an fp32 island) takes the op out of half precision.
 ISLAND_FAMILIES = frozenset({"crash-linalg-half", "crash-fft-half", "crash-index-put-dtype", "crash-scatter-dtype"})
+
+
+#: The families whose op has no half-precision kernel at all: inside any call, that op can run on fp32 copies of its
+#: tensors (:class:`~mpdoctor.treatment.changes.KeepCallFp32`), where no module's forward holds it.
+CALL_ISLAND_FAMILIES = frozenset({"crash-linalg-half", "crash-fft-half"})
+
+
+def _held_call(frames: list, namespace: Mapping[str, Any] | None) -> tuple | None:
+    """``(object, its name, method, where)`` for the innermost frame whose ``self`` is an object the user holds by a
+    name (in the namespace or a user frame's locals) and no module, library frames included (an optimizer's
+    ``step`` in its package): ``method`` is the outermost method of that object's class on the stack, the call
+    the user made (``step``, not a helper it calls). None when a user module's method is nearer the op (its fp32
+    island is the fix), or no held object's method is on the stack."""
+    import sys
+
+    from .frames import _CALL_MACHINERY, _TYPE_MRO, _locals, _qualname
+    from .operands import _name_of
+
+    torch = sys.modules["torch"]
+    for view in reversed(frames):
+        obj = next((v for k, v in _locals(view.frame) if k == "self"), None)
+        if obj is None or isinstance(obj, torch.Tensor):
+            continue
+        if isinstance(obj, torch.nn.Module):
+            if view.user:
+                return None
+            continue
+        name = _name_of(obj, frames, namespace)
+        if name is None or not name.isidentifier():
+            continue
+        classes = _TYPE_MRO(type(obj))
+        for outer in frames:
+            own = next((v for k, v in _locals(outer.frame) if k == "self"), None)
+            method = outer.function
+            if own is obj and method not in _CALL_MACHINERY and any(method in c.__dict__ for c in classes):
+                return obj, name, method, _qualname(outer)
+        return None
+    return None
 
 
 def _holding(modules: list, candidates: list, torch: Any) -> list:

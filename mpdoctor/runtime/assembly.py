@@ -86,20 +86,24 @@ _MAX_TRIALS = 4
 
 
 def _with_trials(report: Any, observed: Observed) -> Any:
-    """``report`` with what its loop fixes did on copies of the user's objects: the corrected lines of the user's own
-    AMP loop (a loop mistake's display-only fix) replace the loop as the user will paste them, so they run as they
-    are. Other display-only code (a launcher's flag, a rebuild, a corrected line of a cell) is not run."""
+    """``report`` with what its code fixes did on copies of the user's objects: the corrected lines of the user's own
+    AMP loop (a loop mistake's display-only fix) replace the loop as the user will paste them, and a crashing cell
+    corrected (:data:`~.op_rewrite.CORRECTED_CELL`: its op with no half kernel on fp32 copies) is the whole cell, so
+    both run as they are. Other display-only code (a launcher's flag, a rebuild, a line of advice) is not run."""
     if observed.try_code is None:
         return report
     from ..treatment.fixes import Applicability
+    from .op_rewrite import CORRECTED_CELL
     from .rules import RULES
 
     trials: list = []
     for finding in report.findings:
-        if finding.check not in RULES or finding.severity not in ("error", "warning"):
+        if finding.severity not in ("error", "warning"):
             continue
         for fx in finding.fixes:
-            if fx.applicability is Applicability.DISPLAY_ONLY and fx.code.strip() and len(trials) < _MAX_TRIALS:
+            runs = finding.check in RULES or fx.recipe == CORRECTED_CELL
+            if (runs and fx.applicability is Applicability.DISPLAY_ONLY and fx.code.strip()
+                    and len(trials) < _MAX_TRIALS):  # fmt: skip
                 trials.append((fx, observed.try_code(fx.code)))
     return report.evolve(trials=trials) if trials else report
 

@@ -189,12 +189,32 @@ def _twins(held: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         scalers = [(s, _scaler_twin(s, memo)) for s in _scalers(held.values())]
         twins = copy.deepcopy(held, memo)
+    for value in held.values():
+        _carry_wrappers(value, memo)
     for scaler, twin in scalers:  # per optimizer, by id: the twin's entries under the twin optimizers' ids
         for key, state in scaler._per_optimizer_states.items():
             optimizer = memo.get(key)  # deepcopy's memo is keyed by the original's id: the twin optimizer
             if optimizer is not None:
                 twin._per_optimizer_states[id(optimizer)] = copy.deepcopy(state, memo)
     return twins
+
+
+def _carry_wrappers(original: Any, memo: dict[int, Any]) -> None:
+    """A fix's wrapper on an instance (an fp32 island around ``opt.step``) given to the instance's twin, where the
+    class's own pickling leaves it out (torch's ``Optimizer.__getstate__`` keeps only its defaults, state and
+    groups): the twin runs as the fixed original does, over its own method."""
+    from ..edits.steps import CastingCall
+
+    twin = memo.get(id(original))
+    if twin is None or twin is original:
+        return
+    try:
+        own, theirs = object.__getattribute__(original, "__dict__"), object.__getattribute__(twin, "__dict__")
+    except AttributeError:
+        return
+    for key, value in list(own.items()):
+        if isinstance(value, CastingCall) and key not in theirs:
+            theirs[key] = copy.deepcopy(value, memo)
 
 
 def _scalers(values: Any) -> list:

@@ -1154,6 +1154,51 @@ class KeepModuleFp32(ChangeSpec):
         return _param_bytes(facts, self.param_ids, "float32")
 
 
+@dataclass(frozen=True)
+class KeepCallFp32(ChangeSpec):
+    """Run the ops with no half-precision kernel (``families``: torch.linalg's factorizations and solves, torch.fft)
+    in fp32 inside the method ``method`` of the object ``ref``, in place: an fp32 island around a call that is no
+    module's forward (an optimizer's ``step``).
+
+    The method is wrapped on the instance (its class and every other instance are untouched); while it runs, a
+    ``TorchFunctionMode`` (:class:`~mpdoctor.edits.fp32_ops.Fp32Kernels`) gives those ops fp32 copies of their
+    bf16 / fp16 tensors and casts their results back. Undo removes the wrapper (the attribute the instance held
+    before, if any, is back). No tensor of the object is cast.
+    """
+
+    ref: int
+    method: str
+    families: tuple[str, ...] = ("linalg", "fft")
+    label: str = "step"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.fp32_ops import Fp32KernelsContext
+        from ..edits.steps import MethodInputCast
+
+        return [MethodInputCast(live.get(self.ref), self.method, _arguments_unchanged, FP32_OPS_MARKER,
+                                f"{self.label}: {' / '.join(self.families)} ops in fp32 inside, results cast back",
+                                context=Fp32KernelsContext(self.families))]  # fmt: skip
+
+    def verify(self, live: Live) -> str | None:
+        from ..edits.steps import MethodInputCast
+
+        if not MethodInputCast.registered(live.get(self.ref), self.method, FP32_OPS_MARKER):
+            return f"{self.label} does not run its {' / '.join(self.families)} ops in fp32"
+        return None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, self.method, "fp32-ops"): self.families}
+
+
+def _arguments_unchanged(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments as given: the island is inside the call, around each op without a half kernel."""
+    return args, kwargs
+
+
+#: Marker of the fp32-ops wrapper around a call (one per method of an instance).
+FP32_OPS_MARKER = "mpdoctor-fp32-ops"
+
+
 _HALF = frozenset({"float16", "bfloat16"})
 
 

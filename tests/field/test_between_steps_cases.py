@@ -490,45 +490,181 @@ def orthogonalized_step(weight: torch.nn.Parameter, upcast: bool) -> torch.Tenso
     return loss
 
 
+class OrthogonalSOAP(torch.optim.Optimizer):
+    """A SOAP / Shampoo-style optimizer as HeavyBall's ForeachSOAP runs it: momentum in the parameters' dtype, the
+    update of each matrix the Q of its momentum's QR (library code: the QR runs inside ``step``, no module's
+    forward)."""
+
+    def __init__(self, params, lr: float = 0.01, beta: float = 0.9) -> None:
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                momentum = state.setdefault("momentum", torch.zeros_like(p))
+                momentum.mul_(group["beta"]).add_(p.grad)
+                if p.ndim < 2:
+                    p.add_(momentum, alpha=-group["lr"])
+                    continue
+                q, _ = torch.linalg.qr(momentum)  # no bf16 kernel
+                p.add_(q, alpha=-group["lr"])
+
+
+def soap_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """The user's step, the optimizer's own step the one that raises."""
+    opt.zero_grad()
+    loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def heavyball_at_the_crash(dtype: torch.dtype = torch.bfloat16):
+    """A bf16 model, its SOAP optimizer, a batch, and the error the optimizer's step raises."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(dtype)
+    opt = OrthogonalSOAP(model.parameters())
+    x = torch.randn(4, 8, dtype=dtype)
+    exc = raised(lambda: soap_step(model, opt, x))
+    assert str(exc) == "\"geqrf_cpu\" not implemented for 'BFloat16'"  # the real error
+    return model, opt, x, exc
+
+
+def _soap_island(report):
+    (fix,) = [fx for fx in report.fixes if fx.recipe == "fp32-ops-island"]  # the plan's, led by the cause
+    return fix
+
+
 def test_heavyball_57_qr_of_bf16_grads_is_refused_then_the_fp32_island_trains():
     """HomebrewML/HeavyBall#57: "torch.linalg.qr does not support bfloat16" (ForeachSOAP with bf16 and AMP:
-    ``"geqrf_cuda" not implemented for 'BFloat16'``).
+    ``"geqrf_cuda" not implemented for 'BFloat16'``). The QR runs inside the optimizer's own ``step``: the cause's
+    fix wraps ``opt.step`` on the instance so its linalg ops run on fp32 copies, their results cast back to bf16,
+    in place; the same step trains; undo gives the error back and every object exactly as it was.
 
     https://github.com/HomebrewML/HeavyBall/issues/57
     """
-    weight = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
-    exc = raised(lambda: orthogonalized_step(weight, upcast=False))
-    assert "not implemented for 'BFloat16'" in str(exc)
-    cause = explain(exc).cause
-    assert cause.check == "crash-linalg-half" and "x.float()" in cause.fixes[0].code
-    assert explain(raised(linalg_qr_bf16_grads)).cause.check == "crash-linalg-half"
+    from fingerprint import assert_unchanged, fingerprint
 
-    before = snapshot([weight])
-    assert_step_trains(orthogonalized_step(weight, upcast=True), before, [weight])  # the advice: qr in fp32
+    from mpdoctor.runtime.assembly import assemble
+    from mpdoctor.runtime.twins import try_on_twins
+
+    assert explain(raised(linalg_qr_bf16_grads)).cause.check == "crash-linalg-half"
+    model, opt, x, exc = heavyball_at_the_crash()
+    report = explain(exc, namespace={"model": model, "opt": opt, "x": x})
+    assert report.cause.check == "crash-linalg-half"
+    fix = _soap_island(report)
+    assert "opt.step (OrthogonalSOAP.step)" in fix.title and not fix.safe and fix is report.cause.fixes[0]
+    fix.apply()
+    assert fix.applied, fix.error
+    assert model.weight.dtype == torch.bfloat16 and opt.state[model.weight]["momentum"].dtype == torch.bfloat16
+    twin = try_on_twins("for _ in range(3):\n    soap_step(model, opt, x)\n",
+                        {"model": model, "opt": opt, "x": x, "soap_step": soap_step})  # the island follows a copy
+    assert twin.trains and twin.steps == 3, twin.sentence()
+    params = list(model.parameters())
+    before = snapshot(params)
+    assert_step_trains(soap_step(model, opt, x), before, params)
+    assert model.weight.dtype == torch.bfloat16  # the update was cast back: the model stays bf16
+
+    again = explain(exc, namespace={"model": model, "opt": opt, "x": x})  # the crash seen again, the island held
+    assert _soap_island(again).in_place and _soap_island(assemble(again).cause).in_place
+    assert all(fx.recipe != "fp32-ops-island" for fx in assemble(again).fixes)  # not offered again
+    fix.undo()
+    assert "step" not in vars(opt) and "geqrf_cpu" in str(raised(lambda: soap_step(model, opt, x)))
+
+    model, opt, x, exc = heavyball_at_the_crash()  # exact undo, on objects the step has not moved
+    fix = _soap_island(explain(exc, namespace={"model": model, "opt": opt}))
+    held = fingerprint({"model": model, "opt": opt})
+    fix.apply()
+    fix.undo()
+    assert_unchanged(held, fingerprint({"model": model, "opt": opt}), "fp32-ops island apply then undo")
+
+
+def test_heavyball_57_through_the_widget_button():
+    model, opt, x, exc = heavyball_at_the_crash()
+    rw = explain(exc, namespace={"model": model, "opt": opt, "x": x}).widget()
+    rw.confirm_delay = 0.0
+    click(rw, "Run the linalg and FFT ops inside opt.step", confirm=True)
+    assert "failed" not in rw.status, rw.status
+    params = list(model.parameters())
+    before = snapshot(params)
+    assert_step_trains(soap_step(model, opt, x), before, params)
+
+
+def test_heavyball_57_the_crash_cell_replayed_verifies_the_island():
+    """In a notebook: the step cell raises in ``opt.step``; ``%mpdoctor`` replays that cell after the fix (the proof),
+    labels it verified, and the user's cell then trains."""
+    from notebook_shell import loaded_shell
+
+    setup = ("import torch\nfrom test_between_steps_cases import OrthogonalSOAP\ntorch.manual_seed(0)\n"
+             "model = torch.nn.Linear(8, 8).to(torch.bfloat16)\nopt = OrthogonalSOAP(model.parameters())\n"
+             "x = torch.randn(4, 8, dtype=torch.bfloat16)\n")  # fmt: skip
+    cell = "opt.zero_grad()\nloss = model(x).float().pow(2).mean()\nloss.backward()\nopt.step()\n"
+    with loaded_shell(("torch", "OrthogonalSOAP", "model", "opt", "x", "loss", "r")) as sh:
+        sh.run_cell(setup, store_history=True)
+        assert "geqrf_cpu" in str(sh.run_cell(cell, store_history=True).error_in_exec)
+        sh.run_cell("r = %mpdoctor --text", store_history=True)
+        report = sh.user_ns["r"]
+        fix = _soap_island(report)
+        assert report.proof.label(fix).startswith("verified on your step: applied alone, it ran and trained")
+        fix.apply()
+        params = list(sh.user_ns["model"].parameters())
+        before = snapshot(params)
+        assert sh.run_cell(cell, store_history=True).error_in_exec is None
+        assert_step_trains(sh.user_ns["loss"], before, params)
+
+
+PEFT_SETUP = ("import torch\ntorch.manual_seed(0)\nbase = torch.randn(16, 8, dtype=torch.bfloat16)\n"
+              "tuned = base + 0.01 * torch.randn(16, 8, dtype=torch.bfloat16)\n")  # fmt: skip
+PEFT_CELL = ("u, s, vh = torch.linalg.svd(tuned - base, full_matrices=False)\n"
+             "lora_b = torch.nn.Parameter(u[:, :4] * s[:4])\nlora_a = torch.nn.Parameter(vh[:4])\n")  # fmt: skip
 
 
 def test_peft_1052_svd_of_a_bf16_delta_is_refused_then_runs_in_fp32():
     """huggingface/peft#1052 and arcee-ai/mergekit#304: ``"svd_cuda_gesvdj" not implemented for 'BFloat16'``
     (a LoRA extracted from a bf16 weight delta by SVD). Rebuilt with mergekit's low-rank decomposition of a bf16
-    fine-tune's delta, then the extracted LoRA trained a step.
+    fine-tune's delta written in a notebook cell, then the extracted LoRA trained a step. The fix is the cell
+    corrected (the SVD on an fp32 copy, its factors cast back to bf16), run on copies before it is shown, then for
+    real.
 
     https://github.com/huggingface/peft/issues/1052 -- https://github.com/arcee-ai/mergekit/issues/304
     """
-    base = torch.randn(16, 8, dtype=torch.bfloat16)
-    tuned = base + 0.01 * torch.randn(16, 8, dtype=torch.bfloat16)
-    exc = raised(lambda: torch.linalg.svd(tuned - base, full_matrices=False))
-    assert explain(exc).cause.check == "crash-linalg-half"
-    assert explain(raised(linalg_svd_bf16_delta)).cause.check == "crash-linalg-half"
+    from notebook_shell import loaded_shell
 
-    u, s, vh = torch.linalg.svd((tuned - base).float(), full_matrices=False)  # the advice: the op in fp32
-    lora_b = torch.nn.Parameter((u[:, :4] * s[:4]).to(torch.bfloat16))
-    lora_a = torch.nn.Parameter(vh[:4].to(torch.bfloat16))
-    opt = torch.optim.SGD([lora_a, lora_b], lr=0.1)
-    before = snapshot([lora_a, lora_b])
-    loss = ((base + lora_b @ lora_a - tuned).float() ** 2).sum()
-    loss.backward()
-    opt.step()
-    assert_step_trains(loss, before, [lora_a, lora_b])
+    from mpdoctor.runtime.twins import try_on_twins
+
+    assert explain(raised(linalg_svd_bf16_delta)).cause.check == "crash-linalg-half"
+    with loaded_shell(("torch", "base", "tuned", "u", "s", "vh", "lora_a", "lora_b", "r")) as sh:
+        sh.run_cell(PEFT_SETUP, store_history=True)
+        exc = sh.run_cell(PEFT_CELL, store_history=True).error_in_exec
+        assert str(exc) == "\"linalg_svd_cpu\" not implemented for 'BFloat16'"  # the real error
+        cause = explain(exc, namespace=sh.user_ns).cause
+        assert cause.check == "crash-linalg-half"
+        (fix,) = [fx for fx in cause.fixes if fx.recipe == "corrected-cell"]
+        assert "torch.linalg.svd((tuned - base).float(), full_matrices=False)" in fix.code
+        assert "lora_a = torch.nn.Parameter(vh[:4])" in fix.code  # the rest of the cell as the user wrote it
+        sh.run_cell("r = %mpdoctor --text", store_history=True)
+        report = sh.user_ns["r"]
+        (trial,) = [t for fx, t in report.trials if fx.recipe == "corrected-cell"]  # run on twins before it is shown
+        assert trial.ran, trial.sentence()
+        assert "ran on copies of your objects" in report.to_text()
+        assert "lora_a" not in sh.user_ns  # the copies ran it, not the user's namespace
+        assert try_on_twins(fix.code, sh.user_ns).ran
+        assert sh.run_cell(fix.code, store_history=True).error_in_exec is None  # then for real
+        ns = sh.user_ns
+        lora_a, lora_b, base, tuned = ns["lora_a"], ns["lora_b"], ns["base"], ns["tuned"]
+        assert lora_a.dtype == lora_b.dtype == torch.bfloat16
+        recon = (lora_b.float() @ lora_a.float() - (tuned - base).float()).norm() / (tuned - base).float().norm()
+        assert recon < 0.9  # the rank-4 factors carry the delta
+        opt = torch.optim.SGD([lora_a, lora_b], lr=0.1)
+        before = snapshot([lora_a, lora_b])
+        loss = ((base + lora_b @ lora_a - tuned).float() ** 2).sum()
+        loss.backward()
+        opt.step()
+        assert_step_trains(loss, before, [lora_a, lora_b])
 
 
 class FourierMixer(torch.nn.Module):
@@ -570,26 +706,53 @@ def test_pytorch_117844_fft_in_a_bf16_model_is_refused_then_the_fp32_island_trai
     assert_step_trains(loss, before, model.parameters())
 
 
+GPTQ_SETUP = ("import torch\ntorch.manual_seed(0)\nlayer = torch.nn.Linear(8, 8).to(torch.bfloat16)\n"
+              "inputs = torch.randn(64, 8, dtype=torch.bfloat16)\n"
+              "hessian = inputs.T @ inputs + 0.01 * torch.eye(8, dtype=torch.bfloat16)\n")  # fmt: skip
+GPTQ_CELL = ("factor = torch.linalg.cholesky(hessian)\nhinv = torch.cholesky_inverse(factor)\n"
+             "hinv = torch.linalg.cholesky(hinv, upper=True)\n")  # fmt: skip
+
+
 def test_gptqmodel_1777_cholesky_of_a_bf16_hessian_is_refused_then_runs_in_fp32():
     """ModelCloud/GPTQModel#1777: ``cholesky_cusolver" not implemented for 'BFloat16'`` (a GPTQ Hessian in bf16).
-    Rebuilt with GPTQ's damped Hessian of a layer's bf16 inputs and its Cholesky factor.
+    Rebuilt with GPTQ's damped Hessian of a layer's bf16 inputs, its Cholesky factor, inverse and upper factor
+    written in a notebook cell. The fix is the cell corrected: each factorization on fp32 copies, cast back (the
+    lines after the failing one feed its result to more ops without a bf16 kernel), run on copies, then for real.
 
     https://github.com/ModelCloud/GPTQModel/issues/1777
     """
-    inputs = torch.randn(64, 8, dtype=torch.bfloat16)
-    hessian = inputs.T @ inputs + 0.01 * torch.eye(8, dtype=torch.bfloat16)
-    exc = raised(lambda: torch.linalg.cholesky(hessian))
-    assert explain(exc).cause.check == "crash-linalg-half"
+    from notebook_shell import loaded_shell
 
-    factor = torch.linalg.cholesky(hessian.float())  # the advice: the factorization in fp32
-    assert torch.allclose(factor @ factor.T, hessian.float(), atol=1e-2 * hessian.float().abs().max().item())
-    layer = torch.nn.Linear(8, 8).to(torch.bfloat16)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    before = snapshot(layer.parameters())
-    loss = layer(inputs).float().pow(2).mean()
-    loss.backward()
-    opt.step()
-    assert_step_trains(loss, before, layer.parameters())
+    from mpdoctor.runtime.twins import try_on_twins
+
+    with loaded_shell(("torch", "layer", "inputs", "hessian", "factor", "hinv", "r")) as sh:
+        sh.run_cell(GPTQ_SETUP, store_history=True)
+        exc = sh.run_cell(GPTQ_CELL, store_history=True).error_in_exec
+        assert str(exc) == "\"cholesky_cpu\" not implemented for 'BFloat16'"  # the real error
+        cause = explain(exc, namespace=sh.user_ns).cause
+        assert cause.check == "crash-linalg-half"
+        (fix,) = [fx for fx in cause.fixes if fx.recipe == "corrected-cell"]
+        assert "factor = torch.linalg.cholesky(hessian.float()).to(torch.bfloat16)" in fix.code
+        assert "hinv = torch.cholesky_inverse(factor.float()).to(torch.bfloat16)" in fix.code
+        sh.run_cell("r = %mpdoctor --text", store_history=True)
+        (trial,) = [t for fx, t in sh.user_ns["r"].trials if fx.recipe == "corrected-cell"]
+        assert trial.ran, trial.sentence()
+        assert "factor" not in sh.user_ns
+        assert try_on_twins(fix.code, sh.user_ns).ran
+        assert sh.run_cell(fix.code, store_history=True).error_in_exec is None  # then for real
+        ns = sh.user_ns
+        factor, hessian, hinv = ns["factor"], ns["hessian"], ns["hinv"]
+        assert factor.dtype == hinv.dtype == torch.bfloat16 and torch.isfinite(hinv.float()).all()
+        scale = hessian.float().abs().max().item()
+        assert torch.allclose(factor.float() @ factor.float().T, hessian.float(), atol=2e-2 * scale)
+        assert torch.allclose(hinv.float().T @ hinv.float() @ hessian.float(), torch.eye(8), atol=0.1)
+        layer, inputs = ns["layer"], ns["inputs"]
+        opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+        before = snapshot(layer.parameters())
+        loss = layer(inputs).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        assert_step_trains(loss, before, layer.parameters())
 
 
 def test_healthy_twin_fp32_islands_for_linalg_and_fft_draw_nothing():
@@ -598,6 +761,10 @@ def test_healthy_twin_fp32_islands_for_linalg_and_fft_draw_nothing():
     weight = torch.nn.Parameter(torch.randn(8, 8, dtype=torch.bfloat16))
     orthogonalized_step(weight, upcast=True)
     assert loud(mpdoctor.diagnose(namespace={"model": model})) == []
+    linear = torch.nn.Linear(8, 8)  # the SOAP optimizer on an fp32 model: its QR runs, nothing to say
+    opt = OrthogonalSOAP(linear.parameters())
+    soap_step(linear, opt, torch.randn(4, 8))
+    assert loud(mpdoctor.diagnose(namespace={"model": linear, "opt": opt})) == []
 
 
 class LoReFT(torch.nn.Module):
