@@ -705,6 +705,60 @@ class AlignPrecision(ChangeSpec):
         return {("setup", self.setup): (self.precision, self.native)}
 
 
+#: accelerate's process-wide Borg dicts that ``AcceleratorState._reset_state(True)`` clears, in that order.
+_ACCELERATE_SHARED = ("AcceleratorState", "PartialState")
+
+
+def _accelerate_shared() -> list[dict]:
+    """The shared-state dicts of accelerate's state classes (every instance's ``__dict__`` is one of them); none
+    when accelerate is not imported."""
+    import sys
+
+    module = sys.modules.get("accelerate.state")
+    dicts = [raw_attr(raw_attr(module, name, None), "_shared_state", None) for name in _ACCELERATE_SHARED]
+    return [d for d in dicts if isinstance(d, dict)] if module is not None else []
+
+
+def _clear_shared(dicts: list[dict]) -> list[dict]:
+    saved = [dict(d) for d in dicts]  # copied before the first clear
+    for d in dicts:
+        d.clear()
+    return saved
+
+
+def _restore_shared(dicts: list[dict], saved: list[dict]) -> None:
+    for d, content in zip(dicts, saved):
+        d.clear()
+        d.update(content)  # the same dict objects: an Accelerator the kernel holds sees its state again
+
+
+@dataclass(frozen=True)
+class ResetAccelerateState(ChangeSpec):
+    """What ``AcceleratorState._reset_state(True)`` does, in place: clear accelerate's shared ``AcceleratorState`` and
+    ``PartialState`` dicts, so ``notebook_launcher`` sees a kernel where no Accelerator was made. Undo puts every
+    entry back into the same dicts."""
+
+    def bind(self, live: Live) -> list[Change]:
+        dicts = _accelerate_shared()
+        if not any(dicts):
+            return []
+        return [Call(lambda: _clear_shared(dicts), lambda saved: _restore_shared(dicts, saved),
+                     "AcceleratorState._reset_state(True)", held=lambda: not any(dicts))]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        if facts.distributed is None:
+            return facts
+        return dataclasses.replace(facts, distributed=dataclasses.replace(facts.distributed,
+                                                                          accelerator_state_initialized=False))
+
+    def verify(self, live: Live) -> str | None:
+        left = [name for name, d in zip(_ACCELERATE_SHARED, _accelerate_shared()) if d]
+        return f"{', '.join(left)} still hold state" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("accelerate", "shared_state"): "reset"}
+
+
 @dataclass(frozen=True)
 class SetEnvVar(ChangeSpec):
     """``os.environ[name] = value`` (None removes it); undo restores the variable as it was, or its absence."""
