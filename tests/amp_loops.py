@@ -4,6 +4,8 @@ before ``unscale_``."""
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.nn.functional as F
 
@@ -51,3 +53,52 @@ for x in data:
     amp_scaler.step(optimizer)
     amp_scaler.update()
 """
+
+
+# -- a run resumed from a checkpoint (huggingface/transformers PR #11663) --------------------------------------
+
+#: The resumed run's batch: its scaled fp16 loss overflows above a scale of about 2**9.
+RESUME_X = torch.ones(8, 8)
+
+
+def scaled_step(model, opt, scaler) -> torch.Tensor:
+    """The user's AMP step: fp16 autocast, ``scaler.scale(loss).backward()``, ``scaler.step``, ``scaler.update``;
+    returns the loss (its parameters do not move when the scaler skips the step)."""
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(RESUME_X).sum() * 16
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+def checkpoint_after(steps: int = 30, with_scaler: bool = True) -> dict:
+    """A checkpoint as ``torch.save`` wrote it after ``steps`` scaled steps (the scale settles at 256), and as
+    ``torch.load`` gives it back: plain dicts (``ckpt["scaler"]`` when ``with_scaler``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        scaled_step(model, opt, scaler)
+    ckpt = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    if with_scaler:
+        ckpt["scaler"] = scaler.state_dict()
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def resumed(ckpt: dict, load_scaler: bool = False) -> dict:
+    """The resume cell: model and optimizer restored from ``ckpt``, a fresh GradScaler (its state loaded only when
+    ``load_scaler``), the checkpoint still held under ``ckpt``."""
+    model = torch.nn.Linear(8, 1)
+    model.load_state_dict(ckpt["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt.load_state_dict(ckpt["optimizer"])
+    scaler = torch.amp.GradScaler("cpu")
+    if load_scaler:
+        scaler.load_state_dict(ckpt["scaler"])
+    return {"model": model, "opt": opt, "scaler": scaler, "ckpt": ckpt}

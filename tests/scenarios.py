@@ -28,6 +28,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from amp_loops import checkpoint_after, resumed, scaled_step
 from setups import (
     TinyDataset,
     batch,
@@ -339,6 +340,16 @@ def _eval_step(ns: dict) -> float:
     return train_step(model.train(), opt, batch())
 
 
+def resumed_without_the_scaler_state() -> dict:
+    """huggingface/transformers PR #11663: model and optimizer restored from a loaded checkpoint that holds the
+    scaler's state too (``ckpt["scaler"]``), the GradScaler left fresh."""
+    return resumed(checkpoint_after())
+
+
+def _resumed_step(ns: dict) -> float:
+    return float(scaled_step(ns["model"], ns["opt"], ns["scaler"]))
+
+
 FIELD_CASES = [
     Scenario("bf16_model_with_enabled_scaler", bf16_model_with_enabled_scaler, functools.partial(_lm_step, scaler_key="scaler")),
     Scenario("fp16_params_with_scaler", fp16_params_with_scaler, functools.partial(_lm_step, scaler_key="scaler")),
@@ -361,6 +372,8 @@ FIELD_CASES = [
              probe_args=lambda ns: (ns["model"], {"input_ids": _PADDED_IDS, "attention_mask": ns["mask"]}, None)),
     Scenario("averaged_model_bf16", averaged_model_bf16, _averaged_step,
              probe_args=lambda ns: (ns["model"], torch.randn(8, 16, dtype=torch.bfloat16), None)),
+    Scenario("resumed_without_the_scaler_state", resumed_without_the_scaler_state, _resumed_step,
+             probe_args=lambda ns: (ns["model"], torch.ones(8, 8), None)),
 ]
 
 HEALTHY = [

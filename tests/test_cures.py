@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as T
+from amp_loops import checkpoint_after, resumed, scaled_step
 from cure import Case, Namespace, assert_broken, cure_through_api, cure_through_widget
 from setups import VOCAB, batch, tiny_llama, tiny_lora, train_step
 
@@ -510,6 +511,12 @@ CASES: list[Case] = [
         name="f-normalize-eps-zero-in-fp16", source="pytorch/pytorch#32137", slug="probe-nonfinite",
         build=_fp16_normalized_head, step=_normalized_head_step, failure="loss is not finite", recipe="fp32-module",
         diagnose=lambda ns: mpdoctor.probe(ns["model"], ns["x"], loss_fn=lambda out: out.float().sum(), name="model"),
+    ),
+    Case(
+        name="scaler-state-held-not-loaded-on-resume", source="huggingface/transformers PR #11663",
+        slug="scaler-not-restored-on-resume", build=lambda: resumed(checkpoint_after()),
+        step=lambda ns: scaled_step(ns["model"], ns["opt"], ns["scaler"]),
+        failure="changed no parameter",  # the fresh scale 65536 overflows: the resumed step is skipped
     ),
     Case(
         name="t5-wo-past-65504", source="huggingface/transformers#5651", slug="probe-nonfinite",

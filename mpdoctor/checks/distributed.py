@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from ..facts import Facts, ModelFacts
 from ..facts.distributed import DistributedFacts
 from ..facts.tensors import FLOATING
-from ..treatment.changes import CastParamsTo, torch_dtype
+from ..treatment.changes import CastParamsTo, ResetAccelerateState, torch_dtype
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -216,7 +216,7 @@ def launch_world_of_one(facts: Facts, rule: Rule) -> Iterator[Finding]:
     )
 
 
-@check("launcher-initialized-early", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("launcher-initialized-early", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """An Accelerator or a CUDA device was initialised in the notebook before ``notebook_launcher``.
 
@@ -241,9 +241,12 @@ def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         error: the launch will fail.
     Fix safety
-        Create the Accelerator and touch CUDA only inside the launched function; to recover
-        without a restart, ``AcceleratorState._reset_state(True)`` clears accelerate's state
-        (CUDA cannot be un-initialised: restart the kernel).
+        An Accelerator made in the kernel: reset accelerate's shared state in place (what
+        ``AcceleratorState._reset_state(True)`` does; undo puts every entry back into the same
+        dicts), then ``notebook_launcher`` starts. Unsafe: the Accelerator the kernel holds, and
+        what it prepared, lose their state until undone; create the Accelerator inside the launched
+        function from then on. CUDA initialised in the kernel: display-only, it cannot be
+        un-initialised (restart the kernel).
     Sources
         accelerate ``launchers.py`` (``notebook_launcher``); tests/distributed/test_launcher.py.
     """
@@ -262,7 +265,8 @@ def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "should only be initialized inside your training function').",
             {"accelerator_state_initialized": True},
             [Fix("Reset accelerate's state and create the Accelerator inside the function", code,
-                 applicability=Applicability.DISPLAY_ONLY, recipe="launcher-reset-state")],  # fmt: skip
+                 applicability=Applicability.UNSAFE, recipe="launcher-reset-state", changes=(ResetAccelerateState(),),
+                 cost="the Accelerator already made in this kernel (and what it prepared) loses its state")],  # fmt: skip
         )
     if dist.cuda_initialized:
         yield rule.finding(

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from ..facts import Facts
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
+from ..treatment.island_changes import UnmergeAdapters
 from ..treatment.rules import Applicability, Rule
 from . import check
 
@@ -19,7 +20,8 @@ _SHORT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _NOTICEABLE = 0.01
 
 
-@check("lora-merged-into-half-base", Severity.WARNING, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("lora-merged-into-half-base", Severity.WARNING, Severity.INFO,
+       fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))
 def lora_merged_into_half_base(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A LoRA adapter merged into a bf16 / fp16 base weight, losing part of its delta to rounding.
 
@@ -43,8 +45,11 @@ def lora_merged_into_half_base(facts: Facts, rule: Rule) -> Iterator[Finding]:
         model = PeftModel.from_pretrained(base, adapter_dir)
         merged = model.merge_and_unload().to(torch.bfloat16)  # one rounding of the sum
     Fix safety
-        Display-only: the base's lost bits cannot be recovered in place. Reload the base in fp32, merge there,
-        then cast the merged model once; or keep the adapter unmerged (``unmerge_adapter()``).
+        While the PEFT model still holds the merge (``merge_adapter()``), unmerge its merged layers in place
+        (PEFT's ``unmerge``; undo merges again and puts the merged weights' bytes back): the adapter adds its
+        delta exactly at every forward and trains again. Safe: the model computes ``base + delta`` as the merge
+        meant to, at the cost of the adapter's matmuls. A merged checkpoint to export: display-only, reload the
+        base in fp32, merge there, then cast the merged model once.
     Severity
         Warning when the merge lost 1% of the delta or more; info below.
     Sources
@@ -72,6 +77,7 @@ def lora_merged_into_half_base(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 "worst_layer": worst.path,
             },
             [
+                _unmerge_fix(facts, model, layers),
                 Fix(
                     "Merge into an fp32 base, then cast the merged model once",
                     "import torch\n"
@@ -85,3 +91,17 @@ def lora_merged_into_half_base(facts: Facts, rule: Rule) -> Iterator[Finding]:
             ],
             severity=Severity.WARNING if mean >= _NOTICEABLE else Severity.INFO,
         )
+
+
+def _unmerge_fix(facts: Facts, model: str, layers: list) -> Fix:
+    """Unmerge the merged LoRA layers of ``model`` in place: the adapter computes its delta exactly again."""
+    paths = tuple(dict.fromkeys(m.path for m in layers))
+    subject = facts.subject(model)
+    return Fix(
+        f"Unmerge {model}'s adapter ({len(paths)} layer{'s' if len(paths) != 1 else ''})",
+        f"{model}.unmerge_adapter()  # the adapter adds its delta exactly again; merge in fp32 to export",
+        applicability=Applicability.SAFE,
+        changes=(UnmergeAdapters(subject.ref, paths, model),) if subject is not None else (),
+        recipe="unmerge-adapter",
+        cost="the adapter's two small matmuls per layer at every forward",
+    )

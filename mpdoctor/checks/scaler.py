@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ..facts import Facts, ScalerFacts
-from ..treatment.changes import CastParamsTo, SetAttrTo
+from ..facts.scaler import ScalerStateFacts
+from ..treatment.changes import CastParamsTo, LoadScalerState, SetAttrTo
 from ..treatment.findings import Finding, Severity, count, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -278,7 +279,8 @@ def scaler_scale_collapsed(facts: Facts, rule: Rule) -> Iterator[Finding]:
             )
 
 
-@check("scaler-not-restored-on-resume", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("scaler-not-restored-on-resume", Severity.WARNING,
+       fix_safety=(Applicability.SAFE, Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A resumed run whose GradScaler state was not restored.
 
@@ -292,19 +294,24 @@ def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]
         train nothing (measured: 7 skipped steps when the run had settled at 512), and the growth
         counter restarts.
     Example
+        ckpt = torch.load("last.pt")
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scaler = torch.amp.GradScaler("cuda")  # fresh: scale 65536 again
     Use instead
-        scaler.load_state_dict(checkpoint['scaler'])
+        scaler.load_state_dict(ckpt["scaler"])
         # and when saving: checkpoint['scaler'] = scaler.state_dict()
     Severity
         Warning: measurable harm (skipped steps after resume), no crash. A scaler restored to exactly
         2^16 with a tracker of 0 is indistinguishable from a fresh one and harmless.
     Fix safety
-        Nothing to do in place (the saved scale is in the checkpoint): load it with
-        ``scaler.load_state_dict(checkpoint["scaler"])`` and save ``scaler.state_dict()`` with the
-        checkpoint.
+        Where a GradScaler state is held in the namespace (a dict with exactly the keys
+        ``GradScaler.state_dict()`` writes, such as ``ckpt["scaler"]`` of a loaded checkpoint, one or two
+        levels deep), it is loaded into the live scaler in place (``scaler.load_state_dict(state)``; undo puts
+        back the scaler's previous fields and scale tensors). Safe when one such state is held; unsafe, one fix
+        per state, when several different ones are (which belongs to this run is the user's call). Where none
+        is held (the checkpoint never saved it) it stays advice: save ``scaler.state_dict()`` with the
+        checkpoint from now on.
     Sources
         PyTorch AMP examples, "Saving/Resuming"; torch.amp.GradScaler.state_dict docs.
     """
@@ -316,20 +323,57 @@ def scaler_not_restored_on_resume(facts: Facts, rule: Rule) -> Iterator[Finding]
         if not sc.enabled or not sc.fresh or sc.scale is not None:
             continue
         opt = max(resumed, key=lambda o: o.state_steps)
+        held = _held_states(facts)
         yield rule.finding(
             sc.name,
             f"{opt.name} has already taken {opt.state_steps:,} steps but {sc.name} is at a fresh constructor's state "
             f"(scale {sc.scale if sc.scale is not None else sc.init_scale:g}, growth tracker 0): if the run resumed from a "
             "checkpoint, the scaler's state was not restored, and the first steps after resume are skipped while the "
-            "scale falls back to where it was.",
-            {"optimizer": opt.name, "optimizer_steps": opt.state_steps, "scale": sc.scale, "init_scale": sc.init_scale},
-            [
-                Fix(
-                    f"Restore {sc.name}'s state from the checkpoint",
-                    f"{sc.name}.load_state_dict(checkpoint['scaler'])\n"
-                    f"# and when saving: checkpoint['scaler'] = {sc.name}.state_dict()",
-                    applicability=Applicability.DISPLAY_ONLY,
-                    recipe="restore-scaler-state",
-                )
-            ],
+            "scale falls back to where it was." + _held_sentence(sc.name, held),
+            {"optimizer": opt.name, "optimizer_steps": opt.state_steps, "scale": sc.scale, "init_scale": sc.init_scale,
+             "held_states": [h.name for h in held]},  # fmt: skip
+            [_load_state_fix(facts, sc, h, safe=len(held) == 1) for h in held] or [_restore_advice(sc)],
         )
+
+
+def _held_states(facts: Facts) -> list[ScalerStateFacts]:
+    """The scaler states the user holds that a load would restore something from (a fresh one restores nothing),
+    one per distinct state."""
+    out: list[ScalerStateFacts] = []
+    for h in facts.scaler_states:
+        key = (h.scale, h.growth_tracker, h.growth_factor, h.backoff_factor, h.growth_interval)
+        if not h.fresh and all(key != (o.scale, o.growth_tracker, o.growth_factor, o.backoff_factor, o.growth_interval)
+                               for o in out):  # fmt: skip
+            out.append(h)
+    return out
+
+
+def _held_sentence(scaler: str, held: list[ScalerStateFacts]) -> str:
+    if not held:
+        return (" No GradScaler state is held among the objects inspected (the checkpoint did not save one), so there is "
+                "nothing to load in place: save scaler.state_dict() with the checkpoint from now on.")  # fmt: skip
+    if len(held) == 1:
+        return f" {held[0].name} holds a saved state (scale {held[0].scale:g}): loading it into {scaler} restores it."
+    names = ", ".join(f"{h.name} (scale {h.scale:g})" for h in held)
+    return f" Several saved states are held ({names}): load the one of this run."
+
+
+def _load_state_fix(facts: Facts, sc: ScalerFacts, held: ScalerStateFacts, safe: bool) -> Fix:
+    subject = facts.subject(sc.name)
+    return Fix(
+        f"Load {held.name} into {sc.name} (scale {held.scale:g})",
+        f"{sc.name}.load_state_dict({held.name})\n# and when saving: checkpoint['scaler'] = {sc.name}.state_dict()",
+        applicability=Applicability.SAFE if safe else Applicability.UNSAFE,
+        changes=(LoadScalerState(subject.inner_ref, held.ref, f"{sc.name}.load_state_dict({held.name})"),),
+        recipe="restore-scaler-state",
+    )
+
+
+def _restore_advice(sc: ScalerFacts) -> Fix:
+    return Fix(
+        f"Restore {sc.name}'s state from the checkpoint",
+        f"{sc.name}.load_state_dict(checkpoint['scaler'])\n"
+        f"# and when saving: checkpoint['scaler'] = {sc.name}.state_dict()",
+        applicability=Applicability.DISPLAY_ONLY,
+        recipe="restore-scaler-state",
+    )

@@ -16,7 +16,7 @@ from .configs import ConfigFacts
 from .hardware import DeviceProfile
 from .optimizer import OptimizerFacts
 from .precision import PrecisionFacts, TorchStateFacts
-from .scaler import ScalerFacts
+from .scaler import ScalerFacts, ScalerStateFacts
 from .tensors import ModuleTensors, TensorTally
 
 __all__ = [
@@ -161,6 +161,8 @@ class Facts:
     attention_masks: tuple = ()
     #: mpdoctor.facts.diffusers.PipelineFacts: diffusers pipelines, their VAE and whether they honour force_upcast.
     pipelines: tuple = ()
+    #: GradScaler states the user holds (``ckpt["scaler"]``), read by their keys: what a resumed scaler can load.
+    scaler_states: tuple[ScalerStateFacts, ...] = ()
 
     @property
     def tallies(self) -> tuple[TensorTally, ...]:

@@ -32,6 +32,28 @@ class ScalerFacts:
         return looks_fresh(self.scale, self.init_scale, tracker)
 
 
+@dataclass(frozen=True)
+class ScalerStateFacts:
+    """A GradScaler's saved state the user holds (``ckpt["scaler"]`` of a checkpoint loaded with ``torch.load``):
+    a plain dict with exactly the keys ``GradScaler.state_dict()`` writes, read by its values.
+
+    ``ref`` is the dict's live ref: a fix loads it into a live scaler.
+    """
+
+    name: str
+    ref: int
+    scale: float
+    growth_tracker: int
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+    @property
+    def fresh(self) -> bool:
+        """A fresh scaler's state (scale 2**16, tracker 0): loading it restores nothing."""
+        return looks_fresh(self.scale, self.scale, self.growth_tracker)
+
+
 #: What ``GradScaler()`` starts at when no ``init_scale`` is given.
 DEFAULT_INIT_SCALE = 2.0**16
 

@@ -18,7 +18,7 @@ from ..facts.hardware import DeviceProfile
 from ..facts.optimizer import OptimizerFacts
 from ..facts.precision import PrecisionFacts
 from ..facts.quantized import STORAGE_DTYPES
-from ..facts.scaler import ScalerFacts
+from ..facts.scaler import ScalerFacts, ScalerStateFacts
 from ..live import Live
 from ..live.introspect import class_path, raw_attr, shared_module_walks, type_name
 from ..readers.between import read_between
@@ -26,7 +26,7 @@ from ..readers.hardware import live_profile
 from ..readers.loop_accumulation import with_loop_accumulations
 from ..readers.norms import norm_epsilons
 from ..readers.optimizer import read_optimizer
-from ..readers.scaler import read_scaler
+from ..readers.scaler import read_scaler, read_scaler_state
 from ..readers.tensors import read_module_tensors
 from .distributed import gather_distributed
 from .precision import gather_precision, gather_torch_state
@@ -148,6 +148,7 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
     models: list[ModelFacts] = []
     optimizers: list[OptimizerFacts] = []
     scalers: list[ScalerFacts] = []
+    states: list[ScalerStateFacts] = []
     plain: list[SubjectFacts] = []
     hardware = profile if profile is not None else live_profile()
     for s in subjects:
@@ -159,6 +160,8 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
                 optimizers.append(read_optimizer(s.name, s.obj, s.inner))
             elif s.kind == "scaler":
                 scalers.append(read_scaler(s.name, s.obj, _scaler_owners(s, subjects)))
+            elif s.kind == "scaler_state":
+                states.append(read_scaler_state(s.name, s.obj))
         except Exception as exc:  # a hostile or half-built object must not stop the report
             errors.append((s.name, _summarise(exc)))
     try:
@@ -192,6 +195,7 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
         models=tuple(models),
         optimizers=tuple(optimizers),
         scalers=tuple(scalers),
+        scaler_states=tuple(states),
         precisions=precisions,
         runtime=gather_torch_state(),
         hardware=hardware,

@@ -27,7 +27,7 @@ from typing import Any
 
 #: Subject kinds, in the order a report lists them.
 KINDS = ("trainer", "training_args", "accelerator", "model", "optimizer", "scaler", "pipeline", "averaging", "kv_cache",
-         "attention_mask", "adapter_config")
+         "attention_mask", "adapter_config", "scaler_state")
 
 #: The integration modules, in registry order (torch first: its kinds are the base of all others).
 MODULES = (

@@ -8,6 +8,7 @@ Always active (mpdoctor itself imports torch). The tensor facts every model gets
 from __future__ import annotations
 
 from ..compat import GRAD_SCALER_CLASSES
+from ..readers.scaler import is_scaler_state
 from . import Integration, Unwrap
 from .averaging import model_facts as island_facts
 from .averaging import shadow_facts
@@ -27,4 +28,6 @@ INTEGRATION = Integration(
     ),
     model_facts=island_facts,  # intent: averaged copies, metrics, frozen shadows, _keep_in_fp32_modules
     facts=shadow_facts,  # EMA / averaging objects and what their updates lose
+    # A checkpoint's GradScaler state (``ckpt["scaler"]``), found by its keys: what a resumed scaler can load.
+    value_kinds=(("builtins.dict", is_scaler_state, "scaler_state"),),
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..facts.scaler import ScalerFacts
+from ..facts.scaler import ScalerFacts, ScalerStateFacts
 from ..live.introspect import raw_attr
 
 
@@ -33,4 +33,33 @@ def read_scaler(name: str, scaler: Any, owners: tuple[str, ...] = ()) -> ScalerF
         growth_interval=int(raw_attr(scaler, "_growth_interval", 2000) or 0),
         owners=owners,
         init_growth_tracker=int(_scalar(raw_attr(scaler, "_init_growth_tracker", 0)) or 0),
+    )
+
+
+#: The keys ``GradScaler.state_dict()`` writes for an enabled scaler, and only those.
+STATE_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
+
+def is_scaler_state(value: Any) -> bool:
+    """True for an exact ``dict`` holding a GradScaler's saved state: its keys are exactly those
+    ``GradScaler.state_dict()`` writes, each a number (a Python number or a one-element tensor). Read through
+    ``dict``'s own methods: the predicate discovery runs on every plain dict of a namespace."""
+    if type(value) is not dict or dict.__len__(value) != len(STATE_KEYS):
+        return False
+    if not all(type(k) is str and k in STATE_KEYS for k in dict.keys(value)):
+        return False
+    return all(_scalar(v) is not None for v in dict.values(value))
+
+
+def read_scaler_state(name: str, state: dict) -> ScalerStateFacts:
+    """Read a held scaler state dict (one :func:`is_scaler_state` recognised) into its facts."""
+    get = dict.__getitem__
+    return ScalerStateFacts(
+        name=name,
+        ref=id(state),
+        scale=float(_scalar(get(state, "scale")) or 0.0),
+        growth_tracker=int(_scalar(get(state, "_growth_tracker")) or 0),
+        growth_factor=float(_scalar(get(state, "growth_factor")) or 0.0),
+        backoff_factor=float(_scalar(get(state, "backoff_factor")) or 0.0),
+        growth_interval=int(_scalar(get(state, "growth_interval")) or 0),
     )

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..edits.steps import (
+    Call,
     CastGrads,
     CastParams,
     CastStateEntries,
@@ -566,6 +567,72 @@ def simulate_attr(facts: Facts, ref: int, attr: str, value: Any) -> Facts:
     return facts
 
 
+#: The GradScaler fields ``load_state_dict`` writes: plain numbers, and the lazily made tensors it fills.
+_SCALER_FIELDS = ("_init_scale", "_growth_factor", "_backoff_factor", "_growth_interval", "_init_growth_tracker")
+_SCALER_TENSORS = ("_scale", "_growth_tracker")
+
+
+def _scaler_holds(scaler: Any, state: dict) -> bool:
+    """The live scaler's state is the held one (what ``load_state_dict(state)`` would leave)."""
+    now = scaler.state_dict()
+    return bool(now) and all(float(now[k]) == float(state[k]) for k in now)  # a tensor value reads as its number
+
+
+def _load_scaler_state(scaler: Any, state: dict) -> tuple[dict, dict]:
+    """``scaler.load_state_dict(state)``; returns the fields and tensor values it overwrote, for the undo."""
+    fields = {k: scaler.__dict__[k] for k in _SCALER_FIELDS if k in scaler.__dict__}
+    tensors = {k: t.clone() for k in _SCALER_TENSORS if isinstance(t := scaler.__dict__.get(k), torch.Tensor)}
+    scaler.load_state_dict(state)
+    return fields, tensors
+
+
+def _restore_scaler(scaler: Any, saved: tuple[dict, dict]) -> None:
+    fields, tensors = saved
+    scaler.__dict__.update(fields)
+    for k, value in tensors.items():
+        scaler.__dict__[k].copy_(value)  # the same tensor objects: a loop's reference to them stays valid
+
+
+@dataclass(frozen=True)
+class LoadScalerState(ChangeSpec):
+    """``scaler.load_state_dict(state)`` for a GradScaler state the user holds (``ckpt["scaler"]``), in place;
+    undo puts back exactly the fields and tensor values it overwrote."""
+
+    scaler: int
+    state: int
+    label: str
+
+    def bind(self, live: Live) -> list[Change]:
+        scaler, state = live.get(self.scaler), live.get(self.state)
+        if _scaler_holds(scaler, state):
+            return []
+        return [Call(lambda: _load_scaler_state(scaler, state), lambda saved: _restore_scaler(scaler, saved),
+                     self.label, held=lambda: _scaler_holds(scaler, state))]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        held = next((h for h in facts.scaler_states if h.ref == self.state), None)
+        names = {s.name for s in facts.subjects if self.scaler in (s.ref, s.inner_ref)}
+        if held is None:
+            return facts
+
+        def loaded(sc: Any) -> Any:
+            return dataclasses.replace(
+                sc, init_scale=held.scale, scale=held.scale if sc.scale is not None else None,
+                growth_tracker=held.growth_tracker if sc.growth_tracker is not None else None,
+                init_growth_tracker=held.growth_tracker, growth_interval=held.growth_interval,
+            )  # fmt: skip
+
+        scalers = tuple(loaded(sc) if sc.name in names else sc for sc in facts.scalers)
+        return dataclasses.replace(facts, scalers=scalers)
+
+    def verify(self, live: Live) -> str | None:
+        held = _scaler_holds(live.get(self.scaler), live.get(self.state))
+        return None if held else f"{self.label}: the scaler does not hold the state"
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.scaler, None, "state_dict"): self.state}
+
+
 @dataclass(frozen=True)
 class AlignPrecision(ChangeSpec):
     """Bring a setup (arguments, accelerator, prepared models) to ``precision``, autocasting iff ``native``.
@@ -636,6 +703,60 @@ class AlignPrecision(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {("setup", self.setup): (self.precision, self.native)}
+
+
+#: accelerate's process-wide Borg dicts that ``AcceleratorState._reset_state(True)`` clears, in that order.
+_ACCELERATE_SHARED = ("AcceleratorState", "PartialState")
+
+
+def _accelerate_shared() -> list[dict]:
+    """The shared-state dicts of accelerate's state classes (every instance's ``__dict__`` is one of them); none
+    when accelerate is not imported."""
+    import sys
+
+    module = sys.modules.get("accelerate.state")
+    dicts = [raw_attr(raw_attr(module, name, None), "_shared_state", None) for name in _ACCELERATE_SHARED]
+    return [d for d in dicts if isinstance(d, dict)] if module is not None else []
+
+
+def _clear_shared(dicts: list[dict]) -> list[dict]:
+    saved = [dict(d) for d in dicts]  # copied before the first clear
+    for d in dicts:
+        d.clear()
+    return saved
+
+
+def _restore_shared(dicts: list[dict], saved: list[dict]) -> None:
+    for d, content in zip(dicts, saved):
+        d.clear()
+        d.update(content)  # the same dict objects: an Accelerator the kernel holds sees its state again
+
+
+@dataclass(frozen=True)
+class ResetAccelerateState(ChangeSpec):
+    """What ``AcceleratorState._reset_state(True)`` does, in place: clear accelerate's shared ``AcceleratorState`` and
+    ``PartialState`` dicts, so ``notebook_launcher`` sees a kernel where no Accelerator was made. Undo puts every
+    entry back into the same dicts."""
+
+    def bind(self, live: Live) -> list[Change]:
+        dicts = _accelerate_shared()
+        if not any(dicts):
+            return []
+        return [Call(lambda: _clear_shared(dicts), lambda saved: _restore_shared(dicts, saved),
+                     "AcceleratorState._reset_state(True)", held=lambda: not any(dicts))]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        if facts.distributed is None:
+            return facts
+        return dataclasses.replace(facts, distributed=dataclasses.replace(facts.distributed,
+                                                                          accelerator_state_initialized=False))
+
+    def verify(self, live: Live) -> str | None:
+        left = [name for name, d in zip(_ACCELERATE_SHARED, _accelerate_shared()) if d]
+        return f"{', '.join(left)} still hold state" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {("accelerate", "shared_state"): "reset"}
 
 
 @dataclass(frozen=True)

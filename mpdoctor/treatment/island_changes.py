@@ -1,9 +1,10 @@
-"""Changes that put an fp32 island back: a router's correction bias and a metric's states.
+"""Changes that put an fp32 island back: a router's correction bias, a metric's states, a LoRA delta.
 
-Two change kinds (see :mod:`mpdoctor.treatment.changes` for the protocol): :class:`CastBuffersTo` casts named
+Three change kinds (see :mod:`mpdoctor.treatment.changes` for the protocol): :class:`CastBuffersTo` casts named
 buffers of a module tree in place (a router's ``e_score_correction_bias``), :class:`SetMetricStatesDtype`
-moves a torchmetrics ``Metric``'s states to a dtype through its own ``set_dtype``. Each computes its new
-tensors before the first swap and undoes by putting the very objects it replaced back.
+moves a torchmetrics ``Metric``'s states to a dtype through its own ``set_dtype``, :class:`UnmergeAdapters`
+takes a LoRA delta back out of a half-precision base (PEFT's ``unmerge``), so the adapter adds it exactly. Each
+saves or computes what it needs before the first change and undoes to the very objects and bytes it replaced.
 """
 
 from __future__ import annotations
@@ -158,3 +159,91 @@ class SetMetricStatesDtype(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.metric, "dtype"): self.dtype}
+
+
+class UnmergeLayer(Change):
+    """PEFT's ``layer.unmerge()`` on one LoRA layer: its adapters compute their delta beside the base again, the base
+    weight set to the nearest value to ``merged - delta`` (bits of the base the merge rounded away stay lost). Undo
+    merges them again (``layer.merge``) and copies the merged base weight's (and bias's) saved bytes back, so the
+    weights are bit for bit what they were (a second rounding of ``base + delta`` may differ by an ulp)."""
+
+    def __init__(self, layer: Any, label: str) -> None:
+        self._layer, self.description = layer, f"unmerge the adapter of {label}"
+        self._merged: list[str] = []
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _base_tensors(self) -> list[torch.Tensor]:
+        base = raw_attr(self._layer, "_modules", {}).get("base_layer")
+        params = raw_attr(base, "_parameters", {}) if base is not None else {}
+        return [t for t in (params.get("weight"), params.get("bias")) if isinstance(t, torch.Tensor)]
+
+    @property
+    def in_place(self) -> bool:
+        return not raw_attr(self._layer, "merged_adapters")
+
+    def _recovered_base(self) -> torch.Tensor | None:
+        """The base weight before the merge, as nearly as the merged one holds it: ``round(merged - delta)`` with the
+        deltas in fp32 (PEFT's own unmerge subtracts them rounded to the base's dtype, one more rounding). None for
+        an adapter variant (DoRA) whose unmerge is not a subtraction."""
+        variants = raw_attr(self._layer, "lora_variant") or {}
+        tensors = self._base_tensors()
+        if not tensors or any(a in variants for a in self._merged):
+            return None
+        weight = tensors[0]
+        with torch.no_grad():
+            deltas = [self._layer.get_delta_weight(a).float() for a in self._merged]
+            if any(d.shape != weight.shape for d in deltas):
+                return None
+            return (weight.detach().float() - sum(deltas)).to(weight.dtype)
+
+    def apply(self) -> None:
+        self._merged = list(raw_attr(self._layer, "merged_adapters") or [])
+        self._saved = [(t, t.detach().clone()) for t in self._base_tensors()]  # allocated before anything changes
+        base = self._recovered_base()
+        self._layer.unmerge()
+        if base is not None:
+            with torch.no_grad():
+                self._base_tensors()[0].data.copy_(base)
+
+    def revert(self) -> None:
+        now = list(raw_attr(self._layer, "merged_adapters") or [])
+        missing = [a for a in self._merged if a not in now]  # all of them, or those an unmerge that failed popped
+        if missing:
+            self._layer.merge(adapter_names=missing)
+        with torch.no_grad():
+            for tensor, saved in self._saved:
+                tensor.data.copy_(saved)
+
+
+@dataclass(frozen=True)
+class UnmergeAdapters(ChangeSpec):
+    """Unmerge the LoRA layers ``paths`` of the PEFT model ``ref`` in place (``layer.unmerge()`` each): the adapter
+    adds its delta in its own dtype at every forward instead of a half-precision base holding a rounded sum."""
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str
+
+    def _layers(self, live: Live) -> list[tuple[str, Any]]:
+        root = live.get(self.ref)
+        return [(p, layer) for p in self.paths if (layer := _submodule(root, p)) is not None]
+
+    def bind(self, live: Live) -> list[Change]:
+        return [UnmergeLayer(layer, f"{self.label}.{p}") for p, layer in self._layers(live)
+                if raw_attr(layer, "merged_adapters")]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        between = facts.between
+        names = {s.name for s in facts.subjects if s.ref == self.ref}
+        if between is None:
+            return facts
+        gone = set(self.paths)
+        merged = tuple(m for m in between.merged_adapters if not (m.model in names and m.path in gone))
+        return dataclasses.replace(facts, between=dataclasses.replace(between, merged_adapters=merged))
+
+    def verify(self, live: Live) -> str | None:
+        left = [p for p, layer in self._layers(live) if raw_attr(layer, "merged_adapters")]
+        return f"{', '.join(left)} still merged" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, p, "merged"): False for p in self.paths}

@@ -77,11 +77,22 @@ def test_accelerator_created_before_the_launch_is_named_reset_and_the_launch_wor
     )
     assert parent["before"]["severities"] == {"launcher-initialized-early": "error"}
     assert "AcceleratorState._reset_state(True)" in parent["before"]["fix_code"]["launcher-initialized-early"][0]
-    assert parent["after"]["slugs"] == []  # the displayed fix, run as shown, clears it
-    for r in (0, 1):  # and the retried launch is a real 2-process training
-        assert ranks[r]["num_processes"] == 2
-        assert ranks[r]["report"]["slugs"] == []
-    assert ranks[0]["weights"] == ranks[1]["weights"]
+    # The fix, in place through the API: accelerate's shared state cleared, a report taken before reads it in place,
+    # and a real notebook_launcher(num_processes=2) call starts and trains on both ranks.
+    fix = parent["fix"]
+    assert fix["applicability"] == "unsafe" and not fix["in_place_before"]
+    assert fix["applied"] and fix["cleared"] and fix["older_in_place"]
+    assert fix["refusal_after"] is None
+    # Undo: the very dicts the kernel's Accelerator reads hold exactly what they held; accelerate refuses again.
+    assert fix["undo_exact"] and fix["refusal_after_undo"] == parent["error"]
+    # Through the widget's button (unsafe: clicked, then confirmed): cleared, and nothing is left to say.
+    assert "failed" not in parent["widget"]["status"] and parent["widget"]["cleared"]
+    assert parent["after"]["slugs"] == []
+    for launch in (parent["api_ranks"], ranks):  # each retried launch is a real 2-process training
+        for r in (0, 1):
+            r = launch[r] if r in launch else launch[str(r)]
+            assert r["num_processes"] == 2 and r["report"]["slugs"] == [] and r["loss_finite"]
+        assert (launch.get(0) or launch["0"])["weights"] == (launch.get(1) or launch["1"])["weights"]
 
 
 def test_cuda_initialised_before_the_launch_is_named_from_facts():

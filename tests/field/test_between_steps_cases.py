@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from between_steps_raisers import fft_rfft_bf16_features, linalg_qr_bf16_grads, linalg_svd_bf16_delta
 from steps import assert_step_trains, snapshot
@@ -212,7 +213,7 @@ def test_peft_1388_merging_into_a_bf16_base_loses_part_of_the_delta_then_the_fp3
     report = mpdoctor.diagnose(namespace={"model": model})
     (finding,) = report.findings_for("lora-merged-into-half-base")
     assert finding.severity == "warning" and finding.evidence["mean_delta_lost"] > 0.05  # measured: ~16% lost
-    fix = finding.fixes[0]
+    (fix,) = [f for f in finding.fixes if f.recipe == "merge-in-fp32"]  # a merged checkpoint to export
     assert fix.applicability.value == "display-only" and "dtype=torch.float32" in fix.code
 
     # The harm, measured against float64 (no low-precision kernel in the reference): the share of each adapter's
@@ -245,9 +246,36 @@ def test_peft_1388_merging_into_a_bf16_base_loses_part_of_the_delta_then_the_fp3
     assert_step_trains(loss, before, merged.parameters())
 
 
+def adapter_step(model, ids):
+    """The user's step on the PEFT model: forward, backward, AdamW over the trainable (adapter) parameters."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    params = [p for p in model.parameters() if p.requires_grad]
+    before = snapshot(params)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return loss, before, params
+
+
+def effective_delta_lost(model, bases) -> float:
+    """The share of the adapters' delta the model's weights do not realize, in float64, as ``delta_lost`` measures
+    it: a merged layer realizes ``merged - base``; an unmerged one ``base_now + B @ A * scaling`` (its adapter adds
+    the delta in fp32 at every forward), so only the base's own rounding counts."""
+    num = den = 0.0
+    for name, layer in lora_layers(model):
+        a, b = layer.lora_A["default"].weight.detach().double(), layer.lora_B["default"].weight.detach().double()
+        delta = (b @ a) * layer.scaling["default"]
+        weight = layer.base_layer.weight.detach().double()
+        realized = (weight if layer.merged_adapters else weight + delta) - bases[name]
+        num += float((realized - delta).norm() ** 2)
+        den += float(delta.norm() ** 2)
+    return math.sqrt(num / den)
+
+
 def test_unsloth_3091_fp16_merged_weights_do_not_match_base_plus_lora():
     """unslothai/unsloth#3091: "Merged model with bfloat16 is not matching the adapter + lora weight" (the merged
-    weights reloaded in fp16 differ from base + B @ A). Rebuilt with an fp16 base and ``merge_adapter()``.
+    weights reloaded in fp16 differ from base + B @ A). Rebuilt with an fp16 base and ``merge_adapter()``: the PEFT
+    model still holds the merge, so the fix unmerges it in place and the adapter adds its delta exactly again.
 
     https://github.com/unslothai/unsloth/issues/3091
     """
@@ -255,24 +283,48 @@ def test_unsloth_3091_fp16_merged_weights_do_not_match_base_plus_lora():
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     delta = (layer.lora_B["default"].weight @ layer.lora_A["default"].weight).detach() * layer.scaling["default"]
     base = layer.base_layer.weight.detach().float().clone()
+    bases = {n: m.base_layer.weight.detach().double().clone() for n, m in lora_layers(model)}
     model.merge_adapter()
     realized = layer.base_layer.weight.detach().float() - base
     lost = ((realized - delta).norm() / delta.norm()).item()
     assert lost > 0.01  # measured harm: the merge kept only part of the delta
+    merged_lost = effective_delta_lost(model, bases)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    # The user's step on the merged model: the merged layers bypass the adapter, so nothing trainable is reached.
+    with pytest.raises(RuntimeError, match="does not require grad and does not have a grad_fn"):
+        adapter_step(model, ids)
 
-    (finding,) = mpdoctor.diagnose(namespace={"model": model}).findings_for("lora-merged-into-half-base")
+    report = mpdoctor.diagnose(namespace={"model": model})
+    (finding,) = report.findings_for("lora-merged-into-half-base")
     assert finding.evidence["base_dtype"] == "float16"
     assert abs(finding.evidence["worst_delta_lost"] - lost) < 0.05 or finding.evidence["worst_delta_lost"] >= lost
+    fix = next(f for f in report.fixes if f.slug == "lora-merged-into-half-base")
+    assert fix.recipe == "unmerge-adapter" and fix.safe and not fix.in_place
+    older = next(f for f in mpdoctor.diagnose(namespace={"model": model}).fixes if f.slug == fix.slug)
+    merged_bytes = [m.base_layer.weight.detach().clone() for _, m in lora_layers(model)]
+    fix.apply()
+    assert fix.applied and not any(m.merged_adapters for _, m in lora_layers(model))
+    assert older.in_place  # a report taken before now reads the change as made
+    assert report.refresh().findings_for("lora-merged-into-half-base") == []
+    # The adapter adds the exact fp32 delta again: what is lost now is only the base's bits the merge rounded away
+    # (the base is recovered as the nearest fp16 to merged - delta), a fraction of what the merge lost.
+    assert effective_delta_lost(model, bases) < merged_lost / 4
+    loss, before, params = adapter_step(model, ids)  # the user's same step trains
+    assert_step_trains(loss, before, params)
 
-    # The advice: keep the adapter unmerged (exact delta in fp32) -- the adapter path trains again.
-    model.unmerge_adapter()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    ids = torch.randint(0, 64, (2, 8))
-    before = snapshot(model.parameters())
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    opt.step()
-    assert_step_trains(loss, before, model.parameters())
+    fix.undo()  # merged again, the merged weights bit for bit
+    assert all(m.merged_adapters == ["default"] for _, m in lora_layers(model))
+    assert all(torch.equal(m.base_layer.weight, w) for (_, m), w in zip(lora_layers(model), merged_bytes))
+
+
+def test_unsloth_3091_through_the_widget_button():
+    model, _ = lora_model(torch.float16)
+    model.merge_adapter()
+    rw = widget(model=model)
+    click(rw, "Unmerge model's adapter")
+    assert "failed" not in rw.status and not any(m.merged_adapters for _, m in lora_layers(model))
+    loss, before, params = adapter_step(model, torch.randint(0, 64, (2, 8)))
+    assert_step_trains(loss, before, params)
 
 
 def test_healthy_twin_adapter_unmerged_or_merged_in_fp32_draws_nothing():

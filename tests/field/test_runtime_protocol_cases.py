@@ -19,13 +19,15 @@ import warnings
 
 import pytest
 import torch
-from amp_loops import X, Y, fp16_loss, grad_norm, mlp, only
+from amp_loops import X, Y, checkpoint_after, fp16_loss, grad_norm, mlp, only, resumed, scaled_step
 from torch.nn.utils import clip_grad_norm_
 
 import mpdoctor
+from mpdoctor.live import Live
 from mpdoctor.readers.loop_source import source_of
 from mpdoctor.runtime.loop_findings import in_the_users_loop
 from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.treatment.changes import LoadScalerState
 
 
 def script(**objects) -> dict:
@@ -279,47 +281,111 @@ def test_resuming_without_the_scaler_state_skips_the_first_steps():
     """huggingface/transformers PR #11663 ("Save scaler state dict when checkpointing"), ultralytics PR #22189
     (restore GradScaler on resume), facebookresearch/co-tracker PR #101 (loss curve disrupted after resume).
 
+    The checkpoints of the reports held no scaler state: the finding stays advice and says why.
+
     https://github.com/huggingface/transformers/pull/11663 -- https://github.com/ultralytics/ultralytics/pull/22189
     """
-
-    def step(model, opt, scaler) -> bool:
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.ones(8, 8)).sum() * 16  # overflows in fp16 above a scale of ~2**9
-        scaler.scale(loss).backward()
-        before = scaler.get_scale()
-        scaler.step(opt)
-        scaler.update()
-        return scaler.get_scale() < before
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu")
-    for _ in range(30):
-        step(model, opt, scaler)
-    ckpt = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict())}  # no scaler
-
-    def resume(with_scaler: bool):
-        m = torch.nn.Linear(8, 1)
-        m.load_state_dict(ckpt["model"])
-        o = torch.optim.Adam(m.parameters(), lr=1e-3)
-        o.load_state_dict(ckpt["optimizer"])
-        s = torch.amp.GradScaler("cpu")
-        if with_scaler:
-            s.load_state_dict(scaler.state_dict())
-        return m, o, s
-
-    m, o, s = resume(with_scaler=False)
-    (static,) = mpdoctor.diagnose(m, o, s).findings_for("scaler-not-restored-on-resume")
+    ns = resumed(checkpoint_after(with_scaler=False))
+    m, o, s = ns["model"], ns["opt"], ns["scaler"]
+    (static,) = mpdoctor.diagnose(namespace=ns).findings_for("scaler-not-restored-on-resume")
+    assert [f.applicability.name for f in static.fixes] == ["DISPLAY_ONLY"]
+    assert "No GradScaler state is held" in static.message
     with mpdoctor.watch(m, o, s) as w:
-        skipped = [step(m, o, s) for _ in range(8)]
+        skipped = _skipped_steps(m, o, s, 8)
     assert sum(skipped) >= 3  # harm, measured: the first steps after resume train nothing
     assert only(w, "scaler-not-restored-on-resume").severity == "warning" and static.severity == "warning"
-    m, o, s = resume(with_scaler=True)
-    assert mpdoctor.diagnose(m, o, s).findings_for("scaler-not-restored-on-resume") == []
+    ns = resumed(checkpoint_after(), load_scaler=True)  # the healthy twin: the user loaded the state
+    m, o, s = ns["model"], ns["opt"], ns["scaler"]
+    assert not [f for f in mpdoctor.diagnose(namespace=ns).findings if f.severity in ("error", "warning")]
     before = [p.detach().clone() for p in m.parameters()]
     with mpdoctor.watch(m, o, s) as w:
-        skipped = [step(m, o, s) for _ in range(8)]
+        skipped = _skipped_steps(m, o, s, 8)
     assert sum(skipped) == 0 and w.protocol.findings == []
     assert any(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def _skipped_steps(model, opt, scaler, n: int) -> list[bool]:
+    """Run ``n`` of the user's scaled steps; for each, whether the scaler skipped it (its scale fell)."""
+    out = []
+    for _ in range(n):
+        before = scaler.get_scale()
+        scaled_step(model, opt, scaler)
+        out.append(scaler.get_scale() < before)
+    return out
+
+
+def _resume_fix(report):
+    (finding,) = report.findings_for("scaler-not-restored-on-resume")
+    (fix,) = finding.fixes
+    return finding, fix
+
+
+def test_a_checkpoint_holding_the_scaler_state_is_loaded_into_the_fresh_scaler_in_place():
+    """huggingface/transformers PR #11663, when the loaded checkpoint does hold the scaler's state (``ckpt["scaler"]``,
+    found by its keys, not its name): the fix loads it into the live scaler in place and the resumed steps that the
+    fresh scale skipped train."""
+    ns = resumed(checkpoint_after())
+    m, o, s = ns["model"], ns["opt"], ns["scaler"]
+    finding, fix = _resume_fix(mpdoctor.diagnose(namespace=ns))
+    assert finding.severity == "warning" and "ckpt['scaler'] holds a saved state (scale 256)" in finding.message
+    assert fix.safe and not fix.in_place and fix.code.startswith("scaler.load_state_dict(ckpt['scaler'])")
+    before = [p.detach().clone() for p in m.parameters()]
+    fix.apply()
+    assert fix.applied and s.state_dict() == ns["ckpt"]["scaler"]
+    assert mpdoctor.diagnose(namespace=ns).findings_for("scaler-not-restored-on-resume") == []
+    with mpdoctor.watch(m, o, s) as w:
+        skipped = _skipped_steps(m, o, s, 8)
+    assert sum(skipped) == 0 and w.protocol.findings == []  # the user's same steps now train
+    assert all(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_undo_of_the_loaded_scaler_state_restores_the_scaler_exactly_and_an_older_report_sees_it_in_place():
+    ns = resumed(checkpoint_after())
+    s = ns["scaler"]
+    fresh = dict(s.__dict__)
+    older = _resume_fix(mpdoctor.diagnose(namespace=ns))[1]
+    fix = _resume_fix(mpdoctor.diagnose(namespace=ns))[1]
+    fix.apply()
+    assert older.in_place and not fix.in_place  # the older card: already in place; this one: applied, with Undo
+    fix.apply()  # idempotent
+    fix.undo()
+    assert s.__dict__ == fresh and s.state_dict()["scale"] == 65536.0
+    # Once the scaler has made its scale tensors, a load fills them: undo copies the old values back into them
+    # (the change itself: the check no longer fires on a scaler that has scaled a loss in this run).
+    s.scale(torch.ones(()))
+    tensors = {k: v for k, v in s.__dict__.items() if isinstance(v, torch.Tensor)}
+    values = {k: v.clone() for k, v in tensors.items()}
+    fields = {k: v for k, v in s.__dict__.items() if not isinstance(v, torch.Tensor)}
+    live = Live()
+    (step,) = LoadScalerState(live.add(s), live.add(ns["ckpt"]["scaler"]), "scaler").bind(live)
+    step.apply()
+    assert s.get_scale() == 256.0 and step.in_place
+    step.revert()
+    assert all(s.__dict__[k] is t and torch.equal(t, values[k]) for k, t in tensors.items())
+    assert {k: v for k, v in s.__dict__.items() if not isinstance(v, torch.Tensor)} == fields
+
+
+def test_a_state_nested_two_levels_deep_is_found_and_two_different_states_are_the_users_call():
+    ckpt = checkpoint_after()
+    ns = resumed({"model": ckpt["model"], "optimizer": ckpt["optimizer"]})
+    ns["ckpt"] = {"state": {"amp": ckpt["scaler"]}, "epoch": 3}
+    fix = _resume_fix(mpdoctor.diagnose(namespace=ns))[1]
+    assert fix.title == "Load ckpt['state']['amp'] into scaler (scale 256)" and fix.safe
+    ns["older"] = {"scaler": checkpoint_after(steps=12)["scaler"]}
+    (finding,) = mpdoctor.diagnose(namespace=ns).findings_for("scaler-not-restored-on-resume")
+    assert [f.applicability.name for f in finding.fixes] == ["UNSAFE", "UNSAFE"]
+    assert "Several saved states are held" in finding.message
+    ns["older"] = {"scaler": torch.amp.GradScaler("cpu").state_dict()}  # a fresh scaler's state restores nothing
+    assert _resume_fix(mpdoctor.diagnose(namespace=ns))[1].safe
+
+
+def test_the_held_scaler_state_is_loaded_through_the_widgets_button():
+    ns = resumed(checkpoint_after())
+    rw = mpdoctor.diagnose(namespace=ns).widget()
+    (button,) = [b for b, group in rw.fix_buttons if any(f.slug == "scaler-not-restored-on-resume" for f in group)]
+    button.click()
+    assert "failed" not in rw.status and ns["scaler"].state_dict() == ns["ckpt"]["scaler"]
+    m, o, s = ns["model"], ns["opt"], ns["scaler"]
+    before = [p.detach().clone() for p in m.parameters()]
+    assert not any(_skipped_steps(m, o, s, 4))
+    assert all(not torch.equal(a, b) for a, b in zip(before, m.parameters()))
