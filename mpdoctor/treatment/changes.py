@@ -1285,7 +1285,9 @@ class CastCacheTensors(ChangeSpec):
 
     Each layer's ``keys`` / ``values`` (transformers 4.56+; a ``StaticLayer``'s recorded ``dtype`` with them) or
     the cache's ``key_cache`` / ``value_cache`` lists (before) are replaced by cast copies, all allocated before
-    the first swap. The cache object stays the one the user holds.
+    the first swap. The cache object stays the one the user holds. A legacy cache (a plain tuple of per-layer
+    ``(key, value)`` pairs) cannot take new tensors: each tensor keeps its identity and takes cast data
+    (``tensor.data``), so the tuple and any cache converted from it without a copy see the cast.
     """
 
     ref: int
@@ -1293,9 +1295,14 @@ class CastCacheTensors(ChangeSpec):
     label: str = "cache"
 
     def bind(self, live: Live) -> list[Change]:
-        from ..readers.kv_cache import stored_tensors, tensor_slots
+        from ..edits.steps import ReplaceData
+        from ..readers.kv_cache import legacy_tensors, stored_tensors, tensor_slots
 
         cache, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        legacy = legacy_tensors(cache)
+        if legacy:
+            return [ReplaceData(t, cast_tensor(t.detach(), dtype), f"{self.label}: a {str(t.dtype)[6:]} tensor cast to "
+                                f"{self.dtype}") for t in legacy if t.dtype != dtype]  # fmt: skip
         steps: list[Change] = []
         retyped: set[int] = set()
         for holder, attr, value in tensor_slots(cache):
@@ -1317,10 +1324,11 @@ class CastCacheTensors(ChangeSpec):
         return dataclasses.replace(facts, kv_caches=caches)
 
     def verify(self, live: Live) -> str | None:
-        from ..readers.kv_cache import stored_tensors, tensor_slots
+        from ..readers.kv_cache import legacy_tensors, stored_tensors, tensor_slots
 
-        dtype = torch_dtype(self.dtype)
-        left = sum(1 for _h, _a, value in tensor_slots(live.get(self.ref)) for t in stored_tensors(value) if t.dtype != dtype)
+        dtype, cache = torch_dtype(self.dtype), live.get(self.ref)
+        held = legacy_tensors(cache) or [t for _h, _a, value in tensor_slots(cache) for t in stored_tensors(value)]
+        left = sum(1 for t in held if t.dtype != dtype)
         return f"{left} tensors of {self.label} still not {self.dtype}" if left else None
 
     def targets(self) -> dict[tuple, Any]:

@@ -21,7 +21,7 @@ import diffusers
 import pytest
 import torch
 import transformers
-from cure import Case, assert_broken, cure_through_api, cure_through_widget, outcome
+from cure import Case, assert_broken, assert_output_finite, cure_through_api, cure_through_widget, outcome
 from setups_dtypes import alarms
 
 import mpdoctor
@@ -682,3 +682,98 @@ def test_healthy_kv_cache_filled_after_the_cast_draws_nothing(static):
     ns = prompt_cached(static=static, cast_first=True)
     assert alarms(mpdoctor.diagnose(namespace=ns)) == []
     assert outcome(STATIC_CACHE, ns) == "runs"
+
+
+# -- A legacy tuple cache turned fp32 by accelerate's output conversion, beside the bf16 model: generate fails --------
+
+
+def legacy_prompt_cache(convert: bool) -> Namespace:
+    """transformers#30019: the Trainer's accelerate-wrapped forward (``convert_outputs_to_fp32``) cast the bf16
+    model's legacy tuple cache to fp32, and the next ``generate`` with it blew up. transformers 5.23 returns a
+    ``DynamicCache``, which the wrapper leaves alone; code that keeps the legacy format across versions (xinference
+    PR #5477 converts it with ``DynamicCache(ddp_cache_data=...)``) still holds a tuple, and accelerate's very
+    ``convert_to_fp32`` (what the wrapper applies to every output) still casts it. ``convert=False``: the healthy
+    twin, the legacy tuple as the bf16 model returned it."""
+    from accelerate.utils import convert_to_fp32
+
+    model = tiny_llama(torch.bfloat16)
+    with torch.no_grad():
+        cache = model(PROMPT["input_ids"], use_cache=True).past_key_values
+    legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
+    return {"model": model, "prompt_kv": convert_to_fp32(legacy) if convert else legacy,
+            "ids": torch.tensor([[3, 14, 15, 9, 7]])}  # fmt: skip
+
+
+def continue_from_legacy(ns: Namespace) -> Any:
+    """``generate`` on the prompt plus one token, the legacy cache converted at the call."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        return ns["model"].generate(ns["ids"], past_key_values=DynamicCache(ddp_cache_data=ns["prompt_kv"]),
+                                    max_new_tokens=2, pad_token_id=0, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)  # fmt: skip
+
+
+LEGACY_CACHE = Case(
+    name="legacy-tuple-kv-cache-fp32-in-bf16-model",
+    source="huggingface/transformers#30019",
+    slug="kv-cache-dtype-mismatch",
+    build=lambda: legacy_prompt_cache(convert=True),
+    step=continue_from_legacy,
+    failure=r"RuntimeError: Expected query, key, and value to have the same dtype, but got query.dtype: "
+    r"c10::BFloat16 key.dtype: float and value.dtype: float instead.",
+    kind="inference",
+)
+
+
+def test_a_legacy_tuple_cache_cast_to_fp32_by_accelerate_fails_in_a_bf16_generate_and_is_named():
+    """The thread's model ran flash-attention 2 on a GPU, whose error text differs; here SDPA's dtype check raises
+    on the same fp32 keys. Named at rest, and by the crash hook after the call (the conversion at the call copies
+    nothing into the held tuple, so after the crash the tuple is as it was and the cast cures it)."""
+    assert_broken(LEGACY_CACHE)
+    ns = LEGACY_CACHE.build()
+    (finding,) = LEGACY_CACHE.diagnose(ns).findings_for("kv-cache-dtype-mismatch")
+    assert finding.subject == "prompt_kv" and finding.severity == "error"
+    assert "prompt_kv (legacy tuple of 2 layers) stores fp32 keys and values while model computes in bf16" in finding.message
+    assert [a.split(":")[0] for a in alarms(LEGACY_CACHE.diagnose(ns))] == ["kv-cache-dtype-mismatch"]
+    report = crash_report(continue_from_legacy)(ns)
+    assert report.findings_for("kv-cache-dtype-mismatch")
+    fixes = [f for f in report.fixes if f.slug == "kv-cache-dtype-mismatch"]
+    assert len(fixes) == 1 and fixes[0].safe
+    fixes[0].apply()
+    assert_output_finite(continue_from_legacy(ns))
+
+
+def test_a_legacy_tuple_cache_in_fp32_is_cured_through_the_api():
+    cure_through_api(LEGACY_CACHE)
+
+
+def test_a_legacy_tuple_cache_in_fp32_is_cured_through_the_widget():
+    cure_through_widget(LEGACY_CACHE)
+
+
+def test_the_legacy_cache_cast_undone_brings_the_error_back_with_the_very_storage():
+    assert_undo_restores(LEGACY_CACHE)
+    ns = LEGACY_CACHE.build()
+    tensors = [t for layer in ns["prompt_kv"] for t in layer]
+    storage = [t.data_ptr() for t in tensors]
+    (fix,) = LEGACY_CACHE.diagnose(ns).fixes
+    fix.apply()
+    assert [t for layer in ns["prompt_kv"] for t in layer] == tensors and {t.dtype for t in tensors} == {torch.bfloat16}
+    fix.undo()
+    assert [t.data_ptr() for t in tensors] == storage
+
+
+def test_healthy_legacy_tuple_cache_in_the_models_dtype_draws_nothing():
+    """The recipe: the cache kept as the bf16 model returned it (what the thread's fix did: no fp32 conversion of the
+    outputs), and generation on the CPU in fp32."""
+    ns = legacy_prompt_cache(convert=False)
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert outcome(LEGACY_CACHE, ns) == "runs"
+    model = tiny_llama(torch.float32)
+    with torch.no_grad():
+        cache = model(PROMPT["input_ids"], use_cache=True).past_key_values
+    fp32 = {"model": model, "prompt_kv": tuple((layer.keys, layer.values) for layer in cache.layers),
+            "ids": ns["ids"]}  # fmt: skip
+    assert alarms(mpdoctor.diagnose(namespace=fp32)) == []
+    assert outcome(LEGACY_CACHE, fp32) == "runs"
