@@ -1418,6 +1418,42 @@ class SetConfigEntry(ChangeSpec):
         return {(self.ref, "config", self.key): self.value}
 
 
+@dataclass(frozen=True)
+class UpcastAttention(ChangeSpec):
+    """Set ``upcast_attention`` (and ``upcast_softmax``) on the diffusers ``Attention`` modules ``paths`` of the model
+    ``ref``, in place: the classic processors then compute q·kᵀ and the softmax in fp32 and cast the probabilities
+    back, as a UNet built from a config with ``upcast_attention=True`` (Stable Diffusion 2.x) does. The config entry
+    follows (``SetConfigEntry``, beside this one in a fix). Undo restores every old value exactly."""
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "model"
+
+    def _modules(self, live: Live) -> list[tuple[str, Any]]:
+        model = live.get(self.ref)
+        return [(path, model.get_submodule(path)) for path in self.paths]
+
+    def bind(self, live: Live) -> list[Change]:
+        return [SetAttr(module, attr, True, f"{self.label}.{path}.{attr}") for path, module in self._modules(live)
+                for attr in ("upcast_attention", "upcast_softmax") if raw_attr(module, attr, None) is not True]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.component is not None:
+                off = tuple(p for p in m.component.upcast_off if p not in self.paths)
+                m = dataclasses.replace(m, component=dataclasses.replace(m.component, upcast_off=off))
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        left = [path for path, module in self._modules(live) if raw_attr(module, "upcast_attention", None) is not True]
+        return f"{len(left)} attention modules of {self.label} still not upcast" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "upcast_attention"): True for path in self.paths}
+
+
 #: Marker of the wrapper that computes a layer's forward with its float8-stored weights upcast (one per module).
 UPCAST_STORAGE_MARKER = "mpdoctor-upcast-float8-storage"
 #: What the float8 storage reader says upcasts a layer once this fix is on it (``StoredLayer.upcast``).
