@@ -218,3 +218,68 @@ def test_a_cache_beside_two_models_of_different_dtypes_is_not_judged():
     cache = prefilled(reference)
     report = mpdoctor.diagnose(namespace={"policy": policy, "reference": reference, "cache": cache})
     assert not report.findings_for("kv-cache-dtype-mismatch")
+
+
+# -- The legacy format: a plain tuple of per-layer (key, value) pairs, converted by DynamicCache at the call ----------
+
+
+def legacy_of(cache) -> tuple:
+    """The legacy format of a filled cache: one ``(key, value)`` tuple per layer."""
+    return tuple((layer.keys, layer.values) for layer in cache.layers)
+
+
+def generate_from_legacy(model, legacy) -> torch.Tensor:
+    """The user's step: the legacy cache converted at the call, as code kept across transformers versions does."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        return model.generate(torch.cat([PROMPT, NEXT], dim=1), past_key_values=DynamicCache(ddp_cache_data=legacy),
+                              max_new_tokens=3, do_sample=False)  # fmt: skip
+
+
+def test_a_legacy_tuple_cache_in_fp32_beside_a_bf16_model_is_named_and_cast_in_place_keeping_each_tensor():
+    model = tiny_llama(torch.float32, train=False)
+    legacy = legacy_of(prefilled(model))
+    model.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=SAME_DTYPE):
+        generate_from_legacy(model, legacy)
+
+    report = mpdoctor.diagnose(namespace={"model": model, "prompt_kv": legacy})
+    (finding,) = report.findings_for("kv-cache-dtype-mismatch")
+    assert finding.subject == "prompt_kv" and finding.severity == "error"
+    assert "legacy tuple of 2 layers" in finding.message and "converted to a DynamicCache" in finding.message
+    (fix,) = finding.fixes
+    assert fix.safe and "for layer in prompt_kv" in fix.code
+    tensors = [t for layer in legacy for t in layer]
+    storage = [t.data_ptr() for t in tensors]
+    fix.apply()
+    assert [t for layer in legacy for t in layer] == tensors  # the same tensor objects, in the same tuple
+    assert {t.dtype for t in tensors} == {torch.bfloat16}
+    assert generate_from_legacy(model, legacy).shape[1] == PROMPT.shape[1] + 4
+    assert not report.refresh().findings_for("kv-cache-dtype-mismatch")
+    fix.undo()
+    assert [t.data_ptr() for t in tensors] == storage and {t.dtype for t in tensors} == {torch.float32}
+
+
+def test_a_legacy_list_of_encoder_decoder_layers_is_read_and_other_containers_are_not():
+    k = torch.zeros(1, 2, 4, 8)
+    cross = torch.zeros(1, 2, 6, 8)
+    ns = {
+        "legacy_seq2seq": [(k, k.clone(), cross, cross.clone()), (k.clone(), k.clone(), cross.clone(), cross.clone())],
+        "pair_of_3d": ((torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)),),
+        "unequal": ((torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 5, 8)),),
+        "ints": ((1, 2), (3, 4)),
+        "batch": (torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)),
+    }
+    report = mpdoctor.diagnose(namespace=ns)
+    assert [s.name for s in report.subjects if s.kind == "kv_cache"] == ["legacy_seq2seq"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_legacy_cache_in_the_models_dtype_draws_no_alarm(dtype):
+    model = tiny_llama(dtype, train=False)
+    legacy = legacy_of(prefilled(model))
+    report = mpdoctor.diagnose(namespace={"model": model, "prompt_kv": legacy})
+    assert [s.name for s in report.subjects if s.kind == "kv_cache"] == ["prompt_kv"]
+    assert alarms(report) == []
+    assert generate_from_legacy(model, legacy).shape[1] == PROMPT.shape[1] + 4

@@ -1,11 +1,12 @@
-"""Diffusion pipelines: a VAE decoding in fp16 past 65504, pipeline components whose dtypes meet without a cast."""
+"""Diffusion pipelines: a VAE decoding in fp16 past 65504, attention scores computed in fp16 without
+``upcast_attention``, pipeline components whose dtypes meet without a cast."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
-from ..treatment.changes import CastInputsHook, CastParamsTo, SetConfigEntry
+from ..treatment.changes import CastInputsHook, CastParamsTo, SetConfigEntry, UpcastAttention
 from ..treatment.findings import Finding, Severity, size_delta
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -138,6 +139,111 @@ def vae_fp16_overflow(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "latents tells which this is.",
             {"force_upcast": False, "main_dtype": "float16"},
             _upcast_fixes(facts, m),
+            severity=Severity.INFO,
+        )
+
+
+def _upcast_attention_fix(m: ModelFacts) -> Fix:
+    """``upcast_attention`` / ``upcast_softmax`` set on every attention module of ``m`` that has it off, and on its
+    config where the config names it (safe: more precise scores, same weights)."""
+    c = m.component
+    changes: tuple = (UpcastAttention(m.ref, c.upcast_off, m.name),)
+    if c.flag("upcast_attention") is not None:
+        changes += (SetConfigEntry(m.ref, "upcast_attention", True, f"{m.name}.config.upcast_attention"),)
+    return Fix(
+        f"Upcast the attention scores of {m.name} to fp32 ({len(c.upcast_off)} attention modules: "
+        "upcast_attention=True)",
+        "from diffusers.models.attention_processor import Attention\n"
+        f"for module in {m.name}.modules():\n"
+        "    if isinstance(module, Attention):\n"
+        "        module.upcast_attention = module.upcast_softmax = True  # q·kᵀ and softmax in fp32\n"
+        f"{m.name}.register_to_config(upcast_attention=True)  # what Stable Diffusion 2.x's UNet config says",
+        applicability=Applicability.SAFE,
+        changes=changes,
+        recipe="upcast-attention",
+        cost="q·kᵀ and the softmax in fp32 in the attention modules",
+    )
+
+
+def _inside(path: str, roots: tuple[str, ...]) -> bool:
+    return any(path == r or path.startswith(r + ".") for r in roots)
+
+
+def _first_bad_path(p) -> str | None:
+    """Where a probe's forward first went non-finite: the op's module the NaN origin names, else the first module."""
+    origin = getattr(p, "origin", None)
+    if origin is not None:
+        return origin.module
+    hit = p.first_nonfinite()
+    return hit[0].path if hit is not None and hit[1] == "forward" else None
+
+
+@check("attention-upcast-off", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.SAFE,))
+def attention_upcast_off(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A diffusers model computes its attention scores in fp16 with ``upcast_attention`` off, and they overflow.
+
+    What it does
+        Error when a probe of a diffusers model (``mpdoctor.probe(pipe.unet, batch)``) running in fp16 saw its
+        forward first go NaN/Inf inside an ``Attention`` module whose ``upcast_attention`` is False while its
+        processor reads it (the classic ``AttnProcessor`` / ``SlicedAttnProcessor``). Info, without a probe, when
+        the model's config asks for ``upcast_attention=True`` but its live attention modules have it off.
+    Why is this bad?
+        The classic processors compute q·kᵀ with ``baddbmm`` in the model's dtype: past 65504 a score is inf in
+        fp16, the softmax of its row is NaN and the UNet's output NaN; the pipeline decodes black images.
+        Stable Diffusion 2.x (the 768 v-models) is the known case: its config says ``upcast_attention=True`` and
+        the conversion scripts take ``--upcast_attention`` ("necessary when running stable diffusion 2.1"); a UNet
+        converted or built without it, run without xformers or SDPA, returns black images in fp16.
+    Example
+        unet = UNet2DConditionModel.from_config(config_without_upcast, torch_dtype=torch.float16)
+        unet.set_default_attn_processor()  # the classic processor: scores in fp16
+        unet(latents, t, encoder_hidden_states=text).sample  # NaN
+    Use instead
+        unet = UNet2DConditionModel.from_config({**config, "upcast_attention": True}, torch_dtype=torch.float16)
+        unet(latents, t, encoder_hidden_states=text).sample
+    Fix safety
+        Safe: ``upcast_attention`` and ``upcast_softmax`` are set on the live attention modules (and the config
+        entry where the config names it), in place; the weights stay fp16, only the scores and the softmax are
+        computed in fp32 and the probabilities cast back. Undo restores every old value.
+    Severity
+        Error when a probe measured the overflow inside such a module; info when only the config and the
+        modules disagree (a tiny or fp16-safe model may never reach 65504 there).
+    Sources
+        diffusers ``Attention.get_attention_scores`` (``upcast_attention`` casts query and key to fp32),
+        ``scripts/convert_original_stable_diffusion_to_diffusers.py`` (``--upcast_attention``); diffusers issue
+        #1614; InvokeAI issue #2329 ("SD 2.x models return only black in float16"); stable-diffusion-webui PR
+        #6510 ("upcasting attention for inference using SD 2.1 models").
+    """
+    probed: set[str] = set()
+    for p in facts.probes:
+        m = next((x for x in facts.models if x.name == p.model), None)
+        if m is None or m.component is None or not m.component.upcast_off:
+            continue
+        fp16 = m.tensors.main_dtype == "float16" or p.autocast == "float16"
+        where = _first_bad_path(p)
+        if not fp16 or where is None or not _inside(where, m.component.upcast_off):
+            continue
+        probed.add(m.name)
+        yield rule.finding(
+            f"{m.name}.{where}",
+            f"{m.name}.{where} (Attention) computes q·kᵀ in fp16 with upcast_attention off, and the probe's forward "
+            f"first went NaN/Inf there: a score past 65504 is inf, its softmax row NaN, and the output NaN (black "
+            f"images). {len(m.component.upcast_off)} of {m.component.attention} attention modules of {m.name} have "
+            "upcast_attention off.",
+            {"module": where, "upcast_off": list(m.component.upcast_off), "attention": m.component.attention,
+             "config_upcast_attention": m.component.flag("upcast_attention"), "main_dtype": m.tensors.main_dtype},  # fmt: skip
+            [_upcast_attention_fix(m)],
+        )
+    for m in facts.models:
+        c = m.component
+        if c is None or m.name in probed or not c.upcast_off or c.flag("upcast_attention") is not True:
+            continue
+        yield rule.finding(
+            m.name,
+            f"{m.name}'s config asks for upcast_attention=True, but {len(c.upcast_off)} of its {c.attention} attention "
+            "modules have it off: their q·kᵀ is computed in the model's dtype (in fp16, past 65504 it is inf and the "
+            "output NaN). mpdoctor.probe(...) on a batch tells whether it overflows here.",
+            {"upcast_off": list(c.upcast_off), "attention": c.attention, "config_upcast_attention": True},
+            [_upcast_attention_fix(m)],
             severity=Severity.INFO,
         )
 

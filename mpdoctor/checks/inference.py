@@ -31,11 +31,18 @@ def _generating_models(facts: Facts) -> list[ModelFacts]:
     return [m for m in facts.models if m.is_pretrained and m.tensors.main_dtype in _BITS]
 
 
+def _cast_code(cache: KVCacheFacts, dtype: str) -> str:
+    if cache.legacy:  # a tuple of (key, value) pairs: a new tuple, or each tensor's data in place as the fix does
+        return (f"{cache.name} = type({cache.name})(tuple(t.to(torch.{dtype}) for t in layer) "
+                f"for layer in {cache.name})")  # fmt: skip
+    return (f"for layer in {cache.name}.layers:  # transformers < 4.56: {cache.name}.key_cache / value_cache\n"
+            f"    layer.keys, layer.values = layer.keys.to(torch.{dtype}), layer.values.to(torch.{dtype})")  # fmt: skip
+
+
 def _cast_fix(cache: KVCacheFacts, dtype: str) -> Fix:
     return Fix(
         f"Cast {cache.name}'s keys and values to {_SHORT.get(dtype, dtype)} (the model's dtype)",
-        f"for layer in {cache.name}.layers:  # transformers < 4.56: {cache.name}.key_cache / value_cache\n"
-        f"    layer.keys, layer.values = layer.keys.to(torch.{dtype}), layer.values.to(torch.{dtype})",
+        _cast_code(cache, dtype),
         applicability=Applicability.SAFE,
         changes=(CastCacheTensors(cache.ref, dtype, cache.name),),
         recipe="kv-cache-cast",
@@ -51,13 +58,14 @@ def _consequence(cache: KVCacheFacts, dtype: str) -> tuple[Severity, str]:
             "(index_copy_(): self and source expected to have the same dtype)."
         )
     met = sorted({promoted(d, dtype) for d in cache.dtypes} - {dtype})
+    converted = "once converted to a DynamicCache at the call, " if cache.legacy else ""
     if met:
         return Severity.ERROR, (
-            f"the next forward concatenates its {short} keys onto them, gets {'/'.join(_SHORT.get(d, d) for d in met)} "
+            f"{converted}the next forward concatenates its {short} keys onto them, gets {'/'.join(_SHORT.get(d, d) for d in met)} "
             f"keys and fails in attention (Expected query, key, and value to have the same dtype)."
         )
     return Severity.WARNING, (
-        f"the next forward silently upcasts it to {short}: the cached prefix keeps the rounding of "
+        f"{converted}the next forward silently upcasts it to {short}: the cached prefix keeps the rounding of "
         f"{'/'.join(_SHORT.get(d, d) for d in cache.dtypes if d != dtype)}, so the continuation differs from the "
         f"model's own."
     )
@@ -68,8 +76,9 @@ def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A KV cache the user holds stores keys and values in another dtype than the model computes in.
 
     What it does
-        A transformers cache held by name (``DynamicCache``, ``StaticCache``, an ``EncoderDecoderCache``)
-        whose stored key / value tensors are not in the dtype of every transformers model inspected beside it
+        A transformers cache held by name (``DynamicCache``, ``StaticCache``, an ``EncoderDecoderCache``, or the
+        legacy format: a plain tuple of per-layer ``(key, value)`` pairs, converted with
+        ``DynamicCache(ddp_cache_data=...)`` / ``from_legacy_cache`` at the call) whose stored key / value tensors are not in the dtype of every transformers model inspected beside it
         (a cache built before the model was cast to bf16 after fine-tuning, or cast by hand to save memory).
         An empty cache takes the model's dtype at its first update and is never reported; nor is a cache beside
         transformers models of different dtypes (which one it serves is not known).
@@ -91,13 +100,15 @@ def kv_cache_dtype_mismatch(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Fix safety
         Safe: the cache's keys and values are replaced by copies in the model's dtype, in place (the cache
         object stays the one the user holds; a ``StaticLayer``'s recorded ``dtype`` follows); undo puts the
-        very tensors back.
+        very tensors back. A legacy tuple cannot be re-bound: each of its tensors keeps its identity and takes
+        cast data, undo gives it back its very storage.
     Severity
         Error when the next call fails (a static cache, or a dynamic one whose concatenation changes the
         keys' dtype); warning when a dynamic cache is silently upcast to the model's dtype.
     Sources
         transformers ``cache_utils`` (``DynamicLayer.update`` concatenates, ``StaticLayer.update`` uses
-        ``index_copy_``); torch ``scaled_dot_product_attention``'s dtype check.
+        ``index_copy_``); torch ``scaled_dot_product_attention``'s dtype check; transformers issue #30019
+        (accelerate's fp32 output conversion turned a bf16 model's legacy cache into fp32, and generate failed).
     """
     models = _generating_models(facts)
     dtypes = {m.tensors.main_dtype for m in models}

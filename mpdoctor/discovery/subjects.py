@@ -218,10 +218,7 @@ def _walk_namespace(namespace: Mapping[str, Any], hidden: Iterable[str]) -> Iter
         if type(name) is not str or name.startswith("_") or name in hidden_names:
             continue
         cls = type(value)
-        if cls is dict and _cached_value_kind(kinds, cls, value) is not None:
-            yield redact(name), value  # a plain dict some integration recognises by its keys (a scaler's state)
-            continue
-        if cls is list or cls is tuple or cls is dict:
+        if (cls is list or cls is tuple or cls is dict) and _cached_value_kind(kinds, cls, value) is None:
             yield from _walk_container(name, value, kinds, seen_containers)
             continue
         if _cached_kind(kinds, cls) is not None or _cached_value_kind(kinds, cls, value) is not None:
@@ -256,12 +253,8 @@ def _walk_container(
     while stack:
         name, value, depth = stack.pop()
         cls = type(value)
-        # A dict recognised by its keys is a subject, not a container; tested at every depth up to the
-        # walk's own, so a state nested two levels in a checkpoint (``ckpt["state"]["scaler"]``) is found.
-        if cls is dict and depth <= CONTAINER_DEPTH and _cached_value_kind(kinds, cls, value) is not None:
-            yield redact(name), value
-            continue
-        if cls is list or cls is tuple or cls is dict:
+        # A container that is a value of some kind itself (a legacy KV cache: a tuple of (key, value) pairs) is one.
+        if (cls is list or cls is tuple or cls is dict) and _cached_value_kind(kinds, cls, value) is None:
             if depth >= CONTAINER_DEPTH or id(value) in seen_containers:
                 continue
             seen_containers.add(id(value))

@@ -1,4 +1,5 @@
-"""Facts of what a user holds to generate with: KV caches (transformers ``DynamicCache``, ``StaticCache``)."""
+"""Facts of what a user holds to generate with: KV caches (transformers ``DynamicCache``, ``StaticCache``, the legacy
+tuple of per-layer ``(key, value)`` pairs) and 4D attention masks."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ class KVCacheFacts:
     ``dtypes`` are the floating dtypes of the tensors it stores (empty for a cache no forward has filled
     yet: it takes the model's dtype at its first update). ``static`` is True for a preallocated cache
     (``StaticCache``) that copies new keys into its tensors with ``index_copy_``, which refuses another dtype;
-    a dynamic cache concatenates, which promotes.
+    a dynamic cache concatenates, which promotes. ``legacy`` is True for the legacy format (a plain tuple or list
+    of per-layer ``(key, value)`` pairs), which ``DynamicCache`` converts at the call: it concatenates too.
     """
 
     name: str
@@ -22,6 +24,7 @@ class KVCacheFacts:
     tensors: int
     bytes: int
     static: bool
+    legacy: bool = False
 
     @property
     def dtype(self) -> str | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..facts.diffusers import ComponentFacts, PipelineFacts
-from ..live.introspect import class_path, is_a, raw_attr, type_name
+from ..live.introspect import class_path, is_a, modules_of, raw_attr, type_name
 from . import Integration
 
 PIPELINE = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
@@ -64,14 +64,51 @@ def _config_flags(module: Any) -> tuple[tuple[str, object], ...]:
     return tuple(out)
 
 
+#: diffusers' attention module: its ``upcast_attention`` computes q·kᵀ in fp32 in the classic processors.
+ATTENTION = "diffusers.models.attention_processor.Attention"
+
+
+#: ``id(class) -> (class, honours upcast)``: a processor class's source is read once per process.
+_HONOURS_UPCAST: dict[int, tuple[type, bool]] = {}
+
+
+def honours_upcast(cls: type) -> bool:
+    """True when the attention processor class computes its scores through ``attn.get_attention_scores`` (the
+    classic ``AttnProcessor``, ``SlicedAttnProcessor``), which reads ``upcast_attention``; read from its source,
+    never run. SDPA and xformers processors compute the scores in their kernel and never read the flag."""
+    import inspect
+
+    known = _HONOURS_UPCAST.get(id(cls))
+    if known is not None and known[0] is cls:
+        return known[1]
+    try:
+        call = inspect.getattr_static(cls, "__call__")
+        honours = "get_attention_scores" in inspect.getsource(inspect.unwrap(call))
+    except (OSError, TypeError, AttributeError):  # no source: not known to read it
+        honours = False
+    _HONOURS_UPCAST[id(cls)] = (cls, honours)
+    return honours
+
+
+def attention_upcast(model: Any) -> tuple[int, tuple[str, ...]]:
+    """How many diffusers ``Attention`` modules ``model`` has, and the paths of those whose ``upcast_attention`` is
+    off while their processor would honour it (read from each module's own ``__dict__``, on the shared walk)."""
+    found = modules_of(model, (ATTENTION,))
+    return len(found), tuple(path for path, m in found if raw_attr(m, "upcast_attention", None) is False
+                             and honours_upcast(type(raw_attr(m, "processor", None))))  # fmt: skip
+
+
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     if not is_a(inner, (MODEL_MIXIN,)):
         return {}
+    attention, off = attention_upcast(inner)
     return {
         "component": ComponentFacts(
             class_path=class_path(type(inner)),
             is_vae=is_a(inner, VAE_CLASSES),
             flags=_config_flags(inner),
+            attention=attention,
+            upcast_off=off,
         )
     }
 

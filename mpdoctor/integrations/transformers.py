@@ -5,8 +5,9 @@ PreTrainedModel adds its config tree (nested sub-configs and the generation
 config, where ``use_cache``, the checkpoint dtype, the attention kernel and the
 quantization config live) and ``_keep_in_fp32_modules``. TrainingArguments
 state what precision is requested (``fp16`` / ``bf16`` / ``mixed_precision``).
-A KV cache the user holds (``DynamicCache``, ``StaticCache``) is a subject of kind
-``kv_cache``; its facts are the dtypes of the tensors it stores. A 4D additive attention
+A KV cache the user holds (``DynamicCache``, ``StaticCache``, or the legacy plain tuple of per-layer
+``(key, value)`` pairs, recognised by its shape) is a subject of kind ``kv_cache``; its facts are the dtypes of
+the tensors it stores. A 4D additive attention
 mask held by name (a plain tensor of zeros and large negatives) is a subject of kind
 ``attention_mask``, read by its values.
 """
@@ -18,7 +19,7 @@ from typing import Any
 from ..compat import rope_init_function
 from ..live.introspect import is_a, modules_where, raw_attr
 from ..readers.configs import read_configs
-from ..readers.kv_cache import read_kv_cache
+from ..readers.kv_cache import is_legacy_cache, read_kv_cache
 from ..readers.masks import is_additive_mask, read_mask
 from ..redact import safe_value
 from . import Integration
@@ -204,5 +205,6 @@ INTEGRATION = Integration(
     model_facts=_model_facts,
     requested=requested,
     facts=_inference_facts,
-    value_kinds=(("torch.Tensor", is_additive_mask, "attention_mask"),),
+    value_kinds=(("torch.Tensor", is_additive_mask, "attention_mask"), ("builtins.tuple", is_legacy_cache, "kv_cache"),
+                 ("builtins.list", is_legacy_cache, "kv_cache")),
 )

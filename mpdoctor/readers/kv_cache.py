@@ -4,6 +4,12 @@ transformers 4.56 and later keep a cache's tensors on its layers (``cache.layers
 ``StaticLayer`` also records the ``dtype`` it allocated in); before, on the cache itself, as the lists
 ``cache.key_cache`` / ``cache.value_cache``. An ``EncoderDecoderCache`` holds two caches. Attributes are read
 from the objects' own ``__dict__``: nothing of the cache runs.
+
+The legacy format (transformers before 4.36, and code that still keeps it across versions) is a plain tuple or list
+with one ``(key, value)`` pair per layer, or ``(key, value, cross_key, cross_value)`` for an encoder-decoder model;
+``DynamicCache(ddp_cache_data=...)`` / ``from_legacy_cache`` convert it at the call. It is recognised by its shape
+alone (:func:`is_legacy_cache`); its tensors cannot be re-bound inside an immutable tuple, so a cast replaces
+each tensor's data (:func:`legacy_tensors`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,10 @@ _SKIPPED = ("transformers.cache_utils.QuantizedCache", "transformers.cache_utils
 _SUB_CACHES = ("self_attention_cache", "cross_attention_cache")
 _TENSOR_ATTRS = ("keys", "values")
 _LIST_ATTRS = ("key_cache", "value_cache")
+#: Tensors per layer of a legacy cache: (key, value), or with the cross-attention pair of an encoder-decoder.
+_LEGACY_WIDTHS = (2, 4)
+#: A legacy cache has one entry per layer; a longer container is not read as one.
+_LEGACY_MAX_LAYERS = 1024
 
 
 def _caches(cache: Any) -> list[Any]:
@@ -54,6 +64,46 @@ def tensor_slots(cache: Any) -> list[tuple[Any, str, Any]]:
     return out
 
 
+def _legacy_layer(layer: Any) -> bool:
+    """A ``(key, value[, cross_key, cross_value])`` entry: 4D floating tensors, each pair of one shape."""
+    kind = type(layer)  # compared by identity: a hostile metaclass's __eq__ is never asked
+    if (kind is not tuple and kind is not list) or len(layer) not in _LEGACY_WIDTHS:
+        return False
+    if not all(type(t) is torch.Tensor and t.dim() == 4 and t.is_floating_point() for t in layer):
+        return False
+    return all(layer[i].shape == layer[i + 1].shape for i in range(0, len(layer), 2))
+
+
+def is_legacy_cache(obj: Any) -> bool:
+    """True for a plain tuple / list of per-layer ``(key, value)`` (or 4-tensor encoder-decoder) entries.
+
+    Read by its shape: every entry of one width, 4D floating plain tensors, keys and values of one shape, all on
+    one real device (a meta tensor is not a cache). The first entry is tested first, so most containers of a
+    namespace are refused at once.
+    """
+    kind = type(obj)
+    if (kind is not tuple and kind is not list) or not 0 < len(obj) <= _LEGACY_MAX_LAYERS or not _legacy_layer(obj[0]):
+        return False
+    width = len(obj[0])
+    if not all(len(layer) == width and _legacy_layer(layer) for layer in obj):
+        return False
+    return all(t.device.type != "meta" for layer in obj for t in layer)
+
+
+def legacy_tensors(obj: Any) -> list[torch.Tensor]:
+    """The key / value tensors of a legacy cache (empty for anything else), each once."""
+    if not is_legacy_cache(obj):
+        return []
+    seen: set[int] = set()
+    out = []
+    for layer in obj:
+        for t in layer:
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append(t)
+    return out
+
+
 def stored_tensors(value: Any) -> list[torch.Tensor]:
     """The floating tensors of one slot's value (a tensor, a list of tensors, or nothing)."""
     items = value if type(value) is list else [value]
@@ -68,10 +118,14 @@ def is_static(cache: Any) -> bool:
 
 def read_kv_cache(name: str, cache: Any) -> KVCacheFacts | None:
     """The facts of one cache; None when it stores nothing attention reads in its own dtype."""
-    slots = tensor_slots(cache)
-    if not slots:
-        return None
-    tensors = [t for _holder, _attr, value in slots for t in stored_tensors(value)]
+    legacy = legacy_tensors(cache)
+    if legacy:
+        tensors = [t for t in legacy if t.numel() > 0]
+    else:
+        slots = tensor_slots(cache)
+        if not slots:
+            return None
+        tensors = [t for _holder, _attr, value in slots for t in stored_tensors(value)]
     dtypes: list[str] = []
     for t in tensors:
         dt = dtype_name(t.dtype)
@@ -80,9 +134,10 @@ def read_kv_cache(name: str, cache: Any) -> KVCacheFacts | None:
     return KVCacheFacts(
         name=name,
         ref=id(cache),
-        class_name=type_name(cache),
+        class_name=f"legacy {type_name(cache)} of {len(cache)} layers" if legacy else type_name(cache),
         dtypes=tuple(dtypes),
         tensors=len(tensors),
         bytes=sum(t.numel() * t.element_size() for t in tensors),
-        static=is_static(cache),
+        static=False if legacy else is_static(cache),
+        legacy=bool(legacy),
     )

@@ -1451,7 +1451,9 @@ class CastCacheTensors(ChangeSpec):
 
     Each layer's ``keys`` / ``values`` (transformers 4.56+; a ``StaticLayer``'s recorded ``dtype`` with them) or
     the cache's ``key_cache`` / ``value_cache`` lists (before) are replaced by cast copies, all allocated before
-    the first swap. The cache object stays the one the user holds.
+    the first swap. The cache object stays the one the user holds. A legacy cache (a plain tuple of per-layer
+    ``(key, value)`` pairs) cannot take new tensors: each tensor keeps its identity and takes cast data
+    (``tensor.data``), so the tuple and any cache converted from it without a copy see the cast.
     """
 
     ref: int
@@ -1459,9 +1461,14 @@ class CastCacheTensors(ChangeSpec):
     label: str = "cache"
 
     def bind(self, live: Live) -> list[Change]:
-        from ..readers.kv_cache import stored_tensors, tensor_slots
+        from ..edits.steps import ReplaceData
+        from ..readers.kv_cache import legacy_tensors, stored_tensors, tensor_slots
 
         cache, dtype = live.get(self.ref), torch_dtype(self.dtype)
+        legacy = legacy_tensors(cache)
+        if legacy:
+            return [ReplaceData(t, cast_tensor(t.detach(), dtype), f"{self.label}: a {str(t.dtype)[6:]} tensor cast to "
+                                f"{self.dtype}") for t in legacy if t.dtype != dtype]  # fmt: skip
         steps: list[Change] = []
         retyped: set[int] = set()
         for holder, attr, value in tensor_slots(cache):
@@ -1483,10 +1490,11 @@ class CastCacheTensors(ChangeSpec):
         return dataclasses.replace(facts, kv_caches=caches)
 
     def verify(self, live: Live) -> str | None:
-        from ..readers.kv_cache import stored_tensors, tensor_slots
+        from ..readers.kv_cache import legacy_tensors, stored_tensors, tensor_slots
 
-        dtype = torch_dtype(self.dtype)
-        left = sum(1 for _h, _a, value in tensor_slots(live.get(self.ref)) for t in stored_tensors(value) if t.dtype != dtype)
+        dtype, cache = torch_dtype(self.dtype), live.get(self.ref)
+        held = legacy_tensors(cache) or [t for _h, _a, value in tensor_slots(cache) for t in stored_tensors(value)]
+        left = sum(1 for t in held if t.dtype != dtype)
         return f"{left} tensors of {self.label} still not {self.dtype}" if left else None
 
     def targets(self) -> dict[tuple, Any]:
@@ -1574,6 +1582,42 @@ class SetConfigEntry(ChangeSpec):
 
     def targets(self) -> dict[tuple, Any]:
         return {(self.ref, "config", self.key): self.value}
+
+
+@dataclass(frozen=True)
+class UpcastAttention(ChangeSpec):
+    """Set ``upcast_attention`` (and ``upcast_softmax``) on the diffusers ``Attention`` modules ``paths`` of the model
+    ``ref``, in place: the classic processors then compute q·kᵀ and the softmax in fp32 and cast the probabilities
+    back, as a UNet built from a config with ``upcast_attention=True`` (Stable Diffusion 2.x) does. The config entry
+    follows (``SetConfigEntry``, beside this one in a fix). Undo restores every old value exactly."""
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "model"
+
+    def _modules(self, live: Live) -> list[tuple[str, Any]]:
+        model = live.get(self.ref)
+        return [(path, model.get_submodule(path)) for path in self.paths]
+
+    def bind(self, live: Live) -> list[Change]:
+        return [SetAttr(module, attr, True, f"{self.label}.{path}.{attr}") for path, module in self._modules(live)
+                for attr in ("upcast_attention", "upcast_softmax") if raw_attr(module, attr, None) is not True]  # fmt: skip
+
+    def simulate(self, facts: Facts) -> Facts:
+        models = []
+        for m in facts.models:
+            if m.ref == self.ref and m.component is not None:
+                off = tuple(p for p in m.component.upcast_off if p not in self.paths)
+                m = dataclasses.replace(m, component=dataclasses.replace(m.component, upcast_off=off))
+            models.append(m)
+        return dataclasses.replace(facts, models=tuple(models))
+
+    def verify(self, live: Live) -> str | None:
+        left = [path for path, module in self._modules(live) if raw_attr(module, "upcast_attention", None) is not True]
+        return f"{len(left)} attention modules of {self.label} still not upcast" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "upcast_attention"): True for path in self.paths}
 
 
 #: Marker of the wrapper that computes a layer's forward with its float8-stored weights upcast (one per module).

@@ -21,7 +21,7 @@ import diffusers
 import pytest
 import torch
 import transformers
-from cure import Case, assert_broken, cure_through_api, cure_through_widget, outcome
+from cure import Case, assert_broken, assert_output_finite, cure_through_api, cure_through_widget, outcome
 from setups_dtypes import alarms
 
 import mpdoctor
@@ -682,3 +682,208 @@ def test_healthy_kv_cache_filled_after_the_cast_draws_nothing(static):
     ns = prompt_cached(static=static, cast_first=True)
     assert alarms(mpdoctor.diagnose(namespace=ns)) == []
     assert outcome(STATIC_CACHE, ns) == "runs"
+
+
+# -- A legacy tuple cache turned fp32 by accelerate's output conversion, beside the bf16 model: generate fails --------
+
+
+def legacy_prompt_cache(convert: bool) -> Namespace:
+    """transformers#30019: the Trainer's accelerate-wrapped forward (``convert_outputs_to_fp32``) cast the bf16
+    model's legacy tuple cache to fp32, and the next ``generate`` with it blew up. transformers 5.23 returns a
+    ``DynamicCache``, which the wrapper leaves alone; code that keeps the legacy format across versions (xinference
+    PR #5477 converts it with ``DynamicCache(ddp_cache_data=...)``) still holds a tuple, and accelerate's very
+    ``convert_to_fp32`` (what the wrapper applies to every output) still casts it. ``convert=False``: the healthy
+    twin, the legacy tuple as the bf16 model returned it."""
+    from accelerate.utils import convert_to_fp32
+
+    model = tiny_llama(torch.bfloat16)
+    with torch.no_grad():
+        cache = model(PROMPT["input_ids"], use_cache=True).past_key_values
+    legacy = tuple((layer.keys, layer.values) for layer in cache.layers)
+    return {"model": model, "prompt_kv": convert_to_fp32(legacy) if convert else legacy,
+            "ids": torch.tensor([[3, 14, 15, 9, 7]])}  # fmt: skip
+
+
+def continue_from_legacy(ns: Namespace) -> Any:
+    """``generate`` on the prompt plus one token, the legacy cache converted at the call."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        return ns["model"].generate(ns["ids"], past_key_values=DynamicCache(ddp_cache_data=ns["prompt_kv"]),
+                                    max_new_tokens=2, pad_token_id=0, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)  # fmt: skip
+
+
+LEGACY_CACHE = Case(
+    name="legacy-tuple-kv-cache-fp32-in-bf16-model",
+    source="huggingface/transformers#30019",
+    slug="kv-cache-dtype-mismatch",
+    build=lambda: legacy_prompt_cache(convert=True),
+    step=continue_from_legacy,
+    failure=r"RuntimeError: Expected query, key, and value to have the same dtype, but got query.dtype: "
+    r"c10::BFloat16 key.dtype: float and value.dtype: float instead.",
+    kind="inference",
+)
+
+
+def test_a_legacy_tuple_cache_cast_to_fp32_by_accelerate_fails_in_a_bf16_generate_and_is_named():
+    """The thread's model ran flash-attention 2 on a GPU, whose error text differs; here SDPA's dtype check raises
+    on the same fp32 keys. Named at rest, and by the crash hook after the call (the conversion at the call copies
+    nothing into the held tuple, so after the crash the tuple is as it was and the cast cures it)."""
+    assert_broken(LEGACY_CACHE)
+    ns = LEGACY_CACHE.build()
+    (finding,) = LEGACY_CACHE.diagnose(ns).findings_for("kv-cache-dtype-mismatch")
+    assert finding.subject == "prompt_kv" and finding.severity == "error"
+    assert "prompt_kv (legacy tuple of 2 layers) stores fp32 keys and values while model computes in bf16" in finding.message
+    assert [a.split(":")[0] for a in alarms(LEGACY_CACHE.diagnose(ns))] == ["kv-cache-dtype-mismatch"]
+    report = crash_report(continue_from_legacy)(ns)
+    assert report.findings_for("kv-cache-dtype-mismatch")
+    fixes = [f for f in report.fixes if f.slug == "kv-cache-dtype-mismatch"]
+    assert len(fixes) == 1 and fixes[0].safe
+    fixes[0].apply()
+    assert_output_finite(continue_from_legacy(ns))
+
+
+def test_a_legacy_tuple_cache_in_fp32_is_cured_through_the_api():
+    cure_through_api(LEGACY_CACHE)
+
+
+def test_a_legacy_tuple_cache_in_fp32_is_cured_through_the_widget():
+    cure_through_widget(LEGACY_CACHE)
+
+
+def test_the_legacy_cache_cast_undone_brings_the_error_back_with_the_very_storage():
+    assert_undo_restores(LEGACY_CACHE)
+    ns = LEGACY_CACHE.build()
+    tensors = [t for layer in ns["prompt_kv"] for t in layer]
+    storage = [t.data_ptr() for t in tensors]
+    (fix,) = LEGACY_CACHE.diagnose(ns).fixes
+    fix.apply()
+    assert [t for layer in ns["prompt_kv"] for t in layer] == tensors and {t.dtype for t in tensors} == {torch.bfloat16}
+    fix.undo()
+    assert [t.data_ptr() for t in tensors] == storage
+
+
+def test_healthy_legacy_tuple_cache_in_the_models_dtype_draws_nothing():
+    """The recipe: the cache kept as the bf16 model returned it (what the thread's fix did: no fp32 conversion of the
+    outputs), and generation on the CPU in fp32."""
+    ns = legacy_prompt_cache(convert=False)
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert outcome(LEGACY_CACHE, ns) == "runs"
+    model = tiny_llama(torch.float32)
+    with torch.no_grad():
+        cache = model(PROMPT["input_ids"], use_cache=True).past_key_values
+    fp32 = {"model": model, "prompt_kv": tuple((layer.keys, layer.values) for layer in cache.layers),
+            "ids": ns["ids"]}  # fmt: skip
+    assert alarms(mpdoctor.diagnose(namespace=fp32)) == []
+    assert outcome(LEGACY_CACHE, fp32) == "runs"
+
+
+# -- Stable Diffusion 2.x's UNet in fp16 without upcast_attention: the classic attention's scores overflow ----------
+
+
+def tiny_sd2_unet(dtype: torch.dtype, upcast: bool, classic: bool = True) -> Any:
+    """A tiny ``UNet2DConditionModel`` with the classic attention processor (``set_default_attn_processor()``: the
+    path without xformers or SDPA, InvokeAI's before its fix). Its q and k projections are scaled by 400 (weights
+    inside fp16's range) so q·kᵀ passes 65504: the 768 v-models of SD 2.x reach it with their own weights; tiny
+    random ones do not. torch's CPU SDPA accumulates q·kᵀ in fp32 and never shows it (docs: STACK.md), hence the
+    classic processor."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import Attention
+
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                block_out_channels=(8, 16), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=8,
+                                attention_head_dim=4, norm_num_groups=4, upcast_attention=upcast)  # fmt: skip
+    with torch.no_grad():
+        for module in unet.modules():
+            if isinstance(module, Attention):
+                module.to_q.weight.mul_(400.0)
+                module.to_k.weight.mul_(400.0)
+    if classic:
+        unet.set_default_attn_processor()
+    return unet.to(dtype).eval()
+
+
+def sd2_denoise_batch(dtype: torch.dtype, upcast: bool, classic: bool = True) -> Namespace:
+    torch.manual_seed(1)
+    batch = {"sample": torch.randn(1, 4, 8, 8, dtype=dtype), "timestep": torch.tensor([10]),
+             "encoder_hidden_states": torch.randn(1, 3, 8, dtype=dtype)}  # fmt: skip
+    return {"unet": tiny_sd2_unet(dtype, upcast, classic), "batch": batch}
+
+
+def denoise(ns: Namespace) -> Any:
+    """The pipeline's call into the UNet: the noise prediction of one step."""
+    with torch.no_grad():
+        return ns["unet"](**ns["batch"]).sample
+
+
+def probed_unet(ns: Namespace) -> Any:
+    return mpdoctor.probe(ns["unet"], ns["batch"], name="unet", training=False)
+
+
+SD2_UPCAST = Case(
+    name="sd2-unet-fp16-attention-not-upcast",
+    source="invoke-ai/InvokeAI#2329",
+    slug="attention-upcast-off",
+    build=lambda: sd2_denoise_batch(torch.float16, upcast=False),
+    step=denoise,
+    failure=r"output is not finite",
+    diagnose=probed_unet,
+    kind="inference",
+)
+
+
+def test_an_sd2_unet_in_fp16_without_upcast_attention_predicts_nan_and_the_probe_names_the_attention():
+    assert_broken(SD2_UPCAST)
+    ns = SD2_UPCAST.build()
+    assert torch.isnan(denoise(ns)).any()
+    report = probed_unet(ns)
+    (finding,) = report.findings_for("attention-upcast-off")
+    assert finding.severity == "error"
+    assert finding.subject == "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+    assert "8 of 8 attention modules of unet have upcast_attention off" in finding.message
+    (fix,) = finding.fixes
+    assert fix.safe
+
+
+def test_an_sd2_unet_in_fp16_without_upcast_attention_is_cured_through_the_api():
+    cure_through_api(SD2_UPCAST)
+
+
+def test_an_sd2_unet_in_fp16_without_upcast_attention_is_cured_through_the_widget():
+    cure_through_widget(SD2_UPCAST)
+
+
+def test_the_upcast_undone_brings_the_nan_back_and_the_weights_stay_fp16():
+    assert_undo_restores(SD2_UPCAST)
+    ns = SD2_UPCAST.build()
+    (fix,) = [f for f in probed_unet(ns).fixes if f.slug == "attention-upcast-off"]
+    fix.apply()
+    assert ns["unet"].config.upcast_attention is True
+    assert {p.dtype for p in ns["unet"].parameters()} == {torch.float16}
+    # The same prediction, bit for bit, as the twin built from SD 2.x's config (upcast_attention=True)
+    assert torch.equal(denoise(ns), denoise(sd2_denoise_batch(torch.float16, upcast=True)))
+    fix.undo()
+    assert ns["unet"].config.upcast_attention is False and torch.isnan(denoise(ns)).any()
+
+
+def test_a_config_asking_for_upcast_with_modules_that_have_it_off_is_info_until_a_probe_measures_it():
+    ns = sd2_denoise_batch(torch.float16, upcast=False)
+    ns["unet"].register_to_config(upcast_attention=True)  # the config says it; the live modules were built without
+    (finding,) = mpdoctor.diagnose(namespace=ns).findings_for("attention-upcast-off")
+    assert finding.severity == "info" and "asks for upcast_attention=True" in finding.message
+
+
+@pytest.mark.parametrize("recipe", ["sd2-config-upcast", "sdpa-processor", "fp32"])
+def test_healthy_sd2_unet_with_upcast_or_sdpa_or_fp32_draws_nothing(recipe):
+    """SD 2.x's own config (``upcast_attention=True``) in fp16 with the classic processor; the default SDPA processor
+    in fp16 (it never reads the flag, and this CPU's SDPA accumulates in fp32); and fp32."""
+    ns = {"sd2-config-upcast": lambda: sd2_denoise_batch(torch.float16, upcast=True),
+          "sdpa-processor": lambda: sd2_denoise_batch(torch.float16, upcast=False, classic=False),
+          "fp32": lambda: sd2_denoise_batch(torch.float32, upcast=False)}[recipe]()  # fmt: skip
+    assert alarms(probed_unet(ns)) == []
+    assert alarms(mpdoctor.diagnose(namespace=ns)) == []
+    assert not mpdoctor.diagnose(namespace=ns).findings_for("attention-upcast-off")
+    assert outcome(SD2_UPCAST, ns) == "runs"
