@@ -552,6 +552,10 @@ class OrthogonalSOAP(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:  # torch's optimizer contract: the closure recomputes the loss
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -564,6 +568,7 @@ class OrthogonalSOAP(torch.optim.Optimizer):
                     continue
                 q, _ = torch.linalg.qr(momentum)  # no bf16 kernel
                 p.add_(q, alpha=-group["lr"])
+        return loss
 
 
 def soap_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
