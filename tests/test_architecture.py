@@ -128,3 +128,44 @@ def test_a_renamed_fact_answers_at_its_old_name_with_a_warning():
     with pytest.warns(DeprecationWarning, match="RuntimeFacts is now TorchStateFacts"):
         from mpdoctor.facts import RuntimeFacts
     assert RuntimeFacts is TorchStateFacts
+
+
+#: The actions a report offers; a renderer calls none of them (it acts through the controller it is given).
+_REPORT_ACTIONS = {"refresh", "apply_safe_fixes", "apply", "undo"}
+
+
+def test_the_widget_acts_only_through_its_controller():
+    """``render/widget.py`` draws a report and acts through ``self.controller`` (``Report.controller()``): no call of
+    a report's or a fix's action on anything else, so a renderer never reaches up into the diagnosis."""
+    import ast
+    from pathlib import Path
+
+    import mpdoctor.render.widget as widget
+
+    tree = ast.parse(Path(widget.__file__).read_text(encoding="utf-8"))
+    reaching = [
+        (node.lineno, ast.unparse(node.func))
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _REPORT_ACTIONS
+        and ast.unparse(node.func.value) != "self.controller"
+    ]
+    assert reaching == []
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+    assert {"self.controller.apply", "self.controller.undo", "self.controller.apply_safe"} <= calls
+
+
+def test_a_widget_given_a_report_or_its_controller_shows_the_same_report_and_follows_the_controller():
+    pytest.importorskip("ipywidgets")
+    import torch
+
+    import mpdoctor
+    from mpdoctor.render.widget import ReportWidget
+
+    model = torch.nn.Linear(4, 4).half()
+    optimizer = torch.optim.AdamW(model.parameters())
+    report = mpdoctor.diagnose(model, optimizer)
+    controller = report.controller()
+    assert ReportWidget(report).report is report and ReportWidget(controller).controller is controller
+    rw = ReportWidget(controller)
+    fresh = controller.refresh()  # the notebook layer re-diagnoses: the widget draws what its controller holds
+    assert rw.report is fresh and fresh is not report

@@ -343,11 +343,18 @@ class Report:
 
         return self.view.rendered("html", render_html)
 
+    def controller(self) -> Any:
+        """What an interactive front end acts through (:class:`~mpdoctor.diagnosis.treatment.ReportController`):
+        this report as the one shown, re-diagnosis, apply, undo and the safe plan."""
+        from .treatment import ReportController
+
+        return ReportController(self)
+
     def widget(self) -> Any:
-        """The interactive ipywidgets report with fix buttons."""
+        """The interactive ipywidgets report with fix buttons, acting through :meth:`controller`."""
         from ..render.widget import ReportWidget
 
-        return ReportWidget(self)
+        return ReportWidget(self.controller())
 
     # -- display -----------------------------------------------------------------------
     def __str__(self) -> str:

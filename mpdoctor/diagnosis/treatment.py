@@ -166,6 +166,50 @@ class Treatment:
         return applied
 
 
+class ReportController:
+    """What an interactive front end (the widget) acts through: the current report of one set of live objects, and
+    the actions on them. A renderer draws :attr:`report`; it never calls the report's doors itself.
+
+    Parameters
+    ----------
+    report : Report
+        The report first shown; :meth:`adopt` replaces it.
+    """
+
+    def __init__(self, report: Report) -> None:
+        self.report = report
+
+    def diagnose_now(self) -> Report:
+        """The live objects diagnosed again, not yet shown: compare it with :attr:`report` before acting."""
+        return self.report.refresh()
+
+    def adopt(self, fresh: Report) -> Report:
+        """Show ``fresh`` from now on; returns it."""
+        self.report = fresh
+        return fresh
+
+    def refresh(self) -> Report:
+        """Diagnose again and show the result (a report with nothing live to re-read stays as it is)."""
+        return self.adopt(self.diagnose_now())
+
+    def offers(self, fix: Fix) -> bool:
+        """``fix`` is one the current report offers, and not applied: a button of an older report is stale."""
+        offered = getattr(self.report, "all_fixes", None) or self.report.fixes
+        return not fix.applied and any(fix is x for x in offered)
+
+    def apply(self, fix: Fix, confirm: bool = False) -> None:
+        """Apply ``fix`` to the live objects (re-planned on them first); raises what :meth:`Fix.apply` raises."""
+        fix.apply(confirm=confirm)
+
+    def undo(self, fix: Fix) -> None:
+        """Undo ``fix`` exactly."""
+        fix.undo()
+
+    def apply_safe(self) -> list[Fix]:
+        """Apply the current report's best plan of safe fixes; the fixes applied."""
+        return self.report.apply_safe_fixes()
+
+
 def bind_fixes(report: Any, live: Any, treatment: Treatment) -> None:
     """Bind every fix of ``report`` (its findings', its plans') to the live table and the treatment."""
     for f in report.findings:

@@ -12,8 +12,10 @@ click would do differs from what the widget shows (a later cell cast the model
 again, the finding is gone), nothing is applied, the widget shows the fresh
 report and says "the objects changed since this report: ...", and the next
 click acts on the new text. A click applies a fix to the live objects, then the
-report is re-diagnosed from those same objects (``Report.refresh()``, which
-also says why each finding left), never patched from a cached state. Applied fixes belong to the report they came from; the widget keeps
+report is re-diagnosed from those same objects (which also says why each finding
+left), never patched from a cached state. Every action goes through the
+controller the widget is given (``Report.controller()``: re-diagnose, apply,
+undo, the safe plan); the widget only draws its current report. Applied fixes belong to the report they came from; the widget keeps
 them in :attr:`ReportWidget.applied` so Undo works after any number of
 refreshes.
 """
@@ -251,15 +253,19 @@ class ReportWidget:
 
     Parameters
     ----------
-    report : Report
-        The diagnosis to show; replaced by a fresh one after every fix or undo.
+    source : ReportController or Report
+        What the widget acts through: a controller (:meth:`Report.controller`: the report shown, re-diagnosis,
+        apply, undo, the safe plan), or a report, whose own controller is then used. The widget draws the
+        controller's report and never calls a report's actions itself.
 
     Attributes
     ----------
     view : ipywidgets.VBox
         The root widget (display it, or use :meth:`mimebundle`).
+    controller : ReportController
+        The actions, and the current (latest) diagnosis of the live objects (``controller.report``).
     report : Report
-        The current (latest) diagnosis of the live objects.
+        That current diagnosis.
     applied : list of AppliedFix
         Fixes applied from this widget and not undone, oldest first.
     confirm_delay : float
@@ -269,11 +275,12 @@ class ReportWidget:
 
     confirm_delay = 0.4
 
-    def __init__(self, report: Any) -> None:
+    def __init__(self, source: Any) -> None:
         import ipywidgets as w
 
         self._w = w
-        self.report = report
+        # A Report hands out its controller; a controller is one already (duck-typed: renderers import no diagnosis).
+        self.controller = source.controller() if hasattr(source, "findings") else source
         self.applied: list[AppliedFix] = []
         self.status = ""
         self._notes: dict[tuple[str, str], str] = {}
@@ -344,6 +351,11 @@ class ReportWidget:
         self._render()
 
     # -- display ---------------------------------------------------------------------
+    @property
+    def report(self) -> Any:
+        """The current diagnosis: the controller's report."""
+        return self.controller.report
+
     def mimebundle(self) -> dict:
         """The widget view plus ``text/plain`` and ``text/html`` for static exports.
 
@@ -581,11 +593,10 @@ class ReportWidget:
         whether the fresh diagnosis still reports it.
         """
         try:
-            fresh = self.report.refresh()  # says why each finding left, and keeps those only code can fix
+            fresh = self.controller.refresh()  # says why each finding left, and keeps those only code can fix
         except Exception as exc:  # the widget must stay usable whatever the objects do
             self.status = f"{action}; re-diagnosis failed: {type(exc).__name__}: {exc}"
         else:
-            self.report = fresh
             departures = departures_sentence(list(fresh.departed))
             self.status = action + (f". {departures}" if departures else "")
             if watch is not None and any(_finding_key(f) == watch for f in fresh.findings):
@@ -617,7 +628,7 @@ class ReportWidget:
 
     def _stale(self, what: str, fresh: Any) -> None:
         """Show ``fresh`` (the objects as they are now) instead of acting on a report they no longer match."""
-        self.report = fresh
+        self.controller.adopt(fresh)
         self.status = f"Nothing applied: the objects changed since this report: {what}. The report is re-diagnosed; click again to act on it"
         self._armed.clear()  # a confirmation given on the old text confirms nothing
         self._render()
@@ -629,7 +640,7 @@ class ReportWidget:
         """
         if getattr(fix, "bound_where_seen", False):  # a crash's fix, bound to the batch it saw: applied as seen
             return self.report, ""
-        fresh = self.report.refresh()
+        fresh = self.controller.diagnose_now()
         if fresh is self.report:  # nothing live to re-read: the report is the state
             return fresh, ""
         where = f"{finding.check} on {finding.subject}"
@@ -645,8 +656,7 @@ class ReportWidget:
         return fresh, ""
 
     def _on_fix(self, finding: Any, fix: Any, fix_view: dict, view: dict) -> None:
-        offered = getattr(self.report, "all_fixes", None) or self.report.fixes
-        if fix.applied or all(fix is not x for x in offered):
+        if not self.controller.offers(fix):
             return  # a stale button from a report already replaced
         try:
             fresh, changed = self._changed_fix(finding, fix, fix_view)
@@ -666,7 +676,7 @@ class ReportWidget:
             return  # the second half of a double-click is not a confirmation
         title = singular_counts(fix_view["title"])
         try:
-            fix.apply(confirm=armed is not None)
+            self.controller.apply(fix, confirm=armed is not None)
         except Exception as exc:  # Fix.apply wraps errors in FixFailed; anything else is the last line
             if _exc_named(exc, "FixNeedsConfirmation"):
                 self._notes[key] = f"Not applied yet: {exc}. Click the button again to confirm."
@@ -686,7 +696,7 @@ class ReportWidget:
     def _on_undo(self, entry: AppliedFix) -> None:
         title = singular_counts(entry.fix_view["title"])
         try:
-            entry.fix.undo()
+            self.controller.undo(entry.fix)
         except Exception as exc:
             self.status = f"Undo of “{title}” failed: {type(exc).__name__}: {exc}"
             self._render()
@@ -709,7 +719,7 @@ class ReportWidget:
 
     def _on_apply_all(self, _button: Any = None) -> None:
         try:
-            fresh = self.report.refresh()
+            fresh = self.controller.diagnose_now()
         except Exception as exc:  # the widget must stay usable whatever the objects do
             self.status = f"Nothing applied: re-reading the live objects failed: {type(exc).__name__}: {exc}"
             self._render()
@@ -724,7 +734,7 @@ class ReportWidget:
             for finding, view in zip(self.report.findings, data["findings"])
             for fx, fv in zip(finding.fixes, view["fixes"])
         }
-        done = self.report.apply_safe_fixes()
+        done = self.controller.apply_safe()
         for fx in done:
             if id(fx) not in owners:  # a safe fix planned on a simulated state: the re-diagnosis shows it
                 continue
