@@ -316,7 +316,7 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     scaler, opt = stepped(model)
     gemma = tiny_gemma3(text_use_cache=True)
     rw = widget_for(model=model, scaler=scaler, opt=opt, gemma=gemma)
-    rw.report = rw.report.evolve(elapsed=0.0123)
+    rw.controller.adopt(rw.report.evolve(elapsed=0.0123))
     rw._render()
 
     header = rw.header.value
@@ -600,7 +600,7 @@ def test_tabs_with_nothing_to_show_are_hidden_and_come_back_when_they_have_somet
     assert rw.panel_titles() == ["dtypes", "precision", "issue report"]
     assert rw.watcher_note.value == ""
     rw.panels.selected_index = 1  # the reader is on "precision"
-    rw.report = mpdoctor.diagnose(namespace={"model": model, "scaler": torch.amp.GradScaler("cpu")})
+    rw.controller.adopt(mpdoctor.diagnose(namespace={"model": model, "scaler": torch.amp.GradScaler("cpu")}))
     rw._render()
     assert rw.panel_titles() == ["dtypes", "scaler", "precision", "issue report"]
     assert rw.panels.get_title(rw.panels.selected_index) == "precision"

@@ -206,7 +206,7 @@ def diagnose_subjects(
         scan=scan,
         ignore=ignore,
         elapsed=time.perf_counter() - start,
-        subjects=subjects,
+        discovered=subjects,
         live=live,
         plan=plan,
         hidden=hidden,

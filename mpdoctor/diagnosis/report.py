@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from collections.abc import Iterable
+from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..treatment.findings import Finding
@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 HISTOGRAM_COLUMNS = ["object", "kind", "dtype", "tensors", "elements", "bytes", "trainable", "devices", "meta"]
 
 
+@dataclass(frozen=True, eq=False, repr=False)
 class Report:
     """The diagnosis of a set of live objects: a value, made once.
 
     Everything a report shows is given when it is made: the findings of the diagnosis, of the cell history, of a
-    watcher and of a crash; the scale history; the cause. Nothing changes it afterwards: :meth:`evolve` makes a new
-    report with some fields replaced (what the crash hook and the watchers do), and :meth:`refresh` a new report
-    of the same live objects. Applying and undoing fixes is the :attr:`treatment`'s job.
+    watcher and of a crash; the scale history; the cause. A frozen dataclass: its fields are spelled once, below,
+    and nothing changes them afterwards: :meth:`evolve` makes a new report with some fields replaced (what the
+    crash hook and the watchers do), and :meth:`refresh` a new report of the same live objects. Applying and
+    undoing fixes is the :attr:`treatment`'s job.
 
     Attributes
     ----------
@@ -45,8 +47,8 @@ class Report:
     elapsed : float
         Seconds the diagnosis took.
     probe_table : pandas.DataFrame or None
-        Per-module table of a one-batch probe (only for ``probe()`` reports). Made when first read: the
-        constructor also takes a function returning it.
+        Per-module table of a one-batch probe (only for ``probe()`` reports). Made when first read from
+        ``probe_source``, which may be a function returning it.
     cause : Finding or None
         When the report explains an exception (the crash hook, ``mpdoctor run``,
         ``watch``): the finding that caused it, first in ``findings``.
@@ -71,100 +73,76 @@ class Report:
         (that one is still in :attr:`findings`, with its code). Empty for a first diagnosis.
     """
 
-    def __init__(
-        self,
-        findings: Iterable[Finding],
-        facts: Facts,
-        target: str | None = None,
-        scan: bool = False,
-        ignore: Iterable[str] = (),
-        elapsed: float = 0.0,
-        probe_table: Any = None,
-        rediagnose: Callable[[], Report] | None = None,
-        subjects: tuple = (),
-        live: Any = None,
-        plan: Iterable | None = None,
-        hidden: dict | None = None,
-        *,
-        safe_plan: Iterable | None = None,
-        cause: Finding | None = None,
-        exception: str | None = None,
-        raised_by: str | None = None,
-        scale_history: Iterable = (),
-        watched: str | None = None,
-        notes: Iterable[str] = (),
-        treatment: Treatment | None = None,
-        proof: Any = None,
-        departed: Iterable[dict] = (),
-        trials: Iterable = (),
-    ) -> None:
-        values = {
-            "findings": tuple(findings),
-            "facts": facts,
-            "target": target,
-            "scan": scan,
-            "ignore": tuple(ignore),
-            "elapsed": elapsed,
-            "probe_table_": probe_table,
-            "subjects_": tuple(subjects),
-            "live": live,
-            "plan": tuple(plan) if plan is not None else None,
-            #: The best plan of safe fixes only (None: the safe fixes of the plan).
-            "safe_plan": tuple(safe_plan) if safe_plan is not None else None,
-            #: Findings hidden by ``ignore``, per check slug.
-            "hidden": dict(hidden or {}),
-            "cause": cause,
-            "exception": exception,
-            "raised_by": raised_by,
-            "scale_history": tuple(scale_history),
-            "watched": watched,
-            "notes": tuple(notes),
-            "treatment": treatment if treatment is not None else Treatment(rediagnose),
-            "proof": proof,
-            "departed": tuple(dict(d) for d in departed),
-            #: ``(fix, TwinTrial)``: what a code fix did when run on copies of the user's objects before it was shown.
-            "trials": tuple(trials),
-        }
-        for name, value in values.items():
-            object.__setattr__(self, "_" + name if name in ("subjects_", "plan", "safe_plan", "probe_table_") else name, value)
-        if proof is not None:  # a fix verified with others applies them: the treatment keeps what the proof found
-            values["treatment"].learn(proof)
-        object.__setattr__(self, "created", time.time())
-        object.__setattr__(self, "_cache", {})
+    findings: tuple = ()
+    facts: Facts = None  # type: ignore[assignment]
+    target: str | None = None
+    scan: bool = False
+    ignore: tuple = ()
+    elapsed: float = 0.0
+    #: The probe's per-module table, or a function making it (:attr:`probe_table` calls it once, when first read).
+    probe_source: Any = None
+    #: Diagnoses the same live objects again (given to a new :class:`Treatment`; unused when ``treatment`` is given).
+    rediagnose: InitVar[Callable[[], Report] | None] = None
+    #: The subjects as discovered (:attr:`subjects` falls back to the facts' own).
+    discovered: tuple = ()
+    live: Any = None
+    #: The planned fixes, in order (None: every fix of the findings, :attr:`fixes`).
+    plan: tuple | None = None
+    #: Findings hidden by ``ignore``, per check slug.
+    hidden: dict = field(default_factory=dict)
+    #: The best plan of safe fixes only (None: the safe fixes of the plan).
+    safe_plan: tuple | None = None
+    cause: Finding | None = None
+    exception: str | None = None
+    raised_by: str | None = None
+    scale_history: tuple = ()
+    watched: str | None = None
+    notes: tuple = ()
+    treatment: Treatment = None  # type: ignore[assignment]
+    proof: Any = None
+    departed: tuple = ()
+    #: ``(fix, TwinTrial)``: what a code fix did when run on copies of the user's objects before it was shown.
+    trials: tuple = ()
+    #: When it was made (``time.time()``).
+    created: float = field(init=False)
+    _cache: dict = field(init=False, default_factory=dict)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"a Report is a value: make a new one with report.evolve({name}=...)")
+    def __post_init__(self, rediagnose: Callable[[], Report] | None) -> None:
+        # Each field in its one shape (tuples, a dict of its own), given as any iterable.
+        normal = {
+            "findings": tuple(self.findings), "ignore": tuple(self.ignore), "discovered": tuple(self.discovered),
+            "plan": tuple(self.plan) if self.plan is not None else None,
+            "safe_plan": tuple(self.safe_plan) if self.safe_plan is not None else None,
+            "hidden": dict(self.hidden or {}), "scale_history": tuple(self.scale_history), "notes": tuple(self.notes),
+            "departed": tuple(dict(d) for d in self.departed), "trials": tuple(self.trials),
+            "treatment": self.treatment if self.treatment is not None else Treatment(rediagnose),
+            "created": time.time(),
+        }  # fmt: skip
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)  # a frozen dataclass sets its own fields here, once
+        if self.proof is not None:  # a fix verified with others applies them: the treatment keeps what the proof found
+            self.treatment.learn(self.proof)
 
     def evolve(self, **changes: Any) -> Report:
         """A new report with ``changes`` (keyword: field name) and every other field as in this one.
 
         The new report shares this one's :attr:`treatment`: applying a fix from either re-plans against the same
-        live objects. Fields: the constructor's keywords (``findings``, ``cause``, ``scale_history``, ...).
+        live objects. Fields: the dataclass's fields (``findings``, ``cause``, ``scale_history``, ...).
         """
-        current = {
-            "findings": self.findings, "facts": self.facts, "target": self.target, "scan": self.scan,
-            "ignore": self.ignore, "elapsed": self.elapsed, "probe_table": self._probe_table_,
-            "subjects": self._subjects_, "live": self.live, "plan": self._plan, "hidden": self.hidden,
-            "safe_plan": self._safe_plan, "cause": self.cause, "exception": self.exception,
-            "raised_by": self.raised_by, "scale_history": self.scale_history, "watched": self.watched,
-            "notes": self.notes, "treatment": self.treatment, "proof": self.proof, "departed": self.departed,
-            "trials": self.trials,
-        }  # fmt: skip
-        unknown = set(changes) - set(current)
+        unknown = set(changes) - {f.name for f in fields(self) if f.init}
         if unknown:
             raise TypeError(f"Report has no field {sorted(unknown)}")
-        current.update(changes)
-        evolved = Report(**current)
+        evolved = replace(self, **changes)
         if evolved.proof is not None and "proof" not in changes and not _same_plans(self, evolved):
             # A proof is of one plan: a report whose plan changed after it holds no proof (its fixes unverified).
-            object.__setattr__(evolved, "proof", None)
+            return replace(evolved, proof=None)
         return evolved
 
     # -- queries -----------------------------------------------------------------------
     @property
     def probe_table(self) -> Any:
         """The probe's per-module DataFrame (None outside ``probe()`` reports), made once, when first read."""
-        table = self._probe_table_
+        table = self.probe_source
         if callable(table):
             if "probe_table" not in self._cache:
                 self._cache["probe_table"] = table()
@@ -174,7 +152,7 @@ class Report:
     @property
     def subjects(self) -> tuple:
         """The inspected subjects: name, kind and the live object (``.obj``), as discovered."""
-        return self._subjects_ or self.facts.subjects
+        return self.discovered or self.facts.subjects
 
     def findings_for(self, check: str) -> list[Finding]:
         """Findings of one check slug."""
@@ -200,8 +178,8 @@ class Report:
         Alternatives a finding also offers (``finding.fixes``, with ``fix.planned`` False and
         ``fix.note`` saying why) are in :attr:`all_fixes`.
         """
-        if self._plan is not None:
-            return list(self._plan)
+        if self.plan is not None:
+            return list(self.plan)
         return self.all_fixes
 
     @property
@@ -212,8 +190,8 @@ class Report:
         :attr:`fixes` leaves as an alternative because it prefers an unsafe one (disabling a bf16 run's
         scaler while the plan casts to fp32 master weights).
         """
-        if self._safe_plan is not None:
-            return list(self._safe_plan)
+        if self.safe_plan is not None:
+            return list(self.safe_plan)
         return [fx for fx in self.fixes if fx.safe]
 
     @property

@@ -822,9 +822,9 @@ def probe(
         facts,
         ignore=ignore,
         elapsed=time.perf_counter() - start,
-        probe_table=facts_probe.table,  # a DataFrame made when first read
+        probe_source=facts_probe.table,  # a DataFrame made when first read
         rediagnose=again,
-        subjects=tuple(subjects),
+        discovered=tuple(subjects),
         live=live,
         plan=plan,
         safe_plan=safe_plan,
