@@ -1,4 +1,5 @@
-"""Checks on the KV cache: caches built during training, including nested sub-configs."""
+"""Checks on the KV cache: caches built during training, including nested sub-configs; a held cache a failed call
+left half-updated."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Iterator
 
 from ..facts import Facts, ModelFacts
 from ..knowledge import CACHE_CHANGES_LOGITS
-from ..treatment.changes import SetAttrTo
+from ..treatment.changes import CropCacheLayers, SetAttrTo
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -164,3 +165,59 @@ def gradient_checkpointing_with_cache(facts: Facts, rule: Rule) -> Iterator[Find
             [] if (m.model_type or "") in CACHE_CHANGES_LOGITS else [cache_off_fix(m)],
             severity=Severity.INFO if m.is_pretrained else Severity.WARNING,
         )
+
+
+@check("kv-cache-half-updated", Severity.ERROR, fix_safety=(Applicability.SAFE,))
+def kv_cache_half_updated(facts: Facts, rule: Rule) -> Iterator[Finding]:
+    """A dynamic KV cache the user holds whose layers hold different numbers of tokens.
+
+    What it does
+        A ``DynamicCache`` held by name whose self-attention layers disagree on their length (``cache.layers[i].keys``
+        along the sequence dimension).
+    Why is this bad?
+        A forward appends the new tokens to each layer as it reaches it. When it raises part-way (a cache in the
+        wrong dtype: the first layer concatenates, then attention refuses the mixed dtypes), the layers before the
+        failing one have taken the new tokens and the others have not. ``get_seq_length()`` reads the first layer,
+        so every later call builds its positions and mask for the wrong length: fixing the cause and running the
+        cell again fails with "The size of tensor a (10) must match the size of tensor b (12)" (measured), or
+        worse, runs with a misaligned cache.
+    Example
+        model.generate(ids, past_key_values=cache)  # raises in layer 1: layer 0 already holds the new tokens
+        # cast the cache, run the cell again: RuntimeError: The size of tensor a ... must match ...
+    Use instead
+        cache.crop(min(layer.keys.shape[-2] for layer in cache.layers))  # the tokens every layer holds
+        model.generate(ids, past_key_values=cache)
+    Severity
+        Error: any call that reuses the cache is built for the wrong length.
+    Fix safety
+        Safe, in place: every layer cropped to the length all of them hold (what the cache held before the call
+        that failed in its first forward; before the failing step when it failed later), so the entries dropped
+        are only those of the call that failed. Undo puts the very tensors back. Not offered for sliding-window
+        layers, which count tokens beyond what they keep.
+    Sources
+        transformers ``cache_utils`` (``DynamicLayer.update`` concatenates per layer, ``Cache.get_seq_length``
+        reads layer 0, ``DynamicCache.crop``); measured on a tiny Llama (tests/stack/test_cache_rollback.py).
+    """
+    for cache in facts.kv_caches:
+        if len(set(cache.lengths)) < 2:
+            continue
+        keep = min(cache.lengths)
+        shown = ", ".join(str(n) for n in cache.lengths[:6]) + (", ..." if len(cache.lengths) > 6 else "")
+        yield rule.finding(
+            cache.name,
+            f"{cache.name} ({cache.class_name}) holds different numbers of tokens per layer ({shown}): a call failed "
+            f"part-way through a forward, after the first layers had taken its tokens. Every call that reuses it "
+            f"reads the first layer's length and fails or runs misaligned; all its layers hold the first {keep}.",
+            {"lengths": list(cache.lengths), "keep": keep},
+            [
+                Fix(
+                    f"Crop {cache.name} back to the {keep} tokens every layer holds",
+                    f"{cache.name}.crop({keep})  # drops what the failed call appended to the first layers",
+                    applicability=Applicability.SAFE,
+                    changes=(CropCacheLayers(cache.ref, keep, cache.name),),
+                    recipe="cache-crop",
+                    cost="none: only the tokens of the call that failed are dropped",
+                )
+            ],
+        )
+

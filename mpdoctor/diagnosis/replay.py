@@ -238,6 +238,10 @@ class NamespaceState:
                          if type(v) in (list, dict, set) and not k.startswith("__")]  # fmt: skip
         self.tensors = [(v, v.detach().clone()) for k, v in self.bindings.items()
                         if k in names and isinstance(v, torch.Tensor) and not isinstance(v, torch.nn.Parameter)]  # fmt: skip
+        # KV caches the namespace holds (by name, or in a plain container it holds): a replayed generate() appends to
+        # them, and a call that raises part-way leaves them half-updated.
+        held = [*self.bindings.values(), *(x for _, saved in self.contents for x in _items(saved))]
+        self.caches = [CacheState(c) for c in _unique_caches(held)]
 
     def restore(self) -> None:
         """Put every name, container content and tensor value back (in place: the same objects)."""
@@ -259,6 +263,51 @@ class NamespaceState:
                 container.update(saved)
         for tensor, saved in self.tensors:
             _put(tensor, "data", saved)
+        for cache in self.caches:
+            cache.restore()
+
+
+def _items(saved: Any) -> list:
+    return list(saved.values()) if isinstance(saved, dict) else list(saved)
+
+
+def _unique_caches(values: Iterable[Any]) -> list[Any]:
+    from ..readers.kv_cache import is_cache
+
+    out, seen = [], set()
+    for v in values:
+        if id(v) not in seen and is_cache(v):
+            seen.add(id(v))
+            out.append(v)
+    return out
+
+
+class CacheState:
+    """A KV cache as it was: the attributes of the cache, its sub-caches and layers (the tensors they point at, the
+    contents of their lists), and for a preallocated cache, which writes in place, the values of its tensors."""
+
+    def __init__(self, cache: Any) -> None:
+        from ..readers.kv_cache import cache_holders, is_static
+
+        self.holders = [(h, dict(object.__getattribute__(h, "__dict__"))) for h in cache_holders(cache)]
+        self.lists = [(v, list(v)) for _, attrs in self.holders for v in attrs.values() if type(v) is list]
+        tensors = [t for _, attrs in self.holders for v in attrs.values()
+                   for t in (v if type(v) is list else [v]) if isinstance(t, torch.Tensor)] if is_static(cache) else []  # fmt: skip
+        self.values = [(t, t.detach().clone()) for t in tensors]
+
+    def restore(self) -> None:
+        """Every attribute back to the object it was (in place: the same cache, sub-caches and layers)."""
+        for holder, attrs in self.holders:
+            d = object.__getattribute__(holder, "__dict__")
+            if d.keys() != attrs.keys() or any(d[k] is not v for k, v in attrs.items()):
+                d.clear()
+                d.update(attrs)
+        for lst, saved in self.lists:
+            if len(lst) != len(saved) or any(a is not b for a, b in zip(lst, saved)):
+                lst[:] = saved
+        for tensor, saved in self.values:
+            if not torch.equal(tensor, saved):
+                _put(tensor, "data", saved)
 
 
 def _same_contents(container: Any, saved: Any) -> bool:

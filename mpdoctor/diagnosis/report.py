@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -103,8 +102,6 @@ class Report:
     departed: tuple = ()
     #: ``(fix, TwinTrial)``: what a code fix did when run on copies of the user's objects before it was shown.
     trials: tuple = ()
-    #: When it was made (``time.time()``).
-    created: float = field(init=False)
     _cache: dict = field(init=False, default_factory=dict)
 
     def __post_init__(self, rediagnose: Callable[[], Report] | None) -> None:
@@ -116,7 +113,6 @@ class Report:
             "hidden": dict(self.hidden or {}), "scale_history": tuple(self.scale_history), "notes": tuple(self.notes),
             "departed": tuple(dict(d) for d in self.departed), "trials": tuple(self.trials),
             "treatment": self.treatment if self.treatment is not None else Treatment(rediagnose),
-            "created": time.time(),
         }  # fmt: skip
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # a frozen dataclass sets its own fields here, once

@@ -25,6 +25,9 @@ class KVCacheFacts:
     bytes: int
     static: bool
     legacy: bool = False
+    #: Tokens each self-attention layer holds (a dynamic cache; empty otherwise). Layers that disagree say a call
+    #: failed part-way through a forward: the layers it reached took the new tokens, the others did not.
+    lengths: tuple[int, ...] = ()
 
     @property
     def dtype(self) -> str | None:

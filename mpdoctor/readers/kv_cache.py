@@ -110,6 +110,63 @@ def stored_tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0]
 
 
+def is_cache(obj: Any) -> bool:
+    """A transformers cache object (``DynamicCache``, ``StaticCache``, ``EncoderDecoderCache`` ...)."""
+    return "transformers.cache_utils.Cache" in class_paths(type(obj))
+
+
+def cache_holders(cache: Any) -> list[Any]:
+    """The objects whose attributes hold a cache's state: the cache, its sub-caches and their layers."""
+    out = [cache]
+    for sub in _caches(cache):
+        if sub is not cache:
+            out.append(sub)
+        out.extend(_layers(sub))
+    return out
+
+
+def layer_lengths(cache: Any) -> tuple[int, ...]:
+    """The tokens each self-attention layer of a dynamic cache holds (its keys' sequence length), in layer order;
+    empty for a static, quantized, offloaded or legacy cache, or one no forward has filled."""
+    if is_static(cache) or set(class_paths(type(cache))) & set(_SKIPPED):
+        return ()
+    sub = _caches(cache)[0]
+    layers = _layers(sub)
+    if layers:
+        keys = [raw_attr(layer, "keys", None) for layer in layers]
+    else:
+        listed = raw_attr(sub, "key_cache", None)
+        keys = list(listed) if type(listed) is list else []
+    return tuple(int(k.shape[-2]) for k in keys if isinstance(k, torch.Tensor) and k.dim() == 4 and k.numel() > 0)
+
+
+def crop_slots(cache: Any, length: int) -> list[tuple[Any, str, Any]]:
+    """``(holder, attribute, new value)`` that crop the self-attention layers of a dynamic cache to their first
+    ``length`` tokens (copies, made here); empty when nothing is longer, or for a cache that is not plainly dynamic
+    (static, sliding-window: those count tokens beyond what they keep)."""
+    if not layer_lengths(cache):
+        return []
+    sub = _caches(cache)[0]
+    layers = _layers(sub)
+    if any(raw_attr(layer, "cumulative_length", None) is not None for layer in layers):
+        return []
+    out: list[tuple[Any, str, Any]] = []
+    if layers:
+        for layer in layers:
+            for attr in _TENSOR_ATTRS:
+                t = raw_attr(layer, attr, None)
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-2] > length:
+                    out.append((layer, attr, t[..., :length, :].clone()))
+        return out
+    for attr in _LIST_ATTRS:
+        listed = raw_attr(sub, attr, None)
+        if type(listed) is list and any(isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[-2] > length
+                                        for t in listed):  # fmt: skip
+            out.append((sub, attr, [t[..., :length, :].clone() if isinstance(t, torch.Tensor) and t.dim() == 4 else t
+                                    for t in listed]))  # fmt: skip
+    return out
+
+
 def is_static(cache: Any) -> bool:
     """True for a preallocated cache that copies new keys in with ``index_copy_`` (which refuses another dtype)."""
     names = [type_name(cache)] + [type_name(layer) for sub in _caches(cache) for layer in _layers(sub)]
@@ -140,4 +197,5 @@ def read_kv_cache(name: str, cache: Any) -> KVCacheFacts | None:
         bytes=sum(t.numel() * t.element_size() for t in tensors),
         static=False if legacy else is_static(cache),
         legacy=bool(legacy),
+        lengths=() if legacy else layer_lengths(cache),
     )

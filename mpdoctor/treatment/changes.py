@@ -1446,6 +1446,43 @@ class SetNormEps(ChangeSpec):
 
 
 @dataclass(frozen=True)
+class CropCacheLayers(ChangeSpec):
+    """Crop every self-attention layer of the dynamic KV cache ``ref`` to its first ``length`` tokens, in place;
+    undo puts the very tensors back.
+
+    Each longer layer's ``keys`` / ``values`` (transformers 4.56+), or the cache's ``key_cache`` / ``value_cache``
+    lists (before), are replaced by copies of their first ``length`` positions, all made before the first swap. The
+    cache object stays the one the user holds. A cache with sliding-window layers (which count tokens beyond what
+    they keep) is not touched.
+    """
+
+    ref: int
+    length: int
+    label: str = "cache"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..readers.kv_cache import crop_slots
+
+        steps: list[Change] = []
+        for holder, attr, value in crop_slots(live.get(self.ref), self.length):
+            step = SetAttr(holder, attr, value, "")
+            step.description = f"crop {self.label}'s {attr} to {self.length} tokens"
+            steps.append(step)
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        caches = tuple(dataclasses.replace(c, lengths=tuple(min(n, self.length) for n in c.lengths))
+                       if c.ref == self.ref else c for c in facts.kv_caches)  # fmt: skip
+        return dataclasses.replace(facts, kv_caches=caches)
+
+    def verify(self, live: Live) -> str | None:
+        from ..readers.kv_cache import layer_lengths
+
+        left = [n for n in layer_lengths(live.get(self.ref)) if n != self.length]
+        return f"{len(left)} layers of {self.label} do not hold {self.length} tokens" if left else None
+
+
+@dataclass(frozen=True)
 class CastCacheTensors(ChangeSpec):
     """Cast the keys and values a KV cache ``ref`` stores to ``dtype``, in place; undo puts the old tensors back.
 
