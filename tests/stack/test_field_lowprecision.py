@@ -18,7 +18,6 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import AORecipeKwargs  # noqa: E402
 from diffusers.hooks import apply_layerwise_casting  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torchao.float8 import convert_to_float8_training  # noqa: E402
 
 import mpdoctor  # noqa: E402
 
