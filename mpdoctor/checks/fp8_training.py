@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from ..facts import Facts
+from ..facts import Facts, ModelFacts
+from ..facts.fp8_training import AORecipeFacts
 from ..facts.location import python_path
 from ..facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ..knowledge import FP8_GEMM_CAPABILITY
-from ..treatment.changes import ConvertBack, SetEnvVar
+from ..treatment.changes import ConvertBack, ConvertToFloat8, SetEnvVar
 from ..treatment.findings import Finding, Severity
 from ..treatment.fixes import Fix
 from ..treatment.rules import Applicability, Rule
@@ -323,7 +324,7 @@ def _fp8_through(facts: Facts, p: PrecisionFacts, code: str) -> Fix:
     )
 
 
-@check("fp8-requested-not-on", Severity.WARNING, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-requested-not-on", Severity.WARNING, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A run configured for fp8 whose prepared model has no float8 layer: fp8 is not on.
 
@@ -348,13 +349,21 @@ def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Warning: the run trains, but not in the precision it was configured for.
     Fix safety
-        Convert the layers you mean to run in float8 yourself before ``prepare()``
-        (``convert_to_float8_training(model, module_filter_fn=...)``) or pass an ``AORecipeKwargs`` with a
-        ``module_filter_func`` that accepts them; or say bf16 if that is what is wanted. Display only.
+        Unsafe, in place, where accelerate's default filter skipped them (the handler holds no
+        ``module_filter_func`` of the user's) and the accelerator shards nothing (no FSDP, DeepSpeed or
+        Megatron): torch's ``nn.Linear`` layers with both dims multiples of 16 become torchao ``Float8Linear``
+        layers built with the accelerator's own recipe config, as ``convert_to_float8_training`` builds them, over
+        the very same weight and bias Parameters, so the optimizer (and accelerate's wrapper of it) trains them
+        on; FSDP float8 all-gather is left off, since on it gives each layer a new weight Parameter the optimizer
+        never holds. Undo puts the original layers back. Unsafe although the user asked for fp8: it changes the
+        numerics of a running training from the next step (e4m3 forward matmuls, e5m2 gradients, where bf16 ran
+        until now), and converts the first and last Linear accelerate keeps out "for stability". Layers a
+        user's own filter left out stay as they are: that choice was on purpose, and the fix is then advice, as
+        it is where no layer has dims multiples of 16 (nothing can be converted) or the accelerator shards.
     Sources
         huggingface/accelerate PR #4147 (the AO filter and its first/last rule); huggingface/accelerate PR #1188
         (only dims multiple of 16 are converted); fangwei123456/spikingjelly PR #685 (a leaf Linear is not
-        converted).
+        converted); accelerate 1.15 ``utils/ao.py`` (``convert_model_to_fp8_ao``, ``filter_linear_layers``).
     """
     setups = [p for p in facts.precisions if p.accelerator_mixed_precision == "fp8" and p.accelerator_name]
     if not setups:
@@ -363,13 +372,19 @@ def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
         if not m.accelerate_prepared or m.float8_layers:
             continue
         p = setups[0]
+        recipe = next((r for r in facts.ao_recipes if r.accelerator_ref == p.accelerator_ref), None)
+        by_user = recipe is not None and recipe.user_filter
+        why = ("its module_filter_func (yours) accepted none" if by_user else
+               "accelerate's filter converted none (it skips the first and last Linear and dims not divisible by 16)")
+        live_fix = _convert_live(m, p, recipe) if recipe is not None and not by_user else None
         yield rule.finding(
             m.name,
-            f"{p.accelerator_name} is set to fp8 but {m.name}, already prepared, has no float8 layer: accelerate's "
-            "filter converted none (it skips the first and last Linear and dims not divisible by 16), so every "
-            "matmul runs in bf16 autocast. Convert the layers yourself before prepare(), or say bf16.",
-            {"accelerator.mixed_precision": "fp8", "float8_layers": 0, ENV: p.env_mixed_precision},
+            f"{p.accelerator_name} is set to fp8 but {m.name}, already prepared, has no float8 layer: {why}, so every "
+            "matmul runs in bf16 autocast. Convert the layers to float8, or say bf16.",
+            {"accelerator.mixed_precision": "fp8", "float8_layers": 0, ENV: p.env_mixed_precision,
+             "filter": "user" if by_user else "accelerate default"},  # fmt: skip
             [
+                *([live_fix] if live_fix is not None else []),
                 Fix(
                     f"Convert the layers of {m.name} to float8 before prepare()",
                     "from torchao.float8 import convert_to_float8_training\n"
@@ -378,9 +393,32 @@ def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
                     "# then build the optimizer from the converted model, and prepare both",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="float8-convert-before-prepare",
-                )
+                ),
             ],
         )
+
+
+def _convert_live(m: ModelFacts, p: PrecisionFacts, recipe: AORecipeFacts) -> Fix | None:
+    """Turn fp8 on in the prepared model: its aligned torch Linear layers to ``Float8Linear`` with the accelerator's
+    own recipe, in place over the same Parameters; None where nothing can be (no aligned Linear, a sharding
+    accelerator)."""
+    paths = tuple(path for path, i, o in m.float8_candidates if i % FLOAT8_ALIGN == 0 and o % FLOAT8_ALIGN == 0)
+    if not paths or recipe.sharded:
+        return None
+    shown = ", ".join(paths[:4]) + (", ..." if len(paths) > 4 else "")
+    return Fix(
+        f"Turn fp8 on: convert the {len(paths)} Linear layers of {m.name} with dims multiple of 16 to float8, "
+        "in place (same weights, same optimizer)",
+        "import dataclasses\nfrom torchao.float8 import convert_to_float8_training\n"
+        f"config = dataclasses.replace({p.accelerator_name}.ao_recipe_handler.config, "
+        "enable_fsdp_float8_all_gather=False)  # no FSDP: keep the optimizer's weight Parameters\n"
+        f"convert_to_float8_training({m.name}, config=config, module_filter_fn=lambda mod, fqn: fqn in {set(paths)!r})",
+        applicability=Applicability.UNSAFE,
+        changes=(ConvertToFloat8(m.ref, paths, p.accelerator_ref, f"layers of {m.name}"),),
+        recipe="float8-convert-live",
+        cost=f"{shown} compute their matmuls in float8 (e4m3 forward, e5m2 grads) from the next step, first and last "
+        "layer included",
+    )
 
 
 @check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))

@@ -129,6 +129,31 @@ class SetClass(Change):
             self.obj.__class__ = self._old
 
 
+class SetChild(Change):
+    """``parent.<name>`` becomes the submodule ``new`` (a layer swapped for another class built over the same
+    Parameters); undo puts the very module object that was there back. Written to the parent's ``_modules``, as
+    ``setattr`` on a module does, without its hooks."""
+
+    def __init__(self, parent: Any, name: str, new: Any, label: str) -> None:
+        self.parent, self.name, self.new = parent, name, new
+        self.description = f"{label}: a {type(new).__module__}.{type(new).__qualname__}"
+        self._old: Any = _UNSET
+
+    @property
+    def in_place(self) -> bool:
+        return object.__getattribute__(self.parent, "_modules").get(self.name) is self.new
+
+    def apply(self) -> None:
+        children = object.__getattribute__(self.parent, "_modules")
+        self._old = children[self.name]
+        children[self.name] = self.new
+
+    def revert(self) -> None:
+        if self._old is not _UNSET:
+            object.__getattribute__(self.parent, "_modules")[self.name] = self._old
+            self._old = _UNSET
+
+
 class SwapParameter(Change):
     """``module.<name>`` becomes ``new``, and every optimizer that held the old Parameter holds ``new`` instead, its
     state moved with it; undo puts the old Parameter back everywhere. For a weight a library wrapped in a tensor

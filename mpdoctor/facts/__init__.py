@@ -88,6 +88,9 @@ class ModelFacts:
     low_bit_layers: tuple = ()
     #: torchao float8 training layers (:class:`~mpdoctor.facts.fp8_training.Float8Layer`), from the torchao integration.
     float8_layers: tuple = ()
+    #: torch's own ``nn.Linear`` layers below the root, as ``(path, in_features, out_features)``: what a float8
+    #: training conversion could swap (read by the torchao integration while torchao is imported).
+    float8_candidates: tuple[tuple[str, int, int], ...] = ()
     #: Modules whose own weights are stored in float8 / float4 and what upcasts them
     #: (:class:`~mpdoctor.facts.quantized.StoredLayer`), from the float8 storage reader.
     stored_layers: tuple = ()
@@ -149,6 +152,8 @@ class Facts:
     deepspeed: tuple = ()
     #: mpdoctor.facts.fp8_training.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
     fp8_recipes: tuple = ()
+    #: mpdoctor.facts.fp8_training.AORecipeFacts: the torchao fp8 recipes accelerators hold (accelerate's ``facts``)
+    ao_recipes: tuple = ()
     #: mpdoctor.facts.quantized.AdapterConfigFacts: PEFT adapter configs the user holds, not yet applied.
     adapter_configs: tuple = ()
     #: mpdoctor.facts.between.BetweenFacts: accumulation, metric states, merged adapters, router biases.

@@ -64,3 +64,34 @@ class FP8RecipeFacts:
     written_format: str | None
     passed_format: str | None
     runs_format: str | None
+
+
+@dataclass(frozen=True)
+class AORecipeFacts:
+    """The torchao recipe an accelerator holds for ``mixed_precision="fp8"`` (``AORecipeKwargs``), as plain data.
+
+    Attributes
+    ----------
+    owner : str
+        The accelerator's name.
+    accelerator_ref : int
+        Its live ref: a fix converting layers reads the recipe's config from it when applied.
+    user_filter : bool
+        The handler holds the user's own ``module_filter_func``: the layers it left out were left out on purpose.
+        False when accelerate's default filter ran (it skips the first and last Linear and dims not divisible
+        by 16).
+    recipe : str
+        ``tensorwise`` / ``rowwise`` / ``rowwise_with_gw_hp`` / ``custom``, read from the handler's config.
+    pad_inner_dim : bool
+        The config pads the contraction dim to a multiple of 16.
+    sharded : bool
+        The accelerator shards or wraps parameters itself (FSDP, DeepSpeed, Megatron): a layer swap after
+        ``prepare()`` would not reach its flat or sharded parameters.
+    """
+
+    owner: str
+    accelerator_ref: int
+    user_filter: bool
+    recipe: str = "tensorwise"
+    pad_inner_dim: bool = False
+    sharded: bool = False

@@ -20,7 +20,7 @@ import torch
 
 from ..compat import ACCELERATE_FP8_RECIPE_ATTRS, grad_scaler
 from ..edits.steps import Change, SetAttr, SetEnv
-from ..facts.fp8_training import FP8RecipeFacts
+from ..facts.fp8_training import AORecipeFacts, FP8RecipeFacts
 from ..live.introspect import class_path, own_dict, raw_attr
 from . import Integration, Unwrap
 
@@ -319,15 +319,62 @@ def recipe_facts(acc: Any, name: str) -> list[FP8RecipeFacts]:
     return out
 
 
+# -- torchao fp8 recipes held by accelerators ---------------------------------------------------------------
+
+#: Distributed types whose wrappers own the parameters (flat, sharded or partitioned): a layer swapped after
+#: ``prepare()`` would not reach them.
+_SHARDING = ("FSDP", "DEEPSPEED", "MEGATRON")
+
+
+def ao_recipe_facts(acc: Any, name: str, live: Any) -> AORecipeFacts | None:
+    """The torchao recipe ``acc`` holds (``ao_recipe_handler``), or None. Its fields are read; nothing is called."""
+    handler = raw_attr(acc, "ao_recipe_handler", None)
+    if handler is None:
+        return None
+    from .torchao import recipe_of
+
+    config = raw_attr(handler, "config", None)
+    kind = str(raw_attr(raw_attr(acc, "state", None), "distributed_type", "")).upper()
+    return AORecipeFacts(
+        owner=name,
+        accelerator_ref=live.add(acc),
+        user_filter=raw_attr(handler, "module_filter_func", None) is not None,
+        recipe=recipe_of(config) if config is not None else "tensorwise",
+        pad_inner_dim=bool(raw_attr(config, "pad_inner_dim", False)),
+        sharded=any(k in kind for k in _SHARDING),
+    )
+
+
+def live_ao_config(acc: Any) -> Any:
+    """The accelerator's own torchao ``Float8LinearConfig``, as ``prepare()`` would pass it to
+    ``convert_to_float8_training``, with FSDP float8 all-gather off: on, ``Float8Linear.from_float`` wraps each
+    weight in a new Parameter the optimizer does not hold; without FSDP it does nothing else."""
+    import dataclasses
+
+    config = raw_attr(raw_attr(acc, "ao_recipe_handler", None), "config", None)
+    if config is None:
+        from torchao.float8 import Float8LinearConfig
+
+        config = Float8LinearConfig()
+    return dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+
+
 def _facts(subjects: tuple, live: Any, hardware: Any) -> dict:
     recipes: list[FP8RecipeFacts] = []
+    ao: list[AORecipeFacts] = []
     for s in subjects:
         if s.kind == "accelerator":
             try:
                 recipes += recipe_facts(s.obj, s.name)
+                held = ao_recipe_facts(s.obj, s.name, live)
             except Exception:  # a half-built accelerator: the rest of the report still stands
                 continue
-    return {"fp8_recipes": tuple(recipes)} if recipes else {}
+            if held is not None:
+                ao.append(held)
+    out: dict = {"fp8_recipes": tuple(recipes)} if recipes else {}
+    if ao:
+        out["ao_recipes"] = tuple(ao)
+    return out
 
 
 INTEGRATION = Integration(

@@ -424,6 +424,64 @@ def torch_base_class(cls: type) -> type | None:
 
 
 @dataclass(frozen=True)
+class ConvertToFloat8(ChangeSpec):
+    """The inverse of :class:`ConvertBack`: the torch ``nn.Linear`` layers ``paths`` of the model ``ref`` become
+    torchao's ``Float8Linear``, built as ``convert_to_float8_training`` builds them with the accelerator
+    ``accelerator``'s own torchao recipe config (read when applied), over the very same weight and bias Parameters,
+    so every optimizer holding them trains them on. Undo puts the original module objects back in their parents.
+    A layer already converted (this fix applied before, or the user's own conversion) is a step already in place."""
+
+    ref: int
+    paths: tuple[str, ...]
+    accelerator: int
+    label: str = "layers"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ..edits.steps import SetChild
+        from ..integrations.accelerate import live_ao_config
+        from ..integrations.torchao import float8_training_layer
+
+        model = live.get(self.ref)
+        config = live_ao_config(live.get(self.accelerator))
+        staged = []  # every new layer built before any is swapped in
+        for path in self.paths:
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            module = object.__getattribute__(parent, "_modules")[name]
+            if type(module) is torch.nn.Linear:
+                module = float8_training_layer(module, config)
+            elif not _still_converted(module):
+                raise ValueError(f"{path} is a {type(module).__qualname__}, not torch's Linear")
+            staged.append(SetChild(parent, name, module, f"{self.label}: {path}"))
+        return staged
+
+    def simulate(self, facts: Facts) -> Facts:
+        """The model with those layers float8 training layers of the accelerator's recipe."""
+        from ..facts.fp8_training import Float8Layer
+
+        recipe = next((r for r in facts.ao_recipes if r.accelerator_ref == self.accelerator), None)
+        chosen = set(self.paths)
+
+        def converted(m: Any) -> Any:
+            layers = tuple(Float8Layer(path, i, o, recipe.recipe if recipe else "tensorwise",
+                                       pad_inner_dim=bool(recipe and recipe.pad_inner_dim))
+                           for path, i, o in m.float8_candidates if path in chosen)  # fmt: skip
+            rest = tuple(c for c in m.float8_candidates if c[0] not in chosen)
+            return dataclasses.replace(m, float8_layers=m.float8_layers + layers, float8_candidates=rest)
+
+        models = tuple(converted(m) if m.ref == self.ref else m for m in facts.models)
+        return dataclasses.replace(facts, models=models)
+
+    def verify(self, live: Live) -> str | None:
+        model = live.get(self.ref)
+        left = [p for p in self.paths if not _still_converted(model.get_submodule(p))]
+        return f"{', '.join(left)} not converted" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "class"): "float8" for path in self.paths}
+
+
+@dataclass(frozen=True)
 class CastGradsToParams(ChangeSpec):
     """Cast each listed parameter's ``.grad`` to the parameter's dtype, keeping the grad tensor objects."""
 

@@ -41,6 +41,10 @@ from test_field_lowprecision import (  # noqa: E402
     float8_quantized_with_a_zero_row,
     fp8_base_with_a_bf16_head,
     fp8_embedding_model,
+    fp8_prepared_run,
+    fp8_runs_bf16,
+    fp8_runs_float8,
+    fp8_step,
     fp8_stored_mlp,
     layerwise_cast_with_a_bf16_head,
     quantized_step,
@@ -385,6 +389,11 @@ CASES: list[Case] = [
     Case(
         name="float8-activation-scale-zero-row", source="pytorch/ao#3356", slug="probe-nonfinite",
         build=tagger, step=tagger_step, failure="loss is not finite", diagnose=probe_tagger,
+    ),
+    Case(
+        name="accelerate-fp8-filter-converts-nothing", source="huggingface/accelerate PR #4147", slug="fp8-requested-not-on",
+        build=fp8_prepared_run, step=fp8_step, failure="trains", harm=fp8_runs_bf16, healed=fp8_runs_float8,
+        recipe="float8-convert-live",
     ),
     Case(
         name="bf16-arguments-override-the-launchers-fp8", source="huggingface/trl#3860", slug="fp8-request-overridden",

@@ -17,7 +17,7 @@ pytest.importorskip("torchao")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import AORecipeKwargs  # noqa: E402
 from diffusers.hooks import apply_layerwise_casting  # noqa: E402
-from torchao.float8 import convert_to_float8_training  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import mpdoctor  # noqa: E402
 
@@ -371,30 +371,114 @@ def prepare_fp8(model: torch.nn.Module):
     return acc, prepared, opt
 
 
-def test_accelerate_fp8_on_a_model_its_filter_converts_nothing():
-    """huggingface/accelerate PR #4147: accelerate's AO path skips the first and last Linear "for stability".
-    On a two-Linear model that is every layer: ``Accelerator(mixed_precision="fp8")`` says fp8 and the run is
-    bf16 autocast (measured: no Float8Linear after prepare)."""
-    acc, model, opt = prepare_fp8(mlp(32, 64, 16))
-    assert acc.mixed_precision == "fp8" and not [x for x in model.modules() if type(x).__name__ == "Float8Linear"]
-    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
-    f = finding(report, "fp8-requested-not-on")
-    assert f.severity == "warning" and "no float8 layer" in f.message
-    # The advice: convert the layers yourself before prepare(), then build the optimizer from the converted model.
+def fp8_prepared_run(filter_fn=None) -> dict:
+    """huggingface/accelerate PR #4147's setup: ``Accelerator(mixed_precision="fp8")`` with the AO recipe, a
+    two-Linear model and its optimizer prepared (the filter skips the first and last Linear: every layer here)."""
     from accelerate.state import AcceleratorState
 
-    AcceleratorState._reset_state(reset_partial_state=True)
-    m = mlp(32, 64, 16)
-    convert_to_float8_training(m, module_filter_fn=lambda mod, fqn: mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
-    acc, model, opt = prepare_fp8(m)
-    assert len([x for x in model.modules() if type(x).__name__ == "Float8Linear"]) == 2
-    x = torch.randn(16, 32)
-    loss = model(x).float().pow(2).mean()
-    acc.backward(loss)
-    opt.step()
-    assert torch.isfinite(loss)
-    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
-    assert "fp8-requested-not-on" not in severities(report)
+    AcceleratorState._reset_state(reset_partial_state=True)  # a fresh run, as re-running the notebook's cells
+    acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(module_filter_func=filter_fn)], cpu=True)
+    model = acc.prepare(mlp(32, 64, 16))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return {"model": model, "optimizer": opt, "accelerator": acc}
+
+
+def fp8_step(ns: dict) -> torch.Tensor:
+    """The user's accelerate step: forward, ``accelerator.backward``, optimizer step, zero_grad."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    loss = ns["model"](x).float().pow(2).mean()
+    ns["accelerator"].backward(loss)
+    ns["optimizer"].step()
+    ns["optimizer"].zero_grad()
+    return loss
+
+
+class MatmulOperands(TorchDispatchMode):
+    """Records the operand classes and dtypes of every matmul aten runs (an observer: each op runs unchanged).
+    torchao's float8 path hands ``mm`` its ``Float8TrainingTensor`` operands; a bf16 run hands it plain tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[str, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in ("mm", "addmm", "_scaled_mm"):
+            self.seen.append(tuple(f"{type(a).__name__}:{str(a.dtype).removeprefix('torch.')}"
+                                   for a in args if isinstance(a, torch.Tensor)))  # fmt: skip
+        return func(*args, **(kwargs or {}))
+
+
+def matmuls_of(step, ns: dict) -> tuple[list[tuple[str, ...]], torch.Tensor]:
+    with MatmulOperands() as ops:
+        loss = step(ns)
+    return ops.seen, loss
+
+
+def ao_float8_linears(model) -> list:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def fp8_runs_bf16(ns: dict) -> None:
+    """The measured harm: fp8 configured, no Float8Linear, every matmul of the step on plain bf16 tensors."""
+    assert ns["accelerator"].mixed_precision == "fp8" and not ao_float8_linears(ns["model"])
+    seen, _ = matmuls_of(fp8_step, ns)
+    assert seen and all(all(op.startswith("Tensor:bfloat16") for op in ops) for ops in seen), seen
+
+
+def fp8_runs_float8(ns: dict) -> None:
+    """fp8 is on: both layers are Float8Linear and every matmul of the step (forward and both backward ones)
+    takes torchao's float8 training tensors."""
+    assert [type(m).__name__ for m in ns["model"].modules() if isinstance(m, torch.nn.Linear)] == ["Float8Linear"] * 2
+    seen, loss = matmuls_of(fp8_step, ns)
+    assert torch.isfinite(loss) and len(seen) == 6, seen
+    assert all(any(op.startswith("Float8TrainingTensor") for op in ops) for ops in seen), seen
+
+
+def test_accelerate_fp8_on_a_model_its_filter_converts_nothing_is_turned_on_in_place():
+    """huggingface/accelerate PR #4147: accelerate's AO path skips the first and last Linear "for stability".
+    On a two-Linear model that is every layer: ``Accelerator(mixed_precision="fp8")`` says fp8 and the run is
+    bf16 autocast (measured: no Float8Linear after prepare, every matmul on bf16 tensors). The fix converts the
+    prepared model's aligned Linear layers to torchao's Float8Linear with the accelerator's own recipe config, over
+    the same Parameters the (wrapped) optimizer holds; the same step then trains through float8 matmuls."""
+    ns = fp8_prepared_run()
+    fp8_runs_bf16(ns)
+    model, opt, acc = ns["model"], ns["optimizer"], ns["accelerator"]
+    report = mpdoctor.diagnose(namespace=ns)
+    f = finding(report, "fp8-requested-not-on")
+    assert f.severity == "warning" and "no float8 layer" in f.message and "accelerate's filter" in f.message
+    fix = next(fx for fx in report.fixes if fx.slug == "fp8-requested-not-on")
+    assert fix.applicability.name == "UNSAFE" and fix.recipe == "float8-convert-live" and not fix.in_place
+    older = next(fx for fx in mpdoctor.diagnose(namespace=ns).fixes if fx.slug == "fp8-requested-not-on")
+    layers, params = [model[0], model[2]], list(model.parameters())
+    held = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    fix.apply(confirm=True)
+    assert fix.applied and older.in_place and not fix.in_place  # an older report's card sees it done
+    assert [p for p in model.parameters()] == params and all(a is b for a, b in zip(model.parameters(), params))
+    assert all(a is b for a, b in zip([p for g in opt.optimizer.param_groups for p in g["params"]], held))
+    assert model[0].weight is layers[0].weight and model[2].bias is layers[1].bias
+    assert not model[0].config.enable_fsdp_float8_all_gather and model[0].config.pad_inner_dim  # the recipe's own
+    before = [p.detach().clone() for p in params]
+    fp8_runs_float8(ns)  # the user's step, run again: float8 matmuls
+    assert all(not torch.equal(a, b.detach()) for a, b in zip(before, params)), "every weight and bias trains"
+    assert "fp8-requested-not-on" not in severities(mpdoctor.diagnose(namespace=ns))
+    fix.undo()
+    assert model[0] is layers[0] and model[2] is layers[1] and type(model[0]) is torch.nn.Linear
+    assert all(a is b for a, b in zip(model.parameters(), params))
+    fp8_runs_bf16(ns)
+    assert acc.mixed_precision == "fp8"
+
+
+def test_layers_a_users_own_filter_left_out_are_not_converted():
+    """A ``module_filter_func`` of the user's is a choice: the layers it refused stay out of float8, and the
+    finding says whose filter it was; the fix is advice only."""
+    ns = fp8_prepared_run(lambda mod, fqn: False)
+    assert not ao_float8_linears(ns["model"])
+    report = mpdoctor.diagnose(namespace=ns)
+    f = finding(report, "fp8-requested-not-on")
+    assert "module_filter_func (yours)" in f.message
+    assert all(fx.applicability.name == "DISPLAY_ONLY" for fx in f.fixes)
 
 
 def test_accelerate_fp8_converts_no_layer_whose_dims_are_not_multiples_of_16():
@@ -403,7 +487,10 @@ def test_accelerate_fp8_converts_no_layer_whose_dims_are_not_multiples_of_16():
     acc, model, opt = prepare_fp8(mlp(32, 40, 40, 40, 16))
     assert not [x for x in model.modules() if type(x).__name__ == "Float8Linear"]
     report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
-    assert severities(report)["fp8-requested-not-on"] == "warning"
+    f = finding(report, "fp8-requested-not-on")
+    assert f.severity == "warning"
+    # Nothing can be converted (fp8 GEMMs need dims multiple of 16): the fix stays advice.
+    assert all(fx.applicability.name == "DISPLAY_ONLY" for fx in f.fixes)
 
 
 def test_accelerate_fp8_ao_swaps_weights_after_the_optimizer_was_built():

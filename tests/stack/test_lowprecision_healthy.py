@@ -88,6 +88,25 @@ def test_accelerate_fp8_with_the_ao_backend():
     assert loud(report) == []
     assert report.facts.precisions[0].computes_in == "fp8"
     assert len(report.facts.models[0].float8_layers) == 2
+    # fp8 is on: the first and last Linear accelerate keeps out "for stability" are left alone, no fix converts them.
+    (recipe,) = report.facts.ao_recipes
+    assert not recipe.user_filter and not recipe.sharded
+    assert not [fx for f in report.findings for fx in f.fixes if fx.recipe == "float8-convert-live"]
+
+
+def test_accelerate_fp8_with_the_users_own_module_filter():
+    """accelerate's ``AORecipeKwargs(module_filter_func=...)``: the user converts the inner layers they choose; the
+    ones their filter refuses (the aligned first and last Linear too) stay high precision, drawing nothing."""
+    acc = Accelerator(mixed_precision="fp8", cpu=True,
+                      kwargs_handlers=[AORecipeKwargs(module_filter_func=lambda mod, fqn: fqn == "2")])  # fmt: skip
+    model = acc.prepare(mlp(32, 64, 64, 16))
+    opt = acc.prepare(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    assert [type(x).__name__ for x in model if "Linear" in type(x).__name__] == ["Linear", "Float8Linear", "Linear"]
+    acc.backward(model(torch.randn(16, 32)).float().pow(2).mean())
+    opt.step()
+    report = mpdoctor.diagnose(model, opt, acc, names={id(model): "model", id(opt): "optimizer", id(acc): "accelerator"})
+    assert loud(report) == [] and report.facts.ao_recipes[0].user_filter
+    assert not [fx for f in report.findings for fx in f.fixes if fx.recipe == "float8-convert-live"]
 
 
 def test_fp8_requested_through_the_launcher_with_bf16_false_is_no_override(tmp_path):
