@@ -38,30 +38,17 @@ def clamped_source(source: str, line: int, col: int | None, end_col: int | None,
                    nonnegative: bool) -> str | None:  # fmt: skip
     """``source`` with the call of ``op`` at ``line`` (columns ``col`` to ``end_col`` of it, as the frame's code
     positions give them; None: the only such call on the line) given an argument inside the op's domain (its bound in
-    the argument's own dtype, or ``dtype`` for a long expression); None when
-    the op is not one :data:`CLAMPED_OPS` clamps, the call is not found, or its clamp is not well defined
-    (``nonnegative`` False: a denominator or base holding negative values)."""
+    the argument's own dtype, or ``dtype`` for a long expression); None when the op is not one :data:`CLAMPED_OPS`
+    clamps, the call is not found, or its clamp is not well defined (``nonnegative`` False: a denominator or base
+    holding negative values)."""
     if op not in CLAMPED_OPS or (op in DIVISION_OPS | POWER_OPS and not nonnegative):
         return None
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return None
-    calls = [n for n in ast.walk(tree) if _is_call_of(n, op) and n.lineno <= line <= (n.end_lineno or n.lineno)]
-    if any(n.lineno != (n.end_lineno or n.lineno) for n in calls):
-        return None  # a call over several lines: not rewritten in place
-    pinned = [n for n in calls if col is not None and n.col_offset <= col and (end_col is None or (
-        n.end_col_offset or 0) >= end_col)]  # fmt: skip
-    pinned = sorted(pinned, key=lambda n: (n.end_col_offset or 0) - n.col_offset)[:1]  # the innermost holding it
-    if op in DIVISION_OPS | POWER_OPS:
-        calls = pinned if col is not None else calls  # only the operand the replay saw reach 0 is known >= 0
-        if len(calls) != 1:
-            return None
-    elif col is not None and not pinned:
-        return None  # the frame points elsewhere: the line is not the one read
-    # log / sqrt / rsqrt / log1p: every such call of the line gets the clamp, a no-op inside the domain
-    # (``y * log(p) + (1 - y) * log(1 - p)`` meets p == 1 and p == 0 alike)
-    edits = [(n, _clamped(n, op, dtype)) for n in calls if not any(o is not n and _inside(n, o) for o in calls)]
+    calls = _calls_to_clamp(tree, line, col, end_col, op)
+    edits = [(n, _clamped(n, op, dtype)) for n in calls]
     if not edits or any(new is None for _, new in edits):
         return None
     lines = source.splitlines()
@@ -72,6 +59,31 @@ def clamped_source(source: str, line: int, col: int | None, end_col: int | None,
         text = f"{text[:start]}{new}{text[end:]}"
     lines[line - 1] = f"{text}  # clamped into {_domain(op)}: no NaN / inf at the bound"
     return "\n".join(lines) + "\n"
+
+
+def _calls_to_clamp(tree: ast.Module, line: int, col: int | None, end_col: int | None, op: str) -> list[ast.AST]:
+    """The calls of ``op`` on ``line`` to clamp: the one the frame's columns point at for a division or a power (only
+    the operand the replay saw reach 0 is known to be >= 0); every outermost one of the line for log / sqrt / rsqrt /
+    log1p, whose clamp is a no-op inside the domain (``y * log(p) + (1 - y) * log(1 - p)`` meets p == 1 and p == 0
+    alike). Empty when a call spans several lines or the frame points at none."""
+    calls = [n for n in ast.walk(tree) if _is_call_of(n, op) and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    if any(n.lineno != (n.end_lineno or n.lineno) for n in calls):
+        return []  # a call over several lines: not rewritten in place
+    pinned = _pinned(calls, col, end_col)
+    if op in DIVISION_OPS | POWER_OPS:
+        calls = pinned if col is not None else calls
+        return calls if len(calls) == 1 else []
+    if col is not None and not pinned:
+        return []  # the frame points elsewhere: the line is not the one read
+    return [n for n in calls if not any(o is not n and _inside(n, o) for o in calls)]
+
+
+def _pinned(calls: list[ast.AST], col: int | None, end_col: int | None) -> list[ast.AST]:
+    """The innermost call holding the columns ``col`` to ``end_col``; empty without columns."""
+    if col is None:
+        return []
+    holding = [n for n in calls if n.col_offset <= col and (end_col is None or (n.end_col_offset or 0) >= end_col)]
+    return sorted(holding, key=lambda n: (n.end_col_offset or 0) - n.col_offset)[:1]
 
 
 def _inside(inner: ast.AST, outer: ast.AST) -> bool:

@@ -255,18 +255,22 @@ class OpWatch(TorchFunctionMode):
         return 0.0 if den == 0 else None
 
 
-#: Files of these trees are not the user's code: the frame that called the op is looked for outside them.
-_OWN_TREES = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # fmt: skip
+#: mpdoctor's own tree: its frames (the op watch) are left out when the op's caller is looked for.
+_OWN_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch's files that only pass an op on (a tensor's operators, ``__torch_function__`` handling): the op's caller is
+#: the frame beyond them. Any other torch file calling the op is torch's own code (``F.normalize``): a library line.
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DISPATCH = frozenset(_TORCH_DIR + name for name in ("_tensor.py", "overrides.py", os.path.join("utils", "_device.py")))
 
 
 def users_frame(frame: Any) -> tuple | None:
-    """``(filename, line, function, col, end_col)`` of the first frame from ``frame`` outwards that is not torch's or
-    mpdoctor's, when that frame is the user's own code (a notebook cell, a file outside the installed packages and the
-    standard library); None when it is a library's or none is found. ``col`` / ``end_col``: the columns of the
-    instruction running in it (the call), None where the interpreter does not give them."""
-    while frame is not None and (frame.f_code.co_filename.startswith(_OWN_TREES)
-                                 or frame.f_code.co_filename.startswith("<frozen")):  # fmt: skip
+    """``(filename, line, function, col, end_col)`` of the frame that called the op (mpdoctor's frames and torch's
+    dispatch left out), when that frame is the user's own code (a notebook cell, a file outside the installed
+    packages and the standard library); None when it is a library's (torch's own functions included) or none is
+    found. ``col`` / ``end_col``: the columns of the instruction running in it (the call), None where the interpreter
+    does not give them."""
+    while frame is not None and (frame.f_code.co_filename.startswith(_OWN_TREE)
+                                 or os.path.abspath(frame.f_code.co_filename) in _DISPATCH):  # fmt: skip
         frame = frame.f_back
     if frame is None or not _users_file(frame.f_code.co_filename):
         return None
@@ -287,6 +291,8 @@ def _users_file(filename: str) -> bool:
         return False
     libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
     path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR):
+        return False
     return not any(path.startswith(os.path.abspath(lib) + os.sep) for lib in libraries) and os.path.exists(path)
 
 
