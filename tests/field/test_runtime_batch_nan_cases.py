@@ -285,6 +285,7 @@ def test_retinanet_3_log_of_a_saturated_probability_in_a_notebook_gets_its_loss_
     from notebook_shell import loaded_shell
 
     from mpdoctor.diagnosis.view import code_fixes
+    from mpdoctor.runtime.twins import try_on_twins
 
     with loaded_shell(_NOTEBOOK_NAMES) as sh:
         loss_cell = sh.execution_count
@@ -312,6 +313,7 @@ def test_retinanet_3_log_of_a_saturated_probability_in_a_notebook_gets_its_loss_
         (trial,) = [t for fx, t in report.trials if fx is fix]  # run on copies before it is shown
         assert trial.ran, trial.sentence()
         assert ns["focal_loss"] is user_loss and torch.equal(ns["model"].fc.weight, weight)  # nothing of the user's ran
+        assert try_on_twins(fix.code, ns).ran and ns["focal_loss"] is user_loss
 
         number = next(i for i, fx in enumerate(code_fixes(report), 1) if fx is fix)
         sh.rl_next_input = None
