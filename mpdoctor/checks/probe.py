@@ -288,7 +288,10 @@ def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
         learning rate when gradients blow up. Where the module's weight quantizes its input to float8 with
         dynamic scales and no lower bound (torchao ``Float8DynamicActivationFloat8WeightConfig`` without
         ``activation_value_lb``), safe and in place: the bound set on every such weight of the model (an
-        all-zero row then quantizes to 0; every other row exactly as before).
+        all-zero row then quantizes to 0; every other row exactly as before). Where the op that made the
+        NaN (a log, sqrt, rsqrt, log1p; a division or negative power by an operand seen >= 0) runs on a
+        line of your own code, display-only corrected code: that cell (or the script's function) with the
+        op's argument clamped at its dtype's ``tiny``, run on copies of your objects before it is shown.
     Sources
         transformers ``DebugUnderflowOverflow`` (forward only); pytorch/ao #3356 (NaN losses of LoRA on a
         float8 row-wise base, fixed by ``activation_value_lb``); mpdoctor FIELD-CASES.
