@@ -294,3 +294,82 @@ def test_the_eps_fix_sets_the_config_field_too_and_undo_restores_both():
     assert math.isfinite(loss) and moved
     fix.undo()
     assert model.norm.eps == 1e-12 and model.config.layer_norm_eps == 1e-12
+
+
+# -- a NaN born on the user's own line: that code corrected ----------------------------------------------------------
+
+
+def mean_per_count(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A user's helper of this file (a script's function): a per-slot mean whose count can reach 0."""
+    return total / count
+
+
+class Pooled(nn.Module):
+    def __init__(self, signed: bool = False) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.signed = signed
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return mean_per_count(self.fc(x).sum(0), counts - 1 if self.signed else counts).sum()
+
+
+def test_a_division_by_a_count_that_reached_0_in_a_script_function_gets_the_function_corrected_and_it_trains():
+    from mpdoctor.runtime.domain_rewrite import clamped_source
+
+    torch.manual_seed(0)
+    model = Pooled()
+    x, counts = torch.randn(2, 4), torch.tensor([2.0, 0.0, 1.0])  # an empty slot: its count is 0
+    assert not torch.isfinite(model(x, counts))  # the real harm
+
+    f = next(f for f in mpdoctor.probe(model, ForwardCall(x, counts), loss_fn=lambda out: out).findings
+             if f.check == "probe-nonfinite")  # fmt: skip
+    assert f.evidence["origin"] == "zero-division" and f.evidence["line"].startswith("tests/test_nan_origin.py:")
+    (fix,) = [fx for fx in f.fixes if fx.recipe == "corrected-cell"]
+    assert fix.title.startswith("Replace mean_per_count in tests/test_nan_origin.py")
+    assert "return total / count.clamp_min(torch.finfo(count.dtype).tiny)" in fix.code
+    namespace: dict = {"torch": torch}
+    exec(fix.code, namespace)  # noqa: S102 - the corrected function, as the user pastes it into the file
+    assert torch.isfinite(namespace["mean_per_count"](model.fc(x).sum(0), counts)).all()
+
+    # A signed denominator (counts - 1 holds 1, -1 and 0): clamp_min would change its sign, so only the advice stands.
+    signed = Pooled(signed=True)
+    g = next(f for f in mpdoctor.probe(signed, ForwardCall(x, counts), loss_fn=lambda out: out).findings
+             if f.check == "probe-nonfinite")  # fmt: skip
+    assert g.evidence["origin"] == "zero-division" and [fx.recipe for fx in g.fixes] == ["zero-division"]
+
+    src = "a = torch.log(p) + torch.log(1 - p)\nb = x.rsqrt()\nc = torch.pow(q, -2)\nd = u / v\ne = torch.log(\n    p)\n"
+    assert "torch.log(p.clamp_min(torch.finfo(p.dtype).tiny)) + torch.log((1 - p).clamp_min(" in clamped_source(
+        src, 1, 19, 35, "log", "float32", True)  # fmt: skip
+    assert "x.clamp_min(torch.finfo(x.dtype).tiny).rsqrt()" in clamped_source(src, 2, None, None, "rsqrt", "float16", True)
+    assert "torch.pow(q.clamp_min(torch.finfo(q.dtype).tiny ** (1 / 2)), -2)" in clamped_source(
+        src, 3, None, None, "pow", "float32", True)  # fmt: skip
+    assert clamped_source(src, 4, None, None, "__truediv__", "float32", False) is None  # signed: not well defined
+    assert clamped_source(src, 5, None, None, "log", "float32", True) is None  # a call over two lines
+
+
+def test_an_op_in_library_code_is_not_offered_as_corrected_code():
+    import json
+
+    from mpdoctor.runtime.nan_origin import _users_file
+
+    assert not _users_file(torch.__file__) and not _users_file(json.__file__)
+    assert _users_file(__file__)
+
+    class Waiting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            rate = self.fc(x).relu()  # a rate of 0: torch's own log_prob takes rate.log() in its file
+            return torch.distributions.Exponential(rate, validate_args=False).log_prob(torch.ones_like(rate)).sum()
+
+    model = Waiting()
+    with torch.no_grad():
+        model.fc.weight.zero_()
+        model.fc.bias.zero_()
+    report = mpdoctor.probe(model, torch.ones(2, 4), loss_fn=lambda out: out)
+    f = next(f for f in report.findings if f.check == "probe-nonfinite")
+    assert f.evidence["op"] == "log" and f.evidence["line"] == ""  # torch's line, not the user's
+    assert all(fx.recipe != "corrected-cell" for fx in f.fixes)

@@ -288,7 +288,10 @@ def probe_nonfinite(facts: Facts, rule: Rule) -> Iterator[Finding]:
         learning rate when gradients blow up. Where the module's weight quantizes its input to float8 with
         dynamic scales and no lower bound (torchao ``Float8DynamicActivationFloat8WeightConfig`` without
         ``activation_value_lb``), safe and in place: the bound set on every such weight of the model (an
-        all-zero row then quantizes to 0; every other row exactly as before).
+        all-zero row then quantizes to 0; every other row exactly as before). Where the op that made the
+        NaN (a log, sqrt, rsqrt, log1p; a division or negative power by an operand seen >= 0) runs on a
+        line of your own code, display-only corrected code: that cell (or the script's function) with the
+        op's argument clamped at its dtype's ``tiny``, run on copies of your objects before it is shown.
     Sources
         transformers ``DebugUnderflowOverflow`` (forward only); pytorch/ao #3356 (NaN losses of LoRA on a
         float8 row-wise base, fixed by ``activation_value_lb``); mpdoctor FIELD-CASES.
@@ -540,7 +543,54 @@ def _origin_fixes(facts: Facts, p, o, shown) -> list[Fix]:
     }.get(o.cause)
     if code is None:
         return [_fp32_module_fix(facts, p, o.module, o.class_name)]
-    return [Fix(code[0], code[1], applicability=Applicability.DISPLAY_ONLY, recipe=o.cause)]
+    advice = Fix(code[0], code[1], applicability=Applicability.DISPLAY_ONLY, recipe=o.cause)
+    corrected = _corrected_code_fix(o)
+    return [corrected, advice] if corrected is not None else [advice]
+
+
+#: The recipe of a fix that is the user's cell (or script function) corrected: run on twins before it is shown
+#: (``mpdoctor.runtime.op_rewrite.CORRECTED_CELL``; the runtime layer is above the checks).
+_CORRECTED_CELL = "corrected-cell"
+
+
+def _corrected_code_fix(o) -> Fix | None:
+    """The cell (or the script's function) whose own line ran the op, with the op's argument clamped into its
+    domain (``NanOrigin.corrected``, made while the replay's frames were live); None when there is none."""
+    corrected = getattr(o, "corrected", "")
+    if not corrected or not o.site:
+        return None
+    from ..facts.location import Location
+
+    where = Location.at(o.site[0], o.site[1])
+    op = f"`{o.op.strip('_')}`" if o.op else "the op"
+    if where.cell is not None or where.place == "a notebook cell":
+        head = f"# {where.place} again: {op}'s argument clamped into its domain ({where.label})"
+        title = f"Run {where.place} again with {op}'s argument clamped into its domain (corrected code)"
+    else:
+        unit = _defined_name(corrected) or o.site[2]
+        head = f"# {unit} in {where.place}, {op}'s argument clamped into its domain ({where.label})"
+        title = f"Replace {unit} in {where.place} with {op}'s argument clamped into its domain (corrected code)"
+    return Fix(title, f"{head}\n{corrected}", applicability=Applicability.DISPLAY_ONLY, recipe=_CORRECTED_CELL)
+
+
+def _defined_name(code: str) -> str | None:
+    """The name of the function or class a script's corrected block defines."""
+    import ast
+
+    try:
+        body = ast.parse(code).body
+    except SyntaxError:
+        return None
+    return next((n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))), None)
+
+
+def _site_label(o) -> str:
+    """``cell [5], line 3`` / ``train.py:42``: the line of the user's code that ran the op; "" when unknown."""
+    if not getattr(o, "site", ()):
+        return ""
+    from ..facts.location import Location
+
+    return Location.at(o.site[0], o.site[1]).label
 
 
 #: Origin causes that mean what an older probe cause meant: the evidence keeps the older name for those.
@@ -568,6 +618,10 @@ def _origin_finding(facts: Facts, p, first, rule: Rule) -> Finding:
             if o.dtype == "float16":
                 msg += f" and its {o.class_name} output, computed in float16, passed fp16's largest value 65504"
         msg += f"{shown}."
+        if getattr(o, "site", ()):
+            from ..facts.location import Location
+
+            msg += f" The op runs on a line of your own code: {Location.at(o.site[0], o.site[1]).label} ({o.site[2]})."
         if o.cause == "inf-minus-inf":
             msg += f" Where the inf came from: {PROBE_CAUSES['input-nonfinite']}."
     from types import SimpleNamespace
@@ -587,6 +641,7 @@ def _origin_finding(facts: Facts, p, first, rule: Rule) -> Finding:
             "why": o.why,
             "dtype": o.dtype,
             "first_shows_in": first.path,
+            "line": _site_label(o),
             "output_nonfinite": first.out_nonfinite,
             "grad_nonfinite": first.grad_nonfinite,
             "input_nonfinite": first.in_nonfinite,

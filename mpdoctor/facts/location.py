@@ -56,6 +56,11 @@ def cell_number(filename: str) -> int | None:
     return number if type(number) is int else None
 
 
+def is_cell(filename: str) -> bool:
+    """``filename`` is a notebook cell's (a numbered one, or ipykernel's cell file whose number is not known)."""
+    return cell_number(filename) is not None or bool(_KERNEL_CELL.fullmatch(filename))
+
+
 #: The filenames IPython's timing magics compile their code under (no linecache entry, no cell number).
 _TIMED_FILES = frozenset({"<timed exec>", "<timed eval>"})
 

@@ -88,8 +88,9 @@ _MAX_TRIALS = 4
 def _with_trials(report: Any, observed: Observed) -> Any:
     """``report`` with what its code fixes did on copies of the user's objects: the corrected lines of the user's own
     AMP loop (a loop mistake's display-only fix) replace the loop as the user will paste them, and a crashing cell
-    corrected (:data:`~.op_rewrite.CORRECTED_CELL`: its op with no half kernel on fp32 copies) is the whole cell, so
-    both run as they are. Other display-only code (a launcher's flag, a rebuild, a line of advice) is not run."""
+    corrected (:data:`~.op_rewrite.CORRECTED_CELL`: its op with no half kernel on fp32 copies; or the cell where a NaN
+    was born with the op's argument clamped into its domain, :mod:`.domain_rewrite`) is the whole cell, so both run as
+    they are. Other display-only code (a launcher's flag, a rebuild, a line of advice) is not run."""
     if observed.try_code is None:
         return report
     from ..treatment.fixes import Applicability

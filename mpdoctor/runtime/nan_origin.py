@@ -22,6 +22,9 @@ Causes, each with the fix that matches it:
 from __future__ import annotations
 
 import math
+import os
+import sys
+import sysconfig
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +49,7 @@ CAUSES = {
     "nonfinite-op": "the op produced NaN/Inf from finite inputs",
 }
 
-_LOG = frozenset({"log", "log2", "log10", "log_", "xlogy", "log_softmax"})
+_LOG = frozenset({"log", "log2", "log10", "log_", "xlogy", "log_softmax", "log1p"})
 _SQRT = frozenset({"sqrt", "sqrt_", "rsqrt", "rsqrt_"})
 _DIV = frozenset({"div", "div_", "__truediv__", "__rtruediv__", "__itruediv__", "true_divide", "reciprocal",
                   "rsqrt", "rsqrt_", "__floordiv__", "floor_divide", "remainder", "fmod"})  # fmt: skip
@@ -77,7 +80,14 @@ class NanOrigin:
         The op's output dtype.
     detail : dict
         Numbers behind the cause: ``max`` (the dtype's largest value), ``min`` (smallest input), ``eps``,
-        ``key`` (a batch entry).
+        ``key`` (a batch entry), ``den_min`` (the smallest value of a denominator or base that reached 0).
+    site : tuple
+        ``(filename, line, function, col, end_col)`` of the Python code that called the op (torch's and mpdoctor's frames left
+        out); ``()`` when unknown or when that code is a library's (:func:`users_frame`).
+    corrected : str
+        The source that holds that line (a notebook cell whole; a script's function) with the op's argument clamped
+        into its domain (:func:`mpdoctor.runtime.domain_rewrite.clamped_source`); "" when the op or its operand has
+        no well-defined clamp.
     """
 
     module: str
@@ -86,6 +96,8 @@ class NanOrigin:
     cause: str
     dtype: str
     detail: dict = field(default_factory=dict)
+    site: tuple = ()
+    corrected: str = ""
 
     @property
     def why(self) -> str:
@@ -184,18 +196,21 @@ class OpWatch(TorchFunctionMode):
         else:
             cause, blamed = self._cause(name, args, kwargs, dtype, detail, out_nan)
         path, module = self.modules[blamed if blamed is not None else i]
-        self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail)
+        site = users_frame(sys._getframe(1)) if blamed is None else None
+        self.found = NanOrigin(path, type(module).__name__, name, cause, dtype_name(dtype), detail, site or ())
         raise _Found
 
     def _cause(self, name: str, args: tuple, kwargs: dict, dtype: torch.dtype, detail: dict,
                out_nan: bool) -> tuple[str, int | None]:  # fmt: skip
         """Why an op made NaN / inf from finite inputs, and the module to blame when it is not the innermost
         one (the norm whose eps vanished)."""
-        if name in _LOG and detail.get("min", 0.0) <= 0:
+        if name in _LOG and detail.get("min", 0.0) <= (-1 if name == "log1p" else 0):
             return "log-nonpositive", None
-        if name in ("sqrt", "sqrt_") and detail.get("min", 0.0) < 0:
+        if name in _SQRT and detail.get("min", 0.0) < 0:
             return "sqrt-negative", None
-        if name in _DIV and self._zero_denominator(name, args):
+        den = self._zero_denominator(name, args)
+        if den is not None:
+            detail["den_min"] = den
             return self._division_cause(dtype, detail)
         if self._eps_vanishes(name, args, kwargs, dtype, detail):
             return "eps-underflow", None  # an op taking eps (F.normalize, layer_norm) whose eps is 0 in this dtype
@@ -226,14 +241,59 @@ class OpWatch(TorchFunctionMode):
         return False
 
     @staticmethod
-    def _zero_denominator(name: str, args: tuple) -> bool:
-        if name in ("reciprocal", "rsqrt", "rsqrt_", "__rtruediv__"):
-            den = args[0] if name != "__rtruediv__" else args[0]
+    def _zero_denominator(name: str, args: tuple) -> float | None:
+        """The smallest value of the denominator (or the base of a negative power) when it holds a 0, else None."""
+        if name in _DIV:
+            den = args[0] if name in ("reciprocal", "rsqrt", "rsqrt_", "__rtruediv__") else (
+                args[1] if len(args) > 1 else None)  # fmt: skip
+        elif name in ("pow", "__pow__") and len(args) > 1 and type(args[1]) in (int, float) and args[1] < 0:
+            den = args[0]
         else:
-            den = args[1] if len(args) > 1 else None
+            return None
         if isinstance(den, torch.Tensor):
-            return bool((den == 0).any())
-        return den == 0
+            return float(den.detach().min()) if bool((den == 0).any()) else None
+        return 0.0 if den == 0 else None
+
+
+#: mpdoctor's own tree: its frames (the op watch) are left out when the op's caller is looked for.
+_OWN_TREE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: torch's files that only pass an op on (a tensor's operators, ``__torch_function__`` handling): the op's caller is
+#: the frame beyond them. Any other torch file calling the op is torch's own code (``F.normalize``): a library line.
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DISPATCH = frozenset(_TORCH_DIR + name for name in ("_tensor.py", "overrides.py", os.path.join("utils", "_device.py")))
+
+
+def users_frame(frame: Any) -> tuple | None:
+    """``(filename, line, function, col, end_col)`` of the frame that called the op (mpdoctor's frames and torch's
+    dispatch left out), when that frame is the user's own code (a notebook cell, a file outside the installed
+    packages and the standard library); None when it is a library's (torch's own functions included) or none is
+    found. ``col`` / ``end_col``: the columns of the instruction running in it (the call), None where the interpreter
+    does not give them."""
+    while frame is not None and (frame.f_code.co_filename.startswith(_OWN_TREE)
+                                 or os.path.abspath(frame.f_code.co_filename) in _DISPATCH):  # fmt: skip
+        frame = frame.f_back
+    if frame is None or not _users_file(frame.f_code.co_filename):
+        return None
+    col = end_col = None
+    positions = list(frame.f_code.co_positions()) if hasattr(frame.f_code, "co_positions") else []
+    at = positions[frame.f_lasti // 2] if 0 <= frame.f_lasti // 2 < len(positions) else None
+    if at is not None and at[0] == frame.f_lineno:
+        col, end_col = at[2], at[3]
+    return (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, col, end_col)
+
+
+def _users_file(filename: str) -> bool:
+    from ..facts.location import is_cell
+
+    if is_cell(filename):
+        return True
+    if filename.startswith("<"):
+        return False
+    libraries = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
+    path = os.path.abspath(filename)
+    if path.startswith(_TORCH_DIR):
+        return False
+    return not any(path.startswith(os.path.abspath(lib) + os.sep) for lib in libraries) and os.path.exists(path)
 
 
 def locate(
@@ -279,10 +339,65 @@ def locate(
             pass
         except Exception:  # the replay is a bonus: the probe already reported what raised
             return watch.found
-        return watch.found
+        return with_corrected_code(watch.found)
     finally:
         for h in handles:
             h.remove()
+
+
+#: The causes a clamp of the op's argument cures, where the op runs on the user's own line.
+_DOMAIN_CAUSES = frozenset({"log-nonpositive", "sqrt-negative", "zero-division"})
+#: Longer sources than this are not shown whole (a long cell, a long function: the advice stands).
+CORRECTED_LINES = 80
+
+
+def with_corrected_code(found: NanOrigin | None) -> NanOrigin | None:
+    """``found`` with the code that holds its op's line corrected (:attr:`NanOrigin.corrected`) when the op ran on
+    the user's own line and its argument has a well-defined clamp; a notebook cell whole, a script's outermost
+    function or class around the line; else ``found`` as it is."""
+    if found is None or not found.site or found.cause not in _DOMAIN_CAUSES:
+        return found
+    import dataclasses
+    import linecache
+
+    from ..facts.location import is_cell
+    from .domain_rewrite import clamped_source
+
+    filename, line, _function, col, end_col = found.site
+    source = "".join(linecache.getlines(filename))
+    if not source:
+        return found
+    lines = source.splitlines()
+    span = (1, len(lines)) if is_cell(filename) else _enclosing_block(source, line)
+    if span is None:
+        return found
+    start, end = span
+    block = lines[start - 1 : end]
+    nonnegative = found.detail.get("den_min", 0.0) >= 0
+    try:
+        code = clamped_source("\n".join(block) + "\n", line - start + 1, col, end_col, found.op, found.dtype or "float32",
+                              nonnegative)  # fmt: skip
+    except Exception:  # the advice stands
+        return found
+    if code is None or len(code.splitlines()) > CORRECTED_LINES:
+        return found
+    return dataclasses.replace(found, corrected=code)
+
+
+def _enclosing_block(source: str, line: int) -> tuple[int, int] | None:
+    """The first and last lines of the outermost function or class of a script around ``line``, or None."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            if first <= line <= (node.end_lineno or node.lineno):
+                return first, node.end_lineno or node.lineno
+    return None
 
 
 def from_facts(batch_nonfinite: dict[str, int], weights_module: tuple[str, str] | None) -> NanOrigin | None:

@@ -231,3 +231,113 @@ def test_log_of_zero_in_a_hand_written_loss():
     assert "clamp" in f.fixes[0].code
     assert _trains(model, (x, y), loss_of=lambda m, b: m(*b, eps=torch.finfo(torch.float32).tiny), lr=1e-2)
     assert math.isfinite(float(model(x, y, eps=torch.finfo(torch.float32).tiny).detach()))
+
+
+FOCAL_LOSS_CELL = """
+import torch
+from torch import nn
+
+
+def focal_loss(logits, y, gamma=2.0):
+    p = torch.sigmoid(logits)
+    p_t = torch.where(y > 0, p, 1 - p)
+    return (-((1 - p_t) ** gamma) * torch.log(p_t)).mean()
+"""
+
+DETECTOR_CELL = """
+class Detector(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return focal_loss(self.fc(x).squeeze(-1), y)  # RetinaNet's forward returns its focal loss in training
+
+
+torch.manual_seed(0)
+model = Detector()
+with torch.no_grad():
+    model.fc.weight.fill_(30.0)  # a confident classifier: sigmoid saturates to exactly 1.0 in fp32
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+x = torch.tensor([[1.0, 1, 1, 1], [0.01, 0.01, 0.01, 0.01]])
+y = torch.tensor([0.0, 1.0])  # the first row's label is 0: its p_t = 1 - p == 0, and log(0) = -inf
+batch = (x, y)
+"""
+
+TRAIN_CELL = """
+loss = model(x, y)
+opt.zero_grad()
+loss.backward()
+opt.step()
+"""
+
+_NOTEBOOK_NAMES = ("torch", "nn", "focal_loss", "Detector", "model", "opt", "x", "y", "batch", "loss", "r")
+
+
+def test_retinanet_3_log_of_a_saturated_probability_in_a_notebook_gets_its_loss_cell_corrected():
+    """yhenon/pytorch-retinanet#3 in a notebook: the focal loss is a function of its own cell, called by the model's
+    forward; p == 1.0 exactly in fp32 makes ``torch.log(p_t)`` -inf, the loss inf, and the step writes NaN into the
+    weights. The probe names the log and the line of the user's cell; the fix is that cell with the log's argument
+    clamped at fp32's tiny, run on copies before it is shown, insertable, then run for real: the step trains.
+
+    https://github.com/yhenon/pytorch-retinanet/issues/3
+    """
+    from notebook_shell import loaded_shell
+
+    from mpdoctor.diagnosis.view import code_fixes
+    from mpdoctor.runtime.twins import try_on_twins
+
+    with loaded_shell(_NOTEBOOK_NAMES) as sh:
+        loss_cell = sh.execution_count
+        assert sh.run_cell(FOCAL_LOSS_CELL, store_history=True).success
+        assert sh.run_cell(DETECTOR_CELL, store_history=True).success
+        assert sh.run_cell(TRAIN_CELL, store_history=True).success
+        ns = sh.user_ns
+        assert not torch.isfinite(ns["loss"])  # the real harm: the loss is inf, ...
+        assert not bool(torch.isfinite(ns["model"].fc.weight).all())  # ... and the step wrote NaN into the weights
+        assert sh.run_cell(DETECTOR_CELL, store_history=True).success  # the user builds the model again
+        user_loss, weight = ns["focal_loss"], ns["model"].fc.weight.detach().clone()
+
+        assert sh.run_cell("r = %mpdoctor model --probe batch --text", store_history=True).success
+        report = ns["r"]
+        f = next(f for f in report.findings if f.check == "probe-nonfinite")
+        assert f.evidence["origin"] == "log-nonpositive" and f.evidence["op"] == "log"
+        assert f.evidence["line"] == f"cell [{loss_cell}], line 8"  # the log's line in the loss's own cell
+        assert f"cell [{loss_cell}], line 8 (focal_loss)" in f.message
+        (fix,) = [fx for fx in f.fixes if fx.recipe == "corrected-cell"]
+        assert fix.title.endswith("(corrected code)") and f"cell [{loss_cell}]" in fix.title
+        assert "torch.log(p_t.clamp_min(torch.finfo(p_t.dtype).tiny))" in fix.code
+        assert "def focal_loss(logits, y, gamma=2.0):" in fix.code and "p_t = torch.where(y > 0, p, 1 - p)" in fix.code
+        assert "class Detector" not in fix.code  # the cell that holds the line, not the one that calls it
+
+        (trial,) = [t for fx, t in report.trials if fx is fix]  # run on copies before it is shown
+        assert trial.ran, trial.sentence()
+        assert ns["focal_loss"] is user_loss and torch.equal(ns["model"].fc.weight, weight)  # nothing of the user's ran
+        assert try_on_twins(fix.code, ns).ran and ns["focal_loss"] is user_loss
+
+        number = next(i for i, fx in enumerate(code_fixes(report), 1) if fx is fix)
+        sh.rl_next_input = None
+        assert sh.run_cell(f"%mpdoctor insert {number}", store_history=True).success
+        assert sh.rl_next_input == fix.code
+
+        assert sh.run_cell(fix.code, store_history=True).success  # then for real: the corrected cell ...
+        assert ns["focal_loss"] is not user_loss
+        assert sh.run_cell(TRAIN_CELL, store_history=True).success  # ... and the same step, on the same model
+        assert math.isfinite(float(ns["loss"].detach()))
+        after = ns["model"].fc.weight.detach()
+        assert bool(torch.isfinite(after).all()) and not torch.equal(after, weight)
+
+
+def test_a_focal_loss_already_clamped_in_a_notebook_draws_no_error_or_warning():
+    """The healthy twin of retinanet#3: the same notebook with the log's argument clamped; the probe finds nothing."""
+    from notebook_shell import loaded_shell
+
+    healthy = FOCAL_LOSS_CELL.replace("torch.log(p_t)", "torch.log(p_t.clamp_min(torch.finfo(p_t.dtype).tiny))")
+    with loaded_shell(_NOTEBOOK_NAMES) as sh:
+        for cell in (healthy, DETECTOR_CELL):
+            assert sh.run_cell(cell, store_history=True).success
+        assert sh.run_cell("r = %mpdoctor model --probe batch --text", store_history=True).success
+        report = sh.user_ns["r"]
+        assert [f.check for f in report.findings if f.severity in ("error", "warning")] == []
+        assert sh.run_cell(TRAIN_CELL, store_history=True).success
+        assert math.isfinite(float(sh.user_ns["loss"].detach()))
