@@ -21,7 +21,15 @@ import diffusers
 import pytest
 import torch
 import transformers
-from cure import Case, assert_broken, assert_output_finite, cure_through_api, cure_through_widget, outcome, planned
+from cure import (
+    Case,
+    assert_broken,
+    assert_output_finite,
+    cure_through_api,
+    cure_through_widget,
+    outcome,
+    planned,
+)
 from setups_dtypes import alarms
 
 import mpdoctor
