@@ -288,8 +288,12 @@ def test_gpt_neox_sampled_in_fp16_raises_the_multinomial_error_and_the_crash_hoo
         and "inputs were finite" in culprit.message
     )
     assert probe_report.findings_for("probe-generation-nonfinite")
-    # A V100 has no bf16: the finding also carries the overflowing layer kept in fp32.
-    assert "Keep model.gpt_neox.layers.1.mlp.dense_4h_to_h (Linear) in fp32" in culprit.fixes[1].title
+    # A V100 has no bf16: the finding also carries the overflow's fp32 span, measured (the layer alone would cast its
+    # output back to fp16 and overflow again): the block whose residual carries it and the final norm, cast back.
+    span = culprit.fixes[1]
+    assert span.title.startswith("Keep the path of the overflow in model.gpt_neox.layers.1.mlp.dense_4h_to_h (Linear)")
+    assert [(c.path, c.cast_to) for c in span.changes] == [("gpt_neox.layers.1", ""),
+                                                           ("gpt_neox.final_layer_norm", "float16")]  # fmt: skip
 
 
 def test_gpt_neox_fp16_sampling_is_cured_through_the_api():
