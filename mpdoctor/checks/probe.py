@@ -131,8 +131,12 @@ def _bf16_fixes(facts: Facts, p, where: str) -> list[Fix]:
 
 
 def _fp32_module_fix(facts: Facts, p, path: str, class_name: str) -> Fix:
-    """Keep one module in fp32 with autocast off inside it, as ``_keep_in_fp32_modules`` does for whole classes."""
+    """Keep one module in fp32 with autocast off inside it, as ``_keep_in_fp32_modules`` does for whole classes; where
+    the probe measured the overflow's fp32 span (an fp16 model without autocast), every module of that span."""
     dev = _device(facts, p)
+    span = tuple(getattr(p, "fp32_span", ()) or ())
+    if span and span != ((path, ""),):
+        return _fp32_span_fix(facts, p, path, class_name, span, dev)
     return Fix(
         f"Keep {_where(p, path)} ({class_name}) in fp32 with autocast off inside it",
         "import torch\n"
@@ -151,7 +155,38 @@ def _fp32_module_fix(facts: Facts, p, path: str, class_name: str) -> Fix:
     )
 
 
-def _keep_fp32_changes(facts: Facts, p, path: str, device: str) -> tuple:
+def _fp32_span_fix(facts: Facts, p, path: str, class_name: str, span: tuple, dev: str) -> Fix:
+    """Keep the modules an fp16 overflow passes through in fp32 (the probe measured them in fp32 and re-ran the
+    forward finite with them kept): the overflowing module's block, the blocks whose residual stream carries the
+    value past 65504, and the module where it is back in range, whose output is cast back to the compute dtype."""
+    names = [_where(p, q) if q else p.model for q, _ in span]
+    shown = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]
+    lines = ["import torch", "", "def keep_fp32(module, cast_to=None):", "    module.float()",
+             "    forward = module.forward", "",
+             "    def forward_fp32(*args, **kwargs):",
+             f"        with torch.autocast({dev!r}, enabled=False):  # fp32 inside: 65504 is no limit here",
+             "            args = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]",
+             "            kwargs = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v "
+             "for k, v in kwargs.items()}",
+             "            out = forward(*args, **kwargs)",
+             "        return out.to(cast_to) if cast_to is not None and torch.is_tensor(out) else out", "",
+             "    module.forward = forward_fp32", ""]  # fmt: skip
+    for q, cast_to in span:
+        target = f"{p.model}.get_submodule({q!r})" if q else p.model
+        lines.append(f"keep_fp32({target}" + (f", torch.{cast_to})  # back in range: cast back" if cast_to else ")"))
+    changes = tuple(c for q, cast_to in span for c in _keep_fp32_changes(facts, p, q, dev, cast_to, span_checked=True))
+    return Fix(
+        f"Keep the path of the overflow in {_where(p, path)} ({class_name}) in fp32: {shown} (measured: the value "
+        "passes 65504 there in fp32, and the forward is finite with them kept)",
+        "\n".join(lines),
+        changes=changes if len(changes) == len(span) else (),
+        applicability=Applicability.UNSAFE,
+        recipe="fp32-span",
+        cost=f"{len(span)} module{'s' if len(span) != 1 else ''}' weights and activations at fp32 size and speed",
+    )
+
+
+def _keep_fp32_changes(facts: Facts, p, path: str, device: str, cast_to: str = "", span_checked: bool = False) -> tuple:
     """The in-place change of :func:`_fp32_module_fix`, when the probed model is among the facts (by its ref)."""
     ref = getattr(p, "model_ref", 0)
     model = next((m for m in facts.models if m.ref == ref), None) if ref else None
@@ -160,7 +195,8 @@ def _keep_fp32_changes(facts: Facts, p, path: str, device: str) -> tuple:
     ids = frozenset(x.id for x in model.tensors.params
                     if not path or x.module == path or x.module.startswith(path + "."))  # fmt: skip
     label = f"{p.model}.{path}" if path else p.model
-    return (KeepModuleFp32(ref, path, ids, device, facts.optimizer_refs(ids), label),)
+    return (KeepModuleFp32(ref, path, ids, device, facts.optimizer_refs(ids), label, cast_to=cast_to,
+                           span_checked=span_checked),)  # fmt: skip
 
 
 def _floor_fix(facts: Facts, p) -> Fix:

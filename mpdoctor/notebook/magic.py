@@ -276,8 +276,9 @@ class MPDoctorMagics(Magics):
             return None
         others = [s.obj for s in report.subjects if s.kind in ("trainer", "accelerator")]
         if generate is not None:  # decoding steps of generate(): no setup's autocast or scaler applies
-            return probe(models[0].obj, value, name=models[0].name, generate=True, max_new_tokens=max(1, generate))
-        return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name)
+            return probe(models[0].obj, value, name=models[0].name, generate=True, max_new_tokens=max(1, generate),
+                         target=target)  # fmt: skip
+        return probe(models[0].obj, value, setup=others[0] if others else None, name=models[0].name, target=target)
 
     def _compare(self, args):
         """``%mpdoctor model --compare batch``: run mpdoctor.compare, show its heatmap, return the Comparison."""

@@ -573,7 +573,7 @@ def run_generation_probe(
         snapshot.restore()
     records, _ = _finish(recorder, modules, snapshot.params, [None] * len(snapshot.params))
     generation = watch.facts(max_new_tokens, new_tokens)
-    return ProbeFacts(
+    facts = ProbeFacts(
         model=name,
         modules=records,
         autocast=ac_dtype,
@@ -590,6 +590,30 @@ def run_generation_probe(
         model_ref=id(model),
         generation=generation,
     )
+    return _with_fp32_span(facts, model, lambda: generate(*args, **{**kwargs, "max_new_tokens": 1, "do_sample": False}), ctx)
+
+
+def _with_fp32_span(facts: ProbeFacts, model: torch.nn.Module, call: Callable[[], Any], ctx: Any) -> ProbeFacts:
+    """``facts`` with the fp32 span of an fp16 overflow in a model run in fp16 without autocast (a T4's, a V100's
+    only choice besides fp32): the modules the overflow passes through, measured and re-run finite
+    (:mod:`mpdoctor.numerics.fp32_span`); the model's modes are put back after."""
+    from .fp32_span import overflow_span
+
+    hit = facts.first_nonfinite()
+    if hit is None or hit[1] != "forward" or facts.autocast is not None or not facts.fp16_weights:
+        return facts
+    first = hit[0]
+    if first.in_nonfinite or first.param_nonfinite:  # not an overflow from finite inputs and weights
+        return facts
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with ctx:
+            span = overflow_span(model, call, first.path)
+    finally:
+        for m, was in modes:
+            m.training = was
+    return dataclasses.replace(facts, fp32_span=span) if span else facts
 
 
 def _trained(ran_backward: bool, grads_ok: bool, loss: float | None) -> bool:
@@ -737,6 +761,7 @@ def probe(
     checks: bool = True,
     generate: bool = False,
     max_new_tokens: int = 8,
+    target: str | None = None,
 ) -> Any:
     """Run one forward and one backward on ``batch`` and report where the numbers go wrong.
 
@@ -775,6 +800,10 @@ def probe(
         (its logits finite: "checked", a stand-in for the user's own call, never "verified").
     max_new_tokens : int
         Decoding steps of a ``generate=True`` probe.
+    target : str, optional
+        A device profile (``"T4"``, ``"V100"``, ...) the fixes are planned for, as in :func:`mpdoctor.diagnose`
+        (what-if): on a profile without bf16 an fp16 overflow is cured by the modules it passes through kept in
+        fp32, not by bf16.
 
     Returns
     -------
@@ -789,6 +818,7 @@ def probe(
     from ..diagnosis.treatment import bind_fixes
     from ..discovery.subjects import discover
     from ..facts import Facts
+    from ..facts.hardware import profile_for
     from ..gathering import gather
     from ..live import Live
 
@@ -802,7 +832,7 @@ def probe(
     objects = [model] + ([setup] if setup is not None else []) + [t for _, t in masks]
     subjects = discover(objects, names={id(model): name, **{id(t): key for key, t in masks}})
     live = Live()
-    facts = gather(subjects, live=live)
+    facts = gather(subjects, profile_for(target) if target is not None else None, live=live)
     live.add(model)
     if isinstance(batch, Mapping):  # the user's dict / BatchFeature: a fix may cast its entries in place
         facts_probe = dataclasses.replace(facts_probe, batch_ref=live.add(batch))
@@ -814,7 +844,7 @@ def probe(
 
     def again() -> Any:
         return probe(model, batch, setup, name, autocast=autocast, scaler=scaler, loss_fn=loss_fn, training=training,
-                     checks=checks, generate=generate, max_new_tokens=max_new_tokens)  # fmt: skip
+                     checks=checks, generate=generate, max_new_tokens=max_new_tokens, target=target)  # fmt: skip
 
     plan, safe_plan = _plans(facts, findings, ignore)
     report = Report(
@@ -828,6 +858,7 @@ def probe(
         live=live,
         plan=plan,
         safe_plan=safe_plan,
+        target=target,
     )
     bind_fixes(report, live, report.treatment)
     # Its fixes are checked on the batch it holds: the probe's forward and backward, or the generate() it ran.

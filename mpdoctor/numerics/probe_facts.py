@@ -217,6 +217,10 @@ class ProbeFacts:
     grads_trained: bool = False
     #: GenerationFacts of a ``generate=True`` probe (the decoding steps it ran), None for a training probe.
     generation: Any = None
+    #: The fp32 span of an fp16 overflow (``(path, cast_to)`` per module to keep in fp32, the last one's output cast
+    #: back to the compute dtype), measured and re-run finite by :func:`mpdoctor.numerics.fp32_span.overflow_span`;
+    #: empty when not measured (a training probe, autocast, bf16) or when no span cured it.
+    fp32_span: tuple[tuple[str, str], ...] = ()
 
     @property
     def fp16_in_use(self) -> bool:

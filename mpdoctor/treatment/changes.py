@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -245,12 +245,16 @@ def _overflow_after_cast(p: Any, model: Any) -> Any:
         if (m.out_nonfinite or m.in_nonfinite) and not m.param_nonfinite else m
         for m in p.modules
     )
-    generation = getattr(p, "generation", None)
-    if generation is not None:
-        steps = len(generation.logits_nonfinite)
-        generation = dataclasses.replace(generation, logits_nonfinite=(0,) * steps,
-                                         probs_nonfinite=(0,) * len(generation.probs_nonfinite))  # fmt: skip
-    return dataclasses.replace(p, modules=modules, generation=generation)
+    return dataclasses.replace(p, modules=modules, generation=_generation_finite(getattr(p, "generation", None)))
+
+
+def _generation_finite(generation: Any) -> Any:
+    """A generation probe's decoding steps with their logits and probabilities predicted finite (the overflow that
+    made them NaN predicted gone); None stays None."""
+    if generation is None:
+        return None
+    return dataclasses.replace(generation, logits_nonfinite=(0,) * len(generation.logits_nonfinite),
+                               probs_nonfinite=(0,) * len(generation.probs_nonfinite))  # fmt: skip
 
 
 def _probes_after_cast(facts: Facts, ids: frozenset[int]) -> Facts:
@@ -1295,6 +1299,13 @@ class KeepModuleFp32(ChangeSpec):
     #: Its floating outputs cast back to the dtype of its floating inputs (an fp32 island in a bf16 / fp16 model
     #: run without autocast: the layers after it get the dtype they compute in).
     cast_back: bool = False
+    #: Its floating outputs cast to this dtype (``"float16"``), whatever its inputs were: the last module of an fp32
+    #: span (:func:`mpdoctor.numerics.fp32_span.overflow_span`), whose fp32 inputs come from the span and whose
+    #: output is back in range.
+    cast_to: str = ""
+    #: The forward was run again with this module's span kept in fp32 and came out finite (the generation probe's
+    #: re-probe): the planner may predict the overflow gone though no autocast takes the fp32 output downstream.
+    span_checked: bool = False
 
     def bind(self, live: Live) -> list[Change]:
         from ..edits.steps import MethodInputCast
@@ -1305,16 +1316,18 @@ class KeepModuleFp32(ChangeSpec):
         device = self.device
         steps: list[Change] = [CastParams(_params_of(module, self.param_ids), torch.float32, holders, self.label)]
         if not MethodInputCast.registered(module, "forward", KEEP_FP32_MARKER):
+            restore = outputs_in(getattr(torch, self.cast_to)) if self.cast_to else (
+                outputs_in_inputs_dtype if self.cast_back else None)  # fmt: skip
+            back = f", outputs cast to {self.cast_to}" if self.cast_to else ", outputs cast back" if self.cast_back else ""
             steps.append(MethodInputCast(module, "forward", cast_arguments(torch.float32), KEEP_FP32_MARKER,
-                                         f"{self.label}: fp32 inputs, autocast off inside"
-                                         + (", outputs cast back" if self.cast_back else ""),
+                                         f"{self.label}: fp32 inputs, autocast off inside{back}",
                                          context=lambda: torch.autocast(device, enabled=False),
-                                         restore=outputs_in_inputs_dtype if self.cast_back else None))  # fmt: skip
+                                         restore=restore))  # fmt: skip
         return steps
 
     def simulate(self, facts: Facts) -> Facts:
         facts = _replace_params(facts, self.param_ids, "float32", "float32", grads_only=False)
-        return _probes_in_fp32(facts, self.ref, self.path)
+        return _probes_in_fp32(facts, self.ref, self.path, self.span_checked)
 
     def verify(self, live: Live) -> str | None:
         from ..edits.steps import MethodInputCast
@@ -1381,7 +1394,7 @@ FP32_OPS_MARKER = "mpdoctor-fp32-ops"
 _HALF = frozenset({"float16", "bfloat16"})
 
 
-def _probes_in_fp32(facts: Facts, ref: int, path: str) -> Facts:
+def _probes_in_fp32(facts: Facts, ref: int, path: str, span_checked: bool = False) -> Facts:
     """The probes of the model ``ref`` after its submodule ``path`` is kept in fp32: a forward NaN/Inf first made
     inside it, in half precision, from finite inputs and finite weights (fp16's 65504, an eps that is 0 in fp16)
     predicted gone with what it carried downstream and back through the backward (a prediction the planner plans on; the proof checks it)."""
@@ -1392,7 +1405,8 @@ def _probes_in_fp32(facts: Facts, ref: int, path: str) -> Facts:
         # Without autocast, a submodule's fp32 output meets the half-precision layers after it (a dtype error, or
         # the same overflow once cast back): only autocast, which casts per op, or the whole model (its output is
         # the user's) takes the island's fp32 result.
-        downstream_ok = p.autocast in _HALF or not path
+        # A span the probe re-ran finite carries the fp32 stream itself to where it is back in range.
+        downstream_ok = p.autocast in _HALF or not path or span_checked
         if (first is None or (path and first.path != path and not first.path.startswith(path + "."))
                 or first.in_nonfinite or first.param_nonfinite or not downstream_ok
                 or not (p.autocast in _HALF or _HALF & {*first.input_dtypes, *first.param_dtypes})):  # fmt: skip
@@ -1400,8 +1414,17 @@ def _probes_in_fp32(facts: Facts, ref: int, path: str) -> Facts:
             continue
         modules = tuple(dataclasses.replace(m, out_nonfinite=0, in_nonfinite=0, grad_nonfinite=0, param_grad_nonfinite=0)
                         if not m.param_nonfinite else m for m in p.modules)  # the backward's NaN came from it too  # fmt: skip
-        out.append(dataclasses.replace(p, modules=modules))
+        out.append(dataclasses.replace(p, modules=modules, generation=_generation_finite(getattr(p, "generation", None))))
     return dataclasses.replace(facts, probes=tuple(out)) if out != list(facts.probes) else facts
+
+
+def outputs_in(dtype: torch.dtype) -> Callable[[Any, tuple, dict], Any]:
+    """``(out, args, kwargs) -> out`` with its floating tensors in ``dtype`` (the exit of an fp32 span)."""
+
+    def restore(out: Any, args: tuple, kwargs: dict) -> Any:
+        return cast_floating(out, dtype)
+
+    return restore
 
 
 def outputs_in_inputs_dtype(out: Any, args: tuple, kwargs: dict) -> Any:

@@ -21,7 +21,15 @@ import diffusers
 import pytest
 import torch
 import transformers
-from cure import Case, assert_broken, assert_output_finite, cure_through_api, cure_through_widget, outcome
+from cure import (
+    Case,
+    assert_broken,
+    assert_output_finite,
+    cure_through_api,
+    cure_through_widget,
+    outcome,
+    planned,
+)
 from setups_dtypes import alarms
 
 import mpdoctor
@@ -280,8 +288,12 @@ def test_gpt_neox_sampled_in_fp16_raises_the_multinomial_error_and_the_crash_hoo
         and "inputs were finite" in culprit.message
     )
     assert probe_report.findings_for("probe-generation-nonfinite")
-    # A V100 has no bf16: the finding also carries the overflowing layer kept in fp32.
-    assert "Keep model.gpt_neox.layers.1.mlp.dense_4h_to_h (Linear) in fp32" in culprit.fixes[1].title
+    # A V100 has no bf16: the finding also carries the overflow's fp32 span, measured (the layer alone would cast its
+    # output back to fp16 and overflow again): the block whose residual carries it and the final norm, cast back.
+    span = culprit.fixes[1]
+    assert span.title.startswith("Keep the path of the overflow in model.gpt_neox.layers.1.mlp.dense_4h_to_h (Linear)")
+    assert [(c.path, c.cast_to) for c in span.changes] == [("gpt_neox.layers.1", ""),
+                                                           ("gpt_neox.final_layer_norm", "float16")]  # fmt: skip
 
 
 def test_gpt_neox_fp16_sampling_is_cured_through_the_api():
@@ -302,6 +314,116 @@ def test_healthy_gpt_neox_sampled_in_bf16_or_fp32_draws_nothing(dtype):
     assert alarms(mpdoctor.diagnose(namespace=ns)) == []
     assert alarms(probed(ns)) == []
     assert outcome(NEOX, ns) == "runs"
+
+
+# -- A bf16-trained model generated in fp16 on a T4 / V100 (no bf16): the residual stream carries the overflow -------
+
+
+def tiny_llama_massive_mlp(dtype: torch.dtype, layer: int = 1, scaled: bool = True) -> Any:
+    """A tiny 3-layer Llama whose MLP in block ``layer`` has its weights scaled (gate and up x50, the output
+    projection ``down_proj`` x10000; the largest weight about 760, inside fp16's range): that MLP's output, about
+    96000, passes 65504, and so does the residual stream after it, through every later block up to the final norm,
+    as a bf16-trained checkpoint's massive activation does (the thread's ``wo`` output of 66246)."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=None)  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    if scaled:
+        mlp = model.model.layers[layer].mlp
+        with torch.no_grad():
+            mlp.gate_proj.weight.mul_(50)
+            mlp.up_proj.weight.mul_(50)
+            mlp.down_proj.weight.mul_(10000)
+    return model.to(dtype).eval()
+
+
+def probed_on_t4(ns: Namespace) -> Any:
+    """The generation probe, planned for a T4 (``target="T4"``: no bf16, so fp16 or fp32 only)."""
+    return mpdoctor.probe(ns["model"], PROMPT, name="model", generate=True, max_new_tokens=4, target="T4")
+
+
+T4_SPAN = Case(
+    name="fp16-overflow-no-bf16-fp32-span",
+    source="huggingface/transformers#5651",
+    slug="probe-nonfinite",
+    build=lambda: {"model": tiny_llama_massive_mlp(torch.float16)},
+    step=greedy,
+    failure=r"output is not finite",
+    diagnose=probed_on_t4,
+    recipe="fp32-span",
+    kind="inference",
+)
+
+
+def fp32_tokens(layer: int = 1) -> list[int]:
+    """The greedy tokens of the same weights in fp32: what the cured fp16 model must generate."""
+    return greedy({"model": tiny_llama_massive_mlp(torch.float32, layer)}).sequences[0, 4:].tolist()
+
+
+def test_fp16_generate_of_a_massive_activation_gives_nan_logits_and_sampling_raises():
+    ns = T4_SPAN.build()
+    out = greedy(ns)
+    assert all(torch.isnan(step).all() for step in out.logits)  # every step's logits NaN from the prefill on
+    assert out.sequences[0, 4:].tolist() == [0, 0, 0, 0] != fp32_tokens()  # garbage: token 0, four times
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        sample(ns)
+    assert_broken(T4_SPAN)
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_on_a_t4_the_plan_keeps_the_overflows_path_in_fp32_not_the_overflowing_layer_alone(layer):
+    """No bf16 on a T4: the plan keeps in fp32 the block whose MLP overflows, every later block (the residual stream
+    carries the value past 65504) and the final norm, whose output is cast back to fp16; measured by the probe in
+    fp32 and re-run finite. Keeping ``down_proj`` alone would cast its 96000 back to fp16: inf again."""
+    report = probed_on_t4({"model": tiny_llama_massive_mlp(torch.float16, layer)})
+    (culprit,) = report.findings_for("probe-nonfinite")
+    assert culprit.subject == f"model.model.layers.{layer}.mlp.down_proj"
+    assert not [f for f in culprit.fixes if "bf16" in f.title]  # a T4 has none
+    (fix,) = [f for f in report.fixes if f.recipe == "fp32-span"]
+    kept = [(c.path, c.cast_to) for c in fix.changes]
+    assert kept == [*((f"model.layers.{i}", "") for i in range(layer, 3)), ("model.norm", "float16")]
+    assert report.proof.label(fix).startswith("checked on the probe's generate()"), report.proof.label(fix)
+    assert "its output is finite" in report.proof.label(fix)
+
+
+def test_fp16_overflow_on_a_t4_is_cured_through_the_api_and_generates_the_fp32_tokens():
+    cure_through_api(T4_SPAN)
+    ns = T4_SPAN.build()
+    for fix in planned(T4_SPAN, probed_on_t4(ns)):
+        fix.apply()
+    assert greedy(ns).sequences[0, 4:].tolist() == fp32_tokens()  # the user's own call, tokens as in fp32
+    assert_output_finite(sample(ns))  # sampling no longer raises
+    assert {p.dtype for p in ns["model"].model.layers[0].parameters()} == {torch.float16}  # layer 0 stays fp16
+
+
+def test_fp16_overflow_on_a_t4_is_cured_through_the_widget():
+    cure_through_widget(T4_SPAN)
+
+
+def test_the_fp32_span_undone_brings_the_nan_back():
+    assert_undo_restores(T4_SPAN)
+
+
+def test_the_fp32_span_fix_code_run_on_a_twin_generates_the_same_tokens():
+    ns, twin = T4_SPAN.build(), T4_SPAN.build()
+    (fix,) = planned(T4_SPAN, probed_on_t4(ns))
+    exec(fix.code, {"model": twin["model"], "torch": torch})
+    fix.apply()
+    assert greedy(twin).sequences.tolist() == greedy(ns).sequences.tolist()
+    assert greedy(twin).sequences[0, 4:].tolist() == fp32_tokens()
+
+
+def test_healthy_fp16_on_a_t4_and_the_same_weights_in_bf16_here_draw_nothing():
+    """The same model without the scaled MLP in fp16 on a T4 generates finite, with no alarm and no span measured;
+    the scaled model in bf16 (this CPU has bf16) does too."""
+    unscaled = {"model": tiny_llama_massive_mlp(torch.float16, scaled=False)}
+    report = probed_on_t4(unscaled)
+    assert alarms(report) == [] and report.facts.probes[0].fp32_span == ()
+    assert outcome(T4_SPAN, unscaled) == "runs"
+    bf16 = {"model": tiny_llama_massive_mlp(torch.bfloat16)}
+    assert alarms(probed(bf16)) == [] and alarms(mpdoctor.diagnose(namespace=bf16)) == []
+    assert outcome(T4_SPAN, bf16) == "runs"
 
 
 # -- The SDXL VAE called directly in fp16: NaN latents from vae.encode ---------------------------------------------
