@@ -164,3 +164,37 @@ def test_a_fix_verified_only_with_another_names_it_and_applying_it_applies_both_
     assert first[1].weight.dtype == torch.bfloat16 and second[1].weight.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="must have the same dtype"):
         train_step()
+
+
+def test_when_the_proof_drops_a_findings_planned_fix_its_next_in_place_fix_is_proven_in_its_place():
+    """adam-eps-underflow plans fp32 master weights and offers a larger eps as well. When the planned fix cannot be
+    applied on the step (fault injection on mpdoctor's own fix), the finding would be left with no planned fix: the
+    proof tries its next in-place fix on the same step, adopts it because the step then trains, and puts it first."""
+    from scenarios import fp16_weights_adamw_eps
+
+    ns = fp16_weights_adamw_eps()
+    model, opt = ns["model"], ns["opt"]
+    batch = torch.randint(0, 64, (2, 8))
+
+    def train_step():
+        opt.zero_grad()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    report = mpdoctor.diagnose(model, opt, names={id(model): "model", id(opt): "opt"})
+    (finding,) = report.findings_for("adam-eps-underflow")
+    planned, alternative = finding.fixes[0], finding.fixes[1]
+    assert planned in report.fixes and alternative not in report.fixes and alternative.changes
+
+    def refuse():
+        raise RuntimeError("this tensor cannot be cast now")
+
+    planned._plan = refuse  # fault injection on mpdoctor's own fix (the attribute exists for such tests)
+    proven = assemble(report, step=train_step)
+    (now,) = proven.findings_for("adam-eps-underflow")
+    assert now.fixes[0] is alternative and alternative in proven.fixes and planned not in proven.fixes
+    assert proven.proof.checked and proven.proof.label(alternative).startswith("verified on your step")
+    assert proven.proof.label(planned) == "tried on your step: it could not be applied"
+    assert not alternative.applied and opt.param_groups[0]["eps"] == ns["opt"].defaults["eps"]  # trials undone

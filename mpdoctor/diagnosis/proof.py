@@ -18,6 +18,7 @@ report says why its fixes are not verified.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import sys
@@ -859,7 +860,55 @@ def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None
     except Exception as exc:  # the plan stands unproven; the report says why
         return report.evolve(proof=Proof(held.label, None, (), (), refused=f"the check failed ({describe_exception(exc)})"))
     plan, safe_plan = proof.plans(plan, safe_plan)
-    return report.evolve(proof=proof, plan=plan, safe_plan=safe_plan)
+    report = report.evolve(proof=proof, plan=plan, safe_plan=safe_plan)
+    return _with_alternatives(report, held, proof, (modules, optimizers, scalers), before)
+
+
+def _alternatives(report: Any, proof: Proof) -> list[tuple[Any, Any]]:
+    """``(finding, fix)``: for each error or warning left with no planned fix because the proof dropped its planned
+    one, the next fix it offers that changes the live objects (not tried yet)."""
+    from ..treatment.fixes import Applicability
+
+    if proof.checked or not proof.dropped or proof.before is None:
+        return []
+    dropped, planned = set(proof.dropped), {id(fx) for fx in report.fixes}
+    out = []
+    for finding in report.findings:
+        if finding.severity not in ("error", "warning") or any(id(fx) in planned for fx in finding.fixes):
+            continue
+        if not any(fx.title in dropped for fx in finding.fixes):
+            continue
+        alternative = next((fx for fx in finding.fixes if fx.title not in dropped and fx.changes and not fx.applied
+                            and fx.applicability is not Applicability.DISPLAY_ONLY), None)  # fmt: skip
+        if alternative is not None:
+            out.append((finding, alternative))
+    return out
+
+
+def _with_alternatives(report: Any, held: HeldStep, proof: Proof, objects: tuple, before: StepOutcome | None) -> Any:
+    """When the step did not come out cured because the proof dropped a finding's planned fix, that finding's next
+    in-place fix is tried in its place, once: the plan with it is proven again on the same step, and adopted when
+    it cures the step (the alternative then leads its finding's fixes, the dropped one after it). Otherwise the
+    first proof stands."""
+    alternatives = _alternatives(report, proof)
+    if not alternatives:
+        return report
+    plan = [*report.fixes, *(fx for _, fx in alternatives)]
+    try:
+        second = prove_held(plan, held, *objects, before, report.safe_fixes)
+    except Exception:  # the first proof stands
+        return report
+    if not second.checked:
+        return report
+    # What the first proof found of the fixes it dropped stays said (they were not run again).
+    second = dataclasses.replace(
+        second, dropped=tuple(dict.fromkeys((*proof.dropped, *second.dropped))),
+        labels=(*((fx, text) for fx, text in proof.labels if fx.title in proof.dropped), *second.labels))
+    leads = {id(finding): fx for finding, fx in alternatives if second.label(fx)}
+    findings = [dataclasses.replace(f, fixes=[leads[id(f)], *(fx for fx in f.fixes if fx is not leads[id(f)])])
+                if id(f) in leads else f for f in report.findings]  # fmt: skip
+    plan, safe_plan = second.plans(plan, report.safe_fixes)
+    return report.evolve(findings=findings, proof=second, plan=plan, safe_plan=safe_plan)
 
 
 def _inner(subject: Any) -> Any:
