@@ -510,7 +510,7 @@ class ProtocolObserver:
                 real = f" (a real gradient norm of {norm / scale:.3g})" if norm is not None and math.isfinite(norm) else ""
                 shown = f"{norm:.4g}" if norm is not None else "?"
                 limit = f"{clip.max_norm / scale:.3g}" if clip.max_norm is not None else "max_norm / scale"
-                lightning = track.name.endswith("precision_plugin.scaler")  # a Lightning Trainer's plugin steps it
+                lightning = track.name.endswith("precision_plugin.scaler") or _trainer_steps()  # Lightning's plugin
                 advice = (LIGHTNING_CLIP_ADVICE if lightning else
                           f"Call {track.name}.unscale_({self._name(optimizer, 'optimizer')}) before clipping.")  # fmt: skip
                 self._report("amp-clip-before-unscale", track.name, clip.where,
@@ -706,6 +706,23 @@ _SCHEDULER = frozenset({"amp-scheduler-on-skipped-steps"})
 _SUBJECT_NOT_SCALER = frozenset({"amp-step-bypasses-scaler"}) | _SCHEDULER
 
 
+#: The packages of a Lightning ``Trainer`` (not Fabric, whose ``clip_gradients`` unscales first).
+_TRAINER_PACKAGES = ("lightning.pytorch.", "pytorch_lightning.")
+
+
+def _trainer_steps() -> bool:
+    """A Lightning ``Trainer``'s code is on the stack of this step (its precision plugin calls ``scaler.step``), however
+    the user names the scaler: read only when a clip before unscale is found."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        g = frame.f_globals
+        name = dict.get(g, "__name__") if type(g) is dict else None
+        if type(name) is str and name.startswith(_TRAINER_PACKAGES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 #: Under a Lightning Trainer's 16-mixed plugin, where the clip belongs (the plugin unscales right before the hook).
 LIGHTNING_CLIP_ADVICE = (
     "Clip in on_before_optimizer_step, where Lightning's precision plugin has unscaled them (not after a "
@@ -735,11 +752,36 @@ def protocol_finding(slug: str, subject: str, where: Location | None, message: s
     # The corrected lines in the user's names: the scaler is the subject unless the finding is about another object.
     scaler = evidence.get("scaler") or (subject if slug not in _SUBJECT_NOT_SCALER else "")
     code = corrected_template(slug, scaler, evidence.get("optimizer") or "", subject if slug in _SCHEDULER else "")
-    if evidence.get("lightning"):
-        code = LIGHTNING_CLIP_CODE.format(max_norm=evidence.get("max_norm"))
     fix = Fix(f"Corrected lines ({slug})", code, applicability=Applicability.DISPLAY_ONLY,
               slug=slug, recipe=slug)  # fmt: skip
+    if evidence.get("lightning"):
+        fix = _lightning_clip_fix(slug, where, evidence.get("max_norm"))
     return Finding(slug, rule.severity, subject, f"{at}{message}", evidence, [fix])
+
+
+def _lightning_clip_fix(slug: str, where: Location | None, max_norm: Any) -> Any:
+    """The user's LightningModule class with its clip moved into ``on_before_optimizer_step`` (its cell whole, or the
+    script's class), a corrected cell run on twins before it is shown; else the hook as advice."""
+    from ..treatment.fixes import Applicability, Fix
+    from .op_rewrite import CORRECTED_CELL
+
+    corrected = None
+    if where is not None:
+        from .hook_rewrite import corrected_class
+
+        try:
+            corrected = corrected_class(where.file, where.line)
+        except Exception:  # the advice stands
+            corrected = None
+    if corrected is None:
+        return Fix(f"Corrected lines ({slug})", LIGHTNING_CLIP_CODE.format(max_norm=max_norm),
+                   applicability=Applicability.DISPLAY_ONLY, slug=slug, recipe=slug)  # fmt: skip
+    code, cell = corrected
+    place = where.place if cell else f"the class in {where.place}"
+    head = (f"# {place} again, its clip moved to on_before_optimizer_step (after Lightning's precision plugin "
+            "unscales);\n# then make a new instance of the class and fit it")  # fmt: skip
+    return Fix(f"Run {place} again with the clip in on_before_optimizer_step (corrected code)", f"{head}\n{code}",
+               applicability=Applicability.DISPLAY_ONLY, slug=slug, recipe=CORRECTED_CELL)  # fmt: skip
 
 
 def print_finding(finding: Finding) -> None:

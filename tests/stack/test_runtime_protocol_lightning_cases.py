@@ -69,7 +69,9 @@ def test_lightning_manual_optimization_doc_example_clips_scaled_gradients():
     f = only(cb, "amp-clip-before-unscale")
     assert f.evidence["code"].startswith("self.clip_gradients(opt, gradient_clip_val=0.5")
     assert f.subject == "trainer.precision_plugin.scaler" and "max_norm / scale = 0.000488" in f.message
-    # Advice only, and why: the fix is a line's place in the user's method. Both in-place candidates fail for real:
+    # Advice here, and why: the class is nested in a function (no cell, no top-level class of a script to correct;
+    # a notebook's class cell is corrected: tests/stack/test_lightning_clip_corrected_cell.py). Both in-place
+    # candidates fail for real:
     (fix,) = f.fixes
     assert fix.applicability.value == "display-only" and "def on_before_optimizer_step" in fix.code
     assert "Clip in on_before_optimizer_step" in f.message and "unscale_(optimizer) before clipping" not in f.message
