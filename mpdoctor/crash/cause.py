@@ -680,7 +680,7 @@ def _with_corrected_cell(detail: FamilyDetail, slug: str, frames: list, namespac
     from ..runtime.op_rewrite import corrected_cell
 
     view = next((f for f in reversed(frames) if f.user), None)
-    if view is None or view.function != "<module>":
+    if view is None or not _top_level(view.function):
         return
     try:
         source = "".join(linecache.getlines(view.filename))
@@ -695,6 +695,12 @@ def _with_corrected_cell(detail: FamilyDetail, slug: str, frames: list, namespac
     detail.code = f"# {where} again, its op with no half-precision kernel on fp32 copies of its tensors\n{code}"
     detail.title = f"Run {where} again with the op in fp32, its result cast back (corrected code)"
     detail.corrected = True
+
+
+def _top_level(function: str) -> bool:
+    """A frame of a cell's or script's own top-level code: ``<module>``, or ``<cell line: N>`` (the code name IPython
+    7.x gives a cell on Python 3.11+, as Colab runs it)."""
+    return function == "<module>" or function.startswith("<cell line:")
 
 
 #: Longer sources than this are not shown whole as a corrected cell (a script: its line's advice stands).
