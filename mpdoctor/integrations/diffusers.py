@@ -68,26 +68,31 @@ def _config_flags(module: Any) -> tuple[tuple[str, object], ...]:
 ATTENTION = "diffusers.models.attention_processor.Attention"
 
 
-#: ``id(class) -> (class, honours upcast)``: a processor class's source is read once per process.
-_HONOURS_UPCAST: dict[int, tuple[type, bool]] = {}
+#: ``(id(class), word) -> (class, found)``: a class's ``__call__`` source is read once per process and word.
+_CALL_MENTIONS: dict[tuple[int, str], tuple[type, bool]] = {}
+
+
+def _call_mentions(cls: type, word: str) -> bool:
+    """True when ``word`` is in the source of ``cls.__call__`` (read, never run); False when there is no source (a
+    compiled or dynamic class: it is not known to read it)."""
+    import inspect
+
+    known = _CALL_MENTIONS.get((id(cls), word))
+    if known is not None and known[0] is cls:
+        return known[1]
+    try:
+        found = word in inspect.getsource(inspect.unwrap(inspect.getattr_static(cls, "__call__")))
+    except (OSError, TypeError, AttributeError):
+        found = False
+    _CALL_MENTIONS[(id(cls), word)] = (cls, found)
+    return found
 
 
 def honours_upcast(cls: type) -> bool:
     """True when the attention processor class computes its scores through ``attn.get_attention_scores`` (the
-    classic ``AttnProcessor``, ``SlicedAttnProcessor``), which reads ``upcast_attention``; read from its source,
-    never run. SDPA and xformers processors compute the scores in their kernel and never read the flag."""
-    import inspect
-
-    known = _HONOURS_UPCAST.get(id(cls))
-    if known is not None and known[0] is cls:
-        return known[1]
-    try:
-        call = inspect.getattr_static(cls, "__call__")
-        honours = "get_attention_scores" in inspect.getsource(inspect.unwrap(call))
-    except (OSError, TypeError, AttributeError):  # no source: not known to read it
-        honours = False
-    _HONOURS_UPCAST[id(cls)] = (cls, honours)
-    return honours
+    classic ``AttnProcessor``, ``SlicedAttnProcessor``), which reads ``upcast_attention``. SDPA and xformers
+    processors compute the scores in their kernel and never read the flag."""
+    return _call_mentions(cls, "get_attention_scores")
 
 
 def attention_upcast(model: Any) -> tuple[int, tuple[str, ...]]:
@@ -113,24 +118,9 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     }
 
 
-#: ``id(class) -> (class, reads force_upcast)``: a pipeline class's source is read once per process.
-_READS_UPCAST: dict[int, tuple[type, bool]] = {}
-
-
 def reads_force_upcast(cls: type) -> bool:
-    """True when the pipeline class's ``__call__`` reads ``vae.config.force_upcast`` (read from its source, never run)."""
-    import inspect
-
-    known = _READS_UPCAST.get(id(cls))
-    if known is not None and known[0] is cls:
-        return known[1]
-    try:
-        call = inspect.getattr_static(cls, "__call__")
-        reads = "force_upcast" in inspect.getsource(inspect.unwrap(call))
-    except (OSError, TypeError, AttributeError):  # no source (a compiled or dynamic class): it is not known to read it
-        reads = False
-    _READS_UPCAST[id(cls)] = (cls, reads)
-    return reads
+    """True when the pipeline class's ``__call__`` reads ``vae.config.force_upcast``."""
+    return _call_mentions(cls, "force_upcast")
 
 
 def _pipeline_facts(subjects: tuple, live: Any, hardware: Any) -> dict:

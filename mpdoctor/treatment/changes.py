@@ -1855,6 +1855,16 @@ class UpcastStoredWeights(ChangeSpec):
         return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}
 
 
+def _layer_weights(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
+    """``(path, weight)`` of each layer ``path`` of ``model``: the ``weight`` in its own parameters (None when it has
+    none), read from the module's ``__dict__`` (a torchao tensor subclass is returned as it is)."""
+    out = []
+    for path in paths:
+        module = model.get_submodule(path) if path else model
+        out.append((path, object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")))
+    return out
+
+
 @dataclass(frozen=True)
 class ZeroQuantizedZeroBlocks(ChangeSpec):
     """In the torchao float8 weights of the layers ``paths`` of the model ``ref``, write 0 into each NaN / inf element
@@ -1870,12 +1880,7 @@ class ZeroQuantizedZeroBlocks(ChangeSpec):
     label: str = "model"
 
     def _weights(self, live: Live) -> list[tuple[str, Any]]:
-        model = live.get(self.ref)
-        out = []
-        for path in self.paths:
-            module = model.get_submodule(path) if path else model
-            out.append((path, object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")))
-        return out
+        return _layer_weights(live.get(self.ref), self.paths)
 
     def bind(self, live: Live) -> list[Change]:
         from ..edits.steps import ReplaceData
@@ -1934,14 +1939,8 @@ class FloorActivationScales(ChangeSpec):
     label: str = "model"
 
     def _weights(self, live: Live) -> list[tuple[str, Any]]:
-        model = live.get(self.ref)
-        out = []
-        for path in self.paths:
-            module = model.get_submodule(path) if path else model
-            w = object.__getattribute__(module, "__dict__").get("_parameters", {}).get("weight")
-            if w is not None and getattr(w, "act_quant_kwargs", None) is not None:
-                out.append((path, w))
-        return out
+        return [(path, w) for path, w in _layer_weights(live.get(self.ref), self.paths)
+                if w is not None and getattr(w, "act_quant_kwargs", None) is not None]  # fmt: skip
 
     def bind(self, live: Live) -> list[Change]:
         from ..edits.steps import SetAttr
