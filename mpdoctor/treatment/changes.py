@@ -1855,6 +1855,13 @@ class UpcastStoredWeights(ChangeSpec):
         return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}
 
 
+def _with_quantized_weights(facts: Facts, ref: int, change: Callable[[Any], Any]) -> Facts:
+    """``facts`` with each quantized weight of the model ``ref`` passed through ``change``."""
+    models = tuple(dataclasses.replace(m, quantized_weights=tuple(change(q) for q in m.quantized_weights))
+                   if m.ref == ref and m.quantized_weights else m for m in facts.models)  # fmt: skip
+    return dataclasses.replace(facts, models=models)
+
+
 def _layer_weights(model: Any, paths: Iterable[str]) -> list[tuple[str, Any]]:
     """``(path, weight)`` of each layer ``path`` of ``model``: the ``weight`` in its own parameters (None when it has
     none), read from the module's ``__dict__`` (a torchao tensor subclass is returned as it is)."""
@@ -1899,17 +1906,8 @@ class ZeroQuantizedZeroBlocks(ChangeSpec):
         return steps
 
     def simulate(self, facts: Facts) -> Facts:
-        models = []
-        for m in facts.models:
-            if m.ref == self.ref and m.quantized_weights:
-                weights = tuple(
-                    dataclasses.replace(q, nonfinite=q.nonfinite - q.zero_scale_nonfinite, zero_scale_nonfinite=0)
-                    if q.path in self.paths else q
-                    for q in m.quantized_weights
-                )  # fmt: skip
-                m = dataclasses.replace(m, quantized_weights=weights)
-            models.append(m)
-        return dataclasses.replace(facts, models=tuple(models))
+        return _with_quantized_weights(facts, self.ref, lambda q: dataclasses.replace(
+            q, nonfinite=q.nonfinite - q.zero_scale_nonfinite, zero_scale_nonfinite=0) if q.path in self.paths else q)
 
     def verify(self, live: Live) -> str | None:
         from ..integrations.torchao import zero_scale_nonfinite
@@ -1956,17 +1954,10 @@ class FloorActivationScales(ChangeSpec):
         return steps
 
     def simulate(self, facts: Facts) -> Facts:
-        models = []
-        for m in facts.models:
-            if m.ref == self.ref and m.quantized_weights:
-                weights = tuple(
-                    dataclasses.replace(q, activation_floor=self.floor)
-                    if q.path in self.paths and q.dynamic_activation and q.activation_floor is None else q
-                    for q in m.quantized_weights
-                )  # fmt: skip
-                m = dataclasses.replace(m, quantized_weights=weights)
-            models.append(m)
-        return _probes_healed_at(dataclasses.replace(facts, models=tuple(models)), self.ref, self.paths)
+        bounded = _with_quantized_weights(facts, self.ref, lambda q: dataclasses.replace(q, activation_floor=self.floor)
+                                          if q.path in self.paths and q.dynamic_activation and q.activation_floor is None
+                                          else q)  # fmt: skip
+        return _probes_healed_at(bounded, self.ref, self.paths)
 
     def verify(self, live: Live) -> str | None:
         left = [path or self.label for path, w in self._weights(live) if getattr(w.act_quant_kwargs, "hp_value_lb", None) is None]
