@@ -50,7 +50,7 @@ from test_field_lowprecision import (  # noqa: E402
     quantized_step,
     train_step,
 )
-from test_lightning_field_cases import SETTINGS, AdamRegressor, Regressor  # noqa: E402
+from test_lightning_field_cases import SETTINGS, AdamRegressor, RecordingRegressor  # noqa: E402
 from test_lightning_field_cases import loader as lightning_loader  # noqa: E402
 from test_trl import BF16_REFUSED, build_tokenizer, common, dpo, large_logit_policy_and_fp16_reference, sft  # noqa: E402
 from test_trl import tiny_llama as trl_llama  # noqa: E402
@@ -291,17 +291,8 @@ def _storage_stays_float8(ns: Namespace) -> None:
 # -- Lightning ----------------------------------------------------------------------------------------
 
 
-class _LosingRegressor(Regressor):
+class _LosingRegressor(RecordingRegressor):
     """Lightning-AI/pytorch-lightning#19980's module (stock AdamW at lr=1e-5) recording each step's loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.losses: list[float] = []
-
-    def training_step(self, batch, i):
-        loss = super().training_step(batch, i)
-        self.losses.append(float(loss.detach()))
-        return loss
 
 
 def _true_half_trainer(precision: str, module: type, scale: float) -> Callable[[], Namespace]:

@@ -48,9 +48,8 @@ class Recording(Regressor):
         return super().training_step(batch, i)
 
 
-class AdamRegressor(Regressor):
-    """Lightning-AI/pytorch-lightning#20619's optimizer: ``torch.optim.Adam`` with its default ``eps=1e-8``; records
-    each step's loss."""
+class RecordingRegressor(Regressor):
+    """The regressor recording each step's loss (``losses``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -60,6 +59,11 @@ class AdamRegressor(Regressor):
         loss = super().training_step(batch, i)
         self.losses.append(float(loss.detach()))
         return loss
+
+
+class AdamRegressor(RecordingRegressor):
+    """Lightning-AI/pytorch-lightning#20619's optimizer: ``torch.optim.Adam`` with its default ``eps=1e-8``; records
+    each step's loss."""
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
