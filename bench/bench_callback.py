@@ -35,7 +35,7 @@ def main() -> None:
     from bench_probe import build
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from mpdoctor.training.trainer_callback import MPDoctorCallback
+    from mpdoctor.libraries.transformers.callback import MPDoctorCallback
 
     torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
     rounds = 3 if args_ns.quick else 15

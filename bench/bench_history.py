@@ -73,9 +73,9 @@ def main() -> None:
     args = parser.parse_args()
     from IPython.core.interactiveshell import InteractiveShell
 
-    from mpdoctor.readers import loop_source
-    from mpdoctor.runtime import loop_rewrite
-    from mpdoctor.runtime.history import read_history
+    from mpdoctor.attach.runtime import loop_rewrite
+    from mpdoctor.attach.runtime.history import read_history
+    from mpdoctor.objects.readers import loop_source
 
     shell = InteractiveShell.instance()
     cells = history_cells(200)

@@ -6,7 +6,7 @@ variants: no extension; what ``%load_ext mpdoctor`` installed before the run
 was watched (the magic and the crash hook, which runs only when a cell
 raises: the baseline "today" means in the round-3 issue); and today's
 ``%load_ext``, which also watches the GradScaler protocol cell by cell (the
-lazy per-cell attach of ``mpdoctor.runtime.session``). The figures are ratios
+lazy per-cell attach of ``mpdoctor.attach.runtime.session``). The figures are ratios
 of the fastest block's per-cell times. Also printed: the time from a mixed-precision crash
 to its report (traceback + diagnosis), for scale.
 
@@ -54,8 +54,8 @@ def main() -> None:
     shell = InteractiveShell.instance()
     shell.run_cell(SETUP, store_history=False)
     blocks, n = (5, 50) if args.quick else (21, 200)
-    from mpdoctor.crash import hook
-    from mpdoctor.notebook.magic import MPDoctorMagics
+    from mpdoctor.attach.crash import hook
+    from mpdoctor.front.magic import MPDoctorMagics
 
     def crash_hook_only(on: bool) -> None:  # what %load_ext installed before the protocol was watched
         if on:

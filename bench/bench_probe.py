@@ -79,7 +79,7 @@ def main() -> None:
     from transformers.debug_utils import DebugUnderflowOverflow
 
     import mpdoctor
-    from mpdoctor.numerics.probe import run_probe
+    from mpdoctor.attach.numerics.probe import run_probe
 
     torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
     repeat = 3 if args.quick else args.rounds
@@ -154,7 +154,7 @@ def main() -> None:
 def replay_cost(model, batch, repeat: int) -> dict:
     """``run_probe`` on a copy whose forward goes non-finite (one Linear weight set to 1e38, weights still
     finite: the NaN-origin replay runs) vs on the healthy model: what a NaN adds to the probe."""
-    from mpdoctor.numerics.probe import run_probe
+    from mpdoctor.attach.numerics.probe import run_probe
 
     broken = copy.deepcopy(model)
     linear = [m for m in broken.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"]

@@ -46,7 +46,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import mpdoctor
-    from mpdoctor.numerics.probe import run_generation_probe
+    from mpdoctor.attach.numerics.probe import run_generation_probe
 
     torch.set_num_threads(1)  # the machine is shared: one thread keeps OpenMP barriers out of the noise
     rounds = 3 if args.quick else args.rounds

@@ -133,8 +133,8 @@ def interleaved(fns: dict, rounds: int) -> dict[str, float]:
 
 
 def facts_of(model: torch.nn.Module):
-    from mpdoctor.discovery.subjects import discover
-    from mpdoctor.gathering import gather
+    from mpdoctor.objects.discovery.subjects import discover
+    from mpdoctor.objects.gathering import gather
 
     subjects = discover([model], names={id(model): "model"})
     return gather(subjects), subjects
@@ -166,7 +166,7 @@ def row(figure: str, mine: float, base: float, ratio: float, target: str, met: b
 
 
 def bench_model(quick: bool, rounds: int) -> list[dict]:
-    from mpdoctor.gathering.scan import scan_facts
+    from mpdoctor.objects.gathering.scan import scan_facts
 
     t0 = time.perf_counter()
     model = build_model(quick)
@@ -215,8 +215,8 @@ def bench_model(quick: bool, rounds: int) -> list[dict]:
 
 
 def bench_small(quick: bool, rounds: int) -> list[dict]:
-    from mpdoctor.gathering.scan import scan_facts
-    from mpdoctor.gathering.values import scan_tensors
+    from mpdoctor.objects.gathering.scan import scan_facts
+    from mpdoctor.objects.gathering.values import scan_tensors
 
     count = 1_000 if quick else 10_000
     model = build_small(count)

@@ -43,7 +43,7 @@ class CaseRow:
     @property
     def corrected_code(self) -> bool:
         """Treated by code the user runs (the corrected lines of their own loop), which mpdoctor runs on copies of
-        the user's objects before it shows it (:mod:`mpdoctor.runtime.twins`), one action from a new cell."""
+        the user's objects before it shows it (:mod:`mpdoctor.attach.runtime.twins`), one action from a new cell."""
         return self.outcome.strip().lower().startswith("corrected code")
 
     @property

@@ -20,12 +20,12 @@ import importlib.util
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names below resolve to
+    from .attach.emulation.compare import compare
     from .diagnosis import diagnose
     from .diagnosis.environment import env_report
     from .diagnosis.report import Report
-    from .emulation.compare import compare
-    from .treatment.findings import Finding
-    from .treatment.fixes import Fix, FixFailed, FixNeedsConfirmation
+    from .rules.engine.findings import Finding
+    from .rules.engine.fixes import Fix, FixFailed, FixNeedsConfirmation
 
 from ._version import __version__  # noqa: F401  (re-exported)
 
@@ -54,22 +54,22 @@ def load_ipython_extension(ipython: Any) -> None:
     A cell that raises a known mixed-precision error shows its traceback and
     then the diagnosis; ``%config MPDoctorMagics.on_error = False`` turns that off.
     """
-    from .crash.hook import install
-    from .notebook.magic import MPDoctorMagics
+    from .attach.crash.hook import install
+    from .front.magic import MPDoctorMagics
 
     ipython.register_magics(MPDoctorMagics)
     magics = ipython.magics_manager.registry.get("MPDoctorMagics")
     if not install(ipython, enabled=lambda: bool(getattr(magics, "on_error", True))):
         print("mpdoctor: another custom exception handler is set; crashes will not be diagnosed automatically")
-    from .runtime import session
+    from .attach.runtime import session
 
     session.install(ipython)  # the GradScaler protocol, watched cell by cell
 
 
 def unload_ipython_extension(ipython: Any) -> None:
     """Remove ``%mpdoctor`` and the crash diagnosis (called by ``%unload_ext mpdoctor``)."""
-    from .crash.hook import uninstall
-    from .runtime import session
+    from .attach.crash.hook import uninstall
+    from .attach.runtime import session
 
     uninstall(ipython)
     session.uninstall(ipython)
@@ -81,15 +81,15 @@ def unload_ipython_extension(ipython: Any) -> None:
 
 #: Public name -> the module defining it, imported on first access (PEP 562).
 _LAZY = {
-    "compare": ".emulation.compare",
+    "compare": ".attach.emulation.compare",
     "diagnose": ".diagnosis",
     "env_report": ".diagnosis.environment",
-    "Finding": ".treatment.findings",
-    "Fix": ".treatment.fixes",
-    "FixFailed": ".treatment.fixes",
-    "FixNeedsConfirmation": ".treatment.fixes",
+    "Finding": ".rules.engine.findings",
+    "Fix": ".rules.engine.fixes",
+    "FixFailed": ".rules.engine.fixes",
+    "FixNeedsConfirmation": ".rules.engine.fixes",
     "Report": ".diagnosis.report",
-    "checks_reference": ".checks",
+    "checks_reference": ".rules.checks",
 }
 
 
@@ -124,15 +124,15 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later reads skip this hook
         return value
     if name == "probe":
-        from .numerics.probe import probe
+        from .attach.numerics.probe import probe
 
         return probe
     if name == "watch":
-        from .training.watch import watch
+        from .attach.training.watch import watch
 
         return watch
     if name in _NEEDS:
-        module = ".training.trainer_callback" if name == "MPDoctorCallback" else ".training.lightning_callback"
+        module = ".libraries.transformers.callback" if name == "MPDoctorCallback" else ".libraries.lightning.callback"
         try:
             return getattr(importlib.import_module(module, __name__), name)
         except ImportError as exc:  # the library is absent (or broken): a stand-in that says what to install
@@ -141,7 +141,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _submodule(package: str, name: str) -> Any:
-    """``package.name`` imported when it is a submodule read as an attribute (``mpdoctor.numerics`` after
+    """``package.name`` imported when it is a submodule read as an attribute (``mpdoctor.attach.numerics`` after
     a plain ``import mpdoctor``), as if the package had imported it; AttributeError otherwise."""
     if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
         return importlib.import_module(f"{package}.{name}")

@@ -1,10 +1,10 @@
-"""``python -m mpdoctor``: the command line (:mod:`mpdoctor.cli`)."""
+"""``python -m mpdoctor``: the command line (:mod:`mpdoctor.front.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from .cli import main
+from .front.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -241,7 +241,7 @@ train_step()
 # %%
 import sys  # noqa: E402
 
-from mpdoctor.crash import explain  # noqa: E402
+from mpdoctor.attach.crash import explain  # noqa: E402
 
 crash = explain(sys.last_value, namespace={"net": net})
 assert crash.cause is crash.findings[0] and crash.cause.check == "mixed-param-dtypes", crash.cause

@@ -16,7 +16,7 @@
 #     requires:
 #     - probe-nonfinite
 #     - probe-overflow
-#     - module:mpdoctor.numerics.probe
+#     - module:mpdoctor.attach.numerics.probe
 # ---
 
 # %% [markdown]

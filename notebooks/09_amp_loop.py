@@ -14,7 +14,7 @@
 #     name: python3
 #   mpdoctor:
 #     requires:
-#     - module:mpdoctor.runtime.loop_findings
+#     - module:mpdoctor.attach.runtime.loop_findings
 # ---
 
 # %% [markdown]

@@ -16,7 +16,7 @@
 #     requires:
 #     - probe-nonfinite
 #     - probe-generation-nonfinite
-#     - module:mpdoctor.numerics.generation
+#     - module:mpdoctor.attach.numerics.generation
 # ---
 
 # %% [markdown]

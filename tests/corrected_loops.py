@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from steps import moved, snapshot
 
-from mpdoctor.runtime.protocol import ProtocolObserver
+from mpdoctor.attach.runtime.protocol import ProtocolObserver
 
 #: The names the user holds the objects by in these loops (not the templates' ``scaler`` / ``optimizer``).
 SCALER, OPTIMIZER, SCHEDULER = "amp_scaler", "opt", "sched"

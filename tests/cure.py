@@ -23,7 +23,7 @@ from steps import assert_step_trains, snapshot
 
 import mpdoctor
 from mpdoctor.render.widget import ReportWidget, iter_widgets
-from mpdoctor.treatment.fixes import Applicability, Fix
+from mpdoctor.rules.engine.fixes import Applicability, Fix
 
 Namespace = dict[str, Any]
 

@@ -99,7 +99,7 @@ def test_facts_import_no_integration_no_reader_and_no_gathering(graph):
     reached = {imported for m in facts for imported in graph.find_modules_directly_imported_by(m)}
     upward = sorted(
         m for m in reached
-        if m.startswith(("mpdoctor.integrations", "mpdoctor.gathering", "mpdoctor.readers", "mpdoctor.discovery"))
+        if m.startswith(("mpdoctor.objects.integrations", "mpdoctor.objects.gathering", "mpdoctor.objects.readers", "mpdoctor.objects.discovery"))
     )  # fmt: skip
     assert upward == []
 
@@ -111,11 +111,11 @@ def test_no_loose_module_left_at_the_top_but_the_bottom_tables(graph):
 
 def test_the_public_api_is_where_it_was():
     import mpdoctor
+    from mpdoctor.attach.numerics.probe import probe
+    from mpdoctor.attach.training.watch import watch
     from mpdoctor.diagnosis import diagnose
     from mpdoctor.diagnosis.report import Report
-    from mpdoctor.numerics.probe import probe
-    from mpdoctor.training.watch import watch
-    from mpdoctor.treatment.fixes import Fix
+    from mpdoctor.rules.engine.fixes import Fix
 
     assert mpdoctor.diagnose is diagnose and mpdoctor.probe is probe and mpdoctor.watch is watch
     assert mpdoctor.Report is Report and mpdoctor.Fix is Fix

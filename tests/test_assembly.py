@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.runtime.assembly import Observed, assemble
+from mpdoctor.attach.runtime.assembly import Observed, assemble
 
 pytestmark = pytest.mark.colab
 
@@ -54,10 +54,10 @@ def _callers(name: str) -> set[str]:
 def test_every_front_end_proves_and_folds_observations_through_the_one_assembly():
     # %mpdoctor, watch(), the crash hook, mpdoctor run, the probe and the callbacks all call assemble(); the
     # proof of an assembled report and the folding of the cells' findings happen nowhere else.
-    assert _callers("proven_report") == {"runtime/assembly.py"}
-    assert _callers("add_to_report") == {"runtime/assembly.py"}
-    front_ends = {"notebook/magic.py", "training/watch.py", "crash/hook.py", "training/runner.py",
-                  "numerics/probe.py", "runtime/protocol.py"}  # fmt: skip
+    assert _callers("proven_report") == {"attach/runtime/assembly.py"}
+    assert _callers("add_to_report") == {"attach/runtime/assembly.py"}
+    front_ends = {"front/magic.py", "attach/training/watch.py", "attach/crash/hook.py", "attach/training/runner.py",
+                  "attach/numerics/probe.py", "attach/runtime/protocol.py"}  # fmt: skip
     assert front_ends <= _callers("assemble")
 
 
@@ -113,7 +113,7 @@ def test_observations_join_before_the_proof_and_a_watched_finding_alone_never_dr
     # given findings later would hold a proof of another report.
     model, opt, train_step = _setup()
     report = mpdoctor.diagnose(model, opt)
-    from mpdoctor.treatment.findings import Finding
+    from mpdoctor.rules.engine.findings import Finding
 
     read = Finding("amp-update-missing", "warning", "cell [3]", "scaler.update() is never called", {"where": "cell [3]"})
     whole = assemble(report, Observed(code=(read,)), step=train_step)

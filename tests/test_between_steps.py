@@ -13,9 +13,9 @@ import torch
 from fingerprint import assert_unchanged, fingerprint
 
 import mpdoctor
-from mpdoctor.checks import REGISTRY, load
 from mpdoctor.facts.between import BetweenFacts, MetricStates, RouterBias
-from mpdoctor.readers.between import accumulation_error, merge_loss, stall_count
+from mpdoctor.objects.readers.between import accumulation_error, merge_loss, stall_count
+from mpdoctor.rules.checks import REGISTRY, load
 
 
 class Holder(torch.nn.Module):

@@ -13,10 +13,10 @@ from torch import nn
 
 import mpdoctor
 from mpdoctor.diagnosis.view import layer_rows
-from mpdoctor.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
-from mpdoctor.readers.tensors import read_module_tensors
+from mpdoctor.objects.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
+from mpdoctor.objects.readers.tensors import read_module_tensors
 from mpdoctor.render.formatting import layer_strips
-from mpdoctor.treatment.changes import CastParamsTo
+from mpdoctor.rules.engine.changes import CastParamsTo
 
 
 class Expert(nn.Module):

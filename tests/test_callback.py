@@ -10,7 +10,7 @@ import torch
 from setups import tiny_gemma3, tiny_llama, tiny_trainer
 
 import mpdoctor
-from mpdoctor.training.callback_state import MPDoctorAbort
+from mpdoctor.attach.training.callback_state import MPDoctorAbort
 
 
 def _train(model, callback, **kwargs):

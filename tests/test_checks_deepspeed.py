@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 import mpdoctor
-from mpdoctor.checks import run_checks
-from mpdoctor.facts.deepspeed import DeepSpeedFacts
+from mpdoctor.libraries.deepspeed.facts import DeepSpeedFacts
+from mpdoctor.rules.checks import run_checks
 
 
 def _run(*ds: DeepSpeedFacts) -> list:

@@ -13,9 +13,9 @@ from setups_dtypes import assert_same_state, finite, tensor_state
 
 import mpdoctor
 from mpdoctor import compat
-from mpdoctor.checks.dtypes import compute_dtype, compute_units, widens
-from mpdoctor.edits.steps import CastGrads, Change
-from mpdoctor.treatment.fixes import Fix, FixFailed
+from mpdoctor.objects.edits.steps import CastGrads, Change
+from mpdoctor.rules.checks.dtypes import compute_dtype, compute_units, widens
+from mpdoctor.rules.engine.fixes import Fix, FixFailed
 
 SAME_DTYPE = r"(mat1|self|m1) and (mat2|m2).*same dtype"
 

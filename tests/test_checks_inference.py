@@ -11,8 +11,8 @@ from setups_dtypes import alarms
 from transformers import StaticCache
 
 import mpdoctor
-import mpdoctor.treatment.changes as changes_mod
-from mpdoctor.treatment.fixes import FixFailed
+import mpdoctor.rules.engine.changes as changes_mod
+from mpdoctor.rules.engine.fixes import FixFailed
 
 PROMPT = torch.tensor([[3, 14, 15, 9, 2, 6]])
 NEXT = torch.tensor([[5]])

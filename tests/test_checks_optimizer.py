@@ -13,12 +13,12 @@ from setups import batch, tiny_llama, tiny_lora, train_step
 from setups_precision import assert_same_snapshot, clean_optimizer_view, one_torch_thread, tensor_snapshot  # noqa: F401 (one_torch_thread: autouse)
 
 import mpdoctor
-from mpdoctor.checks.optimizer import (
+from mpdoctor.rules.checks.optimizer import (
     optimizer_dtype_requirement,
     optimizer_state_dtype_mismatch,
     requirement_for,
 )
-from mpdoctor.treatment.fixes import Applicability, FixFailed
+from mpdoctor.rules.engine.fixes import Applicability, FixFailed
 
 
 def _adamwbf16_over_fp32():
@@ -58,7 +58,7 @@ def test_adamwbf16_cast_fix_undo_restores_bytes_dtypes_grads_and_identity():
 
 
 def test_adamwbf16_cast_fix_is_atomic_when_an_allocation_fails(monkeypatch):
-    import mpdoctor.edits.steps as fixes_module
+    import mpdoctor.objects.edits.steps as fixes_module
 
     model, opt = _adamwbf16_over_fp32()
     before = tensor_snapshot(model, opt)

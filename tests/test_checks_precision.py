@@ -10,9 +10,9 @@ from setups import tiny_llama, tiny_trainer, training_args
 from setups_precision import ENV, accelerate_snapshot, compute_dtypes, one_torch_thread  # noqa: F401 (one_torch_thread: autouse)
 
 import mpdoctor
-import mpdoctor.integrations.accelerate as precision_module
-from mpdoctor.edits.torch_state import fp32_precisions, restore_fp32_precisions
-from mpdoctor.treatment.fixes import FixFailed
+import mpdoctor.libraries.accelerate.integration as precision_module
+from mpdoctor.objects.edits.torch_state import fp32_precisions, restore_fp32_precisions
+from mpdoctor.rules.engine.fixes import FixFailed
 
 
 def _trainer(env: str | None = None, prepared: bool = False, **kwargs):

@@ -32,7 +32,7 @@ def test_an_unknown_subcommand_is_a_usage_error_without_a_traceback():
 
 
 def test_checks_lists_every_rule_of_the_three_kinds_with_its_kind_and_severity():
-    from mpdoctor.treatment.rules import load_rules
+    from mpdoctor.rules.engine.rules import load_rules
 
     out = _mpdoctor("checks")
     assert out.returncode == 0, out.stderr

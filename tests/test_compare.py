@@ -14,8 +14,8 @@ from fingerprint import assert_unchanged, fingerprint
 from setups import batch, tiny_llama
 
 import mpdoctor
-from mpdoctor.emulation import formats
-from mpdoctor.emulation.compare import COLUMNS, KEEP_BELOW_DB, Comparison, compare
+from mpdoctor.attach.emulation import formats
+from mpdoctor.attach.emulation.compare import COLUMNS, KEEP_BELOW_DB, Comparison, compare
 
 ALL = ("bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")
 
@@ -299,8 +299,8 @@ def test_a_healthy_model_draws_no_warning():
 @pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_the_bf16_and_fp16_emulation_errs_as_much_as_real_cpu_autocast(name, dtype):
     """The emulated Linear and torch's own autocast Linear are the same distance from fp32 (within 1.5 dB)."""
-    from mpdoctor.emulation.sites import Emulation as _Emulation
-    from mpdoctor.emulation.sites import linears as _linears
+    from mpdoctor.attach.emulation.sites import Emulation as _Emulation
+    from mpdoctor.attach.emulation.sites import linears as _linears
 
     layer, x = plain_layer(), gaussian()
     exact = layer(x)

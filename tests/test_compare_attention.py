@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from fingerprint import assert_unchanged, fingerprint
 from setups import VOCAB, batch
 
-from mpdoctor.emulation.compare import KEEP_BELOW_DB, Comparison, compare
-from mpdoctor.emulation.formats import precision
-from mpdoctor.emulation.matmuls import LayerStats, emulated_sdpa
+from mpdoctor.attach.emulation.compare import KEEP_BELOW_DB, Comparison, compare
+from mpdoctor.attach.emulation.formats import precision
+from mpdoctor.attach.emulation.matmuls import LayerStats, emulated_sdpa
 
 ALL = ("bf16", "fp16", "fp8", "fp8-rowwise", "mxfp8", "nvfp4")
 QK, PV = "q·kᵀ", "p·v"
@@ -113,7 +113,7 @@ def test_each_format_errs_at_attention_about_as_much_as_at_a_plain_gaussian_line
         scores, mix = LayerStats(), LayerStats()
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         emulated_sdpa(qq, kk, vv, is_causal=True, prec=precision(name), scores=scores, mix=mix).square().sum().backward()
-        from mpdoctor.emulation.measurements import sqnr_db as _db
+        from mpdoctor.attach.emulation.measurements import sqnr_db as _db
 
         sqnrs[name] = [_db(scores.out), _db(scores.wgrad), _db(mix.out), _db(mix.wgrad)]
         print(name, [f"{x:.1f}" for x in sqnrs[name]])

@@ -15,8 +15,8 @@ import pytest
 import torch
 from fingerprint import assert_unchanged, fingerprint
 
-from mpdoctor.emulation.compare import compare
-from mpdoctor.emulation.plan import Plan
+from mpdoctor.attach.emulation.compare import compare
+from mpdoctor.attach.emulation.plan import Plan
 
 WIDE = ("1.proj", "4.proj", "6.proj")
 BUDGET = 0.02
@@ -91,8 +91,8 @@ def test_the_plan_keeps_exactly_the_three_wide_range_layers_and_its_verified_los
 def test_the_verified_loss_of_the_plan_is_a_real_run_of_the_mixed_model(planned):
     """The plan's loss equals the loss of the model run with its kept layers in bf16 and the rest in fp8."""
     model, _, plan = planned
-    from mpdoctor.emulation.formats import precision
-    from mpdoctor.emulation.sites import Emulation, linears
+    from mpdoctor.attach.emulation.formats import precision
+    from mpdoctor.attach.emulation.sites import Emulation, linears
 
     x, y = data(model)
     assignment = {p: precision("bf16") for p in plan.kept}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from fingerprint import assert_unchanged, fingerprint
 
-from mpdoctor.emulation.compare import compare
+from mpdoctor.attach.emulation.compare import compare
 
 
 def _first_optimizer_step() -> None:

@@ -13,7 +13,7 @@ import torch
 
 import mpdoctor
 from mpdoctor import compat
-from mpdoctor.runtime import protocol as protocol_module
+from mpdoctor.attach.runtime import protocol as protocol_module
 
 
 def _class_at(path: str) -> type:

@@ -13,8 +13,8 @@ import re
 import pytest
 from corrected_loops import OPTIMIZER, SCALER, SCHEDULER, fails, in_a_loop, run_and_check
 
-from mpdoctor.runtime.loop_findings import read_code
-from mpdoctor.runtime.rules import RULES, corrected_template
+from mpdoctor.attach.runtime.loop_findings import read_code
+from mpdoctor.attach.runtime.rules import RULES, corrected_template
 
 SETUP = f"""\
 import torch

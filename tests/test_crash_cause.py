@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 from mpdoctor.render.widget import iter_widgets
 
 

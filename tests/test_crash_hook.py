@@ -83,12 +83,12 @@ def test_on_error_false_turns_the_diagnosis_off(ip, capsys):
 
 
 def test_a_failure_inside_the_hook_leaves_the_traceback_intact_and_is_one_line(ip, capsys, monkeypatch):
-    import mpdoctor.crash.cause
+    import mpdoctor.attach.crash.cause
 
     def broken(*args, **kwargs):
         raise MemoryError("simulated failure inside mpdoctor")
 
-    monkeypatch.setattr(mpdoctor.crash.cause, "explain", broken)
+    monkeypatch.setattr(mpdoctor.attach.crash.cause, "explain", broken)
     result, out = run(ip, capsys, "train()")
     assert type(result.error_in_exec).__name__ == "RuntimeError"
     assert out.index("RuntimeError: mat1 and mat2") < out.index("mpdoctor: could not diagnose this exception")
@@ -97,23 +97,23 @@ def test_a_failure_inside_the_hook_leaves_the_traceback_intact_and_is_one_line(i
         " the traceback above is intact"
     ]
     assert "Custom TB Handler failed" not in out
-    from mpdoctor.crash.hook import installed
+    from mpdoctor.attach.crash.hook import installed
 
     assert installed(ip)  # IPython did not unregister it
 
 
 def test_successful_cells_run_no_crash_code_and_leave_only_the_resident_scale_wrapper_in_torch(ip, capsys):
     # The crash handler is reached only through IPython's `except custom_exceptions`. The only per-cell
-    # callbacks are the GradScaler protocol watcher's (mpdoctor.runtime.session): between cells the one thing
+    # callbacks are the GradScaler protocol watcher's (mpdoctor.attach.runtime.session): between cells the one thing
     # of mpdoctor's in torch is GradScaler.scale's resident wrapper, a pass-through until %unload_ext.
     from torch.amp.grad_scaler import GradScaler
 
-    from mpdoctor.runtime import protocol
+    from mpdoctor.attach.runtime import protocol
 
     callbacks = {event: list(cbs) for event, cbs in ip.events.callbacks.items()}
     modules = {getattr(cb, "__module__", "") or "" for cbs in callbacks.values() for cb in cbs}
     ours = {m for m in modules if m.startswith("mpdoctor")}
-    assert ours == {"mpdoctor.runtime.session"}
+    assert ours == {"mpdoctor.attach.runtime.session"}
     result, out = run(ip, capsys, "x_ok = 1 + 1")
     assert result.success and out == ""
     assert not protocol.installed() and protocol.resident()
@@ -124,7 +124,7 @@ def test_successful_cells_run_no_crash_code_and_leave_only_the_resident_scale_wr
 
 
 def test_unload_removes_the_handler_and_another_handler_is_never_replaced(ip, capsys):
-    from mpdoctor.crash.hook import installed
+    from mpdoctor.attach.crash.hook import installed
 
     assert ip.custom_exceptions == (Exception,) and installed(ip)
     ip.run_cell("%unload_ext mpdoctor", store_history=False)

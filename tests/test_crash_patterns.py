@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from mpdoctor.crash import explain
-from mpdoctor.crash.patterns import PATTERNS, match_exception
+from mpdoctor.attach.crash import explain
+from mpdoctor.attach.crash.patterns import PATTERNS, match_exception
 
 pytestmark = pytest.mark.colab
 
@@ -216,7 +216,7 @@ def test_a_real_mixed_precision_failure_is_explained_with_its_cause_first(raise_
 
 
 def test_every_pattern_is_proven_by_a_real_failure_or_says_why_not():
-    from mpdoctor.crash.catalogue import family
+    from mpdoctor.attach.crash.catalogue import family
 
     proven = {slug for _, slug, _ in REAL_FAILURES}
     # The catalogue's families are proven one by one in tests/test_exception_families.py.

@@ -39,7 +39,7 @@ def test_a_crashing_script_prints_its_traceback_then_the_report_and_exits_1(tmp_
     assert "argv ['--lr', '3', '-x']" in done.stdout  # the script's own arguments, untouched
     err = done.stderr
     assert err.startswith("Traceback (most recent call last):")
-    assert "runpy" not in err and "mpdoctor/crash" not in err  # only the script's frames
+    assert "runpy" not in err and "mpdoctor/attach/crash" not in err  # only the script's frames
     assert f'File "{tmp_path / "train.py"}", line' in err
     traceback_at = err.index("RuntimeError: mat1 and mat2 must have the same dtype, but got Float and BFloat16")
     assert traceback_at < err.index(">> cause of RuntimeError") < err.index("ERROR   mixed-param-dtypes  model")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.training.watch import NonFiniteLoss
+from mpdoctor.attach.training.watch import NonFiniteLoss
 
 pytestmark = pytest.mark.colab
 

@@ -90,7 +90,7 @@ def test_a_fix_whose_change_is_already_in_place_draws_no_button_and_says_so():
     """An older report is still on screen when the user applies the same fix from a newer ``%mpdoctor``: the older
     card's button would change nothing (a button that does nothing is a defect), so it is not drawn, the card says
     the change is already in place, and that report's plan no longer holds it."""
-    from mpdoctor.runtime.assembly import assemble
+    from mpdoctor.attach.runtime.assembly import assemble
 
     with loaded_shell(NAMES) as sh:
         _run(sh, SETUP, "setup")

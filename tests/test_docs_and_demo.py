@@ -9,9 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mpdoctor.checks import SECTIONS, load
-from mpdoctor.cli.docs import reference_section, rules_reference
-from mpdoctor.crash.catalogue import catalogue_markdown
+from mpdoctor.attach.crash.catalogue import catalogue_markdown
+from mpdoctor.front.docs import reference_section, rules_reference
+from mpdoctor.rules.checks import SECTIONS, load
 
 ROOT = Path(__file__).resolve().parent.parent
 

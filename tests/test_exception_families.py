@@ -23,9 +23,9 @@ import torch
 from between_steps_raisers import BETWEEN_STEPS_RAISERS
 from test_crash_patterns import scaler_with_fp16_params
 
-from mpdoctor.crash import explain
-from mpdoctor.crash.catalogue import DTYPE, FAMILIES, PROTOCOL, catalogue_markdown, family
-from mpdoctor.crash.patterns import PATTERNS, match_exception
+from mpdoctor.attach.crash import explain
+from mpdoctor.attach.crash.catalogue import DTYPE, FAMILIES, PROTOCOL, catalogue_markdown, family
+from mpdoctor.attach.crash.patterns import PATTERNS, match_exception
 
 ROOT = Path(__file__).resolve().parents[1]
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -504,8 +504,8 @@ def test_naming_the_tensors_reads_no_attribute_of_the_users_modules():
     exc = raised(crash)
     Watched.armed = True
     try:
-        from mpdoctor.crash.cause import family_detail
-        from mpdoctor.crash.frames import traceback_frames
+        from mpdoctor.attach.crash.cause import family_detail
+        from mpdoctor.attach.crash.frames import traceback_frames
 
         detail = family_detail(match_exception(exc)[0], exc, traceback_frames(exc.__traceback__), None)
     finally:
@@ -575,7 +575,7 @@ def check_in_notebook(ip, capsys, slug: str, raise_it) -> None:
     assert "mpdoctor: could not diagnose" not in out
     diagnosis = " ".join(out[out.index(label):].split())  # text wrapping undone
     kind = family(slug).kind
-    report = __import__("mpdoctor.crash", fromlist=["explain"]).explain(result.error_in_exec, namespace=ip.user_ns)
+    report = __import__("mpdoctor.attach.crash", fromlist=["explain"]).explain(result.error_in_exec, namespace=ip.user_ns)
     if kind == DTYPE:
         operands = report.cause.evidence["operands"]
         assert " ".join(operands.split()) in diagnosis

@@ -18,8 +18,8 @@ from setups import batch, tiny_gemma3, tiny_trainer, train_step
 from setups_dtypes import finite
 
 import mpdoctor
-from mpdoctor.checks.cache import _transformers_before, cache_in_training
-from mpdoctor.gathering import gather
+from mpdoctor.objects.gathering import gather
+from mpdoctor.rules.checks.cache import _transformers_before, cache_in_training
 
 
 def cache_bytes(cache) -> int:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpdoctor.checks import REGISTRY, load
-from mpdoctor.crash.patterns import PATTERNS
-from mpdoctor.runtime.rules import RULES
+from mpdoctor.attach.crash.patterns import PATTERNS
+from mpdoctor.attach.runtime.rules import RULES
+from mpdoctor.rules.checks import REGISTRY, load
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

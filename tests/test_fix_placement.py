@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 
 pytestmark = pytest.mark.colab
 

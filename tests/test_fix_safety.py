@@ -14,7 +14,7 @@ The tests run per broken scenario, over each of its fixes. For each one:
   worse);
 - applying a safe fix twice (the same Fix again, and the matching Fix of a
   second report taken before the first was applied) equals applying it once;
-- fault injection: the n-th ``mpdoctor.edits.steps.cast_tensor`` call raising
+- fault injection: the n-th ``mpdoctor.objects.edits.steps.cast_tensor`` call raising
   ``torch.OutOfMemoryError``, for every n; the k-th change of the plan
   raising (also KeyboardInterrupt); the verification step failing: each
   leaves the fingerprint bit-identical, raises FixFailed (KeyboardInterrupt
@@ -38,8 +38,8 @@ from scenarios import BY_NAME, SCENARIOS, gemma3_train_nested_cache, reset_accel
 from setups import batch, train_step
 
 import mpdoctor
-import mpdoctor.edits.steps as fixes_mod
-from mpdoctor.treatment.fixes import Applicability, Fix, FixFailed
+import mpdoctor.objects.edits.steps as fixes_mod
+from mpdoctor.rules.engine.fixes import Applicability, Fix, FixFailed
 
 TARGETS = (None, "T4", "A100")
 
@@ -63,7 +63,7 @@ class FixCase:
     title: str
     safe: bool
     index: int  # among fixes with the same key
-    casts: bool = False  # allocates through mpdoctor.edits.steps.cast_tensor when applied
+    casts: bool = False  # allocates through mpdoctor.objects.edits.steps.cast_tensor when applied
 
     @property
     def id(self) -> str:
@@ -128,7 +128,7 @@ def fix_cases() -> tuple[FixCase, ...]:
 
 
 def _allocates(fix: Fix) -> bool:
-    """Apply and undo ``fix`` on the collection build, counting calls of mpdoctor.edits.steps.cast_tensor."""
+    """Apply and undo ``fix`` on the collection build, counting calls of mpdoctor.objects.edits.steps.cast_tensor."""
     calls = []
     real = fixes_mod.cast_tensor
 
@@ -433,7 +433,7 @@ def _cast_failing_at_each_allocation(case: FixCase, monkeypatch: pytest.MonkeyPa
     lv.fix.undo()
     n_casts = _count_casts(monkeypatch, lv.fix)
     assert changed_dtypes, f"{case.id}: a casting fix changed no dtype"
-    assert n_casts > 0, f"{case.id}: the fix changes dtypes without allocating through mpdoctor.edits.steps.cast_tensor"
+    assert n_casts > 0, f"{case.id}: the fix changes dtypes without allocating through mpdoctor.objects.edits.steps.cast_tensor"
     assert_unchanged(before, lv.fingerprint(), f"{case.id}: apply + undo while counting")
     real = fixes_mod.cast_tensor
     for n in range(1, n_casts + 1):

@@ -17,7 +17,7 @@ import torch
 from fingerprint import assert_unchanged, fingerprint
 from steps import assert_step_trains, snapshot
 
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 
 sys.path.insert(0, str(Path(__file__).parent / "field"))
 from test_between_steps_cases import FourierMixer, raised  # noqa: E402

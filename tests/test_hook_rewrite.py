@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import linecache
 
-from mpdoctor.runtime.hook_rewrite import clip_moved_to_hook, corrected_class
+from mpdoctor.attach.runtime.hook_rewrite import clip_moved_to_hook, corrected_class
 
 CELL = """\
 import torch

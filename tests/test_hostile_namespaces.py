@@ -41,9 +41,9 @@ from setups import tiny_llama
 
 import mpdoctor
 import mpdoctor.diagnosis
-import mpdoctor.discovery.subjects as discover_mod
-from mpdoctor.discovery.subjects import CONTAINER_DEPTH, CONTAINER_WIDTH
-from mpdoctor.readers.tensors import Tallier
+import mpdoctor.objects.discovery.subjects as discover_mod
+from mpdoctor.objects.discovery.subjects import CONTAINER_DEPTH, CONTAINER_WIDTH
+from mpdoctor.objects.readers.tensors import Tallier
 
 HOSTILE_EXAMPLES = 500
 MAGIC_EXAMPLES = 60

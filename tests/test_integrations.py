@@ -15,7 +15,7 @@ import mpdoctor
 from mpdoctor import integrations
 from mpdoctor.diagnosis.view import precision_view
 from mpdoctor.facts.hardware import PROFILES
-from mpdoctor.gathering import gather
+from mpdoctor.objects.gathering import gather
 
 TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
 
@@ -114,7 +114,7 @@ def _trainer_facts(requested: str, target: str):
 
 
 def test_bf16_on_a_live_v100_built_by_hand_is_an_error_and_on_a_live_a100_is_healthy():
-    from mpdoctor.checks import run_checks
+    from mpdoctor.rules.checks import run_checks
 
     v100 = run_checks(_trainer_facts("bf16", "V100"))
     assert any(f.check == "bf16-unsupported" and f.severity == "error" for f in v100)
@@ -125,7 +125,7 @@ def test_bf16_on_a_live_v100_built_by_hand_is_an_error_and_on_a_live_a100_is_hea
 def test_fp16_on_a_live_t4_built_by_hand_computes_in_fp16_as_asked():
     facts = _trainer_facts("fp16", "T4")
     assert facts.precisions[0].computes_in == "fp16"
-    from mpdoctor.checks import run_checks
+    from mpdoctor.rules.checks import run_checks
 
     assert not [f for f in run_checks(facts) if f.check == "precision-override"]
 
@@ -133,7 +133,7 @@ def test_fp16_on_a_live_t4_built_by_hand_computes_in_fp16_as_asked():
 def test_gathering_twice_gives_equal_plain_facts():
     """Facts are plain data: two gatherings of the same objects compare equal field by field."""
     model = tiny_llama(torch.bfloat16)
-    from mpdoctor.discovery.subjects import discover
+    from mpdoctor.objects.discovery.subjects import discover
 
     subjects = discover([model], names={id(model): "model"})
     one, two = gather(subjects), gather(subjects)

@@ -1,6 +1,6 @@
 """Intent islands: fp32 parts a healthy setup keeps on purpose draw nothing; the same part as an accident is an error.
 
-Evidence read from the live objects (``mpdoctor/readers/intent.py``): an averaged copy (torch's ``AveragedModel``),
+Evidence read from the live objects (``mpdoctor/objects/readers/intent.py``): an averaged copy (torch's ``AveragedModel``),
 a frozen copy of a sibling that no optimizer holds (a hand-written EMA), PEFT's fp32 adapters, a module whose
 forward casts its input. The last test measures false alarms: ``diagnose()`` on the healthy recipe of each island
 kind draws no error and no warning.

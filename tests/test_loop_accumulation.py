@@ -17,8 +17,8 @@ import torch
 from cure import click_fix
 from notebook_shell import loaded_shell
 
-from mpdoctor.readers.loop_source import source_of
-from mpdoctor.runtime.loop_accumulation import read_loop_accumulations
+from mpdoctor.attach.runtime.loop_accumulation import read_loop_accumulations
+from mpdoctor.objects.readers.loop_source import source_of
 
 SETUP = """import torch
 torch.manual_seed(0)
@@ -233,7 +233,7 @@ def test_a_loop_without_backward_is_not_an_accumulation_loop():
 def test_a_recorded_loop_setting_leaves_with_its_optimizer_and_a_step_every_batch_clears_it():
     import gc
 
-    from mpdoctor.readers import loop_accumulation as registry
+    from mpdoctor.objects.readers import loop_accumulation as registry
 
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     registry.record(opt, 4, "opt.step() every 4 backward() calls (cell [1], line 4)")
@@ -350,9 +350,9 @@ def test_the_counter_skips_nested_backward_calls_and_proofs_and_leaves_torch_as_
     micro-batch is counted. A step mpdoctor runs to prove a fix is not the loop's. close() restores torch."""
     from torch.utils.checkpoint import checkpoint
 
+    from mpdoctor.attach.runtime.backward_count import BackwardCounter
     from mpdoctor.diagnosis.proof import run_step
-    from mpdoctor.readers.loop_accumulation import recorded
-    from mpdoctor.runtime.backward_count import BackwardCounter
+    from mpdoctor.objects.readers.loop_accumulation import recorded
 
     real = torch.autograd.backward
     model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)])

@@ -18,9 +18,9 @@ import textwrap
 import pytest
 import torch
 
-from mpdoctor.runtime.history import cell_sources, read_script
-from mpdoctor.runtime.loop_findings import read_code
-from mpdoctor.runtime.rules import RULES
+from mpdoctor.attach.runtime.history import cell_sources, read_script
+from mpdoctor.attach.runtime.loop_findings import read_code
+from mpdoctor.attach.runtime.rules import RULES
 
 pytestmark = pytest.mark.colab
 
@@ -691,8 +691,8 @@ def test_a_while_loop_and_a_scaled_loss_bound_to_a_name():
 
 
 def test_a_pathological_cell_is_skipped_and_the_others_are_still_read():
-    from mpdoctor.readers.loop_source import source_of
-    from mpdoctor.runtime.loop_findings import read_sources
+    from mpdoctor.attach.runtime.loop_findings import read_sources
+    from mpdoctor.objects.readers.loop_source import source_of
 
     deep = source_of("In[1]", "x = " + "f(" * 150 + "scaler.step(optimizer)" + ")" * 150 + "\n")
     assert deep is not None  # it parses

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mpdoctor
-from mpdoctor.numerics.probe import ForwardCall
+from mpdoctor.attach.numerics.probe import ForwardCall
 
 
 class HandLayerNorm(nn.Module):
@@ -315,7 +315,7 @@ class Pooled(nn.Module):
 
 
 def test_a_division_by_a_count_that_reached_0_in_a_script_function_gets_the_function_corrected_and_it_trains():
-    from mpdoctor.runtime.domain_rewrite import clamped_source
+    from mpdoctor.attach.runtime.domain_rewrite import clamped_source
 
     torch.manual_seed(0)
     model = Pooled()
@@ -351,7 +351,7 @@ def test_a_division_by_a_count_that_reached_0_in_a_script_function_gets_the_func
 def test_an_op_in_library_code_is_not_offered_as_corrected_code():
     import json
 
-    from mpdoctor.runtime.nan_origin import _users_file
+    from mpdoctor.attach.runtime.nan_origin import _users_file
 
     assert not _users_file(torch.__file__) and not _users_file(json.__file__)
     assert _users_file(__file__)

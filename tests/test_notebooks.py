@@ -124,7 +124,7 @@ def check_lessons(nb) -> None:
 
 def missing_requirements(nb) -> list[str]:
     """Check slugs (or ``module:`` entries) a notebook needs that this installation lacks."""
-    from mpdoctor.checks import load
+    from mpdoctor.rules.checks import load
 
     registry = load()
     missing = []

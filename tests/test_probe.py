@@ -10,7 +10,7 @@ from setups import batch, tiny_llama
 from steps import assert_step_trains, snapshot
 
 import mpdoctor
-from mpdoctor.numerics.probe_facts import PROBE_COLUMNS, ForwardCall
+from mpdoctor.attach.numerics.probe_facts import PROBE_COLUMNS, ForwardCall
 
 HOOK_DICTS = (
     "_forward_hooks",
@@ -134,7 +134,7 @@ def test_under_fp16_autocast_the_same_layer_is_named_as_the_first_non_finite_fro
 
 
 def test_the_accelerator_path_queues_statistics_and_reads_them_once_with_the_same_verdict(monkeypatch):
-    from mpdoctor.numerics import probe as probe_module
+    from mpdoctor.attach.numerics import probe as probe_module
 
     model = tiny_llama(use_cache=False)
     with torch.no_grad():
@@ -358,7 +358,7 @@ def test_the_probe_keeps_no_activation_alive_that_the_model_itself_drops_and_sti
     assert not report.findings and len(report.probe_table) == 5
 
     # the dedupe still holds: a model returning its head's output twice has it read once
-    from mpdoctor.numerics import probe as probe_module
+    from mpdoctor.attach.numerics import probe as probe_module
 
     reads = []
     real = probe_module._Stats.add
@@ -421,7 +421,7 @@ def test_the_probe_reads_each_weight_gradient_as_backward_makes_it_and_keeps_non
     assert [table.loc[f"model.{i}", "param_grad_absmax"] for i in range(4)] == pytest.approx(expected, rel=0, abs=0)
     assert (table["param_grad_nonfinite"] == 0).all() and report.facts.probes[0].grads_trained
 
-    from mpdoctor.numerics.probe import _early_grads_ok
+    from mpdoctor.attach.numerics.probe import _early_grads_ok
 
     ddp_named = [("", type("DistributedDataParallel", (torch.nn.Module,), {})())]
     assert _early_grads_ok(list(model.named_modules()), params)

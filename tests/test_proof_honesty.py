@@ -296,10 +296,10 @@ def test_a_step_mpdoctor_builds_itself_is_checked_and_never_labelled_verified():
 
 def test_two_cures_of_one_failure_that_undo_each_other_are_not_planned_together():
     from mpdoctor.diagnosis.proof import prove
-    from mpdoctor.live import Live
-    from mpdoctor.treatment.changes import CastInputsHook, CastParamsTo
-    from mpdoctor.treatment.fixes import Fix
-    from mpdoctor.treatment.rules import Applicability
+    from mpdoctor.objects.live import Live
+    from mpdoctor.rules.engine.changes import CastInputsHook, CastParamsTo
+    from mpdoctor.rules.engine.fixes import Fix
+    from mpdoctor.rules.engine.rules import Applicability
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))

@@ -420,8 +420,8 @@ def _bf16_head(model):
 def test_the_probes_own_run_is_judged_as_its_held_step_would_be(make, scaler_scale, ran, trained):
     """The proof's "before" is the probe's own forward and backward, not a second run: judged from it, the outcome
     is the one run_step gives on the held step itself, under the same loss scale."""
+    from mpdoctor.attach.numerics.probe import _outcome, probe_step, run_probe
     from mpdoctor.diagnosis.proof import run_step
-    from mpdoctor.numerics.probe import _outcome, probe_step, run_probe
 
     torch.manual_seed(0)
     model = make(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))

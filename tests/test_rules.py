@@ -14,12 +14,12 @@ from scenarios import SCENARIOS
 from setups import tiny_llama
 
 import mpdoctor
-from mpdoctor.checks import REGISTRY, load
-from mpdoctor.crash.catalogue import FAMILIES
-from mpdoctor.runtime.rules import RULES
-from mpdoctor.treatment.findings import Severity
-from mpdoctor.treatment.fixes import Applicability as FixesApplicability
-from mpdoctor.treatment.rules import Applicability, Rule, RuleKind, load_rules, rule_for
+from mpdoctor.attach.crash.catalogue import FAMILIES
+from mpdoctor.attach.runtime.rules import RULES
+from mpdoctor.rules.checks import REGISTRY, load
+from mpdoctor.rules.engine.findings import Severity
+from mpdoctor.rules.engine.fixes import Applicability as FixesApplicability
+from mpdoctor.rules.engine.rules import Applicability, Rule, RuleKind, load_rules, rule_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

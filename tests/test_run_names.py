@@ -14,7 +14,7 @@ import pytest
 import torch
 from notebook_shell import loaded_shell
 
-from mpdoctor.runtime.protocol import ProtocolObserver, modules_in_user_frames
+from mpdoctor.attach.runtime.protocol import ProtocolObserver, modules_in_user_frames
 
 pytestmark = pytest.mark.colab
 
@@ -90,7 +90,7 @@ def test_every_string_of_a_lesson_report_names_the_scaler_amp_scaler_across_rebu
     shell.run_cell(FRESH, store_history=True)
     for _lesson in range(4):
         shell.run_cell(UNSCALE_TWICE, store_history=True)
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     observer = session.observer(shell)
     found = [f for f in observer.findings if f.check == "amp-unscale-twice"]
@@ -118,7 +118,7 @@ for i in range(30):
     amp_scaler.step(optimizer)
     amp_scaler.update()
 """, store_history=True)
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     observer = session.observer(shell)
     unsettled = [f for f in observer.findings if f.check == "amp-scale-unsettled"]

@@ -40,7 +40,7 @@ def shell():
 
 
 def test_a_cells_report_pictures_that_cells_steps_only(shell, capsys):
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     shell.run_cell(SETUP, store_history=True)
     shell.run_cell("steps(5)", store_history=True)  # healthy: nothing shown
@@ -81,7 +81,7 @@ def test_a_chart_with_no_skipped_step_says_so_and_no_red_count():
 def test_the_scaler_panel_does_not_deny_the_scaler_whose_chart_it_shows(shell, capsys):
     shell.run_cell(SETUP, store_history=True)
     shell.run_cell("steps(3, clip_before_unscale=True)", store_history=True)
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     observer = session.observer(shell)
     report = session.cell_report(observer, observer.findings)
@@ -92,8 +92,8 @@ def test_the_scaler_panel_does_not_deny_the_scaler_whose_chart_it_shows(shell, c
 
 
 def test_a_watchers_report_says_it_inspected_nothing_instead_of_denying_the_model_and_scaler(shell, capsys):
+    from mpdoctor.attach.runtime import session
     from mpdoctor.render.widget import ReportWidget
-    from mpdoctor.runtime import session
 
     shell.run_cell(SETUP, store_history=True)
     # optimizer.step() straight after the scaled backward: the watcher sees it, and no scaler step ever runs.
@@ -172,7 +172,7 @@ def test_watch_stop_on_nonfinite_stops_at_a_skipped_step():
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     x = torch.full((4, 8), float("inf"))
-    from mpdoctor.training.watch import NonFiniteLoss
+    from mpdoctor.attach.training.watch import NonFiniteLoss
 
     with pytest.raises(NonFiniteLoss):
         with mpdoctor.watch(model, opt, scaler, stop_on_nonfinite=True):

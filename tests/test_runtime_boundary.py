@@ -143,7 +143,7 @@ def test_no_alarm_with_a_matching_batch_under_autocast_or_when_the_model_casts_i
 
 
 def test_a_plain_tensor_batch_is_named_input_and_the_hook_never_casts_ids_or_bool_masks():
-    from mpdoctor.treatment.changes import cast_inputs_hook
+    from mpdoctor.rules.engine.changes import cast_inputs_hook
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 2)).to(torch.bfloat16)
     x = torch.randn(3, 4)

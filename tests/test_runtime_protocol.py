@@ -17,11 +17,11 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 import mpdoctor
 from mpdoctor import compat
+from mpdoctor.attach.runtime import protocol as protocol_module
+from mpdoctor.attach.runtime.protocol import ProtocolObserver
+from mpdoctor.attach.runtime.rules import corrected_template
+from mpdoctor.attach.training.runner import run_script
 from mpdoctor.facts.location import cell_number
-from mpdoctor.runtime import protocol as protocol_module
-from mpdoctor.runtime.protocol import ProtocolObserver
-from mpdoctor.runtime.rules import corrected_template
-from mpdoctor.training.runner import run_script
 
 HERE = Path(__file__)
 
@@ -450,7 +450,7 @@ def shell():
 
 
 def test_a_notebook_cell_clipping_scaled_gradients_is_named_by_cell_and_line(shell, capsys):
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
                    "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
@@ -540,7 +540,7 @@ def test_watch_inside_a_notebook_cell_shares_the_resident_wrapper_and_leaves_it_
 
 
 def test_a_step_split_across_cells_is_watched_from_the_first_line_of_the_next_cell(shell, capsys):
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     shell.run_cell("import torch\nm = torch.nn.Linear(4, 1)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
                    "scaler = torch.amp.GradScaler('cpu')", store_history=True)  # fmt: skip
@@ -572,8 +572,8 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
     assert "ERROR   amp-clip-before-unscale" in out and "scaler.unscale_(opt)" in out  # the corrected lines in the cell's names
     assert "inspected: nothing" not in out
     # In a widget frontend the same report is the widget: its header says what was watched.
+    from mpdoctor.attach.runtime import session
     from mpdoctor.render.widget import ReportWidget
-    from mpdoctor.runtime import session
 
     widget = ReportWidget(session.cell_report(session.observer(shell), session.observer(shell).findings))
     assert f"watched: the AMP loop as it ran (cell [{number}])" in widget.header.value
@@ -588,7 +588,7 @@ def test_a_cells_protocol_findings_are_shown_as_a_report_when_the_cell_ends(shel
 def test_unloading_the_extension_unregisters_the_cell_events_and_puts_back_gradscaler_scale(shell):
     from torch.amp.grad_scaler import GradScaler
 
-    from mpdoctor.runtime import session
+    from mpdoctor.attach.runtime import session
 
     shell.run_cell("import torch\nx = 1", store_history=False)  # a cell with torch arms the resident wrapper
     assert protocol_module.resident()
@@ -748,14 +748,14 @@ def test_load_ext_arms_the_watch_without_importing_the_observer_until_a_scaler_s
         from IPython.core.interactiveshell import InteractiveShell
         sh = InteractiveShell.instance()
         sh.run_line_magic("load_ext", "mpdoctor")
-        from mpdoctor.runtime import dispatch
-        assert dispatch.resident() and "mpdoctor.runtime.protocol" not in sys.modules
+        from mpdoctor.attach.runtime import dispatch
+        assert dispatch.resident() and "mpdoctor.attach.runtime.protocol" not in sys.modules
         sh.run_cell("x = 1")
-        assert "mpdoctor.runtime.protocol" not in sys.modules  # a cell that does not train wakes nothing
+        assert "mpdoctor.attach.runtime.protocol" not in sys.modules  # a cell that does not train wakes nothing
         sh.run_cell("import torch\\nm = torch.nn.Linear(4, 1)\\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\\n"
                     "scaler = torch.amp.GradScaler('cpu')\\nscaler.scale(m(torch.randn(2, 4)).sum()).backward()\\n"
                     "torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)\\nscaler.step(opt)\\nscaler.update()")
-        from mpdoctor.runtime import session
+        from mpdoctor.attach.runtime import session
         assert [f.check for f in session.observer(sh).findings] == ["amp-clip-before-unscale"]
         sh.run_line_magic("unload_ext", "mpdoctor")
         assert not dispatch.resident() and not dispatch.installed()

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from setups import tiny_llama, tiny_trainer
 
 import mpdoctor
+from mpdoctor.attach.runtime import protocol as protocol_module
 from mpdoctor.facts.scale_history import ScaleRecord
-from mpdoctor.runtime import protocol as protocol_module
 
 
 def overflowing_run(steps: int = 12):

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mpdoctor
 from mpdoctor.diagnosis.scan_rows import module_rows, scan_table
-from mpdoctor.gathering.values import (
+from mpdoctor.objects.gathering.values import (
     FP16_MAX,
     SMALL_ELEMENTS,
     TEMP_BUDGET,

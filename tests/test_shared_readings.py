@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import mpdoctor
-from mpdoctor.crash import frames
-from mpdoctor.live.introspect import class_path
+from mpdoctor.attach.crash import frames
+from mpdoctor.objects.live.introspect import class_path
 
 
 def test_a_class_path_is_its_module_and_qualname():

@@ -1,6 +1,6 @@
 """What mpdoctor attaches to a run stays out of the user's tracebacks.
 
-With ``%load_ext mpdoctor`` the GradScaler's methods are wrapped (``mpdoctor/runtime/dispatch.py``), so every
+With ``%load_ext mpdoctor`` the GradScaler's methods are wrapped (``mpdoctor/attach/runtime/dispatch.py``), so every
 scaler traceback passed through a wrapper. Each wrapper marks its frame with ``__tracebackhide__``, which IPython 8
 and later honour; the crash hook also unlinks those frames before IPython shows the traceback (IPython 7.34, Colab's,
 ignores the mark), and ``watch()`` and ``mpdoctor run`` do for a plain Python traceback: the user's traceback shows
@@ -38,7 +38,7 @@ def test_a_gradscaler_traceback_shows_the_users_cell_and_torch_not_mpdoctors_wra
         out = capsys.readouterr()
         text = re.sub(r"\x1b\[[0-9;]*m", "", out.out + out.err)
         assert "Attempting to unscale FP16 gradients" in text and "grad_scaler.py" in text
-        assert "dispatch.py" not in text and "mpdoctor/runtime" not in text
+        assert "dispatch.py" not in text and "mpdoctor/attach/runtime" not in text
 
 
 # -- plain Python: a script under watch() or `mpdoctor run`, its traceback printed by Python itself ---------------

@@ -22,8 +22,8 @@ from scenarios import FIELD_CASES, reset_accelerate
 from setups import batch, tiny_llama, train_step
 
 import mpdoctor
-from mpdoctor.treatment.fixes import Applicability
-from mpdoctor.treatment.plan import score
+from mpdoctor.rules.engine.fixes import Applicability
+from mpdoctor.rules.engine.plan import score
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -90,7 +90,7 @@ def test_a_stale_fix_superseded_by_an_earlier_one_does_nothing_and_says_why():
 
 def test_the_demo_without_adamw_bf16_ends_fixed():
     """A plain ``pip install mpdoctor[hf]`` has no adamw-bf16: the demo falls back to stock AdamW."""
-    code = "import sys; sys.modules['adamw_bf16'] = None\nfrom mpdoctor.cli.demo import run_demo\nsys.exit(run_demo())"
+    code = "import sys; sys.modules['adamw_bf16'] = None\nfrom mpdoctor.front.demo import run_demo\nsys.exit(run_demo())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert "optimizer (AdamW)" in proc.stdout  # the fallback really ran
     assert proc.returncode == 0 and "result: fixed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]

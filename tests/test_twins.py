@@ -1,5 +1,5 @@
 """A code fix is run before it is shown: the corrected lines of the user's own AMP loop, on copies of the user's
-objects, for a few optimizer steps (:mod:`mpdoctor.runtime.twins`). In a real ``InteractiveShell``: the loop's real
+objects, for a few optimizer steps (:mod:`mpdoctor.attach.runtime.twins`). In a real ``InteractiveShell``: the loop's real
 mistake, ``%mpdoctor`` naming it with the corrected lines and what they did on the copies, the user's objects and
 random streams untouched, then the corrected lines run by the user: they train as the trial said.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 from notebook_shell import loaded_shell
 
-from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.attach.runtime.twins import TRIAL_STEPS, try_on_twins
 
 pytestmark = pytest.mark.colab
 
@@ -118,7 +118,7 @@ def test_after_a_crash_mid_iteration_the_trial_runs_on_the_scaler_as_it_is_and_s
         assert "step() has already been called since the last update()" in str(again.error_in_exec)
         # With a scaler built again (or updated once), the same corrected lines train, on copies and for real.
         sh.run_cell('scaler = torch.amp.GradScaler("cpu")', store_history=True)
-        from mpdoctor.runtime.twins import try_on_twins
+        from mpdoctor.attach.runtime.twins import try_on_twins
 
         assert try_on_twins(fix.code, sh.user_ns).trains
         assert sh.run_cell(fix.code, store_history=True).success
@@ -157,7 +157,7 @@ def test_code_that_raises_or_cannot_run_on_copies_says_so():
 
 
 def test_objects_too_large_to_copy_are_not_copied(monkeypatch):
-    import mpdoctor.runtime.twins as twins
+    import mpdoctor.attach.runtime.twins as twins
 
     monkeypatch.setattr(twins, "COPY_BUDGET_BYTES", 1024)
     ns = {"net": torch.nn.Linear(64, 64), "torch": torch}

@@ -13,12 +13,12 @@ from setups import tiny_llama
 from steps import assert_step_trains, snapshot
 
 import mpdoctor
-from mpdoctor.checks import run_checks
-from mpdoctor.crash import explain
-from mpdoctor.crash.frames import entry_points, traceback_frames
-from mpdoctor.edits.steps import MethodInputCast
-from mpdoctor.treatment.changes import CAST_INPUTS_MARKER, CastInputsHook, CastParamsTo, cast_arguments
-from mpdoctor.treatment.plan import plan, score
+from mpdoctor.attach.crash import explain
+from mpdoctor.attach.crash.frames import entry_points, traceback_frames
+from mpdoctor.objects.edits.steps import MethodInputCast
+from mpdoctor.rules.checks import run_checks
+from mpdoctor.rules.engine.changes import CAST_INPUTS_MARKER, CastInputsHook, CastParamsTo, cast_arguments
+from mpdoctor.rules.engine.plan import plan, score
 
 
 def raised(call) -> BaseException:
@@ -413,7 +413,7 @@ def test_an_encoder_decoder_gets_the_input_cast_where_it_was_called(entry):
 def test_the_input_cast_keeps_a_model_outputs_class():
     from transformers.modeling_outputs import BaseModelOutput
 
-    from mpdoctor.treatment.changes import cast_floating
+    from mpdoctor.rules.engine.changes import cast_floating
 
     out = BaseModelOutput(last_hidden_state=torch.randn(1, 2, 4))
     cast = cast_floating({"encoder_outputs": out}, torch.bfloat16)["encoder_outputs"]

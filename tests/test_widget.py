@@ -18,9 +18,9 @@ from setups import PAYLOAD, SCRIPT, bf16_model, tiny_gemma3
 import mpdoctor
 from mpdoctor.render.html import COLORS, e
 from mpdoctor.render.widget import WIDGET_VIEW_MIME, ReportWidget, iter_widgets
-from mpdoctor.treatment.changes import SetAttrTo
-from mpdoctor.treatment.findings import Finding
-from mpdoctor.treatment.fixes import UNDO_BUDGET_BYTES, Applicability, Fix
+from mpdoctor.rules.engine.changes import SetAttrTo
+from mpdoctor.rules.engine.findings import Finding
+from mpdoctor.rules.engine.fixes import UNDO_BUDGET_BYTES, Applicability, Fix
 
 pytestmark = pytest.mark.colab
 
@@ -367,7 +367,7 @@ def test_the_header_panels_and_issue_text_show_the_live_state():
     # No model with 4 numbered layers, no scan, no probe: those tabs are hidden.
     assert rw.panel_titles() == ["dtypes", "caches", "scaler", "precision", "issue report"]
 
-    from mpdoctor.checks import REGISTRY
+    from mpdoctor.rules.checks import REGISTRY
 
     why = REGISTRY["scaler-with-bf16"].why
     assert why and "``" in why, "the docstring is reStructuredText"

@@ -11,7 +11,7 @@ import torch
 from setups import batch, tiny_llama, train_step
 
 import mpdoctor
-from mpdoctor.crash.cause import explain
+from mpdoctor.attach.crash.cause import explain
 from mpdoctor.render.formatting import fix_kind
 
 
@@ -186,7 +186,7 @@ def test_a_tensor_batch_in_the_wrong_dtype_is_named_with_its_dtype_in_the_eviden
 
 
 def test_run_usage_and_help_name_the_scripts_arguments_the_same_way(capsys):
-    from mpdoctor.cli import main
+    from mpdoctor.front.cli import main
 
     try:
         main(["run", "-h"])

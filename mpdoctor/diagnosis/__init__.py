@@ -14,17 +14,17 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Callable
 
-from ..checks import internal_error, run_checks
-from ..discovery.subjects import Subject, discover, nothing_to_inspect, subject_kind
 from ..facts import Facts
 from ..facts.hardware import DeviceProfile, profile_for
 from ..facts.precision import TorchStateFacts
-from ..gathering import gather
-from ..live import Live
+from ..objects.discovery.subjects import Subject, discover, nothing_to_inspect, subject_kind
+from ..objects.gathering import gather
+from ..objects.live import Live
 from ..redact import describe_exception, redact_finding
-from ..treatment.findings import Finding
-from ..treatment.plan import plan as plan_treatment
-from ..treatment.plan import plan_safe
+from ..rules.checks import internal_error, run_checks
+from ..rules.engine.findings import Finding
+from ..rules.engine.plan import plan as plan_treatment
+from ..rules.engine.plan import plan_safe
 from .report import Report
 from .treatment import Treatment, bind_fixes
 
@@ -130,11 +130,11 @@ def _callers_namespace() -> dict[str, Any] | None:
 
 def _read_callers_script() -> None:
     """In a script (``python train.py``), the gradient accumulation of its hand-written loop, read from its code
-    (:func:`~mpdoctor.readers.loop_accumulation.record_script_loops`); nothing for mpdoctor's own calls."""
+    (:func:`~mpdoctor.objects.readers.loop_accumulation.record_script_loops`); nothing for mpdoctor's own calls."""
     frame = _user_caller()
     if frame is None:
         return
-    from ..readers.loop_accumulation import record_script_loops
+    from ..objects.readers.loop_accumulation import record_script_loops
 
     record_script_loops(frame)
 
@@ -326,7 +326,7 @@ def _gather(subjects: tuple[Subject, ...], profile: DeviceProfile | None, live: 
 
 def _plain(s: Subject):
     from ..facts import SubjectFacts
-    from ..live.introspect import type_name
+    from ..objects.live.introspect import type_name
 
     return SubjectFacts(s.kind, s.name, id(s.obj), id(s.inner), s.inner_path, s.owner, type_name(s.obj), "?")
 
@@ -352,7 +352,7 @@ def _failure(where: str, exc: BaseException) -> Finding:
 
 def _with_scan(facts: Facts, subjects: tuple[Subject, ...]) -> Facts:
     try:
-        from ..gathering.scan import scan_facts
+        from ..objects.gathering.scan import scan_facts
     except ModuleNotFoundError:
         return facts
     try:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ..gathering.precision import gather_torch_state
-from ..readers.hardware import live_profile
+from ..objects.gathering.precision import gather_torch_state
+from ..objects.readers.hardware import live_profile
 
 
 class EnvReport(dict):

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from ..facts import Facts
-from ..facts.distributed import DistributedFacts, RankRow
+from ..libraries.distributed.facts import DistributedFacts, RankRow
 
 #: Environment variables that legitimately differ between ranks.
 PER_RANK_ENV = frozenset({"RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "CUDA_VISIBLE_DEVICES", "LOCAL_WORLD_SIZE"})
@@ -127,7 +127,7 @@ def exchange(facts: Facts, timeout: float = 60.0, store: Any = None, counters: C
 
 def _default_store() -> Any:
     """The default process group's store."""
-    from ..integrations.distributed import default_store
+    from ..libraries.distributed.integration import default_store
 
     store = default_store()
     if store is None:

@@ -252,7 +252,7 @@ _PROVING = [0]
 
 def is_proving() -> bool:
     """Whether the code running now is a step mpdoctor runs to prove a fix: what watches the user's loop
-    (:class:`~mpdoctor.runtime.backward_count.BackwardCounter`) does not count it as the loop's."""
+    (:class:`~mpdoctor.attach.runtime.backward_count.BackwardCounter`) does not count it as the loop's."""
     return _PROVING[0] > 0
 
 
@@ -728,7 +728,7 @@ def _label(fix: Any, alone: StepOutcome, together: StepOutcome | None, kept: lis
 
 def _trial(fixes: list, step: Callable[[], Any], modules: list, optimizers: list, snapshot: RunState) -> StepOutcome | None:
     """Apply ``fixes`` in order, run the step, undo them and restore the snapshot; None when a fix would not apply."""
-    from ..treatment.fixes import revert_steps
+    from ..rules.engine.fixes import revert_steps
 
     applied: list = []  # the steps each fix took, recorded here and never on the fix (a value)
     try:
@@ -867,7 +867,7 @@ def proven_report(report: Any, held: HeldStep, before: StepOutcome | None = None
 def _alternatives(report: Any, proof: Proof) -> list[tuple[Any, Any]]:
     """``(finding, fix)``: for each error or warning left with no planned fix because the proof dropped its planned
     one, the next fix it offers that changes the live objects (not tried yet)."""
-    from ..treatment.fixes import Applicability
+    from ..rules.engine.fixes import Applicability
 
     if proof.checked or not proof.dropped or proof.before is None:
         return []

@@ -272,7 +272,7 @@ def _items(saved: Any) -> list:
 
 
 def _unique_caches(values: Iterable[Any]) -> list[Any]:
-    from ..readers.kv_cache import is_cache
+    from ..objects.readers.kv_cache import is_cache
 
     out, seen = [], set()
     for v in values:
@@ -287,7 +287,7 @@ class CacheState:
     contents of their lists), and for a preallocated cache, which writes in place, the values of its tensors."""
 
     def __init__(self, cache: Any) -> None:
-        from ..readers.kv_cache import cache_holders, is_static
+        from ..objects.readers.kv_cache import cache_holders, is_static
 
         self.holders = [(h, dict(object.__getattribute__(h, "__dict__"))) for h in cache_holders(cache)]
         self.lists = [(v, list(v)) for _, attrs in self.holders for v in attrs.values() if type(v) is list]

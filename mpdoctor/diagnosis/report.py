@@ -13,7 +13,7 @@ import json
 from dataclasses import InitVar, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..treatment.findings import Finding
+from ..rules.engine.findings import Finding
 from .treatment import Treatment, carry_over
 
 if TYPE_CHECKING:
@@ -337,7 +337,7 @@ class Report:
     def __repr__(self) -> str:
         c = self.counts()
         names = ", ".join(s.name for s in self.subjects) or "nothing"
-        from ..treatment.findings import count
+        from ..rules.engine.findings import count
 
         return f"<mpdoctor.Report: {count(c['error'], 'error')}, {count(c['warning'], 'warning')}, {c['info']} info on {names}>"
 

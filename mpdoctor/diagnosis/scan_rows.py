@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import pandas
 
     from ..facts import Facts
-    from ..gathering.values import TensorScan
+    from ..objects.gathering.values import TensorScan
 
 def module_rows(tensors: Iterable[TensorScan]) -> list[dict]:
     """Aggregate tensor rows per object, module and kind (in first-seen order)."""
@@ -80,7 +80,7 @@ def scan_table(facts: Facts, by: str = "module") -> pandas.DataFrame | None:
         return None
     import pandas as pd
 
-    from ..gathering.values import TensorScan
+    from ..objects.gathering.values import TensorScan
 
     rows = scan_rows(facts, by=by)
     if by == "tensor":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..treatment.fixes import Fix, FixFailed, FixNeedsConfirmation, FixRecord
+from ..rules.engine.fixes import Fix, FixFailed, FixNeedsConfirmation, FixRecord
 
 #: Why a finding of the last report is not in a re-diagnosis, as ``report.departed`` and ``to_dict()`` say it.
 FIXED, SUPERSEDED, CODE_ONLY, CHANGED = "fixed", "superseded", "only fixable in code", "changed outside"

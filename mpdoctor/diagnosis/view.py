@@ -12,7 +12,7 @@ from typing import Any
 from ..redact import redact
 from ..render.formatting import ParamRow, cause_label, layer_strips, rst_to_plain
 from ..render.view import ReportView
-from ..treatment.findings import _jsonable
+from ..rules.engine.findings import _jsonable
 
 #: How many views were built in this process: a display builds one (the tests count them).
 BUILDS = 0
@@ -155,7 +155,7 @@ def _why(finding: Any) -> str:
     GradScaler and the optimizer called by the names the finding's evidence gives them."""
     import re
 
-    from ..treatment.rules import rule_for
+    from ..rules.engine.rules import rule_for
 
     rule = rule_for(finding.check)
     if rule is None:

@@ -1,9 +1,9 @@
 """Facts: frozen, plain snapshots of everything checks look at.
 
 No live object is held here (a fact that points at one holds its *ref*, an int, into the
-:class:`~mpdoctor.live.Live` table), so a check is a pure function of data, facts can be built by hand (a
+:class:`~mpdoctor.objects.live.Live` table), so a check is a pure function of data, facts can be built by hand (a
 V100, an 8-rank job), compared, serialised and simulated. This package imports no integration and reads no
-live object: :mod:`mpdoctor.readers` read one object into its facts, :mod:`mpdoctor.gathering` walks the
+live object: :mod:`mpdoctor.objects.readers` read one object into its facts, :mod:`mpdoctor.objects.gathering` walks the
 subjects and asks the integrations.
 """
 
@@ -96,7 +96,7 @@ class ModelFacts:
     stored_layers: tuple = ()
     #: Layers whose weight is a torchao quantized tensor (:class:`~mpdoctor.facts.quantized.QuantizedWeight`).
     quantized_weights: tuple = ()
-    #: A diffusers component's class and precision flags (:class:`~mpdoctor.facts.diffusers.ComponentFacts`), or None.
+    #: A diffusers component's class and precision flags (:class:`~mpdoctor.libraries.diffusers.facts.ComponentFacts`), or None.
     component: object = None
     #: Rotary-embedding frequency buffers held in half precision, as ``(module path, class name, dtype,
     #: phase error in radians at the last position, positions)``; read by the transformers integration.
@@ -111,7 +111,7 @@ class ModelFacts:
     #: built from a config (advice says ``from_pretrained`` only when there is something to load).
     loaded_from: str = ""
     #: Submodules kept off the compute path on purpose (:class:`~mpdoctor.facts.intent.Island`): averaged copies,
-    #: metrics, frozen copies of a sibling; read by :mod:`mpdoctor.readers.intent`.
+    #: metrics, frozen copies of a sibling; read by :mod:`mpdoctor.objects.readers.intent`.
     islands: tuple = ()
 
     @property
@@ -141,14 +141,14 @@ class Facts:
     hardware: DeviceProfile
     scans: tuple = ()
     errors: tuple[tuple[str, str], ...] = ()
-    probes: tuple = ()  # mpdoctor.numerics.probe.ProbeFacts, from a one-batch probe
-    #: mpdoctor.facts.lightning.LightningPrecisionFacts, one per Lightning Trainer / Fabric
+    probes: tuple = ()  # mpdoctor.attach.numerics.probe.ProbeFacts, from a one-batch probe
+    #: mpdoctor.libraries.lightning.facts.LightningPrecisionFacts, one per Lightning Trainer / Fabric
     lightning: tuple = ()
-    #: mpdoctor.facts.distributed.DistributedFacts: process group, FSDP units, launcher state, other ranks.
+    #: mpdoctor.libraries.distributed.facts.DistributedFacts: process group, FSDP units, launcher state, other ranks.
     distributed: Any = None
-    #: mpdoctor.facts.trl.TrlFacts, one per TRL trainer (SFT, DPO, GRPO ...): its config and reference model.
+    #: mpdoctor.libraries.trl.facts.TrlFacts, one per TRL trainer (SFT, DPO, GRPO ...): its config and reference model.
     trl: tuple = ()
-    #: mpdoctor.facts.deepspeed.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
+    #: mpdoctor.libraries.deepspeed.facts.DeepSpeedFacts: DeepSpeed engines and configs (integrations' ``facts``)
     deepspeed: tuple = ()
     #: mpdoctor.facts.fp8_training.FP8RecipeFacts: the TransformerEngine fp8 recipes accelerators hold (accelerate's ``facts``)
     fp8_recipes: tuple = ()
@@ -164,7 +164,7 @@ class Facts:
     kv_caches: tuple = ()
     #: mpdoctor.facts.inference.AttentionMaskFacts: 4D additive attention masks the user holds.
     attention_masks: tuple = ()
-    #: mpdoctor.facts.diffusers.PipelineFacts: diffusers pipelines, their VAE and whether they honour force_upcast.
+    #: mpdoctor.libraries.diffusers.facts.PipelineFacts: diffusers pipelines, their VAE and whether they honour force_upcast.
     pipelines: tuple = ()
     #: GradScaler states the user holds (``ckpt["scaler"]``), read by their keys: what a resumed scaler can load.
     scaler_states: tuple[ScalerStateFacts, ...] = ()

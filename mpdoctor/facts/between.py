@@ -1,6 +1,6 @@
 """Facts of the places between steps: gradient accumulation, metric states, merged adapters, router biases.
 
-Plain data read by :mod:`mpdoctor.readers.between`: what a loop accumulates over, which metric states and
+Plain data read by :mod:`mpdoctor.objects.readers.between`: what a loop accumulates over, which metric states and
 router correction biases a cast reached, which LoRA layers were merged into a half-precision base, and the
 harm each does, measured when the facts were read.
 """

@@ -1,7 +1,7 @@
 """Intent, as plain data: fp32 islands a model keeps on purpose, and the averaged (EMA) copies beside it.
 
 An :class:`Island` is a part of a model that is not on its compute path at all (an EMA / averaged copy, a metric,
-a frozen copy of a sibling), read from the live objects by :mod:`mpdoctor.readers.intent`. A :class:`ShadowFacts`
+a frozen copy of a sibling), read from the live objects by :mod:`mpdoctor.objects.readers.intent`. A :class:`ShadowFacts`
 is one EMA or weight-averaging object (torch's ``AveragedModel``, diffusers' ``EMAModel``, ema-pytorch's ``EMA``, timm's ``ModelEmaV3``)
 with what one of its updates loses in its storage dtype, measured on its own tensors.
 """
@@ -66,7 +66,7 @@ class ShadowFacts:
     changed_in_fp32: int = 0
     min_gap: float | None = None
     #: A hand-written update: the statement as the user wrote it, where (``cell [4]``), and its op (``lerp_``,
-    #: ``lerp_cast``, ``mul_add``: see :class:`mpdoctor.readers.ema_code.EmaUpdate`).
+    #: ``lerp_cast``, ``mul_add``: see :class:`mpdoctor.objects.readers.ema_code.EmaUpdate`).
     update_line: str | None = None
     update_where: str | None = None
     update_op: str | None = None

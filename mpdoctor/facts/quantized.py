@@ -1,7 +1,7 @@
 """Facts of weights stored in a format no matmul computes in: quantized or float8 storage, and what it computes in.
 
 Plain data gathered by the bitsandbytes and torchao integrations and by the float8 storage reader
-(:mod:`mpdoctor.integrations.float8_storage`): a 4-bit / 8-bit bitsandbytes layer and the dtype its matmul
+(:mod:`mpdoctor.libraries.torch.float8_storage`): a 4-bit / 8-bit bitsandbytes layer and the dtype its matmul
 computes in, a module whose weights are held in float8 / float4 and what casts them up, a torchao quantized
 weight tensor. The fp8 *training* recipes (compute in float8) are :mod:`mpdoctor.facts.fp8_training`.
 """

@@ -1,6 +1,6 @@
 """Renderers of ``mpdoctor.compare``: a text table, a static HTML heatmap and an ipywidgets view.
 
-They read the plain dict of :meth:`mpdoctor.emulation.compare.Comparison.to_dict`
+They read the plain dict of :meth:`mpdoctor.attach.emulation.compare.Comparison.to_dict`
 (never torch). The heatmap has one row per Linear layer and per attention matmul
 (``path [q·kᵀ]``, ``path [p·v]``), in call order, and one column per precision; each cell is coloured by the layer's SQNR under that precision (red
 at 0 dB, green from 50 dB up) and marked ``▼`` with the share when more of its
@@ -196,7 +196,7 @@ def _gap(v: dict) -> str:
     return f"loss gap {g}, gradient SQNR {_fmt(sqnr, 'dB')} dB"
 
 
-#: What a plan's figures come from: mpdoctor's emulation, not low-precision kernels (``mpdoctor/emulation``).
+#: What a plan's figures come from: mpdoctor's emulation, not low-precision kernels (``mpdoctor/attach/emulation``).
 EMULATED = "emulated (the formats' rounding in fp32 on this CPU, one batch, forward and backward, no optimizer step)"
 #: A gradient SQNR below this is mostly noise: said beside any verdict, bounded or not.
 NOISY_GRAD_SQNR_DB = 0.0

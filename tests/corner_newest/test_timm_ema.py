@@ -21,7 +21,7 @@ from steps import assert_step_trains, snapshot
 from timm.utils.model_ema import ModelEmaV2, ModelEmaV3
 
 import mpdoctor
-from mpdoctor.treatment.shadow_changes import shadow_fix_code
+from mpdoctor.rules.engine.shadow_changes import shadow_fix_code
 
 FP16, BF16 = torch.float16, torch.bfloat16
 

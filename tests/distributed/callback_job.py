@@ -72,7 +72,7 @@ def main(mode: str, out: str) -> None:
     if mode == "hf":
         callback = mpdoctor.MPDoctorCallback(timeout=60)
     else:
-        from mpdoctor.training.lightning_callback import MPDoctorLightningCallback
+        from mpdoctor.libraries.lightning.callback import MPDoctorLightningCallback
 
         callback = MPDoctorLightningCallback(timeout=60)
     result = globals()[mode](callback)

@@ -34,7 +34,7 @@ def cure(report, slug: str, via: str) -> list[str]:
     """
     from cure import click_fix
 
-    from mpdoctor.treatment.fixes import Applicability
+    from mpdoctor.rules.engine.fixes import Applicability
 
     fixes = [fx for fx in report.fixes if fx.slug == slug and fx.applicability is not Applicability.DISPLAY_ONLY]
     if via == "api":
@@ -108,7 +108,7 @@ def exchange_cost(rank: int, world: int) -> dict:
 
     import mpdoctor
     from mpdoctor.diagnosis.exchange import exchange
-    from mpdoctor.integrations.distributed import default_store
+    from mpdoctor.libraries.distributed.integration import default_store
 
     model = tiny()
     facts = mpdoctor.diagnose(model, names={id(model): "model"}).facts
@@ -258,7 +258,7 @@ def fsdp1_units(rank: int, world: int) -> dict:
     from torch.distributed.fsdp import MixedPrecision
 
     import mpdoctor
-    from mpdoctor.crash.cause import explain
+    from mpdoctor.attach.crash.cause import explain
 
     def build() -> torch.nn.Module:
         model = tiny()

@@ -18,8 +18,8 @@ import pytest
 from dist_harness import free_port
 
 import mpdoctor
-from mpdoctor.checks import run_checks
-from mpdoctor.facts.distributed import DistributedFacts
+from mpdoctor.libraries.distributed.facts import DistributedFacts
+from mpdoctor.rules.checks import run_checks
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent

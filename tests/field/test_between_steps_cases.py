@@ -18,7 +18,7 @@ from steps import assert_step_trains, snapshot
 from test_exception_families import raised
 
 import mpdoctor
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 
 # -- shared setups ---------------------------------------------------------------------------------------------
 
@@ -606,8 +606,8 @@ def test_heavyball_57_qr_of_bf16_grads_is_refused_then_the_fp32_island_trains():
     """
     from fingerprint import assert_unchanged, fingerprint
 
-    from mpdoctor.runtime.assembly import assemble
-    from mpdoctor.runtime.twins import try_on_twins
+    from mpdoctor.attach.runtime.assembly import assemble
+    from mpdoctor.attach.runtime.twins import try_on_twins
 
     assert explain(raised(linalg_qr_bf16_grads)).cause.check == "crash-linalg-half"
     model, opt, x, exc = heavyball_at_the_crash()
@@ -691,7 +691,7 @@ def test_peft_1052_svd_of_a_bf16_delta_is_refused_then_runs_in_fp32():
     """
     from notebook_shell import loaded_shell
 
-    from mpdoctor.runtime.twins import try_on_twins
+    from mpdoctor.attach.runtime.twins import try_on_twins
 
     assert explain(raised(linalg_svd_bf16_delta)).cause.check == "crash-linalg-half"
     with loaded_shell(("torch", "base", "tuned", "u", "s", "vh", "lora_a", "lora_b", "r")) as sh:
@@ -780,7 +780,7 @@ def test_gptqmodel_1777_cholesky_of_a_bf16_hessian_is_refused_then_runs_in_fp32(
     """
     from notebook_shell import loaded_shell
 
-    from mpdoctor.runtime.twins import try_on_twins
+    from mpdoctor.attach.runtime.twins import try_on_twins
 
     with loaded_shell(("torch", "layer", "inputs", "hessian", "factor", "hinv", "r")) as sh:
         sh.run_cell(GPTQ_SETUP, store_history=True)

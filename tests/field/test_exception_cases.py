@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mpdoctor.crash import explain
-from mpdoctor.readers.loop_source import source_of
-from mpdoctor.runtime.loop_findings import in_the_users_loop
-from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.attach.crash import explain
+from mpdoctor.attach.runtime.loop_findings import in_the_users_loop
+from mpdoctor.attach.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.objects.readers.loop_source import source_of
 
 
 def raised(fn, *args) -> BaseException:

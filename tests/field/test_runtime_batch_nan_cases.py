@@ -15,7 +15,7 @@ import transformers as T
 from torch import nn
 
 import mpdoctor
-from mpdoctor.numerics.probe import ForwardCall
+from mpdoctor.attach.numerics.probe import ForwardCall
 
 
 def _trains(model, batch, loss_of=lambda m, b: m(**b).loss, lr=1e-2) -> bool:
@@ -284,8 +284,8 @@ def test_retinanet_3_log_of_a_saturated_probability_in_a_notebook_gets_its_loss_
     """
     from notebook_shell import loaded_shell
 
+    from mpdoctor.attach.runtime.twins import try_on_twins
     from mpdoctor.diagnosis.view import code_fixes
-    from mpdoctor.runtime.twins import try_on_twins
 
     with loaded_shell(_NOTEBOOK_NAMES) as sh:
         loss_cell = sh.execution_count

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from mpdoctor.runtime.loop_findings import read_code
-from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.attach.runtime.loop_findings import read_code
+from mpdoctor.attach.runtime.twins import TRIAL_STEPS, try_on_twins
 
 SETUP = """\
 import torch
@@ -49,7 +49,7 @@ def trains(ns: dict) -> bool:
 
 def trains_on_copies(code: str, setup: str = SETUP) -> bool:
     """What ``%mpdoctor`` does before it shows the corrected lines: run them on copies of the objects the setup
-    built (:func:`mpdoctor.runtime.twins.try_on_twins`); the objects themselves stay as they were."""
+    built (:func:`mpdoctor.attach.runtime.twins.try_on_twins`); the objects themselves stay as they were."""
     ns = run_loop("", setup)
     held = [p.detach().clone() for p in ns["model"].parameters()]
     trial = try_on_twins(code, ns)

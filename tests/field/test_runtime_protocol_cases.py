@@ -4,9 +4,9 @@ Each case runs the reported loop as a training script's lines under ``mpdoctor.w
 failure on this CPU first (the real error, or the measured harm) with a real ``torch.amp.GradScaler("cpu")`` (fp16
 autocast on the CPU scales and overflows as on a GPU), then asserts the protocol observer names the rule at the
 loop's own line. The fix is the user's own loop corrected, as ``%mpdoctor`` shows it (the watcher's finding given
-the loop read from the code that ran, :func:`mpdoctor.runtime.loop_findings.in_the_users_loop`): it is run on
+the loop read from the code that ran, :func:`mpdoctor.attach.runtime.loop_findings.in_the_users_loop`): it is run on
 copies of the objects as they stood before the loop, as ``%mpdoctor`` does before showing it
-(:func:`mpdoctor.runtime.twins.try_on_twins`), then for real, watched: it trains (finite loss, the weights move)
+(:func:`mpdoctor.attach.runtime.twins.try_on_twins`), then for real, watched: it trains (finite loss, the weights move)
 and draws nothing.
 """
 
@@ -23,11 +23,11 @@ from amp_loops import X, Y, checkpoint_after, fp16_loss, grad_norm, mlp, only, r
 from torch.nn.utils import clip_grad_norm_
 
 import mpdoctor
-from mpdoctor.live import Live
-from mpdoctor.readers.loop_source import source_of
-from mpdoctor.runtime.loop_findings import in_the_users_loop
-from mpdoctor.runtime.twins import TRIAL_STEPS, try_on_twins
-from mpdoctor.treatment.changes import LoadScalerState
+from mpdoctor.attach.runtime.loop_findings import in_the_users_loop
+from mpdoctor.attach.runtime.twins import TRIAL_STEPS, try_on_twins
+from mpdoctor.objects.live import Live
+from mpdoctor.objects.readers.loop_source import source_of
+from mpdoctor.rules.engine.changes import LoadScalerState
 
 
 def script(**objects) -> dict:
@@ -60,7 +60,7 @@ def corrected_loop(w, slug: str, file: str) -> str:
 
 def trains_on_copies(code: str, ns: dict, model: str = "model", scaler: str = "scaler") -> bool:
     """What ``%mpdoctor`` does before it shows the corrected lines: run them on copies of the script's objects
-    (:func:`mpdoctor.runtime.twins.try_on_twins`), for its trial's steps; the objects themselves stay as they were."""
+    (:func:`mpdoctor.attach.runtime.twins.try_on_twins`), for its trial's steps; the objects themselves stay as they were."""
     params = [p.detach().clone() for p in ns[model].parameters()]
     scale = ns[scaler].get_scale()
     trial = try_on_twins(code, ns)

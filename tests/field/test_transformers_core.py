@@ -16,7 +16,7 @@ from setups_dtypes import finite
 from steps import trained_step
 
 import mpdoctor
-from mpdoctor.numerics.probe_facts import ForwardCall
+from mpdoctor.attach.numerics.probe_facts import ForwardCall
 
 
 def rope_phase_error(rotary, positions: int, reference: torch.Tensor) -> float:

@@ -1,4 +1,4 @@
-"""The quantizers of ``mpdoctor.emulation.formats``, bit for bit against torchao's reference implementations.
+"""The quantizers of ``mpdoctor.attach.emulation.formats``, bit for bit against torchao's reference implementations.
 
 torchao's CPU reference paths (``to_mx``, ``NVFP4Tensor.to_nvfp4``, ``hp_tensor_to_float8_dynamic``) are the
 oracles; its kernels (``_C_mxfp8``, cutlass) are not needed. Then the whole emulated Linear against torchao's
@@ -13,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from mpdoctor.emulation import formats
-from mpdoctor.emulation.compare import compare
-from mpdoctor.emulation.formats import precision
-from mpdoctor.emulation.sites import Emulation as _Emulation
-from mpdoctor.emulation.sites import linears as _linears
+from mpdoctor.attach.emulation import formats
+from mpdoctor.attach.emulation.compare import compare
+from mpdoctor.attach.emulation.formats import precision
+from mpdoctor.attach.emulation.sites import Emulation as _Emulation
+from mpdoctor.attach.emulation.sites import linears as _linears
 
 pytest.importorskip("torchao")
 
@@ -187,7 +187,7 @@ def test_mx_e5m2_elements_equal_torchao_to_mx_e5m2_bit_for_bit(index):
 
 def test_e5m2_gradients_under_mx_block_scales_lose_5_db_against_e4m3():
     """The measured harm behind ``mxfp8-e5m2-gradients``: the figures its message quotes."""
-    from mpdoctor.checks.fp8_training import MXFP8_GRAD_SQNR_DB
+    from mpdoctor.rules.checks.fp8_training import MXFP8_GRAD_SQNR_DB
 
     def sqnr(x, q):
         return float(10 * torch.log10(x.pow(2).sum() / (x - q).pow(2).sum()))

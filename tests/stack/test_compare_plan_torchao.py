@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from test_compare_plan import BUDGET, WIDE, data, mse_to, wide_channel_model
 
-from mpdoctor.emulation.compare import compare
+from mpdoctor.attach.emulation.compare import compare
 
 
 def test_the_plans_torchao_code_converts_exactly_the_planned_layers_and_the_converted_model_trains():

@@ -28,9 +28,9 @@ from deepspeed_support import (
 from transformers import Trainer
 
 import mpdoctor
-from mpdoctor.crash.patterns import match_exception
-from mpdoctor.facts.deepspeed import DeepSpeedFacts
-from mpdoctor.integrations.deepspeed import engine_facts, loss_scaler_facts
+from mpdoctor.attach.crash.patterns import match_exception
+from mpdoctor.libraries.deepspeed.facts import DeepSpeedFacts
+from mpdoctor.libraries.deepspeed.integration import engine_facts, loss_scaler_facts
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -313,10 +313,10 @@ def test_fp16_loss_scale_at_minimum_is_an_error():
             seen.append(DeepSpeedFacts("engine", "engine", fp16=True, device_bf16=True, **loss_scaler_facts(scaler)))
             scaler.update_scale(True)
     assert match_exception(raised.value)[0].checks[0] == "deepspeed-loss-scale-collapsed"
-    report = mpdoctor.checks.run_checks(dataclasses.replace(mpdoctor.diagnose().facts, deepspeed=(seen[-1],)))
+    report = mpdoctor.rules.checks.run_checks(dataclasses.replace(mpdoctor.diagnose().facts, deepspeed=(seen[-1],)))
     (finding,) = [f for f in report if f.check == "deepspeed-loss-scale-collapsed"]
     assert finding.severity == "error" and "bf16" in finding.fixes[0].code
-    early = mpdoctor.checks.run_checks(dataclasses.replace(mpdoctor.diagnose().facts, deepspeed=(seen[0],)))
+    early = mpdoctor.rules.checks.run_checks(dataclasses.replace(mpdoctor.diagnose().facts, deepspeed=(seen[0],)))
     assert not [f for f in early if f.check == "deepspeed-loss-scale-collapsed"]
 
     # The fix: rebuild in bf16. The bf16 engine's scaler is static (1.0): nothing to collapse.
@@ -326,7 +326,7 @@ def test_fp16_loss_scale_at_minimum_is_an_error():
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}})
     engine.backward(engine(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum())
     engine.step()
-    facts = engine_facts("engine", engine, mpdoctor.live.Live())
+    facts = engine_facts("engine", engine, mpdoctor.objects.live.Live())
     assert facts.dynamic_loss_scale is False and facts.loss_scale == 1.0 and facts.master_dtype == "float32"
     _no_error_or_warning(mpdoctor.diagnose(namespace={"engine": engine}))
 

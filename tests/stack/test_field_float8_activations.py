@@ -26,7 +26,7 @@ from torchao.quantization.quantize_.workflows.float8.float8_tensor import (  # n
 )
 
 import mpdoctor  # noqa: E402
-from mpdoctor.training.watch import NonFiniteLoss  # noqa: E402
+from mpdoctor.attach.training.watch import NonFiniteLoss  # noqa: E402
 
 PAD = 0
 

@@ -33,7 +33,7 @@ from cure import (
 from setups_dtypes import alarms
 
 import mpdoctor
-from mpdoctor.crash.cause import explain
+from mpdoctor.attach.crash.cause import explain
 
 diffusers.utils.logging.set_verbosity_error()
 transformers.logging.set_verbosity_error()

@@ -839,7 +839,7 @@ def test_mxfp8_with_e5m2_gradients_is_a_warning_with_the_measured_loss(te_distri
 
     from accelerate.utils import TERecipeKwargs
 
-    from mpdoctor.checks import run_checks
+    from mpdoctor.rules.checks import run_checks
 
     acc = Accelerator(mixed_precision="fp8", kwargs_handlers=[TERecipeKwargs(use_mxfp8_block_scaling=True)], cpu=True)
     facts = mpdoctor.diagnose(acc, names={id(acc): "accelerator"}).facts

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from steps import assert_step_trains, snapshot
 
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 
 
 class Routed(torch.nn.Module):

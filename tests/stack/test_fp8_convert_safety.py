@@ -14,7 +14,7 @@ from scenarios import reset_accelerate
 from test_fix_safety import oom
 
 import mpdoctor
-from mpdoctor.treatment.fixes import FixFailed
+from mpdoctor.rules.engine.fixes import FixFailed
 
 
 def _fp8_run_that_converted_nothing() -> dict:
@@ -33,7 +33,7 @@ def test_turning_fp8_on_swaps_layers_over_the_same_parameters_and_undoes_to_the_
     """``ConvertToFloat8``: each Linear becomes a Float8Linear holding the very same Parameters (the optimizer is
     untouched), a second report's matching fix adds nothing, undo puts the original module objects back with the
     fingerprint exact; a conversion failing on the second layer leaves the first unswapped."""
-    import mpdoctor.integrations.torchao as torchao_integration
+    import mpdoctor.libraries.torchao.integration as torchao_integration
 
     ns = _fp8_run_that_converted_nothing()
     model = ns["model"]

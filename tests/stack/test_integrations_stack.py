@@ -1,6 +1,6 @@
 """The diffusers, bitsandbytes and torchao integrations read the installed versions' objects correctly.
 
-Semi-private state is read in one place per library (``mpdoctor/integrations/<library>.py``); these tests pin
+Semi-private state is read in one place per library (``mpdoctor/libraries/<library>/integration.py``); these tests pin
 those reads to the installed versions, check that a pipeline is one patient with parts, and that the new
 fixes are in place, atomic and exactly undoable (fingerprints).
 """
@@ -18,8 +18,8 @@ from test_field_diffusers import overflowing_vae, tiny_pipe, tiny_vae
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 import mpdoctor
-from mpdoctor.integrations import bitsandbytes as bnb_integration
-from mpdoctor.integrations import torchao as torchao_integration
+from mpdoctor.objects.integrations import bitsandbytes as bnb_integration
+from mpdoctor.objects.integrations import torchao as torchao_integration
 
 
 def test_a_pipeline_is_one_patient_whose_components_are_child_models():
@@ -96,6 +96,6 @@ def test_the_static_vae_finding_is_info_and_a_force_upcast_vae_draws_none():
 
 
 def test_the_stack_integrations_are_registered_after_the_core_ones():
-    names = [i.name for i in mpdoctor.integrations.registry()]
+    names = [i.name for i in mpdoctor.objects.integrations.registry()]
     assert {"diffusers", "bitsandbytes", "torchao"} <= set(names[4:])
-    assert "pipeline" in mpdoctor.integrations.KINDS
+    assert "pipeline" in mpdoctor.objects.integrations.KINDS

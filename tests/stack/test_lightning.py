@@ -12,8 +12,12 @@ import pytest
 import torch
 
 import mpdoctor
-from mpdoctor.discovery.subjects import discover
-from mpdoctor.facts.lightning import CPU_FALLBACK_WARNING, LightningPrecisionFacts, lightning_effective
+from mpdoctor.libraries.lightning.facts import (
+    CPU_FALLBACK_WARNING,
+    LightningPrecisionFacts,
+    lightning_effective,
+)
+from mpdoctor.objects.discovery.subjects import discover
 
 
 class Tiny(L.LightningModule):
@@ -99,7 +103,7 @@ def test_16_mixed_on_cpu_is_replaced_and_lightning_forgets_the_request():
     assert (p.requested, p.effective) == ("bf16-mixed", "bf16-mixed")
     assert "lightning-precision-replaced" not in slugs(report, "error", "warning", "info")
     # The request as the user wrote it, on the device it ran on.
-    from mpdoctor.checks.lightning import lightning_precision_replaced
+    from mpdoctor.libraries.lightning.checks import lightning_precision_replaced
 
     asked = LightningPrecisionFacts("trainer", "trainer", "16-mixed", lightning_effective("16-mixed", "cpu"), "MixedPrecision", device="cpu")
     (finding,) = lightning_precision_replaced(mpdoctor.diagnose(t).facts.__class__(**{**report.facts.__dict__, "lightning": (asked,)}))
@@ -144,7 +148,7 @@ def test_field_16_true_adam_eps_underflow_nan():
 def test_a_fabric_or_a_strategys_own_true_half_plugin_keeps_the_rebuild_and_says_why():
     """Only a Trainer's ``HalfPrecision`` plugin is swapped in place. A Fabric's set-up modules chose their backward
     for the plugin they met, and FSDP / DeepSpeed own theirs: the rebuild stays their fix, its text says why."""
-    from mpdoctor.checks.lightning import lightning_true_half_adam
+    from mpdoctor.libraries.lightning.checks import lightning_true_half_adam
 
     t = trainer("bf16-true")
     facts = mpdoctor.diagnose(t, names={id(t): "trainer"}).facts
@@ -234,7 +238,7 @@ def test_callback_diagnoses_at_fit_start_and_probes_a_nonfinite_loss():
     cb = mpdoctor.MPDoctorLightningCallback(stop_on_nonfinite=True)
     t, m = trainer("bf16-mixed", callbacks=[cb]), Exploding()
     before = m.layer.weight.detach().clone()
-    with pytest.raises(mpdoctor.training.callback_state.MPDoctorAbort):
+    with pytest.raises(mpdoctor.attach.training.callback_state.MPDoctorAbort):
         t.fit(m, loader())
     assert cb.start_report is not None and cb.start_report.ok
     assert cb.events and cb.events[0]["event"] == "nonfinite-loss"
@@ -249,7 +253,7 @@ def test_import_mpdoctor_does_not_import_the_callback():
     # In a fresh interpreter: this test process imported the callback already (the tests above use it).
 
     out = subprocess.run(
-        [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.training.lightning_callback' in sys.modules)"],
+        [sys.executable, "-c", "import mpdoctor, sys; print('lightning' in sys.modules, 'mpdoctor.libraries.lightning.callback' in sys.modules)"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert out.stdout.split() == ["False", "False"]
@@ -258,7 +262,7 @@ def test_import_mpdoctor_does_not_import_the_callback():
 # The Lightning callback needs Lightning: this lives with the stack tests (Colab's venv has none).
 def test_both_callbacks_share_one_constructor():
     import mpdoctor
-    from mpdoctor.training.callback_state import CallbackState
+    from mpdoctor.attach.training.callback_state import CallbackState
 
     transformers_cb = mpdoctor.MPDoctorCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)
     lightning_cb = mpdoctor.MPDoctorLightningCallback(stop_on_error=True, scan=True, ignore=["x"], timeout=5.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from notebook_shell import loaded_shell
 
-from mpdoctor.runtime.twins import try_on_twins
+from mpdoctor.attach.runtime.twins import try_on_twins
 
 pytest.importorskip("lightning")
 

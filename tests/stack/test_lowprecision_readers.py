@@ -17,7 +17,7 @@ pytest.importorskip("torchao")
 from torchao.quantization import Float8WeightOnlyConfig, quantize_  # noqa: E402
 
 import mpdoctor  # noqa: E402
-from mpdoctor.crash.frames import tensor_locals, traceback_frames  # noqa: E402
+from mpdoctor.attach.crash.frames import tensor_locals, traceback_frames  # noqa: E402
 
 FLOAT8 = [n for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu") if hasattr(torch, n)]
 FLOAT4 = "float4_e2m1fn_x2"

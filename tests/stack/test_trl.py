@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, KTOConfig, KTOTrainer, SFTConfig, SFTTrainer
 
 import mpdoctor
-from mpdoctor.discovery.subjects import discover
+from mpdoctor.objects.discovery.subjects import discover
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "hello world this is text"] * 2
 BF16_REFUSED = "Your setup doesn't support bf16/gpu"

@@ -18,7 +18,7 @@ from diffusers import AutoencoderKL, SD3Transformer2DModel
 from steps import assert_step_trains, snapshot
 
 import mpdoctor
-from mpdoctor.crash import explain
+from mpdoctor.attach.crash import explain
 
 VIAS = ("api", "widget")
 

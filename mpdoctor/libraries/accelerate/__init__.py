@@ -1,0 +1,1 @@
+"""What mpdoctor knows about accelerate."""
