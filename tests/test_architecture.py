@@ -8,8 +8,12 @@ no cycle at all.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grimp
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +98,49 @@ def test_no_submodule_imports_the_package_root(graph):
     assert importers == []
 
 
+def _library_modules(graph: grimp.ImportGraph, kind: str) -> set[str]:
+    """The modules of kind ``kind`` (``facts``, ``integration`` ...) of every package under ``mpdoctor/libraries``."""
+    return {m for m in graph.modules if m.startswith("mpdoctor.libraries.") and m.rsplit(".", 1)[-1] == kind}
+
+
 def test_facts_import_no_integration_no_reader_and_no_gathering(graph):
     facts = {m for m in graph.modules if m == "mpdoctor.facts" or m.startswith("mpdoctor.facts.")}
+    facts |= _library_modules(graph, "facts")
     reached = {imported for m in facts for imported in graph.find_modules_directly_imported_by(m)}
-    upward = sorted(
-        m for m in reached
-        if m.startswith(("mpdoctor.objects.integrations", "mpdoctor.objects.gathering", "mpdoctor.objects.readers", "mpdoctor.objects.discovery"))
-    )  # fmt: skip
+    readers = ("mpdoctor.objects.integrations", "mpdoctor.objects.gathering", "mpdoctor.objects.readers",
+               "mpdoctor.objects.discovery", *_library_modules(graph, "integration"), *_library_modules(graph, "gathering"))
+    upward = sorted(m for m in reached if m.startswith(readers))
     assert upward == []
 
 
-def test_no_loose_module_left_at_the_top_but_the_bottom_tables(graph):
-    top = sorted(m for m in graph.modules if m.count(".") == 1 and not graph.find_children(m))
-    assert top == ["mpdoctor.__main__", "mpdoctor._version", "mpdoctor.compat", "mpdoctor.knowledge", "mpdoctor.redact"]
+#: The wings, top to bottom, as ARCHITECTURE.md draws them and the first layers contract orders them.
+WINGS = ("front", "attach", "diagnosis", "render", "rules", "objects", "facts")
+
+
+def _contracts() -> list[dict]:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_the_package_is_eight_wings_in_pipeline_order_with_at_most_four_loose_modules(graph):
+    packages = sorted(m.split(".")[1] for m in graph.modules if m.count(".") == 1 and graph.find_children(m))
+    assert packages == sorted([*WINGS, "libraries"])
+    wings = _contracts()[0]["layers"]
+    assert [layer.split(" : ")[0].removeprefix("mpdoctor.") for layer in wings[: len(WINGS)]] == list(WINGS)
+    loose = sorted(m for m in graph.modules if m.count(".") == 1 and not graph.find_children(m))
+    assert [m for m in loose if not m.startswith("mpdoctor.__")] == [
+        "mpdoctor._version", "mpdoctor.compat", "mpdoctor.knowledge", "mpdoctor.redact"]
+
+
+def test_every_module_of_a_library_is_placed_in_the_layer_of_its_kind(graph):
+    """A library's package spans layers (its checks sit with the rules, its integration with the objects): each
+    of its modules must be named in both layers contracts, or nothing would guard its imports."""
+    library = {m for m in graph.modules if m.startswith("mpdoctor.libraries.") and not graph.find_children(m)}
+    assert library, "no library module found"
+    for contract in _contracts()[:2]:
+        named = {part.strip() for layer in contract["layers"] for part in layer.replace("|", ":").split(":")}
+        assert sorted(library - named) == [], contract["name"]
 
 
 def test_the_public_api_is_where_it_was():

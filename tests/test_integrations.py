@@ -12,9 +12,9 @@ from scenarios import FIELD_CASES, HEALTHY, reset_accelerate
 from setups import tiny_llama
 
 import mpdoctor
-from mpdoctor import integrations
 from mpdoctor.diagnosis.view import precision_view
 from mpdoctor.facts.hardware import PROFILES
+from mpdoctor.objects import integrations
 from mpdoctor.objects.gathering import gather
 
 TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]

@@ -18,8 +18,8 @@ from test_field_diffusers import overflowing_vae, tiny_pipe, tiny_vae
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
 import mpdoctor
-from mpdoctor.objects.integrations import bitsandbytes as bnb_integration
-from mpdoctor.objects.integrations import torchao as torchao_integration
+from mpdoctor.libraries.bitsandbytes import integration as bnb_integration
+from mpdoctor.libraries.torchao import integration as torchao_integration
 
 
 def test_a_pipeline_is_one_patient_whose_components_are_child_models():
