@@ -56,7 +56,7 @@ def test_every_front_end_proves_and_folds_observations_through_the_one_assembly(
     # proof of an assembled report and the folding of the cells' findings happen nowhere else.
     assert _callers("proven_report") == {"attach/runtime/assembly.py"}
     assert _callers("add_to_report") == {"attach/runtime/assembly.py"}
-    front_ends = {"front/magic.py", "attach/training/watch.py", "attach/crash/hook.py", "attach/training/runner.py",
+    front_ends = {"front/magic.py", "attach/training/watch.py", "attach/crash/hook.py", "attach/training/script_runner.py",
                   "attach/numerics/probe.py", "attach/runtime/protocol.py"}  # fmt: skip
     assert front_ends <= _callers("assemble")
 

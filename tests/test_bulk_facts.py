@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mpdoctor
-from mpdoctor.diagnosis.view import layer_rows
+from mpdoctor.diagnosis.view_builder import layer_rows
 from mpdoctor.objects.live.introspect import class_paths, modules_of, modules_where, shared_module_walks
 from mpdoctor.objects.readers.tensors import read_module_tensors
 from mpdoctor.render.formatting import layer_strips

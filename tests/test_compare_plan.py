@@ -16,7 +16,7 @@ import torch
 from fingerprint import assert_unchanged, fingerprint
 
 from mpdoctor.attach.emulation.compare import compare
-from mpdoctor.attach.emulation.plan import Plan
+from mpdoctor.attach.emulation.precision_plan import Plan
 
 WIDE = ("1.proj", "4.proj", "6.proj")
 BUDGET = 0.02
@@ -235,7 +235,9 @@ def test_magic_plan_shows_the_plan_once_not_again_as_the_returned_value(shell, c
         out = capsys.readouterr().out
         assert out.count("plan fp8:") == 1, out
         assert out.count("def module_filter_fn") == 1, out  # its code, shown once
-    shell.run_cell("_", store_history=True)  # displayed on its own later, it shows
+    # Displayed on its own later, it shows. Read through Out[N], not `_`: IPython stops updating `_` once a cell
+    # of the shared shell has assigned it.
+    shell.run_cell(f"Out[{result.execution_count}]", store_history=True)
     assert "def module_filter_fn" in capsys.readouterr().out
 
 

@@ -2,7 +2,7 @@
 
 Two sources of corrected loops: the static reader rewrites the user's own loop (``runtime/loop_rewrite.py``, read
 again until no mistake is left), and the live watcher shows each rule's corrected lines in the user's names
-(``runtime/rules.py``, ``corrected_template``). A loop with two mistakes is corrected for both at once, and the
+(``runtime/protocol_rules.py``, ``corrected_template``). A loop with two mistakes is corrected for both at once, and the
 user's stale ``# mistake`` comments are gone from the corrected lines.
 """
 
@@ -14,7 +14,7 @@ import pytest
 from corrected_loops import OPTIMIZER, SCALER, SCHEDULER, fails, in_a_loop, run_and_check
 
 from mpdoctor.attach.runtime.loop_findings import read_code
-from mpdoctor.attach.runtime.rules import RULES, corrected_template
+from mpdoctor.attach.runtime.protocol_rules import RULES, corrected_template
 
 SETUP = f"""\
 import torch

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpdoctor.attach.crash.patterns import PATTERNS
-from mpdoctor.attach.runtime.rules import RULES
+from mpdoctor.attach.runtime.protocol_rules import RULES
 from mpdoctor.rules.checks import REGISTRY, load
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

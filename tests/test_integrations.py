@@ -12,7 +12,7 @@ from scenarios import FIELD_CASES, HEALTHY, reset_accelerate
 from setups import tiny_llama
 
 import mpdoctor
-from mpdoctor.diagnosis.view import precision_view
+from mpdoctor.diagnosis.view_builder import precision_view
 from mpdoctor.facts.hardware import PROFILES
 from mpdoctor.objects import integrations
 from mpdoctor.objects.gathering import gather
@@ -35,7 +35,7 @@ def test_a_library_the_user_never_imported_costs_nothing_and_is_never_imported()
     code = (
         "import sys, torch, mpdoctor\n"
         "r = mpdoctor.diagnose(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))\n"
-        "from mpdoctor import integrations\n"
+        "from mpdoctor.objects import integrations\n"
         "print([i.name for i in integrations.active()])\n"
         "print(sorted(m for m in ('transformers', 'accelerate', 'peft') if m in sys.modules))\n"
     )

@@ -17,7 +17,7 @@ import torch
 from cure import click_fix
 from notebook_shell import loaded_shell
 
-from mpdoctor.attach.runtime.loop_accumulation import read_loop_accumulations
+from mpdoctor.attach.runtime.cell_accumulation import read_loop_accumulations
 from mpdoctor.objects.readers.loop_source import source_of
 
 SETUP = """import torch

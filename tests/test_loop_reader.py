@@ -20,7 +20,7 @@ import torch
 
 from mpdoctor.attach.runtime.history import cell_sources, read_script
 from mpdoctor.attach.runtime.loop_findings import read_code
-from mpdoctor.attach.runtime.rules import RULES
+from mpdoctor.attach.runtime.protocol_rules import RULES
 
 pytestmark = pytest.mark.colab
 

@@ -124,7 +124,7 @@ def test_every_string_from_user_objects_is_escaped_in_the_static_html():
 
 # -- the view model: summaries, words, pictures --------------------------------------------------
 
-from mpdoctor.diagnosis.view import layer_rows  # noqa: E402
+from mpdoctor.diagnosis.view_builder import layer_rows  # noqa: E402
 from mpdoctor.render.formatting import (  # noqa: E402
     layer_strips,
     plural,

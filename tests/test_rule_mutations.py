@@ -17,7 +17,7 @@ import pytest
 from corrected_loops import OPTIMIZER, SCALER, SCHEDULER, fails, in_a_loop
 from test_corrected_loops import LOOP_RULES, MISTAKEN, corrected_loops
 
-from mpdoctor.attach.runtime.rules import corrected_template
+from mpdoctor.attach.runtime.protocol_rules import corrected_template
 
 STEP = f"{SCALER}.step({OPTIMIZER})"
 

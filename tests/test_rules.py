@@ -15,7 +15,7 @@ from setups import tiny_llama
 
 import mpdoctor
 from mpdoctor.attach.crash.catalogue import FAMILIES
-from mpdoctor.attach.runtime.rules import RULES
+from mpdoctor.attach.runtime.protocol_rules import RULES
 from mpdoctor.rules.checks import REGISTRY, load
 from mpdoctor.rules.engine.findings import Severity
 from mpdoctor.rules.engine.fixes import Applicability as FixesApplicability

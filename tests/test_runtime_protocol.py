@@ -19,8 +19,8 @@ import mpdoctor
 from mpdoctor import compat
 from mpdoctor.attach.runtime import protocol as protocol_module
 from mpdoctor.attach.runtime.protocol import ProtocolObserver
-from mpdoctor.attach.runtime.rules import corrected_template
-from mpdoctor.attach.training.runner import run_script
+from mpdoctor.attach.runtime.protocol_rules import corrected_template
+from mpdoctor.attach.training.script_runner import run_script
 from mpdoctor.facts.location import cell_number
 
 HERE = Path(__file__)

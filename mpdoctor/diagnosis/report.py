@@ -263,7 +263,7 @@ class Report:
     @property
     def view(self) -> ReportView:
         """The plain view every renderer reads, built once per state of this report's fixes."""
-        from .view import build_view, fix_state
+        from .view_builder import build_view, fix_state
 
         state = fix_state(self)
         cached = self._cache.get("view")

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="the script's own arguments, passed untouched")
     args = parser.parse_args(argv)
     if args.command == "run":
-        from ..attach.training.runner import run_script
+        from ..attach.training.script_runner import run_script
 
         return run_script(args.script, args.script_args, scan=args.scan, probe_on_nan=args.probe_on_nan)
     if args.command is None:  # a bare `python -m mpdoctor` asks what it can do

@@ -123,7 +123,7 @@ class MPDoctorMagics(Magics):
         IPython's ``set_next_input`` payload: JupyterLab and Notebook 7 honour it; Colab and VS Code drop it, so
         the code is printed too (docs/notebooks.md)."""
         from ..attach.runtime.session import last_shown
-        from ..diagnosis.view import code_fixes
+        from ..diagnosis.view_builder import code_fixes
 
         report = last_shown(self.shell)
         fixes = code_fixes(report) if report is not None else []
@@ -220,7 +220,7 @@ class MPDoctorMagics(Magics):
     def _diagnosed(self, args: Any, ignore: list[str]) -> Any:
         """The report of the named objects (or the namespace), probed when asked; None after a line saying why not.
         No step is proven here: the proof runs on the assembled report (:func:`_assembled`)."""
-        from ..attach.runtime.loop_accumulation import record_cells
+        from ..attach.runtime.cell_accumulation import record_cells
         from ..diagnosis import diagnose
 
         record_cells(self.shell)  # a hand-written loop's accumulation, read from the cells, is a setting the checks see

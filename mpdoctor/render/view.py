@@ -1,7 +1,7 @@
 """The one plain view of a report that every renderer reads (text, HTML, markdown, JSON, the widget).
 
 It is built once per report (and per state of its fixes) in the diagnosis layer
-(:func:`mpdoctor.diagnosis.view.build_view`), with everything a renderer shows already in it: the findings with
+(:func:`mpdoctor.diagnosis.view_builder.build_view`), with everything a renderer shows already in it: the findings with
 their rule's "why", the histogram, precision, caches, scalers, the value scan's rows, the probe's rows, the scale
 history, the layer strips, the cause's heading. A renderer never reaches a live object, the facts or torch.
 """

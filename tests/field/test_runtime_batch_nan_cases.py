@@ -285,7 +285,7 @@ def test_retinanet_3_log_of_a_saturated_probability_in_a_notebook_gets_its_loss_
     from notebook_shell import loaded_shell
 
     from mpdoctor.attach.runtime.twins import try_on_twins
-    from mpdoctor.diagnosis.view import code_fixes
+    from mpdoctor.diagnosis.view_builder import code_fixes
 
     with loaded_shell(_NOTEBOOK_NAMES) as sh:
         loss_cell = sh.execution_count

@@ -1,7 +1,7 @@
 """``compare(model, batch)``: what bf16, fp16, fp8, MXFP8 and NVFP4 would do to this model, layer by layer.
 
 One forward and one backward of the live model per precision, on its own device
-(the CPU included), each next to a reference run (:mod:`mpdoctor.attach.emulation.runner`).
+(the CPU included), each next to a reference run (:mod:`mpdoctor.attach.emulation.emulated_runs`).
 Low precision is emulated through a :class:`torch.overrides.TorchFunctionMode`
 (:mod:`mpdoctor.attach.emulation.sites`; the matmuls themselves: :mod:`mpdoctor.attach.emulation.matmuls`):
 
@@ -33,7 +33,7 @@ the layers before it), and the shares of the nonzero input activations that
 underflow to zero or saturate, and of the nonzero output gradients that
 underflow. The loss of each run, next to the reference loss, is the end-to-end
 effect (:mod:`mpdoctor.attach.emulation.measurements`). ``Comparison.plan()`` turns the
-per-layer figures into a verified per-layer precision plan (:mod:`mpdoctor.attach.emulation.plan`);
+per-layer figures into a verified per-layer precision plan (:mod:`mpdoctor.attach.emulation.precision_plan`);
 ``compare(..., steps=N)`` adds N optimizer steps per precision, as loss curves.
 
 The model is left exactly as it was: weights, buffers, ``.grad``, RNG state,
@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from ..numerics.harness import BATCH_MESSAGE, BATCH_TYPES
+from .emulated_runs import Runner
 from .formats import PRECISIONS, Precision, precision
 from .measurements import (  # noqa: F401  (re-exported: compare's public figures and thresholds)
     COLUMNS,
@@ -68,11 +69,10 @@ from .measurements import (  # noqa: F401  (re-exported: compare's public figure
     underflow_limit,
 )
 from .recommendation import Recommendation, conversion_code, keep_reasons
-from .runner import Runner
 from .sites import PV_LABEL, QK_LABEL
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .precision_plan import Plan
 
 DEFAULT_PRECISIONS = ("bf16", "fp16", "fp8", "mxfp8", "nvfp4")
 
@@ -268,7 +268,7 @@ class Comparison:
         The Linears are ranked by their figures under ``target`` (worst first), then the mixed model is
         emulated, forward and backward on this comparison's batch, keeping the worst layers in ``keep``
         (bf16 or fp32) until the loss gap against fp32 is within ``budget`` or the share of kept layers
-        reaches ``max_kept``. See :func:`mpdoctor.attach.emulation.plan.make_plan`.
+        reaches ``max_kept``. See :func:`mpdoctor.attach.emulation.precision_plan.make_plan`.
 
         Parameters
         ----------
@@ -293,7 +293,7 @@ class Comparison:
             The kept layers, the verified loss gaps and gradient SQNRs of the plan, all-``target`` and
             all-``keep``, and the code (torchao config and ``module_filter_fn``; accelerate's recipe).
         """
-        from .plan import make_plan
+        from .precision_plan import make_plan
 
         name = self._compared(target)
         subject = self._subject

@@ -3,7 +3,7 @@
 :func:`keep_reasons` reads one precision's rows of a comparison against the thresholds of
 :mod:`mpdoctor.attach.emulation.measurements`; :func:`conversion_code` writes the torchao (or autocast) code with a
 ``module_filter_fn`` that leaves the kept layers alone. :class:`Recommendation` is the result of
-``Comparison.recommend()``; ``Comparison.plan()`` (:mod:`mpdoctor.attach.emulation.plan`) verifies such a choice by
+``Comparison.recommend()``; ``Comparison.plan()`` (:mod:`mpdoctor.attach.emulation.precision_plan`) verifies such a choice by
 running the mixed model.
 """
 

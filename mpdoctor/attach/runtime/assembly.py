@@ -95,7 +95,7 @@ def _with_trials(report: Any, observed: Observed) -> Any:
         return report
     from ...rules.engine.fixes import Applicability
     from .op_rewrite import CORRECTED_CELL
-    from .rules import RULES
+    from .protocol_rules import RULES
 
     trials: list = []
     for finding in report.findings:
@@ -113,7 +113,7 @@ def _without_fixes_in_place(report: Any) -> Any:
     """``report`` with no fix in its plans whose change the live objects already hold (the user changed the
     object in a cell, or applied it from an earlier report, while the finding still stands: a crash of a cell
     not run again since). Applying one would change nothing: its finding shows it as already in place
-    (:func:`mpdoctor.diagnosis.view.report_dict`), and it is neither planned nor proven."""
+    (:func:`mpdoctor.diagnosis.view_builder.report_dict`), and it is neither planned nor proven."""
     held = [fx for fx in report.fixes if fx.in_place]
     safe = [fx for fx in report.safe_fixes if fx.in_place]
     if not held and not safe:
@@ -174,7 +174,7 @@ def _in_users_loop(observed: Observed, findings: list) -> list:
 def _own_findings_in_users_loop(observed: Observed, findings: list, cause: Finding) -> tuple[list, Finding]:
     """A crash report's findings with its watcher findings given the user's own loop (and its cause, when it is
     one of them)."""
-    from .rules import RULES
+    from .protocol_rules import RULES
 
     watched = [f for f in findings if f.check in RULES]
     if not watched or observed.in_users_loop is None:

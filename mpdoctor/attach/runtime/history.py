@@ -17,7 +17,7 @@ from typing import Any
 from ...objects.readers.loop_source import Source, relevant, source_of
 from ...rules.engine.findings import Finding
 from .loop_findings import read_sources
-from .rules import RULES
+from .protocol_rules import RULES
 
 
 def cell_sources(shell: Any) -> list[Source]:

@@ -15,7 +15,7 @@ from ...rules.engine.findings import Finding
 from ...rules.engine.merge import mistake_key
 from .loop_interpreter import LoopMistake, LoopReader, Names
 from .loop_rewrite import corrected_code, corrected_lines
-from .rules import RULES
+from .protocol_rules import RULES
 
 _WHAT = {
     "amp-clip-before-unscale": "{code} clips {scaler}'s scaled gradients (scaled backward {scaled_backward}; no {scaler}.unscale_ before it)",

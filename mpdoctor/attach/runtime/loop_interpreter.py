@@ -293,7 +293,7 @@ class LoopMistake:
     Attributes
     ----------
     slug : str
-        The rule broken (:data:`mpdoctor.attach.runtime.rules.RULES`).
+        The rule broken (:data:`mpdoctor.attach.runtime.protocol_rules.RULES`).
     at : ProtocolCall
         The call that breaks it.
     scaler, optimizer, scheduler : str

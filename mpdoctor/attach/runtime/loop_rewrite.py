@@ -16,7 +16,7 @@ from functools import lru_cache
 
 from ...objects.readers.loop_source import Source, parse, text_of
 from .loop_interpreter import LoopMistake, is_clip
-from .rules import corrected_template
+from .protocol_rules import corrected_template
 
 
 @dataclass

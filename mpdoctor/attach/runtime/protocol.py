@@ -41,7 +41,7 @@ from .dispatch import (  # noqa: F401 - arm, disarm, installed, resident and set
     resident,
     settle,
 )
-from .rules import RULES, corrected_template
+from .protocol_rules import RULES, corrected_template
 
 if TYPE_CHECKING:  # imported where used: %load_ext arms the resident wrapper without the facts package
     from ...facts.location import Location

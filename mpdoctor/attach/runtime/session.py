@@ -133,7 +133,7 @@ class _Session:
         last = cells[-1] if isinstance(cells, list) and cells else None
         if not (isinstance(last, str) and ".backward(" in last and ".step(" in last):
             return
-        from .loop_accumulation import record_cells
+        from .cell_accumulation import record_cells
 
         record_cells(self.shell)  # never raises: a history it cannot read leaves the records as they are
 
@@ -171,7 +171,7 @@ def _announce(finding: Any) -> None:
     """The line printed at the call where a rule breaks; the finding itself is shown when the cell ends."""
     where = finding.evidence.get("where")
     at = f" at {where}" if where else ""
-    from .rules import RULES, in_names
+    from .protocol_rules import RULES, in_names
 
     title = RULES[finding.check].title if finding.check in RULES else finding.check
     evidence = finding.evidence if isinstance(finding.evidence, dict) else {}

@@ -2,7 +2,7 @@
 
 - :mod:`.watch`: :func:`mpdoctor.watch` for hand-written training loops (and the global loss watcher of
   ``mpdoctor run --probe-on-nan``).
-- :mod:`.runner`: ``python -m mpdoctor run script.py``: the script's loop read first, then run unchanged, a
+- :mod:`.script_runner`: ``python -m mpdoctor run script.py``: the script's loop read first, then run unchanged, a
   mixed-precision crash explained.
 - :mod:`.trainer_callback`: ``mpdoctor.MPDoctorCallback``, inside a transformers ``Trainer``; the only module
   importing transformers.

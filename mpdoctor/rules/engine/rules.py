@@ -1,7 +1,7 @@
 """Rules: what a finding is an instance of, documented the way ruff documents its rules.
 
 Three kinds of rule share one type and one registry: the checks (``Facts -> Findings``,
-:mod:`mpdoctor.rules.checks`), the runtime rules of the GradScaler protocol (:mod:`mpdoctor.attach.runtime.rules`) and the
+:mod:`mpdoctor.rules.checks`), the runtime rules of the GradScaler protocol (:mod:`mpdoctor.attach.runtime.protocol_rules`) and the
 crash families (:mod:`mpdoctor.attach.crash.catalogue`). Each has a stable slug, a title, the severities its findings
 take (the first is the usual one), and ruff's sections: why it is bad, an example of the mistake, the code to
 use instead, and how safe its fix is. A finding is built through its rule (:meth:`Rule.finding`), so its
@@ -48,7 +48,7 @@ class RuleKind(str, Enum):
 #: The modules whose import registers every rule, and the function of each (if any) that loads the rest.
 RULE_SOURCES: tuple[tuple[str, str], ...] = (
     ("mpdoctor.rules.checks", "load"),
-    ("mpdoctor.attach.runtime.rules", ""),
+    ("mpdoctor.attach.runtime.protocol_rules", ""),
     ("mpdoctor.attach.crash.catalogue", ""),
 )
 

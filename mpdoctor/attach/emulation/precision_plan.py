@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from .emulated_runs import Runner
 from .formats import PRECISIONS, Precision, precision
 from .measurements import KERNEL_MULTIPLE, SATURATION_PCT, LayerResult
 from .recommendation import conversion_code, keep_literal, keep_reasons
-from .runner import Runner
 
 #: The targets a plan can convert to (torchao has a recipe, or at least a config, for each).
 TARGETS = ("fp8", "fp8-rowwise", "mxfp8", "mxfp8-rceil", "nvfp4")
