@@ -553,33 +553,134 @@ def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path,
 # -- block formats on devices without block-scaled GEMMs ------------------------------------------------------
 
 
+def block_quantized_with_a_bf16_head() -> dict:
+    """torchao's ``MXDynamicActivationMXWeightConfig`` on a frozen bf16 body (MXFP8 weights that quantize their
+    activations too), a bf16 head trained on top."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+    from torchao.quantization import quantize_
+
+    body = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(body, MXDynamicActivationMXWeightConfig())
+    body.requires_grad_(False)
+    model = torch.nn.Sequential(body, torch.nn.Linear(32, 4).to(torch.bfloat16))
+    return {"model": model, "optimizer": torch.optim.AdamW(model[1].parameters(), lr=1e-2)}
+
+
+def block_step(ns: dict) -> torch.Tensor:
+    """The user's step on the block-quantized body: forward, backward into the bf16 head, optimizer step."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    loss = ns["model"](x).float().pow(2).mean()
+    loss.backward()
+    ns["optimizer"].step()
+    ns["optimizer"].zero_grad()
+    return loss
+
+
+def nvfp4_dynamic(layer: torch.nn.Linear) -> None:
+    """``layer``'s weight as NVFP4 that quantizes its activations, built with ``NVFP4Tensor.to_nvfp4``, the call
+    ``NVFP4DynamicActivationNVFP4WeightConfig``'s handler makes (``quantize_`` refuses that config below sm_100)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, QuantizeTensorToNVFP4Kwargs
+
+    w = NVFP4Tensor.to_nvfp4(layer.weight.detach(), is_swizzled_scales=True, act_quant_kwargs=QuantizeTensorToNVFP4Kwargs())
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+def stored_bytes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every inner tensor of the model's torchao weights (data and scales), cloned: what the fix must not touch."""
+    out = []
+    for mod in model.modules():
+        w = mod.__dict__.get("_parameters", {}).get("weight")
+        if w is not None and hasattr(type(w), "__tensor_flatten__"):
+            names, _ = type(w).__tensor_flatten__(w)
+            out += [getattr(w, n).detach().clone() for n in names if getattr(w, n) is not None]
+    return out
+
+
 def test_mxfp8_activations_and_weights_on_a_device_without_mx_gemms():
     """NVIDIA/TransformerEngine#2304: "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet".
     torchao's ``MXDynamicActivationMXWeightConfig`` quantizes the activations too, so the matmul is a
-    block-scaled GEMM only sm_100 runs: measured here, the CPU forward raises; an H100 is judged by its profile.
-    The advice (weight-only NVFP4, which dequantizes in the forward) runs."""
-    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    block-scaled GEMM only sm_100 runs: measured here, the user's step raises at the forward; an H100 is judged
+    by its profile. The fix, in place: each MX weight's matmul switches to torchao's emulated kernel (torchao 0.18
+    refuses an MX weight without activation quantization, "weight-only quant not yet supported", so dropping
+    ``act_quant_kwargs`` is no fix for MX), the stored data and scales kept bit for bit; the same step then trains
+    the bf16 head. Undo makes it raise again."""
+    ns = block_quantized_with_a_bf16_head()
+    model = ns["model"]
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        block_step(ns)
+    for target in (None, "H100"):
+        f = finding(mpdoctor.diagnose(model, names={id(model): "model"}, target=target), "block-format-unsupported-device")
+        assert f.severity == "error" and "MXTensor" in f.message
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(model, target="B200"))
+    report = mpdoctor.diagnose(namespace=ns, step=lambda: block_step(ns))
+    f = finding(report, "block-format-unsupported-device")
+    in_place, advice = f.fixes
+    assert in_place.applicability.name == "UNSAFE" and "KernelPreference.EMULATED" in in_place.code
+    assert advice.applicability.name == "DISPLAY_ONLY" and "NVFP4WeightOnlyConfig" in advice.code
+    assert "mpdoctor holds only the quantized weights" in advice.code
+    assert [fx.key for fx in report.fixes] == [in_place.key]  # the plan
+    assert report.proof.verified and report.proof.cured, report.proof.summary()  # on the user's own step
+    weights = [layer.weight for layer in (model[0][0], model[0][2])]
+    recipes = [(w.act_quant_kwargs, w.kernel_preference) for w in weights]
+    stored = stored_bytes(model)
+    in_place.apply()
+    assert in_place.applied
+    assert all(torch.equal(a, b) for a, b in zip(stored, stored_bytes(model), strict=True))  # bit for bit
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(model, target="H100"))
+    params = list(model[1].parameters())
+    held = [p.detach().clone() for p in params]
+    loss = block_step(ns)  # the very step that raised
+    assert torch.isfinite(loss) and all(not torch.equal(a, b) for a, b in zip(held, params))
+    in_place.undo()
+    assert [(w.act_quant_kwargs, w.kernel_preference) for w in weights] == recipes  # the very recipe objects back
+    assert all(a[0] is b[0] for a, b in zip(recipes, [(w.act_quant_kwargs,) for w in weights]))
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        block_step(ns)
+
+
+def test_nvfp4_activations_and_weights_become_weight_only_in_place():
+    """NVFP4 weights that quantize their activations call the same block-scaled GEMM (measured: the CPU forward
+    raises). NVFP4 has no emulated kernel in torchao 0.18: the fix drops each weight's activation recipe, so the
+    matmul dequantizes the weight, exactly what ``NVFP4WeightOnlyConfig`` builds from the same stored data (equal
+    outputs, measured); undo gives the recipe back."""
+    from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
     from torchao.quantization import quantize_
 
     m = mlp(64, 64, 32).to(torch.bfloat16)
-    quantize_(m, MXDynamicActivationMXWeightConfig())
+    weight_only = mlp(64, 64, 32).to(torch.bfloat16)  # the same weights (same seed)
+    quantize_(weight_only, NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=False))
+    for layer in (m[0], m[2]):
+        nvfp4_dynamic(layer)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Invalid scaling configuration"):
         m(x)
-    for target in (None, "H100"):
-        f = finding(mpdoctor.diagnose(m, names={id(m): "model"}, target=target), "block-format-unsupported-device")
-        assert f.severity == "error" and "MXTensor" in f.message
-    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m, target="B200"))
-    assert "NVFP4WeightOnlyConfig" in finding(mpdoctor.diagnose(m), "block-format-unsupported-device").fixes[0].code
-    # The advice: weight-only on this device.
-    nv = mlp(64, 64, 32).to(torch.bfloat16)
-    quantize_(nv, NVFP4WeightOnlyConfig())
-    assert torch.isfinite(nv(x)).all()
-    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(nv))
-    head = torch.nn.Sequential(nv, torch.nn.Linear(32, 4).to(torch.bfloat16))
-    for p in nv.parameters():
-        p.requires_grad_(False)
-    trains(head, x)
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "block-format-unsupported-device")
+    assert "NVFP4Tensor" in f.message and "act_quant_kwargs = None" in f.fixes[0].code
+    kwargs = m[0].weight.act_quant_kwargs
+    f.fixes[0].apply()
+    assert m[0].weight.act_quant_kwargs is None and torch.equal(m(x), weight_only(x))
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m))
+    f.fixes[0].undo()
+    assert m[0].weight.act_quant_kwargs is kwargs
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        m(x)
+
+
+def test_mx_recipes_that_run_anywhere_draw_nothing():
+    """Weight-only NVFP4 and torchao's emulated MX kernel dequantize: they run on this CPU and draw no error."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for config in (NVFP4WeightOnlyConfig(), MXDynamicActivationMXWeightConfig(kernel_preference=KernelPreference.EMULATED)):
+        body = mlp(64, 64, 32).to(torch.bfloat16)
+        quantize_(body, config)
+        assert torch.isfinite(body(x)).all()
+        for target in (None, "H100"):
+            assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(body, target=target))
+        body.requires_grad_(False)
+        trains(torch.nn.Sequential(body, torch.nn.Linear(32, 4).to(torch.bfloat16)), x)
 
 
 # -- fp8 asked for by the launcher, another flag wins ---------------------------------------------------------
