@@ -43,7 +43,7 @@ def _filter_code(name: str) -> str:
     )
 
 
-@check("float8-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("float8-unsupported-device", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao float8 training layers on a GPU without float8 tensor cores (below compute capability 8.9).
 
@@ -64,8 +64,12 @@ def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the first forward on that GPU raises.
     Fix safety
-        Train in bf16 on that GPU (build the model without ``convert_to_float8_training``), or run on an
-        L4 / RTX 4090 / H100. Display only: the layers cannot be unconverted in place.
+        Unsafe, in place: every float8 layer of the model goes back to torch's ``nn.Linear`` (the same module
+        objects, their weights unwrapped from torchao's float8 training tensor, the optimizers holding the plain
+        weights), so the model trains in its weights' dtype or under bf16 autocast, which that GPU runs; undo
+        converts the layers again. Unsafe: the precision the run computes in changes. Display only: an L4 /
+        RTX 4090 / H100 keeps float8 (mpdoctor cannot change the GPU), or build the model without
+        ``convert_to_float8_training`` (its construction is the user's code).
     Sources
         torchao ``float8`` README (hardware requirements); PyTorch ``_scaled_mm`` capability check.
     """
@@ -80,17 +84,31 @@ def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
         yield rule.finding(
             m.name,
             f"{m.name} has {len(layers)} float8 training layers ({layers[0].recipe}) but {hw.label} has no float8 "
-            f"tensor cores ({cap} < sm_89): torch._scaled_mm raises at the first forward. Train in bf16 there, or use "
-            "an L4 / RTX 4090 / H100.",
+            f"tensor cores ({cap} < sm_89): torch._scaled_mm raises at the first forward. Take them out of float8 "
+            "and train in bf16 there, or use an L4 / RTX 4090 / H100.",
             {"device": hw.label, "float8_layers": len(layers), "recipes": sorted({x.recipe for x in layers})},
             [
                 Fix(
+                    f"Take the {len(layers)} float8 layers of {m.name} out of float8: back to torch's Linear, in place",
+                    "\n".join(f"{python_path(m.name + '.' + x.path)}.__class__ = torch.nn.Linear  # and its weight "
+                              "unwrapped from torchao's float8 training tensor" for x in layers)
+                    + "\n# then train in bf16:\nwith torch.autocast('cuda', dtype=torch.bfloat16):\n    "
+                    "loss = model(batch).loss",
+                    applicability=Applicability.UNSAFE,
+                    changes=(ConvertBack(m.ref, tuple(x.path for x in layers), f"layers of {m.name}",
+                                         facts.optimizer_refs(m.tensors.param_ids)),),  # fmt: skip
+                    recipe="convert-back",
+                    cost="those layers compute in their weights' dtype (or bf16 autocast) instead of float8",
+                ),
+                Fix(
                     f"Build {m.name} without float8 and train in bf16 on {hw.name}",
-                    f"# rebuild {m.name} without convert_to_float8_training(...), then\n"
-                    "with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = model(batch).loss",
+                    f"# mpdoctor cannot re-run your model's construction: rebuild {m.name} without "
+                    "convert_to_float8_training(...), then\n"
+                    "with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = model(batch).loss\n"
+                    "# or keep float8 on an L4 / RTX 4090 / H100 (sm_89+): a GPU mpdoctor cannot change",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="float8-to-bf16",
-                )
+                ),
             ],
         )
 
