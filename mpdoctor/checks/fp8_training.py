@@ -439,7 +439,7 @@ def _convert_live(m: ModelFacts, p: PrecisionFacts, recipe: AORecipeFacts) -> Fi
     )
 
 
-@check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """fp8 training requested (accelerate, the environment) on a GPU without float8 GEMMs (below sm_89).
 
@@ -460,7 +460,14 @@ def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findi
     Severity
         Error: the first fp8 step on that GPU raises.
     Fix safety
-        Train in bf16 there (``mixed_precision="bf16"``), or move to an L4 / RTX 4090 / H100. Display only.
+        Unsafe, in place, while only the arguments exist (no Accelerator yet, no DeepSpeed config): the request
+        becomes the half precision that GPU runs, in the arguments (``bf16=True``, ``fp16=False``,
+        ``mixed_precision="bf16"``) and in the launcher's ``ACCELERATE_MIXED_PRECISION``, so the Trainer built
+        from them trains in bf16; undo restores both exactly. On a GPU without bf16 (T4, V100) it is fp16
+        (``fp16=True``): the Trainer's Accelerator then builds its fp16 GradScaler itself. Unsafe: the run no
+        longer computes in fp8. Display only where an Accelerator already exists: its fp8 backend, recipe handler
+        and prepared layers were chosen when it was built, and mpdoctor does not switch them (build it with
+        ``mixed_precision="bf16"``); an L4 / RTX 4090 / H100, which mpdoctor cannot provide, keeps fp8.
     Sources
         NVIDIA/TransformerEngine #1159; kvcache-ai/ktransformers #934; huggingface/accelerate PR #1348
         (sm_89 as the fp8 floor).
@@ -470,23 +477,50 @@ def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findi
         return
     if any(_live_float8(m) for m in facts.models):
         return  # float8-unsupported-device names the layers
+    half = "bf16" if hw.bf16_native else "fp16"
     for p in _fp8_setups(facts):
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}"
         yield rule.finding(
             p.name,
             f"{p.name} asks for fp8 but {hw.label} has no float8 GEMMs ({cap} < sm_89): the first fp8 step raises "
-            "('Device compute capability 8.9 or higher required for FP8 execution'). Train in bf16 there.",
+            f"('Device compute capability 8.9 or higher required for FP8 execution'). Train in {half} there.",
             {"device": hw.label, "accelerator.mixed_precision": p.accelerator_mixed_precision, ENV: p.env_mixed_precision},
             [
+                *([_ask_for(facts, p, half)] if p.args_name is not None and p.accelerator_name is None
+                  and not p.args.get("deepspeed") else []),  # fmt: skip
                 Fix(
-                    "Train in bf16 on this GPU",
-                    f"# {hw.label} has no float8 GEMMs: a GPU mpdoctor cannot change; set the precision where the run starts\n"
-                    "accelerator = Accelerator(mixed_precision='bf16')  # or: accelerate launch --mixed_precision bf16",
+                    f"Train in {half} on this GPU",
+                    f"# {hw.label} has no float8 GEMMs: a GPU mpdoctor cannot change. An Accelerator built for fp8 chose its "
+                    "fp8 backend and layers when it was built: mpdoctor does not switch it; set the precision where the "
+                    f"run starts\naccelerator = Accelerator(mixed_precision={half!r})  # or: accelerate launch "
+                    f"--mixed_precision {half}",
                     applicability=Applicability.DISPLAY_ONLY,
-                    recipe="fp8-to-bf16",
-                )
+                    recipe=f"fp8-to-{half}",
+                ),
             ],
         )
+
+
+def _ask_for(facts: Facts, p: PrecisionFacts, half: str) -> Fix:
+    """The arguments (and the launcher's variable) asking for ``half`` instead of fp8, in place, before a Trainer or
+    Accelerator exists."""
+    flags = {"bf16": half == "bf16", "fp16": half == "fp16"}
+    device = "cpu" if p.args.get("use_cpu") else (p.device or facts.hardware.kind)
+    env = p.env_mixed_precision == "fp8"
+    lines = ["import os"] if env else []
+    if env:
+        lines.append(f"os.environ[{ENV!r}] = {half!r}  # what `accelerate launch --mixed_precision {half}` sets")
+    lines += [f"{p.args_name}.{k} = {v!r}" for k, v in flags.items()]
+    lines += [f"{p.args_name}.mixed_precision = {half!r}", f"# then build the Trainer with {p.args_name}"]
+    scaler = "; its Accelerator builds the fp16 GradScaler" if half == "fp16" else ""
+    return Fix(
+        f"Ask for {half} instead of fp8: the arguments{' and the launcher' if env else ''}, in place",
+        "\n".join(lines),
+        applicability=Applicability.UNSAFE,
+        changes=(align_spec(facts, p, half, native_amp_for(half, device), flags), *((SetEnvVar(ENV, half),) if env else ())),
+        recipe=f"fp8-to-{half}-in-place",
+        cost=f"the Trainer built from these arguments trains in {half}, not fp8{scaler}",
+    )
 
 
 #: Measured with mpdoctor's MX emulation (``quantize_mx``, bit for bit torchao's ``to_mx``) on a Gaussian gradient

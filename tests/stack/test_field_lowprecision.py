@@ -8,6 +8,7 @@ profiles, and the tests say so. Measured here (torch 2.13 CPU): ``.to(torch.floa
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -526,28 +527,68 @@ def test_accelerate_fp8_ao_swaps_weights_after_the_optimizer_was_built():
 
 
 @pytest.mark.parametrize(
-    "target",
+    ("target", "half"),
     [
-        "RTX3090",  # NVIDIA/TransformerEngine#1159: "Device compute capability 8.9 or higher required for FP8 execution."
-        "A100",  # kvcache-ai/ktransformers#934: "fp8e4nv data type is not supported on CUDA arch < 89"
-        "T4",
+        ("RTX3090", "bf16"),  # NVIDIA/TransformerEngine#1159: "Device compute capability 8.9 or higher required for FP8 execution."
+        ("A100", "bf16"),  # kvcache-ai/ktransformers#934: "fp8e4nv data type is not supported on CUDA arch < 89"
+        ("T4", "fp16"),  # no bf16 either: fp16, whose GradScaler the Trainer's Accelerator builds
     ],
 )
-def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path, target):
+def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path, monkeypatch, target, half):
     """GPU-only: the refusal happens at the first fp8 step on that GPU (this CPU runs fp8 casts in software), so
-    the request is judged against the target's profile. bf16 is the advice, and draws nothing there."""
-    from transformers import TrainingArguments
+    the request is judged against the target's profile. Before the Trainer exists the request lives in the
+    arguments and the launcher's variable: the fix asks for the GPU's half precision there, in place; the Trainer
+    built from the fixed arguments gets an Accelerator in that precision and trains (on this CPU accelerate runs
+    bf16 under autocast and fp16 without it); undo restores the variable and the arguments exactly."""
+    from transformers import Trainer, TrainingArguments
 
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"
-    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[])
-    f = finding(mpdoctor.diagnose(args, names={id(args): "args"}, target=target), "fp8-requested-unsupported-device")
-    assert f.severity == "error" and "8.9" in f.message
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                             per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
+    assert args.mixed_precision == "fp8"
+    report = mpdoctor.diagnose(args, names={id(args): "args"}, target=target)
+    f = finding(report, "fp8-requested-unsupported-device")
+    assert f.severity == "error" and "8.9" in f.message and f"Train in {half} there" in f.message
     for ok in ("L4", "H100"):
         assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=ok))
-    # The advice: a half precision that GPU has (bf16 on Ampere; the T4 gets its own bf16-unsupported advice).
-    os.environ.pop("ACCELERATE_MIXED_PRECISION")
-    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[])
-    assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=target))
+    in_place, advice = f.fixes
+    assert in_place.applicability.name == "UNSAFE" and in_place in report.fixes
+    assert f"os.environ['ACCELERATE_MIXED_PRECISION'] = {half!r}" in in_place.code
+    assert f"args.mixed_precision = {half!r}" in in_place.code
+    assert advice.applicability.name == "DISPLAY_ONLY" and "mpdoctor does not switch it" in advice.code
+    before = {k: getattr(args, k) for k in ("bf16", "fp16", "mixed_precision")}
+    in_place.apply()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == half and args.mixed_precision == half
+    assert (args.bf16, args.fp16) == (half == "bf16", half == "fp16")
+    assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}, target=target))
+    model = Net()
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    assert trainer.accelerator.mixed_precision == half
+    loss = trainer.train().training_loss
+    assert math.isfinite(loss) and all(not torch.equal(held[n], p.detach()) for n, p in model.named_parameters())
+    in_place.undo()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    assert {k: getattr(args, k) for k in before} == before
+    assert "fp8-requested-unsupported-device" in severities(mpdoctor.diagnose(args, target=target))
+
+
+def test_an_accelerator_built_for_fp8_on_a_gpu_without_fp8_gemms_gets_the_line_to_change():
+    """An Accelerator made with ``mixed_precision="fp8"`` chose its fp8 backend and recipe handler when it was built
+    (and converts or wraps the layers it prepares): mpdoctor does not switch it, so the fix is the line to change,
+    and it says what it cannot reach."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(mixed_precision="fp8", cpu=True)
+    try:
+        assert acc.fp8_enabled and acc.has_fp8_handler
+        f = finding(mpdoctor.diagnose(acc, names={id(acc): "accelerator"}, target="A100"), "fp8-requested-unsupported-device")
+        (advice,) = f.fixes
+        assert advice.applicability.name == "DISPLAY_ONLY" and "Accelerator(mixed_precision='bf16')" in advice.code
+        assert "a GPU mpdoctor cannot change" in advice.code
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- block formats on devices without block-scaled GEMMs ------------------------------------------------------
