@@ -133,6 +133,10 @@ class QuantizedWeight:
     #: The lower bound of an activation scale's amax (``hp_value_lb``; None: none). Without one, an all-zero row
     #: (per row; the whole input, per tensor) gets scale amax / 448 = 0 and quantizes to 0 / 0 = NaN.
     activation_floor: float | None = None
+    #: The kernel torchao picks for the matmul of quantized activations and weight (``kernel_preference``):
+    #: ``"auto"`` a hardware block-scaled GEMM, ``"emulated"`` both operands dequantized to a high-precision matmul,
+    #: which runs anywhere; ``""`` where the weight picks none (NVFP4 always calls the GEMM).
+    gemm: str = ""
 
 
 @dataclass(frozen=True)

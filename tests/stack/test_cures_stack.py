@@ -37,6 +37,8 @@ from test_field_float8_activations import probe_tagger, tagger, tagger_step  # n
 from test_field_lowprecision import (  # noqa: E402
     LAUNCHER_FP8_ENV,
     Net,
+    block_quantized_with_a_bf16_head,
+    block_step,
     float8_layers,
     float8_quantized_with_a_zero_row,
     fp8_base_with_a_bf16_head,
@@ -376,6 +378,11 @@ CASES: list[Case] = [
     Case(
         name="float8-quantized-zero-row-nan", source="pytorch/ao#4713", slug="quantized-weights-nonfinite",
         build=float8_quantized_with_a_zero_row, step=quantized_step, failure="loss is not finite",
+    ),
+    Case(
+        name="mxfp8-activations-on-a-device-without-mx-gemms", source="NVIDIA/TransformerEngine#2304",
+        slug="block-format-unsupported-device", build=block_quantized_with_a_bf16_head, step=block_step,
+        failure="Invalid scaling configuration",
     ),
     Case(
         name="float8-activation-scale-zero-row", source="pytorch/ao#3356", slug="probe-nonfinite",

@@ -178,14 +178,44 @@ def test_float8_layer_with_dims_not_divisible_by_16_is_an_error_on_h100():
     float8_step(fixed)
 
 
-def test_float8_training_on_an_a100_target_is_an_error():
+def test_float8_training_on_an_a100_target_is_an_error_and_the_fix_takes_the_layers_out_of_float8():
     """https://github.com/pytorch/ao/issues/575: float8 tests are skipped on CI GPUs below capability 8.9
-    (A10G): ``torch._scaled_mm`` needs float8 tensor cores. GPU-only; judged against the A100 / T4 profiles."""
+    (A10G): ``torch._scaled_mm`` needs float8 tensor cores. GPU-only (this CPU's ``_scaled_mm`` runs, so there is no
+    failing step here); judged against the A100 / T4 profiles. The fix, in place: every float8 layer back to torch's
+    Linear, the optimizer holding the plain weights; a bf16 autocast step then trains; undo restores the float8
+    layers and the optimizer's float8 weights."""
     m = float8_model(16)
     for target in ("A100", "T4"):
         assert severities(mpdoctor.diagnose(m, target=target))["float8-unsupported-device"] == "error"
     for target in ("L4", "RTX4090", "H100"):
         assert "float8-unsupported-device" not in severities(mpdoctor.diagnose(m, target=target))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    report = mpdoctor.diagnose(m, opt, target="A100", names={id(m): "model", id(opt): "opt"})
+    finding = next(f for f in report.findings if f.check == "float8-unsupported-device")
+    in_place, advice = finding.fixes
+    assert in_place.applicability.name == "UNSAFE" and in_place in report.fixes
+    assert "model[0].__class__ = torch.nn.Linear" in in_place.code and "model[2].__class__" in in_place.code
+    assert advice.applicability.name == "DISPLAY_ONLY" and "a GPU mpdoctor cannot change" in advice.code
+    wrapped = [m[0].weight, m[2].weight]  # torchao's float8 training tensors around the weights
+    in_place.apply()
+    assert [type(mod).__name__ for mod in m] == ["Linear", "ReLU", "Linear"]
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert all(id(p) in held for p in m.parameters())  # the optimizer holds the plain weights
+    for target in ("A100", "T4"):
+        assert "float8-unsupported-device" not in severities(mpdoctor.diagnose(m, opt, target=target))
+    before = snapshot(m.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(torch.randn(16, 32))
+    assert out.dtype == torch.bfloat16  # the plain Linear layers compute under bf16 autocast
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    assert_step_trains(loss, before, m.parameters())
+    in_place.undo()
+    assert [type(mod).__name__ for mod in m] == ["Float8Linear", "ReLU", "Float8Linear"]
+    assert all(w is v for w, v in zip([m[0].weight, m[2].weight], wrapped, strict=True))
+    assert all(any(p is w for g in opt.param_groups for p in g["params"]) for w in wrapped)  # exact undo
+    assert severities(mpdoctor.diagnose(m, target="A100"))["float8-unsupported-device"] == "error"
 
 
 def test_healthy_float8_on_h100_with_aligned_dims_draws_no_warning():

@@ -8,6 +8,7 @@ profiles, and the tests say so. Measured here (torch 2.13 CPU): ``.to(torch.floa
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -526,60 +527,201 @@ def test_accelerate_fp8_ao_swaps_weights_after_the_optimizer_was_built():
 
 
 @pytest.mark.parametrize(
-    "target",
+    ("target", "half"),
     [
-        "RTX3090",  # NVIDIA/TransformerEngine#1159: "Device compute capability 8.9 or higher required for FP8 execution."
-        "A100",  # kvcache-ai/ktransformers#934: "fp8e4nv data type is not supported on CUDA arch < 89"
-        "T4",
+        ("RTX3090", "bf16"),  # NVIDIA/TransformerEngine#1159: "Device compute capability 8.9 or higher required for FP8 execution."
+        ("A100", "bf16"),  # kvcache-ai/ktransformers#934: "fp8e4nv data type is not supported on CUDA arch < 89"
+        ("T4", "fp16"),  # no bf16 either: fp16, whose GradScaler the Trainer's Accelerator builds
     ],
 )
-def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path, target):
+def test_fp8_requested_through_the_launcher_on_a_gpu_without_fp8_gemms(tmp_path, monkeypatch, target, half):
     """GPU-only: the refusal happens at the first fp8 step on that GPU (this CPU runs fp8 casts in software), so
-    the request is judged against the target's profile. bf16 is the advice, and draws nothing there."""
-    from transformers import TrainingArguments
+    the request is judged against the target's profile. Before the Trainer exists the request lives in the
+    arguments and the launcher's variable: the fix asks for the GPU's half precision there, in place; the Trainer
+    built from the fixed arguments gets an Accelerator in that precision and trains (on this CPU accelerate runs
+    bf16 under autocast and fp16 without it); undo restores the variable and the arguments exactly."""
+    from transformers import Trainer, TrainingArguments
 
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "fp8"
-    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[])
-    f = finding(mpdoctor.diagnose(args, names={id(args): "args"}, target=target), "fp8-requested-unsupported-device")
-    assert f.severity == "error" and "8.9" in f.message
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
+    args = TrainingArguments(str(tmp_path), bf16=False, use_cpu=True, report_to=[], max_steps=2, save_strategy="no",
+                             per_device_train_batch_size=16, learning_rate=1e-2)  # fmt: skip
+    assert args.mixed_precision == "fp8"
+    report = mpdoctor.diagnose(args, names={id(args): "args"}, target=target)
+    f = finding(report, "fp8-requested-unsupported-device")
+    assert f.severity == "error" and "8.9" in f.message and f"Train in {half} there" in f.message
     for ok in ("L4", "H100"):
         assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=ok))
-    # The advice: a half precision that GPU has (bf16 on Ampere; the T4 gets its own bf16-unsupported advice).
-    os.environ.pop("ACCELERATE_MIXED_PRECISION")
-    args = TrainingArguments(str(tmp_path), bf16=True, use_cpu=True, report_to=[])
-    assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, target=target))
+    in_place, advice = f.fixes
+    assert in_place.applicability.name == "UNSAFE" and in_place in report.fixes
+    assert f"os.environ['ACCELERATE_MIXED_PRECISION'] = {half!r}" in in_place.code
+    assert f"args.mixed_precision = {half!r}" in in_place.code
+    assert advice.applicability.name == "DISPLAY_ONLY" and "mpdoctor does not switch it" in advice.code
+    before = {k: getattr(args, k) for k in ("bf16", "fp16", "mixed_precision")}
+    in_place.apply()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == half and args.mixed_precision == half
+    assert (args.bf16, args.fp16) == (half == "bf16", half == "fp16")
+    assert "fp8-requested-unsupported-device" not in severities(mpdoctor.diagnose(args, names={id(args): "args"}, target=target))
+    model = Net()
+    held = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model=model, args=args, train_dataset=[{"x": torch.randn(32)} for _ in range(16)])
+    assert trainer.accelerator.mixed_precision == half
+    loss = trainer.train().training_loss
+    assert math.isfinite(loss) and all(not torch.equal(held[n], p.detach()) for n, p in model.named_parameters())
+    in_place.undo()
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "fp8"
+    assert {k: getattr(args, k) for k in before} == before
+    assert "fp8-requested-unsupported-device" in severities(mpdoctor.diagnose(args, target=target))
+
+
+def test_an_accelerator_built_for_fp8_on_a_gpu_without_fp8_gemms_gets_the_line_to_change():
+    """An Accelerator made with ``mixed_precision="fp8"`` chose its fp8 backend and recipe handler when it was built
+    (and converts or wraps the layers it prepares): mpdoctor does not switch it, so the fix is the line to change,
+    and it says what it cannot reach."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    acc = Accelerator(mixed_precision="fp8", cpu=True)
+    try:
+        assert acc.fp8_enabled and acc.has_fp8_handler
+        f = finding(mpdoctor.diagnose(acc, names={id(acc): "accelerator"}, target="A100"), "fp8-requested-unsupported-device")
+        (advice,) = f.fixes
+        assert advice.applicability.name == "DISPLAY_ONLY" and "Accelerator(mixed_precision='bf16')" in advice.code
+        assert "a GPU mpdoctor cannot change" in advice.code
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
 
 
 # -- block formats on devices without block-scaled GEMMs ------------------------------------------------------
 
 
+def block_quantized_with_a_bf16_head() -> dict:
+    """torchao's ``MXDynamicActivationMXWeightConfig`` on a frozen bf16 body (MXFP8 weights that quantize their
+    activations too), a bf16 head trained on top."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
+    from torchao.quantization import quantize_
+
+    body = mlp(64, 64, 32).to(torch.bfloat16)
+    quantize_(body, MXDynamicActivationMXWeightConfig())
+    body.requires_grad_(False)
+    model = torch.nn.Sequential(body, torch.nn.Linear(32, 4).to(torch.bfloat16))
+    return {"model": model, "optimizer": torch.optim.AdamW(model[1].parameters(), lr=1e-2)}
+
+
+def block_step(ns: dict) -> torch.Tensor:
+    """The user's step on the block-quantized body: forward, backward into the bf16 head, optimizer step."""
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    loss = ns["model"](x).float().pow(2).mean()
+    loss.backward()
+    ns["optimizer"].step()
+    ns["optimizer"].zero_grad()
+    return loss
+
+
+def nvfp4_dynamic(layer: torch.nn.Linear) -> None:
+    """``layer``'s weight as NVFP4 that quantizes its activations, built with ``NVFP4Tensor.to_nvfp4``, the call
+    ``NVFP4DynamicActivationNVFP4WeightConfig``'s handler makes (``quantize_`` refuses that config below sm_100)."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, QuantizeTensorToNVFP4Kwargs
+
+    w = NVFP4Tensor.to_nvfp4(layer.weight.detach(), is_swizzled_scales=True, act_quant_kwargs=QuantizeTensorToNVFP4Kwargs())
+    layer.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+def stored_bytes(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every inner tensor of the model's torchao weights (data and scales), cloned: what the fix must not touch."""
+    out = []
+    for mod in model.modules():
+        w = mod.__dict__.get("_parameters", {}).get("weight")
+        if w is not None and hasattr(type(w), "__tensor_flatten__"):
+            names, _ = type(w).__tensor_flatten__(w)
+            out += [getattr(w, n).detach().clone() for n in names if getattr(w, n) is not None]
+    return out
+
+
 def test_mxfp8_activations_and_weights_on_a_device_without_mx_gemms():
     """NVIDIA/TransformerEngine#2304: "MXFP8 (for all gemm layouts) is not supported on 12.0+ architectures yet".
     torchao's ``MXDynamicActivationMXWeightConfig`` quantizes the activations too, so the matmul is a
-    block-scaled GEMM only sm_100 runs: measured here, the CPU forward raises; an H100 is judged by its profile.
-    The advice (weight-only NVFP4, which dequantizes in the forward) runs."""
-    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    block-scaled GEMM only sm_100 runs: measured here, the user's step raises at the forward; an H100 is judged
+    by its profile. The fix, in place: each MX weight's matmul switches to torchao's emulated kernel (torchao 0.18
+    refuses an MX weight without activation quantization, "weight-only quant not yet supported", so dropping
+    ``act_quant_kwargs`` is no fix for MX), the stored data and scales kept bit for bit; the same step then trains
+    the bf16 head. Undo makes it raise again."""
+    ns = block_quantized_with_a_bf16_head()
+    model = ns["model"]
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        block_step(ns)
+    for target in (None, "H100"):
+        f = finding(mpdoctor.diagnose(model, names={id(model): "model"}, target=target), "block-format-unsupported-device")
+        assert f.severity == "error" and "MXTensor" in f.message
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(model, target="B200"))
+    report = mpdoctor.diagnose(namespace=ns, step=lambda: block_step(ns))
+    f = finding(report, "block-format-unsupported-device")
+    in_place, advice = f.fixes
+    assert in_place.applicability.name == "UNSAFE" and "KernelPreference.EMULATED" in in_place.code
+    assert advice.applicability.name == "DISPLAY_ONLY" and "NVFP4WeightOnlyConfig" in advice.code
+    assert "mpdoctor holds only the quantized weights" in advice.code
+    assert [fx.key for fx in report.fixes] == [in_place.key]  # the plan
+    assert report.proof.verified and report.proof.cured, report.proof.summary()  # on the user's own step
+    weights = [layer.weight for layer in (model[0][0], model[0][2])]
+    recipes = [(w.act_quant_kwargs, w.kernel_preference) for w in weights]
+    stored = stored_bytes(model)
+    in_place.apply()
+    assert in_place.applied
+    assert all(torch.equal(a, b) for a, b in zip(stored, stored_bytes(model), strict=True))  # bit for bit
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(model, target="H100"))
+    params = list(model[1].parameters())
+    held = [p.detach().clone() for p in params]
+    loss = block_step(ns)  # the very step that raised
+    assert torch.isfinite(loss) and all(not torch.equal(a, b) for a, b in zip(held, params))
+    in_place.undo()
+    assert [(w.act_quant_kwargs, w.kernel_preference) for w in weights] == recipes  # the very recipe objects back
+    assert all(a[0] is b[0] for a, b in zip(recipes, [(w.act_quant_kwargs,) for w in weights]))
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        block_step(ns)
+
+
+def test_nvfp4_activations_and_weights_become_weight_only_in_place():
+    """NVFP4 weights that quantize their activations call the same block-scaled GEMM (measured: the CPU forward
+    raises). NVFP4 has no emulated kernel in torchao 0.18: the fix drops each weight's activation recipe, so the
+    matmul dequantizes the weight, exactly what ``NVFP4WeightOnlyConfig`` builds from the same stored data (equal
+    outputs, measured); undo gives the recipe back."""
+    from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
     from torchao.quantization import quantize_
 
     m = mlp(64, 64, 32).to(torch.bfloat16)
-    quantize_(m, MXDynamicActivationMXWeightConfig())
+    weight_only = mlp(64, 64, 32).to(torch.bfloat16)  # the same weights (same seed)
+    quantize_(weight_only, NVFP4WeightOnlyConfig(use_dynamic_per_tensor_scale=False))
+    for layer in (m[0], m[2]):
+        nvfp4_dynamic(layer)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="Invalid scaling configuration"):
         m(x)
-    for target in (None, "H100"):
-        f = finding(mpdoctor.diagnose(m, names={id(m): "model"}, target=target), "block-format-unsupported-device")
-        assert f.severity == "error" and "MXTensor" in f.message
-    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m, target="B200"))
-    assert "NVFP4WeightOnlyConfig" in finding(mpdoctor.diagnose(m), "block-format-unsupported-device").fixes[0].code
-    # The advice: weight-only on this device.
-    nv = mlp(64, 64, 32).to(torch.bfloat16)
-    quantize_(nv, NVFP4WeightOnlyConfig())
-    assert torch.isfinite(nv(x)).all()
-    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(nv))
-    head = torch.nn.Sequential(nv, torch.nn.Linear(32, 4).to(torch.bfloat16))
-    for p in nv.parameters():
-        p.requires_grad_(False)
-    trains(head, x)
+    f = finding(mpdoctor.diagnose(m, names={id(m): "model"}), "block-format-unsupported-device")
+    assert "NVFP4Tensor" in f.message and "act_quant_kwargs = None" in f.fixes[0].code
+    kwargs = m[0].weight.act_quant_kwargs
+    f.fixes[0].apply()
+    assert m[0].weight.act_quant_kwargs is None and torch.equal(m(x), weight_only(x))
+    assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(m))
+    f.fixes[0].undo()
+    assert m[0].weight.act_quant_kwargs is kwargs
+    with pytest.raises(ValueError, match="Invalid scaling configuration"):
+        m(x)
+
+
+def test_mx_recipes_that_run_anywhere_draw_nothing():
+    """Weight-only NVFP4 and torchao's emulated MX kernel dequantize: they run on this CPU and draw no error."""
+    from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig, NVFP4WeightOnlyConfig
+    from torchao.quantization import quantize_
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for config in (NVFP4WeightOnlyConfig(), MXDynamicActivationMXWeightConfig(kernel_preference=KernelPreference.EMULATED)):
+        body = mlp(64, 64, 32).to(torch.bfloat16)
+        quantize_(body, config)
+        assert torch.isfinite(body(x)).all()
+        for target in (None, "H100"):
+            assert "block-format-unsupported-device" not in severities(mpdoctor.diagnose(body, target=target))
+        body.requires_grad_(False)
+        trains(torch.nn.Sequential(body, torch.nn.Linear(32, 4).to(torch.bfloat16)), x)
 
 
 # -- fp8 asked for by the launcher, another flag wins ---------------------------------------------------------

@@ -132,7 +132,8 @@ class Family:
     def rule(self) -> Rule:
         """The rule this family is an instance of: its own, or the runtime rule of the same slug."""
         if self.runtime_rule:
-            from ..runtime.protocol_rules import RULES  # the runtime rules load only when a family's docs are read
+            # The runtime rules load only when a family's docs are read.
+            from ..runtime.protocol_rules import RULES
 
             return RULES[self.slug]
         return REGISTRY[self.slug]

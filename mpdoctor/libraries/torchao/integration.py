@@ -172,9 +172,50 @@ def quantized_weights(model: Any) -> tuple[QuantizedWeight, ...]:
                 dynamic_activation=raw_attr(w, "act_quant_kwargs", None) is not None,
                 zero_scale_nonfinite=_count(zero_scale_nonfinite(w)),
                 **_activation_scaling(raw_attr(w, "act_quant_kwargs", None)),
+                gemm=_gemm_choice(w),
             )
         )
     return tuple(out)
+
+
+def _gemm_choice(w: Any) -> str:
+    """The matmul kernel a quantized weight picks (torchao's ``kernel_preference``, the weight's own or its
+    activations' recipe's, as ``_get_gemm_choice`` takes it): ``"auto"``, ``"emulated"``...; "" when it has none."""
+    choice = raw_attr(w, "kernel_preference", None)
+    if choice is None:
+        choice = raw_attr(raw_attr(w, "act_quant_kwargs", None), "kernel_preference", None)
+    value = getattr(choice, "value", None)  # KernelPreference is a str Enum: its value is the plain name
+    return value if isinstance(value, str) else ""
+
+
+def dequantized_matmul_changes(w: Any, where: str) -> list:
+    """The steps that make the matmul of a block-format weight that quantizes its activations run dequantized, on
+    any device, the stored weight untouched; [] when it already does.
+
+    A weight with a kernel choice of its own (``MXTensor``) switches it, and its activations' recipe's, to torchao's
+    emulation: the activations are still quantized to the block format, then both operands dequantize to a bf16
+    matmul (torchao 0.18 refuses an MX weight without activation quantization: "weight-only quant not yet
+    supported"). A weight without one (``NVFP4Tensor``) drops its activation recipe: its matmul then dequantizes the
+    weight, exactly what ``NVFP4WeightOnlyConfig`` builds from the same stored data.
+    """
+    import dataclasses
+
+    from ...objects.edits.steps import SetAttr
+
+    kwargs = raw_attr(w, "act_quant_kwargs", None)
+    if kwargs is None:
+        return []
+    if not _gemm_choice(w):
+        return [SetAttr(w, "act_quant_kwargs", None, f"{where}.act_quant_kwargs")]
+    if _gemm_choice(w) == "emulated":
+        return []
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    emulated = KernelPreference.EMULATED
+    steps = [SetAttr(w, "act_quant_kwargs", dataclasses.replace(kwargs, kernel_preference=emulated), f"{where}.act_quant_kwargs")]
+    if raw_attr(w, "kernel_preference", None) is not None:
+        steps.append(SetAttr(w, "kernel_preference", emulated, f"{where}.kernel_preference"))
+    return steps
 
 
 def _activation_scaling(kwargs: Any) -> dict:

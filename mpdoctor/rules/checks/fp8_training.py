@@ -43,7 +43,7 @@ def _filter_code(name: str) -> str:
     )
 
 
-@check("float8-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("float8-unsupported-device", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """torchao float8 training layers on a GPU without float8 tensor cores (below compute capability 8.9).
 
@@ -64,8 +64,12 @@ def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     Severity
         Error: the first forward on that GPU raises.
     Fix safety
-        Train in bf16 on that GPU (build the model without ``convert_to_float8_training``), or run on an
-        L4 / RTX 4090 / H100. Display only: the layers cannot be unconverted in place.
+        Unsafe, in place: every float8 layer of the model goes back to torch's ``nn.Linear`` (the same module
+        objects, their weights unwrapped from torchao's float8 training tensor, the optimizers holding the plain
+        weights), so the model trains in its weights' dtype or under bf16 autocast, which that GPU runs; undo
+        converts the layers again. Unsafe: the precision the run computes in changes. Display only: an L4 /
+        RTX 4090 / H100 keeps float8 (mpdoctor cannot change the GPU), or build the model without
+        ``convert_to_float8_training`` (its construction is the user's code).
     Sources
         torchao ``float8`` README (hardware requirements); PyTorch ``_scaled_mm`` capability check.
     """
@@ -80,17 +84,31 @@ def float8_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
         yield rule.finding(
             m.name,
             f"{m.name} has {len(layers)} float8 training layers ({layers[0].recipe}) but {hw.label} has no float8 "
-            f"tensor cores ({cap} < sm_89): torch._scaled_mm raises at the first forward. Train in bf16 there, or use "
-            "an L4 / RTX 4090 / H100.",
+            f"tensor cores ({cap} < sm_89): torch._scaled_mm raises at the first forward. Take them out of float8 "
+            "and train in bf16 there, or use an L4 / RTX 4090 / H100.",
             {"device": hw.label, "float8_layers": len(layers), "recipes": sorted({x.recipe for x in layers})},
             [
                 Fix(
+                    f"Take the {len(layers)} float8 layers of {m.name} out of float8: back to torch's Linear, in place",
+                    "\n".join(f"{python_path(m.name + '.' + x.path)}.__class__ = torch.nn.Linear  # and its weight "
+                              "unwrapped from torchao's float8 training tensor" for x in layers)
+                    + "\n# then train in bf16:\nwith torch.autocast('cuda', dtype=torch.bfloat16):\n    "
+                    "loss = model(batch).loss",
+                    applicability=Applicability.UNSAFE,
+                    changes=(ConvertBack(m.ref, tuple(x.path for x in layers), f"layers of {m.name}",
+                                         facts.optimizer_refs(m.tensors.param_ids)),),  # fmt: skip
+                    recipe="convert-back",
+                    cost="those layers compute in their weights' dtype (or bf16 autocast) instead of float8",
+                ),
+                Fix(
                     f"Build {m.name} without float8 and train in bf16 on {hw.name}",
-                    f"# rebuild {m.name} without convert_to_float8_training(...), then\n"
-                    "with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = model(batch).loss",
+                    f"# mpdoctor cannot re-run your model's construction: rebuild {m.name} without "
+                    "convert_to_float8_training(...), then\n"
+                    "with torch.autocast('cuda', dtype=torch.bfloat16):\n    loss = model(batch).loss\n"
+                    "# or keep float8 on an L4 / RTX 4090 / H100 (sm_89+): a GPU mpdoctor cannot change",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="float8-to-bf16",
-                )
+                ),
             ],
         )
 
@@ -421,7 +439,7 @@ def _convert_live(m: ModelFacts, p: PrecisionFacts, recipe: AORecipeFacts) -> Fi
     )
 
 
-@check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("fp8-requested-unsupported-device", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """fp8 training requested (accelerate, the environment) on a GPU without float8 GEMMs (below sm_89).
 
@@ -442,7 +460,14 @@ def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findi
     Severity
         Error: the first fp8 step on that GPU raises.
     Fix safety
-        Train in bf16 there (``mixed_precision="bf16"``), or move to an L4 / RTX 4090 / H100. Display only.
+        Unsafe, in place, while only the arguments exist (no Accelerator yet, no DeepSpeed config): the request
+        becomes the half precision that GPU runs, in the arguments (``bf16=True``, ``fp16=False``,
+        ``mixed_precision="bf16"``) and in the launcher's ``ACCELERATE_MIXED_PRECISION``, so the Trainer built
+        from them trains in bf16; undo restores both exactly. On a GPU without bf16 (T4, V100) it is fp16
+        (``fp16=True``): the Trainer's Accelerator then builds its fp16 GradScaler itself. Unsafe: the run no
+        longer computes in fp8. Display only where an Accelerator already exists: its fp8 backend, recipe handler
+        and prepared layers were chosen when it was built, and mpdoctor does not switch them (build it with
+        ``mixed_precision="bf16"``); an L4 / RTX 4090 / H100, which mpdoctor cannot provide, keeps fp8.
     Sources
         NVIDIA/TransformerEngine #1159; kvcache-ai/ktransformers #934; huggingface/accelerate PR #1348
         (sm_89 as the fp8 floor).
@@ -452,23 +477,50 @@ def fp8_requested_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findi
         return
     if any(_live_float8(m) for m in facts.models):
         return  # float8-unsupported-device names the layers
+    half = "bf16" if hw.bf16_native else "fp16"
     for p in _fp8_setups(facts):
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}"
         yield rule.finding(
             p.name,
             f"{p.name} asks for fp8 but {hw.label} has no float8 GEMMs ({cap} < sm_89): the first fp8 step raises "
-            "('Device compute capability 8.9 or higher required for FP8 execution'). Train in bf16 there.",
+            f"('Device compute capability 8.9 or higher required for FP8 execution'). Train in {half} there.",
             {"device": hw.label, "accelerator.mixed_precision": p.accelerator_mixed_precision, ENV: p.env_mixed_precision},
             [
+                *([_ask_for(facts, p, half)] if p.args_name is not None and p.accelerator_name is None
+                  and not p.args.get("deepspeed") else []),  # fmt: skip
                 Fix(
-                    "Train in bf16 on this GPU",
-                    f"# {hw.label} has no float8 GEMMs: a GPU mpdoctor cannot change; set the precision where the run starts\n"
-                    "accelerator = Accelerator(mixed_precision='bf16')  # or: accelerate launch --mixed_precision bf16",
+                    f"Train in {half} on this GPU",
+                    f"# {hw.label} has no float8 GEMMs: a GPU mpdoctor cannot change. An Accelerator built for fp8 chose its "
+                    "fp8 backend and layers when it was built: mpdoctor does not switch it; set the precision where the "
+                    f"run starts\naccelerator = Accelerator(mixed_precision={half!r})  # or: accelerate launch "
+                    f"--mixed_precision {half}",
                     applicability=Applicability.DISPLAY_ONLY,
-                    recipe="fp8-to-bf16",
-                )
+                    recipe=f"fp8-to-{half}",
+                ),
             ],
         )
+
+
+def _ask_for(facts: Facts, p: PrecisionFacts, half: str) -> Fix:
+    """The arguments (and the launcher's variable) asking for ``half`` instead of fp8, in place, before a Trainer or
+    Accelerator exists."""
+    flags = {"bf16": half == "bf16", "fp16": half == "fp16"}
+    device = "cpu" if p.args.get("use_cpu") else (p.device or facts.hardware.kind)
+    env = p.env_mixed_precision == "fp8"
+    lines = ["import os"] if env else []
+    if env:
+        lines.append(f"os.environ[{ENV!r}] = {half!r}  # what `accelerate launch --mixed_precision {half}` sets")
+    lines += [f"{p.args_name}.{k} = {v!r}" for k, v in flags.items()]
+    lines += [f"{p.args_name}.mixed_precision = {half!r}", f"# then build the Trainer with {p.args_name}"]
+    scaler = "; its Accelerator builds the fp16 GradScaler" if half == "fp16" else ""
+    return Fix(
+        f"Ask for {half} instead of fp8: the arguments{' and the launcher' if env else ''}, in place",
+        "\n".join(lines),
+        applicability=Applicability.UNSAFE,
+        changes=(align_spec(facts, p, half, native_amp_for(half, device), flags), *((SetEnvVar(ENV, half),) if env else ())),
+        recipe=f"fp8-to-{half}-in-place",
+        cost=f"the Trainer built from these arguments trains in {half}, not fp8{scaler}",
+    )
 
 
 #: Measured with mpdoctor's MX emulation (``quantize_mx``, bit for bit torchao's ``to_mx``) on a Gaussian gradient

@@ -12,7 +12,12 @@ import torch
 from ...facts import Facts
 from ...facts.location import python_path
 from ...knowledge import MX_GEMM_CAPABILITY
-from ..engine.changes import FreezeParams, UpcastStoredWeights, ZeroQuantizedZeroBlocks
+from ..engine.changes import (
+    DequantizeBlockMatmuls,
+    FreezeParams,
+    UpcastStoredWeights,
+    ZeroQuantizedZeroBlocks,
+)
 from ..engine.findings import Finding, Severity
 from ..engine.fixes import Fix
 from ..engine.rules import Applicability, Rule
@@ -428,15 +433,16 @@ def _zero_blocks_fix(m: Any, bad: list) -> Fix:
     )
 
 
-@check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("block-format-unsupported-device", Severity.ERROR, fix_safety=(Applicability.UNSAFE, Applicability.DISPLAY_ONLY))
 def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """MXFP8 / NVFP4 layers that quantize their activations, on a device without block-scaled GEMMs.
 
     What it does
         Layers whose weight is a torchao block-scaled tensor (``MXTensor``, 32-element blocks; ``NVFP4Tensor``,
-        16) set to quantize the activations too (``MXDynamicActivationMXWeightConfig`` ...), when the live device
-        or the ``target=`` profile is a CPU or a GPU below compute capability 10.0 (anything before Blackwell
-        B200). Weight-only formats dequantize and run anywhere: they draw nothing.
+        16) set to quantize the activations too (``MXDynamicActivationMXWeightConfig`` ...) and to call the
+        hardware GEMM, when the live device or the ``target=`` profile is a CPU or a GPU below compute capability
+        10.0 (anything before Blackwell B200). Weight-only formats and torchao's emulated kernel
+        (``kernel_preference=KernelPreference.EMULATED``) dequantize and run anywhere: they draw nothing.
     Why is this bad?
         The matmul is a block-scaled GEMM that only sm_100 kernels run: on this CPU the first forward raises
         ("Invalid scaling configuration", measured), torchao refuses NVFP4 dynamic mode below sm_100 ("NVFP4
@@ -452,11 +458,16 @@ def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findin
     Severity
         Error: the first forward raises.
     Fix safety
-        A weight-only config on that device (``NVFP4WeightOnlyConfig()``), float8 on sm_89+
-        (``Float8DynamicActivationFloat8WeightConfig``), or a B200. Display only: quantization happens at build
-        time.
+        Unsafe, in place: each such weight's matmul runs dequantized, its stored data and scales kept bit for bit.
+        An MX weight (and its activations' recipe) switches to torchao's emulated kernel: the activations are
+        still quantized to MX, then both operands dequantize to a bf16 matmul (torchao 0.18 refuses an MX weight
+        without activation quantization). An NVFP4 weight drops its activation recipe: the weight dequantizes,
+        exactly what ``NVFP4WeightOnlyConfig`` builds. Unsafe: slower than a block-scaled GEMM, and NVFP4 layers no
+        longer quantize their activations. Undo gives each weight its recipe and kernel choice back. Display only:
+        re-quantizing from the high-precision model (mpdoctor holds only the quantized weights), or a B200.
     Sources
-        NVIDIA/TransformerEngine #2304; torchao ``mx_formats`` (MX GEMMs need sm_100).
+        NVIDIA/TransformerEngine #2304; torchao ``mx_formats`` (MX GEMMs need sm_100; ``_addmm_mx_dispatch``,
+        ``nvfp4_linear``: the emulated and weight-only paths).
     """
     hw = facts.hardware
     if hw.kind == "cuda" and hw.capability is not None and tuple(hw.capability) >= MX_GEMM_CAPABILITY:
@@ -464,7 +475,7 @@ def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findin
     if hw.kind not in ("cuda", "cpu"):
         return
     for m in facts.models:
-        bad = [q for q in m.quantized_weights if q.dynamic_activation and q.block_size in (16, 32)]
+        bad = [q for q in m.quantized_weights if q.dynamic_activation and q.block_size in (16, 32) and q.gemm != "emulated"]
         if not bad:
             continue
         cap = f"sm_{hw.capability[0]}{hw.capability[1]}" if hw.capability else hw.kind
@@ -472,16 +483,44 @@ def block_format_unsupported_device(facts: Facts, rule: Rule) -> Iterator[Findin
         yield rule.finding(
             m.name,
             f"{len(bad)} layers of {m.name} ({', '.join(kinds)}) quantize their activations to a block format, whose "
-            f"matmul only sm_100 kernels run; {hw.label} ({cap}) has none: the first forward raises. Use a weight-only "
-            "config here, float8 on sm_89+, or a B200.",
+            f"matmul only sm_100 kernels run; {hw.label} ({cap}) has none: the first forward raises. Run their "
+            "matmuls dequantized here (the stored weights kept), use float8 on sm_89+, or a B200.",
             {"device": hw.label, "layers": [(q.path, q.tensor_class, q.block_size) for q in bad]},
             [
                 Fix(
-                    f"Quantize {m.name} weight-only on this device",
+                    f"Run the block-format matmuls of {m.name} dequantized, in place (the stored weights kept)",
+                    _dequantized_matmul_code(m.name, bad),
+                    applicability=Applicability.UNSAFE,
+                    changes=(DequantizeBlockMatmuls(m.ref, tuple(q.path for q in bad), m.name),),
+                    recipe="block-format-dequantized",
+                    cost="slower than a block-scaled GEMM: each matmul dequantizes to bf16; NVFP4 layers no longer "
+                    "quantize their activations (MX layers still do, emulated)",
+                ),
+                Fix(
+                    f"Quantize {m.name} weight-only on this device, from its high-precision weights",
+                    "# mpdoctor holds only the quantized weights: this needs the model as it was before quantize_\n"
                     "from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig\n"
-                    f"quantize_({m.name}_hp, NVFP4WeightOnlyConfig())  # dequantizes in the forward: runs anywhere",
+                    f"quantize_({m.name}_hp, NVFP4WeightOnlyConfig())  # dequantizes in the forward: runs anywhere\n"
+                    "# or keep the recipe and run on a B200 (sm_100): a device mpdoctor cannot change",
                     applicability=Applicability.DISPLAY_ONLY,
                     recipe="block-format-weight-only",
-                )
+                ),
             ],
         )
+
+
+def _dequantized_matmul_code(name: str, bad: list) -> str:
+    """Pasteable Python making the same change: MX weights to torchao's emulated kernel, NVFP4 weights weight-only."""
+    mx = [q.path for q in bad if q.gemm]
+    nv = [q.path for q in bad if not q.gemm]
+    lines = ["import dataclasses", "from torchao.quantization.quantize_.common import KernelPreference"] if mx else []
+    if mx:
+        lines += [f"for path in {mx!r}:  # MX: torchao's emulated kernel (activations still MX, dequantized matmul)",
+                  f"    w = {python_path(name)}.get_submodule(path).weight",
+                  "    w.kernel_preference = KernelPreference.EMULATED",
+                  "    w.act_quant_kwargs = dataclasses.replace(w.act_quant_kwargs, "
+                  "kernel_preference=KernelPreference.EMULATED)"]  # fmt: skip
+    if nv:
+        lines += [f"for path in {nv!r}:  # NVFP4: weight-only, what NVFP4WeightOnlyConfig builds",
+                  f"    {python_path(name)}.get_submodule(path).weight.act_quant_kwargs = None"]  # fmt: skip
+    return "\n".join(lines)

@@ -1967,6 +1967,51 @@ class FloorActivationScales(ChangeSpec):
         return {(self.ref, path, "activation-scale-floor"): self.floor for path in self.paths}
 
 
+@dataclass(frozen=True)
+class DequantizeBlockMatmuls(ChangeSpec):
+    """Make the matmuls of the torchao block-format weights (MX, NVFP4) of the layers ``paths`` of the model ``ref``
+    that quantize their activations run dequantized, in place, on any device.
+
+    Their matmul is a block-scaled GEMM only sm_100 kernels run. A weight with a kernel choice of its own (MX) is
+    switched to torchao's emulation (activations still quantized, both operands dequantized to a bf16 matmul); one
+    without (NVFP4) drops its activation recipe and dequantizes the weight, as ``NVFP4WeightOnlyConfig`` builds it.
+    The stored data and scales are not touched; undo gives each weight its previous recipe and kernel choice.
+    """
+
+    ref: int
+    paths: tuple[str, ...]
+    label: str = "model"
+
+    def bind(self, live: Live) -> list[Change]:
+        from ...libraries.torchao.integration import dequantized_matmul_changes
+
+        steps: list[Change] = []
+        for path, w in _layer_weights(live.get(self.ref), self.paths):
+            if w is not None:
+                steps += dequantized_matmul_changes(w, f"{self.label}.{path}.weight" if path else f"{self.label}.weight")
+        return steps
+
+    def simulate(self, facts: Facts) -> Facts:
+        def dequantized(q: Any) -> Any:
+            if q.path not in self.paths or not q.dynamic_activation:
+                return q
+            if q.gemm:
+                return dataclasses.replace(q, gemm="emulated")
+            return dataclasses.replace(q, dynamic_activation=False, activation_granularity="", activation_floor=None)
+
+        return _with_quantized_weights(facts, self.ref, dequantized)
+
+    def verify(self, live: Live) -> str | None:
+        from ...libraries.torchao.integration import dequantized_matmul_changes
+
+        left = [path or self.label for path, w in _layer_weights(live.get(self.ref), self.paths)
+                if w is not None and dequantized_matmul_changes(w, path)]  # fmt: skip
+        return f"the matmuls of {', '.join(left)} still call a block-scaled GEMM" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "block-matmul"): "dequantized" for path in self.paths}
+
+
 def _probes_healed_at(facts: Facts, ref: int, paths: tuple[str, ...]) -> Facts:
     """The probes of the model ``ref`` once the layers ``paths`` no longer make NaN from finite inputs and weights:
     a forward NaN first made in one of them is predicted gone, with what it carried downstream and back through
