@@ -14,7 +14,7 @@ import torch
 from setups import bf16_model, tiny_gemma3
 
 import mpdoctor
-from mpdoctor.diagnosis import view as view_module
+from mpdoctor.diagnosis import view_builder as view_module
 from mpdoctor.diagnosis.report import Report
 from mpdoctor.diagnosis.treatment import Treatment
 from mpdoctor.render import view as render_view
