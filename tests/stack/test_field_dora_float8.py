@@ -264,3 +264,22 @@ def test_the_fix_applies_once_and_its_twin_from_an_older_report_changes_nothing(
     first.undo()
     assert_same_storage(before, storage_state(ns["unet"]))
     assert_unchanged(rest, fingerprint({k: v for k, v in ns.items() if k != "unet"}), "the fix and its undo")
+
+
+def test_the_fix_is_verified_on_the_users_step_and_the_proof_leaves_the_unet_as_it_was():
+    """``diagnose(..., step=)``: the user's cell run as it is (it raises), then after the fix (the adapter is created and
+    moves), each run rolled back. The step injects an adapter: the proof puts the UNet's module tree back (children,
+    attributes such as ``peft_config`` and the flag the failed run set), so the diagnosis leaves the UNet as it was."""
+    ns = dora_on_float8()
+    unet, before = ns["unet"], storage_state(ns["unet"])
+    children = {m: dict(m._modules) for m in unet.modules()}
+    attrs = set(unet.__dict__)
+    report = mpdoctor.diagnose(namespace=ns, step=lambda: adapter_step(ns))
+    (fix,) = [x for x in report.fixes if x.slug == "dora-on-float8-storage"]
+    assert report.proof.label(fix).startswith("verified on your step: applied alone, it ran and trained"), report.proof.label(fix)
+    assert report.proof.summary().startswith("Plan verified on your step"), report.proof.summary()
+    assert list(unet.modules()) == list(children) and all(dict(m._modules) == c for m, c in children.items())
+    assert set(unet.__dict__) == attrs and not any(p.requires_grad for p in unet.parameters())
+    assert_same_storage(before, storage_state(unet))
+    fix.apply()  # then for real: the user's cell creates the adapter and trains
+    assert torch.isfinite(adapter_step(ns))
