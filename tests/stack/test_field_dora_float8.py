@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 from fingerprint import assert_unchanged, fingerprint
+from notebook_shell import loaded_shell
 
 pytest.importorskip("diffusers")
 from peft import LoraConfig  # noqa: E402
@@ -283,3 +284,24 @@ def test_the_fix_is_verified_on_the_users_step_and_the_proof_leaves_the_unet_as_
     assert_same_storage(before, storage_state(unet))
     fix.apply()  # then for real: the user's cell creates the adapter and trains
     assert torch.isfinite(adapter_step(ns))
+
+
+def test_in_a_notebook_the_cell_that_raised_is_proven_with_mpdoctor_step_then_runs_after_the_fix():
+    """A real IPython shell: the user's cell raised at ``add_adapter``; on this CPU the refusal is no crash family, so
+    no cell is held for a replay: ``%mpdoctor --step`` names the user's function instead. The fix is verified on it,
+    the UNet is left as it was, and after the fix the same call creates the adapter and trains."""
+    setup = ("import torch\nfrom test_field_dora_float8 import dora_on_float8, adapter_step\nns = dora_on_float8()\n"
+             "unet, lora_config = ns['unet'], ns['lora_config']\n"
+             "def add_and_train():\n    return adapter_step(ns)\n")  # fmt: skip
+    with loaded_shell(("torch", "dora_on_float8", "adapter_step", "ns", "unet", "lora_config", "add_and_train",
+                       "r", "loss")) as sh:  # fmt: skip
+        sh.run_cell(setup, store_history=True)
+        assert not sh.run_cell("loss = add_and_train()", store_history=True).success
+        sh.run_cell("r = %mpdoctor unet lora_config --step add_and_train --text", store_history=True)
+        report, unet = sh.user_ns["r"], sh.user_ns["unet"]
+        (fix,) = [x for x in report.fixes if x.slug == "dora-on-float8-storage"]
+        assert report.proof.label(fix).startswith("verified on your step"), report.proof.label(fix)
+        assert not any("lora" in n for n, _ in unet.named_modules())  # the proof's runs left no adapter behind
+        fix.apply()
+        assert sh.run_cell("loss = add_and_train()", store_history=True).success
+        assert torch.isfinite(sh.user_ns["loss"]) and unet.conv_in.weight.dtype == torch.float8_e4m3fn
