@@ -60,8 +60,10 @@ class Case:
         ``changed no parameter``, or ``trains`` for a step whose harm is measured by ``harm``).
     diagnose : callable
         The diagnosis the user runs on the namespace (``diagnose(namespace=...)``, a probe of the batch, ...).
-    params : callable
-        The parameters the step must move (default: every parameter of the namespace's optimizers).
+    params : callable or None
+        The parameters the step must move (default: every parameter of the namespace's optimizers). None for a step
+        that creates what it trains (an adapter the step adds): the step asserts itself that those parameters moved,
+        and its loss must be finite.
     harm : callable or None
         Asserts the measured harm on the namespace (after the failing step), where the step itself runs.
     healed : callable or None
@@ -81,7 +83,7 @@ class Case:
     step: Callable[[Namespace], Any]
     failure: str
     diagnose: Callable[[Namespace], Any] = _namespace_diagnosis
-    params: Callable[[Namespace], list[torch.Tensor]] = _optimizer_params
+    params: Callable[[Namespace], list[torch.Tensor]] | None = _optimizer_params
     harm: Callable[[Namespace], None] | None = None
     healed: Callable[[Namespace], None] | None = None
     recipe: str = ""
@@ -109,10 +111,15 @@ def assert_output_finite(out: Any) -> None:
     assert all(bool(torch.isfinite(t).all()) for t in floats), "output is not finite"
 
 
+def assert_loss_finite(loss: Any) -> None:
+    """Fail unless a step that creates what it trains returned a finite loss."""
+    assert isinstance(loss, torch.Tensor) and bool(torch.isfinite(loss).all()), f"loss is not finite: {loss}"
+
+
 def outcome(case: Case, ns: Namespace) -> str:
     """What the failing step does on ``ns``: the exception it raises, ``loss is not finite``,
     ``changed no parameter``, ``output is not finite``, ``trains`` or, for an inference step, ``runs``."""
-    params = list(case.params(ns)) if case.kind == "training" else []
+    params = list(case.params(ns)) if case.kind == "training" and case.params is not None else []
     before = snapshot(params)
     try:
         loss = case.step(ns)
@@ -121,6 +128,8 @@ def outcome(case: Case, ns: Namespace) -> str:
     try:
         if case.kind == "inference":
             assert_output_finite(loss)
+        elif case.params is None:
+            assert_loss_finite(loss)
         else:
             assert_step_trains(loss, before, params)
     except AssertionError as exc:
@@ -154,6 +163,8 @@ def assert_step_trains_now(case: Case, ns: Namespace) -> None:
     the harm is gone."""
     if case.kind == "inference":
         assert_output_finite(case.step(ns))
+    elif case.params is None:
+        assert_loss_finite(case.step(ns))  # the step asserts that the parameters it created moved
     else:
         params = list(case.params(ns))
         before = snapshot(params)

@@ -8,11 +8,12 @@ after which the step raises, or stops training where it trained before, is *trie
 with what happened.
 
 The proof leaves the run exactly as it found it: every fix it applied is undone (each is exact to undo), and the
-state a step changes (parameters, gradients and buffers of the models, optimizer state and hyperparameters, the
-GradScaler's scale and trackers, torch's, Python's and NumPy's random streams) is restored from a snapshot taken
-before the first run. A step should take its batch from a variable, not from ``next(iterator)``: an iterator the
-step advances cannot be rewound: a held step that would advance one is refused (:attr:`HeldStep.refused`) and the
-report says why its fixes are not verified.
+state a step changes (parameters, gradients and buffers of the models, their module tree: children and own
+attributes, so an adapter a step injects is taken out; optimizer state and hyperparameters, the GradScaler's scale
+and trackers, torch's, Python's and NumPy's random streams) is restored from a snapshot taken before the first run.
+A step should take its batch from a variable, not from ``next(iterator)``: an iterator the step advances cannot be
+rewound: a held step that would advance one is refused (:attr:`HeldStep.refused`) and the report says why its fixes
+are not verified.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..objects.live.introspect import own_dict
 from ..redact import describe_exception
 
 
@@ -97,7 +99,10 @@ class RunState:
         # each tensor's values, and its gradient object itself: runs write into copies of it (shield), so it is
         # put back by identity, its values and version counter never touched
         self.tensors = [(t, t.data.clone(), t.grad, t.requires_grad) for m in self.modules for t in _module_tensors(m)]
-        self.modes = [(sub, sub.training) for m in self.modules for sub in _submodules(m)]
+        subs = [sub for m in self.modules for sub in _submodules(m)]
+        self.modes = [(sub, sub.training) for sub in subs]
+        # the module tree: a step that injects an adapter swaps children and adds attributes (PEFT's ``peft_config``)
+        self.trees = [_ModuleTree(sub) for sub in subs]
         self.schedulers = _scheduler_states(self.optimizers)
         self.opt_state = [(o, {p: _clone(s) for p, s in o.state.items()}, [_group_options(g) for g in o.param_groups])
                           for o in self.optimizers]  # fmt: skip
@@ -127,6 +132,8 @@ class RunState:
                 _set_grad(t, grad)
             if t.requires_grad != requires_grad and t.is_leaf:
                 t.requires_grad_(requires_grad)
+        for tree in self.trees:
+            tree.restore()
         for sub, training in self.modes:
             if sub.training != training:
                 sub.train(training)
@@ -147,6 +154,39 @@ class RunState:
         if self.extra is not None:
             self.extra.restore()
         _set_rng_state(self.rng)
+
+
+_ABSENT = object()
+#: A module's own containers whose entries a step may swap (an adapter layer put in a child's place).
+_CONTAINERS = ("_modules", "_parameters", "_buffers")
+#: Own attributes :class:`RunState` restores its own way: the mode, through ``train()`` (a module may override it).
+_RESTORED_ELSEWHERE = frozenset({"training"})
+
+
+class _ModuleTree:
+    """One module's own attributes and its children, parameters and buffers, by identity: a step that swaps a child
+    (an adapter layer injected in its place) or adds an attribute (``peft_config``) is undone by putting them back."""
+
+    def __init__(self, module: Any) -> None:
+        own = own_dict(module)
+        self.own = own
+        self.attrs = {k: v for k, v in own.items() if k not in _RESTORED_ELSEWHERE}
+        self.entries = {name: dict(own[name]) for name in _CONTAINERS if isinstance(own.get(name), dict)}
+
+    def restore(self) -> None:
+        """The same attributes holding the same objects, the same entries in each container (the containers
+        themselves kept, so references to them stay valid); an unchanged module is not written."""
+        own = self.own
+        for name, saved in self.entries.items():
+            held = own.get(name)
+            if isinstance(held, dict) and (held.keys() != saved.keys() or any(held[k] is not v for k, v in saved.items())):
+                held.clear()
+                held.update(saved)
+        for key in [k for k in own if k not in self.attrs and k not in _RESTORED_ELSEWHERE]:
+            del own[key]
+        for key, value in self.attrs.items():
+            if own.get(key, _ABSENT) is not value:
+                own[key] = value
 
 
 def _submodules(module: Any) -> list:
@@ -295,6 +335,7 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
 
     stepped = [0]
     hook = register_optimizer_step_post_hook(lambda *args: stepped.__setitem__(0, stepped[0] + 1))
+    fresh = _Fresh(params)
     seen = _Gradients(params)
     running = _Running(modules)
     _PROVING[0] += 1
@@ -307,6 +348,7 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
         seen.remove()
         running.remove()
         hook.remove()
+        fresh.remove()
     if not seen.reached and not stepped[0] and all(p.grad is g for p, g in zip(params, grads)):
         why = _nonfinite_output(returned)
         return StepOutcome(True, not why, why=why, inference=True)
@@ -317,8 +359,47 @@ def run_step(step: Callable[[], Any], modules: Iterable[Any], optimizers: Iterab
             seen.reached.add(i)
             if bool(g.any()) and bool(torch.isfinite(g).any()):
                 seen.nonzero.add(i)
-    why = _not_trained(params, before, seen, loss, bool(_unique(optimizers)))
+    why = _not_trained(params, before, seen, loss, bool(_unique(optimizers)), fresh.why(modules))
     return StepOutcome(True, not why, loss=loss, why=why)
+
+
+class _Fresh:
+    """Parameters the step made trainable itself (an adapter it added to a frozen model), as each optimizer step met
+    them: those with a finite, non-zero gradient, valued just before that step (a global optimizer pre-hook). Read
+    only when no parameter of the models was trainable before the step (``params`` empty): otherwise those judge
+    the step, and nothing is copied."""
+
+    def __init__(self, params: list) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.known = {id(p) for p in params}
+        self.found: dict[int, tuple[Any, torch.Tensor]] = {}
+        self.handle = register_optimizer_step_pre_hook(self._before_step) if not params else None
+
+    def _before_step(self, optimizer: Any, *args: Any) -> None:
+        for group in getattr(optimizer, "param_groups", ()):
+            for p in group.get("params", ()):
+                g = getattr(p, "grad", None)
+                if id(p) in self.known or id(p) in self.found or g is None or not g.dtype.is_floating_point:
+                    continue
+                if bool(g.any()) and bool(torch.isfinite(g).all()):
+                    self.found[id(p)] = (p, p.detach().clone())
+
+    def why(self, modules: Iterable[Any]) -> str | None:
+        """Why the parameters of ``modules`` the step made trainable did not train (``""``: one moved at an optimizer
+        step and all stayed finite); None when the step made none that an optimizer stepped with a gradient."""
+        owned = {id(p) for m in _unique(modules) for p in m.parameters()}
+        ours = [(p, value) for key, (p, value) in self.found.items() if key in owned]
+        if not ours:
+            return None
+        if not all(bool(torch.isfinite(p.detach()).all()) for p, _ in ours):
+            return "a parameter the step made trainable became inf/NaN"
+        moved = any(not torch.equal(p.detach(), value) for p, value in ours)
+        return "" if moved else "no optimizer step moved the parameters the step made trainable"
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
 
 
 class _Running:
@@ -366,15 +447,17 @@ def _equal(a: torch.Tensor, b: torch.Tensor, depth: int = 0) -> bool:
         return all(_equal(getattr(a, n), getattr(b, n), depth + 1) for n in names)
 
 
-def _not_trained(params: list, before: list, seen: _Gradients, loss: float | None, has_optimizer: bool) -> str:
-    """Why a step that ran did not train (``""`` when it did)."""
+def _not_trained(params: list, before: list, seen: _Gradients, loss: float | None, has_optimizer: bool,
+                 made: str | None = None) -> str:  # fmt: skip
+    """Why a step that ran did not train (``""`` when it did). ``made``: the same of the parameters the step made
+    trainable itself, an adapter it added (:meth:`_Fresh.why`; None when it made none)."""
     if loss is not None and not math.isfinite(loss):
         return "its loss is inf/NaN"
     if any(not bool(torch.isfinite(p.detach()).all()) and bool(torch.isfinite(before[i]).all())
            for i, p in enumerate(params)):  # one already inf/NaN before the step (another model's) is not this step's
         return "a parameter became inf/NaN"
     if not params:
-        return "no parameter of the diagnosed models is trainable"
+        return made if made is not None else "no parameter of the diagnosed models is trainable"
     if not seen.nonzero:
         return "no gradient reached the parameters" if not seen.reached else "every gradient was zero or inf/NaN"
     if not has_optimizer:

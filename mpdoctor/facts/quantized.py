@@ -52,6 +52,10 @@ STORAGE_DTYPES = frozenset(
     {"float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"}
 )
 
+#: ``StoredLayer.upcast`` of a layer whose weights diffusers' layerwise casting (``enable_layerwise_casting``) casts up
+#: before its forward and back down to storage after it.
+LAYERWISE_UPCAST = "diffusers layerwise casting"
+
 
 @dataclass(frozen=True)
 class StoredLayer:

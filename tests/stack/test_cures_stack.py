@@ -33,6 +33,7 @@ from test_field_diffusers import (  # noqa: E402
     tiny_unet,
     unet_step,
 )
+from test_field_dora_float8 import adapter_step, dora_on_float8  # noqa: E402
 from test_field_float8_activations import probe_tagger, tagger, tagger_step  # noqa: E402
 from test_field_lowprecision import (  # noqa: E402
     LAUNCHER_FP8_ENV,
@@ -290,6 +291,11 @@ def _storage_stays_float8(ns: Namespace) -> None:
     assert stored and all(not p.requires_grad for p in stored), "the fix keeps the float8 storage"
 
 
+def _untargeted_layers_stay_float8(ns: Namespace) -> None:
+    stored = [n for n, p in ns["unet"].named_parameters() if p.dtype == torch.float8_e4m3fn]
+    assert stored and not any(".to_" in n for n in stored), "only DoRA's targets leave float8 storage"
+
+
 # -- Lightning ----------------------------------------------------------------------------------------
 
 
@@ -374,6 +380,11 @@ CASES: list[Case] = [
         name="fp8-base-left-trainable", source="kohya-ss/sd-scripts#1711", slug="fp8-storage-trainable",
         build=fp8_base_with_a_bf16_head, step=train_step, failure="not implemented for 'Float8_e4m3fn'",
         healed=_storage_stays_float8,  # GPU-only "cat_cuda" at DDP's broadcast: the optimizer step stands in
+    ),
+    Case(
+        name="dora-on-float8-stored-unet", source="Nerogar/OneTrainer#442", slug="dora-on-float8-storage",
+        build=dora_on_float8, step=adapter_step, failure=r"not implemented for 'Float8_e4m3fn'|Promotion for Float8",
+        params=None, healed=_untargeted_layers_stay_float8,  # the step adds the adapter it trains and checks it moved
     ),
     Case(
         name="float8-quantized-zero-row-nan", source="pytorch/ao#4713", slug="quantized-weights-nonfinite",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...facts.quantized import STORAGE_DTYPES, StoredLayer
+from ...facts.quantized import LAYERWISE_UPCAST, STORAGE_DTYPES, StoredLayer
 from ...facts.tensors import dtype_name
 from ...objects.live.introspect import class_path, named_modules, raw_attr
 
@@ -44,7 +44,7 @@ def _upcast(mod: Any) -> tuple[str, str | None]:
         hook = hooks.get("layerwise_casting") if isinstance(hooks, dict) else None
         if hook is not None:
             compute = raw_attr(hook, "compute_dtype", None)
-            return "diffusers layerwise casting", dtype_name(compute) if compute is not None else None
+            return LAYERWISE_UPCAST, dtype_name(compute) if compute is not None else None
     own = mod.__dict__.get("forward")
     if own is not None:
         fn = getattr(own, "__func__", own)

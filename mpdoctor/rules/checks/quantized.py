@@ -11,10 +11,12 @@ import torch
 
 from ...facts import Facts
 from ...facts.location import python_path
+from ...facts.quantized import LAYERWISE_UPCAST
 from ...knowledge import MX_GEMM_CAPABILITY
 from ..engine.changes import (
     DequantizeBlockMatmuls,
     FreezeParams,
+    UnstoreFloat8Layers,
     UpcastStoredWeights,
     ZeroQuantizedZeroBlocks,
 )
@@ -232,7 +234,8 @@ def _float8_arithmetic_refused(storage: str, compute: str) -> str:
     return ""
 
 
-@check("dora-on-float8-storage", Severity.ERROR, Severity.INFO, fix_safety=(Applicability.DISPLAY_ONLY,))
+@check("dora-on-float8-storage", Severity.ERROR, Severity.INFO,
+       fix_safety=(Applicability.SAFE, Applicability.DISPLAY_ONLY))  # fmt: skip
 def dora_on_float8_storage(facts: Facts, rule: Rule) -> Iterator[Finding]:
     """A DoRA adapter config whose target layers store their weights in float8.
 
@@ -255,11 +258,23 @@ def dora_on_float8_storage(facts: Facts, rule: Rule) -> Iterator[Finding]:
         Error when this torch refuses the arithmetic (measured on one element of the two dtypes); info when it
         computes it.
     Fix safety
-        Display only: DoRA's targets kept out of float8 storage when the storage is set up, before the adapter is
-        created (a line of the user's setup). Plain LoRA is no way out through PEFT here: its adapter layers on
+        Safe, in place, when every targeted layer is stored by diffusers' layerwise casting: the targeted layers
+        are taken out of float8 storage on the live model, as ``skip_modules_pattern`` would have left them. Their
+        float8 weights are cast to the compute dtype (the same Parameters; every e4m3 / e5m2 value is exact in
+        bf16 / fp16) and their ``LayerwiseCastingHook`` is removed (diffusers' own ``remove_hook`` refuses this
+        hook, so the registry entry and the forward it wrapped are put back by hand, guarded against the
+        registry's layout). The forward of those layers computes exactly what it computed before (the hook cast
+        the same values to the same dtype for each call); what changes is memory: those layers are held at the
+        compute dtype's size (bf16: twice their float8 bytes), the rest of the model stays float8. An
+        ``add_adapter`` that already raised left diffusers' ``_hf_peft_config_loaded`` set with no adapter, so the
+        same call would now raise ``AttributeError``; that flag is reset too. Undo casts back to the very float8
+        tensors (bit for bit) and puts back the hooks, forwards and flag. Display only otherwise (layers stored
+        another way), and as the alternative: DoRA's targets kept out of float8 storage when the storage is set
+        up, a line of the user's setup. Plain LoRA is no way out through PEFT here: its adapter layers on
         float8-stored targets raise the same way at the first forward (measured).
     Sources
-        Nerogar/OneTrainer #442; modelscope/DiffSynth-Studio #855; peft ``DoraLinearLayer.get_weight_norm``.
+        Nerogar/OneTrainer #442; modelscope/DiffSynth-Studio #855; peft ``DoraLinearLayer.get_weight_norm``;
+        diffusers ``HookRegistry.remove_hook`` / ``LayerwiseCastingHook.deinitalize_hook``.
     """
     dora = [c for c in facts.adapter_configs if c.dora]
     if not dora:
@@ -282,19 +297,62 @@ def dora_on_float8_storage(facts: Facts, rule: Rule) -> Iterator[Finding]:
                    if refused else "this torch computes it, in float8's 3 mantissa bits."),
                 {"config": config.name, "model": m.name, "layers": [x.path for x in hit], "storage": storage,
                  "compute": compute, "refused": refused},
-                [
-                    Fix(
-                        "Keep DoRA and keep its target layers out of float8 storage",
-                        f"{m.name}.enable_layerwise_casting(storage_dtype=torch.{storage}, compute_dtype=torch.{compute},\n"
-                        f"    skip_modules_pattern={targets + ('norm',)!r})  # on the model as loaded, before the adapter\n"
-                        f"{m.name}.add_adapter({config.name})",
-                        applicability=Applicability.DISPLAY_ONLY,
-                        recipe="dora-targets-unstored",
-                        cost="the targeted layers at bf16 size; the rest stays float8",
-                    ),
-                ],
+                [*_unstore_targets_fix(m, config.name, hit, targets),
+                 Fix(
+                     "Keep DoRA and keep its target layers out of float8 storage",
+                     f"{m.name}.enable_layerwise_casting(storage_dtype=torch.{storage}, compute_dtype=torch.{compute},\n"
+                     f"    skip_modules_pattern={targets + ('norm',)!r})  # on the model as loaded, before the adapter\n"
+                     f"{m.name}.add_adapter({config.name})",
+                     applicability=Applicability.DISPLAY_ONLY,
+                     recipe="dora-targets-unstored",
+                     cost="the targeted layers at bf16 size; the rest stays float8",
+                 )],
                 severity=Severity.ERROR if refused else Severity.INFO,
             )
+
+
+#: float8 formats whose every value a bf16 / fp16 / fp32 cast holds exactly (so the cast back is bit for bit).
+_EXACT_UPCAST = ("float8_e4m3", "float8_e5m2")
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def _size(n: int) -> str:
+    """Bytes in words: ``"4.0 KiB"``, ``"1.25 MiB"``, ``"2.50 GiB"``."""
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.2f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _selects_code(targets: tuple[str, ...]) -> str:
+    """The condition, in the fix's code, that PEFT's ``target_modules`` select the layer ``name`` (as :func:`_targeted`)."""
+    if len(targets) == 1 and not targets[0].isidentifier():
+        return f"__import__('re').fullmatch({targets[0]!r}, name)"
+    return f"any(name == t or name.endswith('.' + t) for t in {targets!r})"
+
+
+def _unstore_targets_fix(m: Any, config: str, hit: list, targets: tuple[str, ...]) -> list[Fix]:
+    """The in-place fix: DoRA's targeted layers taken out of diffusers' float8 layerwise casting on the live model;
+    none when a targeted layer is stored some other way (its upcast is not known to be undone exactly)."""
+    if not all(x.upcast == LAYERWISE_UPCAST and x.compute_dtype in _ITEMSIZE and x.storage_dtype.startswith(_EXACT_UPCAST)
+               for x in hit):  # fmt: skip
+        return []
+    extra = sum(x.elements * (_ITEMSIZE[x.compute_dtype] - 1) for x in hit)
+    compute = hit[0].compute_dtype
+    return [Fix(
+        f"Take the {len(hit)} layers {config} targets out of float8 storage in {m.name} (the rest stays float8)",
+        f"for name, layer in {m.name}.named_modules():  # the layers {config} targets\n"
+        "    registry = layer.__dict__.get('_diffusers_hook')\n"
+        f"    if {_selects_code(targets)} and registry is not None and registry._hook_order == ['layerwise_casting']:\n"
+        "        del layer.forward  # its own forward again (diffusers' remove_hook raises for this hook)\n"
+        "        registry.hooks.clear(); registry._hook_order.clear(); registry._fn_refs.clear()\n"
+        f"        layer.to(torch.{compute})  # exact: every float8 value is a {compute} value\n"
+        f"{m.name}._hf_peft_config_loaded = 'peft_config' in {m.name}.__dict__  # an add_adapter that raised left it set\n"
+        f"{m.name}.add_adapter({config})",
+        changes=(UnstoreFloat8Layers(m.ref, tuple((x.path, x.compute_dtype) for x in hit), m.name),),
+        applicability=Applicability.SAFE,
+        recipe="dora-targets-unstored-live",
+        cost=f"the targeted layers held in {compute}: {_size(extra)} more; the forward computes as before",
+    )]
 
 
 @check("fp8-storage-saturated", Severity.WARNING, Severity.ERROR, fix_safety=(Applicability.DISPLAY_ONLY,))

@@ -1855,6 +1855,77 @@ class UpcastStoredWeights(ChangeSpec):
         return {(self.ref, path, "float8-compute-dtype"): dtype for path, dtype in self.layers}
 
 
+@dataclass(frozen=True)
+class UnstoreFloat8Layers(ChangeSpec):
+    """Take the layers ``layers`` (``(path, compute dtype)`` pairs) of the model ``ref`` out of float8 storage, in place.
+
+    Each layer's float8 parameters are cast to its compute dtype (the same Parameter objects: optimizers and hooks
+    keep their references; an upcast of e4m3 / e5m2 is exact) and diffusers' layerwise-casting hook is taken off it
+    (:func:`~mpdoctor.libraries.diffusers.integration.layerwise_casting_removed`), so the layer is left as
+    ``skip_modules_pattern`` would have left it: stored and computed in the compute dtype. Code that reads the weight
+    outside the forward (DoRA's weight norm) then meets it in that dtype. Every other layer keeps its float8 storage.
+    An ``add_adapter`` that raised on these layers left diffusers' ``_hf_peft_config_loaded`` set with no adapter:
+    that flag is reset too, so the same call can run again. Undo puts back the very float8 tensors (bytes and
+    objects), hooks, registry containers, forwards and flag.
+    """
+
+    ref: int
+    layers: tuple[tuple[str, str], ...]
+    label: str = "model"
+
+    def _modules(self, live: Live) -> list[tuple[str, Any, str]]:
+        model = live.get(self.ref)
+        return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in self.layers]
+
+    def bind(self, live: Live) -> list[Change]:
+        from ...libraries.diffusers.integration import failed_adapter_flag_reset, layerwise_casting_removed
+
+        storage, stored, unhook = _float8_dtypes(), {}, []
+        for path, module, dtype in self._modules(live):
+            params = object.__getattribute__(module, "__dict__").get("_parameters", {})
+            stored.setdefault(dtype, []).extend(p for p in params.values() if p is not None and p.dtype in storage)
+            unhook += layerwise_casting_removed(module, f"{self.label}.{path}" if path else self.label)
+        casts: list[Change] = [CastParams(params, torch_dtype(dtype), label=f"float8-stored parameters of {self.label}")
+                               for dtype, params in stored.items() if params]  # fmt: skip
+        return casts + unhook + failed_adapter_flag_reset(live.get(self.ref), self.label)
+
+    def simulate(self, facts: Facts) -> Facts:
+        from ...facts.tensors import STORAGE_ONLY
+
+        dtypes, ids, models = dict(self.layers), {}, []
+        for m in facts.models:
+            if m.ref == self.ref:
+                for p in m.tensors.params:
+                    if p.module in dtypes and p.dtype in STORAGE_ONLY:
+                        ids.setdefault(dtypes[p.module], set()).add(p.id)
+                m = dataclasses.replace(m, stored_layers=tuple(x for x in m.stored_layers if x.path not in dtypes))
+            models.append(m)
+        facts = dataclasses.replace(facts, models=tuple(models))
+        for dtype, cast in ids.items():
+            facts = _replace_params(facts, frozenset(cast), dtype, dtype, grads_only=False)
+        return facts
+
+    def verify(self, live: Live) -> str | None:
+        from ...libraries.diffusers.integration import layerwise_casting_hook
+
+        storage = _float8_dtypes()
+        left = [
+            path or self.label
+            for path, module, _ in self._modules(live)
+            if layerwise_casting_hook(module) is not None
+            or any(p is not None and p.dtype in storage for p in object.__getattribute__(module, "__dict__").get("_parameters", {}).values())
+        ]
+        return f"still stored in float8: {', '.join(left)}" if left else None
+
+    def targets(self) -> dict[tuple, Any]:
+        return {(self.ref, path, "float8-storage"): dtype for path, dtype in self.layers}
+
+    def backup_bytes(self, facts: Facts) -> int:
+        # the float8 tensors kept for undo: one byte an element
+        paths = dict(self.layers)
+        return sum(x.elements for m in facts.models if m.ref == self.ref for x in m.stored_layers if x.path in paths)
+
+
 def _with_quantized_weights(facts: Facts, ref: int, change: Callable[[Any], Any]) -> Facts:
     """``facts`` with each quantized weight of the model ``ref`` passed through ``change``."""
     models = tuple(dataclasses.replace(m, quantized_weights=tuple(change(q) for q in m.quantized_weights))
