@@ -10,8 +10,8 @@ The suite iterates over ``report.fixes`` for whatever checks exist when it
 runs, so a new check's fixes are exercised without editing this file.
 
 Tests that only read a scenario's diagnosis (findings, plan, facts, text) take it from
-:func:`shared_diagnosis`: one build per scenario per session, diagnosed once under each of
-:data:`SHARED_TARGETS`. Tests that apply fixes, run steps or otherwise change objects call
+:func:`shared_diagnosis`: one build per scenario per session, diagnosed once under each target
+the tests ask for. Tests that apply fixes, run steps or otherwise change objects call
 ``scenario.build()`` for objects of their own.
 """
 
@@ -902,7 +902,7 @@ BY_NAME = {s.name: s for s in SCENARIOS}
 # One read-only diagnosis per scenario, shared by the tests that only read it
 # --------------------------------------------------------------------------------------
 
-#: The targets a shared diagnosis is made under: the live machine and every what-if profile the suite reads.
+#: Every target the suite reads a shared diagnosis under: the live machine and the what-if profiles.
 SHARED_TARGETS: tuple[str | None, ...] = (None, "cpu", "T4", "V100", "A100", "H100")
 #: What ``tests/conftest.py`` clears before each test: a shared build starts from the same environment a test does.
 _PRECISION_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DOWNCAST_BF16", "ACCELERATE_USE_CPU")
@@ -910,7 +910,7 @@ _PRECISION_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DOWNCAST_BF16"
 
 @dataclass(frozen=True)
 class Diagnosed:
-    """One build of a scenario and its reports under every :data:`SHARED_TARGETS`: to read, never to change.
+    """One build of a scenario and its reports under some targets: to read, never to change.
 
     Attributes
     ----------
@@ -931,16 +931,23 @@ class Diagnosed:
         return self.reports[target]
 
 
-@functools.cache
-def shared_diagnosis(name: str) -> Diagnosed:
-    """Scenario ``name`` built once and diagnosed under each shared target, once per session.
+_SHARED: dict[str, Diagnosed] = {}
 
-    The build runs as a test's would (no ``ACCELERATE_*`` precision variable left over, accelerate's singletons
-    reset), and the environment, accelerate's state and the RNG are put back afterwards, so the first test to ask
-    sees the same process state as the others. Every report is diagnosed before anything else runs: a Trainer's
-    accelerate state is reset between tests, so the namespace itself is never diagnosed again later. The reports
-    and the objects they hold are shared: a test that applies a fix or runs a step builds its own.
+
+def shared_diagnosis(name: str, targets: tuple[str | None, ...] = (None,)) -> Diagnosed:
+    """Scenario ``name`` built once per session and diagnosed under ``targets`` (and every target asked before).
+
+    A later call asking for a target not diagnosed yet builds the scenario again and diagnoses it under every
+    target asked so far: a Trainer's accelerate state is reset after each test, so a build is only diagnosed
+    right after it is made. The build runs as a test's would (no ``ACCELERATE_*`` precision variable left over,
+    accelerate's singletons reset), and the environment, accelerate's state and the RNG are put back afterwards,
+    so the first test to ask sees the same process state as the others. The reports and the objects they hold
+    are shared: a test that applies a fix or runs a step builds its own.
     """
+    known = _SHARED.get(name)
+    if known is not None and all(t in known.reports for t in targets):
+        return known
+    wanted = tuple(dict.fromkeys([*(known.reports if known is not None else ()), *targets]))
     scenario = BY_NAME[name]
     env, rng = dict(os.environ), torch.get_rng_state()
     try:
@@ -948,10 +955,11 @@ def shared_diagnosis(name: str) -> Diagnosed:
             os.environ.pop(key, None)
         reset_accelerate()
         ns = scenario.build()
-        reports = {target: mpdoctor.diagnose(namespace=ns, target=target) for target in SHARED_TARGETS}
+        reports = {target: mpdoctor.diagnose(namespace=ns, target=target) for target in wanted}
     finally:
         os.environ.clear()
         os.environ.update(env)
         reset_accelerate()
         torch.set_rng_state(rng)
-    return Diagnosed(scenario, frozenset(ns), types.MappingProxyType(reports))
+    _SHARED[name] = Diagnosed(scenario, frozenset(ns), types.MappingProxyType(reports))
+    return _SHARED[name]

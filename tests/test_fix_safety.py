@@ -113,7 +113,7 @@ def fix_cases() -> tuple[FixCase, ...]:
     seen: set[tuple] = set()
     for scenario in SCENARIOS:
         # Only read (the fixes' keys): diagnose() changes nothing (test_no_mutation), so one build serves every target.
-        diagnosed = shared_diagnosis(scenario.name)
+        diagnosed = shared_diagnosis(scenario.name, TARGETS)
         for target in TARGETS:
             for key, index, fix in _keyed_fixes(diagnosed.report(target)):
                 owner = key[1].split(".", 1)[0].split("[", 1)[0]

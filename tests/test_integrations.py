@@ -84,7 +84,7 @@ def test_an_unrelated_second_model_is_still_its_own_patient():
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("scenario", FIELD_CASES + HEALTHY, ids=lambda s: s.name)
 def test_the_precision_table_agrees_with_the_findings_under_every_target(scenario, target):
-    report = shared_diagnosis(scenario.name).report(target)  # read only: one build per scenario, every target
+    report = shared_diagnosis(scenario.name, SHARED_TARGETS).report(target)  # read only: one build, every target
     table = {row["setup"]: row["effective"] for row in precision_view(report.facts)}
     for p in report.facts.precisions:
         assert table[p.name] in (p.computes_in, "fp32" if p.computes_in == "no" else p.computes_in)
