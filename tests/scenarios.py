@@ -8,6 +8,11 @@ the objects the hostile-namespace properties sample from.
 
 The suite iterates over ``report.fixes`` for whatever checks exist when it
 runs, so a new check's fixes are exercised without editing this file.
+
+Tests that only read a scenario's diagnosis (findings, plan, facts, text) take it from
+:func:`shared_diagnosis`: one build per scenario per session, diagnosed once under each target
+the tests ask for. Tests that apply fixes, run steps or otherwise change objects call
+``scenario.build()`` for objects of their own.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from setups import (
     train_step,
     training_args,
 )
+
+import mpdoctor
 
 # --------------------------------------------------------------------------------------
 # Field cases and healthy controls
@@ -889,3 +896,70 @@ FIELD_CASES += [
 ]
 SCENARIOS = FIELD_CASES + HEALTHY
 BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+# --------------------------------------------------------------------------------------
+# One read-only diagnosis per scenario, shared by the tests that only read it
+# --------------------------------------------------------------------------------------
+
+#: Every target the suite reads a shared diagnosis under: the live machine and the what-if profiles.
+SHARED_TARGETS: tuple[str | None, ...] = (None, "cpu", "T4", "V100", "A100", "H100")
+#: What ``tests/conftest.py`` clears before each test: a shared build starts from the same environment a test does.
+_PRECISION_VARIABLES = ("ACCELERATE_MIXED_PRECISION", "ACCELERATE_DOWNCAST_BF16", "ACCELERATE_USE_CPU")
+
+
+@dataclass(frozen=True)
+class Diagnosed:
+    """One build of a scenario and its reports under some targets: to read, never to change.
+
+    Attributes
+    ----------
+    scenario : Scenario
+        The scenario built.
+    names : frozenset of str
+        The variable names its namespace held.
+    reports : mapping
+        ``target -> Report`` (``None`` for the live machine), each diagnosed from the same build.
+    """
+
+    scenario: Scenario
+    names: frozenset[str]
+    reports: types.MappingProxyType
+
+    def report(self, target: str | None = None) -> Any:
+        """The report under ``target`` (``None``: the live machine)."""
+        return self.reports[target]
+
+
+_SHARED: dict[str, Diagnosed] = {}
+
+
+def shared_diagnosis(name: str, targets: tuple[str | None, ...] = (None,)) -> Diagnosed:
+    """Scenario ``name`` built once per session and diagnosed under ``targets`` (and every target asked before).
+
+    A later call asking for a target not diagnosed yet builds the scenario again and diagnoses it under every
+    target asked so far: a Trainer's accelerate state is reset after each test, so a build is only diagnosed
+    right after it is made. The build runs as a test's would (no ``ACCELERATE_*`` precision variable left over,
+    accelerate's singletons reset), and the environment, accelerate's state and the RNG are put back afterwards,
+    so the first test to ask sees the same process state as the others. The reports and the objects they hold
+    are shared: a test that applies a fix or runs a step builds its own.
+    """
+    known = _SHARED.get(name)
+    if known is not None and all(t in known.reports for t in targets):
+        return known
+    wanted = tuple(dict.fromkeys([*(known.reports if known is not None else ()), *targets]))
+    scenario = BY_NAME[name]
+    env, rng = dict(os.environ), torch.get_rng_state()
+    try:
+        for key in [*_PRECISION_VARIABLES, *(k for k in os.environ if k.startswith("ACCELERATE_FP8_"))]:
+            os.environ.pop(key, None)
+        reset_accelerate()
+        ns = scenario.build()
+        reports = {target: mpdoctor.diagnose(namespace=ns, target=target) for target in wanted}
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        reset_accelerate()
+        torch.set_rng_state(rng)
+    _SHARED[name] = Diagnosed(scenario, frozenset(ns), types.MappingProxyType(reports))
+    return _SHARED[name]

@@ -7,6 +7,7 @@ trial leaves nothing on it, and a report whose plan changed after the proof hold
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -38,17 +39,23 @@ def _setup():
     return model, opt, train_step
 
 
-def _callers(name: str) -> set[str]:
-    """The package's modules that call ``name`` (a plain or attribute call)."""
-    found = set()
+@functools.cache
+def _calls_by_module() -> dict[str, frozenset[str]]:
+    """The names each of the package's modules calls (a plain or attribute call), parsed once for every question."""
+    calls = {}
     for path in PACKAGE.rglob("*.py"):
+        called = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):
                 func = node.func
-                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
-                if called == name:
-                    found.add(path.relative_to(PACKAGE).as_posix())
-    return found
+                called.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None))
+        calls[path.relative_to(PACKAGE).as_posix()] = frozenset(called)
+    return calls
+
+
+def _callers(name: str) -> set[str]:
+    """The package's modules that call ``name`` (a plain or attribute call)."""
+    return {module for module, called in _calls_by_module().items() if name in called}
 
 
 def test_every_front_end_proves_and_folds_observations_through_the_one_assembly():

@@ -2,8 +2,9 @@
 
 Every fix that any check offers on any scenario (tests/scenarios.py), on the
 live machine and on the T4 and A100 what-if profiles, is enumerated on first
-use (once per session, not at collection: that diagnoses every scenario three
-times), so fixes added by new checks are covered without editing this file.
+use from the session's shared diagnoses (``shared_diagnosis``: read, never
+applied; not at collection), so fixes added by new checks are covered without
+editing this file.
 The tests run per broken scenario, over each of its fixes. For each one:
 
 - undo after apply restores the fingerprint exactly (dtype-narrowing fixes too),
@@ -34,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 from fingerprint import Fingerprint, assert_unchanged, fingerprint
-from scenarios import BY_NAME, SCENARIOS, gemma3_train_nested_cache, reset_accelerate
+from scenarios import BY_NAME, SCENARIOS, gemma3_train_nested_cache, reset_accelerate, shared_diagnosis
 from setups import batch, train_step
 
 import mpdoctor
@@ -63,7 +64,6 @@ class FixCase:
     title: str
     safe: bool
     index: int  # among fixes with the same key
-    casts: bool = False  # allocates through mpdoctor.objects.edits.steps.cast_tensor when applied
 
     @property
     def id(self) -> str:
@@ -88,7 +88,8 @@ def _keyed_fixes(report: mpdoctor.Report) -> list[tuple[tuple[str, str, str], in
 
 
 class _saved_process_state:
-    """Collection builds scenarios: keep their environment variables and accelerate state out of the session."""
+    """A build outside a test (the baseline step): keep its environment variables and accelerate state out of the
+    session."""
 
     def __enter__(self):
         self.env = dict(os.environ)
@@ -111,39 +112,17 @@ def fix_cases() -> tuple[FixCase, ...]:
     cases: list[FixCase] = []
     seen: set[tuple] = set()
     for scenario in SCENARIOS:
-        with _saved_process_state():
-            reset_accelerate()
-            ns = scenario.build()
-            # diagnose() changes nothing (test_no_mutation), so one build serves every target.
-            reports = [(target, mpdoctor.diagnose(namespace=ns, target=target)) for target in TARGETS]
-        for target, report in reports:
-            for key, index, fix in _keyed_fixes(report):
+        # Only read (the fixes' keys): diagnose() changes nothing (test_no_mutation), so one build serves every target.
+        diagnosed = shared_diagnosis(scenario.name, TARGETS)
+        for target in TARGETS:
+            for key, index, fix in _keyed_fixes(diagnosed.report(target)):
                 owner = key[1].split(".", 1)[0].split("[", 1)[0]
-                where = scenario.name if owner in ns else "<process>"
+                where = scenario.name if owner in diagnosed.names else "<process>"
                 if (where, key, index) in seen:
                     continue
                 seen.add((where, key, index))
-                cases.append(FixCase(scenario.name, target, *key, fix.safe, index, _allocates(fix)))
+                cases.append(FixCase(scenario.name, target, *key, fix.safe, index))
     return tuple(cases)
-
-
-def _allocates(fix: Fix) -> bool:
-    """Apply and undo ``fix`` on the collection build, counting calls of mpdoctor.objects.edits.steps.cast_tensor."""
-    calls = []
-    real = fixes_mod.cast_tensor
-
-    def counting(tensor, dtype):
-        calls.append(1)
-        return real(tensor, dtype)
-
-    fixes_mod.cast_tensor = counting
-    try:
-        with _saved_process_state():
-            fix.apply(confirm=True)
-            fix.undo()
-    finally:
-        fixes_mod.cast_tensor = real
-    return bool(calls)
 
 
 #: The scenarios the fixes are tested on: a healthy one offers none (its own test says so).
@@ -380,7 +359,9 @@ def test_apply_safe_fixes_twice_equals_once_and_leaves_no_safe_fix(scenario):
 # -- fault injection: allocation --------------------------------------------------------------------
 
 
-def _count_casts(monkeypatch: pytest.MonkeyPatch, fix: Fix) -> int:
+def _count_casts(monkeypatch: pytest.MonkeyPatch, lv: Live, before: Fingerprint) -> tuple[int, bool]:
+    """Apply and undo the case's fix once: how many mpdoctor.objects.edits.steps.cast_tensor calls it made, and whether it
+    changed any tensor's dtype from ``before``."""
     calls = []
     real = fixes_mod.cast_tensor
 
@@ -390,9 +371,10 @@ def _count_casts(monkeypatch: pytest.MonkeyPatch, fix: Fix) -> int:
 
     with monkeypatch.context() as m:
         m.setattr(fixes_mod, "cast_tensor", counting)
-        fix.apply(confirm=True)
-    fix.undo()
-    return len(calls)
+        lv.fix.apply(confirm=True)
+    changed_dtypes = _dtypes(before) != _dtypes(lv.fingerprint())
+    lv.fix.undo()
+    return len(calls), changed_dtypes
 
 
 def _dtypes(fp: Fingerprint) -> dict:
@@ -402,39 +384,50 @@ def _dtypes(fp: Fingerprint) -> dict:
 @pytest.mark.parametrize("scenario", BROKEN)
 def test_a_cast_failing_at_any_allocation_leaves_everything_bit_identical(scenario, monkeypatch):
     """Each casting fix, failing at each of its allocations; a fix that does not cast (a recomputed buffer, a
-    flag) applies and undoes while every cast_tensor call would fail."""
+    flag) applies and undoes while every cast_tensor call would fail. Whether a fix casts is seen on the
+    test's own build, by that apply: a fix that calls cast_tensor goes on to fail at each allocation."""
     for case in each_case(scenario):
-        if case.casts:
-            _cast_failing_at_each_allocation(case, monkeypatch)
-        else:
-            _applies_without_casting(case, monkeypatch)
+        lv = live(case)
+        before = lv.fingerprint()
+        if not _applies_without_casting(lv, before, monkeypatch):
+            n_casts, changed_dtypes = _count_casts(monkeypatch, lv, before)
+            assert_unchanged(before, lv.fingerprint(), f"{case.id}: apply + undo while counting")
+            _cast_failing_at_each_allocation(lv, before, n_casts, changed_dtypes, monkeypatch)
 
 
-def _applies_without_casting(case: FixCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    lv = live(case)
-    before = lv.fingerprint()
+def _applies_without_casting(lv: Live, before: Fingerprint, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Apply the case's fix while every cast_tensor call fails: a fix that does not cast applies, and undo restores
+    the fingerprint. False when the fix did call cast_tensor (a casting fix), after checking it rolled back."""
+    case = lv.case
+    calls = []
 
     def failing(tensor, dtype):
+        calls.append(1)
         raise oom("a fix that does not cast allocated through cast_tensor")
 
     with monkeypatch.context() as m:
         m.setattr(fixes_mod, "cast_tensor", failing)
-        lv.fix.apply(confirm=True)
+        try:
+            lv.fix.apply(confirm=True)
+        except FixFailed:
+            if not calls:  # it failed for another reason than the allocation this test refused
+                raise
+    if calls:
+        assert not lv.fix.applied, f"{case.id}: applied although its first allocation failed"
+        assert_unchanged(before, lv.fingerprint(), f"{case.id}: the first allocation failed")
+        return False
     assert lv.fix.applied and lv.fix.error is None, f"{case.id}: {lv.fix.error}"
     lv.fix.undo()
     assert_unchanged(before, lv.fingerprint(), f"{case.id}: apply then undo")
+    return True
 
 
-def _cast_failing_at_each_allocation(case: FixCase, monkeypatch: pytest.MonkeyPatch) -> None:
-    lv = live(case)
-    before = lv.fingerprint()
-    lv.fix.apply(confirm=True)
-    changed_dtypes = _dtypes(before) != _dtypes(lv.fingerprint())
-    lv.fix.undo()
-    n_casts = _count_casts(monkeypatch, lv.fix)
+def _cast_failing_at_each_allocation(
+    lv: Live, before: Fingerprint, n_casts: int, changed_dtypes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    case = lv.case
     assert changed_dtypes, f"{case.id}: a casting fix changed no dtype"
     assert n_casts > 0, f"{case.id}: the fix changes dtypes without allocating through mpdoctor.objects.edits.steps.cast_tensor"
-    assert_unchanged(before, lv.fingerprint(), f"{case.id}: apply + undo while counting")
     real = fixes_mod.cast_tensor
     for n in range(1, n_casts + 1):
         calls = []
@@ -511,7 +504,7 @@ def _failure_at_each_step_rolls_back(case: FixCase, monkeypatch: pytest.MonkeyPa
 
 @pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.healthy], ids=lambda s: s.name)
 def test_healthy_controls_have_no_error_no_warning_and_no_fix_on_the_live_machine(scenario):
-    report = mpdoctor.diagnose(namespace=scenario.build())
+    report = shared_diagnosis(scenario.name).report()  # read only; the step below runs on a build of its own
     assert report.ok, [(f.check, f.message) for f in report.findings]
     assert not report.fixes
     assert math.isfinite(scenario.step(scenario.build()))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from scenarios import FIELD_CASES, HEALTHY, reset_accelerate
+from scenarios import FIELD_CASES, HEALTHY, SHARED_TARGETS, reset_accelerate, shared_diagnosis
 from setups import tiny_llama
 
 import mpdoctor
@@ -17,7 +17,7 @@ from mpdoctor.facts.hardware import PROFILES
 from mpdoctor.objects import integrations
 from mpdoctor.objects.gathering import gather
 
-TARGETS = [None, "cpu", "T4", "V100", "A100", "H100"]
+TARGETS = list(SHARED_TARGETS)
 
 
 def test_each_library_is_one_declaration_and_the_registry_names_them():
@@ -84,8 +84,7 @@ def test_an_unrelated_second_model_is_still_its_own_patient():
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("scenario", FIELD_CASES + HEALTHY, ids=lambda s: s.name)
 def test_the_precision_table_agrees_with_the_findings_under_every_target(scenario, target):
-    reset_accelerate()
-    report = mpdoctor.diagnose(namespace=scenario.build(), target=target)
+    report = shared_diagnosis(scenario.name, SHARED_TARGETS).report(target)  # read only: one build, every target
     table = {row["setup"]: row["effective"] for row in precision_view(report.facts)}
     for p in report.facts.precisions:
         assert table[p.name] in (p.computes_in, "fp32" if p.computes_in == "no" else p.computes_in)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scenarios import SCENARIOS
+from scenarios import SCENARIOS, shared_diagnosis
 from setups import tiny_llama
 
 import mpdoctor
@@ -88,7 +88,7 @@ def test_no_check_writes_its_slug_a_second_time():
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
 def test_every_finding_has_a_severity_and_fixes_its_rule_declares(scenario):
-    report = mpdoctor.diagnose(namespace=scenario.build())
+    report = shared_diagnosis(scenario.name).report()  # read only: the session's one diagnosis of the scenario
     assert report.findings or scenario.healthy
     for finding in report.findings:
         rule = rule_for(finding.check)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scenarios import FIELD_CASES, reset_accelerate
+from scenarios import FIELD_CASES, reset_accelerate, shared_diagnosis
 from setups import batch, tiny_llama, train_step
 
 import mpdoctor
@@ -44,8 +44,7 @@ def test_applying_every_planned_fix_in_order_leaves_a_setup_that_trains_without_
 
 @pytest.mark.parametrize("scenario", FIELD_CASES, ids=lambda s: s.name)
 def test_the_plan_never_holds_two_fixes_that_set_one_thing_to_different_values(scenario):
-    reset_accelerate()
-    report = mpdoctor.diagnose(namespace=scenario.build())
+    report = shared_diagnosis(scenario.name).report()  # read only: the plan's change specs are values
     seen: dict = {}
     for fix in report.fixes:
         for spec in fix.changes:
