@@ -161,12 +161,13 @@ early = Accelerator(cpu=True)
 notebook_launcher(train, (results, True), num_processes=2, use_port="0")
 
 # %% [markdown]
-# The usual advice is "restart the kernel". The fix mpdoctor shows resets accelerate's shared state instead (it is display-only: run it as shown); the diagnosis is then clean and the launcher would start.
+# The usual advice is "restart the kernel". mpdoctor's fix resets accelerate's shared state in place instead. It is unsafe (the `Accelerator` already made in this kernel loses its state), so it asks for a confirmation, and `fix.undo()` would put every entry back. The diagnosis is then clean and the launcher would start.
 
 # %%
 finding = report.findings_for("launcher-initialized-early")[0]
-print(finding.fixes[0].code)
-exec(finding.fixes[0].code)
+fix = finding.fixes[0]
+print(fix.code)
+fix.apply(confirm=True)
 del early
 after = mpdoctor.diagnose()
 print("after the reset:", [f.check for f in after.findings])

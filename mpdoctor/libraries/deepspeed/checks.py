@@ -260,6 +260,7 @@ def deepspeed_loss_scale_collapsed(facts: Facts, rule: Rule) -> Iterator[Finding
             [
                 Fix(
                     f"Rebuild {d.name} in {use}",
+                    "# deepspeed.initialize fixes an engine's precision; mpdoctor does not rebuild an engine\n"
                     "# the DeepSpeed config:\n"
                     + ("#   \"fp16\": {\"enabled\": false}, \"bf16\": {\"enabled\": true}\n" if use == "bf16" else
                        "#   \"fp16\": {\"enabled\": false}\n")

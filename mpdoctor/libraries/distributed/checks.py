@@ -77,6 +77,7 @@ def fsdp_mixed_dtype_unit(facts: Facts, rule: Rule) -> Iterator[Finding]:
             continue
         listed = ", ".join(f"{n} ({d})" for d, n in u.examples[:6])
         code = (
+            f"# a sharded unit's dtypes are fixed when it is wrapped; mpdoctor does not re-shard a model\n"
             f"# before fully_shard / FSDP(...): one dtype per unit (fp32 master weights)\n"
             f"model = model.float()  # or cast the odd layers: {listed}\n"
             f"fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))"
@@ -143,7 +144,8 @@ def fsdp_reduce_in_half(facts: Facts, rule: Rule) -> Iterator[Finding]:
         elements = sum(u.params for u, _ in units)
         reduce = units[0][1]
         extra = elements * 2
-        code = "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP2\n" \
+        code = "# the policy is fixed when the units are wrapped; mpdoctor does not re-shard a model\n" \
+               "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP2\n" \
                "MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)  # FSDP1"  # fmt: skip
         yield rule.finding(
             model,
@@ -200,6 +202,7 @@ def launch_world_of_one(facts: Facts, rule: Rule) -> Iterator[Finding]:
     who = ", ".join(f"{a.name} ({a.distributed_type}, num_processes={a.num_processes})" for a in accs)
     rank = dist.env_rank if dist.env_rank is not None else dist.rank
     code = (
+        "# each worker builds its own Accelerator in a process of its own, which mpdoctor does not reach\n"
         "def train():\n"
         "    accelerator = Accelerator(cpu=True, mixed_precision=\"bf16\")  # inside the launched function\n"
         "    ...\n"
@@ -274,7 +277,7 @@ def launcher_initialized_early(facts: Facts, rule: Rule) -> Iterator[Finding]:
             "CUDA is initialised in this kernel: notebook_launcher's forked workers will fail with 'Cannot re-initialize "
             "CUDA in forked subprocess'.",
             {"cuda_initialized": True},
-            [Fix("Restart the kernel and touch CUDA only inside the launched function", "# restart the kernel",
+            [Fix("Restart the kernel and touch CUDA only inside the launched function", "# a CUDA context cannot be undone inside the process that made it: restart the kernel",
                  applicability=Applicability.DISPLAY_ONLY, recipe="launcher-restart")],  # fmt: skip
         )
 

@@ -405,6 +405,7 @@ def fp8_requested_not_on(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 *([live_fix] if live_fix is not None else []),
                 Fix(
                     f"Convert the layers of {m.name} to float8 before prepare()",
+                    "# layers whose dims are not multiples of 16 have no float8 GEMM; the shapes are the model's\n"
                     "from torchao.float8 import convert_to_float8_training\n"
                     f"convert_to_float8_training({m.name}, module_filter_fn=lambda mod, fqn: "
                     "mod.in_features % 16 == 0 and mod.out_features % 16 == 0)\n"
@@ -568,6 +569,7 @@ def mxfp8_e5m2_gradients(facts: Facts, rule: Rule) -> Iterator[Finding]:
         e4, e5 = MXFP8_GRAD_SQNR_DB["E4M3"], MXFP8_GRAD_SQNR_DB["E5M2"]
         fix = Fix(
             "Use e4m3 for every tensor of the MXFP8 recipe (NVIDIA's recipe)",
+            "# TransformerEngine builds the recipe where the Accelerator is made; mpdoctor does not rebuild it\n"
             "from accelerate.utils import TERecipeKwargs\n"
             "recipe = TERecipeKwargs(use_mxfp8_block_scaling=True, fp8_format='E4M3')  # e4m3 gradients too\n"
             "accelerator = Accelerator(mixed_precision='fp8', kwargs_handlers=[recipe])",

@@ -80,6 +80,7 @@ def lora_merged_into_half_base(facts: Facts, rule: Rule) -> Iterator[Finding]:
                 _unmerge_fix(facts, model, layers),
                 Fix(
                     "Merge into an fp32 base, then cast the merged model once",
+                    "# the base's fp32 weights are in its checkpoint, a file mpdoctor does not read: merge again from it\n"
                     "import torch\n"
                     "base = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)\n"
                     "model = PeftModel.from_pretrained(base, adapter_dir)\n"
