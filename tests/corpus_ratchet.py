@@ -16,7 +16,6 @@ run then says "NOT RUN" and claims nothing (under CI, ``CI=true``, a missing cor
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import subprocess
@@ -30,25 +29,16 @@ RECORD = ROOT / "docs" / "field-corpus-counts.json"
 SETS = ("the-run", "whole-stack", "low-precision")
 
 
-def run_sets(out: Path) -> dict[str, list[dict]]:
-    """Every harness, every case: per set, its per-case results. The harnesses are independent processes, so they
-    run side by side, one per core (each with one torch thread), and report in the order of :data:`SETS`."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    width = max(1, min(len(SETS), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=width) as pool:
-        procs = {name: pool.submit(subprocess.run, [sys.executable, str(CORPUS / name / "run.py"), "--json",
-                                                    str(out / f"{name}.json")],
-                                   cwd=ROOT, capture_output=True, text=True, timeout=1800, env=env)
-                 for name in SETS}  # fmt: skip
-        results = {name: (proc.result(), out / f"{name}.json") for name, proc in procs.items()}
-    sets = {}
-    for name, (proc, target) in results.items():
-        if not target.exists():
-            raise SystemExit(f"== corpus {name}: the harness wrote no results (exit {proc.returncode})\n{proc.stderr[-2000:]}")
-        tail = [line for line in proc.stdout.splitlines() if line and not line.startswith("[")]
-        print(f"== corpus {name}\n" + "\n".join(tail[-8:]))
-        sets[name] = json.loads(target.read_text(encoding="utf-8"))
-    return sets
+def run_set(name: str, out: Path) -> list[dict]:
+    """One harness, every case, its per-case results."""
+    target = out / f"{name}.json"
+    proc = subprocess.run([sys.executable, str(CORPUS / name / "run.py"), "--json", str(target)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    if not target.exists():
+        raise SystemExit(f"== corpus {name}: the harness wrote no results (exit {proc.returncode})\n{proc.stderr[-2000:]}")
+    tail = [line for line in proc.stdout.splitlines() if line and not line.startswith("[")]
+    print(f"== corpus {name}\n" + "\n".join(tail[-8:]))
+    return json.loads(target.read_text(encoding="utf-8"))
 
 
 def counts(cases: list[dict]) -> dict:
@@ -104,8 +94,8 @@ def main() -> int:
         return 1 if os.environ.get("CI") else 0
     with tempfile.TemporaryDirectory() as tmp:
         now: dict = {}
-        for name, cases in run_sets(Path(tmp)).items():
-            for case, got in counts(cases).items():
+        for name in SETS:
+            for case, got in counts(run_set(name, Path(tmp))).items():
                 now[f"{name}/{case}"] = got
     record = json.loads(RECORD.read_text(encoding="utf-8")) if RECORD.exists() else {}
     print(f"== corpus now:      {totals(now)}")
