@@ -11,6 +11,7 @@ CPU: the run is fp32 whatever the mode says).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MethodType
@@ -22,7 +23,7 @@ from ...compat import ACCELERATE_FP8_RECIPE_ATTRS, grad_scaler
 from ...facts.fp8_training import AORecipeFacts, FP8RecipeFacts
 from ...objects.edits.steps import Change, SetAttr, SetEnv
 from ...objects.integrations import Integration, Unwrap
-from ...objects.live.introspect import class_path, own_dict, raw_attr
+from ...objects.live.introspect import class_path, modules_where, own_dict, raw_attr
 
 ACCELERATOR = "accelerate.accelerator.Accelerator"
 ACCELERATED_OPTIMIZER = "accelerate.optimizer.AcceleratedOptimizer"
@@ -57,10 +58,38 @@ def effective(acc: Any) -> AcceleratorView:
     )
 
 
+def fp8_requested_in_process() -> bool:
+    """Whether this process asks accelerate for fp8: ``ACCELERATE_MIXED_PRECISION=fp8``, or an Accelerator made here
+    whose shared state says fp8 (read from the state's fields; accelerate is never imported here)."""
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "").lower() == "fp8":
+        return True
+    state_module = sys.modules.get("accelerate.state")
+    shared = raw_attr(raw_attr(state_module, "AcceleratorState", None), "_shared_state", None)
+    return isinstance(shared, dict) and str(shared.get("_mixed_precision", "")) == "fp8"
+
+
 def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     wrapped = any(own_dict(m).get("_original_forward") is not None for m in (outer, inner))
     prepared = wrapped or any(own_dict(m).get("_is_accelerate_prepared") is True for m in (outer, inner))
-    return {"forward_wrapped": wrapped, "accelerate_prepared": prepared}
+    out: dict = {"forward_wrapped": wrapped, "accelerate_prepared": prepared}
+    # The Linears accelerate's fp8 (AO) could still convert matter only to a prepared model of a process that asks
+    # for fp8 (fp8-requested-not-on); no other diagnosis walks them.
+    candidates = _linear_candidates(outer) if prepared and fp8_requested_in_process() else ()
+    if candidates:
+        out["float8_candidates"] = candidates
+    return out
+
+
+def _linear_candidates(model: Any) -> tuple[tuple[str, int, int], ...]:
+    """torch's own ``nn.Linear`` layers below the root, with their dims. Subclasses are left out: they carry a
+    behaviour of their own (quantized storage, MultiheadAttention's ``out_proj`` read by its parent) that a float8
+    training layer would drop."""
+    try:
+        found = modules_where(model, lambda cls: cls is torch.nn.Linear)
+        return tuple((path, int(raw_attr(m, "in_features", 0)), int(raw_attr(m, "out_features", 0)))
+                     for path, m in found if path)  # fmt: skip
+    except Exception:  # a tree of another shape must not stop the report
+        return ()
 
 
 

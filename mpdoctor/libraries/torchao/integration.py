@@ -27,7 +27,7 @@ from ...facts.fp8_training import Float8Layer
 from ...facts.quantized import QuantizedWeight
 from ...facts.tensors import dtype_name
 from ...objects.integrations import Integration
-from ...objects.live.introspect import anatomy, class_path, class_paths, modules_of, modules_where, raw_attr
+from ...objects.live.introspect import anatomy, class_path, class_paths, modules_of, raw_attr
 
 FLOAT8_LINEAR = "torchao.float8.float8_linear.Float8Linear"
 BASE_TENSOR = "torchao.utils.TorchAOBaseTensor"
@@ -76,9 +76,6 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     except Exception:
         return {}
     out: dict = {"float8_layers": tuple(layers)} if layers else {}
-    candidates = _linear_candidates(outer)
-    if candidates:
-        out["float8_candidates"] = candidates
     try:
         quantized = quantized_weights(outer)
     except Exception:  # a tensor subclass of another torchao version must not stop the report
@@ -86,18 +83,6 @@ def _model_facts(outer: Any, inner: Any, inner_path: str, live: Any) -> dict:
     if quantized:
         out["quantized_weights"] = quantized
     return out
-
-
-def _linear_candidates(model: Any) -> tuple[tuple[str, int, int], ...]:
-    """torch's own ``nn.Linear`` layers below the root, with their dims. Subclasses are left out: they carry a
-    behaviour of their own (quantized storage, MultiheadAttention's ``out_proj`` read by its parent) that a float8
-    training layer would drop."""
-    try:
-        found = modules_where(model, lambda cls: cls is torch.nn.Linear)
-        return tuple((path, int(raw_attr(m, "in_features", 0)), int(raw_attr(m, "out_features", 0)))
-                     for path, m in found if path)  # fmt: skip
-    except Exception:  # a tree of another shape must not stop the report
-        return ()
 
 
 def float8_training_layer(linear: torch.nn.Module, config: Any) -> torch.nn.Module:
