@@ -298,9 +298,9 @@ def float8_quantized_with_a_zero_row() -> dict:
     return {"model": model, "optimizer": torch.optim.AdamW(model[1].parameters(), lr=1e-2)}
 
 
-def quantized_step(ns: dict) -> torch.Tensor:
+def quantized_step(ns: dict, width: int = 32) -> torch.Tensor:
     """The user's step on the quantized body: forward, backward into the bf16 head, optimizer step."""
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     loss = ns["model"](x).float().pow(2).mean()
     loss.backward()
     ns["optimizer"].step()
@@ -608,13 +608,8 @@ def block_quantized_with_a_bf16_head() -> dict:
 
 
 def block_step(ns: dict) -> torch.Tensor:
-    """The user's step on the block-quantized body: forward, backward into the bf16 head, optimizer step."""
-    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    loss = ns["model"](x).float().pow(2).mean()
-    loss.backward()
-    ns["optimizer"].step()
-    ns["optimizer"].zero_grad()
-    return loss
+    """The user's step on the block-quantized body (64 wide): forward, backward into the bf16 head, optimizer step."""
+    return quantized_step(ns, width=64)
 
 
 def nvfp4_dynamic(layer: torch.nn.Linear) -> None:

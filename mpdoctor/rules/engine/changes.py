@@ -1789,6 +1789,12 @@ def _same_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return args, kwargs
 
 
+def _stored_layers(live: Live, ref: int, layers: tuple[tuple[str, str], ...]) -> list[tuple[str, Any, str]]:
+    """``(path, module, storage dtype)`` of each float8-storing layer ``layers`` of the model ``ref``."""
+    model = live.get(ref)
+    return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in layers]
+
+
 @dataclass(frozen=True)
 class UpcastStoredWeights(ChangeSpec):
     """Compute each layer ``path`` of the model ``ref`` with its float8-stored parameters cast to ``dtype``, in place.
@@ -1806,8 +1812,7 @@ class UpcastStoredWeights(ChangeSpec):
     label: str = "model"
 
     def _modules(self, live: Live) -> list[tuple[str, Any, str]]:
-        model = live.get(self.ref)
-        return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in self.layers]
+        return _stored_layers(live, self.ref, self.layers)
 
     def bind(self, live: Live) -> list[Change]:
         from ...objects.edits.steps import MethodInputCast
@@ -1874,8 +1879,7 @@ class UnstoreFloat8Layers(ChangeSpec):
     label: str = "model"
 
     def _modules(self, live: Live) -> list[tuple[str, Any, str]]:
-        model = live.get(self.ref)
-        return [(path, model.get_submodule(path) if path else model, dtype) for path, dtype in self.layers]
+        return _stored_layers(live, self.ref, self.layers)
 
     def bind(self, live: Live) -> list[Change]:
         from ...libraries.diffusers.integration import failed_adapter_flag_reset, layerwise_casting_removed
