@@ -380,8 +380,8 @@ class FamilyDetail:
         if self.convert is None or live is None:
             return None
         from ...facts.location import python_path
-        from ...rules.engine.changes import ConvertBack
         from ...rules.engine.fixes import Applicability, Fix
+        from ...rules.engine.lowbit_changes import ConvertBack
 
         model, name, paths, block, optimizers = self.convert
         shown = ", ".join(f"{name}.{p}" for p in paths[:4]) + (", ..." if len(paths) > 4 else "")

@@ -174,7 +174,7 @@ class ModuleWalk:
         if once is None:
             self.modules: tuple[tuple[str, Any], ...] = tuple(module.named_modules())
         else:
-            self.modules, self._anatomy, self._by_class = once
+            self.modules, self._anatomy = once
 
     def by_class(self) -> dict[type, list[int]]:
         """``type -> positions in the walk``."""
@@ -232,16 +232,14 @@ def _walks_as_module(cls: type) -> bool:
     return known
 
 
-def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy, dict[type, list[int]]] | None:
-    """``tuple(root.named_modules())``, its :class:`Anatomy` and its class index (``type -> positions``), in one
-    traversal of the modules' own dicts: the same pre-order, each module once. None when a module's class walks its
-    own way (its ``named_modules()`` then)."""
+def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy] | None:
+    """``tuple(root.named_modules())`` and its :class:`Anatomy`, in one traversal of the modules' own dicts: the
+    same pre-order, each module once. None when a module's class walks its own way (its ``named_modules()`` then)."""
     from torch.nn import Parameter
 
     modules: list[tuple[str, Any]] = []
     buffered, hooked, parametrized, subclassed = [], [], [], []
     seen: set[int] = set()
-    index: dict[type, list[int]] = {}
     pending = [("", root)]
     plain, push, keep, met = _PLAIN, pending.append, modules.append, seen.add
     while pending:
@@ -261,11 +259,6 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy, dict[ty
         if type(children) is not dict:
             return None
         met(key)
-        at = index.get(cls)
-        if at is None:
-            index[cls] = [len(modules)]
-        else:
-            at.append(len(modules))
         keep(entry)
         bufs = d.get("_buffers")
         if bufs or type(bufs) is not dict:
@@ -282,7 +275,7 @@ def _walk_once(root: Any) -> tuple[tuple[tuple[str, Any], ...], Anatomy, dict[ty
             for name, child in reversed(children.items()):
                 if child is not None:
                     push((dot + name, child))
-    return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed)), index
+    return tuple(modules), Anatomy(tuple(buffered), tuple(hooked), tuple(parametrized), tuple(subclassed))
 
 
 def _holds_subclass(params: dict, plain: type) -> bool:

@@ -287,7 +287,8 @@ class _TensorWalk:
                 else:
                     row[0] += 1
                     row[1] += numel
-            grad = p.grad if p.is_leaf else None  # parameters are leaves: reading .grad neither warns nor computes
+            # an nn.Parameter is a leaf (reading its .grad neither warns nor computes); a subclass is asked
+            grad = p.grad if type(p) is _PARAMETER or p.is_leaf else None
             gname = None if grad is None else self._grad(grad, trainable)
             keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
 

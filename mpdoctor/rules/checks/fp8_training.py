@@ -10,9 +10,10 @@ from ...facts.fp8_training import AORecipeFacts
 from ...facts.location import python_path
 from ...facts.precision import PrecisionFacts, declared_precision, native_amp_for
 from ...knowledge import FP8_GEMM_CAPABILITY
-from ..engine.changes import ConvertBack, ConvertToFloat8, SetEnvVar
+from ..engine.changes import SetEnvVar
 from ..engine.findings import Finding, Severity
 from ..engine.fixes import Fix
+from ..engine.lowbit_changes import ConvertBack, ConvertToFloat8
 from ..engine.rules import Applicability, Rule
 from . import check
 from .precision import align_spec, alignment_fix

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...facts import Facts, ModelFacts
-from ..engine.changes import CastParamsTo, FloorActivationScales, KeepModuleFp32
+from ..engine.changes import CastParamsTo, KeepModuleFp32
 from ..engine.findings import Finding, Severity
 from ..engine.fixes import Fix
+from ..engine.lowbit_changes import FloorActivationScales
 from ..engine.rules import Applicability, Rule
 from . import check
 from .inference import mask_clamp_fix

@@ -13,15 +13,15 @@ from ...facts import Facts
 from ...facts.location import python_path
 from ...facts.quantized import LAYERWISE_UPCAST
 from ...knowledge import MX_GEMM_CAPABILITY
-from ..engine.changes import (
+from ..engine.changes import FreezeParams
+from ..engine.findings import Finding, Severity
+from ..engine.fixes import Fix
+from ..engine.lowbit_changes import (
     DequantizeBlockMatmuls,
-    FreezeParams,
     UnstoreFloat8Layers,
     UpcastStoredWeights,
     ZeroQuantizedZeroBlocks,
 )
-from ..engine.findings import Finding, Severity
-from ..engine.fixes import Fix
 from ..engine.rules import Applicability, Rule
 from . import check
 
