@@ -214,3 +214,5 @@ def test_make_demo_installs_what_the_demo_needs_and_nothing_more():
     pip_lines = [line for line in full.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
     assert any('".[test,browser,stack]"' in line for line in pip_lines) and any("deepspeed" in line for line in pip_lines)
     assert all("-c constraints" in line for line in pip_lines), pip_lines
+    # when make test is what creates .venv, its demo install does not byte-compile torch either
+    assert any('DEMO_PIP_INSTALL="--no-compile"' in line for line in full.stdout.splitlines())

@@ -8,6 +8,7 @@ code fails here too, so the list follows the code.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -126,34 +127,101 @@ MUTATIONS = (
              ("tests/test_proof_honesty.py::test_ipythons_output_variables_never_name_a_patient",)),
 )
 
-#: Runs pytest in a fresh interpreter that imports mpdoctor from the mutated copy: the installed package is an
-#: editable install whose finder would import the repository's own code, so its finder is taken out first.
-_RUNNER = """
-import sys
+#: One interpreter that has imported pytest, its plugins and the heavy libraries the killers import (never
+#: mpdoctor), and forks a child per mutation: the child puts the mutated copy first on the path, runs pytest on
+#: the killers, then says which mpdoctor it imported. Each mutation thus runs in a process of its own that
+#: imports the copy, not the installed package (an editable install whose finder would import the repository's
+#: own code: its finder is taken out first), without paying for torch's import 23 times. Requests and answers
+#: are JSON lines on stdin and stdout; a child that outlives its timeout is killed and the answer says so.
+_SERVER = r"""
+import importlib, json, os, sys, time, signal
 sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
-sys.path.insert(0, sys.argv[1])
 import pytest
-sys.exit(pytest.main(sys.argv[2:]))
+from importlib.metadata import entry_points
+for ep in entry_points(group="pytest11"):
+    try:
+        ep.load()
+    except Exception:
+        pass
+for name in ("torch", "transformers", "peft", "IPython.core.interactiveshell", "hypothesis"):
+    try:
+        importlib.import_module(name)
+    except Exception:
+        pass
+assert "mpdoctor" not in sys.modules, "the server must not import mpdoctor: each child imports its own copy"
+print("ready", flush=True)
+for line in sys.stdin:
+    req = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 3
+        try:
+            log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(log, 1)
+            os.dup2(log, 2)
+            sys.path.insert(0, req["copy"])
+            code = int(pytest.main(req["args"]))
+            import mpdoctor
+            with open(req["result"], "w") as out:
+                json.dump({"exit": code, "mpdoctor": mpdoctor.__file__}, out)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline, status = time.monotonic() + req["timeout"], None
+    while status is None:
+        done, raw = os.waitpid(pid, os.WNOHANG)
+        if done:
+            status = os.waitstatus_to_exitcode(raw)
+        elif time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status = "timeout"
+        else:
+            time.sleep(0.02)
+    print(json.dumps({"status": status}), flush=True)
 """
 
 
+@pytest.fixture(scope="module")
+def mutant_runner():
+    """The forking server above, started once for the module's mutations."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    ready = server.stdout.readline()
+    if ready.strip() != "ready":
+        server.kill()
+        pytest.fail(f"the mutation server did not start: {ready!r}\n{server.stderr.read()[-3000:]}")
+
+    def run(copy: Path, killers: tuple[str, ...], tmp: Path) -> tuple[object, dict, str]:
+        log, result = tmp / "pytest.log", tmp / "result.json"
+        args = ["-x", "-q", "-p", "no:cacheprovider", "--rootdir", str(ROOT), *killers]
+        request = {"copy": str(copy), "args": args, "log": str(log), "result": str(result), "timeout": 600}
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        if not answer:
+            pytest.fail(f"the mutation server stopped:\n{server.stderr.read()[-3000:]}")
+        found = json.loads(result.read_text()) if result.exists() else {}
+        return json.loads(answer)["status"], found, log.read_text(errors="replace") if log.exists() else ""
+
+    yield run
+    server.stdin.close()
+    server.wait(timeout=60)
+
+
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
-def test_each_mutation_of_the_proof_is_killed_by_the_suite(mutation, tmp_path):
+def test_each_mutation_of_the_proof_is_killed_by_the_suite(mutation, mutant_runner, tmp_path):
     copy = tmp_path / "mutant"
-    shutil.copytree(ROOT / "mpdoctor", copy / "mpdoctor", ignore=shutil.ignore_patterns("__pycache__"))
+    # the bytecode of the unchanged modules comes along (copy2 keeps the sources' times, so it stays valid);
+    # the mutated module's is dropped below and compiled from its new text
+    shutil.copytree(ROOT / "mpdoctor", copy / "mpdoctor")
     target = copy / "mpdoctor" / mutation.path
+    for stale in (target.parent / "__pycache__").glob(f"{target.stem}.*.pyc"):
+        stale.unlink()
     text = target.read_text(encoding="utf-8")
     assert text.count(mutation.old) == 1, f"the mutation's text is not (once) in mpdoctor/{mutation.path}"
     target.write_text(text.replace(mutation.old, mutation.new), encoding="utf-8")
-    run = subprocess.run(
-        [sys.executable, "-c", _RUNNER, str(copy), "-x", "-q", "-p", "no:cacheprovider",
-         "--rootdir", str(ROOT), *mutation.killers],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert "mutant/mpdoctor" in _imported_from(copy), "the mutated copy was not the package imported"
-    assert run.returncode == 1, f"{mutation.name}: survived (exit {run.returncode})\n{run.stdout[-3000:]}"
-
-
-def _imported_from(copy: Path) -> str:
-    code = _RUNNER.replace("import pytest\nsys.exit(pytest.main(sys.argv[2:]))", "import mpdoctor\nprint(mpdoctor.__file__)")
-    return subprocess.run([sys.executable, "-c", code, str(copy)], capture_output=True, text=True, check=True).stdout
+    status, found, output = mutant_runner(copy, mutation.killers, tmp_path)
+    assert "mutant/mpdoctor" in found.get("mpdoctor", ""), f"the mutated copy was not the package imported\n{output[-3000:]}"
+    assert status == 1 and found["exit"] == 1, f"{mutation.name}: survived (exit {status})\n{output[-3000:]}"

@@ -43,3 +43,12 @@ def test_with_the_guard_a_module_level_importorskip_fails_the_run(tmp_path):
     proc = _run(tmp_path, "test_b.py", guard=True)
     assert proc.returncode != 0, proc.stdout
     assert "no_such_module_for_mpdoctor" in proc.stdout and "1 error" in proc.stdout
+
+
+def test_the_files_the_conftest_runs_first_exist_and_xdist_keeps_that_order(pytestconfig):
+    """A renamed slow file would drop out of the longest-first order silently; xdist would reorder by test count."""
+    import conftest
+
+    missing = [f for f in conftest.SLOW_FILES if not (HERE.parent / f).is_file()]
+    assert not missing, f"tests/conftest.py SLOW_FILES names files that do not exist: {missing}"
+    assert getattr(pytestconfig.option, "loadscopereorder", False) is False

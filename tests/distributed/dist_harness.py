@@ -1,6 +1,12 @@
-"""Run a function on N real gloo processes (torch.multiprocessing spawn), bounded by a timeout.
+"""Run a function on N real gloo processes (torch.multiprocessing's forkserver), bounded by a timeout.
 
 Each worker returns a JSON-able value through a queue; a worker exception comes back as text.
+
+The ranks are forked from a server process that has imported torch and torch.distributed once (started by the
+first job of a test process, kept for the next ones), not spawned: a spawned rank imports torch again, about two
+seconds of CPU per rank and job. A forked rank is still a process of its own that never ran a test: the server
+imports and runs nothing else. It takes the environment and working directory of the test that starts it (the
+server's are those of the first job), as a spawned one would.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, queue, init: bool) -> None:
+def _worker(rank: int, world: int, port: int, fn, queue, init: bool, env: dict, cwd: str) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
                       LOCAL_RANK=str(rank), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
     import torch.distributed as dist
@@ -45,10 +54,12 @@ def run_ranks(fn, world: int = 2, timeout: float = 120.0, init: bool = True) -> 
         # Under pytest-xdist (make test runs each suite on both cores) a worker's ``__main__`` is execnet's, with
         # no ``__spec__``: spawn reads it to decide how to start the child. None is what a script run directly has.
         main.__spec__ = None
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, queue, init), daemon=True) for r in range(world)]
+    env, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, queue, init, env, cwd), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     out: dict[int, tuple[str, object]] = {}
