@@ -46,6 +46,7 @@ _.pytest_runtest_makereport  # conftest hooks
 _.pytest_make_collect_report
 _.pytest_ignore_collect
 _.pytest_collection_modifyitems
+_.pytest_configure
 _.pytest_terminal_summary
 
 # -- attributes a library reads after a test or benchmark sets them --------------------------------------------------

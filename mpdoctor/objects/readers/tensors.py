@@ -215,7 +215,9 @@ class _TensorWalk:
     def modules(self, walk: tuple[tuple[str, torch.nn.Module], ...]) -> None:
         """Read each module of the walk: its class's facts, its own parameters and buffers (one loop, its lookups
         bound once: this is the whole cost of a diagnosis of a big model)."""
-        per_class, class_facts, parameters = self.per_class, self._class_facts, self._parameters
+        per_class, class_facts = self.per_class, self._class_facts
+        holders: list[tuple[str, str, dict]] = []  # (module path, class path, own parameters): read in one loop
+        hold, buffers = holders.append, []
         for mpath, mod in walk:
             mdict = mod.__dict__
             if not self.checkpointing and mdict.get("gradient_checkpointing") is True:
@@ -230,10 +232,13 @@ class _TensorWalk:
                 self._casts(mpath, mdict, *known[3])
             own = mdict.get("_parameters")
             if own:
-                parameters(mpath, known[0], own)
+                hold((mpath, known[0], own))
             bufs = mdict.get("_buffers")
             if bufs:
-                self._buffers(bufs)
+                buffers.append(bufs)
+        self._parameters(holders)
+        for bufs in buffers:  # after every parameter: a tensor held both ways is tallied as the parameter it is
+            self._buffers(bufs)
 
     def _casts(self, mpath: str, mdict: dict, kind: str | None, by_child: dict[str, str]) -> None:
         """Modules whose input their own forward (``kind``), or their parent's (``by_child``), casts (deliberate
@@ -261,36 +266,37 @@ class _TensorWalk:
             )
         return known
 
-    def _parameters(self, mpath: str, cpath: str, own: dict) -> None:
-        """Read one module's own parameters (metadata only)."""
-        prefix = f"{mpath}." if mpath else ""
-        seen, counts, keep = self.seen, self.counts, self.params.append
-        for pname, p in own.items():
-            if p is None:
-                continue
-            pid = id(p)
-            if pid in seen:
-                self.tied.append((len(self.params), mpath, cpath, pname, pid))
-                continue
-            seen.add(pid)
-            dt = p.dtype
-            dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
-            trainable = p.requires_grad
-            numel = p.numel()
-            device = p.device
-            dev = _DEVICE_TYPES.get(device) or _type_of(device)
-            quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
-            if quantized is None:  # _count, inlined: once per parameter
-                row = counts.get(("param", dt, trainable, dev))
-                if row is None:
-                    counts["param", dt, trainable, dev] = [1, numel]
-                else:
-                    row[0] += 1
-                    row[1] += numel
-            # an nn.Parameter is a leaf (reading its .grad neither warns nor computes); a subclass is asked
-            grad = p.grad if type(p) is _PARAMETER or p.is_leaf else None
-            gname = None if grad is None else self._grad(grad, trainable)
-            keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
+    def _parameters(self, holders: list[tuple[str, str, dict]]) -> None:
+        """Read the own parameters of each module in ``holders`` (metadata only), in one loop."""
+        seen, met, counts, keep = self.seen, self.seen.add, self.counts, self.params.append
+        for mpath, cpath, own in holders:
+            prefix = f"{mpath}." if mpath else ""
+            for pname, p in own.items():
+                if p is None:
+                    continue
+                pid = id(p)
+                if pid in seen:
+                    self.tied.append((len(self.params), mpath, cpath, pname, pid))
+                    continue
+                met(pid)
+                dt = p.dtype
+                dname = _DTYPE_NAMES.get(dt) or _name_of(dt)
+                trainable = p.requires_grad
+                numel = p.numel()
+                device = p.device
+                dev = _DEVICE_TYPES.get(device) or _type_of(device)
+                quantized = None if type(p) is _PARAMETER else self._quantized(p, trainable, dev, numel)
+                if quantized is None:  # _count, inlined: once per parameter
+                    row = counts.get(("param", dt, trainable, dev))
+                    if row is None:
+                        counts["param", dt, trainable, dev] = [1, numel]
+                    else:
+                        row[0] += 1
+                        row[1] += numel
+                # an nn.Parameter is a leaf (reading its .grad neither warns nor computes); a subclass is asked
+                grad = p.grad if type(p) is _PARAMETER or p.is_leaf else None
+                gname = None if grad is None else self._grad(grad, trainable)
+                keep(_record(ParamInfo, (prefix + pname, pid, dname, gname, trainable, dev, numel, mpath, cpath, quantized)))
 
     def _quantized(self, p: torch.nn.Parameter, trainable: bool, dev: str, numel: int) -> tuple | None:
         """A quantized weight's ``(tensor class, storage dtype)``, tallied in its storage; None for a plain one."""
